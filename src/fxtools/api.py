@@ -1,0 +1,135 @@
+"""The public transforms: ``vjp``, ``grad`` and ``value_and_grad``.
+
+Each traces the user's function once on its example arguments (shapes and Python values are
+specialised to them), differentiates the trace source-to-source, simplifies the result and
+renders it with public PyTorch names. What comes back is an ordinary ``torch.fx.GraphModule``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from . import rules  # noqa: F401  (registers fxtools' own rules)
+from .assemble import assemble
+from .capture import Captured, capture, check_supported
+from .decompose import expand
+from .naming import arg_names
+from .render import render
+from .reverse import ReverseSpec, is_float, reverse
+from .simplify import simplify
+
+
+def _argnums_tuple(argnums, nargs):
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    for a in nums:
+        if not -nargs <= a < nargs:
+            raise ValueError(f"argnums {a} is out of range for a function of {nargs} positional arguments")
+    return tuple(a % nargs for a in nums)
+
+
+def _prepare(f, args, argnums):
+    if not isinstance(args, tuple):
+        args = tuple(args)
+    cap = capture(f, args)
+    check_supported(cap.gm)
+    expand(cap.gm)
+    nums = set(argnums)
+    wrt = [cap.arg_of_leaf[i] in nums for i, t in enumerate(cap.tensor_leaf) if t]
+    return cap, wrt
+
+
+def _grads_structure(cap: Captured, args, grads_flat, argnums):
+    """Nest flat gradients like the differentiated arguments; non-float leaves get None."""
+    it = iter(grads_flat)
+    tensor_leaves = [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t]
+    per_leaf = []
+    ti = 0
+    for leaf, t, a in zip(cap.leaves, cap.tensor_leaf, cap.arg_of_leaf):
+        if t:
+            g = next(it) if a in argnums else None
+            ti += 1
+        else:
+            g = None
+        per_leaf.append(g if is_float(leaf) else None)
+    del tensor_leaves
+    nested = pytree.tree_unflatten(per_leaf, cap.in_spec)
+    return tuple(nested[a] for a in argnums)
+
+
+def _names(f, args):
+    return arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
+
+
+def _finish(cap, flat_gm, args, build, extra_args=()):
+    gm = assemble(flat_gm, _names(cap_f(cap), args), args, cap.tensor_leaf, cap.names, build, extra_args)
+    simplify(gm)
+    render(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def cap_f(cap):
+    return cap.__dict__.get("f")
+
+
+def _output_structure(cap, out_flat):
+    return pytree.tree_unflatten(out_flat, cap.out_spec)
+
+
+def vjp(f, *args) -> fx.GraphModule:
+    """The vector-Jacobian product of ``f`` at example ``args``, as readable PyTorch code.
+
+    Returns a GraphModule ``gm`` with ``out, grads = gm(*args, grad_out)``: ``out`` is
+    ``f(*args)``; ``grad_out`` has the structure of ``out`` (pass ``None`` for leaves that are
+    not floating point, such as the indices of ``torch.max(x, dim)``); ``grads`` has one entry
+    per positional argument, each with that argument's pytree structure, holding
+    ``J^T grad_out`` for floating-point tensor leaves and ``None`` for every other leaf.
+    """
+    argnums = tuple(range(len(args)))
+    cap, wrt = _prepare(f, args, argnums)
+    cap.f = f
+    flat_gm, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
+    n_out = len(cap.out_leaves)
+    ct_example = pytree.tree_unflatten(
+        [cap.out_leaves[i] if i in ct_index else None for i in range(n_out)], cap.out_spec)
+
+    def build(flat):
+        out = _output_structure(cap, flat[:n_out])
+        return out, _grads_structure(cap, args, flat[n_out:], argnums)
+
+    return _finish(cap, flat_gm, args, build, extra_args=[("grad_out", ct_example)])
+
+
+def _grad_gm(f, args, argnums, with_value):
+    nums = _argnums_tuple(argnums, len(args))
+    cap, wrt = _prepare(f, args, nums)
+    cap.f = f
+    outs = [o for o in cap.out_leaves if isinstance(o, torch.Tensor)]
+    if len(cap.out_leaves) != 1 or not outs or outs[0].numel() != 1 or not is_float(outs[0]):
+        raise ValueError(
+            "grad needs f to return a single floating-point tensor with one element "
+            f"(got {pytree.tree_unflatten(cap.out_leaves, cap.out_spec)!r}); use fxtools.vjp for other outputs")
+    flat_gm, _, _ = reverse(cap, ReverseSpec(wrt, "ones"))
+
+    def build(flat):
+        grads = _grads_structure(cap, args, flat[1:], nums)
+        grads = grads[0] if isinstance(argnums, int) else grads
+        return (_output_structure(cap, flat[:1]), grads) if with_value else grads
+
+    return _finish(cap, flat_gm, args, build)
+
+
+def grad(f, *args, argnums=0) -> fx.GraphModule:
+    """The gradient of scalar-valued ``f`` at example ``args``: ``gm(*args) -> grads``.
+
+    As ``torch.func.grad``: ``argnums`` (int or tuple) picks the arguments differentiated;
+    for an int the result has that argument's structure, for a tuple it is a tuple of those.
+    """
+    return _grad_gm(f, args, argnums, with_value=False)
+
+
+def value_and_grad(f, *args, argnums=0) -> fx.GraphModule:
+    """Like ``grad``, but ``gm(*args) -> (value, grads)``."""
+    return _grad_gm(f, args, argnums, with_value=True)

@@ -1,0 +1,79 @@
+"""Assemble the user-facing GraphModule: pytree arguments in, nested results out.
+
+The flat graph from ``reverse`` takes one placeholder per tensor leaf. The final graph takes
+the user's positional arguments as they are (tensors, dicts, lists, tuples), unpacks them with
+ordinary indexing (``fc1_weight = params['fc1.weight']``), and returns nested Python
+structures, so its code stands alone: no pytree specs, no flattening helpers.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+from torch.utils._pytree import MappingKey, GetAttrKey, SequenceKey
+
+from .naming import identifier
+
+
+def _key_text(key) -> str:
+    return str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
+
+
+def _leaf_getters(graph: fx.Graph, arg_nodes: list[fx.Node], paths):
+    """For each key path, a node that extracts it from the placeholders (None if not expressible)."""
+    cache = {}
+    out = []
+    for path in paths:
+        node = arg_nodes[path[0].idx]
+        for depth, key in enumerate(path[1:], start=1):
+            ck = (path[0].idx, tuple(path[1:depth + 1]))
+            if ck in cache:
+                node = cache[ck]
+                continue
+            if isinstance(key, MappingKey):
+                node = graph.call_function(operator.getitem, (node, key.key))
+            elif isinstance(key, SequenceKey):
+                node = graph.call_function(operator.getitem, (node, key.idx))
+            elif isinstance(key, GetAttrKey):
+                node = graph.call_function(getattr, (node, key.name))
+            else:
+                return None
+            cache[ck] = node
+        out.append(node)
+    return out
+
+
+def assemble(flat: fx.GraphModule, arg_names: list[str], args: tuple, tensor_leaf: list[bool],
+             leaf_names: list[str], build_output, extra_args=()) -> fx.GraphModule:
+    """Wrap ``flat`` (placeholders: tensor leaves of ``args`` then ``extra_args``' leaves).
+
+    ``extra_args`` is a list of ``(name, example)`` appended to the signature (cotangents);
+    ``build_output(flat_results)`` nests the flat graph's outputs into the returned structure.
+    """
+    graph = fx.Graph()
+    all_names = list(arg_names) + [n for n, _ in extra_args]
+    all_args = tuple(args) + tuple(v for _, v in extra_args)
+    paths_leaves, _ = pytree.tree_flatten_with_path(all_args)
+    paths = [p for p, _ in paths_leaves]
+    n_main = len(tensor_leaf)
+    extra_names = [identifier("_".join([all_names[p[0].idx], *map(_key_text, p[1:])])) for p in paths[n_main:]]
+    arg_nodes = [graph.placeholder(n) for n in all_names]
+    simple = all(len(p) == 1 for p in paths)
+    getters = [arg_nodes[p[0].idx] for p in paths] if simple else _leaf_getters(graph, arg_nodes, paths)
+    if getters is None:
+        raise NotImplementedError("fxtools needs pytree arguments made of dicts, lists, tuples and attributes")
+    for node, name in zip(getters, list(leaf_names) + extra_names):
+        if node.op != "placeholder":
+            node.name = graph._graph_namespace.create_name(name, node)
+    tensor_mask = list(tensor_leaf) + [isinstance(v, torch.Tensor) for _, v in paths_leaves[n_main:]]
+    flat_inputs = [g for g, t in zip(getters, tensor_mask) if t]
+    flat_ph = [n for n in flat.graph.nodes if n.op == "placeholder"]
+    env = dict(zip(flat_ph, flat_inputs))
+    for ph, node in env.items():
+        node.meta.setdefault("val", ph.meta.get("val"))
+    flat_outs = graph.graph_copy(flat.graph, env)
+    graph.output(build_output(list(flat_outs)))
+    gm = fx.GraphModule(flat, graph, class_name=flat.__class__.__name__)
+    return gm

@@ -1,0 +1,143 @@
+"""Capture a Python function as a flat graph of pre-dispatch ATen ops.
+
+Pre-dispatch tracing (``make_fx(..., pre_dispatch=True)``) keeps each user call as one node
+(``aten.linear``, ``aten.layer_norm``, ``aten.scaled_dot_product_attention``), records a
+FakeTensor with shape and dtype on every node (``node.meta['val']``), and specialises Python
+control flow on shapes and Python values to the example inputs.
+
+Arguments and outputs may be any pytree. The captured graph takes one placeholder per *tensor*
+leaf of the arguments, named from the leaf's argument name and pytree path; other leaves
+(ints, floats, bools) are specialised. Tensors the function closes over (a module's parameters
+and buffers) become attributes of the graph module that are the very same tensor objects, so
+in-place updates of buffers (BatchNorm's running statistics) happen exactly as in eager mode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from .errors import DataDependentError, FxtoolsError, user_frame
+from .naming import arg_names, identifier, leaf_names
+
+
+@dataclass
+class Captured:
+    """A traced function: its graph and how its pytree inputs and outputs flatten."""
+
+    gm: fx.GraphModule
+    in_spec: pytree.TreeSpec   # of the tuple of positional arguments
+    out_spec: pytree.TreeSpec  # of the return value
+    leaves: list[Any]          # example argument leaves, in flattening order
+    names: list[str]           # one identifier per leaf
+    tensor_leaf: list[bool]    # which leaves are tensors (and so graph placeholders)
+    arg_of_leaf: list[int]     # index of the positional argument each leaf belongs to
+    out_leaves: list[Any] = field(default_factory=list)  # example output leaves (FakeTensors or constants)
+
+    @property
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+
+def _module_tensor_names(f) -> dict[int, str]:
+    """id(tensor) -> identifier for every parameter and buffer of the module behind f, if any."""
+    module = f if isinstance(f, torch.nn.Module) else getattr(f, "__fxtools_module__", None)
+    if module is None:
+        return {}
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    names = {}
+    for name, t in named:
+        names.setdefault(id(t), identifier(name))
+    return names
+
+
+def _name_constants(gm: fx.GraphModule, names: dict[int, str]) -> None:
+    """Give closed-over tensors (``_tensor_constant3``) the names of the module attributes they are."""
+    taken = {n.name for n in gm.graph.nodes}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        tensor = getattr(gm, node.target)
+        name = names.get(id(tensor))
+        if name is None or not node.target.startswith("_tensor_constant"):
+            continue
+        new = name
+        i = 1
+        while hasattr(gm, new) or (new in taken and new != node.name):
+            new, i = f"{name}_{i}", i + 1
+        setattr(gm, new, tensor)
+        delattr(gm, node.target)
+        node.target = new
+        node._rename(new)
+        taken.add(node.name)
+
+
+def trace_flat(fn, example_leaves, *, record_stack_traces=True) -> fx.GraphModule:
+    """make_fx at pre-dispatch level, with fake tensors, closed-over real tensors allowed."""
+    return make_fx(
+        fn,
+        pre_dispatch=True,
+        tracing_mode="fake",
+        _allow_non_fake_inputs=True,
+        record_stack_traces=record_stack_traces,
+    )(*example_leaves)
+
+
+def _data_dependent(exc: BaseException) -> bool:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return isinstance(exc, (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException))
+
+
+def capture(f, args: tuple, *, record_stack_traces=True) -> Captured:
+    """Trace ``f(*args)`` into a flat pre-dispatch ATen graph (see module docstring)."""
+    paths_leaves, in_spec = pytree.tree_flatten_with_path(tuple(args))
+    paths = [p for p, _ in paths_leaves]
+    leaves = [leaf for _, leaf in paths_leaves]
+    names = leaf_names(paths, arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args)))
+    is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+    out_info = {}
+
+    def flat_f(*tensors):
+        it = iter(tensors)
+        full = [next(it) if t else leaf for t, leaf in zip(is_tensor, leaves)]
+        out = f(*pytree.tree_unflatten(full, in_spec))
+        out_leaves, out_info["spec"] = pytree.tree_flatten(out)
+        out_info["leaves"] = out_leaves
+        return out_leaves
+
+    tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
+    try:
+        gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
+        if _data_dependent(exc):
+            where = user_frame(exc.__traceback__) or "an unknown line of user code"
+            raise DataDependentError(
+                f"Python control flow or a Python value depends on the value of a tensor at {where}\n"
+                "fxtools traces one path through the program for the example's shapes; it cannot "
+                "branch on tensor data. Use torch.where / masking instead of `if`, or pass the value "
+                "as a Python number."
+            ) from exc
+        raise
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, [n for n, t in zip(names, is_tensor) if t]):
+        node._rename(name)
+    _name_constants(gm, _module_tensor_names(f))
+    gm.recompile()
+    arg_of_leaf = [p[0].idx if p else 0 for p in paths]
+    return Captured(gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"])
+
+
+def check_supported(gm: fx.GraphModule) -> None:
+    """Reject graph constructs fxtools cannot differentiate yet, naming the user's line."""
+    from .errors import user_line_of
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            where = user_line_of(node) or "unknown line"
+            raise FxtoolsError(f"{node.target.name()} (from {where}) is not supported by fxtools yet")

@@ -1,0 +1,109 @@
+"""Expand ops that have no VJP rule into ops that do, using PyTorch's own decompositions.
+
+Runs on the captured graph before differentiation. A node whose op has no rule is replaced by
+the trace of its decomposition (the op's CompositeImplicitAutograd definition, or an entry of
+``torch._decomp``'s table), repeatedly, until every node has a rule. An op with neither gets a
+rule derived from PyTorch's own derivative formula (``derived.py``).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch._decomp import decomposition_table
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import registry
+from .derived import derived_rule
+
+_MAX_ROUNDS = 20
+
+
+def _decomposition(op):
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    if op in decomposition_table:
+        return decomposition_table[op]
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+        return op.decompose
+    return None
+
+
+def _needs_work(node) -> bool:
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and registry.lookup(node.target) is None and not registry.is_nondifferentiable(node.target)
+            and "fxtools_rule" not in node.meta)
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    fake_mode = torch._guards.detect_fake_mode([node.meta.get("val")])
+    flat_args, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    tensor_pos = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)]
+
+    def fn(*tensors):
+        full = list(flat_args)
+        for i, t in zip(tensor_pos, tensors):
+            full[i] = t
+        a, k = torch.utils._pytree.tree_unflatten(full, spec)
+        out = decomp(*a, **k)
+        return out if out is not NotImplemented else (_ for _ in ()).throw(NotImplementedError())
+
+    try:
+        with fake_mode:
+            sub = make_fx(fn, pre_dispatch=True)(*[flat_args[i] for i in tensor_pos])
+    except Exception:  # noqa: BLE001 - a decomposition that does not apply: try the next tool
+        return False
+    flat_nodes, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+    env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], [flat_nodes[i] for i in tensor_pos]))
+    trace = node.meta.get("stack_trace")
+    with gm.graph.inserting_before(node):
+        for sn in sub.graph.nodes:
+            if sn.op == "placeholder":
+                continue
+            if sn.op == "get_attr":
+                name = f"_decomp_const_{len(list(gm.graph.nodes))}"
+                setattr(gm, name, getattr(sub, sn.target))
+                env[sn] = gm.graph.get_attr(name)
+                env[sn].meta = dict(sn.meta)
+                continue
+            if sn.op == "output":
+                result = fx.node.map_arg(sn.args[0], env.__getitem__)
+                break
+            new = gm.graph.node_copy(sn, env.__getitem__)
+            new.meta = dict(sn.meta)
+            if trace:
+                new.meta["stack_trace"] = trace
+            env[sn] = new
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        for user in list(node.users):
+            if user.target is operator.getitem:
+                user.replace_all_uses_with(result[user.args[1]])
+                gm.graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(result[0] if isinstance(result, (list, tuple)) and len(result) == 1 else result)
+    gm.graph.erase_node(node)
+    return True
+
+
+def expand(gm: fx.GraphModule) -> fx.GraphModule:
+    """Decompose rule-less ops in place; attach derived rules where no decomposition exists."""
+    for _ in range(_MAX_ROUNDS):
+        todo = [n for n in gm.graph.nodes if _needs_work(n)]
+        if not todo:
+            break
+        progressed = False
+        for node in todo:
+            decomp = _decomposition(node.target)
+            if decomp is not None and _inline(gm, node, decomp):
+                progressed = True
+                continue
+            rule = derived_rule(node)
+            if rule is not None:
+                node.meta["fxtools_rule"] = rule
+                progressed = True
+        if not progressed:
+            break
+    gm.recompile()
+    return gm

@@ -1,0 +1,58 @@
+"""Exceptions fxtools raises, and how they find the line of user code responsible."""
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FXTOOLS_DIR = os.path.dirname(__file__)
+
+
+class FxtoolsError(Exception):
+    """Base class for errors raised by fxtools."""
+
+
+class MissingRuleError(FxtoolsError):
+    """An op has no VJP rule, no decomposition and no PyTorch derivative to derive one from."""
+
+
+class DataDependentError(FxtoolsError):
+    """Python control flow depended on the *value* of a tensor, which a trace cannot capture."""
+
+
+def _is_user_file(filename: str) -> bool:
+    return not (
+        filename.startswith(_TORCH_DIR)
+        or filename.startswith(_FXTOOLS_DIR)
+        or filename.startswith("<")
+        or "/site-packages/" in filename and "/torch/" in filename
+    )
+
+
+def user_frame(tb) -> str | None:
+    """'file:line: code' of the innermost frame of a traceback that is in user code."""
+    frames = [f for f in traceback.extract_tb(tb) if _is_user_file(f.filename)]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
+
+
+def user_line_of(node) -> str | None:
+    """'file:line: code' of the user call that produced FX `node`, from its recorded stack trace."""
+    trace = node.meta.get("stack_trace") if node is not None else None
+    if not trace:
+        return None
+    lines = trace.strip().splitlines()
+    best = None
+    for i, line in enumerate(lines):
+        line = line.strip()
+        if line.startswith('File "'):
+            filename = line.split('"')[1]
+            if _is_user_file(filename):
+                lineno = line.split("line ")[1].split(",")[0]
+                code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+                best = f"{filename}:{lineno}: {code}"
+    return best

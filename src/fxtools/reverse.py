@@ -1,0 +1,241 @@
+"""Reverse mode: turn a captured graph into one graph computing its value and its VJP.
+
+This is seed 000's ``vjp_template``, traced with ``make_fx`` instead of ``symbolic_trace``:
+
+1. Walk the captured graph in order. For each op that carries a gradient, call its rule's
+   forward ``fwd(*args) -> (value, aux)`` and push ``(node, rule, aux)`` on a tape. Ops that
+   carry no gradient (integer math, ops on constants, ``no_grad`` regions) just run.
+2. Seed the output cotangents, then walk the tape backwards calling ``bwd(aux, ct)`` and adding
+   each returned cotangent into its argument's. Absent cotangents are ``None``, never zeros:
+   branches that do not reach the output emit no code.
+
+The template runs on FakeTensors under ``make_fx``, so the torch calls inside the rules are
+what the resulting graph contains. Cotangent nodes are named ``grad_<value>``.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental import proxy_tensor
+from torch.utils import _pytree as pytree
+
+from . import registry
+from .capture import Captured, trace_flat
+from .errors import MissingRuleError, user_line_of
+
+aten = torch.ops.aten
+
+
+def is_float(x) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _value(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def differentiable_nodes(gm: fx.GraphModule, wrt: set[fx.Node]) -> set[fx.Node]:
+    """The nodes whose value depends differentiably on the placeholders in ``wrt``.
+
+    Gradients stop at non-floating outputs, at ops declared non-differentiable (``detach``,
+    ``floor``, comparisons), and inside ``torch.no_grad()`` regions.
+    """
+    need = set(wrt)
+    grad_enabled = True
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._set_grad_enabled:
+            grad_enabled = bool(node.args[0])
+            continue
+        if not grad_enabled or registry.is_nondifferentiable(node.target):
+            continue
+        inputs = node.all_input_nodes
+        if not any(a in need for a in inputs):
+            continue
+        val = node.meta.get("val")
+        if any(is_float(v) for v in pytree.tree_leaves(val)):
+            need.add(node)
+    return need
+
+
+def missing_rule(node) -> MissingRuleError:
+    where = user_line_of(node)
+    op = node.target
+    name = getattr(op, "__name__", str(op))
+    return MissingRuleError(
+        f"no VJP rule for {op} "
+        f"(called from {where or 'an unknown line'}), and PyTorch gives no decomposition or "
+        f"derivative for it.\nRegister one with\n"
+        f"    fxtools.register_vjp(torch.ops.aten.{name.split('.')[0]}, fwd, bwd)\n"
+        "where fwd(*args) -> (value, aux) and bwd(aux, ct) -> one cotangent per argument."
+    )
+
+
+def rule_for(node):
+    rule = node.meta.get("fxtools_rule") or registry.lookup(node.target)
+    if rule is None:
+        raise missing_rule(node)
+    return rule
+
+
+def _getitem_users(node) -> dict:
+    return {u.args[1]: u for u in node.users if u.op == "call_function" and u.target is operator.getitem}
+
+
+class _Namer:
+    """Names the traced nodes holding given tensors (e.g. ``grad_linear``) once tracing ends."""
+
+    def __init__(self):
+        self.names: dict[fx.Node, str] = {}
+
+    def __call__(self, tensor, name: str) -> None:
+        mode = proxy_tensor.get_innermost_proxy_mode()
+        if mode is None or not isinstance(tensor, torch.Tensor):
+            return
+        try:
+            node = proxy_tensor.get_proxy_slot(tensor, mode.tracer).proxy.node
+        except Exception:  # noqa: BLE001 - not a traced tensor: nothing to name
+            return
+        if node.op == "call_function":
+            self.names.setdefault(node, name)
+
+    def apply(self) -> None:
+        for node, name in self.names.items():
+            node._rename(name)
+
+
+@dataclass
+class ReverseSpec:
+    """What to differentiate: which captured placeholders, and how the output is seeded."""
+
+    wrt: list[bool]           # per captured placeholder
+    seed: str = "cotangent"   # "cotangent": one input per float output; "ones": scalar output
+
+
+def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, list]:
+    """Build the value-and-VJP graph of ``cap``.
+
+    Returns ``(gm, ct_index, grad_index)``: ``gm`` takes the captured tensor inputs followed by
+    one cotangent per output leaf listed in ``ct_index`` (when seeded by cotangents), and returns
+    the output leaves followed by one gradient per placeholder with ``wrt`` set.
+    """
+    graph = cap.gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    out_nodes = list(output_node.args[0])
+    wrt_nodes = {p for p, w in zip(placeholders, spec.wrt) if w and is_float(p.meta.get("val"))}
+    need = differentiable_nodes(cap.gm, wrt_nodes)
+    ct_index = [i for i, o in enumerate(out_nodes) if isinstance(o, fx.Node) and o in need]
+    if spec.seed == "ones" and len(ct_index) > 1:
+        raise ValueError("grad needs a function with one scalar tensor output; use vjp for more")
+    for node in need:
+        if node.op == "call_function" and node.target is not operator.getitem:
+            rule_for(node)  # fail before tracing, with the user's line
+    namer = _Namer()
+
+    def template(*flat):
+        inputs, cts = flat[: len(placeholders)], flat[len(placeholders):]
+        env: dict[fx.Node, object] = dict(zip(placeholders, inputs))
+        tape = []
+        for node in graph.nodes:
+            if node.op == "get_attr":
+                env[node] = getattr(cap.gm, node.target)
+            elif node.op == "call_function":
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                if node.target is torch._C._set_grad_enabled:
+                    continue
+                if node.target is operator.getitem or node not in need:
+                    env[node] = node.target(*args, **kwargs)
+                    continue
+                rule = rule_for(node)
+                env[node], aux = rule.fwd(*args, **kwargs)
+                tape.append((node, rule, aux))
+            elif node.op not in ("placeholder", "output"):
+                raise NotImplementedError(f"fxtools cannot differentiate a graph with {node.op} nodes")
+
+        ct: dict[fx.Node, torch.Tensor] = {}
+
+        def add(node, c):
+            if c is None or node not in need:
+                return
+            if isinstance(c, torch.Tensor) and c.dtype != node.meta["val"].dtype:
+                c = c.to(node.meta["val"].dtype)
+            ct[node] = c if node not in ct else ct[node] + c
+
+        if spec.seed == "ones":
+            for i in ct_index:
+                add(out_nodes[i], torch.ones_like(env[out_nodes[i]]))
+        else:
+            for i, c in zip(ct_index, cts):
+                add(out_nodes[i], c)
+
+        for node, rule, aux in reversed(tape):
+            if isinstance(node.meta.get("val"), (tuple, list)):
+                items = _getitem_users(node)
+                c = tuple(ct.get(items.get(i)) for i in range(len(node.meta["val"])))
+                if all(x is None for x in c):
+                    continue
+            else:
+                c = ct.get(node)
+                if c is None:
+                    continue
+                namer(c, f"grad_{node.name}")
+            dargs = rule.bwd(aux, c)
+            if not isinstance(dargs, (tuple, list)) or len(node.args) == 1 and isinstance(node.args[0], (list, tuple)) and not isinstance(dargs, tuple):
+                dargs = (dargs,)
+            for a, d in zip(node.args, dargs):
+                if isinstance(a, (list, tuple)):
+                    for ai, di in zip(a, d if d is not None else [None] * len(a)):
+                        if isinstance(ai, fx.Node):
+                            add(ai, di)
+                elif isinstance(a, fx.Node):
+                    add(a, d)
+
+        outs = [env[o] if isinstance(o, fx.Node) else o for o in out_nodes]
+        grads = []
+        for p, w in zip(placeholders, spec.wrt):
+            if not w:
+                continue
+            g = ct.get(p)
+            if g is None and is_float(env[p]):
+                g = torch.zeros_like(env[p])
+            if g is not None:
+                namer(g, f"grad_{p.name}")
+            grads.append(g)
+        return (*outs, *grads)
+
+    examples = [_example(p.meta["val"]) for p in placeholders]
+    ct_examples = [_example(out_nodes[i].meta["val"]) for i in ct_index] if spec.seed == "cotangent" else []
+    gm = trace_flat(template, [*examples, *ct_examples], record_stack_traces=False)
+    namer.apply()
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, p in zip(ph, placeholders):
+        node._rename(p.name)
+    for node, i in zip(ph[len(placeholders):], ct_index):
+        src = out_nodes[i]
+        node._rename(f"grad_{src.name}" if len(ct_index) > 1 else "grad_out")
+    _copy_constants(cap.gm, gm)
+    grad_index = [i for i, w in enumerate(spec.wrt) if w]
+    return gm, ct_index, grad_index
+
+
+def _example(val):
+    """A real zero tensor standing in for a FakeTensor when re-tracing (shapes are static)."""
+    return torch.zeros(val.shape, dtype=val.dtype, device="cpu") if isinstance(val, torch.Tensor) else val
+
+
+def _copy_constants(src: fx.GraphModule, dst: fx.GraphModule) -> None:
+    """Keep the captured module's attribute names for constants the template re-traced."""
+    by_id = {id(getattr(src, n.target)): n.target for n in src.graph.nodes if n.op == "get_attr"}
+    for node in dst.graph.nodes:
+        if node.op == "get_attr":
+            name = by_id.get(id(getattr(dst, node.target)))
+            if name and name != node.target and not hasattr(dst, name):
+                setattr(dst, name, getattr(dst, node.target))
+                delattr(dst, node.target)
+                node.target = name
+                node._rename(name)

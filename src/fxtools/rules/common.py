@@ -1,0 +1,53 @@
+"""Small helpers shared by the rule families."""
+from __future__ import annotations
+
+import torch
+
+
+def unbroadcast(g, like):
+    """Reduce cotangent ``g`` to the shape and dtype of ``like`` (the undoing of broadcasting).
+
+    Returns ``None`` when ``like`` is not a tensor (a Python number gets no cotangent) and ``g``
+    itself, emitting no code, when nothing needs reducing.
+    """
+    if g is None or not isinstance(like, torch.Tensor):
+        return None
+    shape = like.shape
+    if len(shape) == 0 and g.dim() > 0:
+        g = g.sum()
+    if g.shape != shape:
+        lead = g.dim() - len(shape)
+        dims = list(range(lead)) + [
+            lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1
+        ]
+        if dims:
+            g = g.sum(dims, keepdim=False) if not lead else g.sum(dims)
+            if lead:
+                g = g.reshape(shape) if g.shape != shape else g
+            elif g.shape != shape:
+                g = g.reshape(shape)
+    if g.dtype != like.dtype:
+        g = g.to(like.dtype)
+    return g
+
+
+def keep_dims(g, shape, dims, keepdim):
+    """Re-insert reduced dimensions into ``g`` (shaped like a reduction's output) for broadcasting."""
+    if keepdim or dims is None:
+        return g if dims is not None or g.dim() == len(shape) else g.reshape([1] * len(shape))
+    for d in sorted(normalize_dims(dims, len(shape))):
+        g = g.unsqueeze(d)
+    return g
+
+
+def normalize_dims(dims, ndim):
+    """Dims as a sorted list of non-negative ints; ``None`` or ``[]`` mean every dim."""
+    if dims is None or dims == [] or dims == ():
+        return list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted(d % max(ndim, 1) for d in dims)
+
+
+def is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
