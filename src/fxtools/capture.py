@@ -13,15 +13,17 @@ in-place updates of buffers (BatchNorm's running statistics) happen exactly as i
 """
 from __future__ import annotations
 
+import contextlib
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 from torch.utils import _pytree as pytree
 
-from .errors import DataDependentError, FxtoolsError, user_frame
+from .errors import DataDependentError, FxtoolsError, _is_user_file, user_frame
 from .naming import arg_names, identifier, leaf_names
 
 
@@ -76,15 +78,32 @@ def _name_constants(gm: fx.GraphModule, names: dict[int, str]) -> None:
         taken.add(node.name)
 
 
+@contextlib.contextmanager
+def _all_user_frames():
+    """make_fx keeps only frames below a ``forward`` method in stack traces; keep every user frame."""
+    def keep_user_frames(self, summary):
+        return traceback.StackSummary.from_list([f for f in summary if _is_user_file(f.filename)])
+
+    PythonKeyTracer._filter_traceback_frames = keep_user_frames
+    try:
+        yield
+    finally:
+        del PythonKeyTracer._filter_traceback_frames
+
+
+
+
 def trace_flat(fn, example_leaves, *, record_stack_traces=True) -> fx.GraphModule:
     """make_fx at pre-dispatch level, with fake tensors, closed-over real tensors allowed."""
-    return make_fx(
+    tracer = make_fx(
         fn,
         pre_dispatch=True,
         tracing_mode="fake",
         _allow_non_fake_inputs=True,
         record_stack_traces=record_stack_traces,
-    )(*example_leaves)
+    )
+    with _all_user_frames() if record_stack_traces else contextlib.nullcontext():
+        return tracer(*example_leaves)
 
 
 def _data_dependent(exc: BaseException) -> bool:

@@ -48,13 +48,17 @@ def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
             full[i] = t
         a, k = torch.utils._pytree.tree_unflatten(full, spec)
         out = decomp(*a, **k)
-        return out if out is not NotImplemented else (_ for _ in ()).throw(NotImplementedError())
+        if out is NotImplemented:
+            raise NotImplementedError(f"no decomposition of {node.target} for these arguments")
+        return list(torch.utils._pytree.tree_leaves(out))
 
     try:
         with fake_mode:
-            sub = make_fx(fn, pre_dispatch=True)(*[flat_args[i] for i in tensor_pos])
+            sub = make_fx(fn)(*[flat_args[i] for i in tensor_pos])
     except Exception:  # noqa: BLE001 - a decomposition that does not apply: try the next tool
         return False
+    if any(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "prims" for n in sub.graph.nodes):
+        return False  # a reference implementation in prims: less readable than PyTorch's formula
     flat_nodes, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
     env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], [flat_nodes[i] for i in tensor_pos]))
     trace = node.meta.get("stack_trace")
@@ -77,12 +81,14 @@ def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
                 new.meta["stack_trace"] = trace
             env[sn] = new
     if isinstance(node.meta.get("val"), (tuple, list)):
+        if len(result) != len(node.meta["val"]) or any(isinstance(v, (tuple, list)) for v in node.meta["val"]):
+            raise NotImplementedError(f"cannot inline the decomposition of {node.target}")
         for user in list(node.users):
             if user.target is operator.getitem:
                 user.replace_all_uses_with(result[user.args[1]])
                 gm.graph.erase_node(user)
     else:
-        node.replace_all_uses_with(result[0] if isinstance(result, (list, tuple)) and len(result) == 1 else result)
+        node.replace_all_uses_with(result[0])
     gm.graph.erase_node(node)
     return True
 

@@ -1,0 +1,100 @@
+"""Check a generated VJP against PyTorch: ``check_vjp`` (autograd) and ``check_vjp_fd`` (finite differences)."""
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import FxtoolsError
+
+
+class VjpMismatch(FxtoolsError, AssertionError):
+    """The generated VJP disagrees with the reference."""
+
+
+def _is_float(x):
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def random_cotangent(out, generator=None):
+    """A random cotangent shaped like ``out``: normal noise at float leaves, None elsewhere."""
+    return pytree.tree_map(
+        lambda o: torch.randn(o.shape, dtype=o.dtype, generator=generator) if _is_float(o) else None, out)
+
+
+def _report(what, pairs, rtol, atol):
+    lines = []
+    for name, got, want in pairs:
+        if got is None and want is None:
+            continue
+        if got is None or want is None:
+            lines.append(f"  {name}: got {'None' if got is None else 'a tensor'}, expected {'None' if want is None else 'a tensor'}")
+            continue
+        if got.shape != want.shape or got.dtype != want.dtype:
+            lines.append(f"  {name}: got {got.dtype}{list(got.shape)}, expected {want.dtype}{list(want.shape)}")
+            continue
+        if not torch.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True):
+            err = (got - want).abs().max().item()
+            lines.append(f"  {name}: max abs error {err:.3g} (|expected| max {want.abs().max().item():.3g})")
+    if lines:
+        raise VjpMismatch(f"{what} mismatch:\n" + "\n".join(lines))
+
+
+def check_vjp(f, *args, gm=None, rtol=1e-7, atol=1e-9, seed=0):
+    """Compare ``fxtools.vjp(f, *args)`` with ``torch.autograd`` on a random cotangent.
+
+    Raises ``VjpMismatch`` naming every output or gradient leaf that differs; returns the
+    GraphModule checked. Use float64 arguments for tight tolerances.
+    """
+    from .api import vjp
+
+    gm = gm if gm is not None else vjp(f, *args)
+    gen = torch.Generator().manual_seed(seed)
+    leaves, spec = pytree.tree_flatten(args)
+    ref_leaves = [x.detach().clone().requires_grad_(True) if _is_float(x) else x for x in leaves]
+    ref_args = pytree.tree_unflatten(ref_leaves, spec)
+    want_out = f(*ref_args)
+    ct = random_cotangent(want_out, gen)
+    out_pairs = list(zip(pytree.tree_leaves(want_out), pytree.tree_leaves(ct)))
+    diff_out = [(o, c) for o, c in out_pairs if _is_float(o) and o.requires_grad]
+    inputs = [x for x in ref_leaves if _is_float(x)]
+    want = torch.autograd.grad([o for o, _ in diff_out], inputs, [c for _, c in diff_out],
+                               allow_unused=True) if diff_out and inputs else [None] * len(inputs)
+    want = [torch.zeros_like(x) if w is None else w for w, x in zip(want, inputs)]
+    got_out, got_grads = gm(*args, ct)
+    _report("output", [(f"out{i}", g, w.detach() if isinstance(w, torch.Tensor) else w)
+                       for i, (g, w) in enumerate(zip(pytree.tree_leaves(got_out), pytree.tree_leaves(want_out)))
+                       if isinstance(w, torch.Tensor)], rtol, atol)
+    got = [g for g, x in zip(pytree.tree_leaves(got_grads, is_leaf=lambda v: v is None), leaves) if _is_float(x)]
+    _report("gradient", [(f"grad{i}", g, w) for i, (g, w) in enumerate(zip(got, want))], rtol, atol)
+    return gm
+
+
+def check_vjp_fd(f, *args, gm=None, eps=1e-6, rtol=1e-5, atol=1e-7, seed=0):
+    """Check ``<grads, v>`` against central differences ``<ct, (f(x+eps v) - f(x-eps v)) / 2 eps>``.
+
+    ``v`` and the cotangent are random; use float64 arguments.
+    """
+    from .api import vjp
+
+    gm = gm if gm is not None else vjp(f, *args)
+    gen = torch.Generator().manual_seed(seed)
+    leaves, spec = pytree.tree_flatten(args)
+    out = f(*args)
+    ct = random_cotangent(out, gen)
+    v = [torch.randn(x.shape, dtype=x.dtype, generator=gen) if _is_float(x) else None for x in leaves]
+
+    def shifted(sign):
+        moved = [x + sign * eps * d if d is not None else x for x, d in zip(leaves, v)]
+        return f(*pytree.tree_unflatten(moved, spec))
+
+    plus, minus = shifted(1), shifted(-1)
+    fd = sum(((p - m) / (2 * eps) * c).sum() for p, m, c in zip(
+        pytree.tree_leaves(plus), pytree.tree_leaves(minus), pytree.tree_leaves(ct)) if _is_float(p))
+    _, grads = gm(*args, ct)
+    g_leaves = pytree.tree_leaves(grads, is_leaf=lambda x: x is None)
+    analytic = sum((g * d).sum() for g, d in zip(g_leaves, v) if g is not None and d is not None)
+    fd, analytic = torch.as_tensor(fd, dtype=torch.float64), torch.as_tensor(analytic, dtype=torch.float64)
+    if not torch.allclose(analytic, fd, rtol=rtol, atol=atol):
+        raise VjpMismatch(f"finite-difference mismatch: <grads, v> = {analytic.item():.10g}, "
+                          f"<ct, central difference> = {fd.item():.10g}")
+    return gm
