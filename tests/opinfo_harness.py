@@ -5,6 +5,7 @@ Shared by the per-rule tests and the full op sweep.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 from torch.utils import _pytree as pytree
@@ -21,12 +22,14 @@ def autograd_opinfos():
 
 
 def samples(opinfo, n=3):
-    out = []
-    for s in opinfo.sample_inputs("cpu", torch.float64, requires_grad=True):
-        out.append(s)
-        if len(out) >= n:
-            break
-    return out
+    """The first n float64 CPU samples (the generator is closed at once: it runs under no_grad)."""
+    gen = iter(opinfo.sample_inputs("cpu", torch.float64, requires_grad=True))
+    try:
+        return list(itertools.islice(gen, n))
+    finally:
+        close = getattr(gen, "close", None)
+        if close is not None:
+            close()
 
 
 def sample_function(opinfo, sample):

@@ -5,13 +5,17 @@ Every transform takes a function (or ``nn.Module``) and example arguments and re
 
     gm = fxtools.vjp(f, x)          # out, (grad_x,) = gm(x, grad_out)
     gm = fxtools.grad(loss, params, batch)
-    print(gm.code)
+    fxtools.show(gm)                # the code, with shapes
 """
 from .api import grad, value_and_grad, vjp
+from .check import VjpMismatch, check_vjp, check_vjp_fd
 from .errors import DataDependentError, FxtoolsError, MissingRuleError
+from .functional import functional
 from .registry import mark_nondifferentiable, register_vjp
+from .show import show
 
 __all__ = [
-    "vjp", "grad", "value_and_grad", "register_vjp", "mark_nondifferentiable",
-    "FxtoolsError", "MissingRuleError", "DataDependentError",
+    "vjp", "grad", "value_and_grad", "functional", "show", "check_vjp", "check_vjp_fd",
+    "register_vjp", "mark_nondifferentiable",
+    "FxtoolsError", "MissingRuleError", "DataDependentError", "VjpMismatch",
 ]

@@ -14,6 +14,7 @@ from . import rules  # noqa: F401  (registers fxtools' own rules)
 from .assemble import assemble
 from .capture import Captured, capture, check_supported
 from .decompose import expand
+from .functionalize import functionalize
 from .naming import arg_names
 from .render import render
 from .reverse import ReverseSpec, is_float, reverse
@@ -33,6 +34,7 @@ def _prepare(f, args, argnums):
         args = tuple(args)
     cap = capture(f, args)
     check_supported(cap.gm)
+    functionalize(cap.gm)
     expand(cap.gm)
     nums = set(argnums)
     wrt = [cap.arg_of_leaf[i] in nums for i, t in enumerate(cap.tensor_leaf) if t]

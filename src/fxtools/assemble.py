@@ -66,7 +66,7 @@ def assemble(flat: fx.GraphModule, arg_names: list[str], args: tuple, tensor_lea
         raise NotImplementedError("fxtools needs pytree arguments made of dicts, lists, tuples and attributes")
     for node, name in zip(getters, list(leaf_names) + extra_names):
         if node.op != "placeholder":
-            node.name = graph._graph_namespace.create_name(name, node)
+            node._rename(name)
     tensor_mask = list(tensor_leaf) + [isinstance(v, torch.Tensor) for _, v in paths_leaves[n_main:]]
     flat_inputs = [g for g, t in zip(getters, tensor_mask) if t]
     flat_ph = [n for n in flat.graph.nodes if n.op == "placeholder"]

@@ -65,7 +65,7 @@ def _name_constants(gm: fx.GraphModule, names: dict[int, str]) -> None:
             continue
         tensor = getattr(gm, node.target)
         name = names.get(id(tensor))
-        if name is None or not node.target.startswith("_tensor_constant"):
+        if name is None or not node.target.startswith(("_tensor_constant", "_param_constant")):
             continue
         new = name
         i = 1
@@ -93,6 +93,31 @@ def _all_user_frames():
 
 
 
+@contextlib.contextmanager
+def _no_real_mutation():
+    """Keep tracing from mutating closed-over real tensors.
+
+    FakeTensorMode runs an op for real when none of its tensor arguments is fake and the op
+    accepts Python numbers as tensors, so ``module.num_batches_tracked.add_(1)`` would bump the
+    real buffer each time fxtools traces (the graph records the op, so it also happens at run
+    time). For mutating ops we make it take the ordinary fake path instead.
+    """
+    from torch._subclasses import fake_tensor
+
+    original = fake_tensor.should_allow_numbers_as_tensors
+
+    def allow_numbers(func):
+        if isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable:
+            return False
+        return original(func)
+
+    fake_tensor.should_allow_numbers_as_tensors = allow_numbers
+    try:
+        yield
+    finally:
+        fake_tensor.should_allow_numbers_as_tensors = original
+
+
 def trace_flat(fn, example_leaves, *, record_stack_traces=True) -> fx.GraphModule:
     """make_fx at pre-dispatch level, with fake tensors, closed-over real tensors allowed."""
     tracer = make_fx(
@@ -102,7 +127,7 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True) -> fx.GraphModul
         _allow_non_fake_inputs=True,
         record_stack_traces=record_stack_traces,
     )
-    with _all_user_frames() if record_stack_traces else contextlib.nullcontext():
+    with _all_user_frames() if record_stack_traces else contextlib.nullcontext(), _no_real_mutation():
         return tracer(*example_leaves)
 
 

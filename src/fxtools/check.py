@@ -39,6 +39,31 @@ def _report(what, pairs, rtol, atol):
         raise VjpMismatch(f"{what} mismatch:\n" + "\n".join(lines))
 
 
+def _autograd_differentiable(f, leaves, spec, seed) -> list[bool]:
+    """Which float leaves autograd accepts as differentiable inputs.
+
+    Some ops refuse gradients for some tensor arguments (BatchNorm's running statistics, a loss's
+    class weights); autograd raises at forward time when those require grad. Such leaves are left
+    out of the comparison.
+    """
+    float_leaf = [_is_float(x) for x in leaves]
+
+    def forward_ok(mask):
+        trial = [x.detach().clone().requires_grad_(m) if fl else x for x, fl, m in zip(leaves, float_leaf, mask)]
+        torch.manual_seed(seed)
+        try:
+            f(*pytree.tree_unflatten(trial, spec))
+        except RuntimeError as exc:
+            if "not implemented" in str(exc) or "differentiable" in str(exc):
+                return False
+            raise
+        return True
+
+    if forward_ok(float_leaf):
+        return float_leaf
+    return [fl and forward_ok([j == i for j in range(len(leaves))]) for i, fl in enumerate(float_leaf)]
+
+
 def check_vjp(f, *args, gm=None, rtol=1e-7, atol=1e-9, seed=0):
     """Compare ``fxtools.vjp(f, *args)`` with ``torch.autograd`` on a random cotangent.
 
@@ -50,21 +75,24 @@ def check_vjp(f, *args, gm=None, rtol=1e-7, atol=1e-9, seed=0):
     gm = gm if gm is not None else vjp(f, *args)
     gen = torch.Generator().manual_seed(seed)
     leaves, spec = pytree.tree_flatten(args)
-    ref_leaves = [x.detach().clone().requires_grad_(True) if _is_float(x) else x for x in leaves]
+    diff = _autograd_differentiable(f, leaves, spec, seed)
+    ref_leaves = [x.detach().clone().requires_grad_(d) if _is_float(x) else x for x, d in zip(leaves, diff)]
     ref_args = pytree.tree_unflatten(ref_leaves, spec)
+    torch.manual_seed(seed)  # random ops (dropout) draw the same numbers in both runs
     want_out = f(*ref_args)
     ct = random_cotangent(want_out, gen)
     out_pairs = list(zip(pytree.tree_leaves(want_out), pytree.tree_leaves(ct)))
     diff_out = [(o, c) for o, c in out_pairs if _is_float(o) and o.requires_grad]
-    inputs = [x for x in ref_leaves if _is_float(x)]
+    inputs = [x for x, d in zip(ref_leaves, diff) if d]
     want = torch.autograd.grad([o for o, _ in diff_out], inputs, [c for _, c in diff_out],
                                allow_unused=True) if diff_out and inputs else [None] * len(inputs)
     want = [torch.zeros_like(x) if w is None else w for w, x in zip(want, inputs)]
+    torch.manual_seed(seed)
     got_out, got_grads = gm(*args, ct)
     _report("output", [(f"out{i}", g, w.detach() if isinstance(w, torch.Tensor) else w)
                        for i, (g, w) in enumerate(zip(pytree.tree_leaves(got_out), pytree.tree_leaves(want_out)))
                        if isinstance(w, torch.Tensor)], rtol, atol)
-    got = [g for g, x in zip(pytree.tree_leaves(got_grads, is_leaf=lambda v: v is None), leaves) if _is_float(x)]
+    got = [g for g, d in zip(pytree.tree_leaves(got_grads, is_leaf=lambda v: v is None), diff) if d]
     _report("gradient", [(f"grad{i}", g, w) for i, (g, w) in enumerate(zip(got, want))], rtol, atol)
     return gm
 

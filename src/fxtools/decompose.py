@@ -16,6 +16,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import registry
 from .derived import derived_rule
+from .errors import FxtoolsError
+from .functionalize import functionalize
 
 _MAX_ROUNDS = 20
 
@@ -59,6 +61,10 @@ def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
         return False
     if any(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "prims" for n in sub.graph.nodes):
         return False  # a reference implementation in prims: less readable than PyTorch's formula
+    try:
+        functionalize(sub)  # decompositions may use in-place ops internally
+    except FxtoolsError:
+        return False
     flat_nodes, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
     env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], [flat_nodes[i] for i in tensor_pos]))
     trace = node.meta.get("stack_trace")

@@ -7,11 +7,15 @@ time.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from .errors import FxtoolsError
+from .functionalize import functionalize
 from .registry import Rule
 
 
@@ -46,10 +50,15 @@ def derived_rule(node: fx.Node) -> Rule | None:
         return tuple(g if g is not None else torch.zeros_like(x) for g, x in zip(grads, ins))
 
     try:
-        with fake_mode:
+        with fake_mode, warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*autograd kernel was not registered.*")
             bw = make_fx(backward)(*[flat[i] for i in tensor_pos], *[out_vals[i] for i in out_float])
     except Exception:  # noqa: BLE001 - PyTorch has no derivative for this op here
         return None
+    try:
+        functionalize(bw)  # PyTorch's formulas sometimes update buffers in place (masked_fill_)
+    except FxtoolsError:
+        pass  # left as traced: simplify keeps in-place ops and never merges across them
 
     def fwd(*a, **k):
         out = op(*a, **k)

@@ -10,14 +10,19 @@ import inspect
 import keyword
 import re
 
+import builtins
+
 from torch.utils._pytree import MappingKey, GetAttrKey, SequenceKey
+
+
+_BUILTINS = set(dir(builtins))
 
 
 def identifier(text: str) -> str:
     name = re.sub(r"\W+", "_", str(text)).strip("_") or "v"
     if name[0].isdigit():
         name = "_" + name
-    return name + "_" if keyword.iskeyword(name) else name
+    return name + "_" if keyword.iskeyword(name) or name in _BUILTINS else name
 
 
 def arg_names(f, n: int) -> list[str]:
@@ -37,7 +42,7 @@ def arg_names(f, n: int) -> list[str]:
             names.append(f"{params[-1].name}_{i - len(params) + 1}")
         else:
             names.append(f"arg{i}")
-    return names
+    return [identifier(n) for n in names]
 
 
 def _part(key) -> str:
@@ -57,7 +62,8 @@ def leaf_names(paths, top_names: list[str]) -> list[str]:
         top = top_names[path[0].idx] if path else "arg"
         rest = [_part(k) for k in path[1:]]
         last_dict = max((i for i, k in enumerate(path[1:]) if isinstance(k, (MappingKey, GetAttrKey))), default=None)
-        short.append(identifier("_".join(rest[last_dict:]) if last_dict is not None else "_".join([top, *rest])))
+        key_name = "_".join(rest[last_dict:]) if last_dict is not None else ""
+        short.append(identifier(key_name if key_name[:1].isalpha() else "_".join([top, *rest])))
         long.append(identifier("_".join([top, *rest])))
     counts = {}
     for s in short:

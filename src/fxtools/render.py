@@ -27,7 +27,10 @@ _OPERATORS = {
     aten.gt.Tensor: operator.gt, aten.gt.Scalar: operator.gt, aten.ge.Tensor: operator.ge,
     aten.ge.Scalar: operator.ge, aten.bitwise_not.default: operator.invert,
     aten.remainder.Tensor: operator.mod, aten.remainder.Scalar: operator.mod,
+    aten.__and__.Tensor: operator.and_, aten.__or__.Tensor: operator.or_, aten.__xor__.Tensor: operator.xor,
+    aten.bitwise_and.Tensor: operator.and_, aten.bitwise_or.Tensor: operator.or_,
 }
+_SWAPPED = {aten.rsub.Scalar: operator.sub, aten.rsub.Tensor: operator.sub}  # rsub(x, c) is c - x
 _METHODS = {
     aten.view.default: "view", aten.expand.default: "expand", aten.contiguous.default: "contiguous",
     aten._unsafe_view.default: "reshape", aten.to.dtype: "to", aten._to_copy.default: "to",
@@ -41,6 +44,7 @@ _REORDERED = {  # aten op -> (public function, positions of the aten arguments i
 _NAMESPACES = (torch, F, torch.special, torch.linalg, torch.fft)
 
 
+_ENUM_DEFAULTS = {"reduction"}  # the Python bindings' default differs from the schema's (at::Reduction::Mean)
 _NOISE = {"pin_memory": (False, None), "layout": (torch.strided, None)}
 
 
@@ -48,9 +52,10 @@ def _schema_args(op: torch._ops.OpOverload, args, kwargs):
     """Arguments as (name, value) pairs in schema order, dropping trailing ones equal to their default."""
     schema = op._schema.arguments
     pairs = [(a.name, v) for a, v in zip(schema, args)]
-    pairs += [(a.name, kwargs[a.name]) for a in schema[len(args):] if a.name in kwargs]
+    pairs += [(a.name, kwargs[a.name] if a.name in kwargs else a.default_value) for a in schema[len(args):]
+              if a.name in kwargs or a.name in _ENUM_DEFAULTS]
     defaults = {a.name: a.default_value for a in schema if a.has_default_value()}
-    return [(n, v) for n, v in pairs if not (n in defaults and _equal(v, defaults[n]))
+    return [(n, v) for n, v in pairs if not (n in defaults and _equal(v, defaults[n]) and n not in _ENUM_DEFAULTS)
             and not (n in _NOISE and any(v is x for x in _NOISE[n]))], schema
 
 
@@ -64,23 +69,53 @@ def _equal(v, d):
         return False
 
 
-def _public_function(op: torch._ops.OpOverload):
-    name = op.overloadpacket.__name__
-    for ns in _NAMESPACES:
-        fn = getattr(ns, name, None)
-        if fn is None or not callable(fn):
-            continue
-        if ns is torch and not inspect.isbuiltin(fn) and getattr(fn, "__module__", "").startswith("torch._refs"):
-            continue
+_ALIASES: dict = {}
+
+
+def public_alias(fn, namespace, name):
+    """``fn`` as FX will print it: ``torch.nn.functional.linear`` rather than ``torch._C._nn.linear``.
+
+    FX prints a torch function by its ``__module__``; builtins often live in private modules.
+    The alias only carries the public name: the generated code calls the public function itself.
+    """
+    module = namespace.__name__
+    if getattr(fn, "__module__", None) == module and getattr(fn, "__name__", None) == name:
         return fn
+    key = (module, name)
+    if key not in _ALIASES:
+        def alias(*args, **kwargs):
+            return fn(*args, **kwargs)
+        alias.__module__, alias.__name__, alias.__qualname__ = module, name, name
+        _ALIASES[key] = alias
+    return _ALIASES[key]
+
+
+_PREFIXED = (("linalg_", torch.linalg), ("special_", torch.special), ("fft_", torch.fft))
+
+
+def _public_function(op: torch._ops.OpOverload):
+    """(function, namespace, name) of the public function named like ``op``, or None."""
+    name = op.overloadpacket.__name__
+    candidates = [(ns, name) for ns in _NAMESPACES]
+    candidates = [(ns, name[len(prefix):]) for prefix, ns in _PREFIXED if name.startswith(prefix)] + candidates
+    for ns, attr in candidates:
+        fn = getattr(ns, attr, None)
+        if fn is None or not callable(fn) or isinstance(fn, type):
+            continue
+        if not inspect.isbuiltin(fn) and getattr(fn, "__module__", "").startswith(("torch._refs", "torch._decomp")):
+            continue
+        return fn, ns, attr
     return None
 
 
-def _python_params(fn):
+def _python_signature(fn):
+    """Parameters of a Python function; None for builtins (whose arguments follow the ATen schema)."""
+    if inspect.isbuiltin(fn):
+        return None
     try:
-        return list(inspect.signature(fn).parameters)
+        return dict(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
-        return None  # a builtin bound to native_functions.yaml: it takes the schema's names
+        return None
 
 
 def _call(op, args, kwargs):
@@ -90,28 +125,69 @@ def _call(op, args, kwargs):
             if len(args) > 2:
                 return None
         return "call_function", _OPERATORS[op], args, {}
+    if op in _SWAPPED and len(args) == 2 and not kwargs:
+        return "call_function", _SWAPPED[op], (args[1], args[0]), {}
     pairs, schema = _schema_args(op, args, kwargs)
+    if _none_in_optional_tensor_list(schema, pairs):
+        return None  # torch.index_put(x, [None, i], v) is rejected by the Python binding
     names = [n for n, _ in pairs]
     positional = [a.name for a in schema if not a.kwarg_only]
     if op in _METHODS:
         return _split("call_method", _METHODS[op], pairs, positional)
+    name = op.overloadpacket.__name__
+    if name.endswith("_") and not name.startswith("_") and schema and schema[0].is_write and hasattr(torch.Tensor, name):
+        return _split("call_method", name, pairs, positional)  # a kept in-place update: buffer.add_(1)
+    if op is aten.einsum.default and len(args) == 2 and not kwargs:
+        return "call_function", public_alias(torch.einsum, torch, "einsum"), (args[0], *args[1]), {}
     if op in _REORDERED:
         fn, order = _REORDERED[op]
         if len(args) <= len(order) and not kwargs:
-            return "call_function", fn, tuple(args[i] for i in order if i < len(args)), {}
+            return "call_function", public_alias(fn, F, fn.__name__), tuple(args[i] for i in order if i < len(args)), {}
         return None
     if op.overloadpacket.__name__.startswith("_"):
         return None
-    fn = _public_function(op)
-    if fn is None:
+    found = _public_function(op)
+    if found is None:
         return None
-    params = _python_params(fn)
-    if params is not None:
-        if params[: len(names)] != names[: len(params)] and not set(names) <= set(params):
+    fn, namespace, name = found
+    target = public_alias(fn, namespace, name)
+    params = _python_signature(fn)
+    if params is None:  # a builtin bound to native_functions.yaml: it takes the schema's arguments
+        return _split("call_function", target, pairs, positional)
+    return _python_call(target, params, pairs, schema)
+
+
+def _python_call(target, params, pairs, schema):
+    """Call a Python-level public function (``F.silu``) only where the arguments surely mean the same.
+
+    The first argument (``self``/``input``) is passed by position; every other one must be a
+    parameter of the same name whose default has the same type (``reduction`` is an int in ATen
+    but a string in ``torch.nn.functional``, so such calls keep the ATen op).
+    """
+    if not pairs or pairs[0][0] != schema[0].name:
+        return None
+    kwargs = {}
+    for name, value in pairs[1:]:
+        p = params.get(name)
+        if p is None or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             return None
-        if not set(names) <= set(params):
-            return None
-    return _split("call_function", fn, pairs, positional)
+        default = p.default
+        if default is not inspect.Parameter.empty and default is not None and value is not None:
+            numeric = (int, float)
+            same = type(value) is type(default) or (
+                isinstance(value, numeric) and isinstance(default, numeric)
+                and not isinstance(value, bool) and not isinstance(default, bool))
+            if not same:
+                return None
+        kwargs[name] = value
+    return "call_function", target, (pairs[0][1],), kwargs
+
+
+def _none_in_optional_tensor_list(schema, pairs) -> bool:
+    """Whether a ``Tensor?[]`` argument (``index``'s indices) holds a None: only the ATen op accepts it."""
+    types = {a.name: str(a.type) for a in schema}
+    return any(types.get(n) == "List[Optional[Tensor]]" and isinstance(v, (list, tuple))
+               and any(i is None for i in v) for n, v in pairs)
 
 
 def _split(kind, target, pairs, positional):

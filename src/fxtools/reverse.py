@@ -129,6 +129,10 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
     out_nodes = list(output_node.args[0])
     wrt_nodes = {p for p, w in zip(placeholders, spec.wrt) if w and is_float(p.meta.get("val"))}
     need = differentiable_nodes(cap.gm, wrt_nodes)
+    # Only ops the outputs depend on carry cotangents; the rest (BatchNorm's running-statistics
+    # updates, ``copy_`` into buffers) just run, and need no rule.
+    reach = _ancestors(out_nodes)
+    need = {n for n in need if n in reach or n in wrt_nodes}
     ct_index = [i for i, o in enumerate(out_nodes) if isinstance(o, fx.Node) and o in need]
     if spec.seed == "ones" and len(ct_index) > 1:
         raise ValueError("grad needs a function with one scalar tensor output; use vjp for more")
@@ -208,7 +212,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
             grads.append(g)
         return (*outs, *grads)
 
-    examples = [_example(p.meta["val"]) for p in placeholders]
+    examples = [_example(p.meta["val"], keep_strides=True) for p in placeholders]
     ct_examples = [_example(out_nodes[i].meta["val"]) for i in ct_index] if spec.seed == "cotangent" else []
     gm = trace_flat(template, [*examples, *ct_examples], record_stack_traces=False)
     namer.apply()
@@ -223,19 +227,46 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
     return gm, ct_index, grad_index
 
 
-def _example(val):
-    """A real zero tensor standing in for a FakeTensor when re-tracing (shapes are static)."""
-    return torch.zeros(val.shape, dtype=val.dtype, device="cpu") if isinstance(val, torch.Tensor) else val
+def _ancestors(nodes) -> set[fx.Node]:
+    """``nodes`` and every node they depend on."""
+    seen: set[fx.Node] = set()
+    stack = [n for n in nodes if isinstance(n, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _example(val, keep_strides=False):
+    """A real zero tensor standing in for a FakeTensor when re-tracing (shapes are static).
+
+    With ``keep_strides`` (the function's own arguments) it has the example argument's strides,
+    so the re-traced graph knows which values are contiguous (simplify keeps ``.contiguous()``
+    exactly where a later ``.view`` needs it). Cotangents are contiguous, as callers make them.
+    """
+    if not isinstance(val, torch.Tensor):
+        return val
+    if keep_strides:
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="cpu").zero_()
+    return torch.zeros(val.shape, dtype=val.dtype, device="cpu")
 
 
 def _copy_constants(src: fx.GraphModule, dst: fx.GraphModule) -> None:
     """Keep the captured module's attribute names for constants the template re-traced."""
     by_id = {id(getattr(src, n.target)): n.target for n in src.graph.nodes if n.op == "get_attr"}
+    renames = {}
     for node in dst.graph.nodes:
-        if node.op == "get_attr":
+        if node.op == "get_attr" and node.target not in renames:
             name = by_id.get(id(getattr(dst, node.target)))
             if name and name != node.target and not hasattr(dst, name):
                 setattr(dst, name, getattr(dst, node.target))
-                delattr(dst, node.target)
-                node.target = name
-                node._rename(name)
+                renames[node.target] = name
+    for node in dst.graph.nodes:
+        if node.op == "get_attr" and node.target in renames:
+            node.target = renames[node.target]
+            node._rename(node.target)
+    for old in renames:
+        delattr(dst, old)

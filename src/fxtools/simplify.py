@@ -21,7 +21,7 @@ aten = torch.ops.aten
 
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
           aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
-          aten.alias.default, aten.flatten.using_ints}
+          aten.alias.default, aten.flatten.using_ints, aten.detach.default}
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _CONVERSIONS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default}
 _CONSTANT_FILLS = {aten.ones_like.default: 1, aten.zeros_like.default: 0, aten.ones.default: 1,
@@ -84,7 +84,7 @@ def _fake_mode(graph):
 
 def _new(graph, before, target, args, fake_mode):
     with graph.inserting_before(before):
-        node = graph.call_function(target, args)
+        node = graph.create_node("call_function", target, args, name=target.overloadpacket.__name__)
     vals = fx.node.map_arg(args, _val)
     if fake_mode is not None:
         with fake_mode:
@@ -112,9 +112,12 @@ def _rewrite(node: fx.Node, fake_mode):
             return args[1]
     if t is aten.neg.default and isinstance(x, fx.Node) and x.target is aten.neg.default:
         return x.args[0]
+    if t is aten.detach.default:
+        return x  # generated code runs without autograd: detach only blocks gradients, already handled
     if t in _VIEWS or t in _CONVERSIONS or t is aten.contiguous.default:
-        if isinstance(x, fx.Node) and _same_type(x, node) and (t not in _CONVERSIONS or _same_device(x, node)):
-            return x
+        if isinstance(x, fx.Node) and _same_type(x, node) and (t not in _CONVERSIONS or _same_device(x, node)) \
+                and (t is not aten.contiguous.default or _val(x).is_contiguous()):
+            return x  # contiguous() of a transposed tensor is not a no-op: a later .view needs it
     if t in _RESHAPES and isinstance(x, fx.Node) and x.target in _RESHAPES:
         return _new(node.graph, node, aten.reshape.default if aten.reshape.default in (t, x.target) else t,
                     (x.args[0], list(_val(node).shape)), fake_mode)
@@ -159,7 +162,8 @@ def identities(gm: fx.GraphModule) -> bool:
             if new not in fresh:
                 name = node.name
                 gm.graph.erase_node(node)
-                new._rename(name)
+                if name.startswith("grad_"):
+                    new._rename(name)
             changed = True
     return changed
 
@@ -178,7 +182,13 @@ def _hashable(x):
 
 def cse(gm: fx.GraphModule) -> bool:
     seen, changed = {}, False
+    written = {a for n in gm.graph.nodes if _mutates(n) for a in n.all_input_nodes}
     for node in list(gm.graph.nodes):
+        if node in written:
+            continue  # its value changes in place later: it is not interchangeable with a twin
+        if _mutates(node):
+            seen.clear()  # a read after a mutation is not the same value as the read before it
+            continue
         if node.op not in ("call_function", "call_method", "get_attr") or is_impure(node):
             continue
         try:
@@ -192,6 +202,13 @@ def cse(gm: fx.GraphModule) -> bool:
         else:
             seen[key] = node
     return changed
+
+
+def _mutates(node: fx.Node) -> bool:
+    t = node.target
+    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable or t in _STATEFUL_NORMS and is_impure(node)
+    return node.op == "call_method" and isinstance(t, str) and t.endswith("_")
 
 
 def dce(gm: fx.GraphModule) -> bool:

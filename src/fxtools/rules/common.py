@@ -33,6 +33,8 @@ def unbroadcast(g, like):
 
 def keep_dims(g, shape, dims, keepdim):
     """Re-insert reduced dimensions into ``g`` (shaped like a reduction's output) for broadcasting."""
+    if len(shape) == 0:
+        return g
     if keepdim or dims is None:
         return g if dims is not None or g.dim() == len(shape) else g.reshape([1] * len(shape))
     for d in sorted(normalize_dims(dims, len(shape))):

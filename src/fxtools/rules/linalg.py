@@ -1,19 +1,367 @@
-"""VJP rules of the matrix-multiply family: mm, bmm, matmul, addmm, linear, einsum, ..."""
+"""VJP rules of linear algebra: the matmul family, einsum, tensordot, and matrix functions.
+
+The cotangent of a product is a product with the other factor transposed (conjugate-transposed
+for complex tensors); batch dimensions a factor was broadcast over are summed (``unbroadcast``).
+Einsum-shaped ops differentiate into einsums with the cotangent in the operand's place.
+"""
 from __future__ import annotations
+
+import string
 
 import torch
 
 from ..registry import vjp_rule
+from .common import unbroadcast
 
 aten = torch.ops.aten
 
 
+def _H(x):
+    """The (conjugate) transpose of the last two dims."""
+    return x.mH if x.is_complex() else x.mT
+
+
+def _conj(x):
+    return x.conj() if x.is_complex() else x
+
+
+def _scale(ct, s):
+    return ct if s == 1 else ct * s
+
+
+def _outer(u, v):
+    """u[..., i] * conj(v[..., j]) as a matrix (a plain outer product for vectors)."""
+    if u.dim() == 1 and v.dim() == 1:
+        return torch.outer(u, _conj(v))
+    return u.unsqueeze(-1) * (_conj(v) if v.dim() == 1 else _conj(v).unsqueeze(-2))
+
+
+def _flat(x):
+    """x with its leading dimensions flattened into one, for a single weight-gradient matmul."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
 @vjp_rule(aten.mm)
 def mm(ct, out, a, b):
-    return ct @ b.mT, a.mT @ ct
+    return ct @ _H(b), _H(a) @ ct
+
+
+@vjp_rule(aten.bmm)
+def bmm(ct, out, a, b):
+    return ct @ _H(b), _H(a) @ ct
+
+
+@vjp_rule(aten.matmul)
+def matmul(ct, out, a, b):
+    if a.dim() == 1 and b.dim() == 1:
+        return ct * _conj(b), ct * _conj(a)
+    if b.dim() == 1:
+        gb = _H(a) @ ct if a.dim() == 2 else _H(_flat(a)) @ ct.reshape(-1)
+        return _outer(ct, b), gb
+    if a.dim() == 1:
+        ga = _conj(b) @ ct if b.dim() == 2 else unbroadcast((_conj(b) @ ct.unsqueeze(-1)).squeeze(-1), a)
+        return ga, _outer(a, ct)
+    if b.dim() == 2:
+        return ct @ _H(b), _H(_flat(a)) @ _flat(ct)
+    return unbroadcast(ct @ _H(b), a), unbroadcast(_H(a) @ ct, b)
+
+
+@vjp_rule(aten.dot)
+def dot(ct, out, a, b):
+    return ct * _conj(b), ct * _conj(a)
+
+
+@vjp_rule(aten.vdot)
+def vdot(ct, out, a, b):
+    return _conj(ct) * b, ct * a
+
+
+@vjp_rule(aten.mv)
+def mv(ct, out, a, v):
+    return _outer(ct, v), _H(a) @ ct
+
+
+@vjp_rule(aten.outer)
+def outer(ct, out, a, b):
+    return ct @ _conj(b), _conj(a) @ ct
+
+
+
+@vjp_rule(aten.addmm)
+def addmm(ct, out, x, a, b, *, beta=1, alpha=1):
+    g = _scale(ct, alpha)
+    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, g @ _H(b), _H(a) @ g
+
+
+@vjp_rule(aten.addmv)
+def addmv(ct, out, x, a, v, *, beta=1, alpha=1):
+    g = _scale(ct, alpha)
+    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, _outer(g, v), _H(a) @ g
+
+
+@vjp_rule(aten.addr)
+def addr(ct, out, x, u, v, *, beta=1, alpha=1):
+    g = _scale(ct, alpha)
+    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, g @ _conj(v), _conj(u) @ g
+
+
+@vjp_rule(aten.baddbmm)
+def baddbmm(ct, out, x, a, b, *, beta=1, alpha=1):
+    g = _scale(ct, alpha)
+    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, g @ _H(b), _H(a) @ g
+
+
+@vjp_rule(aten.addbmm)
+def addbmm(ct, out, x, a, b, *, beta=1, alpha=1):
+    g = _scale(ct, alpha)
+    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, g @ _H(b), _H(a) @ g
 
 
 @vjp_rule(aten.linear)
 def linear(ct, out, x, weight, bias=None):
-    ct2, x2 = ct.reshape(-1, ct.shape[-1]), x.reshape(-1, x.shape[-1])
-    return ct @ weight, ct2.mT @ x2, None if bias is None else ct2.sum(0)
+    if weight.dim() == 1:
+        gx, gw = matmul(ct, out, x, weight)
+    else:
+        gx = ct @ _conj(weight)
+        gw = _outer(ct, x) if x.dim() == 1 else _flat(ct).mT @ _conj(_flat(x))
+    return gx, gw, unbroadcast(ct, bias)
+
+
+# ----------------------------------------------------------------------------------- einsum
+
+def _explicit(equation, shapes):
+    """Operand and output subscripts of an einsum, with ``...`` spelled out in fresh letters."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    used = set(equation) - set(".,->")
+    fresh = [c for c in string.ascii_letters if c not in used]
+    n_ell = max((len(s) - len(t.replace("...", "")) for t, s in zip(terms, shapes) if "..." in t), default=0)
+    ell = "".join(fresh[:n_ell])
+    subs = [t.replace("...", ell[n_ell - (len(s) - len(t.replace("...", ""))):]) for t, s in zip(terms, shapes)]
+    if arrow:
+        out = rhs.replace("...", ell)
+    else:
+        letters = "".join(subs)
+        out = ell + "".join(sorted(c for c in set(letters) if letters.count(c) == 1 and c not in ell))
+    return subs, out
+
+
+def einsum_cotangents(subs, out, operands, ct):
+    """Each operand's cotangent as an einsum of the cotangent (in the operand's place) and the others."""
+    grads = []
+    for i, x in enumerate(operands):
+        if not (isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())):
+            grads.append(None)
+            continue
+        terms = [out if j == i else s for j, s in enumerate(subs)]
+        args = [ct if j == i else _conj(y) for j, y in enumerate(operands)]
+        avail = set("".join(terms))
+        target, extra = "", []
+        for pos, c in enumerate(subs[i]):
+            if c in target:  # a repeated subscript (a diagonal): spread with an identity matrix
+                new = next(ch for ch in string.ascii_letters if ch not in avail and ch not in target)
+                terms.append(c + new)
+                args.append(torch.eye(x.shape[pos], dtype=x.dtype, device=x.device))
+                avail |= {c, new}
+                target += new
+            else:
+                target += c
+        kept = "".join(c for c in target if c in avail)
+        g = ct if terms == [kept] else torch.einsum(",".join(terms) + "->" + kept, *args)
+        size = dict(zip(target, x.shape))
+        dims = [p for p, (c, m) in enumerate(zip(kept, g.shape)) if size[c] == 1 and m != 1]
+        if dims:  # dims of size 1 that the other operands broadcast
+            g = g.sum(dims, keepdim=True)
+        if kept != target:  # subscripts only this operand has: broadcast along them
+            for pos, c in enumerate(target):
+                if c not in avail:
+                    g = g.unsqueeze(pos)
+            g = g.expand(x.shape)
+        grads.append(g if g.shape == x.shape else g.expand(x.shape))
+    return grads
+
+
+@vjp_rule(aten.einsum)
+def einsum(ct, out, equation, operands, path=None):
+    subs, out_subs = _explicit(equation, [x.shape for x in operands])
+    return None, einsum_cotangents(subs, out_subs, operands, ct), None
+
+
+@vjp_rule(aten.tensordot)
+def tensordot(ct, out, a, b, dims_a, dims_b):
+    letters = iter(string.ascii_letters)
+    sa = [next(letters) for _ in range(a.dim())]
+    sb = [next(letters) for _ in range(b.dim())]
+    for da, db in zip(dims_a, dims_b):
+        sb[db] = sa[da]
+    contracted = {sa[d] for d in dims_a}
+    o = "".join(c for c in sa if c not in contracted) + "".join(c for c in sb if c not in contracted)
+    return (*einsum_cotangents(["".join(sa), "".join(sb)], o, [a, b], ct), None, None)
+
+
+@vjp_rule(aten.kron)
+def kron(ct, out, a, b):
+    n = max(a.dim(), b.dim())
+    sa, sb = [1] * (n - a.dim()) + list(a.shape), [1] * (n - b.dim()) + list(b.shape)
+    la, lb = string.ascii_lowercase[:n], string.ascii_uppercase[:n]
+    g = ct.reshape([s for pair in zip(sa, sb) for s in pair])
+    gs = "".join(x + y for x, y in zip(la, lb))
+    ga = torch.einsum(f"{gs},{lb}->{la}", g, _conj(b.reshape(sb)) if b.dim() < n else _conj(b))
+    gb = torch.einsum(f"{gs},{la}->{lb}", g, _conj(a.reshape(sa)) if a.dim() < n else _conj(a))
+    return ga.reshape(a.shape) if a.dim() < n else ga, gb.reshape(b.shape) if b.dim() < n else gb
+
+
+@vjp_rule(aten.bilinear)
+def bilinear(ct, out, x1, x2, weight, bias=None):
+    gx1 = torch.einsum("...o,oij,...j->...i", ct, weight, x2)
+    gx2 = torch.einsum("...o,oij,...i->...j", ct, weight, x1)
+    gw = torch.einsum("no,ni,nj->oij", _flat(ct), _flat(x1), _flat(x2))
+    return gx1, gx2, gw, unbroadcast(ct, bias)
+
+
+@vjp_rule(aten.linalg_cross)
+def linalg_cross(ct, out, a, b, dim=-1):
+    return unbroadcast(torch.linalg.cross(b, ct, dim=dim), a), unbroadcast(torch.linalg.cross(ct, a, dim=dim), b)
+
+
+# --------------------------------------------------------------------------- matrix functions
+
+def _batch_scalar(s):
+    return s.unsqueeze(-1).unsqueeze(-1)
+
+
+@vjp_rule(aten.linalg_det)
+def linalg_det(ct, out, a):
+    return _batch_scalar(ct * _conj(out)) * _H(torch.linalg.inv(a))
+
+
+
+@vjp_rule(aten.logdet)
+def logdet(ct, out, a):
+    return _batch_scalar(ct) * _H(torch.linalg.inv(a))
+
+
+@vjp_rule(aten.linalg_slogdet)
+def linalg_slogdet(ct, out, a):
+    return None if ct[1] is None else _batch_scalar(ct[1]) * _H(torch.linalg.inv(a))
+
+
+
+@vjp_rule(aten.linalg_inv)
+def linalg_inv(ct, out, a):
+    return -_H(out) @ ct @ _H(out)
+
+
+@vjp_rule(aten.linalg_inv_ex)
+def linalg_inv_ex(ct, out, a, *, check_errors=False):
+    return -_H(out[0]) @ ct[0] @ _H(out[0])
+
+
+
+@vjp_rule(aten.linalg_solve)
+def linalg_solve(ct, out, a, b, *, left=True):
+    vector = b.dim() == 1 or (b.dim() == a.dim() - 1 and b.shape == a.shape[:-1])
+    gb = torch.linalg.solve(_H(a), ct, left=left)
+    if vector:
+        ga = -_outer(gb, out)
+    else:
+        ga = -(gb @ _H(out) if left else _H(out) @ gb)
+    return unbroadcast(ga, a), unbroadcast(gb, b)
+
+
+@vjp_rule(aten.linalg_solve_ex)
+def linalg_solve_ex(ct, out, a, b, *, left=True, check_errors=False):
+    return linalg_solve(ct[0], out[0], a, b, left=left)
+
+
+
+@vjp_rule(aten.linalg_solve_triangular)
+def linalg_solve_triangular(ct, out, a, b, *, upper, left=True, unitriangular=False):
+    gb = torch.linalg.solve_triangular(_H(a), ct, upper=not upper, left=left, unitriangular=unitriangular)
+    ga = -(gb @ _H(out) if left else _H(out) @ gb)
+    ga = ga.triu(int(unitriangular)) if upper else ga.tril(-int(unitriangular))
+    return unbroadcast(ga, a), unbroadcast(gb, b)
+
+
+@vjp_rule(aten.triangular_solve)
+def triangular_solve(ct, out, b, a, upper=True, transpose=False, unitriangular=False):
+    gx, gm = ct
+    x = out[0]
+    ga = None
+    if gx is not None:
+        gb = torch.linalg.solve_triangular(a if transpose else _H(a), gx, upper=upper == transpose,
+                                           unitriangular=unitriangular)
+        ga = -(x @ _H(gb) if transpose else gb @ _H(x))
+        ga = ga.triu(int(unitriangular)) if upper else ga.tril(-int(unitriangular))
+    else:
+        gb = None
+    if gm is not None:
+        ga = gm if ga is None else ga + gm
+    return unbroadcast(gb, b), unbroadcast(ga, a)
+
+
+def _cholesky_cotangent(gl, l, upper):
+    if upper:
+        l, gl = _H(l), _H(gl)
+    phi = (_H(l) @ gl).tril()
+    phi = phi - 0.5 * torch.diag_embed(phi.diagonal(dim1=-2, dim2=-1))
+    lower_inv_h = torch.linalg.solve_triangular(_H(l), phi, upper=True)
+    g = torch.linalg.solve_triangular(l, lower_inv_h, upper=False, left=False)
+    return 0.5 * (g + _H(g))
+
+
+@vjp_rule(aten.linalg_cholesky_ex)
+def linalg_cholesky_ex(ct, out, a, *, upper=False, check_errors=False):
+    return _cholesky_cotangent(ct[0], out[0], upper)
+
+
+@vjp_rule(aten.linalg_cholesky)
+def linalg_cholesky(ct, out, a, *, upper=False):
+    return _cholesky_cotangent(ct, out, upper)
+
+
+@vjp_rule(aten.cholesky)
+def cholesky(ct, out, a, upper=False):
+    return _cholesky_cotangent(ct, out, upper)
+
+
+@vjp_rule(aten.linalg_eigh)
+def linalg_eigh(ct, out, a, UPLO="L"):
+    gl, gv = ct
+    lam, v = out
+    inner = None if gl is None else torch.diag_embed(gl.to(a.dtype))
+    if gv is not None:
+        gap = lam.unsqueeze(-2) - lam.unsqueeze(-1)
+        gap = gap + torch.eye(lam.shape[-1], dtype=lam.dtype, device=lam.device)
+        vhgv = _H(v) @ gv
+        off = 0.5 * (vhgv - _H(vhgv)) / gap
+        inner = off if inner is None else inner + off
+    return v @ inner @ _H(v)
+
+
+@vjp_rule(aten.linalg_eigvalsh)
+def linalg_eigvalsh(ct, out, a, UPLO="L"):
+    _, v = torch.linalg.eigh(a, UPLO=UPLO)
+    return v @ torch.diag_embed(ct.to(a.dtype)) @ _H(v)
+
+
+@vjp_rule(aten.linalg_svdvals)
+def linalg_svdvals(ct, out, a, *, driver=None):
+    u, _, vh = torch.linalg.svd(a, full_matrices=False)
+    return u @ torch.diag_embed(ct.to(a.dtype)) @ vh
+
+
+@vjp_rule(aten.slogdet)
+def slogdet(ct, out, a):
+    return linalg_slogdet(ct, out, a)
+
+
+@vjp_rule(aten._linalg_solve_ex)
+def _linalg_solve_ex(ct, out, a, b, *, left=True, check_errors=False):
+    return linalg_solve(ct[0], out[0], a, b, left=left)
+
+
+@vjp_rule(aten.det)
+def det(ct, out, a):
+    return linalg_det(ct, out, a)

@@ -1,8 +1,783 @@
-"""VJP rules of neural-network ops: softmax, normalisation, attention, convolution, pooling, losses."""
+"""VJP rules of neural-network ops: softmax, normalisation, attention, convolution, pooling, losses.
+
+Conventions used below:
+
+- normalisations keep PyTorch's fused forward (``torch.native_layer_norm`` ...) because it also
+  returns the statistics (mean and reciprocal standard deviation) that the backward needs;
+- the backward of a normalisation is written once, in ``_normalized_grad``;
+- ops with randomness (dropout) draw their mask once in the forward and reuse it;
+- losses take ``reduction`` as PyTorch's enum: 0 none, 1 mean, 2 sum.
+"""
 from __future__ import annotations
 
-import torch
+import math
 
-from ..registry import vjp_rule  # noqa: F401
+import torch
+import torch.nn.functional as F
+
+from ..registry import register_vjp, vjp_rule
+from .common import unbroadcast
 
 aten = torch.ops.aten
+
+NONE, MEAN, SUM = 0, 1, 2
+
+
+def _tuple(v, n):
+    """An int-or-list conv/pool parameter as a list of length n."""
+    if isinstance(v, (list, tuple)):
+        return list(v) * n if len(v) == 1 else list(v)
+    return [v] * n
+
+
+# ---------------------------------------------------------------------------------------------
+# softmax
+
+
+@vjp_rule(aten.softmax)
+def softmax(ct, out, x, dim, dtype=None):
+    return out * (ct - (ct * out).sum(dim, keepdim=True))
+
+
+@vjp_rule(aten._softmax)
+def _softmax(ct, out, x, dim, half_to_float):
+    return out * (ct - (ct * out).sum(dim, keepdim=True))
+
+
+@vjp_rule(aten._safe_softmax)
+def _safe_softmax(ct, out, x, dim, dtype=None):
+    return out * (ct - (ct * out).sum(dim, keepdim=True))
+
+
+@vjp_rule(aten.log_softmax)
+def log_softmax(ct, out, x, dim, dtype=None):
+    return ct - out.exp() * ct.sum(dim, keepdim=True)
+
+
+@vjp_rule(aten._log_softmax)
+def _log_softmax(ct, out, x, dim, half_to_float):
+    return ct - out.exp() * ct.sum(dim, keepdim=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# normalisation
+
+
+def _normalized_grad(g, xhat, rstd, dims):
+    """Cotangent of x for xhat = (x - x.mean(dims)) * rstd, given the cotangent g of xhat."""
+    return rstd * (g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True))
+
+
+def _stats_grad(ct_mean, ct_rstd, xhat, rstd, n):
+    """Cotangent of x through the statistics themselves (when the op returns mean and rstd)."""
+    g = None
+    if ct_mean is not None:
+        g = ct_mean.expand(xhat.shape) / n
+    if ct_rstd is not None:
+        h = -ct_rstd * rstd * rstd * xhat / n
+        g = h if g is None else g + h
+    return g
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def _sum_leading(t, ndim):
+    """Sum the leading dims of t, leaving its last ndim (the shape of an affine weight)."""
+    return t.sum(list(range(t.dim() - ndim))) if t.dim() > ndim else t
+
+
+def _layer_norm_grads(ct, x, shape, weight, bias, mean, rstd):
+    dims = list(range(x.dim() - len(shape), x.dim()))
+    xhat = (x - mean) * rstd
+    g = ct * weight if weight is not None else ct
+    dx = _normalized_grad(g, xhat, rstd, dims)
+    dw = _sum_leading(ct * xhat, len(shape)) if weight is not None else None
+    db = _sum_leading(ct, len(shape)) if bias is not None else None
+    return dx, dw, db
+
+
+def layer_norm_fwd(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+    return out, (x, normalized_shape, weight, bias, mean, rstd)
+
+
+def layer_norm_bwd(aux, ct):
+    x, shape, weight, bias, mean, rstd = aux
+    dx, dw, db = _layer_norm_grads(ct, x, shape, weight, bias, mean, rstd)
+    return dx, None, dw, db
+
+
+register_vjp(aten.layer_norm, layer_norm_fwd, layer_norm_bwd, source="hand-written")
+
+
+@vjp_rule(aten.native_layer_norm)
+def native_layer_norm(ct, out, x, normalized_shape, weight, bias, eps):
+    # Like autograd, the statistics (outputs 1 and 2) carry no gradient.
+    if ct[0] is None:
+        return None
+    dx, dw, db = _layer_norm_grads(ct[0], x, normalized_shape, weight, bias, out[1], out[2])
+    return dx, None, dw, db
+
+
+def rms_norm_fwd(x, normalized_shape, weight=None, eps=None):
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    rstd = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+    out = x * rstd
+    if weight is not None:
+        out = out * weight
+    return out, (x, normalized_shape, weight, rstd)
+
+
+def rms_norm_bwd(aux, ct):
+    x, shape, weight, rstd = aux
+    dims = list(range(x.dim() - len(shape), x.dim()))
+    xhat = x * rstd
+    g = ct * weight if weight is not None else ct
+    dx = rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))
+    dw = _sum_leading(ct * xhat, len(shape)) if weight is not None else None
+    return dx, None, dw, None
+
+
+register_vjp(aten.rms_norm, rms_norm_fwd, rms_norm_bwd, source="hand-written")
+
+
+def _channel_shape(x):
+    """Shape broadcasting a per-channel vector (dim 1) against x."""
+    return [1, x.shape[1]] + [1] * (x.dim() - 2)
+
+
+def _group_norm_grads(ct, x, weight, bias, groups, mean, rstd, ct_mean=None, ct_rstd=None):
+    n = x.shape[0]
+    xg = x.reshape(n, groups, -1)
+    mean, rstd = mean.reshape(n, groups, 1), rstd.reshape(n, groups, 1)
+    xhat = (xg - mean) * rstd
+    g = ct * weight.view(_channel_shape(x)) if weight is not None else ct
+    dx = _normalized_grad(g.reshape(n, groups, -1), xhat, rstd, [-1])
+    if ct_mean is not None or ct_rstd is not None:
+        dx = _add(dx, _stats_grad(None if ct_mean is None else ct_mean.reshape(n, groups, 1),
+                                  None if ct_rstd is None else ct_rstd.reshape(n, groups, 1),
+                                  xhat, rstd, xg.shape[-1]))
+    others = [0] + list(range(2, x.dim()))
+    dw = (ct * xhat.reshape(x.shape)).sum(others) if weight is not None else None
+    db = ct.sum(others) if bias is not None else None
+    return dx.reshape(x.shape), dw, db
+
+
+def group_norm_fwd(x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
+    n, c = x.shape[0], x.shape[1]
+    out, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(), num_groups, eps)
+    return out, (x, num_groups, weight, bias, mean, rstd)
+
+
+def group_norm_bwd(aux, ct):
+    x, groups, weight, bias, mean, rstd = aux
+    dx, dw, db = _group_norm_grads(ct, x, weight, bias, groups, mean, rstd)
+    return dx, None, dw, db
+
+
+register_vjp(aten.group_norm, group_norm_fwd, group_norm_bwd, source="hand-written")
+
+
+@vjp_rule(aten.native_group_norm)
+def native_group_norm(ct, out, x, weight, bias, N, C, HxW, group, eps):
+    _, mean, rstd = out
+    ct_out, ct_mean, ct_rstd = ct
+    if ct_out is None:
+        ct_out = torch.zeros_like(x)
+    dx, dw, db = _group_norm_grads(ct_out, x, weight, bias, group, mean, rstd, ct_mean, ct_rstd)
+    return dx, dw, db
+
+
+def _batch_norm_grads(ct, x, weight, bias, mean, rstd, training):
+    """Cotangents (x, weight, bias) of batch norm; mean and rstd are per channel, shape (C,)."""
+    others = [0] + list(range(2, x.dim()))
+    mean, rstd = mean.view(_channel_shape(x)), rstd.view(_channel_shape(x))
+    xhat = (x - mean) * rstd
+    g = ct * weight.view(_channel_shape(x)) if weight is not None else ct
+    if training:
+        dx = _normalized_grad(g, xhat, rstd, others)
+    else:
+        dx = g * rstd
+    dw = (ct * xhat).sum(others) if weight is not None else None
+    db = ct.sum(others) if bias is not None else None
+    return dx, dw, db
+
+
+def batch_norm_fwd(x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled=True):
+    if training or running_mean is None:
+        # One call: it normalises with the batch statistics, returns them, and updates the
+        # running statistics in place.
+        out, mean, rstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var, True, momentum, eps)
+    else:
+        out = torch.batch_norm(x, weight, bias, running_mean, running_var, False, momentum, eps, cudnn_enabled)
+        mean, rstd = running_mean, torch.rsqrt(running_var + eps)
+    return out, (x, weight, bias, mean, rstd, training or running_mean is None)
+
+
+def batch_norm_bwd(aux, ct):
+    x, weight, bias, mean, rstd, training = aux
+    dx, dw, db = _batch_norm_grads(ct, x, weight, bias, mean, rstd, training)
+    return dx, dw, db, None, None
+
+
+register_vjp(aten.batch_norm, batch_norm_fwd, batch_norm_bwd, source="hand-written")
+
+
+def _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, training, eps):
+    # Like autograd, the saved statistics (outputs 1 and 2) carry no gradient.
+    if ct[0] is None:
+        return None
+    if training:
+        mean, rstd = out[1], out[2]
+    else:
+        mean, rstd = running_mean, torch.rsqrt(running_var + eps)
+    return _batch_norm_grads(ct[0], x, weight, bias, mean, rstd, training)
+
+
+@vjp_rule(aten.native_batch_norm)
+def native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    training = training or running_mean is None
+    return _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, training, eps)
+
+
+@vjp_rule(aten._native_batch_norm_legit.default)
+def _native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    return _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, training, eps)
+
+
+@vjp_rule(aten._native_batch_norm_legit.no_stats)
+def _native_batch_norm_legit_no_stats(ct, out, x, weight, bias, training, momentum, eps):
+    return _native_batch_norm_bwd(ct, out, x, weight, bias, None, None, True, eps)
+
+
+@vjp_rule(aten._native_batch_norm_legit_no_training)
+def _native_batch_norm_legit_no_training(ct, out, x, weight, bias, running_mean, running_var, momentum, eps):
+    return _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, False, eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# embedding
+
+
+@vjp_rule(aten.embedding)
+def embedding(ct, out, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if padding_idx >= 0:
+        ct = ct.masked_fill((indices == padding_idx).unsqueeze(-1), 0)
+    flat = indices.reshape(-1)
+    ct = ct.reshape(-1, weight.shape[-1])
+    if scale_grad_by_freq:
+        counts = torch.zeros(weight.shape[0], dtype=ct.dtype, device=ct.device).index_add(
+            0, flat, torch.ones_like(flat, dtype=ct.dtype))
+        ct = ct / counts[flat].unsqueeze(-1)
+    return torch.zeros_like(weight).index_add(0, flat, ct), None
+
+
+def embedding_bag(ct, out, weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    """Bags of embeddings reduced by sum (mode 0), mean (1) or max (2); ``indices`` is 1-D."""
+    ct = ct[0]
+    if mode == 2:  # each output element came from one row, its argmax (empty bags: none)
+        filled = (out[2] > 0).unsqueeze(-1)
+        return torch.zeros_like(weight).scatter_add(0, out[3], ct * filled), None, None, None
+    position = torch.arange(indices.shape[0], device=indices.device)
+    bag = torch.searchsorted(offsets, position, right=True) - 1
+    keep = (indices != padding_idx).unsqueeze(-1) if padding_idx is not None and padding_idx >= 0 else None
+    grad = ct[bag]
+    if mode == 1:  # out[2] is the size of each bag (padding excluded)
+        grad = grad / out[2][bag].unsqueeze(-1)
+    if keep is not None:
+        grad = grad * keep
+    grad_psw = None
+    if per_sample_weights is not None:
+        grad_psw = (grad * weight[indices]).sum(-1)
+        grad = grad * per_sample_weights.unsqueeze(-1)
+    if scale_grad_by_freq:
+        counts = torch.zeros(weight.shape[0], dtype=ct.dtype, device=ct.device).index_add(
+            0, indices, torch.ones_like(indices, dtype=ct.dtype))
+        grad = grad / counts[indices].unsqueeze(-1)
+    grads = [torch.zeros_like(weight).index_add(0, indices, grad), None, None, None, None, None, grad_psw]
+    return tuple(grads)
+
+
+vjp_rule(aten.embedding_bag)(embedding_bag)
+
+
+# ---------------------------------------------------------------------------------------------
+# convolution
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_CONV_WEIGHT = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
+
+
+def _right_padding(shape, target):
+    """F.pad's argument growing the trailing dims of ``shape`` to ``target`` on the right."""
+    pad = []
+    for n, m in zip(reversed(shape), reversed(target)):
+        pad += [0, m - n]
+    return pad
+
+
+def _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups, transposed=False):
+    """Cotangents (input, weight, bias) of a (transposed) convolution with symmetric padding."""
+    nd = weight.dim() - 2
+    stride, padding, dilation = _tuple(stride, nd), _tuple(padding, nd), _tuple(dilation, nd)
+    unbatched = x.dim() == nd + 1
+    if unbatched:
+        x, ct = x.unsqueeze(0), ct.unsqueeze(0)
+    if transposed:
+        dx = _CONV[nd](ct, weight, None, stride, padding, dilation, groups)
+        # With output_padding >= stride, the last positions of dx meet no input: zeros of x.
+        x_full = F.pad(x, _right_padding(x.shape[2:], dx.shape[2:])) if dx.shape != x.shape else x
+        dw = _CONV_WEIGHT[nd](ct, weight.shape, x_full, stride, padding, dilation, groups)
+    else:
+        kernel = weight.shape[2:]
+        extra = [n + 2 * p - (d * (k - 1) + 1) - (o - 1) * s
+                 for n, o, k, s, p, d in zip(x.shape[2:], ct.shape[2:], kernel, stride, padding, dilation)]
+        dx = _CONV_T[nd](ct, weight, None, stride, padding, extra, groups, dilation)
+        dw = _CONV_WEIGHT[nd](x, weight.shape, ct, stride, padding, dilation, groups)
+    db = ct.sum([0] + list(range(2, ct.dim()))) if bias is not None else None
+    if dx.shape != x.shape:
+        dx = dx[(...,) + tuple(slice(0, n) for n in x.shape[2:])]
+    return (dx.squeeze(0) if unbatched else dx), dw, db
+
+
+def _conv_string_padding(ct, x, weight, bias, stride, padding, dilation, groups):
+    """padding='valid' or 'same' ('same' pads one more on the right when the total is odd)."""
+    nd = weight.dim() - 2
+    if padding == "valid":
+        return _conv_grads(ct, x, weight, bias, stride, 0, dilation, groups)
+    total = [d * (k - 1) for d, k in zip(_tuple(dilation, nd), weight.shape[2:])]
+    left = [t // 2 for t in total]
+    if all(t % 2 == 0 for t in total):
+        return _conv_grads(ct, x, weight, bias, stride, left, dilation, groups)
+    extra = [n + t % 2 for n, t in zip(x.shape[-nd:], total)]
+    dx, dw, db = _conv_grads(ct, F.pad(x, _right_padding(x.shape[-nd:], extra)), weight, bias, stride, left,
+                             dilation, groups)
+    return dx[(...,) + tuple(slice(0, n) for n in x.shape[-nd:])], dw, db
+
+
+def _conv_nd(ct, out, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    if isinstance(padding, str):
+        return _conv_string_padding(ct, x, weight, bias, stride, padding, dilation, groups)
+    return _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups)
+
+
+def _conv_transpose_nd(ct, out, x, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    return _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups, transposed=True)
+
+
+for _op in (aten.conv1d, aten.conv2d, aten.conv3d):
+    vjp_rule(_op)(_conv_nd)
+for _op in (aten.conv_transpose1d, aten.conv_transpose2d.input, aten.conv_transpose3d.input):
+    vjp_rule(_op)(_conv_transpose_nd)
+
+
+@vjp_rule(aten.convolution)
+def convolution(ct, out, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    return _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups, transposed)
+
+
+# ---------------------------------------------------------------------------------------------
+# pooling
+
+
+def _scatter_max(ct, x, indices, nd):
+    """Route each pooled cotangent to the input position its max came from."""
+    start = x.dim() - nd
+    grad = torch.zeros_like(x).flatten(start).scatter_add(-1, indices.flatten(start), ct.flatten(start))
+    return grad.view_as(x)
+
+
+_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+
+def _max_pool_rule(op, nd):
+    def fwd(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+        out, indices = _MAX_POOL[nd](x, kernel_size, stride or None, padding, dilation, ceil_mode, return_indices=True)
+        return out, (x, indices)
+
+    def bwd(aux, ct):
+        x, indices = aux
+        return _scatter_max(ct, x, indices, nd)
+
+    register_vjp(op, fwd, bwd, source="hand-written")
+
+
+for _nd, _op in ((1, aten.max_pool1d), (2, aten.max_pool2d), (3, aten.max_pool3d)):
+    _max_pool_rule(_op, _nd)
+
+
+def _max_with_indices_rule(op, nd):
+    @vjp_rule(op)
+    def max_pool_with_indices(ct, out, x, *args):
+        return _scatter_max(ct[0], x, out[1], nd)
+
+    max_pool_with_indices.__name__ = op.__name__
+
+
+for _nd, _op in ((1, aten.max_pool1d_with_indices), (2, aten.max_pool2d_with_indices),
+                 (3, aten.max_pool3d_with_indices), (1, aten.adaptive_max_pool1d),
+                 (2, aten.adaptive_max_pool2d), (3, aten.adaptive_max_pool3d)):
+    _max_with_indices_rule(_op, _nd)
+
+
+@vjp_rule(aten.avg_pool1d)
+def avg_pool1d(ct, out, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True):
+    k, s, p = _tuple(kernel_size, 1), _tuple(stride or kernel_size, 1), _tuple(padding, 1)
+    grad = torch.ops.aten.avg_pool2d_backward(ct.unsqueeze(-2), x.unsqueeze(-2), [1, *k], [1, *s], [0, *p],
+                                              ceil_mode, count_include_pad, None)
+    return grad.squeeze(-2)
+
+
+@vjp_rule(aten.avg_pool2d)
+def avg_pool2d(ct, out, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    return torch.ops.aten.avg_pool2d_backward(ct, x, kernel_size, stride or kernel_size, padding, ceil_mode,
+                                              count_include_pad, divisor_override)
+
+
+@vjp_rule(aten.avg_pool3d)
+def avg_pool3d(ct, out, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    return torch.ops.aten.avg_pool3d_backward(ct, x, kernel_size, stride or kernel_size, padding, ceil_mode,
+                                              count_include_pad, divisor_override)
+
+
+def _adaptive_avg_grad(ct, x, nd):
+    spatial = x.shape[x.dim() - nd:]
+    if all(n == 1 for n in ct.shape[ct.dim() - nd:]):  # global average pooling
+        return ct.expand(x.shape) / math.prod(spatial)
+    if nd == 1:
+        return torch.ops.aten._adaptive_avg_pool2d_backward(ct.unsqueeze(-2), x.unsqueeze(-2)).squeeze(-2)
+    if nd == 2:
+        return torch.ops.aten._adaptive_avg_pool2d_backward(ct, x)
+    return torch.ops.aten._adaptive_avg_pool3d_backward(ct, x)
+
+
+def _adaptive_avg_rule(op, nd):
+    def adaptive_avg_pool(ct, out, x, output_size):
+        return _adaptive_avg_grad(ct, x, nd)
+
+    adaptive_avg_pool.__name__ = op.__name__
+    vjp_rule(op)(adaptive_avg_pool)
+
+
+for _nd, _op in ((1, aten.adaptive_avg_pool1d), (2, aten.adaptive_avg_pool2d), (2, aten._adaptive_avg_pool2d),
+                 (3, aten.adaptive_avg_pool3d), (3, aten._adaptive_avg_pool3d)):
+    _adaptive_avg_rule(_op, _nd)
+
+
+# ---------------------------------------------------------------------------------------------
+# upsampling (interpolate): PyTorch's backward kernels, except nearest upsampling by whole factors
+
+
+def _upsample_scales(rest, nd):
+    """The scales of an upsample call: ``.vec`` passes a list (or None), other overloads floats."""
+    if len(rest) == 1 and (rest[0] is None or isinstance(rest[0], (list, tuple))):
+        return [None] * nd if rest[0] is None else list(rest[0])
+    return list(rest) + [None] * (nd - len(rest))
+
+
+def _upsample_rule(op, backward, nd, align_corners, nearest=False):
+    def rule(ct, out, x, output_size, *rest):
+        if align_corners:
+            align, rest = rest[0], rest[1:]
+        scales = _upsample_scales(rest, nd)
+        in_size, out_size = list(x.shape[2:]), list(ct.shape[2:])
+        factors = [o // i for o, i in zip(out_size, in_size)]
+        whole = all(o == f * i and (s is None or s == f) for o, i, f, s in zip(out_size, in_size, factors, scales))
+        if nearest and whole:  # each input element was copied to a block of factors: sum the block
+            blocks = list(x.shape[:2])
+            for i, f in zip(in_size, factors):
+                blocks += [i, f]
+            return ct.reshape(blocks).sum(list(range(3, 3 + 2 * nd, 2)))
+        extra = [align] if align_corners else []
+        return backward(ct, out_size, list(x.shape), *extra, *scales)
+
+    rule.__name__ = op.__name__
+    vjp_rule(op)(rule)
+
+
+for _op, _bw, _nd, _align, *_nearest in (
+        (aten.upsample_nearest1d, aten.upsample_nearest1d_backward, 1, False, True),
+        (aten.upsample_nearest2d, aten.upsample_nearest2d_backward, 2, False, True),
+        (aten.upsample_nearest3d, aten.upsample_nearest3d_backward, 3, False, True),
+        (aten._upsample_nearest_exact1d, aten._upsample_nearest_exact1d_backward, 1, False, True),
+        (aten._upsample_nearest_exact2d, aten._upsample_nearest_exact2d_backward, 2, False, True),
+        (aten._upsample_nearest_exact3d, aten._upsample_nearest_exact3d_backward, 3, False, True),
+        (aten.upsample_linear1d, aten.upsample_linear1d_backward, 1, True),
+        (aten.upsample_bilinear2d, aten.upsample_bilinear2d_backward, 2, True),
+        (aten.upsample_bicubic2d, aten.upsample_bicubic2d_backward, 2, True),
+        (aten.upsample_trilinear3d, aten.upsample_trilinear3d_backward, 3, True)):
+    _upsample_rule(_op, _bw, _nd, _align, *_nearest)
+
+
+@vjp_rule(aten.cosine_similarity)
+def cosine_similarity(ct, out, x1, x2, dim=1, eps=1e-8):
+    norm1 = x1.norm(dim=dim, keepdim=True).clamp_min(eps)
+    norm2 = x2.norm(dim=dim, keepdim=True).clamp_min(eps)
+    g, cos = ct.unsqueeze(dim), out.unsqueeze(dim)
+    grad1 = g * (x2 / norm2 - x1 / norm1 * cos) / norm1
+    grad2 = g * (x1 / norm1 - x2 / norm2 * cos) / norm2
+    return unbroadcast(grad1, x1), unbroadcast(grad2, x2)
+
+
+@vjp_rule(aten.pixel_shuffle)
+def pixel_shuffle(ct, out, x, upscale_factor):
+    return F.pixel_unshuffle(ct, upscale_factor)
+
+
+@vjp_rule(aten.pixel_unshuffle)
+def pixel_unshuffle(ct, out, x, downscale_factor):
+    return F.pixel_shuffle(ct, downscale_factor)
+
+
+# ---------------------------------------------------------------------------------------------
+# dropout: one mask, drawn in the forward (as eager PyTorch draws it) and reused by the backward
+
+
+def dropout_fwd(x, p, train):
+    if not train or p == 0:
+        return x, None
+    if p == 1:
+        return x * 0, 0.0
+    mask = torch.empty_like(x).bernoulli_(1 - p) / (1 - p)
+    return x * mask, mask
+
+
+def dropout_bwd(mask, ct):
+    return ct if mask is None else ct * mask, None, None
+
+
+register_vjp(aten.dropout, dropout_fwd, dropout_bwd, source="hand-written")
+
+
+def feature_dropout_fwd(x, p, train):
+    """Dropout of whole channels (dropout1d/2d/3d): one draw per (sample, channel)."""
+    if not train or p == 0:
+        return x, None
+    if p == 1:
+        return x * 0, 0.0
+    mask = x.new_empty([x.shape[0], x.shape[1]] + [1] * (x.dim() - 2)).bernoulli_(1 - p) / (1 - p)
+    return x * mask, mask
+
+
+register_vjp(aten.feature_dropout, feature_dropout_fwd, dropout_bwd, source="hand-written")
+
+
+@vjp_rule(aten.native_dropout)
+def native_dropout(ct, out, x, p, train):
+    ct = ct[0]
+    if ct is None:
+        return None
+    if not train:
+        return ct, None, None
+    return ct * out[1] / (1 - p) if p < 1 else ct * 0, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+
+
+def _attention_probs(q, k, attn_mask, is_causal, scale):
+    scores = q @ k.transpose(-2, -1) * scale
+    if is_causal:
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(causal.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+            return torch.softmax(scores, -1).nan_to_num(0.0)  # a fully masked row attends to nothing
+        scores = scores + attn_mask
+    return torch.softmax(scores, -1)
+
+
+def _repeat_heads(t, q, enable_gqa):
+    """Key/value heads repeated to match the query's (grouped-query attention)."""
+    if enable_gqa and t.shape[-3] != q.shape[-3]:
+        return t.repeat_interleave(q.shape[-3] // t.shape[-3], -3)
+    return t
+
+
+def _sum_heads(g, t):
+    if g.dim() >= 3 and t.dim() >= 3 and g.shape[-3] != t.shape[-3] and t.shape[-3] != 1:
+        return g.unflatten(-3, (t.shape[-3], -1)).sum(-3)
+    return g
+
+
+def sdpa_fwd(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    keep = None
+    if dropout_p == 0:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    else:
+        probs = _attention_probs(q, _repeat_heads(k, q, enable_gqa), attn_mask, is_causal, scale)
+        keep = torch.empty_like(probs).bernoulli_(1 - dropout_p) / (1 - dropout_p)
+        out = (probs * keep) @ _repeat_heads(v, q, enable_gqa)
+    return out, (q, k, v, attn_mask, is_causal, scale, enable_gqa, keep)
+
+
+def sdpa_bwd(aux, ct):
+    q, k, v, attn_mask, is_causal, scale, enable_gqa, keep = aux
+    kr, vr = _repeat_heads(k, q, enable_gqa), _repeat_heads(v, q, enable_gqa)
+    probs = _attention_probs(q, kr, attn_mask, is_causal, scale)
+    dropped = probs if keep is None else probs * keep
+    grad_v = dropped.transpose(-2, -1) @ ct
+    grad_probs = ct @ vr.transpose(-2, -1)
+    if keep is not None:
+        grad_probs = grad_probs * keep
+    grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True))
+    grad_q = grad_scores @ kr * scale
+    grad_k = grad_scores.transpose(-2, -1) @ q * scale
+    grad_mask = None
+    if attn_mask is not None and attn_mask.is_floating_point():
+        grad_mask = unbroadcast(grad_scores, attn_mask)
+    return (unbroadcast(grad_q, q), unbroadcast(_sum_heads(grad_k, k), k),
+            unbroadcast(_sum_heads(grad_v, v), v), grad_mask)
+
+
+register_vjp(aten.scaled_dot_product_attention, sdpa_fwd, sdpa_bwd, source="hand-written")
+
+
+# ---------------------------------------------------------------------------------------------
+# losses
+
+
+def _reduced(ct, reduction, n):
+    """The per-element cotangent scale of a loss reduced by ``reduction`` over ``n`` elements."""
+    return ct / n if reduction == MEAN else ct
+
+
+def _class_grad(ct, x, target, weight, reduction, ignore_index, smoothing=0.0):
+    """Cotangent of log-probabilities ``x`` (classes in dim 1, or 0 unbatched) for class-index targets."""
+    cdim = 1 if x.dim() > 1 else 0
+    keep = target != ignore_index
+    target = torch.where(keep, target, 0)
+    w = weight[target] if weight is not None else 1.0
+    coef = ct * keep
+    if reduction == MEAN:
+        coef = coef / (keep.sum() if weight is None else (w * keep).sum())
+    picked = (-(1 - smoothing) * coef * w).unsqueeze(cdim)
+    grad = torch.zeros_like(x).scatter(cdim, target.unsqueeze(cdim), picked)
+    if smoothing:
+        classes = x.shape[cdim]
+        spread = coef.unsqueeze(cdim) if weight is None else coef.unsqueeze(cdim) * _class_view(weight, x, cdim)
+        grad = grad - smoothing / classes * spread
+    return grad
+
+
+def _class_view(weight, x, cdim):
+    return weight.view([-1] + [1] * (x.dim() - cdim - 1))
+
+
+@vjp_rule(aten.nll_loss_nd)
+def nll_loss_nd(ct, out, x, target, weight=None, reduction=MEAN, ignore_index=-100):
+    return _class_grad(ct, x, target, weight, reduction, ignore_index), None, None
+
+
+@vjp_rule(aten.nll_loss)
+def nll_loss(ct, out, x, target, weight=None, reduction=MEAN, ignore_index=-100):
+    return _class_grad(ct, x, target, weight, reduction, ignore_index), None, None
+
+
+@vjp_rule(aten.nll_loss2d)
+def nll_loss2d(ct, out, x, target, weight=None, reduction=MEAN, ignore_index=-100):
+    return _class_grad(ct, x, target, weight, reduction, ignore_index), None, None
+
+
+@vjp_rule(aten.nll_loss_forward)
+def nll_loss_forward(ct, out, x, target, weight, reduction, ignore_index):
+    return _class_grad(ct[0], x, target, weight, reduction, ignore_index), None, None
+
+
+@vjp_rule(aten.nll_loss2d_forward)
+def nll_loss2d_forward(ct, out, x, target, weight, reduction, ignore_index):
+    return _class_grad(ct[0], x, target, weight, reduction, ignore_index), None, None
+
+
+@vjp_rule(aten.cross_entropy_loss)
+def cross_entropy_loss(ct, out, x, target, weight=None, reduction=MEAN, ignore_index=-100, label_smoothing=0.0):
+    cdim = 1 if x.dim() > 1 else 0
+    grad_target = grad_weight = None
+    if target.is_floating_point():  # class probabilities
+        classes = x.shape[cdim]
+        coef = ct.unsqueeze(cdim) if reduction == NONE else _reduced(ct, reduction, x.numel() // classes)
+        w = _class_view(weight, x, cdim) if weight is not None else 1.0
+        log_probs = torch.log_softmax(x, cdim)
+        grad_target = -(1 - label_smoothing) * coef * w * log_probs
+        smoothed = target * (1 - label_smoothing) + label_smoothing / classes if label_smoothing else target
+        grad = -coef * w * smoothed
+        if weight is not None:
+            grad_weight = (-coef * smoothed * log_probs).sum([d for d in range(x.dim()) if d != cdim])
+    else:
+        grad = _class_grad(ct, x, target, weight, reduction, ignore_index, label_smoothing)
+    grad_x = grad - torch.softmax(x, cdim) * grad.sum(cdim, keepdim=True)
+    return grad_x, grad_target, grad_weight
+
+
+@vjp_rule(aten.mse_loss)
+def mse_loss(ct, out, x, target, reduction=MEAN):
+    grad = 2 * (x - target) * _reduced(ct, reduction, max(x.numel(), target.numel()))
+    return unbroadcast(grad, x), unbroadcast(-grad, target)
+
+
+@vjp_rule(aten.l1_loss)
+def l1_loss(ct, out, x, target, reduction=MEAN):
+    grad = torch.sign(x - target) * _reduced(ct, reduction, max(x.numel(), target.numel()))
+    return unbroadcast(grad, x), unbroadcast(-grad, target)
+
+
+@vjp_rule(aten.smooth_l1_loss)
+def smooth_l1_loss(ct, out, x, target, reduction=MEAN, beta=1.0):
+    diff = x - target
+    slope = diff.clamp(-beta, beta) / beta if beta > 0 else torch.sign(diff)
+    grad = slope * _reduced(ct, reduction, diff.numel())
+    return unbroadcast(grad, x), unbroadcast(-grad, target)
+
+
+@vjp_rule(aten.huber_loss)
+def huber_loss(ct, out, x, target, reduction=MEAN, delta=1.0):
+    diff = x - target
+    grad = diff.clamp(-delta, delta) * _reduced(ct, reduction, diff.numel())
+    return unbroadcast(grad, x), unbroadcast(-grad, target)
+
+
+@vjp_rule(aten.binary_cross_entropy)
+def binary_cross_entropy(ct, out, x, target, weight=None, reduction=MEAN):
+    coef = _reduced(ct, reduction, x.numel())
+    if weight is not None:
+        coef = coef * weight
+    grad_x = coef * (x - target) / ((1 - x) * x).clamp(min=1e-12)
+    grad_target = coef * (torch.log1p(-x).clamp(min=-100) - torch.log(x).clamp(min=-100))
+    return grad_x, grad_target, None
+
+
+@vjp_rule(aten.binary_cross_entropy_with_logits)
+def binary_cross_entropy_with_logits(ct, out, x, target, weight=None, pos_weight=None, reduction=MEAN):
+    coef = _reduced(ct, reduction, x.numel())
+    if weight is not None:
+        coef = coef * weight
+    sig = torch.sigmoid(x)
+    if pos_weight is None:
+        grad_x = coef * (sig - target)
+        grad_target = -coef * x
+    else:
+        grad_x = coef * ((1 - target) * sig - pos_weight * target * (1 - sig))
+        grad_target = -coef * (pos_weight * F.logsigmoid(x) - F.logsigmoid(-x))
+    return unbroadcast(grad_x, x), unbroadcast(grad_target, target), None, None
+
+
+@vjp_rule(aten.kl_div)
+def kl_div(ct, out, x, target, reduction=MEAN, log_target=False):
+    coef = _reduced(ct, reduction, max(x.numel(), target.numel()))
+    if log_target:
+        grad_x = -coef * target.exp()
+        grad_target = coef * target.exp() * (target - x + 1)
+    else:
+        grad_x = -coef * target
+        grad_target = coef * (torch.log(target) + 1 - x)
+    return unbroadcast(grad_x, x), unbroadcast(grad_target, target)

@@ -1,24 +1,375 @@
-"""VJP rules of reductions: the cotangent is broadcast back over the reduced dimensions."""
+"""VJP rules of reductions: the cotangent is broadcast back over the reduced dimensions.
+
+``restore`` puts the reduced dimensions back (as size 1) so that a cotangent shaped like the
+reduction's output broadcasts against the input; a full reduction's 0-d cotangent needs nothing.
+Ops that select elements (max over a dim, sort, topk, median, ...) scatter the cotangent back to
+the indices they return; ops that pick a value shared by ties (amax, max of the whole tensor,
+median of the whole tensor) split it evenly between the ties, as autograd does.
+"""
 from __future__ import annotations
+
+import math
 
 import torch
 
-from ..registry import vjp_rule
-from .common import keep_dims
+from ..registry import mark_nondifferentiable, vjp_rule
+from .common import normalize_dims
 
 aten = torch.ops.aten
 
 
+def restore(g, x, dim, keepdim=False):
+    """``g`` (shaped like ``x`` reduced over ``dim``) with the reduced dims re-inserted as size 1."""
+    if keepdim or g.dim() == 0 or g.dim() == x.dim():
+        return g
+    for d in normalize_dims(dim, x.dim()):
+        g = g.unsqueeze(d)
+    return g
+
+
+def expand_as(g, x):
+    g = g.to(x.dtype) if g.dtype != x.dtype else g
+    return g if g.shape == x.shape else g.expand(x.shape)
+
+
+def cast(g, x):
+    return g.to(x.dtype) if g is not None and g.dtype != x.dtype else g
+
+
+def is_full(x, dim):
+    return dim is None or x.dim() == 0 or len(normalize_dims(dim, x.dim())) == x.dim()
+
+
+def dims_of(x, dim):
+    return normalize_dims(dim, x.dim()) if x.dim() else []
+
+
+def numel(x, dim):
+    return math.prod(x.shape[d] for d in dims_of(x, dim))
+
+
+def sum_keep(t, x, dim):
+    """``t`` summed over ``dim``, keeping the reduced dims (a 0-d sum for a full reduction)."""
+    return t.sum() if is_full(x, dim) else t.sum(dims_of(x, dim), keepdim=True)
+
+
+def sign(x):
+    return x.sgn() if x.is_complex() else x.sign()
+
+
+def conj(t):
+    return t.conj() if t.is_complex() else t
+
+
+def power(t, e):
+    return t if e == 1 else t.pow(int(e) if float(e).is_integer() else e)
+
+
+def rev_cumsum(t, dim):
+    return t.flip(dim).cumsum(dim).flip(dim)
+
+
+def scatter_back(g, indices, x, dim, keepdim=True):
+    """``g`` put back at ``indices`` along ``dim`` of a zero tensor shaped like ``x``."""
+    if x.dim() == 0:
+        return g
+    if not keepdim:
+        g, indices = g.unsqueeze(dim), indices.unsqueeze(dim)
+    return torch.zeros_like(x).scatter(dim, indices, g)
+
+
+def add(*gs):
+    gs = [g for g in gs if g is not None]
+    return None if not gs else gs[0] if len(gs) == 1 else gs[0] + gs[1]
+
+
+# --- sums and means --------------------------------------------------------------------------
+
 @vjp_rule(aten.sum.default)
 def sum_(ct, out, x, dtype=None):
-    return ct.to(x.dtype).expand(x.shape)
+    return expand_as(ct, x)
 
 
 @vjp_rule(aten.sum.dim_IntList)
 def sum_dim(ct, out, x, dim, keepdim=False, dtype=None):
-    return keep_dims(ct, x.shape, dim, keepdim).to(x.dtype).expand(x.shape)
+    return expand_as(restore(ct, x, dim, keepdim), x)
+
+
+@vjp_rule(aten.nansum.default)
+def nansum(ct, out, x, dim=None, keepdim=False, dtype=None):
+    return cast(restore(ct, x, dim, keepdim), x).masked_fill(x.isnan(), 0)
+
+
+@vjp_rule(aten.mean.default)
+def mean(ct, out, x, dtype=None):
+    return expand_as(ct / max(x.numel(), 1), x)
+
+
+@vjp_rule(aten.mean.dim)
+def mean_dim(ct, out, x, dim, keepdim=False, dtype=None):
+    return expand_as(restore(ct / max(numel(x, dim), 1), x, dim, keepdim), x)
+
+
+@vjp_rule(aten.nanmean.default)
+def nanmean(ct, out, x, dim=None, keepdim=False, dtype=None):
+    nan = x.isnan()
+    count = sum_keep(~nan, x, dim)
+    return cast(restore(ct, x, dim, keepdim) / count, x).masked_fill(nan, 0)
 
 
 @vjp_rule(aten.trace)
 def trace(ct, out, x):
     return ct * torch.eye(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+
+
+# --- products -------------------------------------------------------------------------------
+
+def _prod_grad(ct, out, x, dim, keepdim):
+    """Product of the other elements: ``out / x``, except at zeros (correct for any number of them)."""
+    out, ct = restore(out, x, dim, keepdim), restore(ct, x, dim, keepdim)
+    zero = x == 0
+    if is_full(x, dim):
+        others = torch.where(zero, 1, x).prod() * (zero.sum() == 1)
+    else:
+        d = dims_of(x, dim)[0]
+        others = torch.where(zero, 1, x).prod(d, keepdim=True) * (zero.sum(d, keepdim=True) == 1)
+    return cast(ct * conj(torch.where(zero, others, out / x)), x)
+
+
+@vjp_rule(aten.prod.default)
+def prod(ct, out, x, dtype=None):
+    return _prod_grad(ct, out, x, None, False)
+
+
+@vjp_rule(aten.prod.dim_int)
+def prod_dim(ct, out, x, dim, keepdim=False, dtype=None):
+    return _prod_grad(ct, out, x, dim, keepdim)
+
+
+@vjp_rule(aten.cumsum.default)
+def cumsum(ct, out, x, dim, dtype=None):
+    return cast(rev_cumsum(ct, dim) if x.dim() else ct, x)
+
+
+@vjp_rule(aten.cumprod.default)
+def cumprod(ct, out, x, dim, dtype=None):
+    if x.dim() == 0:
+        return cast(ct, x)
+    zero = x == 0
+    first_zero = torch.logical_and(zero, zero.cumsum(dim) == 1)
+    at_first_zero = rev_cumsum(ct * conj(torch.where(first_zero, 1, x).cumprod(dim)), dim)
+    elsewhere = torch.where(zero, 0, rev_cumsum(ct * conj(out), dim) / conj(x))
+    return cast(torch.where(first_zero, at_first_zero, elsewhere), x)
+
+
+@vjp_rule(aten.logcumsumexp.default)
+def logcumsumexp(ct, out, x, dim):
+    if x.dim() == 0:
+        return ct
+
+    def rev_logcumsumexp(t):
+        return t.flip(dim).logcumsumexp(dim).flip(dim)
+
+    pos = rev_logcumsumexp(ct.clamp(min=0).log() - out)
+    neg = rev_logcumsumexp((-ct).clamp(min=0).log() - out)
+    return torch.exp(pos + x) - torch.exp(neg + x)
+
+
+@vjp_rule(aten.logsumexp.default)
+def logsumexp(ct, out, x, dim, keepdim=False):
+    return restore(ct, x, dim, keepdim) * conj(torch.exp(x - restore(out, x, dim, keepdim)))
+
+
+# --- max, min and friends -------------------------------------------------------------------
+
+@vjp_rule(aten.amax.default)
+def amax(ct, out, x, dim=(), keepdim=False):
+    mask = x == restore(out, x, dim, keepdim)
+    return restore(ct, x, dim, keepdim) / sum_keep(mask, x, dim) * mask
+
+
+@vjp_rule(aten.amin.default)
+def amin(ct, out, x, dim=(), keepdim=False):
+    return amax(ct, out, x, dim, keepdim)
+
+
+@vjp_rule(aten.aminmax.default)
+def aminmax(ct, out, x, *, dim=None, keepdim=False):
+    return add(*(amax(c, o, x, dim, keepdim) if c is not None else None for c, o in zip(ct, out)))
+
+
+@vjp_rule(aten.max.default)
+def max_(ct, out, x):
+    mask = x == out
+    return ct / mask.sum() * mask
+
+
+@vjp_rule(aten.min.default)
+def min_(ct, out, x):
+    return max_(ct, out, x)
+
+
+@vjp_rule(aten.median.default)
+def median(ct, out, x):
+    return max_(ct, out, x)
+
+
+@vjp_rule(aten.nanmedian.default)
+def nanmedian(ct, out, x):
+    return max_(ct, out, x)
+
+
+@vjp_rule(aten.max.dim)
+def max_dim(ct, out, x, dim, keepdim=False):
+    return scatter_back(ct[0], out[1], x, dim, keepdim)
+
+
+for _op in (aten.min.dim, aten.median.dim, aten.nanmedian.dim):
+    vjp_rule(_op)(max_dim)
+
+
+@vjp_rule(aten.mode.default)
+def mode(ct, out, x, dim=-1, keepdim=False):
+    return scatter_back(ct[0], out[1], x, dim, keepdim)
+
+
+@vjp_rule(aten.kthvalue.default)
+def kthvalue(ct, out, x, k, dim=-1, keepdim=False):
+    return scatter_back(ct[0], out[1], x, dim, keepdim)
+
+
+@vjp_rule(aten.sort.default)
+def sort(ct, out, x, dim=-1, descending=False):
+    return scatter_back(ct[0], out[1], x, dim)
+
+
+@vjp_rule(aten.sort.stable)
+def sort_stable(ct, out, x, *, stable=None, dim=-1, descending=False):
+    return scatter_back(ct[0], out[1], x, dim)
+
+
+@vjp_rule(aten.topk.default)
+def topk(ct, out, x, k, dim=-1, largest=True, sorted=True):
+    return scatter_back(ct[0], out[1], x, dim)
+
+
+@vjp_rule(aten.cummax.default)
+def cummax(ct, out, x, dim):
+    if x.dim() == 0:
+        return ct[0]
+    return torch.zeros_like(x).scatter_add(dim, out[1], ct[0])
+
+
+@vjp_rule(aten.cummin.default)
+def cummin(ct, out, x, dim):
+    return cummax(ct, out, x, dim)
+
+
+# --- variance and norms ---------------------------------------------------------------------
+
+def _var_grad(ct, x, dim, correction, keepdim, scale=2.0):
+    """``scale * ct * (x - mean) / (n - correction)``: var's VJP (scale 2), or std's given ct / std."""
+    if ct is None:
+        return None
+    dof = numel(x, dim) - (1 if correction is None else correction)
+    centered = x - x.mean() if is_full(x, dim) else x - x.mean(dims_of(x, dim), keepdim=True)
+    return restore(ct / (dof / scale) if scale != 1 else ct / dof, x, dim, keepdim) * centered
+
+
+def _std_grad(ct, std, x, dim, correction, keepdim):
+    if ct is None:
+        return None
+    return _var_grad((ct / std).masked_fill(std == 0, 0), x, dim, correction, keepdim, scale=1.0)
+
+
+def _mean_grad(ct, x, dim, keepdim):
+    return None if ct is None else expand_as(restore(ct / max(numel(x, dim), 1), x, dim, keepdim), x)
+
+
+def _correction(unbiased):
+    return 1 if unbiased else 0
+
+
+@vjp_rule(aten.var.correction)
+def var(ct, out, x, dim=None, *, correction=None, keepdim=False):
+    return _var_grad(ct, x, dim, correction, keepdim)
+
+
+@vjp_rule(aten.var.dim)
+def var_dim(ct, out, x, dim, unbiased=True, keepdim=False):
+    return _var_grad(ct, x, dim, _correction(unbiased), keepdim)
+
+
+@vjp_rule(aten.var.default)
+def var_all(ct, out, x, unbiased=True):
+    return _var_grad(ct, x, None, _correction(unbiased), False)
+
+
+@vjp_rule(aten.std.correction)
+def std(ct, out, x, dim=None, *, correction=None, keepdim=False):
+    return _std_grad(ct, out, x, dim, correction, keepdim)
+
+
+@vjp_rule(aten.std.dim)
+def std_dim(ct, out, x, dim, unbiased=True, keepdim=False):
+    return _std_grad(ct, out, x, dim, _correction(unbiased), keepdim)
+
+
+@vjp_rule(aten.std.default)
+def std_all(ct, out, x, unbiased=True):
+    return _std_grad(ct, out, x, None, _correction(unbiased), False)
+
+
+@vjp_rule(aten.var_mean.correction)
+def var_mean(ct, out, x, dim=None, *, correction=None, keepdim=False):
+    return add(_var_grad(ct[0], x, dim, correction, keepdim), _mean_grad(ct[1], x, dim, keepdim))
+
+
+@vjp_rule(aten.var_mean.dim)
+def var_mean_dim(ct, out, x, dim, unbiased=True, keepdim=False):
+    return var_mean(ct, out, x, dim, correction=_correction(unbiased), keepdim=keepdim)
+
+
+@vjp_rule(aten.var_mean.default)
+def var_mean_all(ct, out, x, unbiased=True):
+    return var_mean(ct, out, x, None, correction=_correction(unbiased))
+
+
+@vjp_rule(aten.std_mean.correction)
+def std_mean(ct, out, x, dim=None, *, correction=None, keepdim=False):
+    return add(_std_grad(ct[0], out[0], x, dim, correction, keepdim), _mean_grad(ct[1], x, dim, keepdim))
+
+
+@vjp_rule(aten.std_mean.dim)
+def std_mean_dim(ct, out, x, dim, unbiased=True, keepdim=False):
+    return std_mean(ct, out, x, dim, correction=_correction(unbiased), keepdim=keepdim)
+
+
+@vjp_rule(aten.std_mean.default)
+def std_mean_all(ct, out, x, unbiased=True):
+    return std_mean(ct, out, x, None, correction=_correction(unbiased))
+
+
+def _norm_grad(ct, norm, x, p, dim, keepdim):
+    p = 2.0 if p is None else float(p)
+    if p == 0:
+        return None
+    if p == 1:
+        return cast(sign(x) * restore(ct, x, dim, keepdim), x)
+    if p == 2:
+        return cast(x * restore((ct / norm).masked_fill(norm == 0, 0), x, dim, keepdim), x)
+    ct, norm = restore(ct, x, dim, keepdim), restore(norm, x, dim, keepdim)
+    if math.isinf(p):
+        mask = x.abs() == norm
+        return cast(sign(x) * (ct / sum_keep(mask, x, dim) * mask), x)
+    if p < 1:
+        return cast(sign(x) * power(x.abs(), p - 1).masked_fill(x == 0, 0) * (ct * power(norm, 1 - p)), x)
+    return cast(x * power(x.abs(), p - 2) * (ct / power(norm, p - 1)).masked_fill(norm == 0, 0), x)
+
+
+@vjp_rule(aten.linalg_vector_norm.default)
+def linalg_vector_norm(ct, out, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    return _norm_grad(ct, out, x, ord, dim, keepdim)
+
+
+mark_nondifferentiable(aten.count_nonzero, aten.argmax, aten.argmin, aten.any, aten.all, aten.argsort)

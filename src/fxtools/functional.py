@@ -1,0 +1,33 @@
+"""``functional(model)``: an nn.Module as a function of its parameters, for differentiation."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def functional(model: torch.nn.Module):
+    """Return ``f(params, *inputs, **kwargs)`` computing ``model(*inputs, **kwargs)`` with ``params``.
+
+    ``params`` maps parameter names to tensors, as ``dict(model.named_parameters())`` does;
+    parameters left out keep the model's own values, tied parameters stay tied. Buffers stay
+    the model's own tensors, so BatchNorm's running statistics are updated in place by the
+    generated code exactly as an eager forward updates them. In generated code each parameter
+    is named after its path (``params['fc1.weight']`` becomes ``fc1_weight``)::
+
+        f = fxtools.functional(model)
+        gm = fxtools.grad(f, dict(model.named_parameters()), x, y)
+    """
+    def f(params, *inputs, **kwargs):
+        return torch.func.functional_call(model, params, inputs, kwargs, strict=False)
+
+    try:
+        forward = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        forward = [inspect.Parameter("inputs", inspect.Parameter.VAR_POSITIONAL)]
+    params = inspect.Parameter("params", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    f.__signature__ = inspect.Signature([params, *forward])
+    f.__name__ = f.__qualname__ = type(model).__name__
+    f.__doc__ = f"{type(model).__name__}.forward as a function of its parameters."
+    f.__fxtools_module__ = model
+    return f
