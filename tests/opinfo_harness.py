@@ -22,8 +22,13 @@ def autograd_opinfos():
 
 
 def samples(opinfo, n=3):
-    """The first n float64 CPU samples (the generator is closed at once: it runs under no_grad)."""
-    gen = iter(opinfo.sample_inputs("cpu", torch.float64, requires_grad=True))
+    """The first n float64 CPU samples, generated from a fixed seed.
+
+    The sample generator runs under ``no_grad``: it is closed at once, or its ``no_grad`` exit
+    would run whenever it is garbage-collected, possibly in the middle of a later trace.
+    """
+    torch.manual_seed(0)
+    gen = iter(opinfo.sample_inputs_func(opinfo, "cpu", torch.float64, True))
     try:
         return list(itertools.islice(gen, n))
     finally:
@@ -49,10 +54,43 @@ def sample_function(opinfo, sample):
     return f, args
 
 
+def is_random(f, args) -> bool:
+    """Whether f draws random numbers (dropout, rrelu in training, randn inside)."""
+    from fxtools.capture import capture
+
+    cap = capture(f, args, record_stack_traces=False)
+    return any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
+               for n in cap.gm.graph.nodes)
+
+
+def check_self_consistent(f, args, seed=0, rtol=1e-6, atol=1e-8):
+    """For random functions: the generated gradients are autograd's gradients of the generated
+    forward itself, run under the same seed (so the same masks are drawn), and reruns agree."""
+    gm = fxtools.vjp(f, *args)
+    leaves, spec = pytree.tree_flatten(args)
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in leaves]
+    torch.manual_seed(seed)
+    out0, _ = gm(*args, fxtools.check.random_cotangent(f(*args), torch.Generator().manual_seed(seed)))
+    ct = fxtools.check.random_cotangent(out0, torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    out, grads = gm(*pytree.tree_unflatten(xs, spec), ct)
+    torch.manual_seed(seed)
+    out_again, grads_again = gm(*args, ct)
+    pairs = [(o, c) for o, c in zip(pytree.tree_leaves(out), pytree.tree_leaves(ct)) if o.requires_grad]
+    diff = [x for x in xs if x.requires_grad]
+    want = torch.autograd.grad([o for o, _ in pairs], diff, [c for _, c in pairs], allow_unused=True)
+    got = [g for g, x in zip(pytree.tree_leaves(grads), xs) if x.requires_grad]
+    for g, w, x in zip(got, want, diff):
+        torch.testing.assert_close(g.detach(), torch.zeros_like(x) if w is None else w, rtol=rtol, atol=atol)
+    torch.testing.assert_close(pytree.tree_leaves(grads_again), [g.detach() for g in pytree.tree_leaves(grads)])
+
+
 def check_sample(opinfo, sample):
     f, args = sample_function(opinfo, sample)
-    torch.manual_seed(0)
-    check_vjp(f, *args, rtol=1e-6, atol=1e-8)
+    if is_random(f, args):
+        check_self_consistent(f, args)
+    else:
+        check_vjp(f, *args, rtol=1e-6, atol=1e-8)
 
 
 def captured_ops(opinfo, sample):
@@ -66,26 +104,36 @@ def captured_ops(opinfo, sample):
 
 @functools.lru_cache(maxsize=None)
 def cases_by_op(n_samples=3):
-    """aten overload -> [(opinfo, sample), ...] for every OpInfo sample whose capture calls it."""
+    """aten overload -> [(opinfo, sample, ops), ...] for every OpInfo sample whose capture calls it."""
     table = {}
     for opinfo in autograd_opinfos():
         try:
             for sample in samples(opinfo, n_samples):
-                for op in captured_ops(opinfo, sample):
-                    table.setdefault(op, []).append((opinfo, sample))
+                ops = frozenset(captured_ops(opinfo, sample))
+                for op in ops:
+                    table.setdefault(op, []).append((opinfo, sample, ops))
         except Exception:  # noqa: BLE001 - samples fxtools cannot capture are the sweep's business
             continue
     return table
 
 
 def cases_for_rule(key, limit=6):
-    """OpInfo samples that exercise the rule registered under ``key`` (an overload or packet)."""
+    """OpInfo samples that exercise the rule registered under ``key`` (an overload or packet).
+
+    Samples that isolate the rule come first: those whose other ops all have hand-written rules,
+    then those with the fewest ops.
+    """
+    from fxtools import registry
+
+    def others_without_rule(ops):
+        return sum(1 for op in ops if (r := registry.lookup(op)) is None or r.source != "hand-written")
+
     found = []
     for op, cases in cases_by_op().items():
         if op == key or op.overloadpacket == key:
             found.extend(cases)
     seen, unique = set(), []
-    for opinfo, sample in found:
+    for opinfo, sample, ops in sorted(found, key=lambda c: (others_without_rule(c[2]), len(c[2]))):
         k = (opinfo.name, opinfo.variant_test_name, id(sample))
         if k not in seen:
             seen.add(k)

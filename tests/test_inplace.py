@@ -227,7 +227,7 @@ CASES += [(f, lambda: (_x(4, 4),)) for f in (
 # Failures caused outside the in-place pass (see the report of the functionalize work):
 # reverse._example re-traces cotangents with the outputs' strides while callers pass contiguous
 # ones, and rules/shape.py's _reshape picks .view from those trace-time strides.
-KNOWN = {"views_see_later_mutation": "reshape backward emits .view chosen from trace-time strides"}
+KNOWN = {}
 
 
 def _params(cases):

@@ -131,11 +131,56 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True) -> fx.GraphModul
         return tracer(*example_leaves)
 
 
-def _data_dependent(exc: BaseException) -> bool:
+def is_data_dependent(exc: BaseException) -> bool:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     return isinstance(exc, (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException))
+
+
+def realize_constants(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace FakeTensor attributes (constants made while tracing in fake mode) by their real values.
+
+    Fake mode keeps the real value of small constants it creates (``fake.constant``); generated
+    code must hold real tensors, so a constant without a known value is an error.
+    """
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target)
+            if isinstance(value, torch._subclasses.FakeTensor):
+                if value.constant is None:
+                    raise FxtoolsError(f"a tensor constant of shape {list(value.shape)} was created while "
+                                       "tracing, and its value is unknown")
+                setattr(gm, node.target, value.constant)
+    return gm
+
+
+def _reject_data_dependent_shapes(gm: fx.GraphModule) -> None:
+    """Shapes that depend on tensor values (``x[x > 0]``, ``masked_select``) are not supported."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    from .errors import user_line_of
+
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if val is not None and free_unbacked_symbols(val):
+            where = user_line_of(node) or "an unknown line of user code"
+            raise DataDependentError(
+                f"the shape of the result of {node.target} depends on tensor values (at {where}); "
+                "fxtools specialises every shape to the example. Use a fixed-shape formulation "
+                "(torch.where, masking, multiplication by the mask) instead.")
+
+
+def data_dependent_error(exc: BaseException, node=None) -> DataDependentError:
+    """A DataDependentError for ``exc``, naming the user's line (of ``node`` when given)."""
+    from .errors import user_line_of
+
+    where = (user_line_of(node) if node is not None else None) or user_frame(exc.__traceback__)
+    what = f"the derivative of {node.target}" if node is not None else "Python control flow or a Python value"
+    return DataDependentError(
+        f"{what} depends on the value of a tensor (at {where or 'an unknown line of user code'}).\n"
+        "fxtools traces one path through the program for the example's shapes; it cannot branch "
+        "on tensor data. Use torch.where / masking instead of `if`, or pass the value as a Python number.")
 
 
 def capture(f, args: tuple, *, record_stack_traces=True) -> Captured:
@@ -159,15 +204,10 @@ def capture(f, args: tuple, *, record_stack_traces=True) -> Captured:
     try:
         gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces)
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
-        if _data_dependent(exc):
-            where = user_frame(exc.__traceback__) or "an unknown line of user code"
-            raise DataDependentError(
-                f"Python control flow or a Python value depends on the value of a tensor at {where}\n"
-                "fxtools traces one path through the program for the example's shapes; it cannot "
-                "branch on tensor data. Use torch.where / masking instead of `if`, or pass the value "
-                "as a Python number."
-            ) from exc
+        if is_data_dependent(exc):
+            raise data_dependent_error(exc) from exc
         raise
+    _reject_data_dependent_shapes(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, [n for n, t in zip(names, is_tensor) if t]):
         node._rename(name)

@@ -15,6 +15,7 @@ from torch._decomp import decomposition_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import registry
+from .capture import realize_constants
 from .derived import derived_rule
 from .errors import FxtoolsError
 from .functionalize import functionalize
@@ -58,6 +59,10 @@ def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
         with fake_mode:
             sub = make_fx(fn)(*[flat_args[i] for i in tensor_pos])
     except Exception:  # noqa: BLE001 - a decomposition that does not apply: try the next tool
+        return False
+    try:
+        realize_constants(sub)
+    except FxtoolsError:
         return False
     if any(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "prims" for n in sub.graph.nodes):
         return False  # a reference implementation in prims: less readable than PyTorch's formula

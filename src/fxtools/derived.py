@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from .capture import data_dependent_error, is_data_dependent, realize_constants
 from .errors import FxtoolsError
 from .functionalize import functionalize
 from .registry import Rule
@@ -53,8 +54,11 @@ def derived_rule(node: fx.Node) -> Rule | None:
         with fake_mode, warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*autograd kernel was not registered.*")
             bw = make_fx(backward)(*[flat[i] for i in tensor_pos], *[out_vals[i] for i in out_float])
-    except Exception:  # noqa: BLE001 - PyTorch has no derivative for this op here
+    except Exception as exc:  # noqa: BLE001 - PyTorch has no derivative for this op here
+        if is_data_dependent(exc):
+            raise data_dependent_error(exc, node) from exc
         return None
+    realize_constants(bw)
     try:
         functionalize(bw)  # PyTorch's formulas sometimes update buffers in place (masked_fill_)
     except FxtoolsError:
@@ -69,7 +73,8 @@ def derived_rule(node: fx.Node) -> Rule | None:
         flat_now, _ = pytree.tree_flatten((a, k))
         cts = ct if isinstance(ct, tuple) else (ct,)
         cts = [cts[i] for i in out_float]
-        cts = [c if c is not None else torch.zeros_like(out_vals[j]) for c, j in zip(cts, out_float)]
+        cts = [c if c is not None else torch.zeros(out_vals[j].shape, dtype=out_vals[j].dtype)
+               for c, j in zip(cts, out_float)]
         grads = bw(*[flat_now[i] for i in tensor_pos], *cts)
         per_flat = [None] * len(flat_now)
         for i, g in zip(diff, grads):

@@ -23,7 +23,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
 from . import registry
-from .capture import Captured, trace_flat
+from .capture import Captured, data_dependent_error, is_data_dependent, trace_flat
 from .errors import MissingRuleError, user_line_of
 
 aten = torch.ops.aten
@@ -140,6 +140,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
         if node.op == "call_function" and node.target is not operator.getitem:
             rule_for(node)  # fail before tracing, with the user's line
     namer = _Namer()
+    current = [None]  # the node being differentiated, for error messages
 
     def template(*flat):
         inputs, cts = flat[: len(placeholders)], flat[len(placeholders):]
@@ -149,6 +150,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
             if node.op == "get_attr":
                 env[node] = getattr(cap.gm, node.target)
             elif node.op == "call_function":
+                current[0] = node
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                 if node.target is torch._C._set_grad_enabled:
                     continue
@@ -178,6 +180,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
                 add(out_nodes[i], c)
 
         for node, rule, aux in reversed(tape):
+            current[0] = node
             if isinstance(node.meta.get("val"), (tuple, list)):
                 items = _getitem_users(node)
                 c = tuple(ct.get(items.get(i)) for i in range(len(node.meta["val"])))
@@ -214,7 +217,12 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
 
     examples = [_example(p.meta["val"], keep_strides=True) for p in placeholders]
     ct_examples = [_example(out_nodes[i].meta["val"]) for i in ct_index] if spec.seed == "cotangent" else []
-    gm = trace_flat(template, [*examples, *ct_examples], record_stack_traces=False)
+    try:
+        gm = trace_flat(template, [*examples, *ct_examples], record_stack_traces=False)
+    except Exception as exc:
+        if is_data_dependent(exc):
+            raise data_dependent_error(exc, current[0]) from exc
+        raise
     namer.apply()
     ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, p in zip(ph, placeholders):

@@ -15,10 +15,14 @@ aten = torch.ops.aten
 
 
 def _reshape(g, shape):
-    """``g`` with ``shape``: nothing when it has it, a view when ``g`` allows one, else a reshape."""
+    """``g`` with ``shape``: nothing when it has it, else a reshape.
+
+    Not ``view``: generated code may be called with differently strided tensors than the
+    example, and ``reshape`` is a view whenever one is possible anyway.
+    """
     if g.shape == shape:
         return g
-    return g.view(shape) if g.is_contiguous() else g.reshape(shape)
+    return g.reshape(shape)
 
 
 def _pad_dim(g, dim, before, after):
@@ -367,13 +371,6 @@ def masked_fill_scalar(ct, out, x, mask, value):
 def masked_fill_tensor(ct, out, x, mask, value):
     g_value = torch.where(mask, ct, 0).sum() if value.is_floating_point() else None
     return unbroadcast(ct.masked_fill(mask, 0), x), None, unbroadcast(g_value, value)
-
-
-@vjp_rule(aten.masked_select)
-def masked_select(ct, out, x, mask):
-    shape = torch.broadcast_shapes(x.shape, mask.shape)
-    g = x.new_zeros(shape).masked_scatter(mask if mask.shape == shape else mask.expand(shape), ct)
-    return unbroadcast(g, x), None
 
 
 # ---- diagonals and triangles ------------------------------------------------------------------
