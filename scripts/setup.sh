@@ -7,4 +7,5 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# constraints.txt keeps torch at that build while the test extras (transformers) install.
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'

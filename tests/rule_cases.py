@@ -27,7 +27,13 @@ _target = torch.tensor([0, 3, 1, 4])
 _logp2d = torch.log_softmax(_t(2, 3, 4, 4), 1)
 _target2d = torch.randint(0, 3, (2, 4, 4), generator=torch.Generator().manual_seed(0))
 
+_rows_with_duplicate = torch.cat([_t(4, 3), _t(4, 3)[:1]])  # a zero distance: PyTorch's subgradient 0
+
 EXTRA_CASES = {
+    aten._pdist_forward: [(lambda x, p=p: aten._pdist_forward(x, p), (x,))
+                          for p in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf")) for x in (_t(5, 3), _rows_with_duplicate)],
+    aten.pdist: [(lambda x, p=p: F.pdist(x, p), (x,)) for p in (0.0, 0.5, 1.0, 2.0, 3.0, float("inf"))
+                 for x in (_t(5, 3), _rows_with_duplicate)],
     aten._adaptive_avg_pool2d: [(lambda x: aten._adaptive_avg_pool2d(x, [2, 3]), (_t(2, 3, 5, 7),))],
     aten._adaptive_avg_pool3d: [(lambda x: aten._adaptive_avg_pool3d(x, [2, 2, 3]), (_t(1, 2, 4, 5, 7),))],
     aten._linalg_solve_ex: [(lambda a, b: aten._linalg_solve_ex(a, b)[0], (_spd(3), _t(3, 2)))],

@@ -195,3 +195,59 @@ def test_module_called_directly_differentiates_its_inputs():
     gm = fxtools.vjp(model, torch.randn(4, 3))
     assert "weight" in gm.code
     fxtools.check_vjp(model, torch.randn(4, 3), gm=gm)
+
+
+def test_outputs_keep_their_container_types():
+    import collections
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Pair:
+        a: torch.Tensor
+        b: torch.Tensor
+
+    torch.utils._pytree.register_dataclass(Pair)
+    try:
+        x = torch.randn(3)
+        for f in [lambda x: collections.OrderedDict(s=x.sin(), c=x.cos()), lambda x: Pair(x.sin(), x.cos())]:
+            out, (gx,) = fxtools.vjp(f, x)(x, torch.utils._pytree.tree_map(torch.ones_like, f(x)))
+            assert type(out) is type(f(x))
+            torch.testing.assert_close(gx, x.cos() - x.sin())
+    finally:
+        torch.utils._pytree._deregister_pytree_node(Pair)
+
+
+def test_output_objects_that_are_not_pytrees_are_a_clear_error():
+    class Cache:
+        pass
+
+    with pytest.raises(fxtools.FxtoolsError, match=r"return value\[1\] is a .*Cache"):
+        fxtools.vjp(lambda x: (x.sin(), Cache()), torch.randn(3))
+
+
+def test_custom_autograd_function_is_rejected_not_differentiated():
+    class StraightThroughRound(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.round()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    with pytest.raises(fxtools.FxtoolsError, match="StraightThroughRound.*own backward"):
+        fxtools.grad(lambda x: StraightThroughRound.apply(x).sum(), torch.randn(3))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_functions_are_differentiated(reentrant):
+    import torch.utils.checkpoint as cp
+
+    def f(x, w):
+        return cp.checkpoint(lambda x: torch.tanh(x @ w), x, use_reentrant=reentrant).sum()
+
+    x, w = torch.randn(2, 3), torch.randn(3, 3)
+    gx, gw = fxtools.grad(f, x, w, argnums=(0, 1))(x, w)
+    want = torch.func.grad(lambda x, w: torch.tanh(x @ w).sum(), argnums=(0, 1))(x, w)
+    torch.testing.assert_close(gx, want[0])
+    torch.testing.assert_close(gw, want[1])

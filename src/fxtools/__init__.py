@@ -8,14 +8,21 @@ Every transform takes a function (or ``nn.Module``) and example arguments and re
     fxtools.show(gm)                # the code, with shapes
 """
 from .api import grad, value_and_grad, vjp
+from .batching import vmap
+from .forward import jvp
+from .higher import hessian, hvp
+from .oplog import log
 from .check import VjpMismatch, check_vjp, check_vjp_fd
 from .errors import DataDependentError, FxtoolsError, MissingRuleError
+from .export import save
 from .functional import functional
 from .registry import mark_nondifferentiable, register_vjp
 from .show import show
+from .split import Split, split
+from .training import backend, compile  # noqa: A004 - fxtools.compile, like torch.compile
 
 __all__ = [
-    "vjp", "grad", "value_and_grad", "functional", "show", "check_vjp", "check_vjp_fd",
-    "register_vjp", "mark_nondifferentiable",
+    "vjp", "grad", "value_and_grad", "functional", "jvp", "hvp", "hessian", "vmap", "log", "show", "save", "check_vjp", "check_vjp_fd",
+    "register_vjp", "mark_nondifferentiable", "split", "Split", "compile", "backend",
     "FxtoolsError", "MissingRuleError", "DataDependentError", "VjpMismatch",
 ]

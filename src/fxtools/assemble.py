@@ -7,6 +7,7 @@ structures, so its code stands alone: no pytree specs, no flattening helpers.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -45,6 +46,31 @@ def _leaf_getters(graph: fx.Graph, arg_nodes: list[fx.Node], paths):
     return out
 
 
+def _returnable(graph: fx.Graph, value):
+    """``value`` (nested results holding nodes) as an fx output that rebuilds its containers.
+
+    fx returns tuples, lists, plain dicts and namedtuples as they are, but turns dict subclasses
+    (``OrderedDict``, transformers' ``ModelOutput``) into plain dicts and cannot spell dataclass
+    instances in code; those are built by a call of their class with keyword arguments.
+    """
+    def rebuild(v):
+        return _returnable(graph, v)
+
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*map(rebuild, value))
+    if type(value) in (tuple, list):
+        return type(value)(map(rebuild, value))
+    if isinstance(value, dict):
+        items = {k: rebuild(v) for k, v in value.items()}
+        if type(value) is dict or not all(isinstance(k, str) and k.isidentifier() for k in items):
+            return items
+        return graph.call_function(type(value), (), items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: rebuild(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return graph.call_function(type(value), (), fields)
+    return value
+
+
 def assemble(flat: fx.GraphModule, arg_names: list[str], args: tuple, tensor_leaf: list[bool],
              leaf_names: list[str], build_output, extra_args=()) -> fx.GraphModule:
     """Wrap ``flat`` (placeholders: tensor leaves of ``args`` then ``extra_args``' leaves).
@@ -74,6 +100,6 @@ def assemble(flat: fx.GraphModule, arg_names: list[str], args: tuple, tensor_lea
     for ph, node in env.items():
         node.meta.setdefault("val", ph.meta.get("val"))
     flat_outs = graph.graph_copy(flat.graph, env)
-    graph.output(build_output(list(flat_outs)))
+    graph.output(_returnable(graph, build_output(list(flat_outs))))
     gm = fx.GraphModule(flat, graph, class_name=flat.__class__.__name__)
     return gm

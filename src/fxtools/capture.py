@@ -60,8 +60,12 @@ def _module_tensor_names(f) -> dict[int, str]:
 def _name_constants(gm: fx.GraphModule, names: dict[int, str]) -> None:
     """Give closed-over tensors (``_tensor_constant3``) the names of the module attributes they are."""
     taken = {n.name for n in gm.graph.nodes}
+    renamed = {}  # several get_attr nodes may read one constant (tracing a GraphModule)
     for node in gm.graph.nodes:
         if node.op != "get_attr":
+            continue
+        if node.target in renamed:
+            node.target = renamed[node.target]
             continue
         tensor = getattr(gm, node.target)
         name = names.get(id(tensor))
@@ -73,6 +77,7 @@ def _name_constants(gm: fx.GraphModule, names: dict[int, str]) -> None:
             new, i = f"{name}_{i}", i + 1
         setattr(gm, new, tensor)
         delattr(gm, node.target)
+        renamed[node.target] = new
         node.target = new
         node._rename(new)
         taken.add(node.name)
@@ -118,11 +123,14 @@ def _no_real_mutation():
         fake_tensor.should_allow_numbers_as_tensors = original
 
 
-def trace_flat(fn, example_leaves, *, record_stack_traces=True) -> fx.GraphModule:
-    """make_fx at pre-dispatch level, with fake tensors, closed-over real tensors allowed."""
+def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=True) -> fx.GraphModule:
+    """make_fx at pre-dispatch level, with fake tensors, closed-over real tensors allowed.
+
+    ``pre_dispatch=False`` traces below torch.func transforms (``fxtools.vmap`` needs it).
+    """
     tracer = make_fx(
         fn,
-        pre_dispatch=True,
+        pre_dispatch=pre_dispatch,
         tracing_mode="fake",
         _allow_non_fake_inputs=True,
         record_stack_traces=record_stack_traces,
@@ -133,9 +141,12 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True) -> fx.GraphModul
 
 def is_data_dependent(exc: BaseException) -> bool:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
 
-    return isinstance(exc, (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException))
+    # PendingUnbackedSymbolNotFound: a value read with .item() became an offset or size that
+    # make_fx cannot bind (torch.narrow with a tensor start)
+    return isinstance(exc, (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException,
+                            PendingUnbackedSymbolNotFound))
 
 
 def realize_constants(gm: fx.GraphModule) -> fx.GraphModule:
@@ -183,7 +194,65 @@ def data_dependent_error(exc: BaseException, node=None) -> DataDependentError:
         "on tensor data. Use torch.where / masking instead of `if`, or pass the value as a Python number.")
 
 
-def capture(f, args: tuple, *, record_stack_traces=True) -> Captured:
+def _check_output_leaves(out) -> None:
+    """Every leaf of the return value must be a tensor or a constant a graph can return.
+
+    Other objects (a model's key/value cache, say) may hold traced tensors that are not pytree
+    leaves; without this check make_fx fails with an obscure ``NotImplementedError``.
+    """
+    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+        if leaf is None or isinstance(leaf, (*fx.node.base_types, slice, range, type(...))):
+            continue
+        where = f"the return value{pytree.keystr(path)}" if path else "the return value"
+        raise FxtoolsError(
+            f"{where} is a {type(leaf).__module__}.{type(leaf).__qualname__}, which fxtools cannot return "
+            "from a graph: return tensors, Python numbers, or lists, tuples, dicts (any pytree) of "
+            "them (a model that returns a cache usually has a flag to turn it off, e.g. use_cache=False)")
+
+
+AUTOGRAD_FUNCTION_KEY = "fxtools_autograd_function"  # in node.meta["custom"]: the Function that made the node
+
+
+@contextlib.contextmanager
+def _custom_autograd_functions():
+    """Trace ``torch.utils.checkpoint`` as its function; mark the ops of other autograd.Functions.
+
+    Tracing runs a custom ``torch.autograd.Function``'s forward inline and drops its backward.
+    Checkpointing only trades memory for recomputation (the gradient of a checkpointed call is
+    the gradient of its function), so both variants just call the function; the reentrant one
+    would otherwise run it under ``no_grad`` and its inputs would get no gradient. The nodes any
+    other Function creates are marked with its name, and ``check_supported`` rejects them:
+    differentiating the forward would silently ignore the Function's own backward (a
+    straight-through estimator, say).
+    """
+    from torch.fx.experimental import proxy_tensor
+
+    from .split import checkpoint_regions  # split imports this module
+
+    function = torch.autograd.function.Function
+    original = function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        mode = proxy_tensor.get_innermost_proxy_mode()
+        graph = mode.tracer.graph if mode is not None else None
+        before = set(graph.nodes) if graph is not None else set()
+        out = original.__get__(None, cls)(*args, **kwargs)
+        for node in graph.nodes if graph is not None else ():
+            if node not in before and node.op == "call_function":
+                custom = dict(node.meta.get("custom") or {})
+                custom.setdefault(AUTOGRAD_FUNCTION_KEY, cls.__qualname__)  # the outermost one wins
+                node.meta["custom"] = custom
+        return out
+
+    function.apply = classmethod(apply)
+    try:
+        with checkpoint_regions():
+            yield
+    finally:
+        function.apply = original
+
+
+def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True) -> Captured:
     """Trace ``f(*args)`` into a flat pre-dispatch ATen graph (see module docstring)."""
     paths_leaves, in_spec = pytree.tree_flatten_with_path(tuple(args))
     paths = [p for p, _ in paths_leaves]
@@ -196,13 +265,15 @@ def capture(f, args: tuple, *, record_stack_traces=True) -> Captured:
         it = iter(tensors)
         full = [next(it) if t else leaf for t, leaf in zip(is_tensor, leaves)]
         out = f(*pytree.tree_unflatten(full, in_spec))
+        _check_output_leaves(out)
         out_leaves, out_info["spec"] = pytree.tree_flatten(out)
         out_info["leaves"] = out_leaves
         return out_leaves
 
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
     try:
-        gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces)
+        with _custom_autograd_functions():
+            gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch)
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if is_data_dependent(exc):
             raise data_dependent_error(exc) from exc
@@ -225,3 +296,10 @@ def check_supported(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
             where = user_line_of(node) or "unknown line"
             raise FxtoolsError(f"{node.target.name()} (from {where}) is not supported by fxtools yet")
+        function = (node.meta.get("custom") or {}).get(AUTOGRAD_FUNCTION_KEY)
+        if function is not None:
+            where = user_line_of(node) or "unknown line"
+            raise FxtoolsError(
+                f"the custom torch.autograd.Function {function} (from {where}) defines its own backward, "
+                "which fxtools does not use; differentiating its forward instead could give a different "
+                "gradient. Write the function with differentiable torch operations.")

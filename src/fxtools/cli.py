@@ -77,14 +77,34 @@ def demo(argv) -> int:
     return 0 if ok else 1
 
 
-COMMANDS = {"demo": demo}
+def ops(argv) -> int:
+    """``fxtools ops``: which mechanism differentiates each op of PyTorch's OpInfo samples."""
+    from .coverage import main as coverage_main
+
+    return coverage_main(argv)
+
+
+COMMANDS = {"demo": demo, "ops": ops}
+
+from .cli_commands import (bench_command, grad_command, jvp_command, show_command,  # noqa: E402
+                           split_command, vjp_command)
+
+COMMANDS.update(grad=grad_command, vjp=vjp_command, jvp=jvp_command, split=split_command,
+                show=show_command, bench=bench_command)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: fxtools {" + ",".join(COMMANDS) + "} [--help]\n\n"
-              "  demo   differentiate the built-in examples and check them against torch.autograd")
+              "  demo   differentiate the built-in examples and check them against torch.autograd\n"
+              "  grad   the gradient of FILE.py:NAME (a function or nn.Module) as code; --out writes a standalone module\n"
+              "  vjp    the vector-Jacobian product of FILE.py:NAME as code\n"
+              "  jvp    the Jacobian-vector product of FILE.py:NAME as code\n"
+              "  split  forward and backward graphs of FILE.py:NAME and what the forward saves\n"
+              "  show   print a module written by fxtools.save / --out, or a torch.save'd GraphModule\n"
+              "  bench  benchmarks against PyTorch (AOTAutograd, make_fx, eager autograd)\n"
+              "  ops    coverage: how each op of PyTorch's OpInfo samples is differentiated (rule, decomposition, derived)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])
 

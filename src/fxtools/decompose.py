@@ -23,20 +23,47 @@ from .functionalize import functionalize
 _MAX_ROUNDS = 20
 
 
-def _decomposition(op):
+def _decompositions(op):
+    """Candidate decompositions of ``op``, best first: ``torch._decomp``'s entry, then the op's
+    CompositeImplicitAutograd definition (used when the table's entry is rejected, e.g. because
+    it is written in prims, as ``alpha_dropout``'s is)."""
     if not isinstance(op, torch._ops.OpOverload):
-        return None
+        return []
+    found = []
     if op in decomposition_table:
-        return decomposition_table[op]
+        found.append(decomposition_table[op])
     if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
-        return op.decompose
-    return None
+        found.append(op.decompose)
+    return found
 
 
 def _needs_work(node) -> bool:
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
             and registry.lookup(node.target) is None and not registry.is_nondifferentiable(node.target)
             and "fxtools_rule" not in node.meta)
+
+
+def _nondifferentiable_outputs(op, args, kwargs) -> list[int]:
+    """Float outputs that PyTorch's autograd formula for ``op`` declares non-differentiable
+    (``_batch_norm_with_update``'s saved mean and inverse std): a decomposition must not let
+    gradients flow through them, or fxtools would differentiate a different function than autograd."""
+    flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    if not any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in flat):
+        return []
+    written = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    bound = dict(zip([a.name for a in op._schema.arguments], args)) | dict(kwargs)
+    written_ids = {id(bound[n]) for n in written if n in bound}  # updated in place: cannot require grad
+    fake_mode = torch._guards.detect_fake_mode(flat)
+    try:
+        with fake_mode, torch.enable_grad():
+            flat = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                    and id(a) not in written_ids else a for a in flat]
+            a, k = torch.utils._pytree.tree_unflatten(flat, spec)
+            outs = torch.utils._pytree.tree_leaves(op(*a, **k))
+    except Exception:  # noqa: BLE001 - cannot tell: keep every output differentiable
+        return []
+    return [i for i, o in enumerate(outs)
+            if isinstance(o, torch.Tensor) and o.is_floating_point() and not o.requires_grad]
 
 
 def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
@@ -90,7 +117,18 @@ def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
             new.meta = dict(sn.meta)
             if trace:
                 new.meta["stack_trace"] = trace
+            if "custom" in node.meta:  # markers such as fxtools.split's checkpoint regions
+                new.meta["custom"] = node.meta["custom"]
             env[sn] = new
+    nondiff = _nondifferentiable_outputs(node.target, args, kwargs)
+    if nondiff:
+        result = list(result)
+        with gm.graph.inserting_before(node):
+            for i in nondiff:
+                if i < len(result) and isinstance(result[i], fx.Node):
+                    detached = gm.graph.call_function(torch.ops.aten.detach.default, (result[i],))
+                    detached.meta = dict(result[i].meta)
+                    result[i] = detached
     if isinstance(node.meta.get("val"), (tuple, list)):
         if len(result) != len(node.meta["val"]) or any(isinstance(v, (tuple, list)) for v in node.meta["val"]):
             raise NotImplementedError(f"cannot inline the decomposition of {node.target}")
@@ -112,8 +150,7 @@ def expand(gm: fx.GraphModule) -> fx.GraphModule:
             break
         progressed = False
         for node in todo:
-            decomp = _decomposition(node.target)
-            if decomp is not None and _inline(gm, node, decomp):
+            if any(_inline(gm, node, decomp) for decomp in _decompositions(node.target)):
                 progressed = True
                 continue
             rule = derived_rule(node)

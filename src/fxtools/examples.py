@@ -6,7 +6,7 @@ Two kinds of example:
   ``(fn, example_args)``;
 - models (``MLP``, ``SmallCNN``, ``GPT``): each builder (``mlp``, ``small_cnn``, ``gpt``)
   returns ``(model, example_inputs)``, where ``model(*example_inputs)`` is a scalar loss.
-  ``functional_loss(model)`` turns a model into ``loss_fn(params, *inputs)``, a function of
+  ``fxtools.functional(model)`` turns a model into ``loss_fn(params, *inputs)``, a function of
   the dict of its parameters, which is what ``fxtools.grad`` differentiates;
   ``as_loss(model, inputs)`` returns ``(loss_fn, (params, *inputs))`` directly.
 
@@ -22,11 +22,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .functional import functional
+
 __all__ = [
     "sin_plus_x", "foo", "bar",
     "MLP", "mlp", "SmallCNN", "small_cnn",
     "GPTConfig", "GPT", "gpt_config", "gpt",
-    "parameters_of", "functional_loss", "as_loss",
+    "parameters_of", "as_loss",
     "EXAMPLES", "example",
 ]
 
@@ -294,24 +296,9 @@ def parameters_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
-def functional_loss(model: nn.Module):
-    """``loss_fn(params, *inputs) = model(*inputs)`` with the parameters taken from ``params``.
-
-    Uses ``torch.func.functional_call``; buffers (BatchNorm's running statistics, masks) stay
-    the model's own, so training-mode BatchNorm updates them as an eager forward would.
-    """
-    def loss_fn(params, *inputs):
-        return torch.func.functional_call(model, params, inputs)
-
-    loss_fn.__fxtools_module__ = model  # lets fxtools name the buffers the function closes over
-    loss_fn.__name__ = loss_fn.__qualname__ = f"{type(model).__name__.lower()}_loss"
-    loss_fn.__doc__ = f"The loss of {type(model).__name__} as a function of its parameters: {type(model).__doc__}"
-    return loss_fn
-
-
 def as_loss(model: nn.Module, inputs: tuple):
     """``(loss_fn, (params, *inputs))`` for ``fxtools.grad(loss_fn, *args)``."""
-    return functional_loss(model), (parameters_of(model), *inputs)
+    return functional(model), (parameters_of(model), *inputs)
 
 
 def _as_loss_example(build):

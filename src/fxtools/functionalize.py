@@ -162,6 +162,8 @@ class _Builder:
             node.meta["val"] = target(*vals, **kvals)
         if self.trace:
             node.meta["stack_trace"] = self.trace
+        if self.before is not None and "custom" in self.before.meta:  # e.g. checkpoint regions
+            node.meta["custom"] = self.before.meta["custom"]
         return node
 
     def cast_like(self, value, like):
@@ -526,6 +528,12 @@ def _functional_value(b: _Builder, node, func, tval, input_storages):
                  pin_memory=False)
     if op is aten.fill_.Tensor:
         return b.cast_like(args[1], tval)
+    # the out-of-place overload may lack the in-place one's defaults (bernoulli_.float's p=0.5)
+    args = list(args)
+    for a in op._schema.arguments[len(args):]:
+        if a.kwarg_only or a.name in kwargs or not a.has_default_value():
+            break
+        args.append(a.default_value)
     return b(func, *args, **kwargs)
 
 

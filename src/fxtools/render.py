@@ -37,7 +37,9 @@ _METHODS = {
     aten.type_as.default: "type_as", aten.new_zeros.default: "new_zeros", aten.new_ones.default: "new_ones",
     aten.new_full.default: "new_full", aten.new_empty.default: "new_empty", aten.expand_as.default: "expand_as",
     aten.view_as.default: "view_as", aten.repeat.default: "repeat", aten.unflatten.int: "unflatten",
+    aten.split.Tensor: "split", aten.split_with_sizes.default: "split",
 }
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # at::Reduction as torch.nn.functional spells it
 _REORDERED = {  # aten op -> (public function, positions of the aten arguments in the call)
     aten.embedding.default: (F.embedding, (1, 0)),
 }
@@ -90,12 +92,16 @@ def public_alias(fn, namespace, name):
     return _ALIASES[key]
 
 
+_RENAMED = {"cross_entropy_loss": (F, "cross_entropy"), "nll_loss_nd": (F, "nll_loss")}
 _PREFIXED = (("linalg_", torch.linalg), ("special_", torch.special), ("fft_", torch.fft))
 
 
 def _public_function(op: torch._ops.OpOverload):
     """(function, namespace, name) of the public function named like ``op``, or None."""
     name = op.overloadpacket.__name__
+    if name in _RENAMED:
+        ns, attr = _RENAMED[name]
+        return getattr(ns, attr), ns, attr
     candidates = [(ns, name) for ns in _NAMESPACES]
     candidates = [(ns, name[len(prefix):]) for prefix, ns in _PREFIXED if name.startswith(prefix)] + candidates
     for ns, attr in candidates:
@@ -128,6 +134,8 @@ def _call(op, args, kwargs):
     if op in _SWAPPED and len(args) == 2 and not kwargs:
         return "call_function", _SWAPPED[op], (args[1], args[0]), {}
     pairs, schema = _schema_args(op, args, kwargs)
+    if op in _METHODS:
+        return _split("call_method", _METHODS[op], pairs, [a.name for a in schema if not a.kwarg_only])
     if _none_in_optional_tensor_list(schema, pairs):
         return None  # torch.index_put(x, [None, i], v) is rejected by the Python binding
     names = [n for n, _ in pairs]
@@ -172,6 +180,12 @@ def _python_call(target, params, pairs, schema):
         if p is None or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             return None
         default = p.default
+        if name == "reduction" and isinstance(value, int) and isinstance(default, str):
+            if value not in _REDUCTIONS:
+                return None
+            value = _REDUCTIONS[value]
+            if value == default:
+                continue
         if default is not inspect.Parameter.empty and default is not None and value is not None:
             numeric = (int, float)
             same = type(value) is type(default) or (
@@ -180,7 +194,17 @@ def _python_call(target, params, pairs, schema):
             if not same:
                 return None
         kwargs[name] = value
-    return "call_function", target, (pairs[0][1],), kwargs
+    order = list(params)
+    args = [pairs[0][1]]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for name in list(kwargs):
+        # only parameters that may be passed by position (torch.meshgrid's indexing is keyword-only)
+        if (len(args) < len(order) and order[len(args)] == name and params[name].kind in positional
+                and params[order[0]].kind in positional):
+            args.append(kwargs.pop(name))
+        else:
+            break
+    return "call_function", target, tuple(args), kwargs
 
 
 def _none_in_optional_tensor_list(schema, pairs) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
@@ -154,11 +155,14 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                 if node.target is torch._C._set_grad_enabled:
                     continue
-                if node.target is operator.getitem or node not in need:
-                    env[node] = node.target(*args, **kwargs)
-                    continue
-                rule = rule_for(node)
-                env[node], aux = rule.fwd(*args, **kwargs)
+                # With ``fx.traceback.preserve_node_meta()`` on (fxtools.split), the traced nodes
+                # inherit the op's stack trace and markers; otherwise this is a no-op.
+                with fx_traceback.set_current_meta(node):
+                    if node.target is operator.getitem or node not in need:
+                        env[node] = node.target(*args, **kwargs)
+                        continue
+                    rule = rule_for(node)
+                    env[node], aux = rule.fwd(*args, **kwargs)
                 tape.append((node, rule, aux))
             elif node.op not in ("placeholder", "output"):
                 raise NotImplementedError(f"fxtools cannot differentiate a graph with {node.op} nodes")
@@ -191,7 +195,8 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
                 if c is None:
                     continue
                 namer(c, f"grad_{node.name}")
-            dargs = rule.bwd(aux, c)
+            with fx_traceback.set_current_meta(node):
+                dargs = rule.bwd(aux, c)
             if not isinstance(dargs, (tuple, list)) or len(node.args) == 1 and isinstance(node.args[0], (list, tuple)) and not isinstance(dargs, tuple):
                 dargs = (dargs,)
             for a, d in zip(node.args, dargs):

@@ -114,10 +114,14 @@ register_vjp(aten.layer_norm, layer_norm_fwd, layer_norm_bwd, source="hand-writt
 
 @vjp_rule(aten.native_layer_norm)
 def native_layer_norm(ct, out, x, normalized_shape, weight, bias, eps):
-    # Like autograd, the statistics (outputs 1 and 2) carry no gradient.
-    if ct[0] is None:
-        return None
-    dx, dw, db = _layer_norm_grads(ct[0], x, normalized_shape, weight, bias, out[1], out[2])
+    # The statistics (outputs 1 and 2) are functions of x too: generated backward code reads
+    # them, so differentiating it again (hvp, jvp) needs their cotangents.
+    dx = dw = db = None
+    if ct[0] is not None:
+        dx, dw, db = _layer_norm_grads(ct[0], x, normalized_shape, weight, bias, out[1], out[2])
+    if ct[1] is not None or ct[2] is not None:
+        xhat = (x - out[1]) * out[2]
+        dx = _add(dx, _stats_grad(ct[1], ct[2], xhat, out[2], math.prod(normalized_shape)))
     return dx, None, dw, db
 
 
@@ -227,14 +231,23 @@ register_vjp(aten.batch_norm, batch_norm_fwd, batch_norm_bwd, source="hand-writt
 
 
 def _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, training, eps):
-    # Like autograd, the saved statistics (outputs 1 and 2) carry no gradient.
-    if ct[0] is None:
-        return None
+    # In training the batch statistics (outputs 1 and 2) are functions of x too: generated
+    # backward code reads them, so differentiating it again (hvp, jvp) needs their cotangents.
     if training:
         mean, rstd = out[1], out[2]
     else:
         mean, rstd = running_mean, torch.rsqrt(running_var + eps)
-    return _batch_norm_grads(ct[0], x, weight, bias, mean, rstd, training)
+    dx = dw = db = None
+    if ct[0] is not None:
+        dx, dw, db = _batch_norm_grads(ct[0], x, weight, bias, mean, rstd, training)
+    stats = [c if training else None for c in ct[1:3]]
+    if any(c is not None for c in stats):
+        shape = _channel_shape(x)
+        m, r = mean.view(shape), rstd.view(shape)
+        dx = _add(dx, _stats_grad(None if stats[0] is None else stats[0].view(shape),
+                                  None if stats[1] is None else stats[1].view(shape),
+                                  (x - m) * r, r, x.numel() // x.shape[1]))
+    return dx, dw, db
 
 
 @vjp_rule(aten.native_batch_norm)
@@ -524,6 +537,36 @@ def cosine_similarity(ct, out, x1, x2, dim=1, eps=1e-8):
     grad1 = g * (x2 / norm2 - x1 / norm1 * cos) / norm1
     grad2 = g * (x1 / norm1 - x2 / norm2 * cos) / norm2
     return unbroadcast(grad1, x1), unbroadcast(grad2, x2)
+
+
+@vjp_rule(aten.pdist)  # its torch._decomp entry (through a matrix product and sqrt) is NaN at 0
+@vjp_rule(aten._pdist_forward)
+def _pdist_forward(ct, out, x, p=2.0):
+    """pdist's rows i < j (``triu_indices`` order): the p-norm's gradient for each pair, zero
+    where the distance is zero (PyTorch's subgradient), added to row i and subtracted from row j."""
+    n = x.shape[0]
+    idx = torch.triu_indices(n, n, 1, device=x.device)
+    i, j = idx[0], idx[1]
+    diff = x.index_select(0, i) - x.index_select(0, j)
+    dist = out.unsqueeze(-1)
+    if p == 0:
+        return torch.zeros_like(x)
+    if p == 1:
+        g = torch.sign(diff)
+    elif p == math.inf:
+        g = torch.sign(diff) * (diff.abs() == dist)
+    else:
+        nonzero = dist != 0
+        safe = torch.where(nonzero, dist, 1)
+        if p == 2:
+            g = diff / safe
+        else:
+            g = torch.sign(diff) * diff.abs().pow(p - 1) / safe.pow(p - 1)
+            if p < 1:  # |diff| ** (p - 1) is infinite at diff == 0, where sign(diff) is 0
+                g = torch.where(diff == 0, 0, g)
+        g = torch.where(nonzero, g, 0)
+    g = g * ct.unsqueeze(-1)
+    return torch.zeros_like(x).index_add(0, i, g).index_add(0, j, -g)
 
 
 @vjp_rule(aten.pixel_shuffle)

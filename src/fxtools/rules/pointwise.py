@@ -157,7 +157,7 @@ def square(ct, out, x):
 
 @vjp_rule(aten.abs)
 def abs(ct, out, x):
-    return ct * torch.sign(x)
+    return ct * (torch.sgn(x) if x.is_complex() else torch.sign(x))
 
 
 @vjp_rule(aten.sgn)

@@ -1,0 +1,374 @@
+"""``save(gm, "file.py")``: a GraphModule as a standalone Python module that needs only torch.
+
+The written module defines ``forward(*args)`` with the GraphModule's calling convention (the
+pytree arguments are unpacked by indexing in the code itself, results are nested Python
+structures), so ``import file; file.forward(params, x, y)`` gives what ``gm(params, x, y)``
+gives, in an interpreter without fxtools.
+
+Tensor constants the code reads (``self.bn1_running_mean``, ``self._tensor_constant0``) become
+attributes of a module-level namespace: small ones are written as ``torch.tensor([...])``
+literals, larger ones are stored with ``torch.save`` beside the module (``file.pt``) and loaded
+relative to the module's ``__file__``. Buffers updated in place by the code (BatchNorm's running
+statistics) are updated in that namespace, once per call, as the GraphModule updated its own.
+
+The module's docstring documents the signature: argument names, the shape and dtype of every
+tensor leaf, the structure of the result, and any fxtools metadata the GraphModule carries in
+``gm.meta`` (such as a split into forward and backward and the tensors saved between them).
+"""
+from __future__ import annotations
+
+import builtins
+import contextlib
+import datetime
+import io
+import keyword
+import math
+import operator
+import os
+import re
+import types
+
+import torch
+import torch.fx as fx
+
+from .errors import FxtoolsError
+from .show import describe
+
+__all__ = ["save", "ExportError", "EMBED_LIMIT"]
+
+EMBED_LIMIT = 64  # constants with at most this many elements are written into the module as literals
+
+
+class ExportError(FxtoolsError):
+    """The GraphModule refers to something a standalone module cannot reproduce."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Globals the generated code refers to
+# ---------------------------------------------------------------------------------------------
+
+_SPECIAL_GLOBALS = {
+    "inf": "inf = float('inf')",
+    "nan": "nan = float('nan')",
+    "NoneType": "NoneType = type(None)",
+    "device": "from torch import device",
+}
+
+
+def _import_line(name: str, obj) -> str:
+    """The statement that binds ``name`` to ``obj`` in the written module."""
+    if name in _SPECIAL_GLOBALS:
+        return _SPECIAL_GLOBALS[name]
+    if isinstance(obj, types.ModuleType):
+        mod = obj.__name__
+        _check_importable(mod, name)
+        if mod == name:
+            return f"import {mod}"
+        if "." in mod:
+            parent, _, attr = mod.rpartition(".")
+            return f"from {parent} import {attr}" + (f" as {name}" if attr != name else "")
+        return f"import {mod} as {name}"
+    if isinstance(obj, torch.dtype):
+        return f"{name} = {obj}"
+    if isinstance(obj, (bool, int, float, complex, str)) or obj is None:
+        return f"{name} = {_literal(obj)}"
+    mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if mod and qual and "<" not in qual and "." not in qual:
+        _check_importable(mod, name)
+        try:
+            found = getattr(__import__(mod, fromlist=[qual]), qual)
+        except (ImportError, AttributeError):
+            found = None
+        if found is obj:
+            return f"from {mod} import {qual}" + (f" as {name}" if qual != name else "")
+    raise ExportError(
+        f"the generated code calls {obj!r} (as {name!r}), which is not part of torch or the standard "
+        "library, so a standalone module cannot import it")
+
+
+def _check_importable(module: str, name: str) -> None:
+    top = module.split(".")[0]
+    if top in ("torch", "math", "operator", "builtins", "functools", "itertools", "collections", "typing"):
+        return
+    import sys
+    if top in getattr(sys, "stdlib_module_names", ()):
+        return
+    raise ExportError(f"the generated code refers to module {module!r} (as {name!r}); a standalone "
+                      "module may only import torch and the standard library")
+
+
+def _literal(v) -> str:
+    """Python source for a scalar, exact on reload (``float('inf')`` for infinities)."""
+    if isinstance(v, bool) or v is None:
+        return repr(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "float('nan')"
+        if math.isinf(v):
+            return "float('inf')" if v > 0 else "-float('inf')"
+        return repr(v)
+    if isinstance(v, complex):
+        return f"complex({_literal(v.real)}, {_literal(v.imag)})"
+    return repr(v)
+
+
+def _tensor_literal(t: torch.Tensor) -> str:
+    t = t.detach()
+    if t.numel() == 0:
+        return f"torch.empty({list(t.shape)}, dtype={t.dtype})"
+    if t.numel() > 1:
+        first = t.reshape(-1)[0]
+        if bool((t == first).all()):  # a constant fill (never true with NaNs)
+            return f"torch.full({list(t.shape)}, {_literal(first.item())}, dtype={t.dtype})"
+    data = t.tolist()
+
+    def fmt(x):
+        if isinstance(x, list):
+            return "[" + ", ".join(fmt(v) for v in x) + "]"
+        return _literal(x)
+
+    return f"torch.tensor({fmt(data)}, dtype={t.dtype})"
+
+
+# ---------------------------------------------------------------------------------------------
+# The docstring: signature, shapes, metadata
+# ---------------------------------------------------------------------------------------------
+
+def _leaf_descriptions(placeholder: fx.Node) -> list[str]:
+    """``params['fc1.weight']: f32[8, 4]`` for every leaf the code extracts from ``placeholder``."""
+    own = describe(placeholder.meta.get("val"))
+    if own and isinstance(placeholder.meta.get("val"), torch.Tensor):
+        return [f"{placeholder.name}: {own}"]
+    out = []
+
+    def walk(node, text):
+        getters = [u for u in node.users if u.op == "call_function" and u.args and u.args[0] is node
+                   and u.target in (operator.getitem, getattr)]
+        if not getters:
+            desc = describe(node.meta.get("val"))
+            if node is not placeholder and desc:
+                out.append(f"{text}: {desc}")
+            elif node is not placeholder:
+                out.append(f"{text}: (not used)")
+            return
+        for u in getters:
+            key = u.args[1]
+            walk(u, f"{text}[{key!r}]" if u.target is operator.getitem else f"{text}.{key}")
+
+    walk(placeholder, placeholder.name)
+    return out
+
+
+def _result_description(graph: fx.Graph) -> str:
+    out = next(n for n in graph.nodes if n.op == "output")
+
+    def fmt(a):
+        if isinstance(a, fx.Node):
+            return describe(a.meta.get("val")) or a.name
+        if isinstance(a, tuple):
+            inner = ", ".join(fmt(v) for v in a)
+            return f"({inner}{',' if len(a) == 1 else ''})"
+        if isinstance(a, list):
+            return "[" + ", ".join(fmt(v) for v in a) + "]"
+        if isinstance(a, dict):
+            return "{" + ", ".join(f"{k!r}: {fmt(v)}" for k, v in a.items()) + "}"
+        return repr(a)
+
+    return fmt(out.args[0])
+
+
+def _meta_lines(meta: dict) -> list[str]:
+    """Readable lines for the JSON-like entries of ``gm.meta`` (fxtools' split / saved-tensor notes)."""
+    lines = []
+    for key in sorted(meta, key=str):
+        value = meta[key]
+        if not _plain(value):
+            continue
+        text = repr(value)
+        if len(text) > 600:
+            text = text[:600] + " ..."
+        lines.append(f"    {key}: {text}")
+    return lines
+
+
+def _plain(v, depth=0) -> bool:
+    if depth > 6:
+        return False
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x, depth + 1) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, (str, int)) and _plain(x, depth + 1) for k, x in v.items())
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Code: annotate with shapes, keep FX's frees
+# ---------------------------------------------------------------------------------------------
+
+def _annotate(src: str, graph: fx.Graph) -> str:
+    by_name = {n.name: n for n in graph.nodes}
+    lines = []
+    for line in src.strip("\n").splitlines():
+        m = re.match(r"\s+(\w+) = ", line)
+        if m and m.group(1) in by_name:
+            desc = describe(by_name[m.group(1)].meta.get("val"))
+            if desc:
+                line = f"{line}  # {desc}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _fresh_name(base: str, taken: set[str]) -> str:
+    name, i = base, 1
+    while name in taken or keyword.iskeyword(name) or name in dir(builtins):
+        name, i = f"{base}_{i}", i + 1
+    return name
+
+
+def _get_attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _Function:
+    """One function of the written module: a renamed copy of a GraphModule's graph and its code."""
+
+    def __init__(self, gm: fx.GraphModule, fname: str, ns: str, values: dict, ids: dict):
+        for node in gm.graph.nodes:
+            if node.op == "call_module":
+                raise ExportError(f"node {node.name} calls submodule {node.target!r}; save needs a flat GraphModule")
+        self.gm, self.fname = gm, fname
+        # A copy of the graph whose get_attr targets are plain identifiers (``a.b`` becomes ``a_b``),
+        # shared with the other functions of the module when they read the same tensor.
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))
+        graph._codegen = gm.graph._codegen  # a pytree codegen (make_fx graphs) writes its own prologue
+        for node in graph.nodes:
+            if node.op == "get_attr":
+                value = _get_attr(gm, node.target)
+                if id(value) not in ids:
+                    base = re.sub(r"\W", "_", node.target)
+                    flat = _fresh_name("c" + base if base.startswith("__") else base, set(values))
+                    ids[id(value)] = flat
+                    values[flat] = value
+                node.target = ids[id(value)]
+        self.graph = graph
+        code = graph.python_code(root_module=ns)
+        # FX always writes ``def forward(self, ...)``; the standalone function has no self.
+        src, n_sub = re.subn(r"def forward\(self(, )?", f"def {fname}(", code.src, count=1)
+        if n_sub != 1:
+            raise ExportError("unexpected code layout: no `def forward(self, ...)` line")
+        self.src, self.globals = src, code.globals
+
+    def doc(self) -> list[str]:
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        lines = [f"{self.fname}({', '.join(n.name for n in placeholders)})", "",
+                 "Arguments (tensor leaves, as the code indexes them):"]
+        for ph in placeholders:
+            lines += [f"    {d}" for d in _leaf_descriptions(ph)] or [f"    {ph.name}: (not a tensor)"]
+        lines += ["", "Returns:", f"    {_result_description(self.graph)}"]
+        meta = _meta_lines(getattr(self.gm, "meta", {}) or {})
+        if meta:
+            lines += ["", "Metadata:"] + meta
+        return lines
+
+
+def _functions_of(obj):
+    """``[(name, GraphModule)]`` and extra docstring lines for a GraphModule or an ``fxtools.split``."""
+    if isinstance(obj, fx.GraphModule):
+        return [("forward", obj)], []
+    if all(hasattr(obj, a) for a in ("forward", "backward", "saved", "report")):  # fxtools.Split
+        with contextlib.redirect_stdout(io.StringIO()):  # report() also prints
+            report = str(obj.report())
+        notes = ["forward(*inputs) -> (out, saved); backward(*saved, *cotangents) -> grads", "",
+                 *report.rstrip().splitlines()]
+        return [("forward", obj.forward), ("backward", obj.backward)], notes
+    raise TypeError(f"save takes a GraphModule or an fxtools.split result, not {type(obj).__name__}")
+
+
+def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -> str:
+    """Write ``gm`` as a standalone module at ``path``; returns the module's source.
+
+    The module imports only torch and the standard library and defines ``forward(*args)``,
+    called as ``gm`` is. For the result of ``fxtools.split`` it defines ``forward`` and
+    ``backward`` and its docstring lists the saved tensors. Constants with more than
+    ``embed_limit`` elements go to a ``.pt`` file next to it (same stem), loaded with
+    ``torch.load(..., weights_only=True)`` at import.
+    """
+    path = os.fspath(path)
+    if not path.endswith(".py"):
+        raise ValueError(f"save writes a Python module; the path must end in .py, not {path!r}")
+    pairs, notes = _functions_of(gm)
+    taken = {n.name for _, g in pairs for n in g.graph.nodes} | {"torch", "os"} | {f for f, _ in pairs}
+    ns = _fresh_name("constants", taken)
+    values, ids = {}, {}
+    functions = [_Function(g, fname, ns, values, ids) for fname, g in pairs]
+
+    # constants read by get_attr nodes
+    targets = list(values)
+    embedded, stored = {}, {}
+    for target, value in values.items():
+        if isinstance(value, torch.nn.Parameter):
+            value = value.detach()
+        if not isinstance(value, torch.Tensor):
+            raise ExportError(f"attribute {target!r} is a {type(value).__name__}, not a tensor")
+        if value.layout != torch.strided or value.is_quantized:
+            raise ExportError(f"attribute {target!r} has layout {value.layout}; only dense tensors are supported")
+        small = value.numel() <= embed_limit
+        (embedded if small else stored)[target] = value
+
+    # globals the code uses
+    imports = ["import os", "import torch"] if stored else ["import torch"]
+    for fn in functions:
+        for gname, obj in sorted(fn.globals.items()):
+            if gname == "torch" or not re.search(rf"(?<![\w.]){re.escape(gname)}\b", fn.src):
+                continue
+            line = _import_line(gname, obj)
+            if line not in imports:
+                imports.append(line)
+
+    # docstring
+    title = name or "Code generated by fxtools"
+    doc = [f"{title}.", ""]
+    if notes:
+        doc += notes + [""]
+    for fn in functions:
+        doc += fn.doc() + [""]
+    if targets:
+        doc += [f"Constants ({ns}.<name>): " + ", ".join(f"{t} {describe(values[t])}" for t in targets)]
+        if stored:
+            doc += [f"stored in {os.path.basename(path)[:-3]}.pt beside this file (torch.save)"]
+        doc += [""]
+    doc += [f"Written {datetime.date.today().isoformat()} with torch {torch.__version__}; "
+            "needs only torch to run."]
+    doc_text = "\n".join(doc).replace('"""', "'''").replace("\\", "\\\\")
+
+    parts = [f'"""{doc_text}\n"""', "\n".join(imports), ""]
+    if stored:
+        pt_name = os.path.basename(path)[:-3] + ".pt"
+        parts.append(f"_stored = torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "
+                     f"{pt_name!r}), weights_only=True)")
+        parts.append("")
+    if values:
+        parts += ["", f"class {ns}:", '    """The tensor constants the code reads (buffers are updated in place)."""']
+        for target, value in values.items():
+            rhs = f"_stored[{target!r}]" if target in stored else _tensor_literal(value)
+            parts.append(f"    {target} = {rhs}")
+        if stored:
+            parts.append("\n\ndel _stored")
+        parts.append("")
+    for fn in functions:
+        parts.append("")
+        parts.append(_annotate(fn.src, fn.graph))
+    text = "\n".join(parts)
+    compile(text, path, "exec")  # fail here, not at import, if anything is off
+
+    if stored:
+        torch.save({t: v.detach().clone() for t, v in stored.items()}, path[:-3] + ".pt")
+    with open(path, "w") as fh:
+        fh.write(text)
+    return text

@@ -1,0 +1,287 @@
+"""Forward mode: ``jvp(f, *args)``, the Jacobian-vector product, as readable PyTorch code.
+
+How: the transpose trick, reusing the VJP rules
+-------------------------------------------------
+fxtools has one rule per op, for reverse mode. Rather than write (and keep correct) a second
+rule per op for forward mode, ``jvp`` uses the fact that the VJP graph
+
+    u -> (f(x), J(x)^T u)
+
+is *linear* in the cotangent ``u``. Differentiating that graph with respect to ``u`` (reverse
+mode again, with cotangent ``t`` on its ``J^T u`` outputs) gives the transpose of ``J^T``,
+that is ``J t``: the JVP. Because the second pass only differentiates the backward ops that
+``u`` flows through (the forward ops do not depend on ``u``) and the result does not depend on
+``u`` at all, dead-code elimination leaves exactly the forward computation plus one linear
+op per backward op: for ``sin`` the VJP ``ct * cos(x)`` transposes to ``t * cos(x)``.
+
+Why this and not forward rules: every op fxtools can differentiate in reverse mode (its own
+rules, PyTorch decompositions, rules derived from PyTorch's derivative formulas, the user's
+``register_vjp`` and ``custom_vjp`` rules) is then supported in forward mode with no extra
+table, and the two modes cannot disagree. The cost is paid once, when the code is generated;
+the generated code is what one would write by hand after simplification.
+
+Naming: a cotangent of a cotangent is a tangent, so the value the second pass calls
+``grad_grad_v`` (the cotangent of ``v``'s cotangent) is the tangent of ``v`` and is named
+``tangent_v``. Tangent arguments are ``tangent_<arg>`` (pytrees as for ``vjp``).
+
+A last local pass fuses ``a + b * c`` (when the product has no other use) into
+``torch.addcmul(a, b, c)``: the chain rule through a sum of a linear and a nonlinear term
+(``sin(x) + x``) produces exactly that shape, and the fused form is one op.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .api import _names, _prepare
+from .assemble import assemble
+from .capture import Captured
+from .decompose import expand
+from .errors import FxtoolsError
+from .functionalize import functionalize
+from .render import render
+from .reverse import ReverseSpec, is_float, reverse
+from .simplify import _fake_mode, dce, simplify
+
+aten = torch.ops.aten
+
+__all__ = ["jvp", "transpose_vjp", "fuse_addcmul", "tangent_names"]
+
+
+def _as_captured(gm: fx.GraphModule) -> Captured:
+    """A flat ATen graph (from ``reverse``) as the ``Captured`` that ``reverse`` reads."""
+    functionalize(gm)
+    expand(gm)
+    return Captured(gm, None, None, [], [], [], [])
+
+
+def tangent_names(gm: fx.GraphModule) -> None:
+    """``grad_grad_v`` (cotangent of a cotangent) is the tangent of ``v``: name it so.
+
+    Other ``grad_`` names of the second pass are cotangents of backward intermediates, which
+    mean nothing to a reader of forward-mode code: they get their op's name back.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not node.name.startswith("grad_"):
+            continue
+        if node.name.startswith("grad_grad_"):
+            node._rename("tangent_" + node.name[len("grad_grad_"):])
+        else:
+            target = node.target
+            base = getattr(getattr(target, "overloadpacket", target), "__name__", "v")
+            node._rename(base.lstrip("_"))
+
+
+def transpose_vjp(vjp_gm: fx.GraphModule, n_in: int, n_out: int):
+    """Transpose the flat VJP graph ``(x..., u...) -> (out..., J^T u...)``.
+
+    ``vjp_gm`` has ``n_in`` primal placeholders followed by cotangent placeholders ``u``, and
+    returns ``n_out`` primal outputs followed by one gradient (or None) per primal input.
+    Returns ``(gm, tangent_of)``: ``gm`` takes ``(x..., u..., t...)`` and returns
+    ``(out..., J^T u..., J t per u)``, and ``tangent_of[k]`` is the primal input index whose
+    tangent is the k-th ``t`` placeholder.
+    """
+    placeholders = [n for n in vjp_gm.graph.nodes if n.op == "placeholder"]
+    n_u = len(placeholders) - n_in
+    wrt = [False] * n_in + [True] * n_u
+    flat, ct_index, _ = reverse(_as_captured(vjp_gm), ReverseSpec(wrt, "cotangent"))
+    for i in ct_index:
+        if i < n_out:
+            raise FxtoolsError("internal error: a primal output depends on the cotangent")
+    return flat, [i - n_out for i in ct_index]
+
+
+def fuse_addcmul(gm: fx.GraphModule) -> bool:
+    """``a + b * c`` -> ``torch.addcmul(a, b, c)`` where the product is used only there."""
+    changed = False
+    fake_mode = _fake_mode(gm.graph)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+            continue
+        a, m = node.args
+        if not (isinstance(m, fx.Node) and m.target is aten.mul.Tensor and len(m.users) == 1 and not m.kwargs):
+            a, m = m, a
+        if not (isinstance(m, fx.Node) and m.op == "call_function" and m.target is aten.mul.Tensor
+                and len(m.users) == 1 and not m.kwargs and isinstance(a, fx.Node)):
+            continue
+        b, c = m.args
+        if not (isinstance(b, fx.Node) and isinstance(c, fx.Node)):
+            continue
+        vals = [x.meta.get("val") for x in (a, b, c, node)]
+        if not all(isinstance(v, torch.Tensor) for v in vals):
+            continue
+        # addcmul broadcasts like a + b * c, but its result dtype must equal the add's
+        if len({v.dtype for v in vals}) != 1:
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(aten.addcmul.default, (a, b, c))
+        if fake_mode is not None:
+            with fake_mode:
+                new.meta["val"] = aten.addcmul.default(*vals[:3])
+        if new.meta.get("val") is None or new.meta["val"].shape != vals[3].shape:
+            gm.graph.erase_node(new)
+            continue
+        node.replace_all_uses_with(new)
+        name = node.name
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(m)
+        new._rename(name)
+        changed = True
+    return changed
+
+
+_SHAPE_ONLY = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.dim,
+               aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.flatten.using_ints,
+               aten.unflatten.int}
+
+
+def collapse_view_chains(gm: fx.GraphModule) -> bool:
+    """A chain of reshapes/squeezes/unsqueezes that ends in its start's shape is its start."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.slice.Tensor and node.users:
+            x = node.args[0]
+            a, b = (x.meta.get("val") if isinstance(x, fx.Node) else None), node.meta.get("val")
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
+                node.replace_all_uses_with(x)  # a slice of the whole dimension
+                changed = True
+                continue
+        if node.op != "call_function" or node.target not in _SHAPE_ONLY or not node.users:
+            continue
+        start = node
+        while isinstance(start, fx.Node) and start.op == "call_function" and start.target in _SHAPE_ONLY:
+            start = start.args[0]
+        if start is node.args[0] or not isinstance(start, fx.Node):
+            continue
+        a, b = start.meta.get("val"), node.meta.get("val")
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+                and a.dtype == b.dtype and a.is_contiguous():
+            node.replace_all_uses_with(start)
+            changed = True
+    return changed
+
+
+def tidy_names(gm: fx.GraphModule) -> None:
+    """``tangent_out_1`` -> ``tangent_out`` when the shorter name is free (after fusions)."""
+    import re
+
+    taken = {n.name for n in gm.graph.nodes}
+    for node in gm.graph.nodes:
+        m = re.fullmatch(r"((?:tangent|grad|hvp)_\w+?)_\d+", node.name)
+        if m and m.group(1) not in taken:
+            node.name = m.group(1)  # the graph namespace still lists it; harmless: names are unique
+            taken.add(node.name)
+
+
+def _zeros(graph: fx.Graph, val, fake_mode, name="zeros"):
+    node = graph.call_function(aten.zeros.default, (list(val.shape),), {"dtype": val.dtype})
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["val"] = torch.zeros(val.shape, dtype=val.dtype)
+    return node
+
+
+def jvp(f, *args) -> fx.GraphModule:
+    """The Jacobian-vector product of ``f`` at example ``args``, as readable PyTorch code.
+
+    Returns a GraphModule ``gm`` with ``out, out_tangent = gm(*args, *tangents)``: there is one
+    tangent per positional argument, with that argument's pytree structure (pass ``None`` at
+    leaves that are not floating-point tensors, such as class indices); ``out`` is ``f(*args)``
+    and ``out_tangent`` has its structure, holding ``J @ tangents`` at floating-point leaves and
+    ``None`` elsewhere. As ``torch.func.jvp(f, args, tangents)``.
+    """
+    if not isinstance(args, tuple):
+        args = tuple(args)
+    argnums = tuple(range(len(args)))
+    cap, wrt = _prepare(f, args, argnums)
+    cap.f = f
+    vjp_flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
+    simplify(vjp_flat)
+    x_vals = [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t]
+    n_x, n_out = len(x_vals), len(cap.out_leaves)
+    flat, tangent_of = transpose_vjp(vjp_flat, n_x, n_out)
+    tangent_names(flat)
+
+    # Rebuild: placeholders (x..., one tangent per float tensor leaf), outputs (out..., J t...).
+    old_ph = [n for n in flat.graph.nodes if n.op == "placeholder"]
+    x_ph, u_ph, t_ph = old_ph[:n_x], old_ph[n_x:n_x + len(ct_index)], old_ph[n_x + len(ct_index):]
+    old_out = list(next(n for n in flat.graph.nodes if n.op == "output").args[0])
+    fake_mode = _fake_mode(flat.graph)
+    graph = fx.Graph()
+    env = {}
+    new_x = []
+    for p in x_ph:
+        q = graph.placeholder(p.name)
+        q.meta["val"] = p.meta.get("val")
+        env[p] = q
+        new_x.append(q)
+    float_x = [i for i, v in enumerate(x_vals) if is_float(v)]
+    t_new = {}
+    for i in float_x:
+        q = graph.placeholder(f"tangent_{x_ph[i].name}")
+        q.meta["val"] = x_ph[i].meta.get("val")
+        t_new[i] = q
+    for k, p in enumerate(t_ph):
+        env[p] = t_new[tangent_of[k]]
+    for p in u_ph:
+        # J t does not depend on u (the VJP is linear in it); anything left reading u is dead
+        # or multiplied away, and zero is as good a value as any.
+        env[p] = _zeros(graph, p.meta["val"], fake_mode, "zeros")
+    mapped = graph.graph_copy(flat.graph, env)
+    mapped = list(mapped) if isinstance(mapped, (tuple, list)) else [mapped]
+    outs = mapped[:n_out]
+    jt = mapped[n_out + n_x:]
+    out_tangents = []
+    it = iter(jt)
+    jt_of = {i: next(it) for i in ct_index}
+    for i, o in enumerate(cap.out_leaves):
+        if i in jt_of:
+            out_tangents.append(jt_of[i])
+        elif is_float(o):
+            src = outs[i]
+            if isinstance(src, fx.Node):
+                z = graph.call_function(aten.zeros_like.default, (src,))
+                z.meta["val"] = src.meta.get("val")
+            else:
+                z = torch.zeros_like(o)
+            out_tangents.append(z)
+        else:
+            out_tangents.append(None)
+    graph.output((*outs, *out_tangents))
+    flat_gm = fx.GraphModule(flat, graph)
+    dce(flat_gm)
+    for n in flat_gm.graph.nodes:
+        if n.op == "placeholder" and n.name.startswith("grad_") and n.users:
+            raise FxtoolsError("internal error: the JVP depends on the cotangent of the VJP")
+
+    names = _names(f, args)
+    tangent_examples = [
+        (f"tangent_{name}", pytree.tree_map(lambda v: v if is_float(v) else None, a))
+        for name, a in zip(names, args)]
+
+    def build(flat_results):
+        out = pytree.tree_unflatten(flat_results[:n_out], cap.out_spec)
+        tan = pytree.tree_unflatten(flat_results[n_out:], cap.out_spec)
+        return out, tan
+
+    return finish(flat_gm, names, args, cap, build, tangent_examples, leaf_x_only=True)
+
+
+def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False) -> fx.GraphModule:
+    """Assemble the user-facing module, simplify, fuse, render."""
+    gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
+    simplify(gm)
+    while collapse_view_chains(gm) | fuse_addcmul(gm):
+        simplify(gm)
+    tidy_names(gm)
+    render(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _is_getitem(node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem

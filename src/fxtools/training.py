@@ -1,0 +1,291 @@
+"""Training with fxtools' graphs: ``fxtools.compile`` and the ``torch.compile`` backend.
+
+``compile(model_or_fn, *example_args, fw_compiler=None, bw_compiler=None, policy=...)`` returns
+a callable (an ``nn.Module`` wrapping the original one, for a module) whose forward runs
+``Split.forward`` inside a ``torch.autograd.Function`` and whose backward runs
+``Split.backward``. ``loss.backward()`` and optimizers work unchanged: gradients land in the
+``.grad`` of the original tensors, so an optimizer built on ``model.parameters()`` keeps working.
+
+``torch.compile(model, backend=fxtools.backend(...))`` does the same for the graphs TorchDynamo
+captures: each is differentiated by fxtools as a function of its inputs (parameters usually arrive
+as inputs; any the graph holds itself are treated as inputs too).
+
+Compilers receive the ``Split`` GraphModules and return a callable: ``compiler(gm)`` or
+``compiler(gm, example_inputs)`` (as for AOTAutograd). The forward is called as
+``fw(*tensor_leaves) -> (out, saved)``, the backward as ``bw(*saved, *cotangents)``. Without a
+backward compiler the backward runs boxed (``Split.backward_boxed``), freeing each saved
+activation after its last use.
+
+Graphs are specialised to the shapes, dtypes, strides and Python values of the arguments and to
+``model.training``; a call with different ones makes (and caches) a new split.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .functional import functional
+from .naming import identifier
+from .reverse import is_float
+from .split import Split, checkpoint_regions, split
+
+__all__ = ["compile", "backend", "CompiledModule"]
+
+
+def _apply_compiler(compiler, gm, example_inputs):
+    if compiler is None:
+        return gm
+    try:
+        params = [p for p in inspect.signature(compiler).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    except (TypeError, ValueError):
+        params = []
+    two = len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+    return compiler(gm, example_inputs) if two else compiler(gm)
+
+
+def _zeros_like_meta(info):
+    return torch.zeros(info.shape, dtype=info.dtype)
+
+
+class _Runner:
+    """A split with its compiled graphs, and how to call them from an autograd.Function."""
+
+    def __init__(self, sp: Split, leaves, fw_compiler, bw_compiler):
+        self.split = sp
+        self.fw = _apply_compiler(fw_compiler, sp.forward, leaves)
+        if bw_compiler is None:
+            self.bw, self.boxed = sp.backward_boxed, True
+        else:
+            examples = [_zeros_like_meta(s) for s in sp.saved] + [_zeros_like_meta(c) for c in sp.cotangents]
+            self.bw, self.boxed = _apply_compiler(bw_compiler, sp.backward, examples), False
+        cap = sp._cap
+        self.out_leaves = cap.out_leaves
+        self.out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
+        tensor_positions = [i for i, t in enumerate(self.out_is_tensor) if t]
+        self.ct_positions = [tensor_positions.index(i) for i in sp._ct_index]
+        # inputs and outputs are saved through ctx.save_for_backward; activations in a list the
+        # backward empties
+        self.via_ctx = [p or o for p, o in zip(sp._saved_is_primal, sp._saved_is_output)]
+
+    def run_forward(self, leaves):
+        out, saved = self.fw(*leaves)
+        return pytree.tree_leaves(out), list(saved)
+
+    def run_backward(self, saved: list, cts: list):
+        if self.boxed:
+            args = saved + cts
+            saved.clear()
+            grads = self.bw(args)
+        else:
+            grads = self.bw(*saved, *cts)
+        return self.split.flat_grads(grads)
+
+    def __call__(self, args):
+        leaves = self.split.flatten(*args)
+        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+            outs = _SplitFunction.apply(self, *leaves)
+        else:
+            with torch.no_grad():
+                outs, _ = self.run_forward(leaves)
+        it = iter(outs)
+        full = [next(it) if t else o for t, o in zip(self.out_is_tensor, self.out_leaves)]
+        return pytree.tree_unflatten(full, self.split.out_spec)
+
+
+class _SplitFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runner: _Runner, *leaves):
+        outs, saved = runner.run_forward(leaves)
+        tensors = [o for o in outs if isinstance(o, torch.Tensor)]
+        ctx.runner = runner
+        ctx.save_for_backward(*[s for s, c in zip(saved, runner.via_ctx) if c])
+        ctx.fxtools_saved = [s for s, c in zip(saved, runner.via_ctx) if not c]
+        non_diff = [o for o in tensors if not is_float(o)]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        runner = ctx.runner
+        kept, plain = iter(ctx.saved_tensors), iter(ctx.fxtools_saved)
+        saved = [next(kept) if c else next(plain) for c in runner.via_ctx]
+        ctx.fxtools_saved = None
+        cts = [grad_outs[i] for i in runner.ct_positions]
+        del plain
+        grads = runner.run_backward(saved, cts)
+        return (None, *grads)
+
+
+def _key(args, training):
+    leaves, spec = pytree.tree_flatten(tuple(args))
+    sig = tuple((tuple(x.shape), x.dtype, x.stride(), x.device) if isinstance(x, torch.Tensor) else ("py", type(x), x)
+                for x in leaves)
+    return spec, sig, training
+
+
+class CompiledModule(torch.nn.Module):
+    """``model`` whose forward and backward run fxtools' split graphs; ``.module`` is the original."""
+
+    def __init__(self, model: torch.nn.Module, fw_compiler=None, bw_compiler=None, policy="recompute_cheap"):
+        super().__init__()
+        self.module = model
+        self._options = dict(fw_compiler=fw_compiler, bw_compiler=bw_compiler, policy=policy)
+        self._runners: dict = {}
+        self._fn = functional(model)
+
+    def runner(self, *inputs) -> _Runner:
+        args = (dict(self.module.named_parameters()), *inputs)
+        key = _key(args, self.module.training)
+        if key not in self._runners:
+            sp = split(self._fn, *args, policy=self._options["policy"])
+            self._runners[key] = _Runner(sp, sp.flatten(*args), self._options["fw_compiler"],
+                                         self._options["bw_compiler"])
+        return self._runners[key]
+
+    @property
+    def split(self) -> Split:
+        """The split of the most recent compilation."""
+        return next(reversed(self._runners.values())).split
+
+    def forward(self, *inputs):
+        args = (dict(self.module.named_parameters()), *inputs)
+        return self.runner(*inputs)(args)
+
+
+class CompiledFunction:
+    """``fn`` whose calls run fxtools' split graphs inside an autograd.Function."""
+
+    def __init__(self, fn, fw_compiler=None, bw_compiler=None, policy="recompute_cheap"):
+        self.fn = fn
+        self._options = dict(fw_compiler=fw_compiler, bw_compiler=bw_compiler, policy=policy)
+        self._runners: dict = {}
+
+    def runner(self, *args) -> _Runner:
+        key = _key(args, None)
+        if key not in self._runners:
+            sp = split(self.fn, *args, policy=self._options["policy"])
+            self._runners[key] = _Runner(sp, sp.flatten(*args), self._options["fw_compiler"],
+                                         self._options["bw_compiler"])
+        return self._runners[key]
+
+    @property
+    def split(self) -> Split:
+        return next(reversed(self._runners.values())).split
+
+    def __call__(self, *args):
+        return self.runner(*args)(args)
+
+
+def compile(model_or_fn, *example_args, fw_compiler=None, bw_compiler=None, policy="recompute_cheap"):
+    """A module or function whose forward and backward run fxtools' split graphs.
+
+    With ``example_args`` the graphs are made now; otherwise at the first call. See the module
+    docstring for compilers and re-specialisation.
+    """
+    if isinstance(model_or_fn, torch.nn.Module):
+        compiled = CompiledModule(model_or_fn, fw_compiler, bw_compiler, policy)
+    else:
+        compiled = CompiledFunction(model_or_fn, fw_compiler, bw_compiler, policy)
+    if example_args:
+        compiled.runner(*example_args)
+    return compiled
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile backend
+# --------------------------------------------------------------------------------------------
+
+def _run_checkpoint_body(body, *args):
+    """Stands for Dynamo's ``tag_activation_checkpoint``: a region ``split`` recomputes."""
+    import torch.utils.checkpoint as cp
+    return cp.checkpoint(body, *args, use_reentrant=False)
+
+
+def _inline_higher_order(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace Dynamo's checkpoint / wrap higher-order ops by calls fxtools can trace."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    wrap = getattr(torch.ops.higher_order, "wrap", None)
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if hop is not None and node.target is hop:
+            node.target = _run_checkpoint_body
+            node.kwargs = {}
+            changed = True
+        elif wrap is not None and node.target is wrap:
+            node.target = _call_body
+            node.kwargs = {}
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def _call_body(body, *args):
+    return body(*args)
+
+
+def _input_name(target: str) -> str:
+    """A readable name for a Dynamo placeholder: ``L_self_modules_fc1_parameters_weight_`` -> ``fc1_weight``."""
+    name = target
+    if name.startswith(("L_", "G_")):
+        name = name[2:]
+    name = name.rstrip("_")
+    for prefix in ("self_modules_", "self_parameters_", "self_buffers_"):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    for part in ("_modules_", "_parameters_", "_buffers_"):
+        name = name.replace(part, "_")
+    return name or "arg"
+
+
+def _as_function(gm: fx.GraphModule):
+    """``gm`` as a function whose parameters carry its placeholders' readable names."""
+    targets = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    names, used = [], set()
+    for t in targets:
+        base = name = identifier(_input_name(str(t)))
+        i = 1
+        while name in used:
+            name, i = f"{base}_{i}", i + 1
+        used.add(name)
+        names.append(name)
+
+    def fn(*args):
+        return gm(*args)
+
+    fn.__signature__ = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    fn.__name__ = fn.__qualname__ = "dynamo_graph"
+    return fn
+
+
+def backend(fw_compiler=None, bw_compiler=None, policy="recompute_cheap"):
+    """A ``torch.compile`` backend differentiating Dynamo's graphs with fxtools.
+
+    ``torch.compile(model, backend=fxtools.backend())``; the compilers and policy are those of
+    ``fxtools.compile``. Each Dynamo graph is split as a function of its inputs (and of the
+    parameters it holds, if any), and runs through an autograd.Function.
+    """
+    def fxtools_backend(gm: fx.GraphModule, example_inputs):
+        gm = _inline_higher_order(gm)
+        if any(True for _ in gm.parameters()):
+            compiled = CompiledModule(gm, fw_compiler, bw_compiler, policy)
+        else:  # parameters arrive as inputs: differentiate the graph as a function of them
+            compiled = CompiledFunction(_as_function(gm), fw_compiler, bw_compiler, policy)
+        with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
+            compiled.runner(*example_inputs)
+
+        def run(*args):
+            return compiled(*args)
+
+        run.fxtools_compiled = compiled
+        return run
+
+    return fxtools_backend

@@ -1,0 +1,178 @@
+"""Training through fxtools' split graphs: fxtools.compile and the torch.compile backend (float64)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+
+import fxtools
+from fxtools import examples
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def train(model, inputs, steps=20, lr=1e-3):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def assert_same_parameters(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("policy", ["recompute_cheap", "save_all"])
+def test_compile_gpt_adamw_matches_eager(policy):
+    model, inputs = examples.gpt("tiny")
+    eager = copy.deepcopy(model)
+    compiled = fxtools.compile(model, *inputs, policy=policy)
+    assert isinstance(compiled, nn.Module)
+    assert compiled.module is model
+    got = train(compiled, inputs)  # the optimizer holds the original module's parameters
+    want = train(eager, inputs)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), **TOL)
+    assert_same_parameters(model, eager)
+
+
+def test_optimizer_on_original_parameters_sees_gradients():
+    model, inputs = examples.gpt("tiny")
+    compiled = fxtools.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built on the module itself
+    compiled(*inputs).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    eager = copy.deepcopy(model)
+    eager.zero_grad()
+    eager(*inputs).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+    opt.step()
+
+
+def test_torch_compile_backend_gpt_adamw_matches_eager():
+    torch._dynamo.reset()
+    model, inputs = examples.gpt("tiny")
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fxtools.backend())
+    got = train(compiled, inputs)
+    want = train(eager, inputs)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), **TOL)
+    assert_same_parameters(model, eager)
+
+
+def test_compilers_receive_the_graph_modules():
+    seen = {}
+
+    def fw_compiler(gm, example_inputs):
+        seen["fw"] = (gm, list(example_inputs))
+        return gm
+
+    def bw_compiler(gm):
+        seen["bw"] = gm
+
+        def run(*args):
+            seen["bw_calls"] = seen.get("bw_calls", 0) + 1
+            return gm(*args)
+        return run
+
+    model, inputs = examples.mlp()
+    eager = copy.deepcopy(model)
+    compiled = fxtools.compile(model, *inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
+    assert isinstance(seen["fw"][0], torch.fx.GraphModule) and isinstance(seen["bw"], torch.fx.GraphModule)
+    assert [n.name for n in seen["fw"][0].graph.nodes if n.op == "placeholder"] == [
+        "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "x", "targets"]
+    assert len(seen["fw"][1]) == 6
+    train(compiled, inputs, steps=3)
+    train(eager, inputs, steps=3)
+    assert seen["bw_calls"] == 3
+    assert_same_parameters(model, eager)
+
+
+def test_compile_function_grads_land_in_leaves():
+    def f(x, w):
+        return x * w, w  # an output aliasing an input
+
+    x, w = torch.randn(5, requires_grad=True), torch.randn(5, requires_grad=True)
+    cf = fxtools.compile(f, x.detach(), w.detach())
+    y, w_out = cf(x, w)
+    (y.sum() + 2 * w_out.sum()).backward()
+    torch.testing.assert_close(x.grad, w.detach(), **TOL)
+    torch.testing.assert_close(w.grad, x.detach() + 2, **TOL)
+
+
+def test_batchnorm_buffers_and_grads_match_eager():
+    model, inputs = examples.small_cnn()
+    model.train()
+    eager = copy.deepcopy(model)
+    compiled = fxtools.compile(model, *inputs)
+    got = train(compiled, inputs, steps=3)
+    want = train(eager, inputs, steps=3)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), **TOL)
+    assert_same_parameters(model, eager)
+    for (name, b), c in zip(model.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(b, c, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_new_shapes_make_a_new_split_and_no_grad_runs_forward_only():
+    model, inputs = examples.mlp()
+    compiled = fxtools.compile(model, *inputs)
+    x, y = inputs
+    compiled(x[:3], y[:3]).backward()
+    assert len(compiled._runners) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, y), model(x, y), **TOL)
+
+
+class CheckpointedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def block(self, h):
+        return torch.tanh(self.fc2(torch.relu(self.fc1(h))))
+
+    def forward(self, x):
+        h = cp.checkpoint(self.block, x, use_reentrant=False)
+        return self.fc3(h).square().mean()
+
+
+def test_torch_compile_backend_with_checkpoint_and_compilers():
+    torch._dynamo.reset()
+    graphs = []
+
+    def compiler(gm):
+        graphs.append(gm)
+        return gm
+
+    torch.manual_seed(0)
+    model = CheckpointedMLP()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 6)
+    compiled = torch.compile(model, backend=fxtools.backend(fw_compiler=compiler, bw_compiler=compiler))
+    got = train(compiled, (x,), steps=5)
+    want = train(eager, (x,), steps=5)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), **TOL)
+    assert_same_parameters(model, eager)
+    assert len(graphs) == 2
+    fw, bw = graphs
+    # placeholders are named after Dynamo's inputs; the checkpointed block is recomputed in the backward
+    inputs = [n.name for n in fw.graph.nodes if n.op == "placeholder"]
+    assert inputs == ["x", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "fc3_weight", "fc3_bias"]
+    saved = [n.name for n in bw.graph.nodes if n.op == "placeholder"]
+    assert not {"linear", "relu", "linear_1"} & set(saved)
+    assert "torch.relu(linear)" in bw.code
