@@ -2,8 +2,10 @@
 with random weights (nothing is downloaded), differentiated by fxtools and compared, parameter
 by parameter, with eager autograd.
 
-Each case builds the model twice from the same seed: one copy for fxtools, one for the eager
-reference, so buffers (BatchNorm's running statistics) can be compared after one call each.
+The eager reference runs on a deep copy of the model made before fxtools sees it, so buffers
+(BatchNorm's running statistics) can be compared after one call each. Tolerances: float32
+rtol 1e-4 / atol 1e-6; float64 rtol 1e-9 / atol 1e-11, except where the model itself computes in
+float32 (see FLOAT32_SOFTMAX).
 """
 import copy
 import os

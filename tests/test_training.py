@@ -176,3 +176,35 @@ def test_torch_compile_backend_with_checkpoint_and_compilers():
     saved = [n.name for n in bw.graph.nodes if n.op == "placeholder"]
     assert not {"linear", "relu", "linear_1"} & set(saved)
     assert "torch.relu(linear)" in bw.code
+
+
+def test_inputs_without_requires_grad_get_no_gradient_code():
+    model, inputs = examples.small_cnn()
+    x, y = inputs
+    compiled = fxtools.compile(model, x, y)
+    loss = compiled(x, y)
+    loss.backward()
+    sp = compiled.split
+    grads_of_x = [n for n in sp.backward.graph.nodes if n.name == "grad_x"]
+    assert not grads_of_x  # x does not require grad: its gradient is not computed
+    xr = x.clone().requires_grad_(True)
+    compiled(xr, y).backward()
+    assert xr.grad is not None and len(compiled._runners) == 2
+    eager = copy.deepcopy(model)
+    xe = x.clone().requires_grad_(True)
+    eager(xe, y).backward()
+    torch.testing.assert_close(xr.grad, xe.grad, **TOL)
+
+
+def test_compile_outputs_aliasing_each_other_and_an_input_passed_twice():
+    def f(x, y):
+        s = torch.sin(x * y)
+        return s, s, s.view(-1), x
+
+    x = torch.randn(2, 3, requires_grad=True)
+    a, b, c, d = fxtools.compile(f)(x, x)
+    (a.sum() + 2 * b.sum() + 3 * c.sum() + 4 * d.sum()).backward()
+    xr = x.detach().clone().requires_grad_(True)
+    a, b, c, d = f(xr, xr)
+    (a.sum() + 2 * b.sum() + 3 * c.sum() + 4 * d.sum()).backward()
+    torch.testing.assert_close(x.grad, xr.grad, **TOL)

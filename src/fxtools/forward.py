@@ -44,7 +44,7 @@ from .errors import FxtoolsError
 from .functionalize import functionalize
 from .render import render
 from .reverse import ReverseSpec, is_float, reverse
-from .simplify import _fake_mode, dce, simplify
+from .simplify import fake_mode_of, dce, simplify
 
 aten = torch.ops.aten
 
@@ -97,7 +97,7 @@ def transpose_vjp(vjp_gm: fx.GraphModule, n_in: int, n_out: int):
 def fuse_addcmul(gm: fx.GraphModule) -> bool:
     """``a + b * c`` -> ``torch.addcmul(a, b, c)`` where the product is used only there."""
     changed = False
-    fake_mode = _fake_mode(gm.graph)
+    fake_mode = fake_mode_of(gm.graph)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
             continue
@@ -209,7 +209,7 @@ def jvp(f, *args) -> fx.GraphModule:
     old_ph = [n for n in flat.graph.nodes if n.op == "placeholder"]
     x_ph, u_ph, t_ph = old_ph[:n_x], old_ph[n_x:n_x + len(ct_index)], old_ph[n_x + len(ct_index):]
     old_out = list(next(n for n in flat.graph.nodes if n.op == "output").args[0])
-    fake_mode = _fake_mode(flat.graph)
+    fake_mode = fake_mode_of(flat.graph)
     graph = fx.Graph()
     env = {}
     new_x = []

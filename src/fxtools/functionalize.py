@@ -32,6 +32,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import FxtoolsError, user_line_of
+from .simplify import fake_mode_of
 from .registry import Rule
 
 aten = torch.ops.aten
@@ -123,12 +124,6 @@ def _storage(val):
         return None
 
 
-def _fake_mode(graph):
-    for n in graph.nodes:
-        v = n.meta.get("val")
-        if isinstance(v, torch._subclasses.FakeTensor):
-            return v.fake_mode
-    return None
 
 
 def _where(node) -> str:
@@ -147,7 +142,7 @@ class _Builder:
 
     def __init__(self, graph: fx.Graph):
         self.graph = graph
-        self.fake_mode = _fake_mode(graph)
+        self.fake_mode = fake_mode_of(graph)
         self.before = None
         self.trace = None
 

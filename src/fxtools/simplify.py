@@ -74,7 +74,7 @@ def is_impure(node: fx.Node) -> bool:
     return node.is_impure()
 
 
-def _fake_mode(graph):
+def fake_mode_of(graph):
     for n in graph.nodes:
         v = n.meta.get("val")
         if isinstance(v, torch._subclasses.FakeTensor):
@@ -151,7 +151,7 @@ def _same_device(a, b):
 
 def identities(gm: fx.GraphModule) -> bool:
     changed = False
-    fake_mode = _fake_mode(gm.graph)
+    fake_mode = fake_mode_of(gm.graph)
     for node in list(gm.graph.nodes):
         if not node.users and not is_impure(node):
             continue

@@ -50,7 +50,7 @@ from .errors import user_line_of
 from .functional import functional
 from .naming import arg_names
 from .render import render
-from .reverse import ReverseSpec, is_float, reverse
+from .reverse import ReverseSpec, reverse
 from .simplify import is_impure, simplify
 
 _INF = 1 << 62
@@ -167,6 +167,32 @@ def _storage_root(node: fx.Node) -> fx.Node:
 # Deciding what to save
 # --------------------------------------------------------------------------------------------
 
+def _augment(head, to, cap, level, it, source, sink) -> int:
+    """Push flow along one shortest augmenting path (iteratively: paths can be thousands of edges long)."""
+    path, u = [], source
+    while True:
+        if u == sink:
+            f = min(cap[e] for e in path)
+            for e in path:
+                cap[e] -= f
+                cap[e ^ 1] += f
+            return f
+        while it[u] < len(head[u]):
+            e = head[u][it[u]]
+            if cap[e] > 0 and level[to[e]] == level[u] + 1:
+                path.append(e)
+                u = to[e]
+                break
+            it[u] += 1
+        else:
+            if u == source:
+                return 0
+            level[u] = -1  # a dead end for this phase
+            e = path.pop()
+            u = to[e ^ 1]
+            it[u] += 1
+
+
 def _max_flow_min_cut(n: int, edges, source: int, sink: int):
     """Dinic's algorithm; returns the vertices that can still reach ``sink`` in the residual graph."""
     head = [[] for _ in range(n)]
@@ -187,24 +213,8 @@ def _max_flow_min_cut(n: int, edges, source: int, sink: int):
         if level[sink] < 0:
             break
         it = [0] * n
-
-        def push(u, flow):  # iterative DFS would be longer; depth is bounded by the BFS levels
-            if u == sink:
-                return flow
-            while it[u] < len(head[u]):
-                e = head[u][it[u]]
-                v = to[e]
-                if cap[e] > 0 and level[v] == level[u] + 1:
-                    got = push(v, min(flow, cap[e]))
-                    if got:
-                        cap[e] -= got
-                        cap[e ^ 1] += got
-                        return got
-                it[u] += 1
-            return 0
-
         while True:
-            f = push(source, _INF)
+            f = _augment(head, to, cap, level, it, source, sink)
             if not f:
                 break
             if f >= _INF:
@@ -377,6 +387,32 @@ class _Partition:
 # Building the two graphs
 # --------------------------------------------------------------------------------------------
 
+_ITEM_NAMES = {  # names of the results of multi-output ops, for the values a split saves
+    "native_layer_norm": ("out", "mean", "rstd"),
+    "native_batch_norm": ("out", "mean", "invstd"),
+    "_native_batch_norm_legit_functional": ("out", "mean", "invstd", "running_mean", "running_var"),
+    "_native_batch_norm_legit": ("out", "mean", "invstd"),
+    "native_group_norm": ("out", "mean", "rstd"),
+    "var_mean": ("var", "mean"),
+    "max": ("values", "indices"), "min": ("values", "indices"), "sort": ("values", "indices"),
+    "topk": ("values", "indices"), "native_dropout": ("out", "mask"),
+}
+
+
+def _name_items(gm: fx.GraphModule) -> None:
+    """``getitem_7 = native_layer_norm_1[2]`` becomes ``native_layer_norm_1_rstd``; ``split[0]``, ``split_0``."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not operator.getitem or not node.name.startswith("getitem"):
+            continue
+        parent, i = node.args
+        if not isinstance(parent, fx.Node) or parent.op != "call_function" or not isinstance(i, int):
+            continue
+        packet = getattr(getattr(parent.target, "overloadpacket", None), "__name__", None)
+        labels = _ITEM_NAMES.get(packet)
+        label = labels[i] if labels and i < len(labels) else str(i)
+        node._rename(f"{parent.name}_{label}")
+
+
 class _BoxedCodeGen(fx.graph.CodeGen):
     """``def forward(self, args)``: unpack the list, empty it, then run (each value is dropped after its last use)."""
 
@@ -467,10 +503,12 @@ class Split:
         """Print (and return) what the forward saves for the backward, like JAX's print_saved_residuals."""
         lines = [f"fxtools.split (policy {policies.describe(self.policy)}): "
                  f"{len(self.saved)} saved values, {self.saved_bytes:,} bytes beyond the inputs"]
-        for s in self.saved:
-            dt = str(s.dtype).replace("torch.", "")
+        width = max((len(s.name) for s in self.saved), default=0)
+        types = [str(s.dtype).replace("torch.", "") + str(list(s.shape)) for s in self.saved]
+        twidth = max(map(len, types), default=0)
+        for s, ty in zip(self.saved, types):
             share = f" (memory of {s.storage})" if s.storage != s.name else ""
-            lines.append(f"  {s.kind:<10} {s.name:<24} {dt}{list(s.shape)!s:<18} {s.bytes:>14,} B{share}"
+            lines.append(f"  {s.kind:<10} {s.name:<{width}}  {ty:<{twidth}} {s.bytes:>12,} B{share}"
                          + (f"  {s.line}" if s.line else ""))
         text = "\n".join(lines)
         print(text, file=file or sys.stdout)
@@ -481,11 +519,13 @@ class Split:
                 f"{len(self.cotangents)} cotangents, policy={policies.describe(self.policy)})")
 
 
-def split(f, *args, policy="recompute_cheap") -> Split:
+def split(f, *args, policy="recompute_cheap", grad_leaves=None) -> Split:
     """Forward and backward graphs of ``f`` at ``args`` (see the module docstring).
 
     ``policy``: ``"recompute_cheap"`` (default), ``"save_all"``, ``"dots_saveable"`` or a function
-    ``node -> "save" | "recompute"`` (see ``fxtools.policies``).
+    ``node -> "save" | "recompute"`` (see ``fxtools.policies``). ``grad_leaves``: one bool per
+    tensor leaf (forward placeholder order) saying which get a gradient (default: all); the
+    backward returns ``None`` for the others and saves nothing only they would need.
     """
     policies.resolve(policy)  # validate early
     if isinstance(f, torch.nn.Module):
@@ -495,9 +535,15 @@ def split(f, *args, policy="recompute_cheap") -> Split:
     with checkpoint_regions():
         cap, wrt = _prepare(f, args, argnums)
     cap.f = f
+    if grad_leaves is not None:
+        grad_leaves = [bool(g) for g in grad_leaves]
+        if len(grad_leaves) != len(wrt):
+            raise ValueError(f"grad_leaves has {len(grad_leaves)} entries for {len(wrt)} tensor leaves")
+        wrt = [w and g for w, g in zip(wrt, grad_leaves)]
     with fx_traceback.preserve_node_meta():
         joint, ct_index, grad_index = reverse(cap, ReverseSpec(wrt, "cotangent"))
     simplify(joint)
+    _name_items(joint)
     n_out = len(cap.out_leaves)
     part = _Partition(joint, sum(cap.tensor_leaf), n_out, policy)
 
@@ -549,7 +595,9 @@ def split(f, *args, policy="recompute_cheap") -> Split:
     for n in part.nodes:
         if n in part.bw and n.op == "call_function":
             emit(n)
-    grads_flat = [emit(g) if isinstance(g, fx.Node) else g for g in part.grads]
+    it = iter(part.grads)
+    grads_flat = [next(it) if w else None for w in wrt]  # one per tensor leaf
+    grads_flat = [emit(g) if isinstance(g, fx.Node) else g for g in grads_flat]
     bg.output(_grads_structure(cap, args, grads_flat, argnums))
     backward = _finish(fx.GraphModule(joint, bg, class_name="SplitBackward"))
     boxed_graph = fx.Graph()

@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from .functional import functional
 from .naming import identifier
 from .reverse import is_float
-from .split import Split, checkpoint_regions, split
+from .split import Split, split
 
 __all__ = ["compile", "backend", "CompiledModule"]
 
@@ -121,11 +121,26 @@ class _SplitFunction(torch.autograd.Function):
         return (None, *grads)
 
 
+def _requires_grad(args):
+    """Which tensor leaves need a gradient, or None for all of them.
+
+    None also when no floating-point leaf requires grad (example arguments made with
+    ``.detach()``): the graphs then serve any later pattern of ``requires_grad`` until one with
+    some but not all leaves needing gradients comes along.
+    """
+    tensors = [x for x in pytree.tree_leaves(tuple(args)) if isinstance(x, torch.Tensor)]
+    mask = [x.requires_grad or not is_float(x) for x in tensors]
+    if all(mask) or not any(x.requires_grad for x in tensors):
+        return None
+    return mask
+
+
 def _key(args, training):
     leaves, spec = pytree.tree_flatten(tuple(args))
-    sig = tuple((tuple(x.shape), x.dtype, x.stride(), x.device) if isinstance(x, torch.Tensor) else ("py", type(x), x)
-                for x in leaves)
-    return spec, sig, training
+    sig = tuple((tuple(x.shape), x.dtype, x.stride(), x.device) if isinstance(x, torch.Tensor)
+                else ("py", type(x), x) for x in leaves)
+    mask = _requires_grad(args)
+    return spec, sig, training, None if mask is None else tuple(mask)
 
 
 class CompiledModule(torch.nn.Module):
@@ -142,7 +157,7 @@ class CompiledModule(torch.nn.Module):
         args = (dict(self.module.named_parameters()), *inputs)
         key = _key(args, self.module.training)
         if key not in self._runners:
-            sp = split(self._fn, *args, policy=self._options["policy"])
+            sp = split(self._fn, *args, policy=self._options["policy"], grad_leaves=_requires_grad(args))
             self._runners[key] = _Runner(sp, sp.flatten(*args), self._options["fw_compiler"],
                                          self._options["bw_compiler"])
         return self._runners[key]
@@ -168,7 +183,7 @@ class CompiledFunction:
     def runner(self, *args) -> _Runner:
         key = _key(args, None)
         if key not in self._runners:
-            sp = split(self.fn, *args, policy=self._options["policy"])
+            sp = split(self.fn, *args, policy=self._options["policy"], grad_leaves=_requires_grad(args))
             self._runners[key] = _Runner(sp, sp.flatten(*args), self._options["fw_compiler"],
                                          self._options["bw_compiler"])
         return self._runners[key]

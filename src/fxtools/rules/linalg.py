@@ -105,10 +105,7 @@ def addr(ct, out, x, u, v, *, beta=1, alpha=1):
     return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, g @ _conj(v), _conj(u) @ g
 
 
-@vjp_rule(aten.baddbmm)
-def baddbmm(ct, out, x, a, b, *, beta=1, alpha=1):
-    g = _scale(ct, alpha)
-    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, g @ _H(b), _H(a) @ g
+vjp_rule(aten.baddbmm)(addmm)  # the same formula, batched by the matmuls
 
 
 @vjp_rule(aten.addbmm)
