@@ -5,12 +5,12 @@ Shared by the per-rule tests and the full op sweep.
 from __future__ import annotations
 
 import functools
-import itertools
 
 import torch
 from torch.utils import _pytree as pytree
 
 import fxtools
+from fxtools.coverage import opinfo_samples, sample_function  # noqa: F401 (re-exported)
 from fxtools.check import check_vjp
 
 
@@ -22,44 +22,7 @@ def autograd_opinfos():
 
 
 def samples(opinfo, n=3):
-    """The first n float64 CPU samples, generated from a fixed seed.
-
-    The sample generator runs under ``no_grad``: it is closed at once, or its ``no_grad`` exit
-    would run whenever it is garbage-collected, possibly in the middle of a later trace.
-    """
-    torch.manual_seed(0)
-    gen = iter(opinfo.sample_inputs_func(opinfo, "cpu", torch.float64, True))
-    try:
-        return list(itertools.islice(gen, n))
-    finally:
-        close = getattr(gen, "close", None)
-        if close is not None:
-            close()
-
-
-def sample_function(opinfo, sample):
-    """(f, args): f takes the sample's tensor leaves (detached), in order, and calls the op.
-
-    The sample's ``output_process_fn_grad`` is applied, as in PyTorch's own gradient tests: it
-    makes the differentiated function well defined (``linalg.eig``'s eigenvectors are only
-    defined up to a phase, so the sample differentiates a phase-invariant function of them).
-    """
-    leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
-    tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    process = getattr(sample, "output_process_fn_grad", None) or (lambda out: out)
-
-    def op(*a, **k):
-        return process(opinfo.op(*a, **k))
-
-    def f(*tensors):
-        full = list(leaves)
-        for i, t in zip(tensor_pos, tensors):
-            full[i] = t
-        inp, args, kwargs = pytree.tree_unflatten(full, spec)
-        return op(inp, *args, **kwargs)
-
-    args = tuple(leaves[i].detach().clone() for i in tensor_pos)
-    return f, args
+    return opinfo_samples(opinfo, n)
 
 
 def is_random(f, args) -> bool:

@@ -12,12 +12,7 @@ from fxtools import examples
 TOL = dict(rtol=1e-10, atol=1e-10)
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def train(model, inputs, steps=20, lr=1e-3):

@@ -68,7 +68,12 @@ def opinfo_id(opinfo) -> str:
     return opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
 
 
-def _samples(opinfo, n):
+def opinfo_samples(opinfo, n):
+    """The first n float64 CPU samples of an OpInfo, generated from a fixed seed.
+
+    The sample generator runs under ``no_grad``: it is closed at once, or its ``no_grad`` exit
+    would run whenever it is garbage-collected, possibly in the middle of a later trace.
+    """
     torch.manual_seed(0)
     gen = iter(opinfo.sample_inputs_func(opinfo, "cpu", torch.float64, True))
     try:
@@ -79,18 +84,25 @@ def _samples(opinfo, n):
             close()
 
 
-def _sample_function(opinfo, sample):
+def sample_function(opinfo, sample):
+    """(f, args): f takes the sample's tensor leaves (detached), in order, and calls the op.
+
+    The sample's ``output_process_fn_grad`` is applied, as in PyTorch's own gradient tests: it
+    makes the differentiated function well defined (``linalg.eig``'s eigenvectors are only
+    defined up to a phase, so the sample differentiates a phase-invariant function of them).
+    """
     from torch.utils import _pytree as pytree
 
     leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    process = getattr(sample, "output_process_fn_grad", None) or (lambda out: out)
 
     def f(*tensors):
         full = list(leaves)
         for i, t in zip(tensor_pos, tensors):
             full[i] = t
         inp, args, kwargs = pytree.tree_unflatten(full, spec)
-        return opinfo.op(inp, *args, **kwargs)
+        return process(opinfo.op(inp, *args, **kwargs))
 
     return f, tuple(leaves[i].detach().clone() for i in tensor_pos)
 
@@ -145,12 +157,12 @@ def compute(n_samples: int = 3, progress: Callable[[int, int, str], None] | None
         if progress is not None:
             progress(i, len(opinfos), name)
         try:
-            samples = _samples(opinfo, n_samples)
+            samples = opinfo_samples(opinfo, n_samples)
         except Exception as exc:  # noqa: BLE001 - a sample generator that does not run here
             cov.uncaptured[name] = f"{type(exc).__name__}: {exc}"
             continue
         for sample in samples:
-            f, args = _sample_function(opinfo, sample)
+            f, args = sample_function(opinfo, sample)
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
