@@ -96,6 +96,28 @@ class _Runner:
         return pytree.tree_unflatten(full, self.split.out_spec)
 
 
+
+class _Runners:
+    """The split graphs of ``fn``, one per input signature (shapes, strides, dtypes, mode, requires_grad)."""
+
+    def __init__(self, fn, fw_compiler, bw_compiler, policy):
+        self.fn, self.fw_compiler, self.bw_compiler, self.policy = fn, fw_compiler, bw_compiler, policy
+        self.cache: dict = {}
+
+    def __call__(self, args, training) -> _Runner:
+        key = _key(args, training)
+        if key not in self.cache:
+            sp = split(self.fn, *args, policy=self.policy, grad_leaves=_requires_grad(args))
+            self.cache[key] = _Runner(sp, sp.flatten(*args), self.fw_compiler, self.bw_compiler)
+        return self.cache[key]
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    @property
+    def latest(self) -> Split:
+        return next(reversed(self.cache.values())).split
+
 class _SplitFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: _Runner, *leaves):
@@ -149,27 +171,19 @@ class CompiledModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, fw_compiler=None, bw_compiler=None, policy="recompute_cheap"):
         super().__init__()
         self.module = model
-        self._options = dict(fw_compiler=fw_compiler, bw_compiler=bw_compiler, policy=policy)
-        self._runners: dict = {}
-        self._fn = functional(model)
+        self._runners = _Runners(functional(model), fw_compiler, bw_compiler, policy)
 
     def runner(self, *inputs) -> _Runner:
-        args = (dict(self.module.named_parameters()), *inputs)
-        key = _key(args, self.module.training)
-        if key not in self._runners:
-            sp = split(self._fn, *args, policy=self._options["policy"], grad_leaves=_requires_grad(args))
-            self._runners[key] = _Runner(sp, sp.flatten(*args), self._options["fw_compiler"],
-                                         self._options["bw_compiler"])
-        return self._runners[key]
+        return self._runners((dict(self.module.named_parameters()), *inputs), self.module.training)
 
     @property
     def split(self) -> Split:
         """The split of the most recent compilation."""
-        return next(reversed(self._runners.values())).split
+        return self._runners.latest
 
     def forward(self, *inputs):
         args = (dict(self.module.named_parameters()), *inputs)
-        return self.runner(*inputs)(args)
+        return self._runners(args, self.module.training)(args)
 
 
 class CompiledFunction:
@@ -177,23 +191,18 @@ class CompiledFunction:
 
     def __init__(self, fn, fw_compiler=None, bw_compiler=None, policy="recompute_cheap"):
         self.fn = fn
-        self._options = dict(fw_compiler=fw_compiler, bw_compiler=bw_compiler, policy=policy)
-        self._runners: dict = {}
+        self._runners = _Runners(fn, fw_compiler, bw_compiler, policy)
 
     def runner(self, *args) -> _Runner:
-        key = _key(args, None)
-        if key not in self._runners:
-            sp = split(self.fn, *args, policy=self._options["policy"], grad_leaves=_requires_grad(args))
-            self._runners[key] = _Runner(sp, sp.flatten(*args), self._options["fw_compiler"],
-                                         self._options["bw_compiler"])
-        return self._runners[key]
+        return self._runners(args, None)
 
     @property
     def split(self) -> Split:
-        return next(reversed(self._runners.values())).split
+        """The split of the most recent compilation."""
+        return self._runners.latest
 
     def __call__(self, *args):
-        return self.runner(*args)(args)
+        return self._runners(args, None)(args)
 
 
 def compile(model_or_fn, *example_args, fw_compiler=None, bw_compiler=None, policy="recompute_cheap"):
