@@ -63,15 +63,21 @@ def median_time(fn, reps, warmup=0, collect=True):
 
 def paired_median_times(fa, fb, reps, warmup=2):
     """Median times of ``fa()`` and ``fb()`` called alternately (fairer when other load comes and goes)."""
+    return interleaved_median_times([fa, fb], reps, warmup)
+
+
+def interleaved_median_times(fns, reps, warmup=2):
+    """Median time of each function, the functions called in turn ``reps`` times."""
     for _ in range(warmup):
-        fa(), fb()
-    ta, tb = [], []
+        for f in fns:
+            f()
+    times = [[] for _ in fns]
     for _ in range(reps):
-        for f, acc in ((fa, ta), (fb, tb)):
+        for f, acc in zip(fns, times):
             start = time.perf_counter()
             f()
             acc.append(time.perf_counter() - start)
-    return statistics.median(ta), statistics.median(tb)
+    return tuple(statistics.median(t) for t in times)
 
 
 def nbytes(t) -> int:
@@ -82,8 +88,9 @@ def nbytes(t) -> int:
 # The three transforms
 # ---------------------------------------------------------------------------------------------
 
-def fxtools_transform(loss_fn, args):
-    return fxtools.grad(loss_fn, *args)
+def fxtools_transform(loss_fn, args, rules="readable"):
+    with fxtools.rule_set(rules):
+        return fxtools.grad(loss_fn, *args)
 
 
 def with_buffers(loss_fn, args):
@@ -247,13 +254,19 @@ def bench_model(name, build, reps, run_reps):
     loss_fn, args = examples.as_loss(model, inputs)
     row = {"model": name, "params": sum(p.numel() for p in args[0].values())}
     # Separate copies so that BatchNorm's running statistics of one method do not affect another.
-    copies = {k: examples.as_loss(copy.deepcopy(model), inputs) for k in ("fx", "aot", "mfx", "eager")}
+    copies = {k: examples.as_loss(copy.deepcopy(model), inputs) for k in ("fx", "fused", "aot", "mfx", "eager")}
 
     log(f"{name}: fxtools.grad x{reps}")
     gms = []
     row["fxtools_s"] = median_time(lambda: gms.append(fxtools_transform(*copies["fx"])), reps)
     del gms
     gm = fxtools.value_and_grad(copies["fx"][0], *copies["fx"][1])  # the same pipeline; its output names the loss (statistics)
+    log(f"{name}: fxtools.grad with the fused rule set x{reps}")
+    gms = []
+    row["fused_s"] = median_time(lambda: gms.append(fxtools_transform(*copies["fused"], rules="fused")), reps)
+    del gms
+    with fxtools.rule_set("fused"):
+        gm_fused = fxtools.value_and_grad(copies["fused"][0], *copies["fused"][1])
 
     log(f"{name}: eager forward+backward")
     row["eager_run_s"] = median_time(lambda: eager_fw_bw(*copies["eager"]), run_reps, warmup=2, collect=False)
@@ -275,17 +288,21 @@ def bench_model(name, build, reps, run_reps):
 
     log(f"{name}: generated code forward+backward")
     fx_fn, fx_args = copies["fx"]
-    row["fxtools_run_s"], row["eager_run_s"] = paired_median_times(
-        lambda: gm(*fx_args), lambda: eager_fw_bw(*copies["eager"]), run_reps)
+    fused_args = copies["fused"][1]
+    row["fxtools_run_s"], row["fused_run_s"], row["eager_run_s"] = interleaved_median_times(
+        [lambda: gm(*fx_args), lambda: gm_fused(*fused_args), lambda: eager_fw_bw(*copies["eager"])], run_reps)
     # correctness guard: the numbers are only worth reporting if the gradients agree
-    loss, grads = gm(*fx_args)
     want = eager_fw_bw(*examples.as_loss(copy.deepcopy(model), inputs))
-    worst = max((g - w).abs().max().item() for g, w in zip(grads.values(), want))
-    row["max_grad_diff"] = worst
+    for key, g, a in (("max_grad_diff", gm, fx_args), ("fused_max_grad_diff", gm_fused, fused_args)):
+        loss, grads = g(*a)
+        row[key] = max((x - w).abs().max().item() for x, w in zip(grads.values(), want))
 
     n_fw, n_bw, saved = fxtools_split_stats(gm)
     row.update(fxtools_nodes=count_compute_nodes(gm), fxtools_fw_nodes=n_fw, fxtools_bw_nodes=n_bw,
                fxtools_saved=saved)
+    n_fw, n_bw, saved = fxtools_split_stats(gm_fused)
+    row.update(fused_nodes=count_compute_nodes(gm_fused), fused_fw_nodes=n_fw, fused_bw_nodes=n_bw,
+               fused_saved=saved)
     a_fw, a_bw, a_saved = aot_stats(fw, bw)
     row.update(aot_fw_nodes=a_fw, aot_bw_nodes=a_bw, aot_saved=a_saved)
     row["eager_saved"] = eager_saved_bytes(*copies["eager"])
@@ -366,30 +383,35 @@ def machine():
 
 def tables(rows, scaling, scaling_note):
     out = ["### Transform time (median; lower is better)", "",
-           "| model | params | fxtools | aot_function | make_fx(grad) | fxtools / aot | fxtools / make_fx |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+           "| model | params | fxtools | fxtools fused | aot_function | make_fx(grad) | fxtools / aot | fxtools / make_fx |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['model']} | {r['params']:,} | {r['fxtools_s']:.3f} s | {r['aot_s']:.3f} s | "
+        out.append(f"| {r['model']} | {r['params']:,} | {r['fxtools_s']:.3f} s | {r['fused_s']:.3f} s | {r['aot_s']:.3f} s | "
                    f"{r['make_fx_s']:.3f} s | {_ratio(r['fxtools_s'], r['aot_s'])} | "
                    f"{_ratio(r['fxtools_s'], r['make_fx_s'])} |")
-    out += ["", "### Forward + backward run time (median)", "",
-            "| model | generated code | eager autograd | generated / eager | max abs grad difference |",
-            "|---|---:|---:|---:|---:|"]
+    out += ["", "### Forward + backward run time (median; readable rules, fused rule set, eager)", "",
+            "| model | readable | fused | eager autograd | readable / eager | fused / eager | max abs grad difference (readable, fused) |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['model']} | {r['fxtools_run_s'] * 1e3:.2f} ms | {r['eager_run_s'] * 1e3:.2f} ms | "
-                   f"{_ratio(r['fxtools_run_s'], r['eager_run_s'])} | {r['max_grad_diff']:.2g} |")
+        out.append(f"| {r['model']} | {r['fxtools_run_s'] * 1e3:.2f} ms | {r['fused_run_s'] * 1e3:.2f} ms | "
+                   f"{r['eager_run_s'] * 1e3:.2f} ms | {_ratio(r['fxtools_run_s'], r['eager_run_s'])} | "
+                   f"{_ratio(r['fused_run_s'], r['eager_run_s'])} | {r['max_grad_diff']:.2g}, {r['fused_max_grad_diff']:.2g} |")
     out += ["", "### Saved activations (kept from forward for backward; parameters and inputs not counted)", "",
-            "| model | fxtools | AOTAutograd | eager autograd | fxtools / eager |", "|---|---:|---:|---:|---:|"]
+            "| model | fxtools | fxtools fused | AOTAutograd | eager autograd | fxtools / eager | fused / eager |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['model']} | {_mb(r['fxtools_saved'])} | {_mb(r['aot_saved'])} | "
-                   f"{_mb(r['eager_saved'])} | {_ratio(r['fxtools_saved'], r['eager_saved'])} |")
+        out.append(f"| {r['model']} | {_mb(r['fxtools_saved'])} | {_mb(r['fused_saved'])} | {_mb(r['aot_saved'])} | "
+                   f"{_mb(r['eager_saved'])} | {_ratio(r['fxtools_saved'], r['eager_saved'])} | "
+                   f"{_ratio(r['fused_saved'], r['eager_saved'])} |")
     out += ["", "### Graph size (compute nodes)", "",
-            "| model | fxtools fw / bw / total | AOTAutograd fw / bw | make_fx joint | fxtools bw / aot bw |",
-            "|---|---:|---:|---:|---:|"]
+            "| model | fxtools fw / bw / total | fused fw / bw / total | AOTAutograd fw / bw | make_fx joint | "
+            "fxtools bw / aot bw | fused bw / aot bw |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['model']} | {r['fxtools_fw_nodes']} / {r['fxtools_bw_nodes']} / {r['fxtools_nodes']} | "
+                   f"{r['fused_fw_nodes']} / {r['fused_bw_nodes']} / {r['fused_nodes']} | "
                    f"{r['aot_fw_nodes']} / {r['aot_bw_nodes']} | {r['make_fx_nodes']} | "
-                   f"{_ratio(r['fxtools_bw_nodes'], r['aot_bw_nodes'])} |")
+                   f"{_ratio(r['fxtools_bw_nodes'], r['aot_bw_nodes'])} | {_ratio(r['fused_bw_nodes'], r['aot_bw_nodes'])} |")
     if scaling:
         out += ["", f"### Transform time against depth ({scaling_note})", "",
                 "| layers | fxtools | aot_function | make_fx(grad) | fxtools / aot |", "|---:|---:|---:|---:|---:|"]
@@ -403,7 +425,8 @@ NOTES = """\
 How it is measured (benchmarks/bench.py, one process, CPU):
 
 - *fxtools*: `fxtools.grad(loss, params, *inputs)`: capture, functionalize, differentiate, simplify and
-  render, on FakeTensors. Run times, saved bytes and node counts use `fxtools.value_and_grad` (the same
+  render, on FakeTensors, with the readable rules (the default); *fused*: the same inside
+  `fxtools.rule_set("fused")` (backwards call PyTorch's fused backward kernels, as `fxtools.compile` does). Run times, saved bytes and node counts use `fxtools.value_and_grad` (the same
   pipeline; its output tells the loss apart, which separates forward from backward nodes).
 - *aot_function*: `torch._functorch.aot_autograd.aot_function` with compilers that return the graph
   unchanged, timed over its first forward+backward call (tracing the joint graph, partitioning it)

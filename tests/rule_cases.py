@@ -27,6 +27,7 @@ _target = torch.tensor([0, 3, 1, 4])
 _logp2d = torch.log_softmax(_t(2, 3, 4, 4), 1)
 _target2d = torch.randint(0, 3, (2, 4, 4), generator=torch.Generator().manual_seed(0))
 
+_offs = torch.tensor([3, 3, 8], dtype=torch.int32)
 _rows_with_duplicate = torch.cat([_t(4, 3), _t(4, 3)[:1]])  # a zero distance: PyTorch's subgradient 0
 
 EXTRA_CASES = {
@@ -76,4 +77,7 @@ EXTRA_CASES = {
     aten.type_as: [(lambda x, y: x.type_as(y) * y, (_t(3), _t(3).float()))],
     aten.where.ScalarOther: [(lambda x: torch.where(x > 0, x, 0.0), (_t(6),))],
     aten.where.ScalarSelf: [(lambda x: torch.where(x > 0, 1.0, x * 2), (_t(6),))],
+    # The CPU kernel has no float64; the same float32 kernels compute both sides. Groups of 3, 0, 5.
+    aten._grouped_mm: [(lambda a, b: torch._grouped_mm(a, b, offs=_offs), (_t(8, 8).float(), _t(3, 8, 4).float())),
+                       (lambda a, b: torch._grouped_mm(a, b, offs=_offs), (_t(4, 8).float(), _t(8, 4).float()))],
 }

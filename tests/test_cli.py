@@ -127,3 +127,29 @@ def test_specs():
     args = build_args(f, ["b=f32[2]", "a=f32[3]"], g)
     assert [t.shape for t in args] == [(3,), (2,)]
     assert build_args(f, ["f32[1]", "f32[1]", "c=7"], g)[2] == 7
+
+
+def test_show_a_torch_saved_graph_module_with_shapes(tmp_path, capsys, monkeypatch):
+    """torch.save keeps no shapes: show runs the graph on FakeTensors of recorded or --arg inputs."""
+    import fxtools
+    monkeypatch.chdir(tmp_path)
+    params = {"w": torch.randn(8, 3)}
+    gm = fxtools.grad(lambda p, x: (x @ p["w"]).tanh().sum(), params, torch.randn(4, 8))
+    torch.save(gm, "g.pt")
+    assert main(["show", "g.pt"]) == 0  # from the inputs fxtools recorded in the module
+    out = capsys.readouterr().out
+    assert "p['w']  # f32[8, 3]" in out and "# f32[4, 3]" in out
+    assert main(["show", "g.pt", "--arg", "x=f32[2,8]"]) == 2  # params cannot be given as a spec
+    assert "missing --arg" in capsys.readouterr().err
+
+    plain = torch.fx.symbolic_trace(lambda x, y: torch.relu(x @ y).sum(0))
+    torch.save(plain, "plain.pt")
+    assert main(["show", "plain.pt"]) == 0  # nothing recorded: the code, and a hint
+    captured = capsys.readouterr()
+    assert "# f32" not in captured.out and "pass --arg" in captured.err
+    assert main(["show", "plain.pt", "--arg", "x=f32[4,8]", "--arg", "y=f32[5,3]"]) == 2
+    assert "cannot propagate shapes" in capsys.readouterr().err
+    assert main(["show", "plain.pt", "--arg", "x=f32[4,8]", "--arg", "y=f32[8,3]"]) == 0
+    out = capsys.readouterr().out
+    assert "# x: f32[4, 8], y: f32[8, 3]" in out and "relu = torch.relu(matmul)  # f32[4, 3]" in out
+    assert "sum_1 = relu.sum(0)  # f32[3]" in out

@@ -163,3 +163,47 @@ def test_split_is_written_as_forward_and_backward(tmp_path):
     want = s.backward(*want_saved, *s.flatten_cotangent(ct))
     for g, w in zip(s.flat_grads(got), s.flat_grads(want)):
         assert (g is None and w is None) or torch.equal(g, w)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.LayerNorm(8))
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.bn(self.body(x))).relu()
+
+
+def test_submodules_are_inlined_and_run_without_fxtools(tmp_path):
+    """call_module nodes (layers of a symbolic_trace graph, GraphModules from split_module) become ops."""
+    from torch.fx.passes.shape_prop import ShapeProp
+    from torch.fx.passes.split_module import split_module
+
+    torch.manual_seed(0)
+    model = _Net().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    traced = torch.fx.symbolic_trace(model)
+    parts = split_module(traced, model, lambda node: 0 if node.name.startswith("body") else 1)
+    assert any(n.op == "call_module" for n in parts.graph.nodes)
+    assert isinstance(parts.submod_0, torch.fx.GraphModule)
+    ShapeProp(parts).propagate(x.clone())  # BatchNorm's forward checks input.dim(): traced with shapes
+    with pytest.raises(ExportError, match=r"'bn' \(BatchNorm1d\).*ShapeProp"):
+        fxtools.save(torch.fx.symbolic_trace(model), tmp_path / "no_shapes.py")  # no shapes: a clear error
+    model.bn.reset_running_stats()
+    text = fxtools.save(parts, tmp_path / "parts.py")
+    code = text.split("\ndef forward")[1]
+    assert "torch.nn.functional.batch_norm(" in code and "torch.nn.functional.layer_norm(" in code
+    assert "bn_running_mean = constants." in code and "body_0_weight = constants." in code
+    assert model.bn.num_batches_tracked.item() == 0  # writing the module ran nothing
+    want = model(x)  # updates the running statistics, as the written module must
+    torch.save((x, want, model.bn.running_mean), tmp_path / "io.pt")
+    run_isolated("""
+import torch, parts
+x, want, running_mean = torch.load("io.pt")
+torch.testing.assert_close(parts.forward(x), want, rtol=1e-12, atol=1e-12)
+mean = [v for k, v in vars(parts.constants).items() if k.endswith("bn_running_mean")]
+torch.testing.assert_close(mean[0], running_mean, rtol=1e-12, atol=1e-12)
+print("ok")
+""", tmp_path)

@@ -81,6 +81,26 @@ opt = _causal_lm(transformers.OPTForCausalLM, transformers.OPTConfig, hidden_siz
                  num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0,
                  attention_dropout=0.0)
 
+
+def _moe(model_cls, config_cls, **config):
+    """A mixture-of-experts decoder; the float32 loss (the model's own) adds the router's load-balancing loss.
+
+    transformers' ``grouped_mm`` experts call ``torch._grouped_mm`` in eager mode (while fxtools
+    traces, ``torch.compiler.is_compiling()`` makes float32 take its ``grouped_mm_fallback`` op);
+    the CPU kernel has no float64, so float64 cases use the ``batched_mm`` experts (``bmm``).
+    """
+    def build(attention, dtype):
+        experts = "grouped_mm" if dtype == torch.float32 else "batched_mm"
+        return _causal_lm(model_cls, config_cls, experts_implementation=experts, output_router_logits=True,
+                          num_experts_per_tok=2, **config)(attention, dtype)
+    return build
+
+
+mixtral = _moe(transformers.MixtralForCausalLM, transformers.MixtralConfig, num_local_experts=4, **_DECODER)
+qwen2_moe = _moe(transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig, num_experts=4,
+                 moe_intermediate_size=32, shared_expert_intermediate_size=32, **_DECODER)
+stablelm = _causal_lm(transformers.StableLmForCausalLM, transformers.StableLmConfig, **_DECODER)
+
 _BERT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
              max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
@@ -143,14 +163,18 @@ def resnet(attention, dtype):
 MODELS = {
     "gpt2": gpt2, "llama": llama, "bert_mlm": bert_mlm, "bert_classifier": bert_classifier,
     "mistral": mistral, "qwen2": qwen2, "opt": opt, "bart": bart, "t5": t5, "vit": vit, "resnet": resnet,
+    "mixtral": mixtral, "qwen2_moe": qwen2_moe, "stablelm": stablelm,
 }
 # Eager attention of these models takes the softmax in float32 whatever the model's dtype
 # (``softmax(..., dtype=torch.float32)``), so in float64 both gradients carry float32 rounding.
 FLOAT32_SOFTMAX = {"llama", "mistral", "qwen2", "opt", "vit"}
+# Mixtral's router takes its softmax and normalises the top-k weights in float32 in any attention
+# (``router_logits.float()``); with a float64 router the gradients agree to float64 tolerance.
+FLOAT32_ROUTER = {"mixtral"}
 
 
 def tolerance(name, attention, dtype):
-    if dtype == torch.float64 and attention == "eager" and name in FLOAT32_SOFTMAX:
+    if dtype == torch.float64 and (attention == "eager" and name in FLOAT32_SOFTMAX or name in FLOAT32_ROUTER):
         return TOL[torch.float32]
     return TOL[dtype]
 
@@ -226,6 +250,28 @@ def test_llama_with_activation_checkpointing(reentrant):
     params = dict(model.named_parameters())
     got = fxtools.grad(lambda p, *a: loss(f, p, *a), params, *inputs)(params, *inputs)
     assert_grads_close(got, want, TOL[torch.float64])
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_in_bfloat16_differentiates_into_grouped_products(name):
+    """bfloat16 experts run ``torch._grouped_mm`` even while fxtools traces (float32 ones then take
+    transformers' fallback op). Each of a layer's two grouped products gets two more in the
+    gradient code, since the routing (top-k, sort, histc, cumsum) has static shapes; the MoE
+    layers' gradients agree with eager autograd to bfloat16 accuracy (2% as a norm; its epsilon is 0.8%)."""
+    model, _, (ids, labels) = build(name, "sdpa", torch.float32)
+    model = model.to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    f = fxtools.functional(model)
+    params = dict(model.named_parameters())
+    gm = fxtools.grad(lambda p, *a: next_token_loss(f, p, *a), params, ids, labels)
+    grouped = [n for n in gm.graph.nodes if n.target is torch.ops.aten._grouped_mm.default]
+    assert len(grouped) == 6 * model.config.num_hidden_layers
+    got = gm(params, ids, labels)
+    _, want = eager_grads(reference, next_token_loss, (ids, labels))
+    moe = [n for n in want if ".mlp." in n]
+    assert any("experts" in n for n in moe) and any("gate" in n for n in moe)
+    for n in moe:
+        assert (got[n].float() - want[n].float()).norm() <= 2e-2 * want[n].float().norm(), n
 
 
 def test_gpt2_tied_embedding_gets_one_summed_gradient():

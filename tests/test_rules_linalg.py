@@ -194,3 +194,25 @@ def test_eigh(which):
 
     check_vjp(f, spd(4))
     check_vjp(f, spd(4, 2))
+
+
+def _f32(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+
+
+# Groups of 3, 0 and 5 rows/columns (offs are group ends). The CPU kernel has no float64.
+_OFFS = torch.tensor([3, 3, 8], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("a,b,offs", [
+    (_f32(8, 8), _f32(3, 8, 4), _OFFS),                                      # 2D x 3D: offs splits a's rows
+    (_f32(8, 8), _f32(3, 4, 8).mT, torch.tensor([0, 5, 8], dtype=torch.int32)),  # the MoE layout, b = wᵀ
+    (_f32(4, 8), _f32(8, 4), _OFFS),                                         # 2D x 2D: offs splits K -> 3D
+    (_f32(8, 4).mT, _f32(8, 4), _OFFS),                                      # column-major a
+    (_f32(3, 4, 8), _f32(8, 8), _OFFS),                                      # 3D x 2D: offs splits b's columns
+    (_f32(3, 4, 8), _f32(3, 8, 4), None),                                    # 3D x 3D: batched
+], ids=["2d3d", "2d3d_transposed_b", "2d2d", "2d2d_col_major_a", "3d2d", "3d3d"])
+def test_grouped_mm(a, b, offs):
+    """Both gradients are grouped products with the same offs, for every operand layout."""
+    gm = check_vjp(lambda a, b, offs: torch._grouped_mm(a, b, offs=offs), a, b, offs, rtol=1e-5, atol=1e-5)
+    assert targets(gm).count("_grouped_mm") == 3

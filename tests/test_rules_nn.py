@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
 
 import fxtools
 from fxtools.check import check_vjp
@@ -22,6 +23,7 @@ def calls(gm):
 # correctness against autograd, for cases OpInfo does not sample
 
 idx = torch.tensor([1, 0, 3, 3, 2])
+_chunked = LinearCrossEntropyOptions(batch_chunk_size=2)  # F.linear_cross_entropy's chunked custom op
 idx2d = torch.tensor([[1, 0, 3], [2, 2, -100]])
 class_w = torch.tensor([0.5, 2.0, 1.0, 1.5], dtype=torch.float64)
 bag_idx = torch.tensor([1, 2, 4, 5, 4, 3])
@@ -143,7 +145,20 @@ CASES = {
                              (r(3, 4), r(3, 4).sigmoid())),
     "kl_div": (lambda x, y: F.kl_div(x, y, reduction="batchmean"), (r(3, 4), r(3, 4).sigmoid())),
     "kl_div_log_target": (lambda x, y: F.kl_div(x, y, reduction="sum", log_target=True), (r(3, 4), r(3, 4))),
+    "linear_cross_entropy_chunked": (lambda x, w, b: F.linear_cross_entropy(
+        x, w, idx.clamp(min=0), linear_bias=b, options=_chunked), (r(5, 3), r(4, 3), r(4))),
+    "linear_cross_entropy_chunked_sum": (lambda x, w: F.linear_cross_entropy(
+        x, w, idx.clamp(min=0), reduction="sum", options=_chunked), (r(5, 3), r(4, 3))),
 }
+
+
+def test_chunked_linear_cross_entropy_scales_the_gradients_its_forward_computes():
+    """The chunked op returns the gradients with the loss; the backward only multiplies."""
+    f, args = CASES["linear_cross_entropy_chunked"]
+    gm = check_vjp(f, *args)
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum(getattr(t, "__name__", "").startswith("_linear_cross_entropy") for t in ops) == 1
+    assert "matmul" not in gm.code and "@" not in gm.code
 
 
 @pytest.mark.parametrize("name", list(CASES))

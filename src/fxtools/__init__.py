@@ -12,17 +12,20 @@ from .batching import vmap
 from .forward import jvp
 from .higher import hessian, hvp
 from .oplog import log
+from .custom import CustomFunctionError, custom_vjp
 from .check import VjpMismatch, check_vjp, check_vjp_fd
 from .errors import DataDependentError, FxtoolsError, MissingRuleError
+from .draw import draw
 from .export import save
 from .functional import functional
-from .registry import mark_nondifferentiable, register_vjp
+from .registry import mark_nondifferentiable, register_vjp, rule_set
 from .show import show
 from .split import Split, split
 from .training import backend, compile  # noqa: A004 - fxtools.compile, like torch.compile
 
 __all__ = [
-    "vjp", "grad", "value_and_grad", "functional", "jvp", "hvp", "hessian", "vmap", "log", "show", "save", "check_vjp", "check_vjp_fd",
-    "register_vjp", "mark_nondifferentiable", "split", "Split", "compile", "backend",
+    "vjp", "grad", "value_and_grad", "functional", "jvp", "hvp", "hessian", "vmap", "log", "show", "save", "draw", "check_vjp", "check_vjp_fd",
+    "register_vjp", "mark_nondifferentiable", "rule_set", "custom_vjp", "split", "Split", "compile", "backend",
     "FxtoolsError", "MissingRuleError", "DataDependentError", "VjpMismatch",
+    "CustomFunctionError",
 ]

@@ -18,6 +18,7 @@ from .functionalize import functionalize
 from .naming import arg_names
 from .render import render
 from .reverse import ReverseSpec, is_float, reverse
+from .show import remember_inputs
 from .simplify import simplify
 
 
@@ -63,13 +64,32 @@ def _names(f, args):
     return arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
 
 
+PART_KEY = "fxtools_part"  # node.meta: "forward" / "backward" (vjp, grad), "recompute" (split's backward)
+
+
+def mark_parts(flat_gm: fx.GraphModule, n_out: int) -> None:
+    """Tag each op "forward" if an output value of ``f`` depends on it, else "backward" (for drawing)."""
+    outs = [o for o in next(n for n in flat_gm.graph.nodes if n.op == "output").args[0][:n_out]
+            if isinstance(o, fx.Node)]
+    forward, stack = set(), outs
+    while stack:
+        v = stack.pop()
+        if v not in forward:
+            forward.add(v)
+            stack.extend(v.all_input_nodes)
+    for node in flat_gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "get_attr"):
+            node.meta[PART_KEY] = "forward" if node in forward else "backward"
+
+
 def _finish(cap, flat_gm, args, build, extra_args=()):
+    mark_parts(flat_gm, len(cap.out_leaves))
     gm = assemble(flat_gm, _names(cap_f(cap), args), args, cap.tensor_leaf, cap.names, build, extra_args)
     simplify(gm)
     render(gm)
     gm.graph.lint()
     gm.recompile()
-    return gm
+    return remember_inputs(gm)
 
 
 def cap_f(cap):

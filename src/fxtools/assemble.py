@@ -12,6 +12,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.graph_module import _copy_attr
 from torch.utils import _pytree as pytree
 from torch.utils._pytree import MappingKey, GetAttrKey, SequenceKey
 
@@ -77,8 +78,11 @@ def assemble(flat: fx.GraphModule, arg_names: list[str], args: tuple, tensor_lea
 
     ``extra_args`` is a list of ``(name, example)`` appended to the signature (cotangents);
     ``build_output(flat_results)`` nests the flat graph's outputs into the returned structure.
+    The graph is built inside the returned module, whose code is not generated yet: the caller
+    recompiles it after its last pass (code generation takes long on big graphs; once is enough).
     """
-    graph = fx.Graph()
+    gm = fx.GraphModule(flat, fx.Graph(), class_name=flat.__class__.__name__)
+    graph = gm.graph
     all_names = list(arg_names) + [n for n, _ in extra_args]
     all_args = tuple(args) + tuple(v for _, v in extra_args)
     paths_leaves, _ = pytree.tree_flatten_with_path(all_args)
@@ -101,5 +105,7 @@ def assemble(flat: fx.GraphModule, arg_names: list[str], args: tuple, tensor_lea
         node.meta.setdefault("val", ph.meta.get("val"))
     flat_outs = graph.graph_copy(flat.graph, env)
     graph.output(_returnable(graph, build_output(list(flat_outs))))
-    gm = fx.GraphModule(flat, graph, class_name=flat.__class__.__name__)
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            _copy_attr(flat, gm, node.target)  # what fx.GraphModule(flat, graph) copies
     return gm

@@ -20,10 +20,15 @@ user's line and PyTorch's explanation.
 """
 from __future__ import annotations
 
+import inspect
+import operator
+
 import torch
 import torch.fx as fx
+from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
+from . import custom
 from .api import _names
 from .assemble import assemble
 from .capture import capture, is_data_dependent, realize_constants
@@ -93,15 +98,49 @@ def vmap(f, *args, in_dims=0, out_dims=0) -> fx.GraphModule:
     """
     if not isinstance(args, tuple):
         args = tuple(args)
-    batched = torch.func.vmap(vmappable(f), in_dims=_in_dims_for(in_dims, args), out_dims=out_dims)
-    return trace_batched(batched, args, names_of=f)
+    namer = _NodeNamer(vmappable(f)) if isinstance(f, fx.GraphModule) else None
+    batched = torch.func.vmap(namer or f, in_dims=_in_dims_for(in_dims, args), out_dims=out_dims)
+    return trace_batched(batched, args, names_of=f, namer=namer)
 
 
-def trace_batched(fn, args, names_of=None) -> fx.GraphModule:
+class _NodeNamer(fx.Interpreter):
+    """Runs a generated GraphModule op by op, noting which traced node computed each of its values.
+
+    Batching traces below vmap, where names would otherwise come from ATen ops (``mul_4``); the
+    batched code of a generated module keeps its names (``grad_linear``) instead: each of its
+    values names the last node traced while computing it.
+    """
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.names: dict[fx.Node, str] = {}
+        self.__signature__ = inspect.signature(gm.forward)  # argument names for the batched code
+
+    def __call__(self, *args):
+        return self.run(*args)
+
+    def run_node(self, n):
+        mode = proxy_tensor.get_innermost_proxy_mode()
+        graph = mode.tracer.graph if mode is not None else None
+        last = graph._root.prev if graph is not None else None
+        out = super().run_node(n)
+        if graph is not None and n.op in ("call_function", "call_method") and graph._root.prev is not last:
+            self.names[graph._root.prev] = n.name
+        return out
+
+    def apply(self, gm: fx.GraphModule) -> None:
+        for node in gm.graph.nodes:
+            name = self.names.get(node)
+            if name is not None and node.op == "call_function" and node.target is not operator.getitem:
+                node._rename(name)
+
+
+def trace_batched(fn, args, names_of=None, namer=None) -> fx.GraphModule:
     """Trace ``fn`` (which may call torch.func transforms) into a readable GraphModule."""
     f = fn if names_of is None else names_of
     try:
-        cap = capture(fn, args, pre_dispatch=False)
+        with custom.transform("fxtools.vmap"):  # custom functions just run their forward
+            cap = capture(fn, args, pre_dispatch=False)
     except FxtoolsError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised naming the user's line
@@ -111,6 +150,8 @@ def trace_batched(fn, args, names_of=None) -> fx.GraphModule:
         raise FxtoolsError(f"fxtools.vmap cannot batch {getattr(f, '__name__', f)!s} (at {where}): "
                            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
     gm = cap.gm
+    if namer is not None:
+        namer.apply(gm)
     realize_constants(gm)
     _out_of_place_views(gm)
     functionalize(gm)

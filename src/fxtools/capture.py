@@ -20,11 +20,14 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 from torch.utils import _pytree as pytree
 
 from .errors import DataDependentError, FxtoolsError, _is_user_file, user_frame
+from .dynamic_shapes import CountsFromExamples
 from .naming import arg_names, identifier, leaf_names
+from .replacements import Replacing, check_no_writes
 
 
 @dataclass
@@ -127,15 +130,22 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=Tru
     """make_fx at pre-dispatch level, with fake tensors, closed-over real tensors allowed.
 
     ``pre_dispatch=False`` traces below torch.func transforms (``fxtools.vmap`` needs it).
+    The graph module generates its code when first run or read (``_LazyGraphModule``): the
+    pipeline's intermediate graphs are transformed many times and never run.
     """
+    from .dynamic_shapes import capture_decompositions
+    from .fake_kernels import tracing_kernels
+
     tracer = make_fx(
         fn,
+        decomposition_table=capture_decompositions(),
         pre_dispatch=pre_dispatch,
         tracing_mode="fake",
         _allow_non_fake_inputs=True,
         record_stack_traces=record_stack_traces,
     )
-    with _all_user_frames() if record_stack_traces else contextlib.nullcontext(), _no_real_mutation():
+    with _all_user_frames() if record_stack_traces else contextlib.nullcontext(), _no_real_mutation(), \
+            tracing_kernels(), _use_lazy_graph_module(True):
         return tracer(*example_leaves)
 
 
@@ -166,27 +176,19 @@ def realize_constants(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _reject_data_dependent_shapes(gm: fx.GraphModule) -> None:
-    """Shapes that depend on tensor values (``x[x > 0]``, ``masked_select``) are not supported."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    from .errors import user_line_of
-
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if val is not None and free_unbacked_symbols(val):
-            where = user_line_of(node) or "an unknown line of user code"
-            raise DataDependentError(
-                f"the shape of the result of {node.target} depends on tensor values (at {where}); "
-                "fxtools specialises every shape to the example. Use a fixed-shape formulation "
-                "(torch.where, masking, multiplication by the mask) instead.")
-
-
 def data_dependent_error(exc: BaseException, node=None) -> DataDependentError:
     """A DataDependentError for ``exc``, naming the user's line (of ``node`` when given)."""
     from .errors import user_line_of
 
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
     where = (user_line_of(node) if node is not None else None) or user_frame(exc.__traceback__)
+    if isinstance(exc, DynamicOutputShapeException) and exc.args:
+        return DataDependentError(
+            f"the output shape of {exc.args[0]} depends on the values of its inputs (at "
+            f"{where or 'an unknown line of user code'}), and PyTorch gives it no symbolic shape "
+            "that fxtools could trace. Compute it another way, or see the op's options for one with "
+            "static shapes (e.g. torch.linalg.lstsq(..., driver='gels')).")
     what = f"the derivative of {node.target}" if node is not None else "Python control flow or a Python value"
     return DataDependentError(
         f"{what} depends on the value of a tensor (at {where or 'an unknown line of user code'}).\n"
@@ -210,46 +212,42 @@ def _check_output_leaves(out) -> None:
             "them (a model that returns a cache usually has a flag to turn it off, e.g. use_cache=False)")
 
 
-AUTOGRAD_FUNCTION_KEY = "fxtools_autograd_function"  # in node.meta["custom"]: the Function that made the node
+@contextlib.contextmanager
+def _custom_autograd_functions(pre_dispatch=True):
+    """Trace ``torch.utils.checkpoint`` as its function; custom rules as one call each.
+
+    Checkpointing only trades memory for recomputation (the gradient of a checkpointed call is
+    the gradient of its function), so both variants just call the function; the reentrant one
+    would otherwise run it under ``no_grad`` and its inputs would get no gradient. A
+    ``torch.autograd.Function`` or ``fxtools.custom_vjp`` call becomes one node carrying its own
+    backward as its rule (``custom.py``); under ``fxtools.vmap`` (``pre_dispatch=False``) it just
+    runs. Nested ``torch.func`` transforms are refused with the user's line (``nested.py``).
+    """
+    from .custom import capturing
+    from .nested import no_nested_transforms
+    from .split import checkpoint_regions  # split imports this module
+
+    with checkpoint_regions(), capturing(record=pre_dispatch), \
+            (no_nested_transforms() if pre_dispatch else contextlib.nullcontext()):
+        yield
 
 
 @contextlib.contextmanager
-def _custom_autograd_functions():
-    """Trace ``torch.utils.checkpoint`` as its function; mark the ops of other autograd.Functions.
+def _compiling():
+    """Make ``torch.compiler.is_compiling()`` and ``is_exporting()`` true while the user's code is
+    traced, as torch.export's (non-strict) tracing does.
 
-    Tracing runs a custom ``torch.autograd.Function``'s forward inline and drops its backward.
-    Checkpointing only trades memory for recomputation (the gradient of a checkpointed call is
-    the gradient of its function), so both variants just call the function; the reentrant one
-    would otherwise run it under ``no_grad`` and its inputs would get no gradient. The nodes any
-    other Function creates are marked with its name, and ``check_supported`` rejects them:
-    differentiating the forward would silently ignore the Function's own backward (a
-    straight-through estimator, say).
+    Libraries check them to keep tracing free of side effects and of constructs only a compiler
+    handles: Hugging Face models then skip their ``lru_cache``s of tensors (which would otherwise
+    keep a FakeTensor made during tracing and hand it to the next eager call of the model), and
+    take their export paths (a sequential scan rather than torch's ``associative_scan``).
     """
-    from torch.fx.experimental import proxy_tensor
-
-    from .split import checkpoint_regions  # split imports this module
-
-    function = torch.autograd.function.Function
-    original = function.__dict__["apply"]
-
-    def apply(cls, *args, **kwargs):
-        mode = proxy_tensor.get_innermost_proxy_mode()
-        graph = mode.tracer.graph if mode is not None else None
-        before = set(graph.nodes) if graph is not None else set()
-        out = original.__get__(None, cls)(*args, **kwargs)
-        for node in graph.nodes if graph is not None else ():
-            if node not in before and node.op == "call_function":
-                custom = dict(node.meta.get("custom") or {})
-                custom.setdefault(AUTOGRAD_FUNCTION_KEY, cls.__qualname__)  # the outermost one wins
-                node.meta["custom"] = custom
-        return out
-
-    function.apply = classmethod(apply)
+    old = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag
+    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
     try:
-        with checkpoint_regions():
-            yield
+        yield
     finally:
-        function.apply = original
+        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = old
 
 
 def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True) -> Captured:
@@ -264,7 +262,9 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True) -> C
     def flat_f(*tensors):
         it = iter(tensors)
         full = [next(it) if t else leaf for t, leaf in zip(is_tensor, leaves)]
-        out = f(*pytree.tree_unflatten(full, in_spec))
+        reals = [leaf for leaf, t in zip(leaves, is_tensor) if t]
+        with Replacing(), CountsFromExamples(tensors, reals):  # functions that read tensor values (replacements.py)
+            out = f(*pytree.tree_unflatten(full, in_spec))
         _check_output_leaves(out)
         out_leaves, out_info["spec"] = pytree.tree_flatten(out)
         out_info["leaves"] = out_leaves
@@ -272,13 +272,13 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True) -> C
 
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
     try:
-        with _custom_autograd_functions():
+        with _custom_autograd_functions(pre_dispatch), _compiling():
             gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch)
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if is_data_dependent(exc):
             raise data_dependent_error(exc) from exc
         raise
-    _reject_data_dependent_shapes(gm)
+    check_no_writes(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, [n for n, t in zip(names, is_tensor) if t]):
         node._rename(name)
@@ -296,10 +296,3 @@ def check_supported(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
             where = user_line_of(node) or "unknown line"
             raise FxtoolsError(f"{node.target.name()} (from {where}) is not supported by fxtools yet")
-        function = (node.meta.get("custom") or {}).get(AUTOGRAD_FUNCTION_KEY)
-        if function is not None:
-            where = user_line_of(node) or "unknown line"
-            raise FxtoolsError(
-                f"the custom torch.autograd.Function {function} (from {where}) defines its own backward, "
-                "which fxtools does not use; differentiating its forward instead could give a different "
-                "gradient. Write the function with differentiable torch operations.")

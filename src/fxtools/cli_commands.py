@@ -275,6 +275,8 @@ def _transform_parser(kind: str) -> argparse.ArgumentParser:
                    help="cast the module's parameters and every floating-point --arg tensor to this dtype")
     p.add_argument("--seed", type=int, default=0, help="seed of the random example inputs (default 0)")
     p.add_argument("--out", metavar="FILE.py", help="also write the code as a standalone module (imports only torch)")
+    p.add_argument("--svg", metavar="FILE.svg", help="also draw the graphs (forward, backward, recomputed, saved) "
+                   "as an SVG picture (needs pydot and Graphviz: pip install 'fxtools[draw]')")
     p.add_argument("--check", action="store_true", help="compare with torch.autograd on the example inputs")
     p.add_argument("--quiet", action="store_true", help="do not print the code")
     return p
@@ -328,6 +330,15 @@ def _run_transform(kind: str, argv) -> int:
     if a.out:
         save(gm, a.out, name=f"`fxtools {kind} {os.path.basename(a.target)}`: {target.kind}")
         progress(f"wrote {a.out}" + (" (+ .pt constants)" if os.path.exists(a.out[:-3] + ".pt") else ""))
+    if a.svg:
+        from .draw import DrawError, draw
+        try:
+            draw(gm, a.svg, title=f"fxtools {kind} {os.path.basename(a.target)}"
+                 + (f" (policy {a.policy})" if kind == "split" else ""))
+        except DrawError as exc:
+            print(f"fxtools {kind}: error: {exc}", file=sys.stderr)
+            return 2
+        progress(f"wrote {a.svg}")
     if a.check:
         progress("checking against torch.autograd ...")
         try:
@@ -410,9 +421,13 @@ def show_command(argv) -> int:
     p = argparse.ArgumentParser(
         prog="fxtools show",
         description="Print generated code: a module written by fxtools.save / --out (FILE.py), or a "
-                    "GraphModule saved with torch.save (FILE.pt), with the shape of every value.")
+                    "GraphModule saved with torch.save (FILE.pt), with the shape of every value.",
+        epilog="example: fxtools show g.pt --arg x=f32[4,8] --arg y=i64[4]%%3")
     p.add_argument("file", metavar="FILE", help="FILE.py (a saved module) or FILE.pt (torch.save(gm))")
     p.add_argument("--code-only", action="store_true", help="for FILE.py: leave out the docstring and constants")
+    p.add_argument("--arg", action="append", default=[], metavar="[NAME=]SPEC",
+                   help="for FILE.pt: an example input of the GraphModule's forward, to show the shapes "
+                        "(default: the inputs fxtools recorded in the module, if any). " + ARG_HELP)
     a = p.parse_args(argv)
     if not os.path.isfile(a.file):
         print(f"fxtools show: error: no such file: {a.file}", file=sys.stderr)
@@ -425,10 +440,24 @@ def show_command(argv) -> int:
             text = text[start + 1:] if start >= 0 else text
         print(text.rstrip())
         return 0
-    from .show import annotated_code
+    from .show import annotated_code, propagate_shapes, recorded_inputs
     obj = torch.load(a.file, weights_only=False)
     if not isinstance(obj, torch.fx.GraphModule):
         print(f"fxtools show: error: {a.file} holds a {type(obj).__name__}, not a GraphModule", file=sys.stderr)
+        return 2
+    try:  # torch.save keeps no shapes: run the graph on FakeTensors shaped like the inputs
+        if a.arg:
+            propagate_shapes(obj, *build_args(obj.forward, a.arg, torch.Generator().manual_seed(0)))
+        elif recorded_inputs(obj) is not None:
+            propagate_shapes(obj)
+        else:
+            progress("no shapes: the file records no example inputs; pass --arg NAME=SPEC for each argument")
+    except CliError as exc:
+        print(f"fxtools show: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # the graph does not run on these inputs
+        print(f"fxtools show: error: cannot propagate shapes through {a.file}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
         return 2
     print(annotated_code(obj).rstrip())
     return 0

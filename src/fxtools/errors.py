@@ -40,6 +40,19 @@ def user_frame(tb) -> str | None:
     return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
 
 
+def current_user_line() -> str:
+    """'file:line: code' of the innermost user frame of the running code (library frames skipped)."""
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    frames = [f for f in traceback.extract_stack()
+              if _is_user_file(f.filename) and not f.filename.startswith(stdlib)]
+    if not frames:
+        return "an unknown line of user code"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
+
+
 def user_line_of(node) -> str | None:
     """'file:line: code' of the user call that produced FX `node`, from its recorded stack trace."""
     trace = node.meta.get("stack_trace") if node is not None else None

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from .errors import FxtoolsError
+from .inline import InlineError, inline_submodules
 from .show import describe
 
 __all__ = ["save", "ExportError", "EMBED_LIMIT"]
@@ -238,21 +239,22 @@ class _Function:
     """One function of the written module: a renamed copy of a GraphModule's graph and its code."""
 
     def __init__(self, gm: fx.GraphModule, fname: str, ns: str, values: dict, ids: dict):
-        for node in gm.graph.nodes:
-            if node.op == "call_module":
-                raise ExportError(f"node {node.name} calls submodule {node.target!r}; save needs a flat GraphModule")
         self.gm, self.fname = gm, fname
         # A copy of the graph whose get_attr targets are plain identifiers (``a.b`` becomes ``a_b``),
         # shared with the other functions of the module when they read the same tensor.
         graph = fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))
         graph._codegen = gm.graph._codegen  # a pytree codegen (make_fx graphs) writes its own prologue
+        try:  # submodules' forwards become ops of this graph
+            inlined = inline_submodules(graph, gm)
+        except InlineError as exc:
+            raise ExportError(str(exc)) from None
         for node in graph.nodes:
             if node.op == "get_attr":
-                value = _get_attr(gm, node.target)
+                value = inlined[node] if node in inlined else _get_attr(gm, node.target)
                 if id(value) not in ids:
                     base = re.sub(r"\W", "_", node.target)
-                    flat = _fresh_name("c" + base if base.startswith("__") else base, set(values))
+                    flat = _fresh_name("c" + base if base.startswith("__") or base[0].isdigit() else base, set(values))
                     ids[id(value)] = flat
                     values[flat] = value
                 node.target = ids[id(value)]

@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from . import custom
 from .api import _names, _prepare
 from .assemble import assemble
 from .capture import Captured
@@ -43,8 +44,9 @@ from .decompose import expand
 from .errors import FxtoolsError
 from .functionalize import functionalize
 from .render import render
+from .show import remember_inputs
 from .reverse import ReverseSpec, is_float, reverse
-from .simplify import fake_mode_of, dce, simplify
+from .simplify import has_generic_name, fake_mode_of, dce, simplify
 
 aten = torch.ops.aten
 
@@ -159,7 +161,12 @@ def collapse_view_chains(gm: fx.GraphModule) -> bool:
         a, b = start.meta.get("val"), node.meta.get("val")
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
                 and a.dtype == b.dtype and a.is_contiguous():
+            only_for_this = len(start.users) == 1 and has_generic_name(start)
             node.replace_all_uses_with(start)
+            if only_for_this and not has_generic_name(node):
+                name = node.name
+                gm.graph.erase_node(node)
+                start.name = name  # the erased node's name: unique, and still reserved
             changed = True
     return changed
 
@@ -196,7 +203,8 @@ def jvp(f, *args) -> fx.GraphModule:
     if not isinstance(args, tuple):
         args = tuple(args)
     argnums = tuple(range(len(args)))
-    cap, wrt = _prepare(f, args, argnums)
+    with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored: refuse it
+        cap, wrt = _prepare(f, args, argnums)
     cap.f = f
     vjp_flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     simplify(vjp_flat)
@@ -280,7 +288,7 @@ def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False) -> f
     render(gm)
     gm.graph.lint()
     gm.recompile()
-    return gm
+    return remember_inputs(gm)
 
 
 def _is_getitem(node) -> bool:

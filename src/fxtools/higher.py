@@ -6,7 +6,8 @@ transform returns an ordinary GraphModule of public PyTorch calls that fxtools c
 - ``hvp(f, *args)`` is reverse over reverse: the VJP of ``fxtools.grad(f)`` with cotangent
   ``v``. Since the Hessian is symmetric, ``(∇f)ᵀ``'s VJP ``Hᵀ v`` is ``H v``. Reverse over
   reverse needs only the VJP rules (the backward ops of the first pass are ordinary ops with
-  rules), and after simplification it reads like a hand-written double backward.
+  rules), and after simplification it reads like a hand-written double backward. It uses the
+  readable rules whatever ``fxtools.rule_set`` is in effect.
 - ``hessian(f, *args)`` is ``hvp`` batched over the standard basis with ``fxtools``' vmap (the
   batched graph of ``torch.func.vmap(hvp)``): one batched evaluation, not a loop over columns.
   The result is nested as ``torch.func.hessian``'s: for a differentiated argument with pytree
@@ -22,6 +23,7 @@ from torch.utils import _pytree as pytree
 from .api import _argnums_tuple, _grads_structure, _names, _prepare
 from .batching import trace_batched, vmappable
 from .forward import finish
+from .registry import rule_set
 from .reverse import ReverseSpec, is_float, reverse
 
 __all__ = ["hvp", "hessian"]
@@ -44,10 +46,13 @@ def hvp(f, *args, argnums=0) -> fx.GraphModule:
     if not isinstance(args, tuple):
         args = tuple(args)
     nums = _argnums_tuple(argnums, len(args))
-    g = grad(f, *args, argnums=argnums)
-    cap, wrt = _prepare(g, args, nums)
-    cap.f = g
-    flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
+    # Always the readable rules: fused backward kernels are first-order only (CPU flash
+    # attention's backward has no derivative) and the second derivative should read as math.
+    with rule_set("readable"):
+        g = grad(f, *args, argnums=argnums)
+        cap, wrt = _prepare(g, args, nums)
+        cap.f = g
+        flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     n_out = len(cap.out_leaves)
     # keep only H v: drop the gradient itself from the outputs
     out_node = next(n for n in flat.graph.nodes if n.op == "output")

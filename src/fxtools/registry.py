@@ -13,9 +13,16 @@ and ``x.dtype`` freely; the torch calls they make become the generated code.
 
 Keys are ``torch.ops.aten`` overload packets (``torch.ops.aten.sin``, covering every
 overload) or single overloads (``torch.ops.aten.sum.dim_IntList``), which take precedence.
+
+Rule sets. The table above holds the *readable* rules, the default. A named rule set (``"fused"``,
+``rules/fused.py``) overrides some of them; ``with rule_set("fused"): ...`` makes every transform
+traced inside look its rules up there first, then in the readable table. Rules a user registered
+with ``register_vjp`` (into the default table) beat every rule set.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,10 +33,16 @@ import torch
 class Rule:
     fwd: Callable[..., tuple[Any, Any]]
     bwd: Callable[[Any, Any], Any]
-    source: str = "hand-written"  # or "user", "derived"
+    source: str = "hand-written"  # or "user", "derived", "fused"
 
 
 _RULES: dict[Any, Rule] = {}
+_RULE_SETS: dict[str, dict[Any, Rule]] = {"readable": {}}  # name -> rules overriding _RULES
+_ACTIVE = contextvars.ContextVar("fxtools_rule_set", default=("readable", _RULE_SETS["readable"]))
+
+
+def _table(rule_set):
+    return _RULES if rule_set is None else _RULE_SETS.setdefault(rule_set, {})
 
 
 def _key(op):
@@ -49,8 +62,8 @@ def _key(op):
     )
 
 
-def register_vjp(op, fwd: Callable, bwd: Callable, *, source: str = "user") -> Rule:
-    """Add or replace the VJP rule of ``op``.
+def register_vjp(op, fwd: Callable, bwd: Callable, *, source: str = "user", rule_set: str | None = None) -> Rule:
+    """Add or replace the VJP rule of ``op`` (in the named ``rule_set``, default: the readable table).
 
     ``op`` is an ATen op (``torch.ops.aten.sin``, ``torch.ops.aten.sum.dim_IntList``), its name
     (``"sin"``), or a torch function of the same name (``torch.sin``). Example::
@@ -62,11 +75,11 @@ def register_vjp(op, fwd: Callable, bwd: Callable, *, source: str = "user") -> R
         fxtools.register_vjp(torch.ops.aten.sin, sin_fwd, sin_bwd)
     """
     rule = Rule(fwd, bwd, source)
-    _RULES[_key(op)] = rule
+    _table(rule_set)[_key(op)] = rule
     return rule
 
 
-def vjp_rule(op):
+def vjp_rule(op, *, rule_set: str | None = None):
     """Decorator for the common rule shape: the forward is the op itself.
 
     The decorated function is ``bwd(ct, out, *args, **kwargs) -> arg cotangents`` and sees the
@@ -88,23 +101,74 @@ def vjp_rule(op):
 
         fwd.__name__ = bwd.__name__ = bwd_of_inputs.__name__
         fwd.__qualname__ = bwd.__qualname__ = bwd_of_inputs.__qualname__
-        _RULES[_key(op)] = Rule(fwd, bwd, "hand-written")
+        _table(rule_set)[_key(op)] = Rule(fwd, bwd, "hand-written" if rule_set is None else rule_set)
         return bwd_of_inputs
 
     return register
 
 
-def lookup(op) -> Rule | None:
-    """The rule for an op overload: the overload's own, else its packet's."""
-    rule = _RULES.get(op)
+def _find(table, op) -> Rule | None:
+    rule = table.get(op)
     if rule is None and isinstance(op, torch._ops.OpOverload):
-        rule = _RULES.get(op.overloadpacket)
+        rule = table.get(op.overloadpacket)
     return rule
 
 
-def registered_ops() -> dict:
-    """A copy of the rule table (op -> Rule), for coverage reports."""
-    return dict(_RULES)
+def lookup(op) -> Rule | None:
+    """The rule for an op overload in the active rule set: the overload's own, else its packet's;
+    the readable rule where the set has none; a user's ``register_vjp`` rule before either."""
+    rule = _find(_RULES, op)
+    overrides = _ACTIVE.get()[1]
+    if overrides and not (rule is not None and rule.source == "user"):
+        return _find(overrides, op) or rule
+    return rule
+
+
+def readable_rule(op) -> Rule | None:
+    """The rule of the default (readable) table, whatever set is active: a fused rule's fallback."""
+    return _find(_RULES, op)
+
+
+def rule_sets() -> list[str]:
+    """Names of the rule sets ``rule_set`` accepts."""
+    return list(_RULE_SETS)
+
+
+def active_rule_set() -> str:
+    """The name of the rule set in effect (``"custom"`` for a table passed to ``rule_set``)."""
+    return _ACTIVE.get()[0]
+
+
+@contextlib.contextmanager
+def rule_set(rules="readable"):
+    """Use another rule set while transforms are traced: ``with fxtools.rule_set("fused"): ...``.
+
+    ``rules`` is a name from ``rule_sets()`` (``"readable"``, the default set; ``"fused"``, rules
+    whose backwards call PyTorch's fused backward kernels), ``None`` (keep the current set), or a
+    dict ``{op: (fwd, bwd)}`` of rules overriding the readable ones. Graphs already made are
+    unaffected; the setting is per thread (and per asyncio task).
+    """
+    if rules is None:
+        yield
+        return
+    if isinstance(rules, str):
+        if rules not in _RULE_SETS:
+            raise ValueError(f"unknown rule set {rules!r}; known: {', '.join(map(repr, _RULE_SETS))}")
+        entry = (rules, _RULE_SETS[rules])
+    elif isinstance(rules, dict):
+        entry = ("custom", {_key(op): r if isinstance(r, Rule) else Rule(*r, source="user") for op, r in rules.items()})
+    else:
+        raise TypeError(f"rules must be a rule set's name, None or a dict op -> (fwd, bwd), not {rules!r}")
+    token = _ACTIVE.set(entry)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def registered_ops(rule_set: str | None = None) -> dict:
+    """A copy of the readable rule table, or of a named set's own rules (op -> Rule)."""
+    return dict(_table(rule_set))
 
 
 _NONDIFFERENTIABLE: set = set()

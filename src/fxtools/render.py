@@ -38,6 +38,8 @@ _METHODS = {
     aten.new_full.default: "new_full", aten.new_empty.default: "new_empty", aten.expand_as.default: "expand_as",
     aten.view_as.default: "view_as", aten.repeat.default: "repeat", aten.unflatten.int: "unflatten",
     aten.split.Tensor: "split", aten.split_with_sizes.default: "split",
+    # sizes and values read back from tensors when they depend on the data (dynamic_shapes.py)
+    aten.sym_size.int: "size", aten.sym_numel.default: "numel", aten._local_scalar_dense.default: "item",
 }
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # at::Reduction as torch.nn.functional spells it
 _REORDERED = {  # aten op -> (public function, positions of the aten arguments in the call)
@@ -226,7 +228,10 @@ def _split(kind, target, pairs, positional):
 
 
 def render(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite ``gm`` in place to call public PyTorch functions, operators and methods."""
+    """Rewrite ``gm``'s graph in place to call public PyTorch functions, operators and methods.
+
+    The caller recompiles ``gm`` (once, after its last pass).
+    """
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -238,5 +243,4 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
             node.op, node.target, node.args, node.kwargs = kind, target, args, kwargs
         else:
             node.target, node.args, node.kwargs = target, args, kwargs
-    gm.recompile()
     return gm

@@ -25,7 +25,9 @@ from torch.utils import _pytree as pytree
 
 from . import registry
 from .capture import Captured, data_dependent_error, is_data_dependent, trace_flat
+from .dynamic_shapes import cotangent_example, dynamic_nodes, is_dynamic, tie
 from .errors import MissingRuleError, user_line_of
+from .replay import Memo
 
 aten = torch.ops.aten
 
@@ -77,7 +79,8 @@ def missing_rule(node) -> MissingRuleError:
 
 
 def rule_for(node):
-    rule = node.meta.get("fxtools_rule") or registry.lookup(node.target)
+    rule = (node.meta.get("fxtools_rule") or getattr(node.target, "fxtools_rule", None)  # custom.CustomCall
+            or registry.lookup(node.target))
     if rule is None:
         raise missing_rule(node)
     return rule
@@ -142,10 +145,12 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
             rule_for(node)  # fail before tracing, with the user's line
     namer = _Namer()
     current = [None]  # the node being differentiated, for error messages
+    dynamic = set(dynamic_nodes(cap.gm))  # data-dependent shapes (x[mask]): see dynamic_shapes.py
 
     def template(*flat):
         inputs, cts = flat[: len(placeholders)], flat[len(placeholders):]
         env: dict[fx.Node, object] = dict(zip(placeholders, inputs))
+        memo = Memo()  # repeated calls (identical layers) copy their first trace: see replay.py
         tape = []
         for node in graph.nodes:
             if node.op == "get_attr":
@@ -159,11 +164,13 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
                 # inherit the op's stack trace and markers; otherwise this is a no-op.
                 with fx_traceback.set_current_meta(node):
                     if node.target is operator.getitem or node not in need:
-                        env[node] = node.target(*args, **kwargs)
-                        continue
-                    rule = rule_for(node)
-                    env[node], aux = rule.fwd(*args, **kwargs)
-                tape.append((node, rule, aux))
+                        env[node] = memo.call(node.target, *args, **kwargs)
+                    else:
+                        rule = rule_for(node)
+                        env[node], aux = memo.call(rule.fwd, *args, **kwargs)
+                        tape.append((node, rule, aux))
+                if node in dynamic:
+                    tie(env[node], node.meta["val"])
             elif node.op not in ("placeholder", "output"):
                 raise NotImplementedError(f"fxtools cannot differentiate a graph with {node.op} nodes")
 
@@ -173,8 +180,8 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
             if c is None or node not in need:
                 return
             if isinstance(c, torch.Tensor) and c.dtype != node.meta["val"].dtype:
-                c = c.to(node.meta["val"].dtype)
-            ct[node] = c if node not in ct else ct[node] + c
+                c = memo.call(torch.Tensor.to, c, node.meta["val"].dtype)
+            ct[node] = c if node not in ct else memo.call(operator.add, ct[node], c)
 
         if spec.seed == "ones":
             for i in ct_index:
@@ -196,7 +203,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
                     continue
                 namer(c, f"grad_{node.name}")
             with fx_traceback.set_current_meta(node):
-                dargs = rule.bwd(aux, c)
+                dargs = memo.call(rule.bwd, aux, c)
             if not isinstance(dargs, (tuple, list)) or len(node.args) == 1 and isinstance(node.args[0], (list, tuple)) and not isinstance(dargs, tuple):
                 dargs = (dargs,)
             for a, d in zip(node.args, dargs):
@@ -221,7 +228,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
         return (*outs, *grads)
 
     examples = [_example(p.meta["val"], keep_strides=True) for p in placeholders]
-    ct_examples = [_example(out_nodes[i].meta["val"]) for i in ct_index] if spec.seed == "cotangent" else []
+    ct_examples = [cotangent_example(out_nodes[i].meta["val"]) for i in ct_index] if spec.seed == "cotangent" else []
     try:
         gm = trace_flat(template, [*examples, *ct_examples], record_stack_traces=False)
     except Exception as exc:
@@ -254,7 +261,10 @@ def _ancestors(nodes) -> set[fx.Node]:
 
 
 def _example(val, keep_strides=False):
-    """A real zero tensor standing in for a FakeTensor when re-tracing (shapes are static).
+    """A real tensor standing in for a FakeTensor when re-tracing (shapes are static).
+
+    Tracing reads only its metadata, so the arguments' stand-ins are left uninitialised (zeroing
+    GPT-2's parameters alone takes a tenth of a second).
 
     With ``keep_strides`` (the function's own arguments) it has the example argument's strides,
     so the re-traced graph knows which values are contiguous (simplify keeps ``.contiguous()``
@@ -262,8 +272,10 @@ def _example(val, keep_strides=False):
     """
     if not isinstance(val, torch.Tensor):
         return val
+    if is_dynamic(val):
+        return cotangent_example(val)  # a FakeTensor with the same data-dependent sizes
     if keep_strides:
-        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="cpu").zero_()
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="cpu")
     return torch.zeros(val.shape, dtype=val.dtype, device="cpu")
 
 

@@ -1,11 +1,22 @@
-"""``show(gm)``: a GraphModule's code with the shape and dtype of every value as a comment."""
+"""``show(gm)``: a GraphModule's code with the shape and dtype of every value as a comment.
+
+The shapes come from ``node.meta["val"]``, which ``torch.save`` does not keep. So that a saved
+GraphModule can still be shown with shapes, fxtools' transforms also record its example inputs
+as shape-only (``meta``) tensors in the attribute ``gm.fxtools_inputs`` (``remember_inputs``),
+which pickling keeps (and in ``gm.meta``, which ``copy.deepcopy`` keeps); ``propagate_shapes`` runs the graph on FakeTensors of those (or of any
+example arguments) to fill the metadata in again.
+"""
 from __future__ import annotations
 
+import operator
 import re
 import sys
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+INPUTS_ATTR = "fxtools_inputs"
 
 _SHORT = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
@@ -50,3 +61,84 @@ def show(gm: fx.GraphModule, file=None) -> None:
     The ``x = None`` bookkeeping that FX adds to free memory is left out for reading.
     """
     print(annotated_code(gm), file=file or sys.stdout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes that survive torch.save
+# ---------------------------------------------------------------------------------------------
+
+def _example_of(node: fx.Node):
+    """A shape-only stand-in for the value of ``node``, from its metadata and the items read from it."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+    items = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem and u.args[0] is node]
+    if items:  # a dict stands in for any container the code only indexes
+        return {u.args[1]: _example_of(u) for u in items}
+    return None  # a Python value (specialised in the code) or an unused argument
+
+
+def remember_inputs(gm: fx.GraphModule) -> fx.GraphModule:
+    """Record ``gm``'s example arguments as meta tensors in ``gm.fxtools_inputs``.
+
+    torch.save keeps the attribute; copy.deepcopy keeps only ``gm.meta``, so they go there too.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = tuple(_example_of(p) for p in placeholders)
+    setattr(gm, INPUTS_ATTR, inputs)
+    gm.meta[INPUTS_ATTR] = inputs
+    return gm
+
+
+def recorded_inputs(gm: fx.GraphModule):
+    """The example arguments ``remember_inputs`` recorded, or None."""
+    found = getattr(gm, INPUTS_ATTR, None)
+    return found if found is not None else (getattr(gm, "meta", None) or {}).get(INPUTS_ATTR)
+
+
+class _ShapeProp(fx.Interpreter):
+    """Runs a graph on FakeTensors and stores each value in ``node.meta['val']``."""
+
+    def __init__(self, gm, mode):
+        super().__init__(gm)
+        self.mode, self.constants = mode, {}
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor):  # a fake copy: in-place buffer updates leave the real one alone
+            value = self.constants.setdefault(target, self.mode.from_tensor(value))
+        return value
+
+    def run_node(self, node):
+        result = super().run_node(node)
+        if node.op != "output" and any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(result)):
+            node.meta["val"] = result
+        return result
+
+
+def propagate_shapes(gm: fx.GraphModule, *args) -> fx.GraphModule:
+    """Fill ``node.meta['val']`` by running ``gm`` on FakeTensors shaped like ``args``.
+
+    Without ``args``, the example inputs recorded in ``gm.fxtools_inputs`` are used. Tensors may
+    be real, fake or on the ``meta`` device; nothing is computed.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not args:
+        args = recorded_inputs(gm)
+        if args is None:
+            raise ValueError("the GraphModule records no example inputs (gm.fxtools_inputs); pass example arguments")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        if v.device.type == "meta":
+            with mode:
+                return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+        return mode.from_tensor(v)
+
+    fakes = pytree.tree_map(fake, tuple(args))
+    with mode:
+        _ShapeProp(gm, mode).run(*fakes)
+    return gm

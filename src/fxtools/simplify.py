@@ -8,14 +8,18 @@ They work on the ATen graph, where every node carries its FakeTensor value
 - no-op shape ops: view/reshape/expand/squeeze/conversion to the same shape and dtype,
   a view of a view, a transpose of a transpose, a permute of a permute;
 - common subexpressions (never of random or mutating ops);
-- dead code (keeping ops that mutate buffers, such as BatchNorm's running statistics).
+- dead code (keeping ops that mutate buffers, such as BatchNorm's running statistics);
+- backward kernels' ``output_mask`` reduced to the results that are used.
 """
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 import torch.fx as fx
+
+from .dynamic_shapes import broadcasts_into, same_shape, shape_arg
 
 aten = torch.ops.aten
 
@@ -38,24 +42,57 @@ def _val(x):
 def _same_type(a, b) -> bool:
     va, vb = _val(a), _val(b)
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
-            and va.shape == vb.shape and va.dtype == vb.dtype)
+            and same_shape(va.shape, vb.shape) and va.dtype == vb.dtype)
+
+
+# constant_value's answers while identities() runs. A deep model's residual stream is a chain of
+# adds that each call would walk again. Sound while the graph changes: the nodes answered are
+# at or before the node being rewritten, and rewriting a node changes only its users' arguments.
+_known: dict | None = None
 
 
 def constant_value(node):
-    """The scalar a node is known to be filled with (e.g. 1 for ``ones_like(x).expand(...)``), else None."""
+    """The number a tensor node is known to be filled with, else None.
+
+    Fills (``ones_like``, ``full``, ...), their views and conversions, and arithmetic of them
+    with numbers (``-ones_like(loss) / 2``). The number is rounded to the node's dtype, so using
+    it in place of the tensor computes exactly the same.
+    """
+    if _known is None or not isinstance(node, fx.Node):
+        return _constant_value(node)
+    if node not in _known:
+        _known[node] = _constant_value(node)
+    return _known[node]
+
+
+def _constant_value(node):
+    value = _fill_value(node)
+    val = _val(node)
+    if value is None or not isinstance(val, torch.Tensor) or val.is_complex() or isinstance(value, bool):
+        return None
+    return torch.tensor(value, dtype=val.dtype).item()
+
+
+def _fill_value(node):
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
-    t = node.target
+    t, args = node.target, node.args
     if t in _CONSTANT_FILLS:
         return _CONSTANT_FILLS[t]
-    if t in (aten.full_like.default, aten.new_full.default):
-        return node.args[1] if isinstance(node.args[1], (int, float)) else None
-    if t is aten.full.default:
-        return node.args[1] if isinstance(node.args[1], (int, float)) else None
+    if t in (aten.full_like.default, aten.new_full.default, aten.full.default):
+        return args[1] if isinstance(args[1], (int, float)) else None
     if t is aten.scalar_tensor.default:
-        return node.args[0]
+        return args[0]
     if t in _VIEWS or t in _CONVERSIONS or t in (aten.clone.default, aten.contiguous.default):
-        return constant_value(node.args[0])
+        return constant_value(args[0])
+    if t is aten.neg.default:
+        v = constant_value(args[0])
+        return None if v is None else -v
+    if t in _OPS and len(args) == 2 and not node.kwargs and _val(node).is_floating_point():
+        a, b = (constant_value(x) if isinstance(x, fx.Node) else x for x in args)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
+                and not isinstance(b, bool):
+            return _OPS[t](torch.tensor(a, dtype=_val(node).dtype), b).item()
     return None
 
 
@@ -70,7 +107,7 @@ def is_impure(node: fx.Node) -> bool:
         training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
         return bool(training)
     if isinstance(t, torch._ops.OpOverload):
-        return t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags
+        return t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags or node.is_impure()  # _assert_async
     return node.is_impure()
 
 
@@ -82,14 +119,30 @@ def fake_mode_of(graph):
     return None
 
 
-def _new(graph, before, target, args, fake_mode):
+def _new(graph, before, target, args, fake_mode, kwargs=None):
+    kwargs = dict(kwargs or {})
     with graph.inserting_before(before):
-        node = graph.create_node("call_function", target, args, name=target.overloadpacket.__name__)
-    vals = fx.node.map_arg(args, _val)
+        node = graph.create_node("call_function", target, args, kwargs, name=target.overloadpacket.__name__)
+    vals, kvals = fx.node.map_arg((args, kwargs), _val)
     if fake_mode is not None:
         with fake_mode:
-            node.meta["val"] = target(*vals)
+            node.meta["val"] = target(*vals, **kvals)
     return node
+
+
+_BINARY = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)
+_OPS = {aten.add.Tensor: operator.add, aten.sub.Tensor: operator.sub, aten.mul.Tensor: operator.mul,
+        aten.div.Tensor: operator.truediv}
+_SCALAR_OVERLOADS = {aten.add.Scalar: aten.add.Tensor, aten.sub.Scalar: aten.sub.Tensor,
+                     aten.mul.Scalar: aten.mul.Tensor, aten.div.Scalar: aten.div.Tensor}
+
+
+def _scalar_of_dtype(x, dtype) -> bool:
+    """``x`` is ``torch.scalar_tensor(number, dtype=dtype)``: with a tensor of that dtype, the
+    number itself computes the same (``x / scalar_tensor(2.)`` is ``x / 2``)."""
+    return (isinstance(x, fx.Node) and x.op == "call_function" and x.target is aten.scalar_tensor.default
+            and isinstance(_val(x), torch.Tensor) and _val(x).dtype == dtype
+            and isinstance(x.args[0], (int, float)))
 
 
 def _rewrite(node: fx.Node, fake_mode):
@@ -98,6 +151,16 @@ def _rewrite(node: fx.Node, fake_mode):
     if node.op != "call_function" or not args:
         return None
     x = args[0]
+    if t in _CONVERSIONS and isinstance(x, (int, float)) and set(node.kwargs) == {"dtype"}:
+        return _new(node.graph, node, aten.scalar_tensor.default, (x,), fake_mode, node.kwargs)
+    if t in _SCALAR_OVERLOADS and len(args) == 2 and not node.kwargs:
+        return _new(node.graph, node, _SCALAR_OVERLOADS[t], args, fake_mode)
+    if t in _BINARY and len(args) == 2 and not node.kwargs and _scalar_of_dtype(args[1], _val(node).dtype):
+        return _new(node.graph, node, t, (x, args[1].args[0]), fake_mode)
+    if t in _BINARY and len(args) == 2 and not node.kwargs:
+        folded = _fold_fill(node, fake_mode)
+        if folded is not None:
+            return folded
     if t in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2:
         if constant_value(args[1]) == 1 or args[1] == 1:
             return x if _same_type(x, node) else None
@@ -120,7 +183,7 @@ def _rewrite(node: fx.Node, fake_mode):
             return x  # contiguous() of a transposed tensor is not a no-op: a later .view needs it
     if t in _RESHAPES and isinstance(x, fx.Node) and x.target in _RESHAPES:
         return _new(node.graph, node, aten.reshape.default if aten.reshape.default in (t, x.target) else t,
-                    (x.args[0], list(_val(node).shape)), fake_mode)
+                    (x.args[0], shape_arg(node, _val(node))), fake_mode)
     if t is aten.transpose.int and isinstance(x, fx.Node) and x.target is aten.transpose.int:
         nd = _val(x).dim()
         if {a % nd for a in args[1:]} == {a % nd for a in x.args[1:]}:
@@ -145,27 +208,83 @@ def _rewrite(node: fx.Node, fake_mode):
     return None
 
 
+def _fold_fill(node, fake_mode):
+    """``t * f`` -> ``t * 0.5`` when ``f`` is known to be filled with 0.5 and only broadcasts into
+    ``t`` (same dtype and shape as the result).
+
+    Seeds and their scalings (``ones_like(loss).expand(...) / n``) then become numbers in the code,
+    and whatever the fill was shaped after (in ``grad``, the loss itself) becomes dead code.
+    """
+    a, b = node.args
+    out = _val(node)
+    if not isinstance(out, torch.Tensor):
+        return None
+    for tensor, fill in ((a, b), (b, a)):
+        if fill is a and node.target not in (aten.add.Tensor, aten.mul.Tensor):
+            continue
+        value = constant_value(fill)
+        if value is None or not isinstance(tensor, fx.Node) or not _same_type(tensor, node):
+            continue
+        fv = _val(fill)
+        if fv.dtype == out.dtype and fv.dim() <= out.dim() and torch.broadcast_shapes(fv.shape, out.shape) == out.shape:
+            return _new(node.graph, node, node.target, (tensor, value), fake_mode)
+    return None
+
+
 def _same_device(a, b):
     return _val(a).device == _val(b).device
 
 
+def _made_since(start: fx.Node, node: fx.Node, new) -> bool:
+    """Whether ``new`` is not a node that existed when ``node``'s predecessor was ``start``."""
+    if not isinstance(new, fx.Node):
+        return True
+    n = node.prev
+    while n is not start:
+        if n is new:
+            return True
+        n = n.prev
+    return False
+
+
 def identities(gm: fx.GraphModule) -> bool:
-    changed = False
+    global _known
     fake_mode = fake_mode_of(gm.graph)
+    _known = {}
+    try:
+        return _identities(gm, fake_mode)
+    finally:
+        _known = None
+
+
+def _identities(gm: fx.GraphModule, fake_mode) -> bool:
+    changed = False
     for node in list(gm.graph.nodes):
         if not node.users and not is_impure(node):
             continue
-        fresh = set(gm.graph.nodes)
+        start = node.prev  # _rewrite inserts the nodes it makes just before ``node``
         new = _rewrite(node, fake_mode)
         if new is not None and new is not node:
+            only_for_this = isinstance(new, fx.Node) and set(new.users) == {node} and has_generic_name(new)
             node.replace_all_uses_with(new)
-            if new not in fresh:
+            if _made_since(start, node, new) or only_for_this:
                 name = node.name
                 gm.graph.erase_node(node)
                 if name.startswith("grad_"):
-                    new._rename(name)
+                    new.name = name  # the erased node's name: unique, and still reserved in the namespace
             changed = True
     return changed
+
+
+def has_generic_name(node: fx.Node) -> bool:
+    """The node is named only after its op (``mm_2``): a better name may replace it.
+
+    Only a value computed for the one node it replaces takes that node's name: a forward value
+    that the backward happens to reuse keeps its own.
+    """
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return re.fullmatch(rf"{re.escape(node.target.overloadpacket.__name__)}(_\d+)?", node.name) is not None
 
 
 def _hashable(x):
@@ -220,19 +339,51 @@ def dce(gm: fx.GraphModule) -> bool:
     return changed
 
 
+def output_masks(gm: fx.GraphModule) -> bool:
+    """Backward kernels taking an ``output_mask`` (``convolution_backward``,
+    ``native_layer_norm_backward``, ...) compute only the results something reads (the first
+    convolution's input gradient is never asked for). Run after dead-code elimination."""
+    changed = False
+    for node in gm.graph.nodes:
+        t = node.target
+        if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+            continue
+        names = [a.name for a in t._schema.arguments]
+        if "output_mask" not in names or any(u.target is not operator.getitem for u in node.users):
+            continue
+        i = names.index("output_mask")
+        mask = node.args[i] if i < len(node.args) else node.kwargs.get("output_mask")
+        used = {u.args[1] for u in node.users}
+        new = [bool(m) and k in used for k, m in enumerate(mask)]
+        if not any(new) or new == [bool(m) for m in mask]:
+            continue
+        if i < len(node.args):
+            node.args = node.args[:i] + (new,) + node.args[i + 1:]
+        else:
+            node.kwargs = {**node.kwargs, "output_mask": new}
+        val = node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            node.meta["val"] = type(val)(v if k >= len(new) or new[k] else None for k, v in enumerate(val))
+        changed = True
+    return changed
+
+
 def simplify(gm: fx.GraphModule) -> fx.GraphModule:
-    """Run every pass to a fixed point; returns ``gm`` (changed in place)."""
+    """Run every pass to a fixed point; returns ``gm`` (its graph changed in place).
+
+    The caller recompiles ``gm`` once its last pass is done (code generation is slow on big graphs).
+    """
     while True:
         changed = identities(gm)
         changed |= cse(gm)
         changed |= dce(gm)
         if not changed:
             break
+    output_masks(gm)
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users:
             gm.graph.erase_node(node)
     gm.graph.lint()
-    gm.recompile()
     return gm
 
 

@@ -44,12 +44,14 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
-from . import policies
-from .api import _grads_structure, _prepare
+from . import policies, registry
+from .api import PART_KEY, _grads_structure, _prepare
+from .dynamic_shapes import reject as reject_dynamic_shapes
 from .errors import user_line_of
 from .functional import functional
 from .naming import arg_names
 from .render import render
+from .show import remember_inputs
 from .reverse import ReverseSpec, reverse
 from .simplify import is_impure, simplify
 
@@ -432,7 +434,7 @@ def _finish(gm: fx.GraphModule) -> fx.GraphModule:
     render(gm)
     gm.graph.lint()
     gm.recompile()
-    return gm
+    return remember_inputs(gm)
 
 
 def _keystr(path) -> str:
@@ -519,14 +521,19 @@ class Split:
                 f"{len(self.cotangents)} cotangents, policy={policies.describe(self.policy)})")
 
 
-def split(f, *args, policy="recompute_cheap", grad_leaves=None) -> Split:
+def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> Split:
     """Forward and backward graphs of ``f`` at ``args`` (see the module docstring).
 
     ``policy``: ``"recompute_cheap"`` (default), ``"save_all"``, ``"dots_saveable"`` or a function
     ``node -> "save" | "recompute"`` (see ``fxtools.policies``). ``grad_leaves``: one bool per
     tensor leaf (forward placeholder order) saying which get a gradient (default: all); the
     backward returns ``None`` for the others and saves nothing only they would need.
+    ``rules``: the rule set (``"readable"``, ``"fused"``, a dict; see ``fxtools.rule_set``);
+    ``None`` (default) uses the one in effect, readable unless a ``rule_set`` block says otherwise.
     """
+    if rules is not None:
+        with registry.rule_set(rules):
+            return split(f, *args, policy=policy, grad_leaves=grad_leaves)
     policies.resolve(policy)  # validate early
     if isinstance(f, torch.nn.Module):
         args = (dict(f.named_parameters()), *args)
@@ -534,6 +541,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None) -> Split:
     argnums = tuple(range(len(args)))
     with checkpoint_regions():
         cap, wrt = _prepare(f, args, argnums)
+    reject_dynamic_shapes(cap.gm, "fxtools.split (and so fxtools.compile and fxtools.backend)")
     cap.f = f
     if grad_leaves is not None:
         grad_leaves = [bool(g) for g in grad_leaves]
@@ -562,6 +570,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None) -> Split:
     for n in part.nodes:
         if n in keep and n.op in ("call_function", "get_attr"):
             env[n] = fg.node_copy(n, env.__getitem__)
+            env[n].meta[PART_KEY] = "forward"
     out_struct = pytree.tree_unflatten([env[o] if isinstance(o, fx.Node) else o for o in part.fw_outs], cap.out_spec)
     fg.output((out_struct, tuple(env[s] for s in part.saved)))
     forward = _finish(fx.GraphModule(joint, fg, class_name="SplitForward"))
@@ -589,6 +598,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None) -> Split:
                 todo.extend(missing)
                 continue
             benv[v] = bg.node_copy(v, benv.__getitem__)
+            benv[v].meta[PART_KEY] = "recompute" if v in keep else "backward"  # computed in both graphs
             todo.pop()
         return benv[node]
 

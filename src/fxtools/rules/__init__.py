@@ -5,5 +5,9 @@ family it belongs to: ``pointwise`` (elementwise math), ``reductions`` (sum, mea
 norm, logsumexp, ...), ``shape`` (views, reshapes, indexing, cat/stack/split), ``linalg``
 (mm, bmm, matmul, addmm, einsum, ...) and ``nn`` (softmax, layer_norm, conv, pooling, attention,
 losses, ...).
+
+``fused`` is not a family but the ``"fused"`` rule set: alternative rules for some of those ops
+whose backwards call PyTorch's fused backward kernels (see ``fxtools.rule_set``).
 """
 from . import linalg, nn, pointwise, reductions, shape  # noqa: F401
+from . import fused  # noqa: F401,E402  (after the families: its rules fall back on theirs)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..dynamic_shapes import known_equal, same_shape  # noqa: F401 (re-exported for the rule families)
+
 
 def unbroadcast(g, like):
     """Reduce cotangent ``g`` to the shape and dtype of ``like`` (the undoing of broadcasting).
@@ -15,16 +17,16 @@ def unbroadcast(g, like):
     shape = like.shape
     if len(shape) == 0 and g.dim() > 0:
         g = g.sum()
-    if g.shape != shape:
+    if not same_shape(g.shape, shape):
         lead = g.dim() - len(shape)
         dims = list(range(lead)) + [
-            lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1
+            lead + i for i, n in enumerate(shape) if known_equal(n, 1) and not known_equal(g.shape[lead + i], 1)
         ]
         if dims:
             g = g.sum(dims, keepdim=False) if not lead else g.sum(dims)
             if lead:
-                g = g.reshape(shape) if g.shape != shape else g
-            elif g.shape != shape:
+                g = g.reshape(shape) if not same_shape(g.shape, shape) else g
+            elif not same_shape(g.shape, shape):
                 g = g.reshape(shape)
     if g.dtype != like.dtype:
         g = g.to(like.dtype)

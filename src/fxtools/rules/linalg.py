@@ -114,6 +114,19 @@ def addbmm(ct, out, x, a, b, *, beta=1, alpha=1):
     return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, g @ _H(b), _H(a) @ g
 
 
+@vjp_rule(aten._grouped_mm)
+def _grouped_mm(ct, out, a, b, offs=None, bias=None, out_dtype=None):
+    """Per group ``out_g = a_g @ b_g``, so ``a_g`` gets ``ct_g @ b_gᵀ`` and ``b_g`` gets ``a_gᵀ @ ct_g``.
+
+    Transposing swaps which operand ``offs`` slices (rows of a 2D ``a`` become columns of ``aᵀ``),
+    so for every 2D/3D combination both are grouped products with the same ``offs``: a 2D ``a``
+    and a 3D ``b`` give ``b``'s gradient as the 2D x 2D form, per-group ``a_gᵀ @ ct_g`` stacked.
+    The kernel reads row- or column-major matrices, so a broadcast cotangent is made contiguous.
+    """
+    ct = ct.contiguous()
+    return torch._grouped_mm(ct, b.mT, offs), torch._grouped_mm(a.mT, ct, offs)
+
+
 @vjp_rule(aten.linear)
 def linear(ct, out, x, weight, bias=None):
     if weight.dim() == 1:

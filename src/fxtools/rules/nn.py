@@ -14,6 +14,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.nn.modules.linear_cross_entropy  # noqa: F401 - registers torch_nn._linear_cross_entropy_*
 
 from ..registry import register_vjp, vjp_rule
 from .common import unbroadcast
@@ -734,11 +735,15 @@ def nll_loss2d(ct, out, x, target, weight=None, reduction=MEAN, ignore_index=-10
 
 @vjp_rule(aten.nll_loss_forward)
 def nll_loss_forward(ct, out, x, target, weight, reduction, ignore_index):
+    if ct[0] is None:  # only the total weight (output 1) was used: it carries no gradient
+        return None
     return _class_grad(ct[0], x, target, weight, reduction, ignore_index), None, None
 
 
 @vjp_rule(aten.nll_loss2d_forward)
 def nll_loss2d_forward(ct, out, x, target, weight, reduction, ignore_index):
+    if ct[0] is None:
+        return None
     return _class_grad(ct[0], x, target, weight, reduction, ignore_index), None, None
 
 
@@ -824,3 +829,32 @@ def kl_div(ct, out, x, target, reduction=MEAN, log_target=False):
         grad_x = -coef * target
         grad_target = coef * (torch.log(target) + 1 - x)
     return unbroadcast(grad_x, x), unbroadcast(grad_target, target)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked linear + cross entropy (PyTorch's custom op behind F.linear_cross_entropy's options)
+
+_lce_chunked = torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default
+
+
+def linear_cross_entropy_chunked_fwd(input, linear_weight, target, linear_bias, *options):
+    """The op computes the loss and, when asked by its last three flags, the gradients of input,
+    weight and bias in the same chunked pass; its own backward scales them by the cotangent.
+    PyTorch's wrapper sets the flags from ``requires_grad``, False while fxtools traces, so the
+    forward asks for all three (the extra outputs, empty in the traced call, hold them)."""
+    out = _lce_chunked(input, linear_weight, target, linear_bias, *options[:-3], True, True, linear_bias is not None)
+    return out, (out[1:], linear_weight.dtype, linear_bias.dtype if linear_bias is not None else None)
+
+
+def linear_cross_entropy_chunked_bwd(aux, ct):
+    (gi, gw, gb), w_dtype, b_dtype = aux
+    ct = ct[0] if isinstance(ct, (tuple, list)) else ct
+    if ct is None:
+        return (None,) * 15
+    grad_w, grad_b = gw * ct, None if b_dtype is None else gb * ct
+    if grad_w.dtype != w_dtype:  # the op's gradients are in the input's dtype (mixed precision)
+        grad_w, grad_b = grad_w.to(w_dtype), None if grad_b is None else grad_b.to(b_dtype)
+    return (gi * ct, grad_w, None, grad_b) + (None,) * 11
+
+
+register_vjp(_lce_chunked, linear_cross_entropy_chunked_fwd, linear_cross_entropy_chunked_bwd, source="hand-written")

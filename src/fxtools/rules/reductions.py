@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..registry import mark_nondifferentiable, vjp_rule
-from .common import normalize_dims
+from .common import normalize_dims, same_shape
 
 aten = torch.ops.aten
 
@@ -29,11 +29,16 @@ def restore(g, x, dim, keepdim=False):
 
 def expand_as(g, x):
     g = g.to(x.dtype) if g.dtype != x.dtype else g
-    return g if g.shape == x.shape else g.expand(x.shape)
+    return g if same_shape(g.shape, x.shape) else g.expand(x.shape)
 
 
 def cast(g, x):
     return g.to(x.dtype) if g is not None and g.dtype != x.dtype else g
+
+
+def _at_least_one(n):
+    """``max(n, 1)``; a data-dependent count stays as it is (when it is 0 the gradient is empty)."""
+    return max(n, 1) if isinstance(n, int) else n
 
 
 def is_full(x, dim):
@@ -102,12 +107,12 @@ def nansum(ct, out, x, dim=None, keepdim=False, dtype=None):
 
 @vjp_rule(aten.mean.default)
 def mean(ct, out, x, dtype=None):
-    return expand_as(ct / max(x.numel(), 1), x)
+    return expand_as(ct / _at_least_one(x.numel()), x)
 
 
 @vjp_rule(aten.mean.dim)
 def mean_dim(ct, out, x, dim, keepdim=False, dtype=None):
-    return expand_as(restore(ct / max(numel(x, dim), 1), x, dim, keepdim), x)
+    return expand_as(restore(ct / _at_least_one(numel(x, dim)), x, dim, keepdim), x)
 
 
 @vjp_rule(aten.nanmean.default)
@@ -283,7 +288,7 @@ def _std_grad(ct, std, x, dim, correction, keepdim):
 
 
 def _mean_grad(ct, x, dim, keepdim):
-    return None if ct is None else expand_as(restore(ct / max(numel(x, dim), 1), x, dim, keepdim), x)
+    return None if ct is None else expand_as(restore(ct / _at_least_one(numel(x, dim)), x, dim, keepdim), x)
 
 
 def _correction(unbiased):

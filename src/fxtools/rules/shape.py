@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import vjp_rule
-from .common import is_tensor, unbroadcast
+from .common import is_tensor, known_equal, same_shape, unbroadcast
 
 aten = torch.ops.aten
 
@@ -20,7 +20,7 @@ def _reshape(g, shape):
     Not ``view``: generated code may be called with differently strided tensors than the
     example, and ``reshape`` is a view whenever one is possible anyway.
     """
-    if g.shape == shape:
+    if same_shape(g.shape, shape):
         return g
     return g.reshape(shape)
 
@@ -222,6 +222,8 @@ def narrow(ct, out, x, dim, start, length):
 @vjp_rule(aten.slice.Tensor)
 def slice_(ct, out, x, dim=0, start=None, end=None, step=1):
     dim %= x.dim()
+    if isinstance(start, torch.SymInt) or isinstance(end, torch.SymInt):  # bounds read from a tensor
+        return torch.slice_scatter(_zeros(x), ct, dim, start, end, step)
     picked = range(x.shape[dim])[slice(start, end, step)]
     if step == 1 and len(picked):
         return _pad_dim(ct, dim, picked.start, x.shape[dim] - picked.stop)
@@ -273,7 +275,7 @@ def index_put(ct, out, x, indices, values, accumulate=False):
 def _sum_to(g, shape):
     """``unbroadcast`` for a ``g`` of data-dependent size (indexed by a mask): sizes are not compared."""
     lead = g.dim() - len(shape)
-    dims = [*range(lead), *(lead + i for i, n in enumerate(shape) if n == 1 and not (type(g.shape[lead + i]) is int and g.shape[lead + i] == 1))]
+    dims = [*range(lead), *(lead + i for i, n in enumerate(shape) if known_equal(n, 1) and not known_equal(g.shape[lead + i], 1))]
     if not dims:
         return g
     g = g.sum(dims, keepdim=True)

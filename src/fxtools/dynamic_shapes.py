@@ -1,0 +1,173 @@
+"""Values whose shape depends on tensor data: ``x[mask]``, ``masked_select``, ``nonzero``.
+
+``make_fx(tracing_mode="fake")`` traces with a ``ShapeEnv`` that lets such ops run: the inputs
+keep their static shapes, and each data-dependent size becomes an *unbacked* SymInt (``u0``),
+a symbol with no example value. Ops on those values are recorded as usual; where a size is
+needed as an argument (``grad.expand([n, 3])``), the graph reads it back from a tensor with
+``aten.sym_size.int``. The generated code therefore runs for any number of selected elements.
+
+This module holds what the pipeline's stages need to carry such symbols along:
+
+- ``reverse`` re-traces the captured graph (the VJP template). A cotangent of an output with a
+  data-dependent shape must be a FakeTensor of *that* shape, so the template is traced in the
+  capture's own fake mode (``cotangent_example``), and each re-run op producing new symbols is
+  tied to the captured ones (``tie``), so that the backward's shapes are those of the forward.
+- ``simplify`` compares shapes only where the answer is known without the data
+  (``same_shape``); a comparison such as ``u0 == 3`` is not known, and is not a no-op.
+- ``fxtools.split`` (and so ``fxtools.compile``), which sizes saved tensors in bytes, refuses such
+  graphs with a clear error (``reject``) instead of producing wrong code. ``fxtools.save`` and
+  ``fxtools.jvp`` work unchanged.
+- ``capture`` traces ``torch.combinations`` through (``capture_decompositions``) and specialises
+  a tensor that sets a *number of results* to its example value, checked at run time
+  (``CountsFromExamples``).
+
+A graph without data-dependent ops never meets any of this: its shapes stay plain integers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from .errors import FxtoolsError, user_line_of
+
+
+def _unbacked(val) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    try:
+        return bool(free_unbacked_symbols(val))
+    except Exception:  # noqa: BLE001 - values that hold no sizes
+        return False
+
+
+def is_dynamic(val) -> bool:
+    """Whether a node value (a FakeTensor, a SymInt, or a pytree of them) has data-dependent sizes."""
+    return any(_unbacked(v) for v in pytree.tree_leaves(val) if isinstance(v, (torch.Tensor, torch.SymInt)))
+
+
+def dynamic_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``gm`` whose value has a data-dependent size, in graph order."""
+    return [n for n in gm.graph.nodes if is_dynamic(n.meta.get("val"))]
+
+
+def has_dynamic_shapes(gm: fx.GraphModule) -> bool:
+    return bool(dynamic_nodes(gm))
+
+
+def cotangent_example(val):
+    """An example cotangent for an output of value ``val`` (a FakeTensor).
+
+    Static shapes give a real zero tensor, as always. A data-dependent shape gives an empty
+    FakeTensor of the capture's fake mode with the same symbolic sizes, so the template is traced
+    in that mode and the cotangent's sizes are the output's.
+    """
+    if not isinstance(val, torch.Tensor):
+        return val
+    if not _unbacked(val):
+        return torch.zeros(val.shape, dtype=val.dtype, device="cpu")
+    with val.fake_mode:
+        return torch.empty(val.shape, dtype=val.dtype, device=val.device)
+
+
+def tie(new, old) -> None:
+    """Assert that the re-traced ``new`` has the sizes of the captured ``old`` (pytrees of tensors).
+
+    Re-running ``nonzero`` on FakeTensors makes a fresh symbol each time; telling the shape
+    environment that it equals the captured one lets the backward mix the two (the cotangent
+    and the recomputed value) and lets later passes see that their shapes are equal. Only
+    symbols of the same shape environment can be related; elsewhere there is nothing to tie.
+    """
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    pairs = []
+    for n, o in zip(pytree.tree_leaves(new), pytree.tree_leaves(old)):
+        if isinstance(n, torch.Tensor) and isinstance(o, torch.Tensor) and n.dim() == o.dim():
+            pairs.extend(zip(n.shape, o.shape))
+        elif isinstance(n, torch.SymInt):
+            pairs.append((n, o))
+    with disable_proxy_modes_tracing():  # a fact for the shape environment, not code to generate
+        for a, b in pairs:
+            if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.shape_env is b.node.shape_env:
+                torch._check(a == b)
+
+
+def same_shape(a, b) -> bool:
+    """``a == b`` for two shapes, where data-dependent sizes count as equal only if provably so."""
+    return len(a) == len(b) and all(known_equal(x, y) for x, y in zip(a, b))
+
+
+def reject(gm: fx.GraphModule, what: str) -> None:
+    """Raise ``FxtoolsError`` if ``gm`` has data-dependent shapes, which ``what`` cannot handle."""
+    nodes = dynamic_nodes(gm)
+    if not nodes:
+        return
+    node = next((n for n in nodes if user_line_of(n)), nodes[0])
+    where = user_line_of(node) or "an unknown line of user code"
+    raise FxtoolsError(
+        f"{what} does not support values whose shape depends on tensor data (the result of "
+        f"{node.target} at {where}); fxtools.vjp, grad, value_and_grad and jvp do.")
+
+
+def capture_decompositions() -> dict:
+    """Ops to trace through (not keep as one node) when capturing.
+
+    ``combinations`` selects its result internally with ``masked_select``; kept as one node, the
+    sizes it makes inside have no graph node to be read from, and tracing fails. Traced through,
+    each step is an op with a rule.
+    """
+    aten = torch.ops.aten
+    return {op: op.decompose for op in (aten.combinations.default,)}
+
+
+def known_equal(a, b) -> bool:
+    """``a == b`` for two sizes, true only if it holds whatever the data (see ``same_shape``)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return a == b if isinstance(a, int) and isinstance(b, int) else statically_known_true(a == b)
+
+
+def broadcasts_into(a, b) -> bool:
+    """Whether shape ``a`` broadcasts to exactly shape ``b``, whatever the data."""
+    return len(a) <= len(b) and all(known_equal(x, 1) or known_equal(x, y) for x, y in zip(reversed(a), reversed(b)))
+
+
+def shape_arg(node: fx.Node, val) -> list:
+    """A shape argument for a new node shaped like ``node`` (whose value is ``val``).
+
+    Static: the sizes themselves. Data-dependent: the node's own shape argument, whose sizes are
+    graph nodes (a SymInt object in an argument would not be code).
+    """
+    return list(val.shape) if not is_dynamic(val) else list(node.args[1])
+
+
+class CountsFromExamples(TorchFunctionMode):
+    """While capturing: a tensor that sets *how many* results a call has takes its example value.
+
+    ``torch.tensor_split(x, sections)`` with a 0-d tensor ``sections`` returns ``sections``
+    tensors: no graph can return a data-dependent number of values. As shapes and Python numbers
+    are, that count is specialised to the example (``fakes[i]`` traces ``reals[i]``), and the
+    generated code asserts at run time that ``sections`` still has that value.
+    """
+
+    def __init__(self, fakes, reals):
+        super().__init__()
+        self.real_of = {id(f): r for f, r in zip(fakes, reals)}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor_split, torch.Tensor.tensor_split):
+            out = self._tensor_split(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
+
+    def _tensor_split(self, input, sections, dim=0):
+        real = self.real_of.get(id(sections)) if isinstance(sections, torch.Tensor) else None
+        if real is None or real.dim() != 0 or real.dtype != torch.int64:
+            return NotImplemented
+        n = int(real)
+        torch._assert_async(sections == n, f"tensor_split: fxtools specialised the number of sections "
+                                           f"to the example's {n}; this call has a different number")
+        return torch.tensor_split(input, n, dim)

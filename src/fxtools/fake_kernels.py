@@ -1,0 +1,131 @@
+"""FakeTensor kernels fxtools uses while it traces, for ops whose PyTorch meta kernel is stricter
+than their CPU kernel.
+
+fxtools traces on FakeTensors, so an op whose meta (shape) kernel refuses arguments the real
+kernel accepts cannot be captured at all. ``aten._grouped_mm`` (``F.grouped_mm``, the expert
+layers of every Mixture-of-Experts model in ``transformers``) is one: its meta kernel mirrors the
+CUDA kernel and demands bfloat16, while the CPU kernel also takes float32 and float16.
+
+``tracing_kernels()`` installs a kernel per such op into FakeTensorMode's table of op
+implementations (consulted before the meta kernel) for the duration of an fxtools trace, and
+removes it afterwards, together with the fake-dispatch cache entries it produced, so code
+outside fxtools sees PyTorch's own behaviour. The kernels only handle CPU tensors (elsewhere the
+meta kernel applies) and check what the CPU kernel checks, so a call that would fail at run time
+fails while tracing, with the user's line.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+aten = torch.ops.aten
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_strides(name, mat):
+    """The CPU kernel reads each matrix as row- or column-major with 16-byte aligned rows/columns."""
+    rows, cols = mat.shape[-2:]
+    s_rows, s_cols = mat.stride()[-2:]
+    align = 16 // mat.element_size()
+    if s_cols == 1 and s_rows >= max(1, cols):
+        ok = s_rows % align == 0
+    elif s_rows == 1 and s_cols >= max(1, rows):
+        ok = s_cols % align == 0
+    else:
+        raise RuntimeError(f"_grouped_mm: invalid strides {list(mat.stride())} for {name} of sizes {list(mat.shape)}")
+    torch._check(ok, lambda: f"_grouped_mm: {name} strides should be multiple of 16 bytes, got {list(mat.stride())}")
+
+
+def _grouped_mm(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """Output of ``torch._grouped_mm`` on CPU: PyTorch's meta shapes, the CPU kernel's checks.
+
+    2D x 3D: ``offs`` splits the rows of ``mat_a`` -> (M, N). 3D x 2D: it splits the columns of
+    ``mat_b`` -> (M, N). 2D x 2D: it splits the contraction dimension -> (groups, M, N).
+    3D x 3D: a batched product, no ``offs``.
+    """
+    if mat_a.device.type != "cpu":
+        return NotImplemented
+    _state["used"] = True
+    for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
+        torch._check(mat.dtype in _GROUPED_MM_DTYPES,
+                     lambda: f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got {mat.dtype}")
+        torch._check(mat.dim() in (2, 3), lambda: f"_grouped_mm: {name} must be 2D or 3D, got {mat.dim()}D")
+    torch._check(mat_a.dtype == mat_b.dtype, lambda: f"_grouped_mm: mat_a and mat_b must have the same dtype, "
+                                                     f"got {mat_a.dtype} and {mat_b.dtype}")
+    torch._check(out_dtype is None or out_dtype == mat_a.dtype,
+                 lambda: "Grouped gemm output dtype must match `mat_a` dtype")
+    torch._check(bias is None, lambda: "_grouped_mm: bias is not supported")
+    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+    torch._check((offs is not None) == (a2 or b2), lambda: "Have to provide offsets if there is a 2d matrix, "
+                                                           "or no offset if both matrices are 3d")
+    if offs is not None:
+        torch._check(offs.dim() == 1, lambda: "offs has to be 1D")
+        torch._check(offs.dtype == torch.int32, lambda: "Offsets have to be int32")
+    if not (a2 and b2):
+        torch._check(mat_a.shape[-1] == mat_b.shape[-2], lambda: "contraction dimension of mat_a and mat_b must match")
+    _check_strides("mat_a", mat_a)
+    _check_strides("mat_b", mat_b)
+    if a2 and b2:
+        size = [offs.shape[0], mat_a.shape[0], mat_b.shape[1]]
+    elif a2:
+        torch._check(offs.shape[0] == mat_b.shape[0], lambda: "matrix batch sizes have to match")
+        size = [mat_a.shape[0], mat_b.shape[-1]]
+    elif b2:
+        torch._check(offs.shape[0] == mat_a.shape[0], lambda: "matrix batch sizes have to match")
+        size = [mat_a.shape[1], mat_b.shape[1]]
+    else:
+        torch._check(mat_a.shape[0] == mat_b.shape[0], lambda: "batched dimension has to match")
+        size = [mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1]]
+    with fake_mode:
+        return torch.empty(size, dtype=mat_a.dtype, device=mat_a.device)
+
+
+KERNELS = {aten._grouped_mm.default: _grouped_mm}
+
+_lock = threading.Lock()
+_state = {"depth": 0, "used": False}  # nested uses share one install; "used": a kernel ran (may be cached)
+_saved: dict = {}
+
+
+def _install():
+    from torch._subclasses.fake_impls import op_implementations_dict
+
+    for op, kernel in KERNELS.items():
+        _saved[op] = op_implementations_dict.get(op)
+        op_implementations_dict[op] = kernel
+
+
+def _uninstall():
+    from torch._subclasses.fake_impls import op_implementations_dict
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for op in KERNELS:
+        previous = _saved.pop(op)
+        if previous is None:
+            op_implementations_dict.pop(op, None)
+        else:
+            op_implementations_dict[op] = previous
+    if _state["used"]:
+        cache = FakeTensorMode.cache  # keyed by (op, argument metadata): forget what our kernels computed
+        for key in [k for k in cache if k.key and k.key[0] in KERNELS]:
+            del cache[key]
+        _state["used"] = False
+
+
+@contextlib.contextmanager
+def tracing_kernels():
+    """Use fxtools' fake kernels (``KERNELS``) while the block runs."""
+    with _lock:
+        if _state["depth"] == 0:
+            _install()
+        _state["depth"] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _state["depth"] -= 1
+            if _state["depth"] == 0:
+                _uninstall()

@@ -1,0 +1,254 @@
+"""Memoized replay of rule calls while ``reverse`` traces its template.
+
+Tracing dispatches every torch call inside a rule through ``make_fx`` and FakeTensors, about a
+millisecond per op. A model of identical layers calls each rule many times on arguments of the
+same metadata, and the nodes such a call adds to the graph depend only on the function and on
+that metadata (and on its Python arguments). ``Memo.call(fn, *args)`` traces the first such call
+for real and records the nodes it added; later calls copy those nodes, reading the current
+arguments' nodes instead, and hand back fresh FakeTensors of the recorded metadata.
+
+The copies are made through the tracer's ``create_node``, so ``fx.traceback.set_current_meta``
+(``fxtools.split``'s stack traces and markers) applies to them as to traced nodes, and they get
+the names tracing would give them. Random ops are copied as new nodes: independent draws.
+
+Whatever cannot be keyed or replayed faithfully is simply called: arguments that are not
+FakeTensors of this trace or plain Python values, symbolic sizes, constants known to the tracer,
+calls that modify an argument in place or that read traced values they were not given.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import types
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+from torch._subclasses.fake_impls import fast_detach
+from torch._dispatch.python import no_python_dispatcher
+from torch.fx.experimental import proxy_tensor
+from torch.utils import _pytree as pytree
+
+aten = torch.ops.aten
+
+_ATOMS = frozenset({int, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                    torch.memory_format, types.EllipsisType})
+# node.meta entries that creating a node sets (or, under ``preserve_node_meta``, takes from the op
+# being differentiated): the copy gets its own, not the recorded node's
+_CREATED = frozenset({"val", "stack_trace", "seq_nr", "nn_module_stack", "torch_fn",
+                      "eager_input_vals", "is_gradient_acc", "autograd_backward", "is_functional_regenerated",
+                      "unbacked_bindings", *fx.proxy._COPY_META_FIELDS})
+
+_enabled = True
+
+
+@contextlib.contextmanager
+def disabled():
+    """Trace every call for real (to compare with replay, or to rule it out)."""
+    global _enabled
+    old, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = old
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def _atom_key(x):
+    t = type(x)
+    if t in _ATOMS:
+        return t, x
+    if t is float:
+        return t, x.hex()  # -0.0 and 0.0 differ; nan equals itself
+    if t is complex:
+        return t, x.real.hex(), x.imag.hex()
+    if t is slice:
+        return t, _atom_key(x.start), _atom_key(x.stop), _atom_key(x.step)
+    raise _Unkeyable
+
+
+def _static(val) -> bool:
+    """A FakeTensor whose metadata a fresh tensor can reproduce."""
+    return (type(val) is FakeTensor and val.layout is torch.strided and not val.is_neg() and not val.is_conj()
+            and all(type(s) is int for s in (*val.shape, *val.stride(), val.storage_offset()))
+            and val.untyped_storage().nbytes() % val.element_size() == 0)
+
+
+def _tensor_key(t, tracer):
+    if not _static(t):
+        raise _Unkeyable
+    slot = proxy_tensor.get_proxy_slot(t, tracer, None)
+    if slot is None or slot.constant is not None:  # not traced here, or a constant make_fx folds
+        raise _Unkeyable
+    meta = (tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().nbytes(), t.dtype, t.device,
+            t.requires_grad)
+    return meta, slot.proxy.node
+
+
+def _key(fn, args, kwargs, tracer):
+    """``(key, tensors, nodes)``: the call's key, its distinct tensor arguments and their nodes."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    parts, tensors, nodes, index = [fn, spec], [], [], {}
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            i = index.get(id(x))
+            if i is None:
+                meta, node = _tensor_key(x, tracer)
+                i = index[id(x)] = len(tensors)
+                tensors.append(x)
+                nodes.append(node)
+                parts.append(meta)
+            parts.append(("T", i))  # which leaves are the same tensor
+        else:
+            parts.append(_atom_key(x))
+    key = tuple(parts)
+    hash(key)
+    if len(set(nodes)) != len(nodes):
+        raise _Unkeyable  # two tensors traced to one node: copies could not tell them apart
+    return key, tensors, nodes
+
+
+def _fresh(val):
+    """Two new FakeTensors with ``val``'s metadata (storage offset and size included), untraced:
+    one to trace, and the snapshot of it that ``node.meta["val"]`` keeps (as make_fx does).
+
+    Made as FakeTensorMode makes its own (``fast_detach``): a meta tensor wrapped in FakeTensors
+    of ``val``'s mode (each wrapper has its own metadata), without a trip through the modes.
+    """
+    mode, size = val.fake_mode, val.untyped_storage().nbytes() // val.element_size()
+    with no_python_dispatcher(), in_kernel_invocation_manager(mode):
+        meta = aten.empty_strided.default(val.shape, val.stride(), dtype=val.dtype, device="meta")
+        if val.storage_offset() != 0 or meta.untyped_storage().nbytes() != val.untyped_storage().nbytes():
+            base = aten.empty.memory_format([size], dtype=val.dtype, device="meta")
+            meta = aten.as_strided.default(base, val.shape, val.stride(), val.storage_offset())
+    return FakeTensor(mode, meta, val.device), FakeTensor(mode, meta, val.device)
+
+
+def _same_meta(t, val) -> bool:
+    return (isinstance(val, torch.Tensor) and t.shape == val.shape and t.stride() == val.stride()
+            and t.dtype == val.dtype and t.device == val.device and t.storage_offset() == val.storage_offset())
+
+
+class _Recording:
+    """The nodes one call added, and how its result is made of them."""
+
+    def __init__(self, nodes, inputs, out_leaves, out_spec):
+        self.nodes = nodes            # recorded nodes, in graph order
+        self.inputs = inputs          # the argument nodes they read (by tensor index)
+        self.out_leaves = out_leaves  # ("arg", i) | ("node", node) | ("value", v)
+        self.out_spec = out_spec
+
+    @classmethod
+    def make(cls, nodes, inputs, tensors, out, tracer):
+        """The recording of a call, or None if its replay would not be what tracing gives."""
+        recorded, known = set(nodes), set(inputs)
+        for node in nodes:
+            if node.op != "call_function":
+                return None  # get_attr: a constant read inside the call
+            if any(a not in recorded and a not in known and a.op != "get_attr" for a in node.all_input_nodes):
+                return None  # reads a traced value it was not given
+            val = node.meta.get("val")
+            if isinstance(val, (tuple, list)):
+                if not all(v is None or _static(v) for v in val):
+                    return None
+            elif not _static(val):
+                return None
+            if node.target is operator.getitem and not (
+                    node.args[0] in recorded and isinstance(node.args[0].meta["val"], (tuple, list))):
+                return None
+        arg_of = {id(t): i for i, t in enumerate(tensors)}
+        leaves, spec = pytree.tree_flatten(out)
+        out_leaves, holder = [], {}
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                if id(x) in arg_of:
+                    out_leaves.append(("arg", arg_of[id(x)]))
+                    continue
+                slot = proxy_tensor.get_proxy_slot(x, tracer, None)
+                if (slot is None or slot.constant is not None or x.requires_grad or slot.proxy.node not in recorded
+                        or holder.setdefault(slot.proxy.node, id(x)) != id(x)
+                        or not _same_meta(x, slot.proxy.node.meta["val"])):
+                    return None
+                out_leaves.append(("node", slot.proxy.node))
+            else:
+                try:
+                    _atom_key(x)
+                except _Unkeyable:
+                    return None  # may hold traced tensors pytree does not see
+                out_leaves.append(("value", x))
+        return cls(nodes, inputs, out_leaves, spec)
+
+    def replay(self, tracer, tensors, nodes):
+        """Add copies of the recorded nodes reading ``nodes``; the call's result."""
+        env = dict(zip(self.inputs, nodes))
+        vals = {}
+        for old in self.nodes:
+            args, kwargs = fx.node.map_arg((old.args, old.kwargs), lambda n: env.get(n, n))
+            new = env[old] = tracer.create_node(old.op, old.target, args, kwargs, name=old.name)
+            val = old.meta["val"]
+            if isinstance(val, (tuple, list)):  # its items are tracked by their getitem copies
+                pairs = [(None, None) if v is None else _fresh(v) for v in val]
+                vals[old] = type(val)(t for t, _ in pairs)
+                new.meta["val"] = type(val)(snapshot for _, snapshot in pairs)
+            else:
+                if old.target is operator.getitem:
+                    t = vals[old.args[0]][old.args[1]]
+                    snapshot = fast_detach(t.fake_mode, t)
+                else:
+                    t, snapshot = _fresh(val)
+                vals[old] = t
+                proxy_tensor.track_tensor(t, tracer.proxy(new), constant=None, tracer=tracer)
+                new.meta["val"] = snapshot
+            for k, v in old.meta.items():  # tensor_meta: the same metadata
+                if k not in _CREATED and k not in new.meta:
+                    new.meta[k] = v
+        leaves = [tensors[x] if kind == "arg" else vals[x] if kind == "node" else x for kind, x in self.out_leaves]
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+class Memo:
+    """Memoized calls for one template trace (see the module docstring)."""
+
+    def __init__(self):
+        self.recordings: dict = {}  # key -> _Recording, or None for calls that cannot be replayed
+        self.hits = 0
+        self.misses = 0
+
+    def call(self, fn, /, *args, **kwargs):
+        """``fn(*args, **kwargs)``, replayed when an equal call was traced before."""
+        mode = proxy_tensor.get_innermost_proxy_mode()
+        if not _enabled or mode is None or fn is operator.getitem:
+            return fn(*args, **kwargs)
+        tracer = mode.tracer
+        # Reading tensor metadata under make_fx's torch-function modes costs a dispatch per read.
+        with torch._C.DisableTorchFunction():
+            try:
+                key, tensors, nodes = _key(fn, args, kwargs, tracer)
+            except (_Unkeyable, TypeError):
+                key = None
+            recording = self.recordings.get(key)
+            if recording is not None:
+                self.hits += 1
+                return recording.replay(tracer, tensors, nodes)
+            record = key is not None and key not in self.recordings
+            if record:
+                last = next(reversed(tracer.graph.nodes), None)
+                versions = [t._version for t in tensors]
+        if not record:
+            return fn(*args, **kwargs)
+        self.misses += 1
+        out = fn(*args, **kwargs)
+        with torch._C.DisableTorchFunction():
+            added = []
+            for node in reversed(tracer.graph.nodes):
+                if node is last:
+                    break
+                added.append(node)
+            added.reverse()
+            unchanged = [t._version for t in tensors] == versions  # else it wrote into an argument
+            self.recordings[key] = _Recording.make(added, nodes, tensors, out, tracer) if unchanged else None
+        return out
+

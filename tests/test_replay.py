@@ -1,0 +1,272 @@
+"""Memoized replay of rule calls (fxtools.replay): the same graphs as tracing every call, faster.
+
+Models of repeated identical layers are differentiated with and without replay (same code),
+and their gradients are compared with torch.autograd in float64. ``Memo`` is also exercised
+directly under make_fx: what it must not share (other strides, other aliasing, in-place
+updates of arguments) and what it must copy faithfully (multi-output ops, random ops).
+"""
+import contextlib
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx.experimental import proxy_tensor
+
+import fxtools
+from fxtools import examples, replay
+from fxtools import reverse as reverse_module
+from fxtools.api import PART_KEY
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+class Block(nn.Module):
+    """Uses ops whose rules keep their inputs (mul), alias them (``h * h``), and return several
+    values (layer_norm, var_mean, max.dim)."""
+
+    def __init__(self, n, p=0.0):
+        super().__init__()
+        self.fc = nn.Linear(n, n)
+        self.ln = nn.LayerNorm(n)
+        self.p = p
+
+    def forward(self, x):
+        h = self.ln(torch.tanh(self.fc(x)))
+        h = F.dropout(h, self.p, training=self.p > 0)
+        var, mean = torch.var_mean(h, dim=-1, keepdim=True)
+        top = torch.max(h, dim=-1, keepdim=True).values
+        return x + h * h * torch.rsqrt(var + 1) - mean * top
+
+
+class Stack(nn.Module):
+    def __init__(self, n=6, layers=3, p=0.0):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(n, p) for _ in range(layers))
+
+    def forward(self, x, t):
+        for block in self.blocks:
+            x = block(x)
+        return F.mse_loss(x, t)
+
+
+def stack(layers=3, p=0.0, seed=0):
+    torch.manual_seed(seed)
+    model = Stack(layers=layers, p=p)
+    g = torch.Generator().manual_seed(seed + 1)
+    return model, (torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g))
+
+
+@pytest.fixture
+def memos(monkeypatch):
+    """The Memo objects reverse() creates, in order."""
+    made = []
+
+    class Recorded(replay.Memo):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(reverse_module, "Memo", Recorded)
+    return made
+
+
+def autograd_grads(model, inputs):
+    params = {name: p.detach().clone().requires_grad_(True) for name, p in model.named_parameters()}
+    loss = torch.func.functional_call(model, params, inputs)
+    return loss.detach(), dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+
+
+@pytest.mark.parametrize("build", [stack, lambda: examples.mlp(), lambda: examples.gpt("tiny", n_layer=3)])
+def test_replay_gives_the_same_code(build):
+    model, inputs = build()
+    loss_fn, args = examples.as_loss(model, inputs)
+    with replay.disabled():
+        traced = fxtools.value_and_grad(loss_fn, *args)
+        traced_vjp = fxtools.vjp(loss_fn, *args)
+    replayed = fxtools.value_and_grad(loss_fn, *args)
+    assert replayed.code == traced.code
+    assert fxtools.vjp(loss_fn, *args).code == traced_vjp.code
+
+
+def test_replay_keeps_split_markers_and_stack_traces():
+    model, inputs = stack()
+    splits = []
+    for context in (replay.disabled(), contextlib.nullcontext()):
+        with context:
+            splits.append(fxtools.split(model, *inputs))  # one line: the same stack traces
+    traced, replayed = splits
+    for a, b in [(traced.forward, replayed.forward), (traced.backward, replayed.backward)]:
+        assert a.code == b.code
+        for x, y in zip(a.graph.nodes, b.graph.nodes):
+            assert (x.name, x.meta.get("stack_trace"), x.meta.get("custom"), x.meta.get(PART_KEY)) == \
+                   (y.name, y.meta.get("stack_trace"), y.meta.get("custom"), y.meta.get(PART_KEY))
+
+
+def test_repeated_layers_match_autograd(float64, memos):
+    model, inputs = stack(layers=4)
+    loss_fn, args = examples.as_loss(model, inputs)
+    loss, grads = fxtools.value_and_grad(loss_fn, *args)(*args)
+    assert memos[-1].hits > 0
+    want_loss, want = autograd_grads(model, inputs)
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_dropout_masks_of_replayed_layers_are_independent(float64, memos):
+    model, inputs = stack(layers=3, p=0.5)
+    loss_fn, args = examples.as_loss(model, inputs)
+    gm = fxtools.value_and_grad(loss_fn, *args)
+    assert memos[-1].hits > 0
+    assert gm.code.count(".bernoulli_(") == 3  # one mask per layer, each drawn at run time
+    torch.manual_seed(123)
+    loss, grads = gm(*args)
+    torch.manual_seed(123)
+    want_loss, want = autograd_grads(model, inputs)  # eager draws one mask per layer, in order
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_three_layer_mlp_replays(memos):
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+    loss_fn, args = examples.as_loss(layers, (torch.randn(5, 8),))
+    fxtools.grad(lambda p, x: loss_fn(p, x).sum(), *args)
+    memo = memos[-1]
+    assert memo.hits > 0 and memo.misses > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Memo under make_fx
+
+
+def trace(fn, *examples_):
+    """``(graph, result, memo)`` of make_fx(fn)(*examples_), fn taking ``(memo, *tensors)``."""
+    memo = replay.Memo()
+    out = {}
+
+    def run(*xs):
+        out["value"] = fn(memo, *xs)
+        return [t for t in out["value"] if isinstance(t, torch.Tensor)] if isinstance(out["value"], tuple) \
+            else out["value"]
+
+    gm = proxy_tensor.make_fx(run, tracing_mode="fake", pre_dispatch=True)(*examples_)
+    return gm.graph, memo
+
+
+def ops(graph):
+    return [n.target for n in graph.nodes if n.op == "call_function"]
+
+
+def test_same_metadata_replays_as_new_nodes():
+    def fn(memo, x, y):
+        a = memo.call(torch.sin, x)
+        b = memo.call(torch.sin, y)
+        return a * b
+
+    graph, memo = trace(fn, torch.randn(3, 4), torch.randn(3, 4))
+    assert (memo.hits, memo.misses) == (1, 1)
+    sins = [n for n in graph.nodes if n.target is torch.ops.aten.sin.default]
+    assert [n.args[0].name for n in sins] == ["arg0_1", "arg1_1"]
+    assert [n.name for n in sins] == ["sin", "sin_1"]
+    assert sins[1].meta["val"].shape == (3, 4) and "tensor_meta" in sins[1].meta
+
+
+def test_other_strides_do_not_share_a_replay():
+    def fn(memo, x, y):
+        return memo.call(torch.exp, x.t()), memo.call(torch.exp, y)
+
+    graph, memo = trace(fn, torch.randn(4, 3), torch.randn(3, 4))
+    assert (memo.hits, memo.misses) == (0, 2)
+
+
+def test_aliasing_is_part_of_the_key():
+    def fn(memo, x, y):
+        return memo.call(operator.mul, x, x), memo.call(operator.mul, x, y), memo.call(operator.mul, y, y)
+
+    graph, memo = trace(fn, torch.randn(3), torch.randn(3))
+    assert (memo.hits, memo.misses) == (1, 2)
+    muls = [n for n in graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    assert [tuple(a.name for a in n.args) for n in muls] == [("arg0_1", "arg0_1"), ("arg0_1", "arg1_1"), ("arg1_1", "arg1_1")]
+
+
+def test_inputs_returned_in_the_result_are_the_arguments():
+    def keep(x, w):
+        return x @ w, (x, w, 2)
+
+    def fn(memo, x, w, z):
+        out1, aux1 = memo.call(keep, x, w)
+        out2, aux2 = memo.call(keep, z, w)
+        assert aux2[0] is z and aux2[1] is w and aux2[2] == 2 and out2 is not out1
+        return out1 + out2
+
+    graph, memo = trace(fn, torch.randn(2, 3), torch.randn(3, 3), torch.randn(2, 3))
+    assert memo.hits == 1
+
+
+@pytest.mark.parametrize("op", [lambda t: torch.var_mean(t, 1), lambda t: tuple(torch.max(t, 1)),
+                                lambda t: torch.native_layer_norm(t, [4], None, None, 1e-5)])
+def test_multi_output_ops_replay_with_their_items(op):
+    def fn(memo, x, y):
+        a = memo.call(op, x)
+        b = memo.call(op, y)
+        return (*a, *b)
+
+    graph, memo = trace(fn, torch.randn(3, 4), torch.randn(3, 4))
+    assert memo.hits == 1
+    names = ops(graph)
+    half = len(names) // 2
+    assert names[:half] == names[half:]
+    items = [n for n in graph.nodes if n.target is operator.getitem]
+    assert all(isinstance(n.meta["val"], torch.Tensor) for n in items)
+
+
+def test_random_ops_replay_as_independent_draws():
+    def noise(x):
+        return x + torch.randn_like(x)
+
+    def fn(memo, x, y):
+        return memo.call(noise, x), memo.call(noise, y)
+
+    graph, memo = trace(fn, torch.randn(3), torch.randn(3))
+    assert memo.hits == 1
+    assert ops(graph).count(torch.ops.aten.randn_like.default) == 2
+
+
+def test_in_place_update_of_an_argument_is_not_replayed():
+    def bump(x):
+        return x.add_(1)
+
+    def fn(memo, x, y):
+        return memo.call(bump, x.clone()), memo.call(bump, y.clone())
+
+    graph, memo = trace(fn, torch.randn(3), torch.randn(3))
+    assert memo.hits == 0
+    assert ops(graph).count(torch.ops.aten.add_.Tensor) == 2
+
+
+def test_reading_a_value_it_was_not_given_is_not_replayed():
+    def fn(memo, x, y):
+        hidden = x * 2
+        f = lambda t: t + hidden  # noqa: E731
+        return memo.call(f, x), memo.call(f, y)
+
+    graph, memo = trace(fn, torch.randn(3), torch.randn(3))
+    assert memo.hits == 0
+
+
+def test_transposed_and_contiguous_arguments_match_autograd(float64):
+    def f(x, y, w):
+        return ((x.t() @ w).tanh() * (y @ w).tanh()).sum()
+
+    x, y, w = torch.randn(4, 3), torch.randn(3, 4), torch.randn(4, 4)
+    with replay.disabled():
+        traced = fxtools.grad(f, x, y, w, argnums=(0, 1, 2))
+    gm = fxtools.grad(f, x, y, w, argnums=(0, 1, 2))
+    assert gm.code == traced.code
+    leaves = [t.clone().requires_grad_(True) for t in (x, y, w)]
+    want = torch.autograd.grad(f(*leaves), leaves)
+    for got, expected in zip(gm(x, y, w), want):
+        torch.testing.assert_close(got, expected, **TOL)
