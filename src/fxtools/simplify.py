@@ -284,7 +284,7 @@ def has_generic_name(node: fx.Node) -> bool:
     """
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    return re.fullmatch(rf"{re.escape(node.target.overloadpacket.__name__)}(_\d+)?", node.name) is not None
+    return re.fullmatch(rf"{re.escape(node.target.overloadpacket.__name__.rstrip('_'))}_*(_\d+)?", node.name) is not None
 
 
 def _hashable(x):

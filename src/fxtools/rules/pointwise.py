@@ -706,3 +706,7 @@ for _op in (aten._to_copy, aten.to, aten.type_as):
 
 
 mark_nondifferentiable(aten.detach, aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like)
+# Factories (no tensor input to differentiate) and runtime value checks.
+mark_nondifferentiable(aten.empty, aten.empty_strided, aten.zeros, aten.ones, aten.full, aten.arange,
+                       aten.scalar_tensor, aten.rand, aten.randn, aten.randint, aten.normal.float_float,
+                       aten._assert_async, aten.sym_constrain_range_for_size)

@@ -1,0 +1,95 @@
+"""A zoo of further Hugging Face architectures, one tiny random config each (nothing downloaded).
+
+tests/test_hf_models.py checks the core models in depth (both attention implementations, both
+dtypes, training mode); this file checks breadth: decoders with rotary, ALiBi and parallel
+blocks, a state-space model, encoders with relative positions, and vision models with windows,
+depthwise and grouped convolutions. For each, fxtools.grad of the model's own loss equals eager
+autograd for every parameter in float64 (rtol 1e-5, atol 1e-7: the models' own losses, and some
+softmaxes and routers, compute in float32 on purpose), and the model still runs eagerly afterwards, unchanged (tracing
+must leave no FakeTensor in the model's caches).
+"""
+import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers as T  # noqa: E402
+
+import fxtools  # noqa: E402
+
+VOCAB, BATCH, SEQ = 97, 2, 7
+_D = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+
+
+def _ids(seed):
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _image(size):
+    return torch.randn(BATCH, 3, size, size, generator=torch.Generator().manual_seed(3))
+
+
+def _text(model_cls, config_cls, **config):
+    return lambda: (model_cls(config_cls(vocab_size=VOCAB, **config)), {"input_ids": _ids(1), "labels": _ids(2)})
+
+
+def _vision(model_cls, config_cls, size, **config):
+    return lambda: (model_cls(config_cls(num_labels=5, **config)),
+                    {"pixel_values": _image(size), "labels": torch.tensor([1, 3])})
+
+
+ZOO = {
+    "gpt_neox": _text(T.GPTNeoXForCausalLM, T.GPTNeoXConfig, **_D),
+    "phi": _text(T.PhiForCausalLM, T.PhiConfig, resid_pdrop=0.0, embd_pdrop=0.0, **_D),
+    "phi3": _text(T.Phi3ForCausalLM, T.Phi3Config, num_key_value_heads=2, pad_token_id=0, **_D),
+    "gemma2": _text(T.Gemma2ForCausalLM, T.Gemma2Config, head_dim=8, num_key_value_heads=2, **_D),
+    "falcon": _text(T.FalconForCausalLM, T.FalconConfig, hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+    "gptj": _text(T.GPTJForCausalLM, T.GPTJConfig, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64),
+    "bloom": _text(T.BloomForCausalLM, T.BloomConfig, hidden_size=32, n_layer=2, n_head=4),
+    "gpt_bigcode": _text(T.GPTBigCodeForCausalLM, T.GPTBigCodeConfig, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+    "mamba": _text(T.MambaForCausalLM, T.MambaConfig, hidden_size=32, num_hidden_layers=2, state_size=4),
+    "roberta": _text(T.RobertaForMaskedLM, T.RobertaConfig, pad_token_id=1, **_D),
+    "distilbert": _text(T.DistilBertForMaskedLM, T.DistilBertConfig, dim=32, n_layers=2, n_heads=4, hidden_dim=64),
+    "albert": _text(T.AlbertForMaskedLM, T.AlbertConfig, embedding_size=16, **_D),
+    "deberta_v2": _text(T.DebertaV2ForMaskedLM, T.DebertaV2Config, **_D),
+    "convnext": _vision(T.ConvNextForImageClassification, T.ConvNextConfig, 32, num_stages=2, hidden_sizes=[8, 16],
+                        depths=[1, 1], image_size=32),
+    "swin": _vision(T.SwinForImageClassification, T.SwinConfig, 32, image_size=32, patch_size=4, embed_dim=16,
+                    depths=[1, 1], num_heads=[2, 2], window_size=4),
+    "mobilenet_v2": _vision(T.MobileNetV2ForImageClassification, T.MobileNetV2Config, 32, image_size=32,
+                            depth_multiplier=0.25),
+    "regnet": _vision(T.RegNetForImageClassification, T.RegNetConfig, 32, embedding_size=8, hidden_sizes=[8, 16],
+                      depths=[1, 1], groups_width=8),
+    "beit": _vision(T.BeitForImageClassification, T.BeitConfig, 16, image_size=16, patch_size=4, hidden_size=32,
+                    num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, use_relative_position_bias=True),
+    "dinov2": _vision(T.Dinov2ForImageClassification, T.Dinov2Config, 16, image_size=16, patch_size=4, hidden_size=32,
+                      num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2),
+}
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_gradients_equal_eager_autograd(name):
+    torch.manual_seed(0)
+    model, inputs = ZOO[name]()
+    model = model.double().eval()
+    inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    reference = copy.deepcopy(model)
+
+    f = fxtools.functional(model)
+    params = dict(model.named_parameters())
+    gm = fxtools.grad(lambda params, inputs: f(params, **inputs).loss, params, inputs)
+    got = gm(params, inputs)
+
+    ref_params = {n: p.detach().clone().requires_grad_() for n, p in reference.named_parameters()}
+    loss = fxtools.functional(reference)(ref_params, **inputs).loss
+    want = torch.autograd.grad(loss, list(ref_params.values()), allow_unused=True)
+    for (n, p), w in zip(ref_params.items(), want):
+        torch.testing.assert_close(got[n], torch.zeros_like(p) if w is None else w, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"{name} {n}: {m}")
+
+    after = model(**inputs).loss  # the traced model still runs eagerly, with real tensors
+    assert type(after) is torch.Tensor
+    torch.testing.assert_close(after.detach(), loss.detach(), rtol=1e-12, atol=0)
