@@ -110,7 +110,7 @@ def test_placeholders_named_from_parameter_paths():
             self.fc1 = nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.fc1(x).sum()
+            return self.fc1(x).sin().sum()
 
     net = Net()
     f = fxtools.functional(net)

@@ -78,3 +78,42 @@ def test_number_wrapped_by_vmap_becomes_a_number_again():
     assert "_to_copy" not in gm.code and ".to(" not in gm.code
     want = torch.func.vmap(torch.func.grad(lambda t: f(t).sum()))(xs)
     torch.testing.assert_close(gm(xs), want, rtol=0, atol=0)
+
+
+def test_grad_seeds_from_an_input_and_value_and_grad_keeps_the_loss():
+    """``grad``'s seed needs only the loss's shape: it is made from an input, and the loss is not
+    computed; ``value_and_grad`` returns the loss, so it is computed once and seeds from itself."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).double()
+    params = dict(model.named_parameters())
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 2, 1, 1, 0])
+
+    def loss(params, x, y):
+        return F.cross_entropy(torch.func.functional_call(model, params, (x,)), y)
+
+    g = fxtools.grad(loss, params, x, y)
+    assert "cross_entropy(" not in g.code and "x.new_ones([])" in g.code
+    vg = fxtools.value_and_grad(loss, params, x, y)
+    assert vg.code.count("cross_entropy(") == 1 and "new_ones" not in vg.code
+    want = torch.autograd.grad(loss(params, x, y), list(params.values()))
+    value, grads = vg(params, x, y)
+    torch.testing.assert_close(value, loss(params, x, y), rtol=0, atol=0)
+    for got_g, got_vg, w in zip(g(params, x, y).values(), grads.values(), want):
+        torch.testing.assert_close(got_g, w, rtol=0, atol=1e-15)
+        torch.testing.assert_close(got_vg, w, rtol=0, atol=1e-15)
+
+
+def test_scalings_by_powers_of_two_merge_exactly():
+    x, y = torch.randn(2, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    gm = fxtools.grad(F.mse_loss, x, y)  # 2 * (x - y) * (1 / 2)
+    assert fxtools.simplify.count_compute_nodes(gm) == 1 and "grad_input_ = input_ - target" in gm.code
+    xr = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(F.mse_loss(xr, y), xr)
+    torch.testing.assert_close(gm(x, y), want, rtol=0, atol=0)
+
+    t = torch.randn(5)
+    merged = fxtools.vjp(lambda t: (t * 3) * 0.25, t)
+    assert "t * 0.75" in merged.code
+    torch.testing.assert_close(merged(t, torch.ones(5))[0], (t * 3) * 0.25, rtol=0, atol=0)
+    kept = fxtools.vjp(lambda t: (t * 3) * 0.1, t)  # neither a power of two: rounding would differ
+    assert "* 3" in kept.code and "* 0.1" in kept.code

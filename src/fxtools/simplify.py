@@ -13,6 +13,7 @@ They work on the ATen graph, where every node carries its FakeTensor value
 """
 from __future__ import annotations
 
+import math
 import operator
 import re
 
@@ -127,7 +128,15 @@ def _new(graph, before, target, args, fake_mode, kwargs=None):
     if fake_mode is not None:
         with fake_mode:
             node.meta["val"] = target(*vals, **kvals)
+    for key in _KEPT_META:
+        if key in before.meta:
+            node.meta[key] = before.meta[key]
     return node
+
+
+# What a rewritten node keeps of the node it replaces: the user's line, and the part of the
+# program it belongs to (fxtools.draw colours by it).
+_KEPT_META = ("stack_trace", "fxtools_part")
 
 
 _BINARY = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)
@@ -135,6 +144,33 @@ _OPS = {aten.add.Tensor: operator.add, aten.sub.Tensor: operator.sub, aten.mul.T
         aten.div.Tensor: operator.truediv}
 _SCALAR_OVERLOADS = {aten.add.Scalar: aten.add.Tensor, aten.sub.Scalar: aten.sub.Tensor,
                      aten.mul.Scalar: aten.mul.Tensor, aten.div.Scalar: aten.div.Tensor}
+
+
+_FILL_LIKE = {aten.ones_like.default: aten.new_ones.default, aten.zeros_like.default: aten.new_zeros.default,
+              aten.full_like.default: aten.new_full.default}
+
+
+def _only_shapes_a_fill(node) -> bool:
+    """``ones_like(v)`` where ``v`` is computed only for this: the fill needs its shape, not its
+    value (``grad``'s seed ``ones_like(loss)``, when the loss itself is not returned)."""
+    v = node.args[0]
+    kwargs_ok = all(k == "pin_memory" and not x for k, x in node.kwargs.items())
+    return (kwargs_ok and isinstance(v, fx.Node) and v.op == "call_function" and set(v.users) == {node}
+            and not is_impure(v) and isinstance(_val(v), torch.Tensor) and _val(v).is_contiguous())
+
+
+def _input_like(graph, val):
+    """An input tensor (a placeholder or a leaf taken out of one) of ``val``'s dtype and device:
+    ``input.new_ones(shape)`` then makes a fill without computing anything."""
+    for n in graph.nodes:
+        if n.op == "placeholder" or (n.op == "call_function" and n.target is operator.getitem
+                                     and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"):
+            v = _val(n)
+            if isinstance(v, torch.Tensor) and v.dtype == val.dtype and v.device == val.device:
+                return n
+        elif n.op == "call_function" and n.target is not operator.getitem:
+            return None
+    return None
 
 
 def _scalar_of_dtype(x, dtype) -> bool:
@@ -153,6 +189,12 @@ def _rewrite(node: fx.Node, fake_mode):
     x = args[0]
     if t in _CONVERSIONS and isinstance(x, (int, float)) and set(node.kwargs) == {"dtype"}:
         return _new(node.graph, node, aten.scalar_tensor.default, (x,), fake_mode, node.kwargs)
+    if t in _FILL_LIKE and _only_shapes_a_fill(node):
+        source = _input_like(node.graph, _val(node))
+        if source is not None:
+            fill = _FILL_LIKE[t]
+            value = () if fill is aten.new_full.default and len(args) < 2 else tuple(args[1:2])
+            return _new(node.graph, node, fill, (source, list(_val(node).shape), *value), fake_mode)
     if t in _SCALAR_OVERLOADS and len(args) == 2 and not node.kwargs:
         return _new(node.graph, node, _SCALAR_OVERLOADS[t], args, fake_mode)
     if t in _BINARY and len(args) == 2 and not node.kwargs and _scalar_of_dtype(args[1], _val(node).dtype):
@@ -161,6 +203,10 @@ def _rewrite(node: fx.Node, fake_mode):
         folded = _fold_fill(node, fake_mode)
         if folded is not None:
             return folded
+    if t is aten.mul.Tensor and len(args) == 2 and not node.kwargs:
+        scaled = _merge_scalings(node, fake_mode)
+        if scaled is not None:
+            return scaled
     if t in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2:
         if constant_value(args[1]) == 1 or args[1] == 1:
             return x if _same_type(x, node) else None
@@ -229,6 +275,28 @@ def _fold_fill(node, fake_mode):
         if fv.dtype == out.dtype and fv.dim() <= out.dim() and torch.broadcast_shapes(fv.shape, out.shape) == out.shape:
             return _new(node.graph, node, node.target, (tensor, value), fake_mode)
     return None
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _merge_scalings(node, fake_mode):
+    """``(t * a) * b`` -> ``t * (a * b)`` when ``a`` or ``b`` is a power of two: scaling by one is
+    exact, so both round the same product once (``(d * 2) * 0.5`` of an MSE backward is ``d``)."""
+    inner, b = node.args
+    if not (isinstance(inner, fx.Node) and inner.op == "call_function" and inner.target is aten.mul.Tensor
+            and len(inner.args) == 2 and not inner.kwargs and len(inner.users) == 1 and _is_number(b)):
+        return None
+    t, a = inner.args
+    if not (_is_number(a) and isinstance(t, fx.Node) and _same_type(t, node) and _val(node).is_floating_point()):
+        return None
+    if not any(v != 0 and math.frexp(v)[0] in (0.5, -0.5) for v in (a, b)):
+        return None
+    product = a * b
+    if torch.tensor(product, dtype=_val(node).dtype).item() != product:
+        return None
+    return _new(node.graph, node, aten.mul.Tensor, (t, product), fake_mode)
 
 
 def _same_device(a, b):
