@@ -237,3 +237,23 @@ def test_checkpointed_functions_are_differentiated(reentrant):
     want = torch.func.grad(lambda x, w: torch.tanh(x @ w).sum(), argnums=(0, 1))(x, w)
     torch.testing.assert_close(gx, want[0])
     torch.testing.assert_close(gw, want[1])
+
+
+_GLOBAL_SCALE = torch.linspace(0.5, 1.5, 4)
+
+
+def test_closed_over_tensors_are_named_after_their_variables():
+    w = torch.randn(3, 4)
+    head = nn.Linear(4, 2)
+
+    def f(x):
+        return head(torch.tanh(x @ w) * _GLOBAL_SCALE).sum()
+
+    x = torch.randn(5, 3)
+    gm = fxtools.grad(f, x)
+    for name in ("w = self.w", "GLOBAL_SCALE = self.GLOBAL_SCALE", "head_weight = self.head_weight"):
+        assert name in gm.code, name
+    assert "_tensor_constant" not in gm.code
+    xr = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(f(xr), xr)
+    torch.testing.assert_close(gm(x), want)

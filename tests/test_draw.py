@@ -27,7 +27,7 @@ def nodes_of(svg: str) -> dict:
 
 
 def compute_nodes(gm):
-    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and n.target is not getattr]
 
 
 def gpt_block():

@@ -117,3 +117,16 @@ def test_scalings_by_powers_of_two_merge_exactly():
     torch.testing.assert_close(merged(t, torch.ones(5))[0], (t * 3) * 0.25, rtol=0, atol=0)
     kept = fxtools.vjp(lambda t: (t * 3) * 0.1, t)  # neither a power of two: rounding would differ
     assert "* 3" in kept.code and "* 0.1" in kept.code
+
+
+def test_factories_take_their_device_from_an_input():
+    def f(idx, table):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return (table[idx] + table[pos]).sum()
+
+    idx, table = torch.tensor([[1, 2, 0]]), torch.randn(4, 2, dtype=torch.float64)
+    gm = fxtools.grad(f, idx, table, argnums=1)
+    assert "idx_device = idx.device" in gm.code and "device(type=" not in gm.code
+    tr = table.clone().requires_grad_()
+    (want,) = torch.autograd.grad(f(idx, tr), tr)
+    torch.testing.assert_close(gm(idx, table), want, rtol=0, atol=0)

@@ -49,15 +49,36 @@ class Captured:
 
 
 def _module_tensor_names(f) -> dict[int, str]:
-    """id(tensor) -> identifier for every parameter and buffer of the module behind f, if any."""
+    """id(tensor) -> identifier for the tensors ``f`` reads without taking them as arguments:
+    the parameters and buffers of the module behind ``f``, and the tensors (or modules' tensors)
+    its code names as closure variables or globals (``w`` in ``lambda x: x @ w``)."""
+    names: dict[int, str] = {}
+
+    def add_module(module, prefix=""):
+        for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+            names.setdefault(id(t), identifier(prefix + name))
+
     module = f if isinstance(f, torch.nn.Module) else getattr(f, "__fxtools_module__", None)
-    if module is None:
-        return {}
-    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
-    names = {}
-    for name, t in named:
-        names.setdefault(id(t), identifier(name))
+    if module is not None:
+        add_module(module)
+    code = getattr(f, "__code__", None)
+    if code is not None:
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in f.__closure__ or () if _has_contents(c))))
+        seen = {**{n: f.__globals__[n] for n in code.co_names if n in getattr(f, "__globals__", {})}, **cells}
+        for name, value in seen.items():
+            if isinstance(value, torch.Tensor):
+                names.setdefault(id(value), identifier(name))
+            elif isinstance(value, torch.nn.Module):
+                add_module(value, name + ".")
     return names
+
+
+def _has_contents(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell: a variable assigned after the function was made
+        return False
+    return True
 
 
 def _name_constants(gm: fx.GraphModule, names: dict[int, str]) -> None:

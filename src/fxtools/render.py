@@ -232,6 +232,7 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
 
     The caller recompiles ``gm`` (once, after its last pass).
     """
+    _devices_from_inputs(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -244,3 +245,32 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
         else:
             node.target, node.args, node.kwargs = target, args, kwargs
     return gm
+
+
+def _devices_from_inputs(gm: fx.GraphModule) -> None:
+    """``device=device(type='cpu')`` in factories -> ``device=x.device`` for an input ``x`` on it.
+
+    Tracing turns ``torch.arange(n, device=idx.device)`` into a constant device; reading it from
+    an input again keeps the code readable and lets it run wherever its inputs are.
+    """
+    inputs = [n for n in gm.graph.nodes
+              if n.op == "placeholder" or (n.op == "call_function" and n.target is operator.getitem
+                                           and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")]
+    found: dict = {}
+    for node in list(gm.graph.nodes):
+        device = node.kwargs.get("device") if node.op == "call_function" else None
+        if not isinstance(device, torch.device):
+            continue
+        if device not in found:
+            source = next((n for n in inputs if isinstance(n.meta.get("val"), torch.Tensor)
+                           and n.meta["val"].device == device), None)
+            if source is None:
+                found[device] = None
+                continue
+            with gm.graph.inserting_after(source):
+                found[device] = gm.graph.call_function(getattr, (source, "device"))
+            found[device]._rename(f"{source.name}_device")
+            if "fxtools_part" in node.meta:  # the part of the program its first reader is in (fxtools.draw)
+                found[device].meta["fxtools_part"] = node.meta["fxtools_part"]
+        if found[device] is not None:
+            node.kwargs = {**node.kwargs, "device": found[device]}

@@ -456,6 +456,6 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def count_compute_nodes(gm: fx.GraphModule) -> int:
-    """Nodes doing work: calls other than getitem and attribute/placeholder plumbing."""
+    """Nodes doing work: calls other than getitem, getattr (``x.device``) and placeholder plumbing."""
     return sum(1 for n in gm.graph.nodes
-               if n.op in ("call_function", "call_method", "call_module") and n.target is not operator.getitem)
+               if n.op in ("call_function", "call_method", "call_module") and n.target not in (operator.getitem, getattr))
