@@ -270,3 +270,18 @@ def test_log_prints_ops_with_shapes(capsys):
     out, (g,) = fxtools.log(gm)(x, torch.ones_like(x))
     text = capsys.readouterr().out
     assert "sin: f64[13] = torch.sin(x)" in text and "grad_x: f64[13]" in text, text
+
+
+def test_jvp_of_an_embedding_with_padding_is_the_derivative_of_its_forward():
+    """PyTorch's embedding gradient skips the padding row; its forward does not, and neither do
+    torch.func.jvp nor fxtools.jvp (padding_idx and scale_grad_by_freq only shape the gradient)."""
+    w = torch.randn(10, 3, dtype=torch.float64)
+    i = torch.tensor([[1, 2, 2, 5]])
+    for kwargs in ({"padding_idx": 1}, {"padding_idx": 2, "scale_grad_by_freq": True}):
+        def f(w):
+            return torch.nn.functional.embedding(i, w, **kwargs)
+        t = torch.randn_like(w)
+        out, tangent = fxtools.jvp(f, w)(w, t)
+        value, want = torch.func.jvp(f, (w,), (t,))
+        torch.testing.assert_close(out, value, rtol=0, atol=0)
+        torch.testing.assert_close(tangent, want, rtol=0, atol=0)

@@ -191,6 +191,25 @@ def _zeros(graph: fx.Graph, val, fake_mode, name="zeros"):
     return node
 
 
+# Ops whose PyTorch gradient is deliberately not the adjoint of their forward, with the
+# arguments that make it so: ``embedding``'s gradient skips the padding row (so training leaves
+# it alone) and may be scaled by word frequency, but its forward reads every row plainly. Forward
+# mode, like torch.func.jvp, gives the derivative of the forward: those arguments are reset
+# (they change only the gradient, never the value).
+_GRADIENT_ONLY_ARGS = {aten.embedding.default: {2: -1, 3: False}}  # padding_idx, scale_grad_by_freq
+
+
+def _true_adjoints(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        reset = _GRADIENT_ONLY_ARGS.get(node.target) if node.op == "call_function" else None
+        if reset:
+            args = list(node.args)
+            for i, value in reset.items():
+                if i < len(args):
+                    args[i] = value
+            node.args = tuple(args)
+
+
 def jvp(f, *args) -> fx.GraphModule:
     """The Jacobian-vector product of ``f`` at example ``args``, as readable PyTorch code.
 
@@ -206,6 +225,7 @@ def jvp(f, *args) -> fx.GraphModule:
     with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored: refuse it
         cap, wrt = _prepare(f, args, argnums)
     cap.f = f
+    _true_adjoints(cap.gm)
     vjp_flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     simplify(vjp_flat)
     x_vals = [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t]
