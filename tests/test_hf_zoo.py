@@ -119,3 +119,38 @@ def test_jvp_equals_torch_func(name):
     value, want = torch.func.jvp(lambda p: logits(p, ids), (params,), (tangents,))
     torch.testing.assert_close(out, value, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(tangent_out, want, rtol=1e-5, atol=1e-6)
+
+
+HVP_MODELS = ["gpt_neox", "distilbert", "convnext", "swin", "roberta"]
+
+
+@pytest.mark.parametrize("name", HVP_MODELS)
+def test_hvp_equals_torch_func(name):
+    """Hessian-vector products with respect to every parameter (eager attention; float32-level
+    tolerance: the models compute their loss in float32), against
+    torch.func's reverse over reverse. fxtools.hvp is reverse over reverse too; it also equals
+    forward over reverse (``jvp(grad)``) wherever PyTorch's gradient is the derivative of the
+    loss, which excludes RoBERTa: its embeddings' gradient skips the padding row, so the
+    two orders differ there, in PyTorch as in fxtools."""
+    torch.manual_seed(0)
+    model, inputs = ZOO[name]()
+    if hasattr(model.config, "_attn_implementation"):
+        model.config._attn_implementation = "eager"
+    model = model.double().eval()
+    inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    f = fxtools.functional(model)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(params, inputs):
+        return f(params, **inputs).loss
+
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+    got = fxtools.hvp(loss, params, inputs)(params, inputs, v)
+    grad = torch.func.grad(loss)
+    want = torch.func.grad(lambda p: sum((grad(p, inputs)[k] * v[k]).sum() for k in v))(params)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} {k}: {m}")
+    if name != "roberta":
+        _, forward_over_reverse = torch.func.jvp(lambda p: grad(p, inputs), (params,), (v,))
+        for k in want:
+            torch.testing.assert_close(got[k], forward_over_reverse[k], rtol=1e-4, atol=1e-6)

@@ -39,7 +39,9 @@ def hvp(f, *args, argnums=0) -> fx.GraphModule:
     ``v`` has the structure of the differentiated argument (``args[argnums]``, or a tuple of
     them for a tuple ``argnums``), and so has the result. As
     ``torch.func.jvp(torch.func.grad(f, argnums), args, tangents)[1]`` with ``v`` as the tangent
-    of the differentiated arguments.
+    of the differentiated arguments, wherever PyTorch's gradient is the derivative of ``f``.
+    Where it deliberately is not (``embedding`` skips its padding row), the two orders of
+    differentiation differ, and this equals torch.func's reverse over reverse.
     """
     from .api import grad
 
