@@ -236,6 +236,8 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
+        if _as_subscript(node):
+            continue
         spelled = _call(node.target, node.args, node.kwargs)
         if spelled is None:
             continue
@@ -274,3 +276,16 @@ def _devices_from_inputs(gm: fx.GraphModule) -> None:
                 found[device].meta["fxtools_part"] = node.meta["fxtools_part"]
         if found[device] is not None:
             node.kwargs = {**node.kwargs, "device": found[device]}
+
+
+def _as_subscript(node: fx.Node) -> bool:
+    """``aten.index(x, [mask])`` -> ``x[mask]``, ``aten.index(x, [i, j])`` -> ``x[i, j]``: advanced
+    indexing with tensors only (no ``None``, which would need slices) is what it spells."""
+    if node.target is not torch.ops.aten.index.Tensor or len(node.args) != 2 or node.kwargs:
+        return False
+    x, indices = node.args
+    if not indices or not all(isinstance(i, fx.Node) for i in indices):
+        return False
+    node.target = operator.getitem
+    node.args = (x, indices[0] if len(indices) == 1 else tuple(indices))
+    return True
