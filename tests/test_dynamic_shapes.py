@@ -227,3 +227,17 @@ def test_split_and_compile_refuse_clearly():
     for make in (fxtools.split, fxtools.compile):
         with pytest.raises(fxtools.FxtoolsError, match=r"depends on tensor data.*test_dynamic_shapes.py:\d+"):
             make(f, x, MASK_A)
+
+
+def test_last_selected_row_per_sequence():
+    """Hugging Face's sequence classifiers pick each sequence's last EOS token this way:
+    ``h[ids == eos].view(batch, -1, width)[:, -1, :]`` (a select at a data-dependent size)."""
+    def f(h, ids):
+        return (h[ids.eq(5), :].view(2, -1, 3)[:, -1, :] ** 2).sum()
+
+    h = torch.randn(2, 4, 3, dtype=torch.float64)
+    gm = fxtools.grad(f, h, torch.tensor([[1, 5, 2, 5], [5, 3, 3, 5]]))
+    for ids in (torch.tensor([[1, 5, 2, 5], [5, 3, 3, 5]]), torch.tensor([[5, 5, 5, 1], [5, 5, 3, 5]])):
+        hr = h.clone().requires_grad_()
+        (want,) = torch.autograd.grad(f(hr, ids), hr)
+        torch.testing.assert_close(gm(h, ids), want, rtol=0, atol=0)

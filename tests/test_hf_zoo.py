@@ -2,8 +2,9 @@
 
 tests/test_hf_models.py checks the core models in depth (both attention implementations, both
 dtypes, training mode); this file checks breadth: decoders with rotary, ALiBi and parallel
-blocks, a state-space model, encoders with relative positions, and vision models with windows,
-depthwise and grouped convolutions. For each, fxtools.grad of the model's own loss equals eager
+blocks, a state-space model, encoders with relative positions, vision models with windows,
+depthwise and grouped convolutions, segmentation and masked autoencoding, speech (Whisper,
+wav2vec 2.0) and a contrastive two-tower model (CLIP). For each, fxtools.grad of the model's own loss equals eager
 autograd for every parameter in float64 (rtol 1e-5, atol 1e-7: the models' own losses, and some
 softmaxes and routers, compute in float32 on purpose), and the model still runs eagerly afterwards, unchanged (tracing
 must leave no FakeTensor in the model's caches).
@@ -65,6 +66,35 @@ ZOO = {
                       depths=[1, 1], groups_width=8),
     "beit": _vision(T.BeitForImageClassification, T.BeitConfig, 16, image_size=16, patch_size=4, hidden_size=32,
                     num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, use_relative_position_bias=True),
+    "whisper": lambda: (T.WhisperForConditionalGeneration(T.WhisperConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=16, decoder_start_token_id=0, pad_token_id=0)),
+        {"input_features": torch.randn(BATCH, 8, 32, generator=torch.Generator().manual_seed(1)), "labels": _ids(2)[:, :5]}),
+    "clip": lambda: (T.CLIPModel(T.CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, max_position_embeddings=16, bos_token_id=0, eos_token_id=2),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           image_size=16, patch_size=4), projection_dim=16)),
+        {"input_ids": _ids(1), "pixel_values": _image(16), "return_loss": True}),
+    "wav2vec2": lambda: (T.Wav2Vec2ForSequenceClassification(T.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        num_labels=3, mask_time_prob=0.0)),
+        {"input_values": torch.randn(BATCH, 400, generator=torch.Generator().manual_seed(1)), "labels": torch.tensor([0, 2])}),
+    "t5_classifier": lambda: (T.T5ForSequenceClassification(T.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, num_labels=3,
+        decoder_start_token_id=0, pad_token_id=0)),  # picks each sequence's last EOS (id 1): a data-dependent select
+        {"input_ids": torch.cat([_ids(1).clamp(min=2)[:, :-1], torch.ones(BATCH, 1, dtype=torch.long)], 1),
+         "labels": torch.tensor([0, 2])}),
+    "segformer": lambda: (T.SegformerForSemanticSegmentation(T.SegformerConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], num_attention_heads=[1, 2],
+        decoder_hidden_size=16, patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2], num_labels=3)),
+        {"pixel_values": _image(32), "labels": torch.randint(0, 3, (BATCH, 32, 32), generator=torch.Generator().manual_seed(2))}),
+    "vit_mae": lambda: (T.ViTMAEForPreTraining(T.ViTMAEConfig(
+        image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        decoder_hidden_size=16, decoder_num_hidden_layers=1, decoder_num_attention_heads=2, decoder_intermediate_size=32,
+        mask_ratio=0.5)), {"pixel_values": _image(16)}),  # random masking: the same generator state on both sides
     "dinov2": _vision(T.Dinov2ForImageClassification, T.Dinov2Config, 16, image_size=16, patch_size=4, hidden_size=32,
                       num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2),
 }
@@ -75,21 +105,24 @@ def test_gradients_equal_eager_autograd(name):
     torch.manual_seed(0)
     model, inputs = ZOO[name]()
     model = model.double().eval()
-    inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    inputs = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
     reference = copy.deepcopy(model)
 
     f = fxtools.functional(model)
     params = dict(model.named_parameters())
     gm = fxtools.grad(lambda params, inputs: f(params, **inputs).loss, params, inputs)
+    torch.manual_seed(1)
     got = gm(params, inputs)
 
     ref_params = {n: p.detach().clone().requires_grad_() for n, p in reference.named_parameters()}
+    torch.manual_seed(1)
     loss = fxtools.functional(reference)(ref_params, **inputs).loss
     want = torch.autograd.grad(loss, list(ref_params.values()), allow_unused=True)
     for (n, p), w in zip(ref_params.items(), want):
         torch.testing.assert_close(got[n], torch.zeros_like(p) if w is None else w, rtol=1e-5, atol=1e-7,
                                    msg=lambda m: f"{name} {n}: {m}")
 
+    torch.manual_seed(1)
     after = model(**inputs).loss  # the traced model still runs eagerly, with real tensors
     assert type(after) is torch.Tensor
     torch.testing.assert_close(after.detach(), loss.detach(), rtol=1e-12, atol=0)

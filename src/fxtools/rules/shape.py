@@ -7,6 +7,7 @@ Views are undone by their inverse view, joins by splits and splits by joins; rea
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..registry import vjp_rule
 from .common import is_tensor, known_equal, same_shape, unbroadcast
@@ -27,9 +28,14 @@ def _reshape(g, shape):
 
 def _pad_dim(g, dim, before, after):
     """Zero-pad ``g`` along ``dim`` (the transpose of taking a contiguous slice)."""
-    if not before and not after:
+    if _known_zero(before) and _known_zero(after):
         return g
     return torch.constant_pad_nd(g, [0, 0] * (g.dim() - 1 - dim) + [before, after])
+
+
+def _known_zero(n) -> bool:
+    """``n == 0`` whatever the data (a size computed from a data-dependent one is never guessed)."""
+    return statically_known_true(n == 0)
 
 
 def _zeros(x):
@@ -233,7 +239,8 @@ def slice_(ct, out, x, dim=0, start=None, end=None, step=1):
 @vjp_rule(aten.select.int)
 def select(ct, out, x, dim, index):
     dim %= x.dim()
-    index %= x.shape[dim]
+    if index < 0:
+        index += x.shape[dim]  # not %: with a data-dependent size, -1 then stays "size - 1"
     return _pad_dim(ct.unsqueeze(dim), dim, index, x.shape[dim] - index - 1)
 
 
