@@ -351,3 +351,21 @@ def test_returning_a_cache_object_is_a_clear_error():
     params = dict(model.named_parameters())
     with pytest.raises(FxtoolsError, match=r"past_key_values.*use_cache=False"):
         fxtools.vjp(lambda p, ids: f(p, input_ids=ids, use_cache=True), params, ids)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_compiled_training_steps_called_with_keywords_equal_eager(name):
+    """``fxtools.compile(model)`` called as Hugging Face models are (``model(**batch)``), trained
+    with AdamW in float64: parameters equal eager's after each step."""
+    model, _, (ids, labels) = build(name, "sdpa", torch.float64, train=True)
+    reference = copy.deepcopy(model)
+    compiled = fxtools.compile(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference))
+    for _ in range(3):
+        for m, o in ((compiled, opt), (reference, ref_opt)):
+            o.zero_grad()
+            m(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+            o.step()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11)
+    assert [s.name for s in compiled.split.signature][-2:] == ["input_ids", "labels"]

@@ -4,6 +4,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 import fxtools
@@ -203,3 +204,36 @@ def test_compile_outputs_aliasing_each_other_and_an_input_passed_twice():
     a, b, c, d = f(xr, xr)
     (a.sum() + 2 * b.sum() + 3 * c.sum() + 4 * d.sum()).backward()
     torch.testing.assert_close(x.grad, xr.grad, **TOL)
+
+
+class _KeywordNet(nn.Module):
+    """Called as Hugging Face models are: tensors and flags by keyword, a structured output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, input_values, labels=None, return_dict=True):
+        logits = self.fc(input_values)
+        loss = F.cross_entropy(logits, labels) if labels is not None else None
+        return {"loss": loss, "logits": logits} if return_dict else (loss, logits)
+
+
+def test_compile_takes_keyword_arguments():
+    torch.manual_seed(0)
+    model = _KeywordNet().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 2, 1, 1, 0])
+    compiled = fxtools.compile(model, example_kwargs={"input_values": x, "labels": y})
+    assert [s.name for s in compiled.split.signature][-2:] == ["input_values", "labels"]
+    for _ in range(2):
+        out = compiled(input_values=x, labels=y)
+        out["loss"].backward()
+        want = reference(input_values=x, labels=y)
+        want["loss"].backward()
+        torch.testing.assert_close(out["logits"], want["logits"], rtol=0, atol=1e-14)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-14)
+    loss, logits = compiled(input_values=x, labels=y, return_dict=False)  # another flag: another split
+    assert len(compiled._runners) == 2
+    torch.testing.assert_close(loss, want["loss"], rtol=0, atol=1e-14)

@@ -180,18 +180,22 @@ class CompiledModule(torch.nn.Module):
                  rules="fused"):
         super().__init__()
         self.module = model
-        self._runners = _Runners(functional(model), fw_compiler, bw_compiler, policy, rules)
+        self._runners = _Runners(_accepting_keywords(functional(model)), fw_compiler, bw_compiler, policy, rules)
 
-    def runner(self, *inputs) -> _Runner:
-        return self._runners((dict(self.module.named_parameters()), *inputs), self.module.training)
+    def _args(self, inputs, kwargs):
+        params = dict(self.module.named_parameters())
+        return (params, *inputs, KeywordArguments(kwargs)) if kwargs else (params, *inputs)
+
+    def runner(self, *inputs, **kwargs) -> _Runner:
+        return self._runners(self._args(inputs, kwargs), self.module.training)
 
     @property
     def split(self) -> Split:
         """The split of the most recent compilation."""
         return self._runners.latest
 
-    def forward(self, *inputs):
-        args = (dict(self.module.named_parameters()), *inputs)
+    def forward(self, *inputs, **kwargs):
+        args = self._args(inputs, kwargs)
         return self._runners(args, self.module.training)(args)
 
 
@@ -200,33 +204,71 @@ class CompiledFunction:
 
     def __init__(self, fn, fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused"):
         self.fn = fn
-        self._runners = _Runners(fn, fw_compiler, bw_compiler, policy, rules)
+        self._runners = _Runners(_accepting_keywords(fn), fw_compiler, bw_compiler, policy, rules)
 
-    def runner(self, *args) -> _Runner:
-        return self._runners(args, None)
+    def runner(self, *args, **kwargs) -> _Runner:
+        return self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)
 
     @property
     def split(self) -> Split:
         """The split of the most recent compilation."""
         return self._runners.latest
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        args = (*args, KeywordArguments(kwargs)) if kwargs else args
         return self._runners(args, None)(args)
 
 
-def compile(model_or_fn, *example_args, fw_compiler=None, bw_compiler=None, policy="recompute_cheap",
-            rules="fused"):
+class KeywordArguments(dict):
+    """A call's keyword arguments, passed to the split function as its last argument (a pytree
+    dict: each tensor is an input named after its keyword)."""
+
+
+pytree.register_pytree_node(
+    KeywordArguments,
+    lambda d: (list(d.values()), list(d)),
+    lambda values, keys: KeywordArguments(zip(keys, values)),
+    flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.items()], list(d)),
+    serialized_type_name="fxtools.KeywordArguments",
+)
+
+
+def _accepting_keywords(fn):
+    """``fn``, called with a trailing ``KeywordArguments`` as keyword arguments."""
+    def call(*args):
+        if args and isinstance(args[-1], KeywordArguments):
+            return fn(*args[:-1], **args[-1])
+        return fn(*args)
+
+    call.__signature__ = _signature_with_keywords(fn)
+    call.__name__ = getattr(fn, "__name__", "fn")
+    return call
+
+
+def _signature_with_keywords(fn):
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    except (TypeError, ValueError):
+        params = [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)]
+    return inspect.Signature(params)
+
+
+def compile(model_or_fn, *example_args, example_kwargs=None, fw_compiler=None, bw_compiler=None,
+            policy="recompute_cheap", rules="fused"):
     """A module or function whose forward and backward run fxtools' split graphs.
 
-    With ``example_args`` the graphs are made now; otherwise at the first call. See the module
-    docstring for compilers, re-specialisation and ``rules`` (default ``"fused"``).
+    It is called as the original, keyword arguments included (``compiled(**batch)`` for a Hugging
+    Face model). With ``example_args`` / ``example_kwargs`` the graphs are made now; otherwise at
+    the first call. See the module docstring for compilers, re-specialisation and ``rules``
+    (default ``"fused"``).
     """
     if isinstance(model_or_fn, torch.nn.Module):
         compiled = CompiledModule(model_or_fn, fw_compiler, bw_compiler, policy, rules)
     else:
         compiled = CompiledFunction(model_or_fn, fw_compiler, bw_compiler, policy, rules)
-    if example_args:
-        compiled.runner(*example_args)
+    if example_args or example_kwargs:
+        compiled.runner(*example_args, **(example_kwargs or {}))
     return compiled
 
 
