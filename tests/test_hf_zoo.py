@@ -187,3 +187,22 @@ def test_hvp_equals_torch_func(name):
         _, forward_over_reverse = torch.func.jvp(lambda p: grad(p, inputs), (params,), (v,))
         for k in want:
             torch.testing.assert_close(got[k], forward_over_reverse[k], rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_training_of_a_classifier_that_selects_by_mask():
+    """T5's sequence classifier picks each sequence's EOS with a boolean mask (a data-dependent
+    size): fxtools.compile trains it, dropout on, as eager does."""
+    torch.manual_seed(0)
+    model, inputs = ZOO["t5_classifier"]()
+    model = model.double().train()
+    reference = copy.deepcopy(model)
+    compiled = fxtools.compile(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    for step in range(2):
+        for m, o in ((compiled, opt), (reference, ref_opt)):
+            torch.manual_seed(step)
+            o.zero_grad()
+            m(**inputs).loss.backward()
+            o.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)

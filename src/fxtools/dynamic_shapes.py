@@ -14,9 +14,9 @@ This module holds what the pipeline's stages need to carry such symbols along:
   tied to the captured ones (``tie``), so that the backward's shapes are those of the forward.
 - ``simplify`` compares shapes only where the answer is known without the data
   (``same_shape``); a comparison such as ``u0 == 3`` is not known, and is not a no-op.
-- ``fxtools.split`` (and so ``fxtools.compile``), which sizes saved tensors in bytes, refuses such
-  graphs with a clear error (``reject``) instead of producing wrong code. ``fxtools.save`` and
-  ``fxtools.jvp`` work unchanged.
+- ``fxtools.split`` (and so ``fxtools.compile``) weighs saved tensors in bytes; a data-dependent
+  size counts with its largest possible value (``upper_bound``), and the backward reads sizes
+  back from the saved tensors. ``fxtools.save`` and ``fxtools.jvp`` work unchanged.
 - ``capture`` traces ``torch.combinations`` through (``capture_decompositions``) and specialises
   a tensor that sets a *number of results* to its example value, checked at run time
   (``CountsFromExamples``).
@@ -30,7 +30,6 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from .errors import FxtoolsError, user_line_of
 
 
 def _unbacked(val) -> bool:
@@ -98,18 +97,6 @@ def same_shape(a, b) -> bool:
     return len(a) == len(b) and all(known_equal(x, y) for x, y in zip(a, b))
 
 
-def reject(gm: fx.GraphModule, what: str) -> None:
-    """Raise ``FxtoolsError`` if ``gm`` has data-dependent shapes, which ``what`` cannot handle."""
-    nodes = dynamic_nodes(gm)
-    if not nodes:
-        return
-    node = next((n for n in nodes if user_line_of(n)), nodes[0])
-    where = user_line_of(node) or "an unknown line of user code"
-    raise FxtoolsError(
-        f"{what} does not support values whose shape depends on tensor data (the result of "
-        f"{node.target} at {where}); fxtools.vjp, grad, value_and_grad and jvp do.")
-
-
 def capture_decompositions() -> dict:
     """Ops to trace through (not keep as one node) when capturing.
 
@@ -171,3 +158,16 @@ class CountsFromExamples(TorchFunctionMode):
         torch._assert_async(sections == n, f"tensor_split: fxtools specialised the number of sections "
                                            f"to the example's {n}; this call has a different number")
         return torch.tensor_split(input, n, dim)
+
+
+def upper_bound(n) -> int:
+    """``n``, or for a data-dependent size the largest value it can take (what a memory estimate
+    must assume); a size with no known bound counts as 1."""
+    if not isinstance(n, torch.SymInt):
+        return int(n)
+    node = n.node
+    try:
+        upper = node.shape_env.bound_sympy(node.expr).upper
+        return int(upper) if upper.is_finite else 1
+    except Exception:  # noqa: BLE001 - an expression the shape environment cannot bound
+        return 1

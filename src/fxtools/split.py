@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 
 from . import policies, registry
 from .api import PART_KEY, _grads_structure, _prepare
-from .dynamic_shapes import reject as reject_dynamic_shapes
+from .dynamic_shapes import upper_bound
 from .errors import user_line_of
 from .functional import functional
 from .naming import arg_names
@@ -117,10 +117,14 @@ def checkpoint_regions():
 # --------------------------------------------------------------------------------------------
 
 def nbytes(val) -> int:
-    """Bytes of the memory a tensor spans (an expanded tensor counts once)."""
-    if not isinstance(val, torch.Tensor) or val.numel() == 0:
+    """Bytes of the memory a tensor spans (an expanded tensor counts once); for a size that
+    depends on the data, its largest possible value."""
+    if not isinstance(val, torch.Tensor):
         return 0
-    span = 1 + sum((s - 1) * abs(st) for s, st in zip(val.shape, val.stride()))
+    shape, stride = [upper_bound(s) for s in val.shape], [upper_bound(s) for s in val.stride()]
+    if 0 in shape:
+        return 0
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(shape, stride))
     return span * val.element_size()
 
 
@@ -541,7 +545,6 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
     argnums = tuple(range(len(args)))
     with checkpoint_regions():
         cap, wrt = _prepare(f, args, argnums)
-    reject_dynamic_shapes(cap.gm, "fxtools.split (and so fxtools.compile and fxtools.backend)")
     cap.f = f
     if grad_leaves is not None:
         grad_leaves = [bool(g) for g in grad_leaves]
