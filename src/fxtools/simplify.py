@@ -150,6 +150,11 @@ _FILL_LIKE = {aten.ones_like.default: aten.new_ones.default, aten.zeros_like.def
               aten.full_like.default: aten.new_full.default}
 
 
+# ``x.new_zeros(shape)`` reads only ``x``'s dtype and device: made from an input instead, it
+# depends on nothing computed (fxtools.split then recomputes it rather than saving it).
+_NEW_FILLS = (aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default)
+
+
 def _only_shapes_a_fill(node) -> bool:
     """``ones_like(v)`` where ``v`` is computed only for this: the fill needs its shape, not its
     value (``grad``'s seed ``ones_like(loss)``, when the loss itself is not returned)."""
@@ -195,6 +200,10 @@ def _rewrite(node: fx.Node, fake_mode):
             fill = _FILL_LIKE[t]
             value = () if fill is aten.new_full.default and len(args) < 2 else tuple(args[1:2])
             return _new(node.graph, node, fill, (source, list(_val(node).shape), *value), fake_mode)
+    if t in _NEW_FILLS and isinstance(x, fx.Node) and x.op == "call_function" and x.target is not operator.getitem:
+        source = _input_like(node.graph, _val(x))
+        if source is not None:
+            return _new(node.graph, node, t, (source, *args[1:]), fake_mode, node.kwargs)
     if t in _SCALAR_OVERLOADS and len(args) == 2 and not node.kwargs:
         return _new(node.graph, node, _SCALAR_OVERLOADS[t], args, fake_mode)
     if t in _BINARY and len(args) == 2 and not node.kwargs and _scalar_of_dtype(args[1], _val(node).dtype):
