@@ -206,3 +206,33 @@ def test_compiled_training_of_a_classifier_that_selects_by_mask():
             o.step()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_per_sample_gradients_of_a_sequence_classifier(name):
+    """``fxtools.vmap(fxtools.grad(loss))`` over examples, against a loop of autograd gradients.
+    (torch.func.vmap cannot batch GPT-2's classifier: it reads the last non-padding position with
+    data-dependent code; fxtools batches the generated gradient code, where that is ordinary ops.)"""
+    torch.manual_seed(0)
+    if name == "bert":
+        model = T.BertForSequenceClassification(T.BertConfig(
+            vocab_size=VOCAB, num_labels=3, attn_implementation="eager", **{**_D, "num_hidden_layers": 1}))
+    else:
+        model = T.GPT2ForSequenceClassification(T.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=32, num_labels=3, pad_token_id=0,
+            attn_implementation="eager"))
+    model = model.double().eval()
+    f = fxtools.functional(model)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ids, labels = torch.randint(1, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 1])
+
+    def loss(params, ids, label):
+        return f(params, input_ids=ids[None], labels=label[None]).loss
+
+    per_sample = fxtools.vmap(fxtools.grad(loss, params, ids[0], labels[0]), params, ids, labels, in_dims=(None, 0, 0))
+    got = per_sample(params, ids, labels)
+    for b in range(len(ids)):
+        p = {k: v.clone().requires_grad_() for k, v in params.items()}
+        want = torch.autograd.grad(loss(p, ids[b], labels[b]), list(p.values()))
+        for k, w in zip(p, want):
+            torch.testing.assert_close(got[k][b], w, rtol=1e-9, atol=1e-12)
