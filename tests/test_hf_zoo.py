@@ -211,8 +211,9 @@ def test_compiled_training_of_a_classifier_that_selects_by_mask():
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
 def test_per_sample_gradients_of_a_sequence_classifier(name):
     """``fxtools.vmap(fxtools.grad(loss))`` over examples, against a loop of autograd gradients.
-    (torch.func.vmap cannot batch GPT-2's classifier: it reads the last non-padding position with
-    data-dependent code; fxtools batches the generated gradient code, where that is ordinary ops.)"""
+    (torch.func.vmap of torch.func.grad fails on GPT-2's classifier at a data-dependent step in
+    transformers' code; fxtools batches the generated gradient code, where that step is ordinary
+    ops.)"""
     torch.manual_seed(0)
     if name == "bert":
         model = T.BertForSequenceClassification(T.BertConfig(
