@@ -305,6 +305,8 @@ def _merge_scalings(node, fake_mode):
     product = a * b
     if torch.tensor(product, dtype=_val(node).dtype).item() != product:
         return None
+    if float(product).is_integer() and (isinstance(a, int) or isinstance(b, int)):
+        product = int(product)  # ``x * 4``, not ``x * 4.0``, when the code said 4
     return _new(node.graph, node, aten.mul.Tensor, (t, product), fake_mode)
 
 
