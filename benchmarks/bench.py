@@ -38,6 +38,7 @@ import torch.fx as fx
 
 import fxtools
 from fxtools import examples
+from fxtools.reverse import ancestors
 from fxtools.simplify import count_compute_nodes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -174,15 +175,7 @@ def fxtools_split_stats(gm: fx.GraphModule):
     and views of those.
     """
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    value = out.args[0][0]
-    forward = set()
-    stack = [value]
-    while stack:
-        n = stack.pop()
-        if n in forward:
-            continue
-        forward.add(n)
-        stack.extend(n.all_input_nodes)
+    forward = ancestors([out.args[0][0]])
     inputs = _inputs_and_their_views(gm)
     compute = [n for n in gm.graph.nodes
                if n.op in ("call_function", "call_method") and n.target is not operator.getitem]

@@ -1,5 +1,6 @@
 import os
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -15,3 +16,34 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+# A model file fxtools has never seen (the CLI and --svg tests load it by path).
+MODEL = textwrap.dedent("""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(8, 16)
+            self.norm = nn.LayerNorm(16)
+            self.fc2 = nn.Linear(16, 3)
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, 16))
+
+        def forward(self, x):
+            h = F.gelu(self.norm(self.fc1(x))) * self.scale
+            return self.fc2(h).logsumexp(-1).mean()
+
+
+    def embed(table, idx, n):
+        return (table[idx].tanh() * n).sum()
+""")
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "model.py").write_text(MODEL)
+    return tmp_path

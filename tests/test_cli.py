@@ -1,7 +1,6 @@
 """The command line: ``fxtools grad/vjp/show`` on a model file it has never seen."""
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -9,36 +8,6 @@ import torch
 from fxtools.cli import main
 from fxtools.cli_commands import CliError, build_args, parse_spec
 from isolated import run_isolated
-
-MODEL = textwrap.dedent("""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1 = nn.Linear(8, 16)
-            self.norm = nn.LayerNorm(16)
-            self.fc2 = nn.Linear(16, 3)
-            self.register_buffer("scale", torch.linspace(0.5, 1.5, 16))
-
-        def forward(self, x):
-            h = F.gelu(self.norm(self.fc1(x))) * self.scale
-            return self.fc2(h).logsumexp(-1).mean()
-
-
-    def embed(table, idx, n):
-        return (table[idx].tanh() * n).sum()
-""")
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    (tmp_path / "model.py").write_text(MODEL)
-    return tmp_path
-
 
 def test_grad_of_a_module_writes_a_standalone_module(model_dir):
     proc = subprocess.run([sys.executable, "-m", "fxtools.cli", "grad", "model.py:Net", "--arg", "x=f32[4,8]",

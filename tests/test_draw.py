@@ -115,31 +115,12 @@ def test_missing_dependencies_say_what_to_install(monkeypatch, tmp_path):
         draw(3)
 
 
-MODEL = """
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.norm = nn.LayerNorm(16)
-        self.fc2 = nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.norm(self.fc1(x)))).logsumexp(-1).mean()
-"""
-
-
-def test_cli_svg(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "model.py").write_text(MODEL)
+def test_cli_svg(model_dir, capsys, monkeypatch):
+    monkeypatch.chdir(model_dir)
     assert main(["split", "model.py:Net", "--arg", "x=f32[4,8]", "--quiet", "--svg", "s.svg"]) == 0
-    fills = nodes_of((tmp_path / "s.svg").read_text())
+    fills = nodes_of((model_dir / "s.svg").read_text())
     assert fills["backward.gelu"] == COLORS["recompute"][0] and fills["forward.gelu"] == COLORS["forward"][0]
     assert "wrote s.svg" in capsys.readouterr().err
     assert main(["grad", "model.py:Net", "--arg", "x=f32[4,8]", "--quiet", "--svg", "g.svg"]) == 0
-    fills = nodes_of((tmp_path / "g.svg").read_text())
+    fills = nodes_of((model_dir / "g.svg").read_text())
     assert fills["gm.linear"] == COLORS["forward"][0] and fills["gm.grad_fc1_weight"] == COLORS["backward"][0]

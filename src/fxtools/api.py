@@ -17,7 +17,7 @@ from .decompose import expand
 from .functionalize import functionalize
 from .naming import arg_names
 from .render import render
-from .reverse import ReverseSpec, is_float, reverse
+from .reverse import ReverseSpec, ancestors, is_float, reverse
 from .show import remember_inputs
 from .simplify import simplify
 
@@ -71,12 +71,7 @@ def mark_parts(flat_gm: fx.GraphModule, n_out: int) -> None:
     """Tag each op "forward" if an output value of ``f`` depends on it, else "backward" (for drawing)."""
     outs = [o for o in next(n for n in flat_gm.graph.nodes if n.op == "output").args[0][:n_out]
             if isinstance(o, fx.Node)]
-    forward, stack = set(), outs
-    while stack:
-        v = stack.pop()
-        if v not in forward:
-            forward.add(v)
-            stack.extend(v.all_input_nodes)
+    forward = ancestors(outs)
     for node in flat_gm.graph.nodes:
         if node.op in ("call_function", "call_method", "get_attr"):
             node.meta[PART_KEY] = "forward" if node in forward else "backward"

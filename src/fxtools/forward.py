@@ -236,7 +236,6 @@ def jvp(f, *args) -> fx.GraphModule:
     # Rebuild: placeholders (x..., one tangent per float tensor leaf), outputs (out..., J t...).
     old_ph = [n for n in flat.graph.nodes if n.op == "placeholder"]
     x_ph, u_ph, t_ph = old_ph[:n_x], old_ph[n_x:n_x + len(ct_index)], old_ph[n_x + len(ct_index):]
-    old_out = list(next(n for n in flat.graph.nodes if n.op == "output").args[0])
     fake_mode = fake_mode_of(flat.graph)
     graph = fx.Graph()
     env = {}

@@ -15,6 +15,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .simplify import is_input_leaf
+
 aten = torch.ops.aten
 
 _OPERATORS = {
@@ -140,10 +142,7 @@ def _call(op, args, kwargs):
         return _split("call_method", _METHODS[op], pairs, [a.name for a in schema if not a.kwarg_only])
     if _none_in_optional_tensor_list(schema, pairs):
         return None  # torch.index_put(x, [None, i], v) is rejected by the Python binding
-    names = [n for n, _ in pairs]
     positional = [a.name for a in schema if not a.kwarg_only]
-    if op in _METHODS:
-        return _split("call_method", _METHODS[op], pairs, positional)
     name = op.overloadpacket.__name__
     if name.endswith("_") and not name.startswith("_") and schema and schema[0].is_write and hasattr(torch.Tensor, name):
         return _split("call_method", name, pairs, positional)  # a kept in-place update: buffer.add_(1)
@@ -255,9 +254,7 @@ def _devices_from_inputs(gm: fx.GraphModule) -> None:
     Tracing turns ``torch.arange(n, device=idx.device)`` into a constant device; reading it from
     an input again keeps the code readable and lets it run wherever its inputs are.
     """
-    inputs = [n for n in gm.graph.nodes
-              if n.op == "placeholder" or (n.op == "call_function" and n.target is operator.getitem
-                                           and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")]
+    inputs = [n for n in gm.graph.nodes if is_input_leaf(n)]
     found: dict = {}
     for node in list(gm.graph.nodes):
         device = node.kwargs.get("device") if node.op == "call_function" else None

@@ -135,7 +135,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
     need = differentiable_nodes(cap.gm, wrt_nodes)
     # Only ops the outputs depend on carry cotangents; the rest (BatchNorm's running-statistics
     # updates, ``copy_`` into buffers) just run, and need no rule.
-    reach = _ancestors(out_nodes)
+    reach = ancestors(out_nodes)
     need = {n for n in need if n in reach or n in wrt_nodes}
     ct_index = [i for i, o in enumerate(out_nodes) if isinstance(o, fx.Node) and o in need]
     if spec.seed == "ones" and len(ct_index) > 1:
@@ -247,7 +247,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
     return gm, ct_index, grad_index
 
 
-def _ancestors(nodes) -> set[fx.Node]:
+def ancestors(nodes) -> set[fx.Node]:
     """``nodes`` and every node they depend on."""
     seen: set[fx.Node] = set()
     stack = [n for n in nodes if isinstance(n, fx.Node)]

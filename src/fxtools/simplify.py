@@ -139,9 +139,10 @@ def _new(graph, before, target, args, fake_mode, kwargs=None):
 _KEPT_META = ("stack_trace", "fxtools_part")
 
 
-_BINARY = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)
+# The tensor arithmetic that folds numbers, with the Python operator computing it.
 _OPS = {aten.add.Tensor: operator.add, aten.sub.Tensor: operator.sub, aten.mul.Tensor: operator.mul,
         aten.div.Tensor: operator.truediv}
+_BINARY = tuple(_OPS)
 _SCALAR_OVERLOADS = {aten.add.Scalar: aten.add.Tensor, aten.sub.Scalar: aten.sub.Tensor,
                      aten.mul.Scalar: aten.mul.Tensor, aten.div.Scalar: aten.div.Tensor}
 
@@ -164,12 +165,17 @@ def _only_shapes_a_fill(node) -> bool:
             and not is_impure(v) and isinstance(_val(v), torch.Tensor) and _val(v).is_contiguous())
 
 
+def is_input_leaf(n: fx.Node) -> bool:
+    """A placeholder, or a leaf taken out of one (``params['fc1.weight']``)."""
+    return n.op == "placeholder" or (n.op == "call_function" and n.target is operator.getitem
+                                     and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")
+
+
 def _input_like(graph, val):
-    """An input tensor (a placeholder or a leaf taken out of one) of ``val``'s dtype and device:
-    ``input.new_ones(shape)`` then makes a fill without computing anything."""
+    """An input tensor of ``val``'s dtype and device: ``input.new_ones(shape)`` then makes a fill
+    without computing anything."""
     for n in graph.nodes:
-        if n.op == "placeholder" or (n.op == "call_function" and n.target is operator.getitem
-                                     and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"):
+        if is_input_leaf(n):
             v = _val(n)
             if isinstance(v, torch.Tensor) and v.dtype == val.dtype and v.device == val.device:
                 return n
@@ -281,7 +287,7 @@ def _fold_fill(node, fake_mode):
         if value is None or not isinstance(tensor, fx.Node) or not _same_type(tensor, node):
             continue
         fv = _val(fill)
-        if fv.dtype == out.dtype and fv.dim() <= out.dim() and torch.broadcast_shapes(fv.shape, out.shape) == out.shape:
+        if fv.dtype == out.dtype and broadcasts_into(fv.shape, out.shape):
             return _new(node.graph, node, node.target, (tensor, value), fake_mode)
     return None
 

@@ -52,7 +52,7 @@ from .functional import functional
 from .naming import arg_names
 from .render import render
 from .show import remember_inputs
-from .reverse import ReverseSpec, reverse
+from .reverse import ReverseSpec, ancestors, reverse
 from .simplify import is_impure, simplify
 
 _INF = 1 << 62
@@ -559,13 +559,8 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
     part = _Partition(joint, sum(cap.tensor_leaf), n_out, policy)
 
     # forward: outputs, saved values, and side effects (buffer updates)
-    keep, stack = set(), [o for o in part.fw_outs if isinstance(o, fx.Node)] + list(part.saved)
-    stack += [n for n in part.nodes if n.op == "call_function" and n not in part.bw and is_impure(n)]
-    while stack:
-        v = stack.pop()
-        if v not in keep:
-            keep.add(v)
-            stack.extend(v.all_input_nodes)
+    keep = ancestors([*part.fw_outs, *part.saved,
+                      *(n for n in part.nodes if n.op == "call_function" and n not in part.bw and is_impure(n))])
     fg = fx.Graph()
     env = {}
     for p in part.primals:

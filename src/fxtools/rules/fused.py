@@ -19,7 +19,6 @@ kernel (every kernel here except CPU flash attention's backward).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..registry import register_vjp, vjp_rule
 from . import nn, pointwise

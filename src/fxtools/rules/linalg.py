@@ -167,7 +167,7 @@ def einsum_cotangents(subs, out, operands, ct):
         terms = [out if j == i else s for j, s in enumerate(subs)]
         args = [ct if j == i else _conj(y) for j, y in enumerate(operands)]
         avail = set("".join(terms))
-        target, extra = "", []
+        target = ""
         for pos, c in enumerate(subs[i]):
             if c in target:  # a repeated subscript (a diagonal): spread with an identity matrix
                 new = next(ch for ch in string.ascii_letters if ch not in avail and ch not in target)
