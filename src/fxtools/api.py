@@ -14,6 +14,7 @@ from . import rules  # noqa: F401  (registers fxtools' own rules)
 from .assemble import assemble
 from .capture import Captured, capture, check_supported
 from .decompose import expand
+from . import sizes
 from .functionalize import functionalize
 from .naming import arg_names
 from .render import render
@@ -30,10 +31,10 @@ def _argnums_tuple(argnums, nargs):
     return tuple(a % nargs for a in nums)
 
 
-def _prepare(f, args, argnums):
+def _prepare(f, args, argnums, dynamic_shapes=None):
     if not isinstance(args, tuple):
         args = tuple(args)
-    cap = capture(f, args)
+    cap = capture(f, args, dynamic_shapes=dynamic_shapes)
     check_supported(cap.gm)
     functionalize(cap.gm)
     expand(cap.gm)
@@ -81,7 +82,9 @@ def _finish(cap, flat_gm, args, build, extra_args=()):
     mark_parts(flat_gm, len(cap.out_leaves))
     gm = assemble(flat_gm, _names(cap_f(cap), args), args, cap.tensor_leaf, cap.names, build, extra_args)
     simplify(gm)
+    sizes.check(cap.symbolic, gm)
     render(gm)
+    sizes.name_sizes(gm, cap.symbolic)
     gm.graph.lint()
     gm.recompile()
     return remember_inputs(gm)
@@ -95,7 +98,7 @@ def _output_structure(cap, out_flat):
     return pytree.tree_unflatten(out_flat, cap.out_spec)
 
 
-def vjp(f, *args) -> fx.GraphModule:
+def vjp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
     """The vector-Jacobian product of ``f`` at example ``args``, as readable PyTorch code.
 
     Returns a GraphModule ``gm`` with ``out, grads = gm(*args, grad_out)``: ``out`` is
@@ -105,7 +108,7 @@ def vjp(f, *args) -> fx.GraphModule:
     ``J^T grad_out`` for floating-point tensor leaves and ``None`` for every other leaf.
     """
     argnums = tuple(range(len(args)))
-    cap, wrt = _prepare(f, args, argnums)
+    cap, wrt = _prepare(f, args, argnums, dynamic_shapes)
     cap.f = f
     flat_gm, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     n_out = len(cap.out_leaves)
@@ -119,9 +122,9 @@ def vjp(f, *args) -> fx.GraphModule:
     return _finish(cap, flat_gm, args, build, extra_args=[("grad_out", ct_example)])
 
 
-def _grad_gm(f, args, argnums, with_value):
+def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None):
     nums = _argnums_tuple(argnums, len(args))
-    cap, wrt = _prepare(f, args, nums)
+    cap, wrt = _prepare(f, args, nums, dynamic_shapes)
     cap.f = f
     outs = [o for o in cap.out_leaves if isinstance(o, torch.Tensor)]
     if len(cap.out_leaves) != 1 or not outs or outs[0].numel() != 1 or not is_float(outs[0]):
@@ -138,15 +141,15 @@ def _grad_gm(f, args, argnums, with_value):
     return _finish(cap, flat_gm, args, build)
 
 
-def grad(f, *args, argnums=0) -> fx.GraphModule:
+def grad(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     """The gradient of scalar-valued ``f`` at example ``args``: ``gm(*args) -> grads``.
 
     As ``torch.func.grad``: ``argnums`` (int or tuple) picks the arguments differentiated;
     for an int the result has that argument's structure, for a tuple it is a tuple of those.
     """
-    return _grad_gm(f, args, argnums, with_value=False)
+    return _grad_gm(f, args, argnums, with_value=False, dynamic_shapes=dynamic_shapes)
 
 
-def value_and_grad(f, *args, argnums=0) -> fx.GraphModule:
+def value_and_grad(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     """Like ``grad``, but ``gm(*args) -> (value, grads)``."""
-    return _grad_gm(f, args, argnums, with_value=True)
+    return _grad_gm(f, args, argnums, with_value=True, dynamic_shapes=dynamic_shapes)

@@ -41,6 +41,17 @@ def _unbacked(val) -> bool:
         return False
 
 
+def symbolic_mode(vals):
+    """The fake mode of the first of ``vals`` with a symbolic size marked dynamic (``sizes.py``),
+    else None. Data-dependent sizes of inputs do not count: those stand-ins are made as before."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
+
+    for val in vals:
+        if isinstance(val, torch._subclasses.FakeTensor) and free_symbols(val) - free_unbacked_symbols(val):
+            return val.fake_mode
+    return None
+
+
 def is_dynamic(val) -> bool:
     """Whether a node value (a FakeTensor, a SymInt, or a pytree of them) has data-dependent sizes."""
     return any(_unbacked(v) for v in pytree.tree_leaves(val) if isinstance(v, (torch.Tensor, torch.SymInt)))
@@ -55,18 +66,19 @@ def has_dynamic_shapes(gm: fx.GraphModule) -> bool:
     return bool(dynamic_nodes(gm))
 
 
-def cotangent_example(val):
+def cotangent_example(val, fake_mode=None):
     """An example cotangent for an output of value ``val`` (a FakeTensor).
 
-    Static shapes give a real zero tensor, as always. A data-dependent shape gives an empty
-    FakeTensor of the capture's fake mode with the same symbolic sizes, so the template is traced
-    in that mode and the cotangent's sizes are the output's.
+    Static shapes give a real zero tensor, as always. A data-dependent shape, or any shape when
+    sizes were marked dynamic (``fake_mode`` given, see ``sizes.py``), gives an empty FakeTensor
+    of the capture's fake mode with the same symbolic sizes, so the template is traced in that
+    mode and the cotangent's sizes are the output's.
     """
     if not isinstance(val, torch.Tensor):
         return val
-    if not _unbacked(val):
+    if fake_mode is None and not _unbacked(val):
         return torch.zeros(val.shape, dtype=val.dtype, device="cpu")
-    with val.fake_mode:
+    with fake_mode or val.fake_mode:
         return torch.empty(val.shape, dtype=val.dtype, device=val.device)
 
 

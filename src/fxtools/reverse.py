@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from . import registry
 from .capture import Captured, data_dependent_error, is_data_dependent, trace_flat
-from .dynamic_shapes import cotangent_example, dynamic_nodes, is_dynamic, tie
+from .dynamic_shapes import cotangent_example, dynamic_nodes, is_dynamic, symbolic_mode, tie
 from .errors import MissingRuleError, user_line_of
 from .replay import Memo
 
@@ -227,8 +227,10 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
             grads.append(g)
         return (*outs, *grads)
 
-    examples = [_example(p.meta["val"], keep_strides=True) for p in placeholders]
-    ct_examples = [cotangent_example(out_nodes[i].meta["val"]) for i in ct_index] if spec.seed == "cotangent" else []
+    fake_mode = symbolic_mode([p.meta.get("val") for p in placeholders])
+    examples = [_example(p.meta["val"], keep_strides=True, fake_mode=fake_mode) for p in placeholders]
+    ct_examples = [cotangent_example(out_nodes[i].meta["val"], fake_mode) for i in ct_index] \
+        if spec.seed == "cotangent" else []
     try:
         gm = trace_flat(template, [*examples, *ct_examples], record_stack_traces=False)
     except Exception as exc:
@@ -260,7 +262,7 @@ def ancestors(nodes) -> set[fx.Node]:
     return seen
 
 
-def _example(val, keep_strides=False):
+def _example(val, keep_strides=False, fake_mode=None):
     """A real tensor standing in for a FakeTensor when re-tracing (shapes are static).
 
     Tracing reads only its metadata, so the arguments' stand-ins are left uninitialised (zeroing
@@ -272,8 +274,13 @@ def _example(val, keep_strides=False):
     """
     if not isinstance(val, torch.Tensor):
         return val
-    if is_dynamic(val):
-        return cotangent_example(val)  # a FakeTensor with the same data-dependent sizes
+    if fake_mode is not None or is_dynamic(val):
+        # symbolic sizes: every stand-in is a FakeTensor of the capture's shape environment (a real
+        # tensor would get fresh symbols for its static sizes when it meets the fake ones)
+        if keep_strides:
+            with fake_mode or val.fake_mode:
+                return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+        return cotangent_example(val, fake_mode)
     if keep_strides:
         return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="cpu")
     return torch.zeros(val.shape, dtype=val.dtype, device="cpu")

@@ -44,7 +44,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
-from . import policies, registry
+from . import policies, registry, sizes
 from .api import PART_KEY, _grads_structure, _prepare
 from .dynamic_shapes import upper_bound
 from .errors import user_line_of
@@ -305,6 +305,9 @@ class _Partition:
             return policies.RECOMPUTE
         if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             return self._forced(node.args[0])
+        if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)) \
+                and policies.can_recompute(node):
+            return policies.RECOMPUTE  # a size (``x.size(0)``): read again from a saved tensor
         if not policies.can_recompute(node):
             return policies.SAVE
         if policies.checkpoint_region(node) is not None and node not in self.region_outputs:
@@ -434,8 +437,9 @@ def _copy_meta(new: fx.Node, old: fx.Node) -> fx.Node:
     return new
 
 
-def _finish(gm: fx.GraphModule) -> fx.GraphModule:
+def _finish(gm: fx.GraphModule, symbolic=None) -> fx.GraphModule:
     render(gm)
+    sizes.name_sizes(gm, symbolic)
     gm.graph.lint()
     gm.recompile()
     return remember_inputs(gm)
@@ -525,7 +529,7 @@ class Split:
                 f"{len(self.cotangents)} cotangents, policy={policies.describe(self.policy)})")
 
 
-def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> Split:
+def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dynamic_shapes=None) -> Split:
     """Forward and backward graphs of ``f`` at ``args`` (see the module docstring).
 
     ``policy``: ``"recompute_cheap"`` (default), ``"save_all"``, ``"dots_saveable"`` or a function
@@ -537,14 +541,16 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
     """
     if rules is not None:
         with registry.rule_set(rules):
-            return split(f, *args, policy=policy, grad_leaves=grad_leaves)
+            return split(f, *args, policy=policy, grad_leaves=grad_leaves, dynamic_shapes=dynamic_shapes)
     policies.resolve(policy)  # validate early
     if isinstance(f, torch.nn.Module):
         args = (dict(f.named_parameters()), *args)
+        if isinstance(dynamic_shapes, (tuple, list)):
+            dynamic_shapes = (None, *dynamic_shapes)
         f = functional(f)
     argnums = tuple(range(len(args)))
     with checkpoint_regions():
-        cap, wrt = _prepare(f, args, argnums)
+        cap, wrt = _prepare(f, args, argnums, dynamic_shapes)
     cap.f = f
     if grad_leaves is not None:
         grad_leaves = [bool(g) for g in grad_leaves]
@@ -554,6 +560,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
     with fx_traceback.preserve_node_meta():
         joint, ct_index, grad_index = reverse(cap, ReverseSpec(wrt, "cotangent"))
     simplify(joint)
+    sizes.check(cap.symbolic, joint)
     _name_items(joint)
     n_out = len(cap.out_leaves)
     part = _Partition(joint, sum(cap.tensor_leaf), n_out, policy)
@@ -571,7 +578,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
             env[n].meta[PART_KEY] = "forward"
     out_struct = pytree.tree_unflatten([env[o] if isinstance(o, fx.Node) else o for o in part.fw_outs], cap.out_spec)
     fg.output((out_struct, tuple(env[s] for s in part.saved)))
-    forward = _finish(fx.GraphModule(joint, fg, class_name="SplitForward"))
+    forward = _finish(fx.GraphModule(joint, fg, class_name="SplitForward"), cap.symbolic)
 
     # backward: saved values and cotangents in; recomputation placed just before first use
     bg = fx.Graph()
@@ -607,7 +614,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
     grads_flat = [next(it) if w else None for w in wrt]  # one per tensor leaf
     grads_flat = [emit(g) if isinstance(g, fx.Node) else g for g in grads_flat]
     bg.output(_grads_structure(cap, args, grads_flat, argnums))
-    backward = _finish(fx.GraphModule(joint, bg, class_name="SplitBackward"))
+    backward = _finish(fx.GraphModule(joint, bg, class_name="SplitBackward"), cap.symbolic)
     boxed_graph = fx.Graph()
     boxed_graph.output(boxed_graph.graph_copy(backward.graph, {}))
     boxed_graph.set_codegen(_BoxedCodeGen())

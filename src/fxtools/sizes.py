@@ -1,0 +1,219 @@
+"""Symbolic sizes: ``dynamic_shapes=`` in torch.export's format.
+
+``fxtools.grad(f, *args, dynamic_shapes=...)`` (and ``vjp``, ``value_and_grad``, ``jvp``,
+``hvp``, ``vmap``, ``split``, ``compile``) accepts what ``torch.export.export`` accepts: a dict
+by argument name or a tuple by position, nested like the arguments, whose tensor entries map
+dims to a ``torch.export.Dim("batch", min=..., max=...)``, ``Dim.AUTO`` or ``Dim.DYNAMIC`` (a
+dict ``{0: batch}`` or a tuple with one entry per dim). Unlike torch.export, ``None`` may stand
+for a whole argument, and arguments left out of a dict are static.
+
+The example arguments become FakeTensors whose marked sizes are symbols of one ``ShapeEnv``,
+made by torch.export's own ``make_fake_inputs`` (so the rules are export's: equal ``Dim``\\ s are
+one symbol, sizes 0 and 1 are not symbolic). Tracing then records sizes as graph nodes
+(``aten.sym_size.int``) wherever code needs them: a mean divides by a size read from its
+input, a reshape or expand takes it. The generated module serves every size in range.
+
+Whatever tracing assumed about a marked size (a branch on ``x.shape[0] == 32``, a broadcast
+with a static size) is recorded in the ``ShapeEnv`` as a guard. After the last tracing pass,
+``check`` asks torch.export's ``produce_guards_and_solve_constraints`` whether the guards
+contradict the user's marks, and raises ``SymbolicSizeError`` naming the dim otherwise, as
+torch.export does. ``Dim.AUTO`` dims may silently become static, as in torch.export.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .errors import FxtoolsError
+
+
+class SymbolicSizeError(FxtoolsError):
+    """A size marked dynamic cannot stay symbolic (the program specialised it), or the marks are malformed."""
+
+
+@dataclass
+class Symbolic:
+    """What ``check`` needs after tracing, and the names of the marked sizes."""
+
+    fake_mode: Any
+    equalities: Any
+    signature: inspect.Signature
+    dynamic_shapes: dict
+    names: dict = field(default_factory=dict)  # sympy symbol -> Dim name ("batch")
+
+    @property
+    def shape_env(self):
+        return self.fake_mode.shape_env
+
+
+def _signature(f):
+    target = f.forward if isinstance(f, torch.nn.Module) else f
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+
+
+def _complete(arg, spec, where):
+    """``spec`` for ``arg`` with ``None`` standing for a whole (sub)structure expanded to its leaves."""
+    if isinstance(arg, torch.Tensor):
+        return spec
+    if spec is None:
+        return pytree.tree_map(lambda _: None, arg, is_leaf=lambda x: x is None)
+    if isinstance(arg, dict) and isinstance(spec, dict):
+        unknown = set(spec) - set(arg)
+        if unknown:
+            raise SymbolicSizeError(f"dynamic_shapes{where} names {sorted(map(str, unknown))}, which "
+                                    f"the argument{where} does not have (it has {sorted(map(str, arg))})")
+        return type(arg)((k, _complete(v, spec.get(k), f"{where}[{k!r}]")) for k, v in arg.items())
+    if isinstance(arg, (list, tuple)) and isinstance(spec, (list, tuple)) and not hasattr(arg, "_fields"):
+        if len(spec) != len(arg):
+            raise SymbolicSizeError(f"dynamic_shapes{where} has {len(spec)} entries but the argument{where} "
+                                    f"has {len(arg)}")
+        return type(arg)(_complete(a, s, f"{where}[{i}]") for i, (a, s) in enumerate(zip(arg, spec)))
+    if not isinstance(arg, (dict, list, tuple)):
+        if spec is not None:
+            raise SymbolicSizeError(f"dynamic_shapes{where} marks a {type(arg).__name__}; only tensor sizes "
+                                    "can be symbolic (Python numbers are specialised)")
+        return None
+    raise SymbolicSizeError(f"dynamic_shapes{where} is a {type(spec).__name__} but the argument{where} is a "
+                            f"{type(arg).__name__}: nest dynamic_shapes like the argument (or use None)")
+
+
+def _by_name(f, args, dynamic_shapes) -> tuple[dict, inspect.Signature]:
+    """``dynamic_shapes`` as a dict by parameter name covering every argument."""
+    from .naming import arg_names
+
+    names = arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
+    if isinstance(dynamic_shapes, dict):
+        unknown = set(dynamic_shapes) - set(names)
+        if unknown:
+            raise SymbolicSizeError(f"dynamic_shapes names {sorted(unknown)}, which are not arguments "
+                                    f"(the arguments are {names})")
+        per_arg = [dynamic_shapes.get(n) for n in names]
+    elif isinstance(dynamic_shapes, (list, tuple)):
+        if len(dynamic_shapes) != len(args):
+            raise SymbolicSizeError(f"dynamic_shapes has {len(dynamic_shapes)} entries for {len(args)} arguments")
+        per_arg = list(dynamic_shapes)
+    else:
+        raise SymbolicSizeError("dynamic_shapes must be a dict by argument name or a tuple by position, "
+                                f"as for torch.export.export (got a {type(dynamic_shapes).__name__})")
+    specs = {n: _complete(a, s, f"[{n!r}]") for n, a, s in zip(names, args, per_arg)}
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
+    return specs, inspect.Signature(params)
+
+
+class _Signature(torch.nn.Module):
+    """A stand-in module whose ``forward`` has the given signature (what make_fake_inputs reads)."""
+
+    def __init__(self, signature):
+        super().__init__()
+        namespace: dict = {}
+        exec(f"def forward({', '.join(signature.parameters)}):\n    pass\n", namespace)  # noqa: S102 - a signature only
+        self.forward = namespace["forward"]
+
+
+def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
+    """``args`` with tensors made FakeTensors, marked sizes symbolic (torch.export's rules)."""
+    from torch._export.non_strict_utils import make_fake_inputs
+
+    specs, signature = _by_name(f, args, dynamic_shapes)
+    # only tensors become fakes: other leaves (numbers, strings, objects) are specialised by capture
+    leaves, spec = pytree.tree_flatten(tuple(args))
+    tensor_only = pytree.tree_unflatten([x if isinstance(x, torch.Tensor) else None for x in leaves], spec)
+    module = _Signature(signature)
+    try:
+        fake_mode, fake_args, _, equalities, _, _ = make_fake_inputs(module, tensor_only, {}, specs)
+    except FxtoolsError:
+        raise
+    except Exception as exc:  # torch.export's message for malformed dynamic_shapes
+        raise SymbolicSizeError(f"dynamic_shapes: {exc}") from exc
+    fakes = pytree.tree_leaves(fake_args, is_leaf=lambda x: x is None)
+    it = iter(fakes)
+    merged = [next(it) if isinstance(x, torch.Tensor) else (next(it), x)[1] for x in leaves]
+    sym = Symbolic(fake_mode, equalities, signature, specs)
+    sym.names = _dim_names(specs, pytree.tree_unflatten(merged, spec), signature)
+    return pytree.tree_unflatten(merged, spec), sym
+
+
+def _dim_names(specs, fake_args, signature) -> dict:
+    """symbol -> the user's Dim name for each named marked size (``Dim.AUTO`` ones get none)."""
+    from torch.export.dynamic_shapes import Dim
+
+    names = {}
+    for name, arg in zip(signature.parameters, fake_args):
+        spec = specs[name]
+
+        def visit(t, s):
+            if not isinstance(t, torch.Tensor) or s is None:
+                return
+            items = s.items() if isinstance(s, dict) else enumerate(s)
+            for d, dim in items:
+                size = t.shape[d]
+                if isinstance(dim, Dim) and isinstance(size, torch.SymInt):
+                    names.setdefault(size.node.expr, dim.__name__)
+
+        pytree.tree_map(visit, arg, spec, is_leaf=lambda x: isinstance(x, torch.Tensor) or x is None)
+    return names
+
+
+def check(sym: Symbolic | None, gm: fx.GraphModule) -> None:
+    """Raise ``SymbolicSizeError`` if tracing specialised a size the user marked dynamic."""
+    if sym is None:
+        return
+    from torch._export.non_strict_utils import produce_guards_and_solve_constraints
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    if sym.shape_env.frozen:
+        return
+    try:
+        produce_guards_and_solve_constraints(sym.fake_mode, gm, sym.dynamic_shapes, sym.equalities, sym.signature)
+    except ConstraintViolationError as exc:
+        raise SymbolicSizeError(
+            "a size marked dynamic cannot stay symbolic: the program (or its derivative) needs it to "
+            f"have a particular value or relation.\n{exc}") from None
+    finally:
+        sym.shape_env.frozen = False  # later passes (simplify) may still reason about sizes
+
+
+def has_symbols(val) -> bool:
+    """Whether a node value (a FakeTensor, SymInt or pytree of them) has a backed symbolic size."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    for v in pytree.tree_leaves(val):
+        if isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat)):
+            try:
+                if free_symbols(v):
+                    return True
+            except Exception:  # noqa: BLE001 - values that hold no sizes
+                continue
+    return False
+
+
+def name_sizes(gm: fx.GraphModule, sym: Symbolic | None) -> None:
+    """``sym_size_int = x.size(0)`` -> ``batch = x.size(0)``: size nodes take their Dim's name."""
+    if sym is None:
+        return
+    names = sym.names
+    used: dict = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" or not isinstance(val, torch.SymInt):
+            continue
+        env = val.node.shape_env
+        name = next((n for sym, n in names.items() if env.replace(sym) == env.replace(val.node.expr)), None)
+        if name is None or not _is_size_read(node):
+            continue
+        count = used.get(name, 0)
+        used[name] = count + 1
+        node._rename(name if count == 0 else f"{name}_{count}")
+
+
+def _is_size_read(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target is torch.ops.aten.sym_size.int) or \
+        (node.op == "call_method" and node.target == "size")
