@@ -25,6 +25,8 @@ A graph without data-dependent ops never meets any of this: its shapes stay plai
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
@@ -183,3 +185,71 @@ def upper_bound(n) -> int:
         return int(upper) if upper.is_finite else 1
     except Exception:  # noqa: BLE001 - an expression the shape environment cannot bound
         return 1
+
+
+def materialize(graph: fx.Graph, before: fx.Node, args):
+    """``args`` (a pytree) with each symbolic size replaced by a graph node computing it.
+
+    A pass that builds a node from a value's shape (``x.new_ones(list(v.shape))``) meets SymInt
+    objects where sizes are symbolic (marked dynamic, ``sizes.py``); code needs nodes. A size
+    some node before ``before`` already holds is reused; a plain symbol is read from the first
+    tensor having it as a size (``x.size(0)``); a product or sum is built from its parts.
+    """
+    if not any(isinstance(a, torch.SymInt) for a in pytree.tree_leaves(args)):
+        return args
+    def key(size):
+        return size.node.shape_env.replace(size.node.expr) if size.node.shape_env is not None else size.node.expr
+
+    found: dict = {}
+    for node in graph.nodes:
+        if node is before:
+            break
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt):
+            found.setdefault(key(val), node)
+    for node in graph.nodes:  # sizes of tensors, read with x.size(d) when needed
+        if node is before:
+            break
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter):
+            for d, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and key(size).is_symbol:
+                    found.setdefault(("size", key(size)), (node, d, size))
+
+    def build(expr, like):
+        import sympy
+
+        if expr in found and isinstance(found[expr], fx.Node):
+            return found[expr]
+        if expr.is_Integer:
+            return int(expr)
+        if expr.is_symbol and ("size", expr) in found:
+            source, d, size = found[("size", expr)]
+            with graph.inserting_before(before):
+                node = graph.call_function(torch.ops.aten.sym_size.int, (source, d))
+            node.meta["val"] = size
+        elif isinstance(expr, (sympy.Mul, sympy.Add)):
+            op = operator.mul if isinstance(expr, sympy.Mul) else operator.add
+            parts = [build(a, like) for a in expr.args]
+            node = parts[0]
+            for part in parts[1:]:
+                with graph.inserting_before(before):
+                    new = graph.call_function(op, (node, part))
+                new.meta["val"] = op(_val_of(node), _val_of(part))
+                node = new
+        else:
+            raise NotImplementedError(f"fxtools cannot write the size {expr} as code")
+        found[expr] = node
+        return node
+
+    def convert(a):
+        if not isinstance(a, torch.SymInt):
+            return a
+        expr = key(a)
+        return int(expr) if expr.is_Integer else build(expr, a)
+
+    return pytree.tree_map(convert, args)
+
+
+def _val_of(x):
+    return x.meta["val"] if isinstance(x, fx.Node) else x

@@ -20,7 +20,7 @@ import re
 import torch
 import torch.fx as fx
 
-from .dynamic_shapes import broadcasts_into, same_shape, shape_arg
+from .dynamic_shapes import broadcasts_into, materialize, same_shape, shape_arg
 
 aten = torch.ops.aten
 
@@ -121,7 +121,7 @@ def fake_mode_of(graph):
 
 
 def _new(graph, before, target, args, fake_mode, kwargs=None):
-    kwargs = dict(kwargs or {})
+    args, kwargs = materialize(graph, before, (args, dict(kwargs or {})))  # symbolic sizes as nodes
     with graph.inserting_before(before):
         node = graph.create_node("call_function", target, args, kwargs, name=target.overloadpacket.__name__)
     vals, kvals = fx.node.map_arg((args, kwargs), _val)
