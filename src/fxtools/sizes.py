@@ -45,6 +45,7 @@ class Symbolic:
     signature: inspect.Signature
     dynamic_shapes: dict
     names: dict = field(default_factory=dict)  # sympy symbol -> Dim name ("batch")
+    declared: dict = field(default_factory=dict)  # sympy symbol -> (min, max) the user's Dim declares
 
     @property
     def shape_env(self):
@@ -137,15 +138,16 @@ def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
     it = iter(fakes)
     merged = [next(it) if isinstance(x, torch.Tensor) else (next(it), x)[1] for x in leaves]
     sym = Symbolic(fake_mode, equalities, signature, specs)
-    sym.names = _dim_names(specs, pytree.tree_unflatten(merged, spec), signature)
+    sym.names, sym.declared = _dim_names(specs, pytree.tree_unflatten(merged, spec), signature)
     return pytree.tree_unflatten(merged, spec), sym
 
 
 def _dim_names(specs, fake_args, signature) -> dict:
-    """symbol -> the user's Dim name for each named marked size (``Dim.AUTO`` ones get none)."""
+    """symbol -> the user's Dim name for each named marked size (``Dim.AUTO`` ones get none),
+    and symbol -> the (min, max) that Dim declares."""
     from torch.export.dynamic_shapes import Dim
 
-    names = {}
+    names, declared = {}, {}
     for name, arg in zip(signature.parameters, fake_args):
         spec = specs[name]
 
@@ -157,9 +159,10 @@ def _dim_names(specs, fake_args, signature) -> dict:
                 size = t.shape[d]
                 if isinstance(dim, Dim) and isinstance(size, torch.SymInt):
                     names.setdefault(size.node.expr, dim.__name__)
+                    declared.setdefault(size.node.expr, (dim.min, dim.max))
 
         pytree.tree_map(visit, arg, spec, is_leaf=lambda x: isinstance(x, torch.Tensor) or x is None)
-    return names
+    return names, declared
 
 
 def check(sym: Symbolic | None, gm: fx.GraphModule) -> None:
@@ -217,3 +220,50 @@ def name_sizes(gm: fx.GraphModule, sym: Symbolic | None) -> None:
 def _is_size_read(node: fx.Node) -> bool:
     return (node.op == "call_function" and node.target is torch.ops.aten.sym_size.int) or \
         (node.op == "call_method" and node.target == "size")
+
+
+class Accepts:
+    """Which sizes a module traced with symbolic sizes serves: per tensor leaf, each size is a
+    number it was specialised to, or a symbol with a range; a symbol must have one value across
+    the leaves. ``fxtools.compile`` picks its cached graphs with it."""
+
+    def __init__(self, vals, sym: Symbolic):
+        env = sym.shape_env
+        self.dims = []
+        for val in vals:
+            dims = []
+            for size in val.shape:
+                expr = env.replace(size.node.expr) if isinstance(size, torch.SymInt) else size
+                if isinstance(size, int) or expr.is_Integer:
+                    dims.append(int(expr))
+                    continue
+                if not expr.is_symbol:
+                    dims.append(expr)  # a derived size (2 * s0): checked once its symbols are bound
+                    continue
+                rng = env.var_to_range.get(expr)
+                low = int(rng.lower) if rng is not None and rng.lower.is_Integer else 0
+                high = int(rng.upper) if rng is not None and rng.upper.is_Integer else None
+                declared = next((d for s, d in sym.declared.items() if env.replace(s) == expr), None)
+                if declared is not None:  # the user's range: 0/1 specialisation is torch's tracing assumption
+                    low = declared[0] if declared[0] is not None else low
+                    high = declared[1] if declared[1] is not None and declared[1] < (high or 1 << 62) else high
+                dims.append((expr, low, high))
+            self.dims.append(dims)
+
+    def __call__(self, tensors) -> bool:
+        bound: dict = {}
+        derived = []
+        for dims, t in zip(self.dims, tensors):
+            if t.dim() != len(dims):
+                return False
+            for want, n in zip(dims, t.shape):
+                if isinstance(want, int):
+                    if n != want:
+                        return False
+                elif isinstance(want, tuple):
+                    expr, low, high = want
+                    if n < low or (high is not None and n > high) or bound.setdefault(expr, n) != n:
+                        return False
+                else:
+                    derived.append((want, n))
+        return all(int(expr.subs(bound)) == n if expr.free_symbols <= set(bound) else False for expr, n in derived)

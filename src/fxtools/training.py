@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from . import sizes
 from .functional import functional
 from .naming import identifier
 from .reverse import is_float
@@ -105,26 +106,67 @@ class _Runner:
 
 
 class _Runners:
-    """The split graphs of ``fn``, one per input signature (shapes, strides, dtypes, mode, requires_grad)."""
+    """The split graphs of ``fn``, one per input signature (shapes, strides, dtypes, mode, requires_grad).
 
-    def __init__(self, fn, fw_compiler, bw_compiler, policy, rules="fused"):
+    With symbolic sizes (``dynamic_shapes``, or ``dynamic=True``: ``Dim.AUTO`` for every size > 1
+    of every tensor argument but the parameters) a split serves every call whose sizes it
+    accepts (``sizes.Accepts``); others get a new split.
+    """
+
+    def __init__(self, fn, fw_compiler, bw_compiler, policy, rules="fused", dynamic_shapes=None, dynamic=False,
+                 skip_first=False):
         self.fn, self.fw_compiler, self.bw_compiler, self.policy = fn, fw_compiler, bw_compiler, policy
         self.rules = rules
+        self.dynamic_shapes, self.dynamic, self.skip_first = dynamic_shapes, dynamic, skip_first
         self.cache: dict = {}
 
+    def _marks(self, args):
+        """dynamic_shapes by position for ``args`` (None: static)."""
+        if self.dynamic_shapes is not None:
+            marks = self.dynamic_shapes
+            if isinstance(marks, dict):
+                return marks
+            marks = tuple(marks)
+            return (None, *marks) if self.skip_first else marks
+        if not self.dynamic:
+            return None
+        from torch.export import Dim
+
+        def mark(x):
+            if not isinstance(x, torch.Tensor):
+                return None
+            return {d: Dim.AUTO for d, n in enumerate(x.shape) if n > 1} or None
+
+        return tuple(None if i == 0 and self.skip_first else
+                     pytree.tree_map(mark, a, is_leaf=lambda x: isinstance(x, torch.Tensor)) for i, a in enumerate(args))
+
     def __call__(self, args, training) -> _Runner:
-        key = _key(args, training)
-        if key not in self.cache:
-            sp = split(self.fn, *args, policy=self.policy, grad_leaves=_requires_grad(args), rules=self.rules)
-            self.cache[key] = _Runner(sp, sp.flatten(*args), self.fw_compiler, self.bw_compiler)
-        return self.cache[key]
+        marks = self._marks(args)
+        if marks is None:
+            key = _key(args, training)
+            if key not in self.cache:
+                sp = split(self.fn, *args, policy=self.policy, grad_leaves=_requires_grad(args), rules=self.rules)
+                self.cache[key] = _Runner(sp, sp.flatten(*args), self.fw_compiler, self.bw_compiler)
+            return self.cache[key]
+        key = _key(args, training, sizes=False)
+        tensors = [x for x in pytree.tree_leaves(tuple(args)) if isinstance(x, torch.Tensor)]
+        for runner in self.cache.get(key, ()):
+            if runner.accepts(tensors):
+                return runner
+        sp = split(self.fn, *args, policy=self.policy, grad_leaves=_requires_grad(args), rules=self.rules,
+                   dynamic_shapes=marks)
+        runner = _Runner(sp, sp.flatten(*args), self.fw_compiler, self.bw_compiler)
+        runner.accepts = sizes.Accepts([p.meta["val"] for p in sp._cap.placeholders], sp._cap.symbolic)
+        self.cache.setdefault(key, []).append(runner)
+        return runner
 
     def __len__(self) -> int:
-        return len(self.cache)
+        return sum(len(v) if isinstance(v, list) else 1 for v in self.cache.values())
 
     @property
     def latest(self) -> Split:
-        return next(reversed(self.cache.values())).split
+        last = next(reversed(self.cache.values()))
+        return (last[-1] if isinstance(last, list) else last).split
 
 class _SplitFunction(torch.autograd.Function):
     @staticmethod
@@ -165,10 +207,12 @@ def _requires_grad(args):
     return mask
 
 
-def _key(args, training):
+def _key(args, training, sizes=True):
+    """What a cached split is specialised to; without ``sizes``, only each tensor's rank and
+    whether it is contiguous (symbolic sizes: the split's ``accepts`` checks the sizes)."""
     leaves, spec = pytree.tree_flatten(tuple(args))
-    sig = tuple((tuple(x.shape), x.dtype, x.stride(), x.device) if isinstance(x, torch.Tensor)
-                else ("py", type(x), x) for x in leaves)
+    sig = tuple(((tuple(x.shape), x.stride()) if sizes else (x.dim(), x.is_contiguous()), x.dtype, x.device)
+                if isinstance(x, torch.Tensor) else ("py", type(x), x) for x in leaves)
     mask = _requires_grad(args)
     return spec, sig, training, None if mask is None else tuple(mask)
 
@@ -177,10 +221,11 @@ class CompiledModule(torch.nn.Module):
     """``model`` whose forward and backward run fxtools' split graphs; ``.module`` is the original."""
 
     def __init__(self, model: torch.nn.Module, fw_compiler=None, bw_compiler=None, policy="recompute_cheap",
-                 rules="fused"):
+                 rules="fused", dynamic_shapes=None, dynamic=False):
         super().__init__()
         self.module = model
-        self._runners = _Runners(_accepting_keywords(functional(model)), fw_compiler, bw_compiler, policy, rules)
+        self._runners = _Runners(_accepting_keywords(functional(model)), fw_compiler, bw_compiler, policy, rules,
+                                 dynamic_shapes, dynamic, skip_first=True)
 
     def _args(self, inputs, kwargs):
         params = dict(self.module.named_parameters())
@@ -202,9 +247,11 @@ class CompiledModule(torch.nn.Module):
 class CompiledFunction:
     """``fn`` whose calls run fxtools' split graphs inside an autograd.Function."""
 
-    def __init__(self, fn, fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused"):
+    def __init__(self, fn, fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused",
+                 dynamic_shapes=None, dynamic=False):
         self.fn = fn
-        self._runners = _Runners(_accepting_keywords(fn), fw_compiler, bw_compiler, policy, rules)
+        self._runners = _Runners(_accepting_keywords(fn), fw_compiler, bw_compiler, policy, rules,
+                                 dynamic_shapes, dynamic)
 
     def runner(self, *args, **kwargs) -> _Runner:
         return self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)
@@ -255,18 +302,25 @@ def _signature_with_keywords(fn):
 
 
 def compile(model_or_fn, *example_args, example_kwargs=None, fw_compiler=None, bw_compiler=None,
-            policy="recompute_cheap", rules="fused"):
+            policy="recompute_cheap", rules="fused", dynamic_shapes=None, dynamic=False):
     """A module or function whose forward and backward run fxtools' split graphs.
 
     It is called as the original, keyword arguments included (``compiled(**batch)`` for a Hugging
     Face model). With ``example_args`` / ``example_kwargs`` the graphs are made now; otherwise at
     the first call. See the module docstring for compilers, re-specialisation and ``rules``
     (default ``"fused"``).
+
+    ``dynamic_shapes`` (torch.export's format, for the call's positional arguments; a module's
+    parameters are never dynamic) keeps those sizes symbolic, so one pair of graphs serves every
+    size in range. ``dynamic=True`` marks every size > 1 of every tensor argument ``Dim.AUTO``,
+    as ``torch.compile``'s automatic dynamic shapes do: a size the program specialises (a
+    feature size matching a weight) silently stays static; the batch and sequence sizes of
+    token ids and targets stay symbolic.
     """
     if isinstance(model_or_fn, torch.nn.Module):
-        compiled = CompiledModule(model_or_fn, fw_compiler, bw_compiler, policy, rules)
+        compiled = CompiledModule(model_or_fn, fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic)
     else:
-        compiled = CompiledFunction(model_or_fn, fw_compiler, bw_compiler, policy, rules)
+        compiled = CompiledFunction(model_or_fn, fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic)
     if example_args or example_kwargs:
         compiled.runner(*example_args, **(example_kwargs or {}))
     return compiled
