@@ -35,6 +35,7 @@ def _prepare(f, args, argnums, dynamic_shapes=None):
     if not isinstance(args, tuple):
         args = tuple(args)
     cap = capture(f, args, dynamic_shapes=dynamic_shapes)
+    sizes.check(cap.symbolic, cap.gm)  # the program itself specialised a marked size
     check_supported(cap.gm)
     functionalize(cap.gm)
     expand(cap.gm)

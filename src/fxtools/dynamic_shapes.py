@@ -46,11 +46,12 @@ def _unbacked(val) -> bool:
 def symbolic_mode(vals):
     """The fake mode of the first of ``vals`` with a symbolic size marked dynamic (``sizes.py``),
     else None. Data-dependent sizes of inputs do not count: those stand-ins are made as before."""
-    from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     for val in vals:
-        if isinstance(val, torch._subclasses.FakeTensor) and free_symbols(val) - free_unbacked_symbols(val):
-            return val.fake_mode
+        if isinstance(val, torch._subclasses.FakeTensor) and any(
+                isinstance(s, torch.SymInt) and not free_unbacked_symbols(s) for s in val.shape):
+            return val.fake_mode  # (a size specialised to a number while tracing is still a SymInt)
     return None
 
 
