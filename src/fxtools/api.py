@@ -91,7 +91,9 @@ def _finish(cap, flat_gm, args, build, made_by, extra_args=()):
     gm.graph.lint()
     gm.recompile()
     roles = {len(args) + i: cotangent_role() for i, _ in enumerate(extra_args)}
-    install(gm, made_by, [*names, *(n for n, _ in extra_args)], [*args, *(v for _, v in extra_args)], roles=roles)
+    examples = [*args, *(v for _, v in extra_args)]
+    install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(examples), roles=roles)
+    sizes.guard_symbolic(gm.guards, cap, examples)
     return remember_inputs(gm)
 
 

@@ -222,33 +222,93 @@ def _is_size_read(node: fx.Node) -> bool:
         (node.op == "call_method" and node.target == "size")
 
 
+def _range(expr, sym: Symbolic):
+    """(min, max) a symbol may take at run time: the shape environment's range (what tracing
+    assumed, narrowed by the program's checks), with the user's own lower bound where a ``Dim``
+    declares one (torch traces sizes as >= 2 but the code serves 0 and 1 as torch.export's does)."""
+    env = sym.shape_env
+    rng = env.var_to_range.get(expr)
+    low = int(rng.lower) if rng is not None and rng.lower.is_Integer else 0
+    high = int(rng.upper) if rng is not None and rng.upper.is_Integer else None
+    declared = next((d for s, d in sym.declared.items() if env.replace(s) == expr), None)
+    if declared is not None and declared[0] is not None:
+        low = min(low, declared[0])
+    return low, high
+
+
+def _sizes(val, sym: Symbolic) -> list:
+    """Each size of ``val``: an int, a symbol (sympy), or a derived expression."""
+    env = sym.shape_env
+    out = []
+    for size in val.shape:
+        expr = env.replace(size.node.expr) if isinstance(size, torch.SymInt) else size
+        out.append(int(expr) if isinstance(size, int) or expr.is_Integer else expr)
+    return out
+
+
+def concrete(examples):
+    """``examples`` with FakeTensors (an output's example, for a cotangent) made real tensors of
+    their example sizes, to build guards from without specialising their symbols."""
+    def real(x):
+        if isinstance(x, torch._subclasses.FakeTensor):
+            shape = [s.node.hint if isinstance(s, torch.SymInt) else s for s in x.shape]
+            return torch.empty(shape, dtype=x.dtype)
+        return x
+
+    return pytree.tree_map(real, examples)
+
+
+def guard_symbolic(guards, cap, examples) -> None:
+    """Make the guards of a module traced with symbolic sizes accept every size in range.
+
+    ``examples`` are the module's example arguments (the captured function's arguments, then
+    cotangents or tangents); a leaf that is one of the captured arguments, or a FakeTensor
+    (an output's example), has symbolic sizes, which become ``guards.Sym`` entries named after
+    the user's ``Dim`` (or ``x.size(0)``, where the size was first seen, for ``Dim.AUTO``).
+    """
+    sym = cap.symbolic
+    if sym is None or guards is None:
+        return
+    from .guards import Sym
+
+    placeholder_vals = iter(p.meta["val"] for p in cap.placeholders)
+    symbolic_of = {id(leaf): next(placeholder_vals) for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t}
+    values = pytree.tree_leaves(examples)
+    leaves = guards.leaves()
+    if len(values) != len(leaves):
+        return
+    names: dict = {}
+    for leaf, value in zip(leaves, values):
+        val = value if isinstance(value, torch._subclasses.FakeTensor) else symbolic_of.get(id(value))
+        if leaf.kind != "tensor" or val is None:
+            continue
+        new = []
+        for d, expr in enumerate(_sizes(val, sym)):
+            if isinstance(expr, int):
+                new.append(expr)
+                continue
+            if not expr.is_symbol:
+                new = None  # a derived size (2 * s0): the guards cannot say it; keep the static check
+                break
+            if expr not in names:
+                names[expr] = next((n for s, n in sym.names.items() if sym.shape_env.replace(s) == expr),
+                                   f"{leaf.path}.size({d})")
+            low, high = _range(expr, sym)
+            new.append(Sym(names[expr], low, high))
+        if new is not None and new != list(leaf.sizes):
+            leaf.sizes = tuple(new)
+            if isinstance(leaf.layout, tuple):
+                leaf.layout = "contiguous" if value.is_contiguous() else None
+
+
 class Accepts:
     """Which sizes a module traced with symbolic sizes serves: per tensor leaf, each size is a
     number it was specialised to, or a symbol with a range; a symbol must have one value across
     the leaves. ``fxtools.compile`` picks its cached graphs with it."""
 
     def __init__(self, vals, sym: Symbolic):
-        env = sym.shape_env
-        self.dims = []
-        for val in vals:
-            dims = []
-            for size in val.shape:
-                expr = env.replace(size.node.expr) if isinstance(size, torch.SymInt) else size
-                if isinstance(size, int) or expr.is_Integer:
-                    dims.append(int(expr))
-                    continue
-                if not expr.is_symbol:
-                    dims.append(expr)  # a derived size (2 * s0): checked once its symbols are bound
-                    continue
-                rng = env.var_to_range.get(expr)
-                low = int(rng.lower) if rng is not None and rng.lower.is_Integer else 0
-                high = int(rng.upper) if rng is not None and rng.upper.is_Integer else None
-                declared = next((d for s, d in sym.declared.items() if env.replace(s) == expr), None)
-                if declared is not None:  # the user's range: 0/1 specialisation is torch's tracing assumption
-                    low = declared[0] if declared[0] is not None else low
-                    high = declared[1] if declared[1] is not None and declared[1] < (high or 1 << 62) else high
-                dims.append((expr, low, high))
-            self.dims.append(dims)
+        self.dims = [[(e, *_range(e, sym)) if not isinstance(e, int) and e.is_symbol else e
+                      for e in _sizes(val, sym)] for val in vals]
 
     def __call__(self, tensors) -> bool:
         bound: dict = {}
