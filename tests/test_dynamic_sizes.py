@@ -169,3 +169,35 @@ def test_malformed_dynamic_shapes_are_refused_clearly():
         fxtools.grad(mlp_loss, *args, dynamic_shapes={"z": {0: BATCH}})
     with pytest.raises(SymbolicSizeError, match="3 arguments"):
         fxtools.grad(mlp_loss, *args, dynamic_shapes=({0: BATCH},))
+
+
+def test_guards_check_the_declared_range_and_equal_sizes():
+    gm = fxtools.grad(mlp_loss, *mlp_args(32), dynamic_shapes=MARKS)
+    assert "x: float64[batch, 8]" in str(gm.guards) and "batch: any size in [1, 1024]" in str(gm.guards)
+    params, x, y = mlp_args(2000)
+    with pytest.raises(fxtools.guards.InputMismatch, match=r"x.size\(0\) is 2000, outside the range \[1, 1024\]"):
+        gm(params, x, y)
+    params, x, _ = mlp_args(7)
+    with pytest.raises(fxtools.guards.InputMismatch, match=r"y.size\(0\) is 5, but x.size\(0\) is 7"):
+        gm(params, x, mlp_args(5)[2])
+    with pytest.raises(fxtools.guards.InputMismatch, match=r"x.size\(1\) is 9"):  # static sizes stay checked
+        gm(params, torch.randn(7, 9, dtype=torch.float64), mlp_args(7)[2])
+
+
+def test_vjp_cotangent_shaped_by_a_dynamic_size_is_symbolic_too():
+    def f(x, w):
+        return torch.tanh(x @ w)
+
+    w = torch.randn(3, 5, dtype=torch.float64)
+    gm = fxtools.vjp(f, torch.randn(6, 3, dtype=torch.float64), w, dynamic_shapes={"x": {0: BATCH}})
+    assert "grad_out: float64[batch, 5]" in str(gm.guards)
+    for n in (1, 9):
+        x, ct = torch.randn(n, 3, dtype=torch.float64), torch.randn(n, 5, dtype=torch.float64)
+        out, pullback = torch.func.vjp(f, x, w)
+        assert_tree_close(gm(x, w, ct), (out, pullback(ct)))
+
+
+def test_example_size_one_for_a_marked_size_is_refused_clearly():
+    params, x, y = mlp_args(1)
+    with pytest.raises(SymbolicSizeError, match=r"x.size\(0\) is 1 in the example.*at least 2"):
+        fxtools.grad(mlp_loss, params, x, y, dynamic_shapes=MARKS)

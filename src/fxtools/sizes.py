@@ -157,12 +157,27 @@ def _dim_names(specs, fake_args, signature) -> dict:
             items = s.items() if isinstance(s, dict) else enumerate(s)
             for d, dim in items:
                 size = t.shape[d]
+                if isinstance(size, int) and size in (0, 1) and (isinstance(dim, Dim) or dim == Dim.DYNAMIC):
+                    label = dim.__name__ if isinstance(dim, Dim) else "Dim.DYNAMIC"
+                    raise SymbolicSizeError(
+                        f"{name}{_path_text(t, arg)}.size({d}) is {size} in the example, but is marked dynamic "
+                        f"({label}): torch treats sizes 0 and 1 as static while tracing (broadcasting depends "
+                        "on them), as torch.export does. Give an example where this size is at least 2; the "
+                        "module then also serves sizes 0 and 1 within the Dim's range.")
                 if isinstance(dim, Dim) and isinstance(size, torch.SymInt):
                     names.setdefault(size.node.expr, dim.__name__)
                     declared.setdefault(size.node.expr, (dim.min, dim.max))
 
         pytree.tree_map(visit, arg, spec, is_leaf=lambda x: isinstance(x, torch.Tensor) or x is None)
     return names, declared
+
+
+def _path_text(t, arg) -> str:
+    """``['w']`` for the leaf ``t`` of ``arg`` (empty for the argument itself)."""
+    for path, leaf in pytree.tree_flatten_with_path(arg)[0]:
+        if leaf is t:
+            return pytree.keystr(path)
+    return ""
 
 
 def check(sym: Symbolic | None, gm: fx.GraphModule) -> None:
