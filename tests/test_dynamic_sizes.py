@@ -201,3 +201,25 @@ def test_example_size_one_for_a_marked_size_is_refused_clearly():
     params, x, y = mlp_args(1)
     with pytest.raises(SymbolicSizeError, match=r"x.size\(0\) is 1 in the example.*at least 2"):
         fxtools.grad(mlp_loss, params, x, y, dynamic_shapes=MARKS)
+
+
+def test_hvp_at_every_batch():
+    gm = fxtools.hvp(mlp_loss, *mlp_args(32), dynamic_shapes=MARKS)
+    for n in BATCHES:
+        params, x, y = mlp_args(n, seed=n)
+        v = torch.utils._pytree.tree_map(torch.randn_like, params)
+        want = torch.func.jvp(lambda p: torch.func.grad(mlp_loss)(p, x, y), (params,), (v,))[1]
+        assert_tree_close(gm(params, x, y, v), want)
+
+
+def test_vmap_over_a_dynamic_batch():
+    def per_example_grad(w, x):
+        return torch.func.grad(lambda w, x: torch.tanh(x @ w).sum())(w, x)
+
+    w = torch.randn(3, 4, dtype=torch.float64)
+    gm = fxtools.vmap(per_example_grad, w, torch.randn(10, 3, dtype=torch.float64), in_dims=(None, 0),
+                      dynamic_shapes={"x": {0: Dim("batch")}})
+    assert "batch = x.size(0)" in gm.code
+    for n in (2, 9, 40):
+        x = torch.randn(n, 3, dtype=torch.float64)
+        assert_tree_close(gm(w, x), torch.func.vmap(per_example_grad, in_dims=(None, 0))(w, x))

@@ -107,8 +107,8 @@ def fuse_addcmul(gm: fx.GraphModule) -> bool:
         if not (isinstance(m, fx.Node) and m.target is aten.mul.Tensor and len(m.users) == 1 and not m.kwargs):
             a, m = m, a
         if not (isinstance(m, fx.Node) and m.op == "call_function" and m.target is aten.mul.Tensor
-                and len(m.users) == 1 and not m.kwargs and isinstance(a, fx.Node)):
-            continue
+                and len(m.users) == 1 and not m.kwargs and isinstance(a, fx.Node) and a is not m):
+            continue  # (``p + p`` with p = b * c: the product is not used only as a factor)
         b, c = m.args
         if not (isinstance(b, fx.Node) and isinstance(c, fx.Node)):
             continue
