@@ -92,7 +92,7 @@ def _finish(cap, flat_gm, args, build, made_by, extra_args=()):
     gm.recompile()
     roles = {len(args) + i: cotangent_role() for i, _ in enumerate(extra_args)}
     examples = [*args, *(v for _, v in extra_args)]
-    install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(examples), roles=roles)
+    install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
     sizes.guard_symbolic(gm.guards, cap, examples)
     return remember_inputs(gm)
 

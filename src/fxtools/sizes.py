@@ -261,11 +261,16 @@ def _sizes(val, sym: Symbolic) -> list:
     return out
 
 
-def concrete(examples):
+def concrete(cap, examples):
     """``examples`` with FakeTensors (an output's example, for a cotangent) made real tensors of
-    their example sizes, to build guards from without specialising their symbols."""
+    their example sizes, to build guards from without specialising their symbols (sizes marked
+    dynamic only: data-dependent ones have no example size)."""
+    if cap.symbolic is None:
+        return examples
+
     def real(x):
-        if isinstance(x, torch._subclasses.FakeTensor):
+        if isinstance(x, torch._subclasses.FakeTensor) and all(
+                not isinstance(s, torch.SymInt) or s.node.hint is not None for s in x.shape):
             shape = [s.node.hint if isinstance(s, torch.SymInt) else s for s in x.shape]
             return torch.empty(shape, dtype=x.dtype)
         return x
