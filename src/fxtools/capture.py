@@ -25,6 +25,7 @@ from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 from torch.utils import _pytree as pytree
 
 from .errors import DataDependentError, FxtoolsError, _is_user_file, user_frame
+from .checkpoint import checkpoint_regions
 from .dynamic_shapes import CountsFromExamples
 from .naming import arg_names, identifier, leaf_names
 from .replacements import Replacing, check_no_writes
@@ -246,7 +247,6 @@ def _custom_autograd_functions(pre_dispatch=True):
     """
     from .custom import capturing
     from .nested import no_nested_transforms
-    from .split import checkpoint_regions  # split imports this module
 
     with checkpoint_regions(), capturing(record=pre_dispatch), \
             (no_nested_transforms() if pre_dispatch else contextlib.nullcontext()):
