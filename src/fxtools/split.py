@@ -45,8 +45,9 @@ from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
 from . import policies, registry
-from .api import PART_KEY, _grads_structure, _prepare
+from .api import grads_structure, prepare
 from .checkpoint import checkpoint_regions
+from .draw import PART_KEY
 from .dynamic_shapes import upper_bound
 from .errors import user_line_of
 from .functional import functional
@@ -491,7 +492,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
         f = functional(f)
     argnums = tuple(range(len(args)))
     with checkpoint_regions():
-        cap, wrt = _prepare(f, args, argnums)
+        cap, wrt = prepare(f, args, argnums)
     cap.f = f
     if grad_leaves is not None:
         grad_leaves = [bool(g) for g in grad_leaves]
@@ -553,7 +554,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
     it = iter(part.grads)
     grads_flat = [next(it) if w else None for w in wrt]  # one per tensor leaf
     grads_flat = [emit(g) if isinstance(g, fx.Node) else g for g in grads_flat]
-    bg.output(_grads_structure(cap, args, grads_flat, argnums))
+    bg.output(grads_structure(cap, args, grads_flat, argnums))
     backward = _finish(fx.GraphModule(joint, bg, class_name="SplitBackward"))
     boxed_graph = fx.Graph()
     boxed_graph.output(boxed_graph.graph_copy(backward.graph, {}))
