@@ -40,7 +40,7 @@ def test_vjp_module_needs_only_torch_and_matches(tmp_path):
     text = fxtools.save(gm, tmp_path / "sinx.py")
     # only the docstring, and the guards' messages ("fxtools.vjp module: ..."), may name it
     assert "fxtools" not in text.split('"""', 2)[2].split(GUARDS_MARKER)[0]
-    assert imports_of(text) <= {"torch", "os"}
+    assert imports_of(text) <= {"torch", "os", "dataclasses"}  # dataclasses: the guards' data
     assert "def forward(x, grad_out):" in text
     assert "x: f64[13]" in text and "grad_out: f64[13]" in text  # the docstring's signature
     ct = torch.randn(13, dtype=torch.float64)

@@ -347,7 +347,7 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
     # globals the code uses
     imports = ["import os", "import torch"] if stored else ["import torch"]
     if guarded:
-        imports[:0] = ["import dataclasses", "import math"]
+        imports.insert(0, "import dataclasses")
     for fn in functions:
         for gname, obj in sorted(fn.globals.items()):
             if gname == "torch" or not re.search(rf"(?<![\w.]){re.escape(gname)}\b", fn.src):

@@ -75,7 +75,7 @@ class InputMismatch(FxtoolsError, ValueError):
     """A generated module was called with arguments it was not made for (see ``fxtools.guards``)."""
 
 
-# ---- runtime (begin): copied verbatim into modules written by fxtools.save; torch, math, dataclasses only ----
+# ---- runtime (begin): copied verbatim into modules written by fxtools.save; torch and dataclasses only ----
 
 @dataclasses.dataclass(frozen=True)
 class Sym:
@@ -133,7 +133,7 @@ def _same(a, b):
                                        and not isinstance(a, bool) and not isinstance(b, bool)):
         return False
     if isinstance(a, float):
-        return (a == b and math.copysign(1.0, a) == math.copysign(1.0, b)) or (a != a and b != b)
+        return (a == b and repr(a) == repr(b)) or (a != a and b != b)  # repr: -0.0 is not 0.0
     if isinstance(a, complex):
         return _same(a.real, b.real) and _same(a.imag, b.imag)
     if isinstance(a, (tuple, list)):
