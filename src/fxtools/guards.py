@@ -75,7 +75,7 @@ class InputMismatch(FxtoolsError, ValueError):
     """A generated module was called with arguments it was not made for (see ``fxtools.guards``)."""
 
 
-# ---- runtime (begin): copied verbatim into modules written by fxtools.save; torch, math, dataclasses only ----
+# ---- runtime (begin): copied verbatim into modules written by fxtools.save; torch and dataclasses only ----
 
 @dataclasses.dataclass(frozen=True)
 class Sym:
@@ -133,7 +133,7 @@ def _same(a, b):
                                        and not isinstance(a, bool) and not isinstance(b, bool)):
         return False
     if isinstance(a, float):
-        return (a == b and math.copysign(1.0, a) == math.copysign(1.0, b)) or (a != a and b != b)
+        return (a == b and repr(a) == repr(b)) or (a != a and b != b)  # repr: -0.0 is not 0.0
     if isinstance(a, complex):
         return _same(a.real, b.real) and _same(a.imag, b.imag)
     if isinstance(a, (tuple, list)):
@@ -363,12 +363,22 @@ def _is_scalar(x) -> bool:
                           torch.layout)) or (isinstance(x, tuple) and all(map(_is_scalar, x)))
 
 
+def _size_spec(n):
+    """An int, or for a symbolic size of the example (a data-dependent output size ``u0``) a Sym
+    of that name: any value, equal wherever the symbol recurs."""
+    if isinstance(n, torch.SymInt):
+        expr = n.node.expr
+        if not expr.is_number:
+            return Sym(str(expr), 0, None)
+    return int(n)
+
+
 def _leaf_spec(value, path, layout, role):
     if isinstance(value, torch.Tensor):
         strided = layout and value.layout == torch.strided
         # cotangents and tangents are traced contiguous (as callers make them)
         lay = None if not strided else "contiguous" if role or value.is_contiguous() else tuple(value.stride())
-        return Leaf(path, "tensor", tuple(int(s) for s in value.shape), value.dtype, value.device.type, lay,
+        return Leaf(path, "tensor", tuple(_size_spec(n) for n in value.shape), value.dtype, value.device.type, lay,
                     role=role)
     if value is None:
         return Leaf(path, "none", role=role)

@@ -16,8 +16,11 @@ Compilers receive the ``Split`` GraphModules and return a callable: ``compiler(g
 backward compiler the backward runs boxed (``Split.backward_boxed``), freeing each saved
 activation after its last use.
 
-Graphs are specialised to the shapes, dtypes, strides and Python values of the arguments and to
-``model.training``; a call with different ones makes (and caches) a new split.
+Graphs are specialised to the arguments as every generated module is (``fxtools.guards``: structure,
+shapes, dtypes, device types, strides where the code relies on them, Python values), to
+``model.training`` and to which inputs require gradients. A call runs the first cached split
+whose guards accept it (the same checks ``Split.guards`` makes); otherwise a new split is made
+and cached.
 
 Rules: training graphs are run far more often than they are read, so both use the ``"fused"``
 rule set by default (``rules="fused"``): backwards call PyTorch's fused backward kernels
@@ -36,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from . import sizes
 from .functional import functional
+from .guards import InputMismatch
 from .naming import identifier
 from .reverse import is_float
 from .split import Split, split
@@ -64,9 +68,10 @@ class _Runner:
 
     def __init__(self, sp: Split, leaves, fw_compiler, bw_compiler):
         self.split = sp
-        self.fw = _apply_compiler(fw_compiler, sp.forward, leaves)
+        # the graphs' own guards are skipped (``.forward``): _Runners chose this split by sp.guards
+        self.fw = _apply_compiler(fw_compiler, sp.forward, leaves) if fw_compiler else sp.forward.forward
         if bw_compiler is None:
-            self.bw, self.boxed = sp.backward_boxed, True
+            self.bw, self.boxed = sp.backward_boxed.forward, True
         else:
             examples = [_zeros_like_meta(s) for s in sp.saved] + [_zeros_like_meta(c) for c in sp.cotangents]
             self.bw, self.boxed = _apply_compiler(bw_compiler, sp.backward, examples), False
@@ -92,8 +97,8 @@ class _Runner:
             grads = self.bw(*saved, *cts)
         return self.split.flat_grads(grads)
 
-    def __call__(self, args):
-        leaves = self.split.flatten(*args)
+    def __call__(self, leaves):
+        """Run on the tensor leaves of arguments the split's guards accepted."""
         if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
             outs = _SplitFunction.apply(self, *leaves)
         else:
@@ -104,13 +109,15 @@ class _Runner:
         return pytree.tree_unflatten(full, self.split.out_spec)
 
 
-
 class _Runners:
-    """The split graphs of ``fn``, one per input signature (shapes, strides, dtypes, mode, requires_grad).
+    """The split graphs of ``fn``. A call runs the first whose guards (``Split.guards``, as every
+    generated module checks them: structure, sizes, dtypes, devices, layouts where the code needs
+    them, Python values) accept its arguments, made in the same training mode and for the same
+    pattern of ``requires_grad``; if none does, a new split is made and kept.
 
     With symbolic sizes (``dynamic_shapes``, or ``dynamic=True``: ``Dim.AUTO`` for every size > 1
     of every tensor argument but the parameters) a split serves every call whose sizes it
-    accepts (``sizes.Accepts``); others get a new split.
+    accepts (its guards check the symbols' ranges); others get a new split.
     """
 
     def __init__(self, fn, fw_compiler, bw_compiler, policy, rules="fused", dynamic_shapes=None, dynamic=False,
@@ -118,7 +125,7 @@ class _Runners:
         self.fn, self.fw_compiler, self.bw_compiler, self.policy = fn, fw_compiler, bw_compiler, policy
         self.rules = rules
         self.dynamic_shapes, self.dynamic, self.skip_first = dynamic_shapes, dynamic, skip_first
-        self.cache: dict = {}
+        self.entries: list = []  # (training, requires_grad mask, runner)
 
     def _marks(self, args):
         """dynamic_shapes by position for ``args`` (None: static)."""
@@ -140,33 +147,30 @@ class _Runners:
         return tuple(None if i == 0 and self.skip_first else
                      pytree.tree_map(mark, a, is_leaf=lambda x: isinstance(x, torch.Tensor)) for i, a in enumerate(args))
 
-    def __call__(self, args, training) -> _Runner:
-        marks = self._marks(args)
-        if marks is None:
-            key = _key(args, training)
-            if key not in self.cache:
-                sp = split(self.fn, *args, policy=self.policy, grad_leaves=_requires_grad(args), rules=self.rules)
-                self.cache[key] = _Runner(sp, sp.flatten(*args), self.fw_compiler, self.bw_compiler)
-            return self.cache[key]
-        key = _key(args, training, sizes=False)
-        tensors = [x for x in pytree.tree_leaves(tuple(args)) if isinstance(x, torch.Tensor)]
-        for runner in self.cache.get(key, ()):
-            if runner.accepts(tensors):
-                return runner
-        sp = split(self.fn, *args, policy=self.policy, grad_leaves=_requires_grad(args), rules=self.rules,
-                   dynamic_shapes=marks)
-        runner = _Runner(sp, sp.flatten(*args), self.fw_compiler, self.bw_compiler)
-        runner.accepts = sizes.Accepts([p.meta["val"] for p in sp._cap.placeholders], sp._cap.symbolic)
-        self.cache.setdefault(key, []).append(runner)
-        return runner
+    def __call__(self, args, training):
+        """``(runner, tensor leaves)`` for ``args``."""
+        mask = _requires_grad(args)
+        mask = None if mask is None else tuple(mask)
+        for t, m, runner in self.entries:
+            if t == training and m == mask:
+                try:
+                    return runner, runner.split.guards.check(args)
+                except InputMismatch:
+                    continue
+        sp = split(self.fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules,
+                   dynamic_shapes=self._marks(args))
+        leaves = sp.flatten(*args)
+        runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler)
+        self.entries.append((training, mask, runner))
+        return runner, leaves
 
     def __len__(self) -> int:
-        return sum(len(v) if isinstance(v, list) else 1 for v in self.cache.values())
+        return len(self.entries)
 
     @property
     def latest(self) -> Split:
-        last = next(reversed(self.cache.values()))
-        return (last[-1] if isinstance(last, list) else last).split
+        return self.entries[-1][2].split
+
 
 class _SplitFunction(torch.autograd.Function):
     @staticmethod
@@ -207,16 +211,6 @@ def _requires_grad(args):
     return mask
 
 
-def _key(args, training, sizes=True):
-    """What a cached split is specialised to; without ``sizes``, only each tensor's rank and
-    whether it is contiguous (symbolic sizes: the split's ``accepts`` checks the sizes)."""
-    leaves, spec = pytree.tree_flatten(tuple(args))
-    sig = tuple(((tuple(x.shape), x.stride()) if sizes else (x.dim(), x.is_contiguous()), x.dtype, x.device)
-                if isinstance(x, torch.Tensor) else ("py", type(x), x) for x in leaves)
-    mask = _requires_grad(args)
-    return spec, sig, training, None if mask is None else tuple(mask)
-
-
 class CompiledModule(torch.nn.Module):
     """``model`` whose forward and backward run fxtools' split graphs; ``.module`` is the original."""
 
@@ -232,7 +226,7 @@ class CompiledModule(torch.nn.Module):
         return (params, *inputs, KeywordArguments(kwargs)) if kwargs else (params, *inputs)
 
     def runner(self, *inputs, **kwargs) -> _Runner:
-        return self._runners(self._args(inputs, kwargs), self.module.training)
+        return self._runners(self._args(inputs, kwargs), self.module.training)[0]
 
     @property
     def split(self) -> Split:
@@ -240,8 +234,8 @@ class CompiledModule(torch.nn.Module):
         return self._runners.latest
 
     def forward(self, *inputs, **kwargs):
-        args = self._args(inputs, kwargs)
-        return self._runners(args, self.module.training)(args)
+        runner, leaves = self._runners(self._args(inputs, kwargs), self.module.training)
+        return runner(leaves)
 
 
 class CompiledFunction:
@@ -254,7 +248,7 @@ class CompiledFunction:
                                  dynamic_shapes, dynamic)
 
     def runner(self, *args, **kwargs) -> _Runner:
-        return self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)
+        return self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)[0]
 
     @property
     def split(self) -> Split:
@@ -262,8 +256,8 @@ class CompiledFunction:
         return self._runners.latest
 
     def __call__(self, *args, **kwargs):
-        args = (*args, KeywordArguments(kwargs)) if kwargs else args
-        return self._runners(args, None)(args)
+        runner, leaves = self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)
+        return runner(leaves)
 
 
 class KeywordArguments(dict):
