@@ -174,4 +174,6 @@ def trace_batched(fn, args, names_of=None, namer=None, made_by="fxtools.vmap", d
     sizes.name_sizes(out, cap.symbolic)
     out.graph.lint()
     out.recompile()
-    return install(out, made_by, names, args)
+    out = install(out, made_by, names, args)
+    sizes.guard_symbolic(out.guards, cap, args)
+    return out

@@ -312,7 +312,9 @@ def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False, made
     sizes.name_sizes(gm, cap.symbolic)
     gm.graph.lint()
     gm.recompile()
-    install(gm, made_by, [*names, *(n for n, _ in extra_args)], [*args, *(v for _, v in extra_args)], roles=roles)
+    examples = [*args, *(v for _, v in extra_args)]
+    install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
+    sizes.guard_symbolic(gm.guards, cap, examples)
     return remember_inputs(gm)
 
 
