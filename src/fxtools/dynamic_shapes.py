@@ -188,13 +188,14 @@ def upper_bound(n) -> int:
         return 1
 
 
-def materialize(graph: fx.Graph, before: fx.Node, args):
+def materialize(graph: fx.Graph, before: fx.Node, args, inputs_only=False):
     """``args`` (a pytree) with each symbolic size replaced by a graph node computing it.
 
     A pass that builds a node from a value's shape (``x.new_ones(list(v.shape))``) meets SymInt
     objects where sizes are symbolic (marked dynamic, ``sizes.py``); code needs nodes. A size
     some node before ``before`` already holds is reused; a plain symbol is read from the first
     tensor having it as a size (``x.size(0)``); a product or sum is built from its parts.
+    ``inputs_only``: read sizes from the inputs only (``sizes_from_inputs``).
     """
     if not any(isinstance(a, torch.SymInt) for a in pytree.tree_leaves(args)):
         return args
@@ -203,7 +204,7 @@ def materialize(graph: fx.Graph, before: fx.Node, args):
 
     found: dict = {}
     for node in graph.nodes:
-        if node is before:
+        if node is before or inputs_only:
             break
         val = node.meta.get("val")
         if isinstance(val, torch.SymInt):
@@ -211,6 +212,8 @@ def materialize(graph: fx.Graph, before: fx.Node, args):
     for node in graph.nodes:  # sizes of tensors, read with x.size(d) when needed
         if node is before:
             break
+        if inputs_only and not _is_input_leaf(node):
+            continue
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter):
             for d, size in enumerate(val.shape):
@@ -231,7 +234,7 @@ def materialize(graph: fx.Graph, before: fx.Node, args):
             node.meta["val"] = size
         elif isinstance(expr, (sympy.Mul, sympy.Add)):
             op = operator.mul if isinstance(expr, sympy.Mul) else operator.add
-            parts = [build(a, like) for a in expr.args]
+            parts = sorted((build(a, like) for a in expr.args), key=lambda p: isinstance(p, int))  # batch * 4
             node = parts[0]
             for part in parts[1:]:
                 with graph.inserting_before(before):
@@ -239,7 +242,7 @@ def materialize(graph: fx.Graph, before: fx.Node, args):
                 new.meta["val"] = op(_val_of(node), _val_of(part))
                 node = new
         else:
-            raise NotImplementedError(f"fxtools cannot write the size {expr} as code")
+            raise _Unwritable(expr)
         found[expr] = node
         return node
 
@@ -250,6 +253,45 @@ def materialize(graph: fx.Graph, before: fx.Node, args):
         return int(expr) if expr.is_Integer else build(expr, a)
 
     return pytree.tree_map(convert, args)
+
+
+class _Unwritable(NotImplementedError):
+    """A size expression materialize cannot spell as code (FloorDiv, Max, ...)."""
+
+    def __init__(self, expr):
+        super().__init__(f"fxtools cannot write the size {expr} as code")
+
+
+def _is_input_leaf(n: fx.Node) -> bool:
+    return n.op == "placeholder" or (n.op == "call_function" and n.target is operator.getitem
+                                     and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")
+
+
+def sizes_from_inputs(gm: fx.GraphModule) -> bool:
+    """Compute every symbolic size from the inputs' sizes: ``pow_1.numel()`` -> ``batch * 4``.
+
+    Tracing reads a size from whatever tensor is at hand (a mean's backward takes the numel of
+    its input), which keeps that tensor alive and hides what the size is. Sizes marked dynamic
+    are sizes of the inputs, so each is rewritten as arithmetic of ``x.size(d)`` reads of input
+    tensors; data-dependent sizes (``u0``) stay as they are.
+    """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    graph, changed = gm.graph, False
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(val, torch.SymInt) or free_unbacked_symbols(val):
+            continue
+        if node.target is torch.ops.aten.sym_size.int and _is_input_leaf(node.args[0]):
+            continue
+        try:
+            new = materialize(graph, node, val, inputs_only=True)
+        except _Unwritable:
+            continue
+        if new is not node:
+            node.replace_all_uses_with(new)
+            changed = True
+    return changed
 
 
 def _val_of(x):
