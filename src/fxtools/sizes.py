@@ -139,6 +139,7 @@ def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
     merged = [next(it) if isinstance(x, torch.Tensor) else (next(it), x)[1] for x in leaves]
     sym = Symbolic(fake_mode, equalities, signature, specs)
     sym.names, sym.declared = _dim_names(specs, pytree.tree_unflatten(merged, spec), signature)
+    fake_mode.shape_env.fxtools_names = sym.names  # how size_text shows them
     return pytree.tree_unflatten(merged, spec), sym
 
 
@@ -178,6 +179,22 @@ def _path_text(t, arg) -> str:
         if leaf is t:
             return pytree.keystr(path)
     return ""
+
+
+def size_text(size) -> str:
+    """A size as shape comments show it: ``batch`` for a size marked ``Dim("batch")``, ``4*batch``
+    for a product, the ShapeEnv's ``s0`` for an unnamed one, the number for a static size."""
+    if not isinstance(size, torch.SymInt):
+        return str(size)
+    env = size.node.shape_env
+    names = getattr(env, "fxtools_names", None)
+    expr = env.replace(size.node.expr) if env is not None else size.node.expr
+    if names:
+        import sympy
+
+        expr = expr.xreplace({env.replace(s): sympy.Symbol(n, integer=True, positive=True) for s, n in names.items()
+                              if env.replace(s).is_symbol})
+    return str(expr)
 
 
 def check(sym: Symbolic | None, gm: fx.GraphModule) -> None:
