@@ -56,6 +56,7 @@ checking and flattening are one walk. ``fxtools.compile`` picks its cached graph
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import math
@@ -457,6 +458,12 @@ class GuardedGraphModule(fx.GraphModule):
     def __reduce__(self):
         _, (body, import_block) = super().__reduce__()
         return _restore, (body, import_block)
+
+    def __deepcopy__(self, memo):
+        res = super().__deepcopy__(memo)  # keeps only the attributes the graph reads
+        if "guards" in self.__dict__:
+            res.guards = copy.deepcopy(self.__dict__["guards"], memo)
+        return res
 
 
 def _restore(body, import_block):
