@@ -137,7 +137,15 @@ def test_a_specialised_marked_size_is_an_error_naming_it():
     def f(x):
         return x.sum() * x.shape[0] if x.shape[0] == 32 else x.sum()
 
-    with pytest.raises(SymbolicSizeError, match="batch"):
+    with pytest.raises(fxtools.SymbolicSizeError, match=r"batch == 32 \(at .*test_dynamic_sizes.py:\d+ in f\)"):
+        fxtools.grad(f, torch.randn(32, 3, dtype=torch.float64), dynamic_shapes={"x": {0: BATCH}})
+
+
+def test_a_narrowed_range_is_an_error_with_torchs_suggested_fix():
+    def f(x):
+        return x.sum() * 2 if x.shape[0] > 20 else x.sum()
+
+    with pytest.raises(SymbolicSizeError, match=r"(?s)batch > 20 .*Dim\('batch', min=21, max=1024\)"):
         fxtools.grad(f, torch.randn(32, 3, dtype=torch.float64), dynamic_shapes={"x": {0: BATCH}})
 
 

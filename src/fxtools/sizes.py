@@ -197,6 +197,25 @@ def size_text(size) -> str:
     return str(expr)
 
 
+def _specialisations(sym: Symbolic) -> list[str]:
+    """``  - batch == 32 (at model.py:16 in f)`` for each guard tracing recorded on a named size."""
+    import sympy
+
+    env = sym.shape_env
+    named = {s: sympy.Symbol(n, integer=True) for s, n in sym.names.items()}
+    lines = []
+    for guard in env.guards:
+        expr = guard.expr
+        if not expr.free_symbols & set(named):
+            continue
+        loc = guard.sloc.framework_loc
+        where = f"{loc.filename}:{loc.lineno} in {loc.name}" if hasattr(loc, "lineno") else str(guard.sloc).strip("()")
+        text = str(expr.xreplace(named))
+        text = text[3:-1].replace(", ", " == ", 1) if text.startswith("Eq(") else text
+        lines.append(f"  - {text} (at {where})")
+    return lines
+
+
 def check(sym: Symbolic | None, gm: fx.GraphModule) -> None:
     """Raise ``SymbolicSizeError`` if tracing specialised a size the user marked dynamic."""
     if sym is None:
@@ -209,9 +228,13 @@ def check(sym: Symbolic | None, gm: fx.GraphModule) -> None:
     try:
         produce_guards_and_solve_constraints(sym.fake_mode, gm, sym.dynamic_shapes, sym.equalities, sym.signature)
     except ConstraintViolationError as exc:
+        found = _specialisations(sym)
         raise SymbolicSizeError(
             "a size marked dynamic cannot stay symbolic: the program (or its derivative) needs it to "
-            f"have a particular value or relation.\n{exc}") from None
+            "have a particular value or to be in a narrower range than declared"
+            + (":\n" + "\n".join(found) if found else ".")
+            + "\nMark it static, widen or narrow its Dim as torch suggests below, use Dim.AUTO (static "
+            f"wherever the program needs it so), or change the program. torch.export's analysis:\n{exc}") from None
     finally:
         sym.shape_env.frozen = False  # later passes (simplify) may still reason about sizes
 
