@@ -111,6 +111,9 @@ def vjp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
     not floating point, such as the indices of ``torch.max(x, dim)``); ``grads`` has one entry
     per positional argument, each with that argument's pytree structure, holding
     ``J^T grad_out`` for floating-point tensor leaves and ``None`` for every other leaf.
+
+    ``dynamic_shapes`` (here and in every transform; torch.export's format, see ``fxtools.sizes``)
+    keeps the marked sizes symbolic: the module then serves every size in their range.
     """
     argnums = tuple(range(len(args)))
     cap, wrt = prepare(f, args, argnums, dynamic_shapes)

@@ -9,15 +9,24 @@ for a whole argument, and arguments left out of a dict are static.
 
 The example arguments become FakeTensors whose marked sizes are symbols of one ``ShapeEnv``,
 made by torch.export's own ``make_fake_inputs`` (so the rules are export's: equal ``Dim``\\ s are
-one symbol, sizes 0 and 1 are not symbolic). Tracing then records sizes as graph nodes
-(``aten.sym_size.int``) wherever code needs them: a mean divides by a size read from its
-input, a reshape or expand takes it. The generated module serves every size in range.
+one symbol; an example size of 0 or 1 cannot be symbolic, and is refused for a named ``Dim``).
+Tracing records sizes as graph nodes (``aten.sym_size.int``) wherever code needs them;
+``simplify`` rewrites each as arithmetic of the inputs' sizes (``batch * 4``, not
+``pow_1.numel()``: ``dynamic_shapes.sizes_from_inputs``), and ``name_sizes`` names the reads
+after their ``Dim`` (``batch = x.size(0)``). A mean divides by that count, a reshape or expand
+takes it: the module serves every size in range.
 
 Whatever tracing assumed about a marked size (a branch on ``x.shape[0] == 32``, a broadcast
-with a static size) is recorded in the ``ShapeEnv`` as a guard. After the last tracing pass,
-``check`` asks torch.export's ``produce_guards_and_solve_constraints`` whether the guards
-contradict the user's marks, and raises ``SymbolicSizeError`` naming the dim otherwise, as
-torch.export does. ``Dim.AUTO`` dims may silently become static, as in torch.export.
+with a static size) is recorded in the ``ShapeEnv`` as a guard. After tracing, ``check`` asks
+torch.export's ``produce_guards_and_solve_constraints`` whether the guards contradict the
+user's marks, and raises ``SymbolicSizeError`` naming the size and the user's line otherwise,
+as torch.export does. ``Dim.AUTO`` sizes silently stay static where the program needs them so.
+
+The module's guards (``fxtools.guards``) then hold a ``Sym(name, min, max)`` for each symbolic
+size (``guard_symbolic``): a call outside the range, or with sizes of one symbol that differ,
+raises ``InputMismatch`` saying which. ``fxtools.compile(..., dynamic=True)`` marks every size
+> 1 of every input tensor (not the parameters) ``Dim.AUTO``, as ``torch.compile``'s automatic
+dynamic shapes do, and picks its splits by those guards.
 """
 from __future__ import annotations
 
@@ -239,20 +248,6 @@ def check(sym: Symbolic | None, gm: fx.GraphModule) -> None:
         sym.shape_env.frozen = False  # later passes (simplify) may still reason about sizes
 
 
-def has_symbols(val) -> bool:
-    """Whether a node value (a FakeTensor, SymInt or pytree of them) has a backed symbolic size."""
-    from torch.fx.experimental.symbolic_shapes import free_symbols
-
-    for v in pytree.tree_leaves(val):
-        if isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat)):
-            try:
-                if free_symbols(v):
-                    return True
-            except Exception:  # noqa: BLE001 - values that hold no sizes
-                continue
-    return False
-
-
 def name_sizes(gm: fx.GraphModule, sym: Symbolic | None) -> None:
     """``sym_size_int = x.size(0)`` -> ``batch = x.size(0)``: size nodes take their Dim's name."""
     if sym is None:
@@ -359,31 +354,3 @@ def guard_symbolic(guards, cap, examples) -> None:
             leaf.sizes = tuple(new)
             if isinstance(leaf.layout, tuple):
                 leaf.layout = "contiguous" if value.is_contiguous() else None
-
-
-class Accepts:
-    """Which sizes a module traced with symbolic sizes serves: per tensor leaf, each size is a
-    number it was specialised to, or a symbol with a range; a symbol must have one value across
-    the leaves. ``fxtools.compile`` picks its cached graphs with it."""
-
-    def __init__(self, vals, sym: Symbolic):
-        self.dims = [[(e, *_range(e, sym)) if not isinstance(e, int) and e.is_symbol else e
-                      for e in _sizes(val, sym)] for val in vals]
-
-    def __call__(self, tensors) -> bool:
-        bound: dict = {}
-        derived = []
-        for dims, t in zip(self.dims, tensors):
-            if t.dim() != len(dims):
-                return False
-            for want, n in zip(dims, t.shape):
-                if isinstance(want, int):
-                    if n != want:
-                        return False
-                elif isinstance(want, tuple):
-                    expr, low, high = want
-                    if n < low or (high is not None and n > high) or bound.setdefault(expr, n) != n:
-                        return False
-                else:
-                    derived.append((want, n))
-        return all(int(expr.subs(bound)) == n if expr.free_symbols <= set(bound) else False for expr, n in derived)
