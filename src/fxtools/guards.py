@@ -184,7 +184,8 @@ class Guards:
                                           f"module was made for {str(spec.dtype).replace('torch.', '')}",
                                     f"Convert it with .to({spec.dtype}), or generate the module again with an "
                                     "example of this dtype (dtypes are fixed in the generated code).")
-                if spec.device is not None and value.device.type != spec.device:
+                if spec.device is not None and not (value.is_cpu if spec.device == "cpu" else
+                                                    value.device.type == spec.device):
                     self._leaf_fail(spec, f"{spec.path} is on {value.device.type}, but the module was made for "
                                           f"{spec.device} tensors",
                                     f"Move it with .to('{spec.device}'), or generate the module again with an "
@@ -256,15 +257,13 @@ class Guards:
                                 f"(dynamic_shapes=, with torch.export.Dim) when generating the module.")
 
     def _layout(self, spec, value):
-        if torch._C._functorch.is_batchedtensor(value):
-            return
         if spec.layout == "contiguous":
-            if not value.is_contiguous():
+            if not value.is_contiguous() and not torch._C._functorch.is_batchedtensor(value):
                 self.fail(f"{spec.path} is not contiguous (strides {tuple(value.stride())}), but the module was "
                           "made for a contiguous tensor and its code uses .view, which relies on the layout",
                           f"Pass {spec.path}.contiguous(), or generate the module again with an example of this "
                           "layout.")
-        elif tuple(value.stride()) != tuple(spec.layout):
+        elif not torch._C._functorch.is_batchedtensor(value) and tuple(value.stride()) != tuple(spec.layout):
             self.fail(f"{spec.path} has strides {tuple(value.stride())}, but the module was made for strides "
                       f"{tuple(spec.layout)} and its code uses .view, which relies on the layout",
                       "Generate the module again with an example of this layout.")
