@@ -534,7 +534,7 @@ _OPS = {"unary": (5, _unary), "binary": (5, _binary), "view": (3, _view), "reduc
         "matmul": (2, _matmul), "nn": (2.5, _nn), "indexing": (1.5, _indexing), "combine": (1.5, _combine)}
 
 
-def program(index: int, seed: int = 0, steps: tuple = (3, 9)) -> Program:
+def program(index: int, seed: int = 0, steps: tuple = (2, 6)) -> Program:
     """Program number ``index`` of the fuzzer's sequence ``seed`` (deterministic)."""
     b = _Builder(index, seed)
     for _ in range(b.rng.randint(1, 2)):

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 import fxtools
 import fuzz_programs
 
-N = int(os.environ.get("FXTOOLS_FUZZ_N", "200"))
+N = int(os.environ.get("FXTOOLS_FUZZ_N", "100"))
 SEED = int(os.environ.get("FXTOOLS_FUZZ_SEED", "0"))
 ONLY = [int(i) for i in os.environ.get("FXTOOLS_FUZZ_ONLY", "").split(",") if i.strip()]
 GROUP = 50
