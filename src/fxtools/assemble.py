@@ -38,7 +38,7 @@ def _leaf_getters(graph: fx.Graph, arg_nodes: list[fx.Node], paths):
             if ck in cache:
                 node = cache[ck]
                 continue
-            where = f"the key of {arg_nodes[path[0].idx].target}{pytree.keystr(path[1:depth + 1])}"
+            where = f"the dict key of {arg_nodes[path[0].idx].target}{pytree.keystr(path[1:depth + 1])}"
             if isinstance(key, MappingKey):
                 node = graph.call_function(operator.getitem, (node, plain_literal(key.key, where, key=True)))
             elif isinstance(key, SequenceKey):

@@ -28,8 +28,10 @@ from torch.utils._pytree import MappingKey, GetAttrKey, SequenceKey
 from .errors import FxtoolsError
 
 _BUILTINS = set(dir(builtins))
-# names the generated code (or torch.fx's prologue, or a module written by fxtools.save) binds itself
-RESERVED = frozenset({"self", "torch", "inf", "nan", "NoneType", "device", "fx_pytree", "pytree", "os", "_stored"})
+# globals generated code (torch.fx's) refers to by these names, and its method's own ``self``
+SHADOWS = frozenset({"self", "torch", "inf", "nan", "NoneType", "device", "fx_pytree", "pytree"})
+# ... and names a module written by fxtools.save binds at its top level
+RESERVED = SHADOWS | {"os", "_stored"}
 PLAIN_TYPES = (str, int, float, bool, complex, type(None))
 
 
