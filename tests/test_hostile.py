@@ -259,3 +259,29 @@ def test_a_huge_example_on_the_meta_device_allocates_nothing(transform):
     assert time.perf_counter() - start < 60
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1_000_000  # kB: under 1 GB more
     assert "tanh" in gm.code
+
+
+class _Shouting(enum.Enum):
+    """An enum whose repr is code: torch.fx prints items of dicts and namedtuples with repr."""
+    A = 1
+
+    def __repr__(self):
+        return "__import__('os').getpid()"
+
+
+_Pair = collections.namedtuple("_Pair", "value tag")
+
+
+def test_enum_keys_of_returned_dicts():
+    """A returned dict with an enum key is built by a call that fx prints item by item
+    (``Class.NAME``), never with the member's own repr."""
+    def f(x):
+        return {_Shouting.A: x.sin(), "pair": _Pair(x.cos(), "t")}
+
+    x = torch.randn(3, dtype=D)
+    gm = fxtools.vjp(f, x)
+    assert "getpid" not in gm.code and "_Shouting.A" in gm.code
+    out, (gx,) = gm(x, {_Shouting.A: torch.ones(3, dtype=D), "pair": _Pair(torch.ones(3, dtype=D), None)})
+    assert out["pair"].tag == "t" and isinstance(out["pair"], _Pair)
+    torch.testing.assert_close(out[_Shouting.A], x.sin())
+    torch.testing.assert_close(gx, x.cos() - x.sin())

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._pytree import MappingKey, GetAttrKey, SequenceKey
 
 from .errors import FxtoolsError
-from .naming import identifier, is_plain_identifier, plain_literal, unique
+from .naming import identifier, is_plain_identifier, plain_literal, repr_safe, unique
 
 
 def _key_text(key) -> str:
@@ -52,17 +52,6 @@ def _leaf_getters(graph: fx.Graph, arg_nodes: list[fx.Node], paths):
     return out
 
 
-def _literal_only(value) -> bool:
-    """Whether torch.fx may print ``value`` with ``repr`` (it does so inside dicts)."""
-    if isinstance(value, fx.Node) or type(value) in (str, int, float, bool, type(None)):
-        return True
-    if type(value) in (tuple, list):
-        return all(_literal_only(v) for v in value)
-    if type(value) is dict:
-        return all(_literal_only(k) and _literal_only(v) for k, v in value.items())
-    return False
-
-
 def _returnable(graph: fx.Graph, value, where="the return value"):
     """``value`` (nested results holding nodes) as an fx output that rebuilds its containers.
 
@@ -79,7 +68,8 @@ def _returnable(graph: fx.Graph, value, where="the return value"):
     if isinstance(value, fx.Node):
         return value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(rebuild(v, f".{f}") for f, v in zip(value._fields, value)))
+        items = [rebuild(v, f".{f}") for f, v in zip(value._fields, value)]
+        return type(value)(*items) if repr_safe(items) else graph.call_function(type(value), tuple(items))
     if type(value) in (tuple, list):
         return type(value)(rebuild(v, f"[{i}]") for i, v in enumerate(value))
     if isinstance(value, dict):
@@ -89,7 +79,7 @@ def _returnable(graph: fx.Graph, value, where="the return value"):
             items[k] = rebuild(v, f"[{k!r}]")
         if type(value) is not dict and all(is_plain_identifier(k) for k in items):
             return graph.call_function(type(value), (), items)
-        if _literal_only(items):
+        if repr_safe(items):
             return items
         return graph.call_function(dict, (list(items.items()),))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -141,6 +141,23 @@ def _plain(value):
     return _NOT_PLAIN
 
 
+def repr_safe(value) -> bool:
+    """Whether torch.fx may print ``value`` with ``repr`` (it does so inside dicts and namedtuples):
+    nodes, exact built-in literals, dtypes, devices, layouts, memory formats and containers of them."""
+    import torch
+    import torch.fx as fx
+
+    if isinstance(value, fx.Node) or type(value) in PLAIN_TYPES:
+        return True
+    if type(value) in (torch.dtype, torch.device, torch.layout, torch.memory_format):
+        return True
+    if type(value) in (tuple, list) or isinstance(value, (fx.immutable_collections.immutable_list,)):
+        return all(repr_safe(v) for v in value)
+    if type(value) is dict or isinstance(value, fx.immutable_collections.immutable_dict):
+        return all(repr_safe(k) and repr_safe(v) for k, v in value.items())
+    return False
+
+
 def arg_names(f, n: int) -> list[str]:
     """Names of the first n positional parameters of f (falling back to arg0, arg1, ...)."""
     try:

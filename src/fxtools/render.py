@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .errors import FxtoolsError
-from .naming import SHADOWS, is_plain_identifier, plain_literal
+from .naming import SHADOWS, is_plain_identifier, plain_literal, repr_safe
 from .simplify import is_input_leaf
 
 aten = torch.ops.aten
@@ -263,12 +263,18 @@ def _code_value(value, where: str):
     them (subclasses of built-in types and numpy scalars converted, everything else refused)."""
     if isinstance(value, (fx.Node, *_TORCH_CONSTANTS)):
         return value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_code_value(v, where) for v in value))
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # fx prints its items with repr
+        items = [_code_value(v, where) for v in value]
+        if not repr_safe(items):
+            raise FxtoolsError(f"{where} holds a {type(value).__qualname__} of values fxtools cannot print")
+        return type(value)(*items)
     if isinstance(value, (tuple, list)):  # fx's immutable_list, torch.Size
         return (tuple if isinstance(value, tuple) else list)(_code_value(v, where) for v in value)
-    if isinstance(value, dict):
-        return {plain_literal(k, f"a dict key in {where}"): _code_value(v, where) for k, v in value.items()}
+    if isinstance(value, dict):  # fx prints it with repr
+        items = {plain_literal(k, f"a dict key in {where}"): _code_value(v, where) for k, v in value.items()}
+        if not repr_safe(items):
+            raise FxtoolsError(f"{where} holds a dict of values fxtools cannot print")
+        return items
     if isinstance(value, slice):
         return slice(*(_code_value(v, where) for v in (value.start, value.stop, value.step)))
     if isinstance(value, range):
