@@ -481,7 +481,7 @@ def show_command(argv) -> int:
     if not os.path.isfile(a.file):
         raise CliError(f"no such file: {a.file}")
     if a.file.endswith(".py"):
-        with open(a.file) as fh:
+        with open(a.file, encoding="utf-8") as fh:
             text = fh.read()
         if a.code_only:
             start = text.find("\ndef forward(")

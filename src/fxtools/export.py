@@ -379,6 +379,6 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
 
     if stored:
         torch.save({t: v.detach().clone() for t, v in stored.items()}, path[:-3] + ".pt")
-    with open(path, "w") as fh:
+    with open(path, "w", encoding="utf-8") as fh:
         fh.write(text)
     return text

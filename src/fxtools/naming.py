@@ -15,6 +15,7 @@ is refused with an ``FxtoolsError``.
 from __future__ import annotations
 
 import builtins
+import cmath
 import enum
 import inspect
 import keyword
@@ -123,6 +124,8 @@ def _self_equal(value) -> bool:
 
 
 def _plain(value):
+    if type(value) is complex and not cmath.isfinite(value):
+        return _NOT_PLAIN  # repr gives (nan+infj), which is no Python expression
     if type(value) in PLAIN_TYPES:
         return value
     if type(value) is tuple:

@@ -291,7 +291,7 @@ def check_code_data(gm) -> None:
     Takes a GraphModule or a Graph.
     """
     for node in getattr(gm, "graph", gm).nodes:
-        where = f"the generated code ({node.format_node()})"
+        where = f"a constant of {node.name} in the generated code"
         if node.op == "placeholder":
             if not is_plain_identifier(node.target.lstrip("*")) or node.target.lstrip("*") in SHADOWS:
                 raise FxtoolsError(f"cannot name an argument {node.target!r} in generated code")
