@@ -285,3 +285,15 @@ def test_enum_keys_of_returned_dicts():
     assert out["pair"].tag == "t" and isinstance(out["pair"], _Pair)
     torch.testing.assert_close(out[_Shouting.A], x.sin())
     torch.testing.assert_close(gx, x.cos() - x.sin())
+
+
+def test_draw_title_with_quotes_and_a_trailing_backslash(tmp_path):
+    """Text in a picture is escaped: a title ending in a backslash used to end Graphviz's string early."""
+    import shutil
+    pytest.importorskip("pydot")
+    if shutil.which("dot") is None:
+        pytest.skip("Graphviz is not installed")
+    gm = fxtools.grad(lambda x: x.sin().sum(), torch.randn(3))
+    fxtools.draw(gm, tmp_path / "a.svg", title='C:\\models\\ "<b>"\\')
+    svg = (tmp_path / "a.svg").read_text()
+    assert "C:\\models\\ &quot;&lt;b&gt;&quot;\\" in svg
