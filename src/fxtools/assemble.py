@@ -73,6 +73,8 @@ def _returnable(graph: fx.Graph, value, where="the return value"):
         return type(value)(*items) if repr_safe(items) else graph.call_function(type(value), tuple(items))
     if type(value) in (tuple, list):
         return type(value)(rebuild(v, f"[{i}]") for i, v in enumerate(value))
+    if pytree.is_structseq_instance(value):  # torch.return_types.max(values, indices)
+        return graph.call_function(type(value), (tuple(rebuild(v, f"[{i}]") for i, v in enumerate(value)),))
     if isinstance(value, dict):
         items = {}
         for k, v in value.items():

@@ -67,6 +67,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .errors import FxtoolsError
+from .naming import plain_literal
 
 __all__ = ["InputMismatch", "Sym", "Leaf", "Node", "Guards", "GuardedGraphModule", "build", "install",
            "runtime_source", "render"]
@@ -396,8 +397,9 @@ def _spec(value, path, layout, role):
     else:
         children, _ = handler.flatten_fn(value)
         keyed = [(pytree.SequenceKey(i), c) for i, c in enumerate(children)]
-    keys = [k for k, _ in keyed]
-    specs = tuple(_spec(c, path + pytree.keystr((k,)), layout, role) for k, c in keyed)
+    keys = [pytree.MappingKey(plain_literal(k.key, f"the key {k.key!r} of {path or 'an argument'}", key=True))
+            if isinstance(k, pytree.MappingKey) else k for k, _ in keyed]  # never a user repr in code
+    specs = tuple(_spec(c, path + pytree.keystr((k,)), layout, role) for k, (_, c) in zip(keys, keyed))
     name = type(value).__name__
     if isinstance(value, dict) and all(isinstance(k, pytree.MappingKey) for k in keys):
         return Node(path, "dict", name, tuple(k.key for k in keys), specs)
@@ -532,7 +534,7 @@ def _literal(v) -> str:
         return "(" + ", ".join(map(_literal, v)) + ("," if len(v) == 1 else "") + ")"
     if isinstance(v, Sym):
         return f"Sym({v.name!r}, {v.min!r}, {v.max!r})"
-    if isinstance(v, (int, str)):
+    if type(v) in (int, str):  # exactly: a subclass's repr is user code
         return repr(v)
     if isinstance(v, (torch.memory_format, torch.layout)):
         return str(v)
