@@ -1,0 +1,309 @@
+"""Ordinary PyTorch idioms behave as in eager PyTorch, or are refused naming the line or argument.
+
+Oracle: eager autograd in float64. ``.data`` is ``detach()``; writes through it into values that
+carry a gradient, ``p.data = ...`` and ``requires_grad_(False)`` on a non-leaf are refused (the last
+as eager refuses it); ``torch.inference_mode()`` is ``no_grad``; tensors hidden in arguments that are
+not pytrees are refused at generation time.
+"""
+import dataclasses
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxtools
+from fxtools.errors import FxtoolsError
+
+D = torch.float64
+
+
+def _x(*shape, seed=0):
+    return torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(seed))
+
+
+def _eager_grad(f, *args, argnums=0):
+    args = [a.detach().clone().requires_grad_(i == argnums) if isinstance(a, torch.Tensor) else a
+            for i, a in enumerate(args)]
+    return torch.autograd.grad(f(*args), args[argnums])[0]
+
+
+def _line(f, text):
+    """'file:line' of the line of ``f``'s source containing ``text``."""
+    import inspect
+
+    lines, start = inspect.getsourcelines(f)
+    i = next(i for i, line in enumerate(lines) if text in line)
+    return f"{inspect.getsourcefile(f)}:{start + i}"
+
+
+# --- .data -------------------------------------------------------------------------------------
+
+def data_of_intermediate(x):
+    y = x * x
+    return (y.data * x).sum()
+
+
+def data_of_input(x):
+    return (x.data * x).sum()
+
+
+def data_in_output(x):
+    return (x * 2).data.sum() + (x * x).sum()
+
+
+@pytest.mark.parametrize("f", [data_of_intermediate, data_of_input, data_in_output])
+def test_data_is_detach(f):
+    x = _x(5)
+    grad = fxtools.grad(f, x)(x)
+    assert type(grad) is torch.Tensor  # not a FakeTensor baked in at generation time
+    torch.testing.assert_close(grad, _eager_grad(f, x), rtol=0, atol=1e-12)
+    x2 = _x(5, seed=1)
+    torch.testing.assert_close(fxtools.grad(f, x)(x2), _eager_grad(f, x2), rtol=0, atol=1e-12)
+
+
+def test_data_of_parameter():
+    model = nn.Linear(3, 2).double()
+
+    def loss(params, x):
+        w = params["weight"]
+        return (x @ w.t() * w.data.sum()).sum() + params["bias"].sum()
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = _x(4, 3)
+    grads = fxtools.grad(loss, params, x)(params, x)
+    p = {k: v.clone().requires_grad_() for k, v in params.items()}
+    expected = torch.autograd.grad(loss(p, x), list(p.values()))
+    for g, e in zip(grads.values(), expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
+
+
+def write_through_data(x):
+    y = x * x
+    z = y * x
+    y.data.mul_(0)
+    return (z + y * x).sum()
+
+
+def write_through_data_of_input(x):
+    a = x * x
+    x.data.mul_(2)
+    return (a + x * x).sum()
+
+
+@pytest.mark.parametrize("f, text", [(write_through_data, "y.data.mul_(0)"),
+                                     (write_through_data_of_input, "x.data.mul_(2)")])
+def test_write_through_data_is_refused_with_the_line(f, text):
+    """Eager applies the write without autograd seeing it, except in the tensors autograd saved
+    (so its gradient depends on what it saves): fxtools refuses it."""
+    with pytest.raises(FxtoolsError, match=re.escape(_line(f, text)) + r".*\.data"):
+        fxtools.grad(f, _x(3))
+
+
+def test_write_through_data_of_constant_is_kept():
+    """A write through ``.data`` into a tensor that is not differentiated (a buffer) happens, as in eager."""
+    buf = torch.zeros(3, dtype=D)
+
+    def f(x):
+        buf.data.add_(1)
+        return (x * buf).sum()
+
+    x = _x(3)
+    gm = fxtools.grad(f, x)
+    buf.zero_()
+    torch.testing.assert_close(gm(x), torch.ones(3, dtype=D))
+    torch.testing.assert_close(buf, torch.ones(3, dtype=D))
+
+
+def test_write_through_view_of_constant_is_kept():
+    """``buf[0].add_(1)`` on a closed-over tensor reaches it (today's code drops the write)."""
+    buf = torch.zeros(3, dtype=D)
+
+    def f(x):
+        buf[0].add_(1)
+        return (x * buf).sum()
+
+    x = _x(3)
+    gm = fxtools.vjp(f, x)
+    buf.zero_()
+    out, (grad,) = gm(x, torch.tensor(1.0, dtype=D))
+    expected = torch.tensor([1.0, 0.0, 0.0], dtype=D)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+    torch.testing.assert_close(out, x[0], rtol=0, atol=0)
+    torch.testing.assert_close(buf, expected, rtol=0, atol=0)
+
+
+def assign_data(x):
+    y = x * 2
+    y.data = x * 3
+    return y.sum()
+
+
+def test_assigning_data_is_refused_with_the_line():
+    with pytest.raises(FxtoolsError, match=re.escape(_line(assign_data, "y.data = x * 3"))):
+        fxtools.grad(assign_data, _x(3))
+
+
+# --- grad modes --------------------------------------------------------------------------------
+
+def inference_block(x):
+    with torch.inference_mode():
+        y = x * 2
+    return (y + x * x).sum()
+
+
+@torch.inference_mode()
+def _doubled(x):
+    return x * 2
+
+
+def inference_decorator(x):
+    return (_doubled(x) + x * x).sum()
+
+
+def inference_off_inside(x):
+    with torch.inference_mode():
+        with torch.inference_mode(False):
+            y = x * 2
+    return (y + x * x).sum()
+
+
+@pytest.mark.parametrize("f, expected", [(inference_block, lambda x: 2 * x),
+                                         (inference_decorator, lambda x: 2 * x),
+                                         (inference_off_inside, lambda x: 2 * x + 2)])
+def test_inference_mode_is_no_grad(f, expected):
+    x = _x(4)
+    torch.testing.assert_close(fxtools.grad(f, x)(x), expected(x), rtol=0, atol=1e-12)
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def inference_block_eager_equivalent(x):
+    with torch.no_grad():
+        y = x * 2
+    return (y + x * x).sum()
+
+
+def test_inference_mode_matches_eager_no_grad():
+    """Eager autograd refuses to save an inference tensor for the backward; where it does not need
+    to, the block is a constant, as under no_grad."""
+    x = _x(4)
+    torch.testing.assert_close(fxtools.grad(inference_block, x)(x),
+                               _eager_grad(inference_block_eager_equivalent, x), rtol=0, atol=0)
+
+
+def requires_grad_off(x):
+    y = x * x
+    y.requires_grad_(False)
+    return (y * x).sum()
+
+
+def requires_grad_attr_off(x):
+    y = x.sin()
+    y.requires_grad = False
+    return (y * x).sum()
+
+
+@pytest.mark.parametrize("f, text", [(requires_grad_off, "y.requires_grad_(False)"),
+                                     (requires_grad_attr_off, "y.requires_grad = False")])
+def test_requires_grad_off_on_non_leaf_raises_as_eager(f, text):
+    with pytest.raises(RuntimeError, match="only change requires_grad flags of leaf variables"):
+        _eager_grad(f, _x(3))
+    with pytest.raises(FxtoolsError, match=re.escape(_line(f, text)) + ".*only change requires_grad flags of leaf"):
+        fxtools.grad(f, _x(3))
+
+
+def requires_grad_off_on_leaf(x, c):
+    k = c * 2  # does not depend on x: a leaf in eager
+    k.requires_grad_(False)
+    with torch.no_grad():
+        m = x * 3  # computed without grad: a leaf too
+    m.requires_grad_(False)
+    return (k * x + m * x).sum()
+
+
+def test_requires_grad_off_on_leaves_is_allowed():
+    x, c = _x(3), _x(3, seed=1)
+    torch.testing.assert_close(fxtools.grad(requires_grad_off_on_leaf, x, c)(x, c),
+                               _eager_grad(requires_grad_off_on_leaf, x, c), rtol=0, atol=1e-12)
+
+
+def requires_grad_off_other_arg(x, c):
+    y = x * x
+    y.requires_grad_(False)
+    return (y * c).sum()
+
+
+def test_requires_grad_off_on_value_of_undifferentiated_argument():
+    """Differentiated with respect to ``c`` only, ``x * x`` is a leaf, as in eager when only ``c``
+    requires grad."""
+    x, c = _x(3), _x(3, seed=1)
+    torch.testing.assert_close(fxtools.grad(requires_grad_off_other_arg, x, c, argnums=1)(x, c),
+                               _eager_grad(requires_grad_off_other_arg, x, c, argnums=1), rtol=0, atol=0)
+
+
+# --- arguments that are not pytrees ------------------------------------------------------------
+
+@dataclasses.dataclass
+class Holder:
+    t: torch.Tensor
+
+
+class Plain:
+    def __init__(self, t):
+        self.scale = 2.0
+        self.parts = [t]
+
+
+def scaled(x, h):
+    return (x * h.t).sum()
+
+
+def scaled_plain(x, h):
+    return (x * h.parts[0] * h.scale).sum()
+
+
+def scaled_set(x, s):
+    return (x * next(iter(s))).sum()
+
+
+def scaled_nested(x, h):
+    return scaled(x, h["a"][0])
+
+
+@pytest.mark.parametrize("f, arg, where, how", [
+    (scaled, Holder(_x(3)), "h.t", "register_dataclass"),
+    (scaled_plain, Plain(_x(3)), "h.parts[0]", "register_pytree_node"),
+    (scaled_nested, {"a": [Holder(_x(3))]}, "h['a'][0].t", "register_dataclass"),
+    (scaled_set, {_x(3)}, "s{...}", "list or tuple"),
+])
+def test_tensor_in_non_pytree_argument_is_refused(f, arg, where, how):
+    """Today's code would bake the tensor in as a constant: later calls ignore it, its gradient is None."""
+    with pytest.raises(FxtoolsError, match=re.escape(where) + ".*not a pytree.*" + re.escape(how)):
+        fxtools.grad(f, _x(3), arg)
+
+
+def test_registered_dataclass_is_an_argument():
+    @dataclasses.dataclass
+    class Registered:
+        t: torch.Tensor
+
+    torch.utils._pytree.register_dataclass(Registered)
+    try:
+        x, h = _x(3), Registered(_x(3, seed=1))
+        gm = fxtools.grad(scaled, x, h, argnums=(0, 1))
+        h2 = Registered(_x(3, seed=2))
+        gx, gh = gm(x, h2)
+        torch.testing.assert_close(gx, h2.t)
+        torch.testing.assert_close(gh.t, x)
+    finally:
+        torch.utils._pytree._deregister_pytree_node(Registered)
+
+
+def test_non_tensor_objects_are_still_specialised():
+    class Config:
+        def __init__(self):
+            self.scale = 3.0
+
+    x = _x(3)
+    torch.testing.assert_close(fxtools.grad(lambda x, c: (x * c.scale).sum(), x, Config())(x, Config()),
+                               torch.full((3,), 3.0, dtype=D))
