@@ -38,6 +38,12 @@ def _keep(mask, ct, like=None):
     return g if like is None else unbroadcast(g, like)
 
 
+def _drop(mask, ct):
+    """Zero where ``mask`` holds, ``ct`` elsewhere: written with the comparison autograd's kernel
+    makes (``x <= 0``), so that at NaN, where every comparison is false, ``ct`` passes as in autograd."""
+    return torch.where(mask, 0, ct)
+
+
 # Unary math.
 
 @vjp_rule(aten.sin)
@@ -207,7 +213,8 @@ def sigmoid(ct, out, x):
 @vjp_rule(aten.logit)
 def logit(ct, out, x, eps=None):
     lo, hi = (0, 1) if eps is None else (eps, 1 - eps)
-    g = ct / (x * (1 - x))
+    d = x * (1 - x)
+    g = ct / (d.abs() if eps is None else d)  # autograd: +inf at -0.0 too (the kernel tests x == 0)
     return torch.where(torch.logical_and(x >= lo, x <= hi), g, math.nan if eps is None else 0)
 
 
@@ -439,12 +446,14 @@ def frexp(ct, out, x):
 
 @vjp_rule(aten.logaddexp)
 def logaddexp(ct, out, x, y):
-    return unbroadcast(ct * torch.exp(x - out), x), unbroadcast(ct * torch.exp(y - out), y)
+    """Autograd's ``ct / (1 + exp(y - x))``, as a sigmoid: 1 at ``(inf, 0)``, where ``exp(x - out)`` is NaN."""
+    return unbroadcast(ct * torch.sigmoid(x - y), x), unbroadcast(ct * torch.sigmoid(y - x), y)
 
 
 @vjp_rule(aten.logaddexp2)
 def logaddexp2(ct, out, x, y):
-    return unbroadcast(ct * torch.exp2(x - out), x), unbroadcast(ct * torch.exp2(y - out), y)
+    """Autograd's formula, finite at ``(inf, 0)`` (see ``logaddexp``)."""
+    return unbroadcast(ct / (1 + torch.exp2(y - x)), x), unbroadcast(ct / (1 + torch.exp2(x - y)), y)
 
 
 def _xlog_self_grad(g, x, y, edge):
@@ -561,22 +570,22 @@ for _overload in ("ScalarSelf", "ScalarOther"):
 
 @vjp_rule(aten.relu)
 def relu(ct, out, x):
-    return _keep(out > 0, ct)
+    return _drop(out <= 0, ct)
 
 
 @vjp_rule(aten.threshold)
 def threshold(ct, out, x, threshold, value):
-    return _keep(x > threshold, ct)
+    return _drop(x <= threshold, ct)
 
 
 @vjp_rule(aten.hardtanh)
 def hardtanh(ct, out, x, min_val=-1, max_val=1):
-    return _keep(torch.logical_and(x > min_val, x < max_val), ct)
+    return _keep(torch.logical_and(x > min_val, x < max_val), ct)  # 0 at NaN, as in autograd
 
 
 @vjp_rule(aten.relu6)
 def relu6(ct, out, x):
-    return _keep(torch.logical_and(x > 0, x < 6), ct)
+    return hardtanh(ct, out, x, 0, 6)
 
 
 @vjp_rule(aten.leaky_relu)
@@ -602,7 +611,7 @@ register_vjp(aten.rrelu, _rrelu_fwd, _rrelu_bwd, source="hand-written")
 
 def _elu(ct, out, x, alpha, scale, input_scale):
     neg = _scaled(ct * (out + alpha * scale), input_scale)
-    return torch.where(x > 0, _scaled(ct, scale), neg)
+    return torch.where(x <= 0, neg, _scaled(ct, scale))
 
 
 @vjp_rule(aten.elu)
