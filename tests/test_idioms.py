@@ -307,3 +307,171 @@ def test_non_tensor_objects_are_still_specialised():
     x = _x(3)
     torch.testing.assert_close(fxtools.grad(lambda x, c: (x * c.scale).sum(), x, Config())(x, Config()),
                                torch.full((3,), 3.0, dtype=D))
+
+
+# --- NaN, infinities and signed zeros: every gradient as autograd's -----------------------------
+
+NAN, INF = float("nan"), float("inf")
+SPECIAL = [NAN, INF, -INF, -0.0, 0.0]
+ORDINARY = [0.5, -0.5, 1.0, -1.0, 2.0, -3.0, 3.0, 6.0, 20.0]  # and the kinks of the activations
+
+
+def assert_same_specials(got, want, inputs, rtol=1e-9, signed_zeros=True):
+    """``got`` equals autograd's ``want`` at NaN (NaN == NaN), at infinities and at zeros (the sign
+    bit included); other values may differ by rounding (a rule's formula need not be the kernel's)."""
+    want = torch.zeros_like(got) if want is None else want
+    got = torch.zeros_like(want) if got is None else got
+    nan = want.isnan()
+    zero_or_inf = (want == 0) | want.isinf()
+    same_sign = (got.signbit() == want.signbit()) | (not signed_zeros and want == 0)
+    ok = (got.isnan() == nan) & torch.where(zero_or_inf, (got == want) & same_sign, True)
+    finite = ~nan & ~zero_or_inf
+    ok &= torch.where(finite, torch.isclose(got, want, rtol=rtol, atol=0), True)
+    bad = (~ok).nonzero()
+    assert not len(bad), "differs from autograd at " + "; ".join(
+        f"inputs {[float(t[tuple(i)]) for t in inputs]}: {float(got[tuple(i)])} vs {float(want[tuple(i)])}"
+        for i in bad[:5].tolist())
+
+
+def _autograd_elementwise(f, inputs):
+    """Autograd's gradients of pointwise ``f``, one element at a time: PyTorch's vectorised CPU
+    loops disagree with its scalar code at NaN for some ops (hardtanh's backward is 0 at NaN on 8
+    or more float64 elements, 1 on fewer, as on GPU); the scalar code is the reference."""
+    grads = [[] for _ in inputs]
+    for i in range(inputs[0].numel()):
+        leaves = [t[i:i + 1].clone().requires_grad_() for t in inputs]
+        out = f(*leaves)
+        for g, w in zip(grads, torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)):
+            g.append(torch.zeros(1, dtype=D) if w is None else w)
+    return [torch.cat(g) for g in grads]
+
+
+# autograd's hardsigmoid backward multiplies by 1/6 rounded to float32, also in float64
+_RTOL = {"nn.functional.hardsigmoid": 1e-7}
+
+
+def _compare_with_autograd(f, inputs, rtol=1e-9):
+    out = f(*inputs)
+    if not isinstance(out, torch.Tensor):  # frexp: the mantissa
+        f0 = f
+        f, out = (lambda *xs: f0(*xs)[0]), out[0]
+    if out.is_complex() or not out.is_floating_point():
+        pytest.skip("complex or non-float output: not a special-value case of a real rule")
+    want = _autograd_elementwise(f, inputs)
+    _, got = fxtools.vjp(f, *inputs)(*inputs, torch.ones_like(out))
+    for g, w in zip(got, want):
+        assert_same_specials(g, w, inputs, rtol)
+
+
+def _opinfos():
+    from torch.testing._internal.common_methods_invocations import binary_ufuncs, op_db, unary_ufuncs
+
+    unary = {o.name for o in unary_ufuncs}
+    binary = {o.name for o in binary_ufuncs} | {"logaddexp", "logaddexp2"}
+    activations = {"nn.functional." + n for n in (
+        "relu", "relu6", "hardtanh", "threshold", "elu", "selu", "celu", "leaky_relu", "gelu", "silu", "mish",
+        "softplus", "logsigmoid", "hardsigmoid", "hardswish", "softshrink", "hardshrink", "tanhshrink")} | {"logit"}
+    random = {"nn.functional.rrelu"}  # random: see the tests of random ops below
+    out = []
+    for op in op_db:
+        if op.name not in unary | binary | activations or op.name in random or not op.supports_autograd:
+            continue
+        if torch.float64 not in op.supported_dtypes("cpu"):
+            continue
+        out.append((op, "binary" if op.name in binary else "unary"))
+    return out
+
+
+_OPINFOS = _opinfos()
+
+
+def _pointwise_case(op, kind):
+    """``(f, inputs)``: the op at every special and ordinary value (every pair of them for binary
+    ops), its other arguments taken from its first OpInfo sample."""
+    values = torch.tensor(SPECIAL + ORDINARY, dtype=D)
+    sample = next(iter(op.sample_inputs("cpu", D, requires_grad=False)))
+    args = list(sample.args)
+    if kind == "binary":
+        if not args or not isinstance(args[0], torch.Tensor):
+            return None
+        a, b = torch.meshgrid(values, values, indexing="ij")
+        inputs, args = (a.reshape(-1), b.reshape(-1)), args[1:]
+    else:
+        inputs = (values,)
+    if any(isinstance(a, torch.Tensor) for a in args) or not isinstance(sample.input, torch.Tensor):
+        return None
+    kwargs = dict(sample.kwargs)
+    return (lambda *xs: op.op(*xs, *args, **kwargs)), inputs
+
+
+@pytest.mark.parametrize("op, kind", _OPINFOS, ids=[f"{o.name}{'-' + o.variant_test_name if o.variant_test_name else ''}"
+                                                  for o, _ in _OPINFOS])
+def test_pointwise_rules_at_special_values(op, kind):
+    case = _pointwise_case(op, kind)
+    if case is None:
+        pytest.skip("its first OpInfo sample takes other tensor arguments")
+    f, inputs = case
+    _compare_with_autograd(f, inputs, _RTOL.get(op.name, 1e-9))
+
+
+# one slice per case: autograd's prod chooses its formula by whether the *whole* input holds a zero
+_VECTORS = [[s, 1.0, 2.0] for s in SPECIAL] + [[0.0, s, 3.0] for s in SPECIAL] + [[s, -0.0, -1.0] for s in SPECIAL] + [
+    [0.0, INF, 1.0], [INF, -INF, 2.0], [NAN, NAN, 1.0], [1.0, 1.0, -2.0]]
+_REDUCTIONS = {
+    "max": torch.max, "min": torch.min, "median": torch.median, "nanmedian": torch.nanmedian,
+    "amax": lambda x: torch.amax(x, 0), "amin": lambda x: torch.amin(x, 0), "prod": torch.prod,
+    "prod_dim": lambda x: torch.prod(x, 0), "cumprod": lambda x: torch.cumprod(x, 0),
+    "logsumexp": lambda x: torch.logsumexp(x, 0), "sum": torch.sum, "mean": torch.mean,
+    "softmax": lambda x: torch.softmax(x, 0), "log_softmax": lambda x: torch.log_softmax(x, 0),
+    "max_dim": lambda x: torch.max(x, 0).values, "norm": torch.linalg.vector_norm,
+}
+# at the other elements of a slice holding a zero *and* a NaN or infinity, autograd's product of
+# the others is NaN (0 * inf); fxtools' prod rule, which avoids computing exclusive products, gives 0
+_PROD_ZERO_AND_NONFINITE = {"prod": [5, 6, 7, 10, 11, 12, 15], "prod_dim": [5, 6, 7, 10, 11, 12, 15]}
+# with two zeros autograd's full product returns zeros_like (+0.0), its product over a dim signed
+# zeros (exclusive products): the sign of these zeros is not well defined
+_PROD_TWO_ZEROS = {"prod": [8, 9, 13, 14], "prod_dim": [8, 9, 13, 14]}
+
+
+@pytest.mark.parametrize("name", list(_REDUCTIONS))
+def test_reduction_rules_at_special_values(name):
+    f = _REDUCTIONS[name]
+    gm = fxtools.vjp(f, torch.tensor(_VECTORS[0], dtype=D))
+    for i, v in enumerate(_VECTORS):
+        x = torch.tensor(v, dtype=D)
+        xe = x.clone().requires_grad_()
+        out = f(xe)
+        ct = torch.ones_like(out)
+        want, = torch.autograd.grad(out, xe, ct)
+        _, (got,) = gm(x, ct)
+        if i in _PROD_ZERO_AND_NONFINITE.get(name, ()):
+            zero = x == 0
+            assert_same_specials(got[zero], want[zero], [x[zero]])
+            assert (got[~zero] == 0).all() and want[~zero].isnan().any()
+            continue
+        assert_same_specials(got, want, [x], signed_zeros=i not in _PROD_TWO_ZEROS.get(name, ()))
+
+
+@pytest.mark.parametrize("f, x, expected", [
+    (torch.relu, NAN, 1.0), (lambda x: torch.threshold(x, 0.5, 0.0), NAN, 1.0),
+    (torch.nn.functional.relu6, NAN, 1.0), (torch.nn.functional.hardtanh, NAN, 1.0),
+    (torch.nn.functional.elu, NAN, 1.0), (torch.selu, NAN, 1.0507009873554805), (torch.celu, NAN, 1.0),
+    (torch.special.logit, -0.0, INF), (lambda x: torch.logaddexp(x, torch.zeros_like(x)), INF, 1.0),
+])
+def test_issue_examples_at_special_values(f, x, expected):
+    """The values the issue lists (checked against autograd too, by the sweeps above)."""
+    x = torch.tensor([x], dtype=D)
+    _, (grad,) = fxtools.vjp(f, x)(x, torch.ones(1, dtype=D))
+    assert grad.item() == expected
+    xe = x.clone().requires_grad_()
+    assert torch.autograd.grad(f(xe).sum(), xe)[0].item() == expected
+
+
+def test_issue_examples_of_reductions():
+    for f in (torch.max, torch.min, torch.median):
+        x = torch.tensor([NAN, 1.0, 2.0], dtype=D)
+        _, (grad,) = fxtools.vjp(f, x)(x, torch.tensor(1.0, dtype=D))
+        assert grad.tolist() == [1.0, 0.0, 0.0]
+    x = torch.tensor([0.0, INF], dtype=D)
+    _, (grad,) = fxtools.vjp(torch.prod, x)(x, torch.tensor(1.0, dtype=D))
+    assert grad.tolist() == [INF, 0.0]

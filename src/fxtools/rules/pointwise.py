@@ -40,7 +40,10 @@ def _keep(mask, ct, like=None):
 
 def _drop(mask, ct):
     """Zero where ``mask`` holds, ``ct`` elsewhere: written with the comparison autograd's kernel
-    makes (``x <= 0``), so that at NaN, where every comparison is false, ``ct`` passes as in autograd."""
+    makes (``x <= 0``), so that at NaN, where every comparison is false, ``ct`` passes as in autograd.
+    (Autograd's vectorised CPU loops disagree with its own scalar code at NaN for some activations:
+    hardtanh gives 0 on 8 or more float64 elements, 1 on fewer and on GPU; the rules follow the
+    scalar code.)"""
     return torch.where(mask, 0, ct)
 
 
@@ -270,8 +273,8 @@ def polygamma(ct, out, n, x):
 
 @vjp_rule(aten.mvlgamma)
 def mvlgamma(ct, out, x, p):
-    offsets = torch.arange(p, dtype=x.dtype) / 2
-    return ct * torch.digamma(x.unsqueeze(-1) - offsets).sum(-1)
+    offsets = torch.arange(1 - p, 1, dtype=x.dtype, device=x.device) / 2  # x + 0.0, as autograd: +0.0 at -0.0
+    return ct * torch.digamma(x.unsqueeze(-1) + offsets).sum(-1)
 
 
 @vjp_rule(aten.special_entr)
@@ -580,7 +583,7 @@ def threshold(ct, out, x, threshold, value):
 
 @vjp_rule(aten.hardtanh)
 def hardtanh(ct, out, x, min_val=-1, max_val=1):
-    return _keep(torch.logical_and(x > min_val, x < max_val), ct)  # 0 at NaN, as in autograd
+    return _drop(torch.logical_or(x <= min_val, x >= max_val), ct)
 
 
 @vjp_rule(aten.relu6)
@@ -676,12 +679,12 @@ def hardswish(ct, out, x):
 
 @vjp_rule(aten.softshrink)
 def softshrink(ct, out, x, lambd=0.5):
-    return _keep(x.abs() > lambd, ct)
+    return _drop(x.abs() <= lambd, ct)
 
 
 @vjp_rule(aten.hardshrink)
 def hardshrink(ct, out, x, lambd=0.5):
-    return _keep(x.abs() > lambd, ct)
+    return _drop(x.abs() <= lambd, ct)
 
 
 @vjp_rule(aten.prelu)

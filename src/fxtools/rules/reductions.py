@@ -140,8 +140,9 @@ def _prod_grad(ct, out, x, dim, keepdim):
         d = dims_of(x, dim)[0]
         zeros = zero.sum(d, keepdim=True)
         others = torch.where(zeros == 1, torch.where(zero, 1, x).prod(d, keepdim=True), 0)
-    # beside a zero the product of the others is 0, even where ``out / x`` is NaN (``prod([0, inf])``)
-    return cast(ct * conj(torch.where(zero, others, torch.where(zeros > 0, 0, out / x))), x)
+    # beside a zero the product of the others is 0, also where ``out`` is NaN (``prod([0, inf])``)
+    lost = torch.logical_and(zeros > 0, torch.isnan(out))
+    return cast(ct * conj(torch.where(zero, others, torch.where(lost, 0, out / x))), x)
 
 
 @vjp_rule(aten.prod.default)
@@ -164,9 +165,11 @@ def cumprod(ct, out, x, dim, dtype=None):
     if x.dim() == 0:
         return cast(ct, x)
     zero = x == 0
-    first_zero = torch.logical_and(zero, zero.cumsum(dim) == 1)
+    seen = zero.cumsum(dim)
+    first_zero = torch.logical_and(zero, seen == 1)
     at_first_zero = rev_cumsum(ct * conj(torch.where(first_zero, 1, x).cumprod(dim)), dim)
-    elsewhere = torch.where(zero, 0, rev_cumsum(ct * conj(out), dim) / conj(x))
+    # after a zero every product holds it: the derivative is 0, even where out / x is NaN (0 * inf)
+    elsewhere = torch.where(seen > 0, 0, rev_cumsum(ct * conj(out), dim) / conj(x))
     return cast(torch.where(first_zero, at_first_zero, elsewhere), x)
 
 
