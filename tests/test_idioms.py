@@ -475,3 +475,61 @@ def test_issue_examples_of_reductions():
     x = torch.tensor([0.0, INF], dtype=D)
     _, (grad,) = fxtools.vjp(torch.prod, x)(x, torch.tensor(1.0, dtype=D))
     assert grad.tolist() == [INF, 0.0]
+
+
+# --- random ops: the same seed gives eager's numbers, and leaves the generator where eager does ----
+
+_gen = torch.Generator().manual_seed(5)
+
+
+def _r(*shape):
+    return torch.randn(*shape, dtype=D, generator=_gen)
+
+
+torch.manual_seed(0)
+_MHA = nn.MultiheadAttention(4, 2, dropout=0.5, batch_first=True).double()
+_MHA_KV = nn.MultiheadAttention(4, 2, dropout=0.5, kdim=3, vdim=5).double()
+_PADDING = torch.tensor([[False, False, True, False, False], [False, True, False, False, False]])
+
+RANDOM_CASES = {
+    "normal": (lambda m, s: torch.normal(m, s) * m, (_r(1, 2, 3), _r(5, 2, 3).abs())),
+    "normal_mean": (lambda m: torch.normal(m, 2.0) * m, (_r(4, 3),)),
+    "normal_std": (lambda s: torch.normal(1.0, s) * s, (_r(4, 3).abs(),)),
+    "normal_": (lambda x: x * torch.empty_like(x).normal_(), (_r(5),)),
+    "randn_like": (lambda x: x * torch.randn_like(x), (_r(5),)),
+    "bernoulli": (lambda p: torch.bernoulli(p) * p, (torch.rand(2, 3, 4, dtype=D, generator=_gen),)),
+    "rrelu": (lambda x: torch.nn.functional.rrelu(x, 0.1, 0.3, training=True), (_r(20),)),
+    "rrelu_inplace": (lambda x: torch.nn.functional.rrelu(x * 1, training=True, inplace=True), (_r(4, 5),)),
+    "rrelu_module": (lambda x: nn.RReLU().train()(x), (_r(4, 5),)),
+    "feature_alpha_dropout": (lambda x: torch.nn.functional.feature_alpha_dropout(x, 0.4, True), (_r(3, 4, 2, 2),)),
+    "feature_alpha_dropout_5d": (lambda x: torch.nn.functional.feature_alpha_dropout(x, 0.4, True), (_r(2, 3, 2, 2, 2),)),
+    "alpha_dropout": (lambda x: torch.nn.functional.alpha_dropout(x, 0.3, True), (_r(5, 4),)),
+    "fractional_max_pool3d": (lambda x: torch.nn.functional.fractional_max_pool3d(x, (2, 3, 2), output_size=(2, 3, 2)),
+                              (_r(2, 3, 6, 7, 5),)),
+    "fractional_max_pool3d_ratio": (lambda x: torch.nn.functional.fractional_max_pool3d(x, 2, output_ratio=(0.5, 0.6, 0.5)),
+                                    (_r(3, 6, 7, 5),)),
+    "multi_head_attention": (lambda q: _MHA(q, q, q)[0], (_r(2, 5, 4),)),
+    "multi_head_attention_sdpa": (lambda q: _MHA(q, q, q, key_padding_mask=_PADDING, need_weights=False)[0], (_r(2, 5, 4),)),
+    "multi_head_attention_kv": (lambda q, k, v: _MHA_KV(q, k, v)[0], (_r(5, 2, 4), _r(6, 2, 3), _r(6, 2, 5))),
+}
+
+
+@pytest.mark.parametrize("name", list(RANDOM_CASES))
+def test_random_op_reproduces_eager_under_the_same_seed(name):
+    """Output and gradients equal eager's under the same seed, and the global generator ends in the
+    same state (no extra draws: today ``normal``'s derived backward re-draws, and ``rrelu`` draws a
+    slope for every element where eager's kernel draws one per non-positive element)."""
+    f, args = RANDOM_CASES[name]
+    gm = fxtools.vjp(f, *args)
+    torch.manual_seed(7)
+    xs = [a.clone().requires_grad_() for a in args]
+    want = f(*xs)
+    ct = torch.randn(want.shape, dtype=D, generator=torch.Generator().manual_seed(1))
+    want_grads = torch.autograd.grad(want, xs, ct, allow_unused=True)
+    state = torch.get_rng_state()
+    torch.manual_seed(7)
+    out, grads = gm(*args, ct)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, torch.zeros_like(g) if w is None else w, rtol=1e-12, atol=1e-12)
