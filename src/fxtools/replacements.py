@@ -221,12 +221,12 @@ def _requires_grad_(tensor, requires_grad=True):
     that raises eager's error if its value depends on one (``mark_not_requires_grad``)."""
     if not requires_grad:
         mark_not_requires_grad(tensor, current_user_line())
-    return tensor
+    return NotImplemented  # and PyTorch sets the flag of the traced tensor, as before
 
 
 def _set_requires_grad(tensor, requires_grad):
     """``tensor.requires_grad = flag``: as ``requires_grad_(flag)``."""
-    _requires_grad_(tensor, requires_grad)
+    return _requires_grad_(tensor, requires_grad)
 
 
 def mark_not_requires_grad(tensor, where: str) -> None:

@@ -597,9 +597,12 @@ def leaky_relu(ct, out, x, negative_slope=0.01):
 
 
 def _rrelu_fwd(x, lower=1 / 8, upper=1 / 3, training=False, generator=None):
+    """In training, eager PyTorch's kernel draws one uniform slope per element that is not positive
+    (in order) and records every element's slope as its noise: the rule calls that kernel, so the
+    same seed gives the same slopes as eager, and the noise is the derivative."""
     if training:
-        slope = torch.where(x > 0, 1, torch.rand_like(x) * (upper - lower) + lower)
-        return x * slope, slope
+        out, noise = aten.rrelu_with_noise_functional(x, torch.empty_like(x), lower, upper, True)
+        return out, noise
     return aten.rrelu(x, lower, upper), (x, (lower + upper) / 2)
 
 
@@ -719,6 +722,10 @@ for _op in (aten._to_copy, aten.to, aten.type_as):
 
 mark_nondifferentiable(aten.detach, aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like)
 # Factories (no tensor input to differentiate) and runtime value checks.
+# Random draws carry no gradient in autograd either (``bernoulli(p)``, ``normal(mean, std)``); kept as
+# the ops eager PyTorch calls, they draw the same numbers as eager under the same seed.
 mark_nondifferentiable(aten.empty, aten.empty_strided, aten.zeros, aten.ones, aten.full, aten.arange,
-                       aten.scalar_tensor, aten.rand, aten.randn, aten.randint, aten.normal.float_float,
+                       aten.scalar_tensor, aten.rand, aten.randn, aten.randint, aten.normal, aten.normal_functional,
+                       aten.rand_like, aten.randn_like, aten.randint_like, aten.bernoulli.default,
+                       aten.bernoulli.p, aten.poisson,
                        aten._assert_async, aten.sym_constrain_range_for_size)
