@@ -533,3 +533,19 @@ def test_random_op_reproduces_eager_under_the_same_seed(name):
     torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, torch.zeros_like(g) if w is None else w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["recompute_cheap", "save_all"])
+def test_rrelu_split_reuses_the_drawn_slopes(policy):
+    """The backward of a split graph reads the slopes the forward drew, whatever it recomputes."""
+    x = _r(20)
+    f = lambda x: (torch.nn.functional.rrelu(x, 0.1, 0.3, training=True) * x).sum()  # noqa: E731
+    s = fxtools.split(f, x, policy=policy)
+    torch.manual_seed(3)
+    out, saved = s.forward(x)
+    (grad,) = s.backward(*saved, torch.tensor(1.0, dtype=D))
+    torch.manual_seed(3)
+    xe = x.clone().requires_grad_()
+    want = f(xe)
+    torch.testing.assert_close(out, want.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(grad, torch.autograd.grad(want, xe)[0], rtol=1e-12, atol=1e-12)

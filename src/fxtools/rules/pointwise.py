@@ -599,10 +599,13 @@ def leaky_relu(ct, out, x, negative_slope=0.01):
 def _rrelu_fwd(x, lower=1 / 8, upper=1 / 3, training=False, generator=None):
     """In training, eager PyTorch's kernel draws one uniform slope per element that is not positive
     (in order) and records every element's slope as its noise: the rule calls that kernel, so the
-    same seed gives the same slopes as eager, and the noise is the derivative."""
+    same seed gives the same slopes as eager, and the noise is the derivative. The value is
+    ``x * noise``, which is what the kernel computes (bitwise): PyTorch's autograd formula of the
+    functional kernel's value reads uninitialised memory (2.13), and generated code may be run
+    under autograd."""
     if training:
-        out, noise = aten.rrelu_with_noise_functional(x, torch.empty_like(x), lower, upper, True)
-        return out, noise
+        _, noise = aten.rrelu_with_noise_functional(x, torch.empty_like(x), lower, upper, True)
+        return x * noise, noise
     return aten.rrelu(x, lower, upper), (x, (lower + upper) / 2)
 
 
