@@ -16,6 +16,7 @@ from torch.fx.graph_module import _copy_attr
 from torch.utils import _pytree as pytree
 from torch.utils._pytree import MappingKey, GetAttrKey, SequenceKey
 
+from .guards import GuardedGraphModule
 from .naming import identifier
 
 
@@ -81,7 +82,7 @@ def assemble(flat: fx.GraphModule, arg_names: list[str], args: tuple, tensor_lea
     The graph is built inside the returned module, whose code is not generated yet: the caller
     recompiles it after its last pass (code generation takes long on big graphs; once is enough).
     """
-    gm = fx.GraphModule(flat, fx.Graph(), class_name=flat.__class__.__name__)
+    gm = GuardedGraphModule(flat, fx.Graph(), class_name=flat.__class__.__name__)  # checks fxtools.guards
     graph = gm.graph
     all_names = list(arg_names) + [n for n, _ in extra_args]
     all_args = tuple(args) + tuple(v for _, v in extra_args)

@@ -436,8 +436,10 @@ def show_command(argv) -> int:
         with open(a.file) as fh:
             text = fh.read()
         if a.code_only:
+            from .export import GUARDS_MARKER
             start = text.find("\ndef forward(")
             text = text[start + 1:] if start >= 0 else text
+            text = text.split(GUARDS_MARKER)[0]
         print(text.rstrip())
         return 0
     from .show import annotated_code, propagate_shapes, recorded_inputs
