@@ -38,6 +38,15 @@ def _keep(mask, ct, like=None):
     return g if like is None else unbroadcast(g, like)
 
 
+def _drop(mask, ct):
+    """Zero where ``mask`` holds, ``ct`` elsewhere: written with the comparison autograd's kernel
+    makes (``x <= 0``), so that at NaN, where every comparison is false, ``ct`` passes as in autograd.
+    (Autograd's vectorised CPU loops disagree with its own scalar code at NaN for some activations:
+    hardtanh gives 0 on 8 or more float64 elements, 1 on fewer and on GPU; the rules follow the
+    scalar code.)"""
+    return torch.where(mask, 0, ct)
+
+
 # Unary math.
 
 @vjp_rule(aten.sin)
@@ -207,7 +216,8 @@ def sigmoid(ct, out, x):
 @vjp_rule(aten.logit)
 def logit(ct, out, x, eps=None):
     lo, hi = (0, 1) if eps is None else (eps, 1 - eps)
-    g = ct / (x * (1 - x))
+    d = x * (1 - x)
+    g = ct / (d.abs() if eps is None else d)  # autograd: +inf at -0.0 too (the kernel tests x == 0)
     return torch.where(torch.logical_and(x >= lo, x <= hi), g, math.nan if eps is None else 0)
 
 
@@ -263,8 +273,8 @@ def polygamma(ct, out, n, x):
 
 @vjp_rule(aten.mvlgamma)
 def mvlgamma(ct, out, x, p):
-    offsets = torch.arange(p, dtype=x.dtype) / 2
-    return ct * torch.digamma(x.unsqueeze(-1) - offsets).sum(-1)
+    offsets = torch.arange(1 - p, 1, dtype=x.dtype, device=x.device) / 2  # x + 0.0, as autograd: +0.0 at -0.0
+    return ct * torch.digamma(x.unsqueeze(-1) + offsets).sum(-1)
 
 
 @vjp_rule(aten.special_entr)
@@ -439,12 +449,14 @@ def frexp(ct, out, x):
 
 @vjp_rule(aten.logaddexp)
 def logaddexp(ct, out, x, y):
-    return unbroadcast(ct * torch.exp(x - out), x), unbroadcast(ct * torch.exp(y - out), y)
+    """Autograd's ``ct / (1 + exp(y - x))``, as a sigmoid: 1 at ``(inf, 0)``, where ``exp(x - out)`` is NaN."""
+    return unbroadcast(ct * torch.sigmoid(x - y), x), unbroadcast(ct * torch.sigmoid(y - x), y)
 
 
 @vjp_rule(aten.logaddexp2)
 def logaddexp2(ct, out, x, y):
-    return unbroadcast(ct * torch.exp2(x - out), x), unbroadcast(ct * torch.exp2(y - out), y)
+    """Autograd's formula, finite at ``(inf, 0)`` (see ``logaddexp``)."""
+    return unbroadcast(ct / (1 + torch.exp2(y - x)), x), unbroadcast(ct / (1 + torch.exp2(x - y)), y)
 
 
 def _xlog_self_grad(g, x, y, edge):
@@ -561,22 +573,22 @@ for _overload in ("ScalarSelf", "ScalarOther"):
 
 @vjp_rule(aten.relu)
 def relu(ct, out, x):
-    return _keep(out > 0, ct)
+    return _drop(out <= 0, ct)
 
 
 @vjp_rule(aten.threshold)
 def threshold(ct, out, x, threshold, value):
-    return _keep(x > threshold, ct)
+    return _drop(x <= threshold, ct)
 
 
 @vjp_rule(aten.hardtanh)
 def hardtanh(ct, out, x, min_val=-1, max_val=1):
-    return _keep(torch.logical_and(x > min_val, x < max_val), ct)
+    return _drop(torch.logical_or(x <= min_val, x >= max_val), ct)
 
 
 @vjp_rule(aten.relu6)
 def relu6(ct, out, x):
-    return _keep(torch.logical_and(x > 0, x < 6), ct)
+    return hardtanh(ct, out, x, 0, 6)
 
 
 @vjp_rule(aten.leaky_relu)
@@ -585,9 +597,15 @@ def leaky_relu(ct, out, x, negative_slope=0.01):
 
 
 def _rrelu_fwd(x, lower=1 / 8, upper=1 / 3, training=False, generator=None):
+    """In training, eager PyTorch's kernel draws one uniform slope per element that is not positive
+    (in order) and records every element's slope as its noise: the rule calls that kernel, so the
+    same seed gives the same slopes as eager, and the noise is the derivative. The value is
+    ``x * noise``, which is what the kernel computes (bitwise): PyTorch's autograd formula of the
+    functional kernel's value reads uninitialised memory (2.13), and generated code may be run
+    under autograd."""
     if training:
-        slope = torch.where(x > 0, 1, torch.rand_like(x) * (upper - lower) + lower)
-        return x * slope, slope
+        _, noise = aten.rrelu_with_noise_functional(x, torch.empty_like(x), lower, upper, True)
+        return x * noise, noise
     return aten.rrelu(x, lower, upper), (x, (lower + upper) / 2)
 
 
@@ -602,7 +620,7 @@ register_vjp(aten.rrelu, _rrelu_fwd, _rrelu_bwd, source="hand-written")
 
 def _elu(ct, out, x, alpha, scale, input_scale):
     neg = _scaled(ct * (out + alpha * scale), input_scale)
-    return torch.where(x > 0, _scaled(ct, scale), neg)
+    return torch.where(x <= 0, neg, _scaled(ct, scale))
 
 
 @vjp_rule(aten.elu)
@@ -667,12 +685,12 @@ def hardswish(ct, out, x):
 
 @vjp_rule(aten.softshrink)
 def softshrink(ct, out, x, lambd=0.5):
-    return _keep(x.abs() > lambd, ct)
+    return _drop(x.abs() <= lambd, ct)
 
 
 @vjp_rule(aten.hardshrink)
 def hardshrink(ct, out, x, lambd=0.5):
-    return _keep(x.abs() > lambd, ct)
+    return _drop(x.abs() <= lambd, ct)
 
 
 @vjp_rule(aten.prelu)
@@ -707,6 +725,10 @@ for _op in (aten._to_copy, aten.to, aten.type_as):
 
 mark_nondifferentiable(aten.detach, aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like)
 # Factories (no tensor input to differentiate) and runtime value checks.
+# Random draws carry no gradient in autograd either (``bernoulli(p)``, ``normal(mean, std)``); kept as
+# the ops eager PyTorch calls, they draw the same numbers as eager under the same seed.
 mark_nondifferentiable(aten.empty, aten.empty_strided, aten.zeros, aten.ones, aten.full, aten.arange,
-                       aten.scalar_tensor, aten.rand, aten.randn, aten.randint, aten.normal.float_float,
+                       aten.scalar_tensor, aten.rand, aten.randn, aten.randint, aten.normal, aten.normal_functional,
+                       aten.rand_like, aten.randn_like, aten.randint_like, aten.bernoulli.default,
+                       aten.bernoulli.p, aten.poisson,
                        aten._assert_async, aten.sym_constrain_range_for_size)

@@ -134,11 +134,15 @@ def _prod_grad(ct, out, x, dim, keepdim):
     out, ct = restore(out, x, dim, keepdim), restore(ct, x, dim, keepdim)
     zero = x == 0
     if is_full(x, dim):
-        others = torch.where(zero, 1, x).prod() * (zero.sum() == 1)
+        zeros = zero.sum()
+        others = torch.where(zeros == 1, torch.where(zero, 1, x).prod(), 0)
     else:
         d = dims_of(x, dim)[0]
-        others = torch.where(zero, 1, x).prod(d, keepdim=True) * (zero.sum(d, keepdim=True) == 1)
-    return cast(ct * conj(torch.where(zero, others, out / x)), x)
+        zeros = zero.sum(d, keepdim=True)
+        others = torch.where(zeros == 1, torch.where(zero, 1, x).prod(d, keepdim=True), 0)
+    # beside a zero the product of the others is 0, also where ``out`` is NaN (``prod([0, inf])``)
+    lost = torch.logical_and(zeros > 0, torch.isnan(out))
+    return cast(ct * conj(torch.where(zero, others, torch.where(lost, 0, out / x))), x)
 
 
 @vjp_rule(aten.prod.default)
@@ -161,9 +165,11 @@ def cumprod(ct, out, x, dim, dtype=None):
     if x.dim() == 0:
         return cast(ct, x)
     zero = x == 0
-    first_zero = torch.logical_and(zero, zero.cumsum(dim) == 1)
+    seen = zero.cumsum(dim)
+    first_zero = torch.logical_and(zero, seen == 1)
     at_first_zero = rev_cumsum(ct * conj(torch.where(first_zero, 1, x).cumprod(dim)), dim)
-    elsewhere = torch.where(zero, 0, rev_cumsum(ct * conj(out), dim) / conj(x))
+    # after a zero every product holds it: the derivative is 0, even where out / x is NaN (0 * inf)
+    elsewhere = torch.where(seen > 0, 0, rev_cumsum(ct * conj(out), dim) / conj(x))
     return cast(torch.where(first_zero, at_first_zero, elsewhere), x)
 
 
@@ -205,8 +211,13 @@ def aminmax(ct, out, x, *, dim=None, keepdim=False):
 
 @vjp_rule(aten.max.default)
 def max_(ct, out, x):
-    mask = x == out
-    return ct / mask.sum() * mask
+    """``ct`` split evenly between the elements equal to ``out``, or between the NaNs when there
+    are any (then ``out`` is NaN), as autograd does."""
+    return _split_evenly(ct, torch.logical_or(x == out, torch.isnan(x)))
+
+
+def _split_evenly(ct, mask):
+    return torch.where(mask, ct / mask.sum(), 0)
 
 
 @vjp_rule(aten.min.default)
@@ -221,7 +232,8 @@ def median(ct, out, x):
 
 @vjp_rule(aten.nanmedian.default)
 def nanmedian(ct, out, x):
-    return max_(ct, out, x)
+    """As ``max_``, but NaNs are skipped unless they are all there is (then ``out`` is NaN)."""
+    return _split_evenly(ct, torch.logical_or(x == out, torch.logical_and(torch.isnan(x), torch.isnan(out))))
 
 
 @vjp_rule(aten.max.dim)
