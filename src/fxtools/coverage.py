@@ -68,14 +68,15 @@ def opinfo_id(opinfo) -> str:
     return opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
 
 
-def opinfo_samples(opinfo, n):
-    """The first n float64 CPU samples of an OpInfo, generated from a fixed seed.
+def opinfo_samples(opinfo, n, dtype=torch.float64):
+    """The first n CPU samples of an OpInfo in ``dtype`` (float64 or complex128), generated from a
+    fixed seed.
 
     The sample generator runs under ``no_grad``: it is closed at once, or its ``no_grad`` exit
     would run whenever it is garbage-collected, possibly in the middle of a later trace.
     """
     torch.manual_seed(0)
-    gen = iter(opinfo.sample_inputs_func(opinfo, "cpu", torch.float64, True))
+    gen = iter(opinfo.sample_inputs_func(opinfo, "cpu", dtype, True))
     try:
         return list(itertools.islice(gen, n))
     finally:
