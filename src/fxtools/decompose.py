@@ -38,9 +38,11 @@ def _decompositions(op):
 
 
 def _needs_work(node) -> bool:
+    """An op with no rule for this call: none at all, or one written for real tensors only called
+    with complex ones (PyTorch's decomposition or formula then gives autograd's convention)."""
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and registry.lookup(node.target) is None and not registry.is_nondifferentiable(node.target)
-            and "fxtools_rule" not in node.meta)
+            and registry.lookup_node(node) is None
+            and not registry.is_nondifferentiable(node.target) and "fxtools_rule" not in node.meta)
 
 
 def _nondifferentiable_outputs(op, args, kwargs) -> list[int]:

@@ -83,6 +83,15 @@ def rule_for(node):
             or registry.lookup(node.target))
     if rule is None:
         raise missing_rule(node)
+    if not registry.handles(rule, node) and "fxtools_rule" not in node.meta:
+        rule = registry.lookup_node(node)
+    if rule is None:
+        raise MissingRuleError(
+            f"fxtools cannot differentiate {node.target} with complex tensors (called from "
+            f"{user_line_of(node) or 'an unknown line'}): its VJP rule is written for real tensors and "
+            "PyTorch gives no decomposition or derivative formula for this call. Differentiate a real "
+            "formulation (torch.view_as_real), or register a rule following autograd's convention "
+            "with fxtools.register_vjp.")
     return rule
 
 
@@ -180,7 +189,8 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
             if c is None or node not in need:
                 return
             if isinstance(c, torch.Tensor) and c.dtype != node.meta["val"].dtype:
-                c = memo.call(torch.Tensor.to, c, node.meta["val"].dtype)
+                # a complex cotangent reaching a real value keeps its real part, as in autograd
+                c = memo.call(registry.cast_cotangent, c, node.meta["val"].dtype)
             ct[node] = c if node not in ct else memo.call(operator.add, ct[node], c)
 
         if spec.seed == "ones":
