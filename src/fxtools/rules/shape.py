@@ -538,6 +538,19 @@ def unfold(ct, out, x, dimension, size, step):
     return aten.unfold_backward(ct, x.shape, dimension, size, step)
 
 
+# ---- complex tensors as pairs of real ones ----------------------------------------------------
+
+@vjp_rule(aten.view_as_real)
+def view_as_real(ct, out, x):
+    """The real and imaginary parts' cotangents, as one complex cotangent (autograd's convention)."""
+    return torch.view_as_complex(ct.contiguous())
+
+
+@vjp_rule(aten.view_as_complex)
+def view_as_complex(ct, out, x):
+    return torch.view_as_real(ct.resolve_conj())
+
+
 @vjp_rule(aten.hstack)
 def hstack(ct, out, tensors):
     dim = 0 if tensors[0].dim() <= 1 else 1
