@@ -10,7 +10,7 @@ from fxtools.cli_commands import CliError, build_args, parse_spec
 from isolated import run_isolated
 
 def test_grad_of_a_module_writes_a_standalone_module(model_dir):
-    proc = subprocess.run([sys.executable, "-m", "fxtools.cli", "grad", "model.py:Net", "--arg", "x=f32[4,8]",
+    proc = subprocess.run([sys.executable, "-m", "fxtools", "grad", "model.py:Net", "--arg", "x=f32[4,8]",
                            "--out", "g.py"], cwd=model_dir, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "def forward(self, params, x):" in proc.stdout and "# f32[16, 8]" in proc.stdout
@@ -31,6 +31,12 @@ for k in want:
 print("same gradients:", len(want))
 """, model_dir)
     assert "same gradients: 6" in out
+
+
+def test_python_m_fxtools_is_the_command():
+    proc = subprocess.run([sys.executable, "-m", "fxtools", "--help"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: fxtools {demo,") and "  grad " in proc.stdout
 
 
 def test_check_and_show(model_dir, capsys, monkeypatch):

@@ -17,7 +17,7 @@ from torch.fx.experimental import proxy_tensor
 import fxtools
 from fxtools import examples, replay
 from fxtools import reverse as reverse_module
-from fxtools.api import PART_KEY
+from fxtools.draw import PART_KEY
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 

@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 from . import rules  # noqa: F401  (registers fxtools' own rules)
 from .assemble import assemble
 from .capture import Captured, capture, check_supported
+from .draw import PART_KEY
 from .decompose import expand
 from .functionalize import functionalize
 from .naming import arg_names
@@ -30,7 +31,7 @@ def _argnums_tuple(argnums, nargs):
     return tuple(a % nargs for a in nums)
 
 
-def _prepare(f, args, argnums):
+def prepare(f, args, argnums):
     if not isinstance(args, tuple):
         args = tuple(args)
     cap = capture(f, args)
@@ -42,7 +43,7 @@ def _prepare(f, args, argnums):
     return cap, wrt
 
 
-def _grads_structure(cap: Captured, args, grads_flat, argnums):
+def grads_structure(cap: Captured, args, grads_flat, argnums):
     """Nest flat gradients like the differentiated arguments; non-float leaves get None."""
     it = iter(grads_flat)
     tensor_leaves = [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t]
@@ -62,9 +63,6 @@ def _grads_structure(cap: Captured, args, grads_flat, argnums):
 
 def _names(f, args):
     return arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
-
-
-PART_KEY = "fxtools_part"  # node.meta: "forward" / "backward" (vjp, grad), "recompute" (split's backward)
 
 
 def mark_parts(flat_gm: fx.GraphModule, n_out: int) -> None:
@@ -105,7 +103,7 @@ def vjp(f, *args) -> fx.GraphModule:
     ``J^T grad_out`` for floating-point tensor leaves and ``None`` for every other leaf.
     """
     argnums = tuple(range(len(args)))
-    cap, wrt = _prepare(f, args, argnums)
+    cap, wrt = prepare(f, args, argnums)
     cap.f = f
     flat_gm, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     n_out = len(cap.out_leaves)
@@ -114,14 +112,14 @@ def vjp(f, *args) -> fx.GraphModule:
 
     def build(flat):
         out = _output_structure(cap, flat[:n_out])
-        return out, _grads_structure(cap, args, flat[n_out:], argnums)
+        return out, grads_structure(cap, args, flat[n_out:], argnums)
 
     return _finish(cap, flat_gm, args, build, extra_args=[("grad_out", ct_example)])
 
 
 def _grad_gm(f, args, argnums, with_value):
     nums = _argnums_tuple(argnums, len(args))
-    cap, wrt = _prepare(f, args, nums)
+    cap, wrt = prepare(f, args, nums)
     cap.f = f
     outs = [o for o in cap.out_leaves if isinstance(o, torch.Tensor)]
     if len(cap.out_leaves) != 1 or not outs or outs[0].numel() != 1 or not is_float(outs[0]):
@@ -131,7 +129,7 @@ def _grad_gm(f, args, argnums, with_value):
     flat_gm, _, _ = reverse(cap, ReverseSpec(wrt, "ones"))
 
     def build(flat):
-        grads = _grads_structure(cap, args, flat[1:], nums)
+        grads = grads_structure(cap, args, flat[1:], nums)
         grads = grads[0] if isinstance(argnums, int) else grads
         return (_output_structure(cap, flat[:1]), grads) if with_value else grads
 

@@ -24,7 +24,8 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 from torch.utils import _pytree as pytree
 
-from .errors import DataDependentError, FxtoolsError, _is_user_file, user_frame
+from .errors import DataDependentError, FxtoolsError, is_user_file, user_frame
+from .checkpoint import checkpoint_regions
 from .dynamic_shapes import CountsFromExamples
 from .naming import arg_names, identifier, leaf_names
 from .replacements import Replacing, check_no_writes
@@ -111,7 +112,7 @@ def _name_constants(gm: fx.GraphModule, names: dict[int, str]) -> None:
 def _all_user_frames():
     """make_fx keeps only frames below a ``forward`` method in stack traces; keep every user frame."""
     def keep_user_frames(self, summary):
-        return traceback.StackSummary.from_list([f for f in summary if _is_user_file(f.filename)])
+        return traceback.StackSummary.from_list([f for f in summary if is_user_file(f.filename)])
 
     PythonKeyTracer._filter_traceback_frames = keep_user_frames
     try:
@@ -246,7 +247,6 @@ def _custom_autograd_functions(pre_dispatch=True):
     """
     from .custom import capturing
     from .nested import no_nested_transforms
-    from .split import checkpoint_regions  # split imports this module
 
     with checkpoint_regions(), capturing(record=pre_dispatch), \
             (no_nested_transforms() if pre_dispatch else contextlib.nullcontext()):

@@ -24,9 +24,10 @@ import os
 import torch
 import torch.fx as fx
 
-from .api import PART_KEY
 from .errors import FxtoolsError
 from .show import describe
+
+PART_KEY = "fxtools_part"  # node.meta: "forward" / "backward" (vjp, grad), "recompute" (split's backward)
 
 __all__ = ["draw", "to_dot", "Svg", "DrawError", "COLORS"]
 

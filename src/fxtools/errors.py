@@ -22,7 +22,7 @@ class DataDependentError(FxtoolsError):
     """Python control flow depended on the *value* of a tensor, which a trace cannot capture."""
 
 
-def _is_user_file(filename: str) -> bool:
+def is_user_file(filename: str) -> bool:
     return not (
         filename.startswith(_TORCH_DIR)
         or filename.startswith(_FXTOOLS_DIR)
@@ -33,7 +33,7 @@ def _is_user_file(filename: str) -> bool:
 
 def user_frame(tb) -> str | None:
     """'file:line: code' of the innermost frame of a traceback that is in user code."""
-    frames = [f for f in traceback.extract_tb(tb) if _is_user_file(f.filename)]
+    frames = [f for f in traceback.extract_tb(tb) if is_user_file(f.filename)]
     if not frames:
         return None
     f = frames[-1]
@@ -46,7 +46,7 @@ def current_user_line() -> str:
 
     stdlib = sysconfig.get_paths()["stdlib"]
     frames = [f for f in traceback.extract_stack()
-              if _is_user_file(f.filename) and not f.filename.startswith(stdlib)]
+              if is_user_file(f.filename) and not f.filename.startswith(stdlib)]
     if not frames:
         return "an unknown line of user code"
     f = frames[-1]
@@ -64,7 +64,7 @@ def user_line_of(node) -> str | None:
         line = line.strip()
         if line.startswith('File "'):
             filename = line.split('"')[1]
-            if _is_user_file(filename):
+            if is_user_file(filename):
                 lineno = line.split("line ")[1].split(",")[0]
                 code = lines[i + 1].strip() if i + 1 < len(lines) else ""
                 best = f"{filename}:{lineno}: {code}"

@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from . import custom
-from .api import _names, _prepare
+from .api import _names, prepare
 from .assemble import assemble
 from .capture import Captured
 from .decompose import expand
@@ -223,7 +223,7 @@ def jvp(f, *args) -> fx.GraphModule:
         args = tuple(args)
     argnums = tuple(range(len(args)))
     with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored: refuse it
-        cap, wrt = _prepare(f, args, argnums)
+        cap, wrt = prepare(f, args, argnums)
     cap.f = f
     _true_adjoints(cap.gm)
     vjp_flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))

@@ -33,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import FxtoolsError, user_line_of
 from .simplify import fake_mode_of
-from .registry import Rule
+from .registry import Rule, differentiable_nodes, is_float
 
 aten = torch.ops.aten
 
@@ -307,8 +307,6 @@ def _kept_mutation_rule(node: fx.Node) -> Rule:
 
 def _maybe_differentiable(gm: fx.GraphModule) -> set:
     """Nodes that depend differentiably on some floating-point input (any argnums)."""
-    from .reverse import differentiable_nodes, is_float
-
     wrt = {n for n in gm.graph.nodes if n.op == "placeholder" and is_float(n.meta.get("val"))}
     return differentiable_nodes(gm, wrt)
 

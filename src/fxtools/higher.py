@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .api import _argnums_tuple, _grads_structure, _names, _prepare
+from .api import _argnums_tuple, _names, grads_structure, prepare
 from .batching import trace_batched, vmappable
 from .forward import finish
 from .registry import rule_set
@@ -52,7 +52,7 @@ def hvp(f, *args, argnums=0) -> fx.GraphModule:
     # attention's backward has no derivative) and the second derivative should read as math.
     with rule_set("readable"):
         g = grad(f, *args, argnums=argnums)
-        cap, wrt = _prepare(g, args, nums)
+        cap, wrt = prepare(g, args, nums)
         cap.f = g
         flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     n_out = len(cap.out_leaves)
@@ -64,7 +64,7 @@ def hvp(f, *args, argnums=0) -> fx.GraphModule:
         [cap.out_leaves[i] if i in ct_index else None for i in range(n_out)], cap.out_spec)
 
     def build(flat_results):
-        hv = _grads_structure(cap, args, flat_results, nums)
+        hv = grads_structure(cap, args, flat_results, nums)
         return hv[0] if isinstance(argnums, int) else hv
 
     names = _names(f, args)

@@ -35,13 +35,13 @@ import operator
 import torch
 import torch.fx as fx
 
+from .checkpoint import CHECKPOINT_KEY
 from .simplify import is_impure
 
 aten = torch.ops.aten
 
 SAVE, RECOMPUTE = "save", "recompute"
 BUILTIN = ("save_all", "recompute_cheap", "dots_saveable")
-CHECKPOINT_KEY = "fxtools_checkpoint"  # in node.meta["custom"]: the torch.utils.checkpoint region
 
 _RESHAPING = {
     aten.reshape.default, aten._unsafe_view.default, aten.contiguous.default, aten.clone.default,

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 
 @dataclass(frozen=True)
@@ -266,3 +268,32 @@ def is_nondifferentiable(op) -> bool:
     return op in _NONDIFFERENTIABLE or (
         isinstance(op, torch._ops.OpOverload) and op.overloadpacket in _NONDIFFERENTIABLE
     )
+
+
+def is_float(x) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def differentiable_nodes(gm: fx.GraphModule, wrt: set[fx.Node]) -> set[fx.Node]:
+    """The nodes whose value depends differentiably on the placeholders in ``wrt``.
+
+    Gradients stop at non-floating outputs, at ops declared non-differentiable (``detach``,
+    ``floor``, comparisons), and inside ``torch.no_grad()`` regions.
+    """
+    need = set(wrt)
+    grad_enabled = True
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._set_grad_enabled:
+            grad_enabled = bool(node.args[0])
+            continue
+        if not grad_enabled or is_nondifferentiable(node.target):
+            continue
+        inputs = node.all_input_nodes
+        if not any(a in need for a in inputs):
+            continue
+        val = node.meta.get("val")
+        if any(is_float(v) for v in pytree.tree_leaves(val)):
+            need.add(node)
+    return need

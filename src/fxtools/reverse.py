@@ -24,6 +24,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
 from . import registry
+from .registry import differentiable_nodes, is_float
 from .capture import Captured, data_dependent_error, is_data_dependent, trace_flat
 from .dynamic_shapes import cotangent_example, dynamic_nodes, is_dynamic, tie
 from .errors import MissingRuleError, user_line_of
@@ -32,37 +33,8 @@ from .replay import Memo
 aten = torch.ops.aten
 
 
-def is_float(x) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
-
-
 def _value(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else node
-
-
-def differentiable_nodes(gm: fx.GraphModule, wrt: set[fx.Node]) -> set[fx.Node]:
-    """The nodes whose value depends differentiably on the placeholders in ``wrt``.
-
-    Gradients stop at non-floating outputs, at ops declared non-differentiable (``detach``,
-    ``floor``, comparisons), and inside ``torch.no_grad()`` regions.
-    """
-    need = set(wrt)
-    grad_enabled = True
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is torch._C._set_grad_enabled:
-            grad_enabled = bool(node.args[0])
-            continue
-        if not grad_enabled or registry.is_nondifferentiable(node.target):
-            continue
-        inputs = node.all_input_nodes
-        if not any(a in need for a in inputs):
-            continue
-        val = node.meta.get("val")
-        if any(is_float(v) for v in pytree.tree_leaves(val)):
-            need.add(node)
-    return need
 
 
 def missing_rule(node) -> MissingRuleError:

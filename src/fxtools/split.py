@@ -45,7 +45,9 @@ from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
 from . import policies, registry
-from .api import PART_KEY, _grads_structure, _prepare
+from .api import grads_structure, prepare
+from .checkpoint import checkpoint_regions
+from .draw import PART_KEY
 from .dynamic_shapes import upper_bound
 from .errors import user_line_of
 from .functional import functional
@@ -56,60 +58,6 @@ from .reverse import ReverseSpec, ancestors, reverse
 from .simplify import is_impure, simplify
 
 _INF = 1 << 62
-
-
-# --------------------------------------------------------------------------------------------
-# torch.utils.checkpoint regions
-# --------------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def checkpoint_regions():
-    """While tracing, mark the ops each ``torch.utils.checkpoint`` call runs with a region id.
-
-    Tracing inlines checkpointed functions without a trace of the call (and the reentrant
-    variant would run them under ``no_grad``). Inside this context both variants just call the
-    function, and every node created meanwhile gets ``node.meta['custom']['fxtools_checkpoint']``,
-    which the later passes carry along like the stack trace. ``context_fn`` is ignored.
-    """
-    import torch.utils.checkpoint as cp
-
-    ids = itertools.count()
-
-    def tracer_graph():
-        mode = proxy_tensor.get_innermost_proxy_mode()
-        return None if mode is None else mode.tracer.graph
-
-    def mark(graph, before):
-        if graph is None:
-            return
-        region = next(ids)
-        for node in graph.nodes:
-            if node not in before and node.op == "call_function":
-                custom = dict(node.meta.get("custom") or {})
-                custom[policies.CHECKPOINT_KEY] = region  # the outermost region wins
-                node.meta["custom"] = custom
-
-    def non_reentrant(function, *rest, **kwargs):
-        graph = tracer_graph()
-        before = set(graph.nodes) if graph is not None else set()
-        yield  # checkpoint() runs the function here
-        mark(graph, before)
-
-    class Reentrant:
-        @staticmethod
-        def apply(function, preserve_rng_state, *args):
-            graph = tracer_graph()
-            before = set(graph.nodes) if graph is not None else set()
-            out = function(*args)
-            mark(graph, before)
-            return out
-
-    saved = cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction
-    cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = non_reentrant, Reentrant
-    try:
-        yield
-    finally:
-        cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = saved
 
 
 # --------------------------------------------------------------------------------------------
@@ -544,7 +492,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
         f = functional(f)
     argnums = tuple(range(len(args)))
     with checkpoint_regions():
-        cap, wrt = _prepare(f, args, argnums)
+        cap, wrt = prepare(f, args, argnums)
     cap.f = f
     if grad_leaves is not None:
         grad_leaves = [bool(g) for g in grad_leaves]
@@ -606,7 +554,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
     it = iter(part.grads)
     grads_flat = [next(it) if w else None for w in wrt]  # one per tensor leaf
     grads_flat = [emit(g) if isinstance(g, fx.Node) else g for g in grads_flat]
-    bg.output(_grads_structure(cap, args, grads_flat, argnums))
+    bg.output(grads_structure(cap, args, grads_flat, argnums))
     backward = _finish(fx.GraphModule(joint, bg, class_name="SplitBackward"))
     boxed_graph = fx.Graph()
     boxed_graph.output(boxed_graph.graph_copy(backward.graph, {}))
