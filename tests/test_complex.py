@@ -117,6 +117,18 @@ def test_real_only_rule_falls_back_to_pytorch_for_complex():
     assert "solve_triangular" in code  # the readable rule still differentiates real matrices
 
 
+def test_svd_phase_dependent_loss_is_refused_at_run_time():
+    """Complex singular vectors are defined up to a phase: a loss that ignores it is differentiated
+    (autograd's formula), one that depends on it is refused when the module runs, as autograd does."""
+    a = _z(4, 3)
+    check_vjp(lambda a: torch.linalg.svd(a, full_matrices=False)[0].abs().sum(), a)
+    gm = fxtools.vjp(lambda a: torch.linalg.svd(a, full_matrices=False)[0].real.sum(), a)
+    with pytest.raises(RuntimeError, match="phases"):
+        gm(a, torch.tensor(1.0, dtype=torch.float64))
+    real = torch.randn(4, 3, dtype=torch.float64)
+    assert "_assert_async" not in fxtools.vjp(lambda a: torch.linalg.svd(a)[1].sum(), real).code
+
+
 def test_unsupported_complex_call_is_refused_with_the_line():
     """An op whose only rule is real-only and that PyTorch cannot differentiate: a clear error
     naming the op and the user's line at generation time, never a result."""

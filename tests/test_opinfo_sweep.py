@@ -41,17 +41,10 @@ KNOWN_FAILURES = {
 }
 
 
-_SVD_DATA_DEPENDENT = (
-    DataDependentError, "PyTorch's complex svd_backward checks at run time that the loss does not "
-    "depend on the singular vectors' phases (a data-dependent assert), so its traced formula is "
-    "refused at generation time, naming the line")
-
 # complex128: id -> (exception type, reason); each raises at generation time, never a wrong value
 KNOWN_COMPLEX_FAILURES = {
     "sparse.sampled_addmm": KNOWN_FAILURES["sparse.sampled_addmm"],
     "as_strided.partial_views": KNOWN_FAILURES["as_strided.partial_views"],
-    **{name: _SVD_DATA_DEPENDENT for name in (
-        "svd", "linalg.svd", "svd_lowrank", "pca_lowrank", "norm.nuc", "linalg.cond")},
 }
 
 

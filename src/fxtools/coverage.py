@@ -120,7 +120,7 @@ def _classify_graph(gm, category: dict) -> list[str]:
     todo = {}
     for name, nodes in ops.items():
         op = nodes[0].target
-        rule = registry.lookup(op)
+        rule = registry.lookup_node(nodes[0])
         if rule is not None:
             category.setdefault(name, "hand-written" if rule.source != "derived" else "derived")
         elif registry.is_nondifferentiable(op):

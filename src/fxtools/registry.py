@@ -21,6 +21,8 @@ the op's complex arguments and outputs conjugated, which turns that formula into
 A rule of a non-holomorphic op (``abs``, ``angle``, ``var``) says ``complex="convention"`` and
 computes the convention itself; one written for real tensors only says ``complex="real"``, and
 complex calls of its op are differentiated by PyTorch's decomposition or derivative formula.
+``complex="complex"`` is the converse: a convention rule for complex calls only (real ones keep
+PyTorch's formula, so their generated code is unchanged).
 
 Keys are ``torch.ops.aten`` overload packets (``torch.ops.aten.sin``, covering every
 overload) or single overloads (``torch.ops.aten.sum.dim_IntList``), which take precedence.
@@ -47,10 +49,10 @@ class Rule:
     fwd: Callable[..., tuple[Any, Any]]
     bwd: Callable[[Any, Any], Any]
     source: str = "hand-written"  # or "user", "derived", "fused"
-    complex: str = "convention"   # or "real": complex calls go to PyTorch's formula (module docstring)
+    complex: str = "convention"   # the calls it handles (module docstring): all; "real" or "complex" ones only
 
 
-COMPLEX_MODES = ("holomorphic", "convention", "real")
+COMPLEX_MODES = ("holomorphic", "convention", "real", "complex")
 
 
 def _check_complex_mode(mode, allowed=COMPLEX_MODES):
@@ -123,7 +125,7 @@ def register_vjp(op, fwd: Callable, bwd: Callable, *, source: str = "user", rule
             return ct * torch.cos(x)          # cotangent of the one argument
         fxtools.register_vjp(torch.ops.aten.sin, sin_fwd, sin_bwd)
     """
-    _check_complex_mode(complex, ("convention", "real"))
+    _check_complex_mode(complex, ("convention", "real", "complex"))
     rule = Rule(fwd, bwd, source, complex)
     _table(rule_set)[_key(op)] = rule
     return rule
@@ -141,7 +143,7 @@ def vjp_rule(op, *, rule_set: str | None = None, complex: str = "holomorphic"):
             return ct * torch.cos(x)
 
     ``complex`` says how the rule treats complex tensors (module docstring): ``"holomorphic"``
-    (conjugated arguments and output), ``"convention"`` or ``"real"``.
+    (conjugated arguments and output), ``"convention"``, ``"real"`` or ``"complex"``.
     """
     _check_complex_mode(complex)
 
@@ -157,7 +159,7 @@ def vjp_rule(op, *, rule_set: str | None = None, complex: str = "holomorphic"):
         fwd.__name__ = bwd.__name__ = bwd_of_inputs.__name__
         fwd.__qualname__ = bwd.__qualname__ = bwd_of_inputs.__qualname__
         _table(rule_set)[_key(op)] = Rule(fwd, bwd, "hand-written" if rule_set is None else rule_set,
-                                          "real" if complex == "real" else "convention")
+                                          "convention" if complex == "holomorphic" else complex)
         return bwd_of_inputs
 
     return register
@@ -181,15 +183,17 @@ def lookup(op) -> Rule | None:
 
 
 def handles(rule: Rule | None, node) -> bool:
-    """Whether ``rule`` differentiates ``node``: not a real-only rule called with complex tensors."""
+    """Whether ``rule`` differentiates ``node``: not a real-only rule called with complex tensors,
+    nor a complex-only one called with real ones."""
     if rule is None:
         return False
-    if getattr(rule, "complex", "convention") != "real":
+    mode = getattr(rule, "complex", "convention")
+    if mode == "convention":
         return True
     from torch.utils import _pytree as pytree
 
     vals = [a.meta.get("val") for a in node.all_input_nodes] + pytree.tree_leaves(node.meta.get("val"))
-    return not any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals)
+    return any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals) == (mode == "complex")
 
 
 def lookup_node(node) -> Rule | None:

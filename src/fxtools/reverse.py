@@ -58,12 +58,13 @@ def rule_for(node):
     if not registry.handles(rule, node) and "fxtools_rule" not in node.meta:
         rule = registry.lookup_node(node)
     if rule is None:
+        kind, other = ("complex", "real") if registry.lookup(node.target).complex == "real" else ("real", "complex")
         raise MissingRuleError(
-            f"fxtools cannot differentiate {node.target} with complex tensors (called from "
-            f"{user_line_of(node) or 'an unknown line'}): its VJP rule is written for real tensors and "
-            "PyTorch gives no decomposition or derivative formula for this call. Differentiate a real "
-            "formulation (torch.view_as_real), or register a rule following autograd's convention "
-            "with fxtools.register_vjp.")
+            f"fxtools cannot differentiate {node.target} with {kind} tensors (called from "
+            f"{user_line_of(node) or 'an unknown line'}): its VJP rule is written for {other} tensors only "
+            "and PyTorch gives no decomposition or derivative formula for this call. Register a rule "
+            "following autograd's convention for complex tensors with fxtools.register_vjp"
+            + (", or differentiate a real formulation (torch.view_as_real)." if kind == "complex" else "."))
     return rule
 
 

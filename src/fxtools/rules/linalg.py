@@ -386,3 +386,53 @@ def _linalg_solve_ex(ct, out, a, b, *, left=True, check_errors=False):
 @vjp_rule(aten.det)
 def det(ct, out, a):
     return linalg_det(ct, out, a)
+
+
+_SVD_PHASE_MESSAGE = ("svd: the loss depends on the phases of the complex singular vectors, so its "
+                      "derivative is not defined (autograd raises here too)")
+
+
+@vjp_rule(aten._linalg_svd, complex="complex")
+def _linalg_svd(ct, out, a, full_matrices=False, compute_uv=True, *, driver=None):
+    """Complex SVD: autograd's formula, with its check that the loss ignores the singular vectors'
+    phases made an assertion of the generated code (it depends on the data). Real matrices keep
+    PyTorch's own formula."""
+    gu, gs, gvh = ct
+    u, s, vh = out
+    m, n = a.shape[-2], a.shape[-1]
+    k = min(m, n)
+    if gu is None and gvh is None:
+        return u[..., :k] @ (gs.unsqueeze(-1) * vh[..., :k, :]) if m >= n else (u[..., :, :k] * gs.unsqueeze(-2)) @ vh[..., :k, :]
+    if full_matrices and m != n:
+        raise NotImplementedError("the derivative of a non-square full_matrices=True SVD's singular vectors "
+                                  "is not defined (autograd refuses it too); use full_matrices=False")
+
+    def skew(x):
+        return x - _H(x)
+
+    uhgu = None if gu is None else skew(_H(u) @ gu)
+    vhgv = None if gvh is None else skew(vh @ _H(gvh))
+    # autograd's check, kept at run time: a loss that depends on the phases has no derivative
+    im_u = 0 if uhgu is None else uhgu.diagonal(dim1=-2, dim2=-1).imag
+    im_v = 0 if vhgv is None else vhgv.diagonal(dim1=-2, dim2=-1).imag
+    torch._assert_async(((im_u + im_v).abs() <= 1e-2 + 1e-2 * (im_v.abs() if vhgv is not None else 0)).all(),
+                        _SVD_PHASE_MESSAGE)
+    s2 = s * s
+    e = s2.unsqueeze(-2) - s2.unsqueeze(-1) + torch.eye(k, dtype=s.dtype, device=s.device)
+    if uhgu is not None and vhgv is not None:
+        g = (uhgu * s.unsqueeze(-2) + s.unsqueeze(-1) * vhgv) / e
+    elif uhgu is not None:
+        g = uhgu * (s.unsqueeze(-2) / e)
+    else:
+        g = s.unsqueeze(-1) * vhgv / e
+    if gs is not None:
+        g = g + torch.diag_embed(gs)
+    if uhgu is not None:
+        g = g + torch.diag_embed(uhgu.diagonal(dim1=-2, dim2=-1) / (2 * s))
+    if m > n and gu is not None:
+        gus = gu / s.unsqueeze(-2)
+        return (u @ g + gus - u @ (_H(u) @ gus)) @ vh
+    if m < n and gvh is not None:
+        sgvh = gvh / s.unsqueeze(-1)
+        return u @ (g @ vh + sgvh - (sgvh @ _H(vh)) @ vh)
+    return u @ g @ vh
