@@ -7,8 +7,9 @@ einsums with the cotangent in the operand's place.
 Complex tensors: products, solves, inverses and determinants are holomorphic, so their rules are
 the real formulas and ``vjp_rule`` conjugates the arguments (``ct @ b.mT`` becomes autograd's
 ``ct @ b.conj().mT``). ``vdot`` and the Hermitian eigen- and singular-value rules compute autograd's
-convention themselves (``_H``, the conjugate transpose). The Cholesky and ``slogdet`` rules are
-written for real matrices: complex ones are differentiated by PyTorch's own formulas.
+convention themselves (``_H``, the conjugate transpose), as does the complex SVD's. The Cholesky
+and ``slogdet`` rules are written for real matrices: complex ones are differentiated by PyTorch's
+own formulas.
 """
 from __future__ import annotations
 
