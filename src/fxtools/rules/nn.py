@@ -6,7 +6,10 @@ Conventions used below:
   returns the statistics (mean and reciprocal standard deviation) that the backward needs;
 - the backward of a normalisation is written once, in ``_normalized_grad``;
 - ops with randomness (dropout) draw their mask once in the forward and reuse it;
-- losses take ``reduction`` as PyTorch's enum: 0 none, 1 mean, 2 sum.
+- losses take ``reduction`` as PyTorch's enum: 0 none, 1 mean, 2 sum;
+- complex tensors: the normalisations, attention, convolutions and ``l1_loss`` are written for real
+  tensors (``complex="real"``); their complex calls use PyTorch's decompositions (a complex
+  convolution is three real ones) or formulas.
 """
 from __future__ import annotations
 
