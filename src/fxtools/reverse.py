@@ -210,8 +210,10 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
             grads.append(g)
         return (*outs, *grads)
 
-    examples = [_example(p.meta["val"], keep_strides=True) for p in placeholders]
-    ct_examples = [cotangent_example(out_nodes[i].meta["val"]) for i in ct_index] if spec.seed == "cotangent" else []
+    ct_vals = [out_nodes[i].meta["val"] for i in ct_index] if spec.seed == "cotangent" else []
+    mode = example_mode([p.meta["val"] for p in placeholders] + ct_vals)
+    examples = [_example(p.meta["val"], mode, keep_strides=True) for p in placeholders]
+    ct_examples = [_example(v, mode) for v in ct_vals]
     try:
         gm = trace_flat(template, [*examples, *ct_examples], record_stack_traces=False)
     except Exception as exc:
@@ -246,11 +248,24 @@ def ancestors(nodes) -> set[fx.Node]:
     return seen
 
 
-def _example(val, keep_strides=False):
-    """A real tensor standing in for a FakeTensor when re-tracing (shapes are static).
+def example_mode(vals):
+    """The fake mode to re-trace in: the capture's when a value has a data-dependent size (its
+    symbols live there), else a fresh one, as ``make_fx`` would make for real examples."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    Tracing reads only its metadata, so the arguments' stand-ins are left uninitialised (zeroing
-    GPT-2's parameters alone takes a tenth of a second).
+    for val in vals:
+        if isinstance(val, torch.Tensor) and is_dynamic(val):
+            return val.fake_mode
+    return FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=ShapeEnv(),
+                          static_shapes=True)
+
+
+def _example(val, mode, keep_strides=False):
+    """A FakeTensor of ``mode`` standing in for ``val`` when re-tracing.
+
+    Examples stay fake, so nothing is allocated however large the example (a 100000 x 100000
+    argument on the ``meta`` device costs nothing), and the re-trace sees the value's own device.
 
     With ``keep_strides`` (the function's own arguments) it has the example argument's strides,
     so the re-traced graph knows which values are contiguous (simplify keeps ``.contiguous()``
@@ -260,9 +275,10 @@ def _example(val, keep_strides=False):
         return val
     if is_dynamic(val):
         return cotangent_example(val)  # a FakeTensor with the same data-dependent sizes
-    if keep_strides:
-        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="cpu")
-    return torch.zeros(val.shape, dtype=val.dtype, device="cpu")
+    with mode:
+        if keep_strides:
+            return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+        return torch.empty(val.shape, dtype=val.dtype, device=val.device)
 
 
 def _copy_constants(src: fx.GraphModule, dst: fx.GraphModule) -> None:
