@@ -258,7 +258,6 @@ def test_jvp_tangents():
     tx, tw = torch.randn_like(x), torch.randn_like(w)
     close(gm(x, w, tx, tw)[1], torch.func.jvp(f, (x, w), (tx, tw))[1])
     text = mismatch(gm, x, w, tx, torch.randn(4, 3, dtype=torch.float64))
-    assert text.startswith("fxtools.jvp module: tangent_w.size(0) is 4, but the module was made for 4") is False
     assert "tangent_w.size(1) is 3, but the module was made for 2" in text
     assert "it is the tangent of w, so it must have that value's shape and dtype (float64[4, 2])" in text
 

@@ -67,6 +67,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .errors import FxtoolsError
+from .naming import plain_literal
 
 __all__ = ["InputMismatch", "Sym", "Leaf", "Node", "Guards", "GuardedGraphModule", "build", "install",
            "runtime_source", "render"]
@@ -184,7 +185,8 @@ class Guards:
                                           f"module was made for {str(spec.dtype).replace('torch.', '')}",
                                     f"Convert it with .to({spec.dtype}), or generate the module again with an "
                                     "example of this dtype (dtypes are fixed in the generated code).")
-                if spec.device is not None and value.device.type != spec.device:
+                if spec.device is not None and not (value.is_cpu if spec.device == "cpu" else
+                                                    value.device.type == spec.device):
                     self._leaf_fail(spec, f"{spec.path} is on {value.device.type}, but the module was made for "
                                           f"{spec.device} tensors",
                                     f"Move it with .to('{spec.device}'), or generate the module again with an "
@@ -256,15 +258,13 @@ class Guards:
                                 f"(dynamic_shapes=, with torch.export.Dim) when generating the module.")
 
     def _layout(self, spec, value):
-        if torch._C._functorch.is_batchedtensor(value):
-            return
         if spec.layout == "contiguous":
-            if not value.is_contiguous():
+            if not value.is_contiguous() and not torch._C._functorch.is_batchedtensor(value):
                 self.fail(f"{spec.path} is not contiguous (strides {tuple(value.stride())}), but the module was "
                           "made for a contiguous tensor and its code uses .view, which relies on the layout",
                           f"Pass {spec.path}.contiguous(), or generate the module again with an example of this "
                           "layout.")
-        elif tuple(value.stride()) != tuple(spec.layout):
+        elif not torch._C._functorch.is_batchedtensor(value) and tuple(value.stride()) != tuple(spec.layout):
             self.fail(f"{spec.path} has strides {tuple(value.stride())}, but the module was made for strides "
                       f"{tuple(spec.layout)} and its code uses .view, which relies on the layout",
                       "Generate the module again with an example of this layout.")
@@ -397,8 +397,9 @@ def _spec(value, path, layout, role):
     else:
         children, _ = handler.flatten_fn(value)
         keyed = [(pytree.SequenceKey(i), c) for i, c in enumerate(children)]
-    keys = [k for k, _ in keyed]
-    specs = tuple(_spec(c, path + pytree.keystr((k,)), layout, role) for k, c in keyed)
+    keys = [pytree.MappingKey(plain_literal(k.key, f"the key {k.key!r} of {path or 'an argument'}", key=True))
+            if isinstance(k, pytree.MappingKey) else k for k, _ in keyed]  # never a user repr in code
+    specs = tuple(_spec(c, path + pytree.keystr((k,)), layout, role) for k, (_, c) in zip(keys, keyed))
     name = type(value).__name__
     if isinstance(value, dict) and all(isinstance(k, pytree.MappingKey) for k in keys):
         return Node(path, "dict", name, tuple(k.key for k in keys), specs)
@@ -533,7 +534,7 @@ def _literal(v) -> str:
         return "(" + ", ".join(map(_literal, v)) + ("," if len(v) == 1 else "") + ")"
     if isinstance(v, Sym):
         return f"Sym({v.name!r}, {v.min!r}, {v.max!r})"
-    if isinstance(v, (int, str)):
+    if type(v) in (int, str):  # exactly: a subclass's repr is user code
         return repr(v)
     if isinstance(v, (torch.memory_format, torch.layout)):
         return str(v)
