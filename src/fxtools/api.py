@@ -2,7 +2,8 @@
 
 Each traces the user's function once on its example arguments (shapes and Python values are
 specialised to them), differentiates the trace source-to-source, simplifies the result and
-renders it with public PyTorch names. What comes back is an ordinary ``torch.fx.GraphModule``.
+renders it with public PyTorch names. What comes back is an ordinary ``torch.fx.GraphModule``
+whose calls first check that the arguments are what it was made for (``fxtools.guards``).
 """
 from __future__ import annotations
 

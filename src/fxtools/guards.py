@@ -47,8 +47,12 @@ in any order; "attrs" is a namedtuple, dataclass or other class read by attribut
 - ``role``: for cotangents and tangents, what it must match (``"the cotangent of out[0]"``):
   the message then reads as autograd's for a wrong ``grad_output``.
 
-A module with symbolic sizes replaces entries of ``Leaf.sizes`` by ``Sym``s (``build(...,
-sizes=...)``, or edit ``gm.guards`` in place: it is read at every call).
+A module with symbolic sizes replaces entries of ``Leaf.sizes`` by ``Sym``s (in ``gm.guards``,
+which every call reads; ``Guards.leaves()`` lists the leaves in placeholder order). Sizes of the
+example that are symbols already (a data-dependent output size ``u0``, which a cotangent must
+have) become ``Sym("u0", 0, None)``: any size, equal wherever it recurs. A cotangent of such a
+size is checked only against the other values of that size, not against the output computed in
+the same call.
 
 ``Guards.check(args)`` raises ``InputMismatch`` or returns the tensor leaves in the order of
 ``torch.utils._pytree.tree_flatten`` of the example (``fxtools.split``'s placeholder order), so
@@ -488,14 +492,11 @@ def guarded(gm: fx.GraphModule) -> GuardedGraphModule:
     return new
 
 
-def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None, layout_from=None) -> GuardedGraphModule:
-    """Attach guards for example ``args`` to ``gm`` (made a GuardedGraphModule if it is not one).
-
-    Layouts are required when the code of ``layout_from`` (default: ``gm``) relies on strides.
-    """
+def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None) -> GuardedGraphModule:
+    """Attach guards for example ``args`` to ``gm`` (made a GuardedGraphModule if it is not one);
+    layouts are required where its code relies on strides."""
     gm = guarded(gm)
-    layout = uses_strides(*(layout_from if layout_from is not None else [gm]))
-    gm.guards = build(made_by, names, args, layout=layout, roles=roles)
+    gm.guards = build(made_by, names, args, layout=uses_strides(gm), roles=roles)
     return gm
 
 
