@@ -17,7 +17,7 @@ from .capture import Captured, capture, check_supported
 from .draw import PART_KEY
 from .decompose import expand
 from .functionalize import functionalize
-from .guards import cotangent_role, install
+from .guards import OptionalTensor, cotangent_role, install
 from .naming import arg_names
 from .render import render
 from .reverse import ReverseSpec, ancestors, is_float, reverse
@@ -77,7 +77,7 @@ def mark_parts(flat_gm: fx.GraphModule, n_out: int) -> None:
             node.meta[PART_KEY] = "forward" if node in forward else "backward"
 
 
-def _finish(cap, flat_gm, args, build, made_by, extra_args=()):
+def _finish(cap, flat_gm, args, build, made_by, extra_args=(), guard_extra=None):
     mark_parts(flat_gm, len(cap.out_leaves))
     names = _names(cap_f(cap), args)
     gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
@@ -86,7 +86,8 @@ def _finish(cap, flat_gm, args, build, made_by, extra_args=()):
     gm.graph.lint()
     gm.recompile()
     roles = {len(args) + i: cotangent_role() for i, _ in enumerate(extra_args)}
-    install(gm, made_by, [*names, *(n for n, _ in extra_args)], [*args, *(v for _, v in extra_args)], roles=roles)
+    extra = guard_extra if guard_extra is not None else [v for _, v in extra_args]
+    install(gm, made_by, [*names, *(n for n, _ in extra_args)], [*args, *extra], roles=roles)
     return remember_inputs(gm)
 
 
@@ -119,7 +120,13 @@ def vjp(f, *args) -> fx.GraphModule:
         out = _output_structure(cap, flat[:n_out])
         return out, grads_structure(cap, args, flat[n_out:], argnums)
 
-    return _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)])
+    # what grad_out may be: the output's shape at floating-point leaves (None too where no gradient
+    # flows, as the code ignores it there), None elsewhere
+    accepts = pytree.tree_unflatten(
+        [o if i in ct_index else OptionalTensor(o) if is_float(o) else None for i, o in enumerate(cap.out_leaves)],
+        cap.out_spec)
+    return _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)],
+                   guard_extra=[accepts])
 
 
 def _grad_gm(f, args, argnums, with_value):

@@ -30,7 +30,8 @@ in any order; "attrs" is a namedtuple, dataclass or other class read by attribut
 ``Leaf``:
 
 - ``path``: how messages name it, ``"params['fc1.weight']"``;
-- ``kind``: ``"tensor"``, ``"scalar"`` (a Python value compared by value: ints, bools, strings,
+- ``kind``: ``"tensor"``, ``"optional"`` (None, or a tensor as for "tensor": the cotangent of
+  a floating-point output with no gradient path, which the code ignores), ``"scalar"`` (a Python value compared by value: ints, bools, strings,
   dtypes, floats bitwise, so ``-0.0 != 0.0`` and NaN equals NaN), ``"none"`` (must be None),
   ``"object"`` (compared with ``==``) or ``"type"`` (only the type's name is checked; what
   ``fxtools.save`` writes for objects it cannot spell);
@@ -177,7 +178,7 @@ class Guards:
 
     def _walk(self, spec, value, tensors, bound, layout):
         if type(spec) is Leaf:
-            if spec.kind == "tensor":
+            if spec.kind == "tensor" or spec.kind == "optional" and value is not None:
                 if not isinstance(value, torch.Tensor):
                     self._leaf_fail(spec, f"{spec.path} is {_got(value)}, but the module was made for a tensor "
                                           f"{_desc(spec.sizes, spec.dtype, spec.device)}")
@@ -317,8 +318,10 @@ class Guards:
     def __str__(self):
         lines = [f"{self.made_by} module accepting ({', '.join(self.names)}):"]
         for leaf in self.leaves():
-            if leaf.kind == "tensor":
+            if leaf.kind in ("tensor", "optional"):
                 text = f"{leaf.path}: {_desc(leaf.sizes, leaf.dtype, leaf.device)}"
+                if leaf.kind == "optional":
+                    text += " or None"
                 if leaf.layout == "contiguous":
                     text += ", contiguous"
                 elif leaf.layout is not None:
@@ -377,7 +380,18 @@ def _size_spec(n):
     return int(n)
 
 
+class OptionalTensor:
+    """In example arguments: None or a tensor like ``example`` (a Leaf of kind "optional")."""
+
+    def __init__(self, example):
+        self.example = example
+
+
 def _leaf_spec(value, path, layout, role):
+    if isinstance(value, OptionalTensor):
+        leaf = _leaf_spec(value.example, path, layout, role)
+        leaf.kind = "optional"
+        return leaf
     if isinstance(value, torch.Tensor):
         strided = layout and value.layout == torch.strided
         # cotangents and tangents are traced contiguous (as callers make them)
