@@ -2,7 +2,8 @@
 
 Each traces the user's function once on its example arguments (shapes and Python values are
 specialised to them), differentiates the trace source-to-source, simplifies the result and
-renders it with public PyTorch names. What comes back is an ordinary ``torch.fx.GraphModule``.
+renders it with public PyTorch names. What comes back is an ordinary ``torch.fx.GraphModule``
+whose calls first check that the arguments are what it was made for (``fxtools.guards``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .draw import PART_KEY
 from .decompose import expand
 from . import sizes
 from .functionalize import functionalize
-from .guards import cotangent_role, install
+from .guards import OptionalTensor, cotangent_role, install
 from .naming import arg_names
 from .render import render
 from .reverse import ReverseSpec, ancestors, is_float, reverse
@@ -78,7 +79,7 @@ def mark_parts(flat_gm: fx.GraphModule, n_out: int) -> None:
             node.meta[PART_KEY] = "forward" if node in forward else "backward"
 
 
-def _finish(cap, flat_gm, args, build, made_by, extra_args=()):
+def _finish(cap, flat_gm, args, build, made_by, extra_args=(), guard_extra=None):
     mark_parts(flat_gm, len(cap.out_leaves))
     names = _names(cap_f(cap), args)
     gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
@@ -89,7 +90,8 @@ def _finish(cap, flat_gm, args, build, made_by, extra_args=()):
     gm.graph.lint()
     gm.recompile()
     roles = {len(args) + i: cotangent_role() for i, _ in enumerate(extra_args)}
-    examples = [*args, *(v for _, v in extra_args)]
+    extra = guard_extra if guard_extra is not None else [v for _, v in extra_args]
+    examples = [*args, *extra]
     install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
     sizes.guard_symbolic(gm.guards, cap, examples)
     return remember_inputs(gm)
@@ -127,7 +129,13 @@ def vjp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
         out = _output_structure(cap, flat[:n_out])
         return out, grads_structure(cap, args, flat[n_out:], argnums)
 
-    return _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)])
+    # what grad_out may be: the output's shape at floating-point leaves (None too where no gradient
+    # flows, as the code ignores it there), None elsewhere
+    accepts = pytree.tree_unflatten(
+        [o if i in ct_index else OptionalTensor(o) if is_float(o) else None for i, o in enumerate(cap.out_leaves)],
+        cap.out_spec)
+    return _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)],
+                   guard_extra=[accepts])
 
 
 def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None):

@@ -23,6 +23,11 @@ cotangent with its name, shape, dtype, bytes and the user line that produced it;
 other (``return x * w, w``) and inputs passed twice are handled inside the graphs: the backward
 alone computes the whole vector-Jacobian product.
 
+Each of the three graphs checks its arguments when called (``fxtools.guards``: shapes, dtypes,
+device types, layouts where the code relies on them; cotangents as the outputs they belong to);
+``Split.guards`` describes the original arguments, Python values included, and ``Split.flatten``
+/ ``Split.vjp`` (and ``fxtools.compile``, which picks its splits with them) check those.
+
 For an ``nn.Module``, ``split(model, *inputs)`` splits ``fxtools.functional(model)`` at
 ``(dict(model.named_parameters()), *inputs)``: parameters come first, by name.
 
