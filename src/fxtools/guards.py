@@ -68,6 +68,7 @@ import copy
 import dataclasses
 import inspect
 import math
+import operator
 import sys
 
 import torch
@@ -383,18 +384,42 @@ _LAYOUT_OPS = {"view", "_unsafe_view", "as_strided", "as_strided_", "as_strided_
 
 def uses_strides(*graphs) -> bool:
     """Whether code of these graphs relies on its inputs' strides (``.view``, ``as_strided``)."""
-    for g in graphs:
-        graph = g.graph if isinstance(g, fx.GraphModule) else g
-        for node in graph.nodes:
-            if node.op == "call_method":
-                name = node.target
-            elif node.op == "call_function":
-                target = node.target
-                name = getattr(getattr(target, "overloadpacket", target), "__name__", None)
-            else:
-                continue
-            if name in _LAYOUT_OPS:
-                return True
+    return any(_layout_op(node) for g in graphs
+               for node in (g.graph if isinstance(g, fx.GraphModule) else g).nodes)
+
+
+def stride_sensitive_paths(gm: fx.GraphModule, names) -> set:
+    """Paths of the argument leaves whose strides the code relies on: those a ``.view`` (or
+    ``as_strided``) in ``gm`` reads, directly or through other ops (a pointwise op keeps its
+    input's strides). Placeholders are ``names``; leaves are read by ``[key]`` / ``.attr`` chains."""
+    ph = {n: name for n, name in zip((n for n in gm.graph.nodes if n.op == "placeholder"), names)}
+    seen, stack = set(), []
+    for node in gm.graph.nodes:
+        if _layout_op(node) and node.args and isinstance(node.args[0], fx.Node):
+            stack.append(node.args[0])
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    paths = set()
+    for node in seen:
+        keys, cur = [], node
+        while cur.op == "call_function" and cur.target in (operator.getitem, getattr) and isinstance(cur.args[0], fx.Node):
+            key = cur.args[1]
+            keys.append(pytree.GetAttrKey(key) if cur.target is getattr else pytree.MappingKey(key))
+            cur = cur.args[0]
+        if cur in ph:
+            paths.add(ph[cur] + pytree.keystr(tuple(reversed(keys))))
+    return paths
+
+
+def _layout_op(node) -> bool:
+    if node.op == "call_method":
+        return node.target in _LAYOUT_OPS
+    if node.op == "call_function":
+        target = node.target
+        return getattr(getattr(target, "overloadpacket", target), "__name__", None) in _LAYOUT_OPS
     return False
 
 
@@ -426,7 +451,8 @@ def _leaf_spec(value, path, layout, role):
         leaf.kind = "optional"
         return leaf
     if isinstance(value, torch.Tensor):
-        strided = layout and value.layout == torch.strided
+        wanted = path in layout if isinstance(layout, (set, frozenset)) else layout
+        strided = wanted and value.layout == torch.strided
         # cotangents and tangents are traced contiguous (as callers make them)
         lay = None if not strided else "contiguous" if role or value.is_contiguous() else tuple(value.stride())
         return Leaf(path, "tensor", tuple(_size_spec(n) for n in value.shape), value.dtype, value.device.type, lay,
@@ -466,7 +492,8 @@ def _spec(value, path, layout, role):
 def build(made_by: str, names, args, *, layout=False, roles=None) -> Guards:
     """Guards for a module made at example ``args`` (one per positional argument named ``names``).
 
-    ``layout``: whether the code relies on strides (``uses_strides``); ``roles``: for each
+    ``layout``: whether the code relies on strides (``uses_strides``), or the set of leaf paths
+    whose strides it relies on (``stride_sensitive_paths``); ``roles``: for each
     argument index, None or a function ``path -> role text`` (cotangents, tangents).
     """
     names, args = tuple(names), tuple(args)
@@ -547,7 +574,7 @@ def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None) -> Gua
     """Attach guards for example ``args`` to ``gm`` (made a GuardedGraphModule if it is not one);
     layouts are required where its code relies on strides."""
     gm = guarded(gm)
-    gm.guards = build(made_by, names, args, layout=uses_strides(gm), roles=roles)
+    gm.guards = build(made_by, names, args, layout=stride_sensitive_paths(gm, names), roles=roles)
     return gm
 
 
