@@ -72,6 +72,9 @@ def _returnable(graph: fx.Graph, value, where="the return value"):
         return type(value)(*items) if repr_safe(items) else graph.call_function(type(value), tuple(items))
     if type(value) in (tuple, list):
         return type(value)(rebuild(v, f"[{i}]") for i, v in enumerate(value))
+    if isinstance(value, tuple):  # torch.return_types, torch.Size: fx prints them as tuples
+        items = [rebuild(v, f"[{i}]") for i, v in enumerate(value)]
+        return type(value)(items) if hasattr(type(value), "n_fields") else tuple(items)
     if isinstance(value, dict):
         items = {}
         for k, v in value.items():
