@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._pytree import MappingKey, GetAttrKey, SequenceKey
 
 from .errors import FxtoolsError
+from .guards import GuardedGraphModule
 from .naming import identifier, is_plain_identifier, plain_literal, repr_safe, unique
 
 
@@ -72,9 +73,10 @@ def _returnable(graph: fx.Graph, value, where="the return value"):
         return type(value)(*items) if repr_safe(items) else graph.call_function(type(value), tuple(items))
     if type(value) in (tuple, list):
         return type(value)(rebuild(v, f"[{i}]") for i, v in enumerate(value))
-    if isinstance(value, tuple):  # torch.return_types, torch.Size: fx prints them as tuples
-        items = [rebuild(v, f"[{i}]") for i, v in enumerate(value)]
-        return type(value)(items) if hasattr(type(value), "n_fields") else tuple(items)
+    if pytree.is_structseq_instance(value):  # torch.return_types.max(values, indices)
+        return graph.call_function(type(value), (tuple(rebuild(v, f"[{i}]") for i, v in enumerate(value)),))
+    if isinstance(value, tuple):  # torch.Size and other tuple subclasses: fx prints them as tuples
+        return tuple(rebuild(v, f"[{i}]") for i, v in enumerate(value))
     if isinstance(value, dict):
         items = {}
         for k, v in value.items():
@@ -106,7 +108,7 @@ def assemble(flat: fx.GraphModule, arg_names: list[str], args: tuple, tensor_lea
     The graph is built inside the returned module, whose code is not generated yet: the caller
     recompiles it after its last pass (code generation takes long on big graphs; once is enough).
     """
-    gm = fx.GraphModule(flat, fx.Graph(), class_name=flat.__class__.__name__)
+    gm = GuardedGraphModule(flat, fx.Graph(), class_name=flat.__class__.__name__)  # checks fxtools.guards
     graph = gm.graph
     extra = [n for n, _ in extra_args]
     all_names = unique(list(arg_names), taken=extra) + extra  # the user's `grad_out` is `grad_out_1`

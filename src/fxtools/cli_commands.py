@@ -484,8 +484,10 @@ def show_command(argv) -> int:
         with open(a.file, encoding="utf-8") as fh:
             text = fh.read()
         if a.code_only:
+            from .export import GUARDS_MARKER
             start = text.find("\ndef forward(")
             text = text[start + 1:] if start >= 0 else text
+            text = text.split(GUARDS_MARKER)[0]
         print(text.rstrip())
         return 0
     try:

@@ -30,6 +30,7 @@ import unicodedata
 import torch
 import torch.fx as fx
 
+from . import guards as _guards
 from .errors import FxtoolsError
 from .inline import InlineError, inline_submodules
 from .naming import identifier, is_plain_identifier, is_taken_name, plain_literal
@@ -38,6 +39,8 @@ from .show import describe
 __all__ = ["save", "ExportError", "EMBED_LIMIT"]
 
 EMBED_LIMIT = 64  # constants with at most this many elements are written into the module as literals
+GUARDS_MARKER = "# ---- What the functions above accept (fxtools guards: everything their code was specialised to) ----"
+_RUNTIME_NAMES = ("InputMismatch", "Sym", "Leaf", "Node", "Guards", "_HOW", "_desc", "_got", "_same", "_equal")
 
 
 class ExportError(FxtoolsError):
@@ -273,6 +276,18 @@ class _Function:
         if n_sub != 1:
             raise ExportError("unexpected code layout: no `def forward(self, ...)` line")
         self.src, self.globals = src, code.globals
+        self.guards = gm.__dict__.get("guards")  # fxtools.guards: written after the code, checked first
+        self.accepts = None
+
+    def check_first(self, accepts: str) -> None:
+        """Make the function's first line check its arguments against ``accepts`` (its guards)."""
+        self.accepts = accepts
+        names = [n.name for n in self.graph.nodes if n.op == "placeholder"]
+        line = f"    {accepts}.check(({', '.join(names)}{',' if len(names) == 1 else ''}))"
+        m = re.search(rf"^def {self.fname}\(.*\):[^\n]*$", self.src, flags=re.M)
+        if m is None:
+            raise ExportError(f"unexpected code layout: no `def {self.fname}(...)` line")
+        self.src = self.src[:m.end()] + "\n" + line + self.src[m.end():]
 
     def doc(self) -> list[str]:
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
@@ -313,10 +328,16 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
     if not path.endswith(".py"):
         raise ValueError(f"save writes a Python module; the path must end in .py, not {path!r}")
     pairs, notes = _functions_of(gm)
-    taken = {n.name for _, g in pairs for n in g.graph.nodes} | {"torch", "os"} | {f for f, _ in pairs}
+    taken = {n.name for _, g in pairs for n in g.graph.nodes} | {"torch", "os", "math", "dataclasses"} \
+        | {f for f, _ in pairs} | set(_RUNTIME_NAMES)
     ns = _fresh_name("constants", taken)
     values, ids = {}, {}
     functions = [_Function(g, fname, ns, values, ids) for fname, g in pairs]
+    guarded = [fn for fn in functions if fn.guards is not None]
+    for fn in guarded:
+        name = _fresh_name(f"{fn.fname}_accepts", taken | {ns})
+        taken.add(name)
+        fn.check_first(name)
 
     # constants read by get_attr nodes
     targets = list(values)
@@ -333,6 +354,8 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
 
     # globals the code uses
     imports = ["import os", "import torch"] if stored else ["import torch"]
+    if guarded:
+        imports.insert(0, "import dataclasses")
     for fn in functions:
         for gname, obj in sorted(fn.globals.items()):
             if gname == "torch" or not re.search(rf"(?<![\w.]){re.escape(gname)}\b", fn.src):
@@ -348,6 +371,10 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
         doc += notes + [""]
     for fn in functions:
         doc += fn.doc() + [""]
+    if guarded:
+        doc += [f"{', '.join(fn.fname for fn in guarded)} first check{'s' if len(guarded) == 1 else ''} "
+                "that the arguments are what the code was made for (structure, sizes, dtypes, devices, "
+                "Python values: the guards at the end of this file) and raise InputMismatch otherwise.", ""]
     if targets:
         doc += [f"Constants ({ns}.<name>): " + ", ".join(f"{t} {describe(values[t])}" for t in targets)]
         if stored:
@@ -374,6 +401,11 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
     for fn in functions:
         parts.append("")
         parts.append(_annotate(fn.src, fn.graph))
+    if guarded:
+        parts += ["", GUARDS_MARKER, "", "", _guards.runtime_source(), ""]
+        for fn in guarded:
+            parts += ["", f"{fn.accepts} = {_guards.render(fn.guards)}"]
+        parts.append("")
     text = "\n".join(parts)
     compile(text, path, "exec")  # fail here, not at import, if anything is off
 

@@ -45,6 +45,7 @@ _METHODS = {
     aten.new_full.default: "new_full", aten.new_empty.default: "new_empty", aten.expand_as.default: "expand_as",
     aten.view_as.default: "view_as", aten.repeat.default: "repeat", aten.unflatten.int: "unflatten",
     aten.split.Tensor: "split", aten.split_with_sizes.default: "split",
+    aten._conj.default: "conj",  # the lazy conjugate that Tensor.conj() of a complex tensor is
     # sizes and values read back from tensors when they depend on the data (dynamic_shapes.py)
     aten.sym_size.int: "size", aten.sym_numel.default: "numel", aten._local_scalar_dense.default: "item",
 }

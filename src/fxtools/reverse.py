@@ -55,6 +55,16 @@ def rule_for(node):
             or registry.lookup(node.target))
     if rule is None:
         raise missing_rule(node)
+    if not registry.handles(rule, node) and "fxtools_rule" not in node.meta:
+        rule = registry.lookup_node(node)
+    if rule is None:
+        kind, other = ("complex", "real") if registry.lookup(node.target).complex == "real" else ("real", "complex")
+        raise MissingRuleError(
+            f"fxtools cannot differentiate {node.target} with {kind} tensors (called from "
+            f"{user_line_of(node) or 'an unknown line'}): its VJP rule is written for {other} tensors only "
+            "and PyTorch gives no decomposition or derivative formula for this call. Register a rule "
+            "following autograd's convention for complex tensors with fxtools.register_vjp"
+            + (", or differentiate a real formulation (torch.view_as_real)." if kind == "complex" else "."))
     return rule
 
 
@@ -152,7 +162,8 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
             if c is None or node not in need:
                 return
             if isinstance(c, torch.Tensor) and c.dtype != node.meta["val"].dtype:
-                c = memo.call(torch.Tensor.to, c, node.meta["val"].dtype)
+                # a complex cotangent reaching a real value keeps its real part, as in autograd
+                c = memo.call(registry.cast_cotangent, c, node.meta["val"].dtype)
             ct[node] = c if node not in ct else memo.call(operator.add, ct[node], c)
 
         if spec.seed == "ones":
@@ -216,6 +227,9 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
     for node, i in zip(ph[len(placeholders):], ct_index):
         src = out_nodes[i]
         node._rename(f"grad_{src.name}" if len(ct_index) > 1 else "grad_out")
+    for node in gm.graph.nodes:  # the conjugated arguments of holomorphic rules (complex tensors)
+        if node.target is aten._conj.default and node.name.startswith("_conj"):
+            node._rename(f"{node.args[0].name}_conj")
     _copy_constants(cap.gm, gm)
     grad_index = [i for i, w in enumerate(spec.wrt) if w]
     return gm, ct_index, grad_index
