@@ -44,6 +44,7 @@ from .capture import Captured
 from .decompose import expand
 from .errors import FxtoolsError
 from .functionalize import functionalize
+from .guards import install, tangent_role
 from .render import render
 from .show import remember_inputs
 from .reverse import ReverseSpec, is_float, reverse
@@ -256,11 +257,13 @@ def jvp(f, *args) -> fx.GraphModule:
         tan = pytree.tree_unflatten(flat_results[n_out:], cap.out_spec)
         return out, tan
 
-    return finish(flat_gm, names, args, cap, build, tangent_examples, leaf_x_only=True)
+    return finish(flat_gm, names, args, cap, build, tangent_examples, leaf_x_only=True, made_by="fxtools.jvp",
+                  roles={len(args) + i: tangent_role(n) for i, n in enumerate(names)})
 
 
-def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False) -> fx.GraphModule:
-    """Assemble the user-facing module, simplify, render."""
+def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False, made_by="fxtools", roles=None) -> fx.GraphModule:
+    """Assemble the user-facing module, simplify, render; ``made_by`` and ``roles`` describe
+    it to its guards (``fxtools.guards``)."""
     gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
     simplify(gm)
     while collapse_view_chains(gm):
@@ -269,6 +272,7 @@ def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False) -> f
     render(gm)
     gm.graph.lint()
     gm.recompile()
+    install(gm, made_by, [*names, *(n for n, _ in extra_args)], [*args, *(v for _, v in extra_args)], roles=roles)
     return remember_inputs(gm)
 
 
