@@ -29,7 +29,6 @@ value twice goes along. A few statements mutate fresh temporaries in place (``.m
 """
 from __future__ import annotations
 
-import math
 import random
 import sys
 import warnings
