@@ -30,7 +30,8 @@ in any order; "attrs" is a namedtuple, dataclass or other class read by attribut
 ``Leaf``:
 
 - ``path``: how messages name it, ``"params['fc1.weight']"``;
-- ``kind``: ``"tensor"``, ``"scalar"`` (a Python value compared by value: ints, bools, strings,
+- ``kind``: ``"tensor"``, ``"optional"`` (None, or a tensor as for "tensor": the cotangent of
+  a floating-point output with no gradient path, which the code ignores), ``"scalar"`` (a Python value compared by value: ints, bools, strings,
   dtypes, floats bitwise, so ``-0.0 != 0.0`` and NaN equals NaN), ``"none"`` (must be None),
   ``"state"`` (a plain object, such as a config, whose attributes are built-in values: its class
   name and attributes, as ``_snapshot`` gives them, compared as scalars are, so an equal new
@@ -50,8 +51,12 @@ in any order; "attrs" is a namedtuple, dataclass or other class read by attribut
 - ``role``: for cotangents and tangents, what it must match (``"the cotangent of out[0]"``):
   the message then reads as autograd's for a wrong ``grad_output``.
 
-A module with symbolic sizes replaces entries of ``Leaf.sizes`` by ``Sym``s (``build(...,
-sizes=...)``, or edit ``gm.guards`` in place: it is read at every call).
+A module with symbolic sizes replaces entries of ``Leaf.sizes`` by ``Sym``s (in ``gm.guards``,
+which every call reads; ``Guards.leaves()`` lists the leaves in placeholder order). Sizes of the
+example that are symbols already (a data-dependent output size ``u0``, which a cotangent must
+have) become ``Sym("u0", 0, None)``: any size, equal wherever it recurs. A cotangent of such a
+size is checked only against the other values of that size, not against the output computed in
+the same call.
 
 ``Guards.check(args)`` raises ``InputMismatch`` or returns the tensor leaves in the order of
 ``torch.utils._pytree.tree_flatten`` of the example (``fxtools.split``'s placeholder order), so
@@ -200,7 +205,7 @@ class Guards:
 
     def _walk(self, spec, value, tensors, bound, layout):
         if type(spec) is Leaf:
-            if spec.kind == "tensor":
+            if spec.kind == "tensor" or spec.kind == "optional" and value is not None:
                 if not isinstance(value, torch.Tensor):
                     self._leaf_fail(spec, f"{spec.path} is {_got(value)}, but the module was made for a tensor "
                                           f"{_desc(spec.sizes, spec.dtype, spec.device)}")
@@ -346,8 +351,10 @@ class Guards:
     def __str__(self):
         lines = [f"{self.made_by} module accepting ({', '.join(self.names)}):"]
         for leaf in self.leaves():
-            if leaf.kind == "tensor":
+            if leaf.kind in ("tensor", "optional"):
                 text = f"{leaf.path}: {_desc(leaf.sizes, leaf.dtype, leaf.device)}"
+                if leaf.kind == "optional":
+                    text += " or None"
                 if leaf.layout == "contiguous":
                     text += ", contiguous"
                 elif leaf.layout is not None:
@@ -406,7 +413,18 @@ def _size_spec(n):
     return int(n)
 
 
+class OptionalTensor:
+    """In example arguments: None or a tensor like ``example`` (a Leaf of kind "optional")."""
+
+    def __init__(self, example):
+        self.example = example
+
+
 def _leaf_spec(value, path, layout, role):
+    if isinstance(value, OptionalTensor):
+        leaf = _leaf_spec(value.example, path, layout, role)
+        leaf.kind = "optional"
+        return leaf
     if isinstance(value, torch.Tensor):
         strided = layout and value.layout == torch.strided
         # cotangents and tangents are traced contiguous (as callers make them)
@@ -525,14 +543,11 @@ def guarded(gm: fx.GraphModule) -> GuardedGraphModule:
     return new
 
 
-def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None, layout_from=None) -> GuardedGraphModule:
-    """Attach guards for example ``args`` to ``gm`` (made a GuardedGraphModule if it is not one).
-
-    Layouts are required when the code of ``layout_from`` (default: ``gm``) relies on strides.
-    """
+def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None) -> GuardedGraphModule:
+    """Attach guards for example ``args`` to ``gm`` (made a GuardedGraphModule if it is not one);
+    layouts are required where its code relies on strides."""
     gm = guarded(gm)
-    layout = uses_strides(*(layout_from if layout_from is not None else [gm]))
-    gm.guards = build(made_by, names, args, layout=layout, roles=roles)
+    gm.guards = build(made_by, names, args, layout=uses_strides(gm), roles=roles)
     return gm
 
 
