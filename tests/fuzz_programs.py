@@ -24,11 +24,11 @@ op's derivative is undefined or convention-dependent:
 So no test ever compares derivatives at a point where PyTorch's convention (``relu'(0) = 0``)
 rather than the mathematics decides, and the transforms are compared at 1e-9 in float64.
 Finally 1 to 3 values (preferably not yet used) are returned as a tensor, a tuple, a list or a
-nested dict; sometimes an integer output (an ``argmax``) goes along.
+nested dict; sometimes an integer output (an ``argmax``), an input, a view of an input or one
+value twice goes along. A few statements mutate fresh temporaries in place (``.mul_``, ``.add_``).
 """
 from __future__ import annotations
 
-import math
 import random
 import sys
 import warnings
@@ -177,6 +177,15 @@ class _Builder:
         k = min(len(cands), self.rng.choice([1, 1, 1, 2, 2, 3]))
         outs = list(dict.fromkeys((unused[::-1] + cands[::-1])[:k]))
         names = [v.name for v in outs]
+        r = self.rng.random()
+        if r < 0.05:
+            names.append(names[0])  # one value returned twice
+        elif r < 0.1:
+            names.append(self.rng.choice([v for v in self.inputs if v.is_float]).name)  # an input itself
+        elif r < 0.15 and any(v.is_float and v.v.dim() >= 1 for v in self.inputs):
+            src = self.rng.choice([v for v in self.inputs if v.is_float and v.v.dim() >= 1])
+            (view,) = self.emit(f"{src.name}[0]", [src])  # a view of an input
+            names.append(view.name)
         if self.rng.random() < 0.1:
             src = self.floats(lambda v: v.vals[0].dim() >= 1)
             (am,) = self.emit(f"torch.argmax({src.name}, -1)", [src])
@@ -215,7 +224,8 @@ def _unary(b: _Builder):
               "F.gelu({a})", "F.gelu({a}, approximate='tanh')", "F.softplus({a})", "F.silu({a})",
               "F.mish({a})", "torch.erf({a})", "torch.atan({a})", "-{a}", "{a} * {a}", "{a}.pow(3)",
               "{a} ** 2", "F.logsigmoid({a})", "torch.square({a})", "{a} * 2.5", "{a} / 3",
-              "1.5 - {a}", "{a} + 1", "torch.sinh({a})", "torch.asinh({a})", "{a}.cos().mul(2)"]
+              "1.5 - {a}", "{a} + 1", "torch.sinh({a})", "torch.asinh({a})", "{a}.cos().mul(2)",
+              "torch.sin({a}).mul_(2)", "{a}.clone().tanh_()"]
     guarded = [
         ("torch.exp({a})", lambda x: bool((x.abs() < 5).all())),
         ("torch.expm1({a})", lambda x: bool((x.abs() < 5).all())),
@@ -283,7 +293,7 @@ def _binary(b: _Builder):
            ("torch.atan2({a}, {c})", lambda x, y: bool((x * x + y * y >= 0.04).all())),
            ("torch.hypot({a}, {c})", lambda x, y: bool((x * x + y * y >= 0.04).all())),
            ("torch.pow({a}, {c})", lambda x, y: bool((x >= 0.2).all() and (y.abs() < 3).all())),
-           ("torch.lerp({a}, {c}, 0.3)", None),
+           ("torch.lerp({a}, {c}, 0.3)", None), ("({a} * {c}).sub_({c})", None),
            ("torch.where({a} > {c}, {a}, {c} * 2)", lambda x, y: _away(x - y)),
            ("{a}.masked_fill({c} < 0, 0.5)", None),
            ("F.mse_loss({a}, {c})", lambda x, y: x.shape == y.shape),
