@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 
 import fxtools
 from fxtools.coverage import opinfo_samples, sample_function  # noqa: F401 (re-exported)
-from fxtools.check import check_vjp
+from fxtools.check import _cotangent_for, check_vjp
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,14 +70,16 @@ def check_self_consistent(f, args, seed=0, rtol=1e-6, atol=1e-8):
     gm = fxtools.vjp(f, *args)
     leaves, spec = pytree.tree_flatten(args)
     xs = [x.detach().clone().requires_grad_(x.is_floating_point() or x.is_complex()) for x in leaves]
+    n = len(args)
     torch.manual_seed(seed)
-    out0, _ = gm(*args, fxtools.check.random_cotangent(f(*args), torch.Generator().manual_seed(seed)))
-    ct = fxtools.check.random_cotangent(out0, torch.Generator().manual_seed(seed))
+    out0, _ = gm(*args, _cotangent_for(gm, n, fxtools.check.random_cotangent(f(*args), torch.Generator().manual_seed(seed))))
+    ct = _cotangent_for(gm, n, fxtools.check.random_cotangent(out0, torch.Generator().manual_seed(seed)))
     torch.manual_seed(seed)
     out, grads = gm(*pytree.tree_unflatten(xs, spec), ct)
     torch.manual_seed(seed)
     out_again, grads_again = gm(*args, ct)
-    pairs = [(o, c) for o, c in zip(pytree.tree_leaves(out), pytree.tree_leaves(ct)) if o.requires_grad]
+    pairs = [(o, c) for o, c in zip(pytree.tree_leaves(out), pytree.tree_leaves(ct, is_leaf=lambda v: v is None))
+             if o.requires_grad and c is not None]
     diff = [x for x in xs if x.requires_grad]
     torch.testing.assert_close(pytree.tree_leaves(out_again), [o.detach() for o in pytree.tree_leaves(out)])
     if not diff:  # nothing to differentiate (torch.normal(1.0, 2.0, size)): the reruns agree

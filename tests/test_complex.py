@@ -159,3 +159,13 @@ def test_cli_grad_of_complex_argument(tmp_path, monkeypatch, capsys):
                  "--check"]) == 0
     out = capsys.readouterr().out
     assert "check against torch.autograd: ok" in out and ".conj()" in out
+
+
+def test_check_vjp_gives_no_cotangent_to_undifferentiated_outputs():
+    """The generated module takes None for outputs it does not differentiate (a zero tensor's
+    ``fill_``, ``floor``): check_vjp and check_vjp_fd pass None there, real or complex."""
+    for x in (torch.randn(3, dtype=torch.float64), _z(3)):
+        f = lambda x: (torch.zeros_like(x).fill_(2.0), x.sin() * 2)  # noqa: E731
+        check_vjp(f, x)
+        check_vjp_fd(f, x)
+    check_vjp(lambda x: (x.floor(), x.exp()), torch.randn(3, dtype=torch.float64))

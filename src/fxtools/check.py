@@ -64,6 +64,30 @@ def _autograd_differentiable(f, leaves, spec, seed) -> list[bool]:
     return [fl and forward_ok([j == i for j in range(len(leaves))]) for i, fl in enumerate(float_leaf)]
 
 
+def _cotangent_for(gm, n_args, ct):
+    """``ct`` with None where ``gm`` (a guarded fxtools module) takes None: outputs it does not
+    differentiate (a ``floor``, the indices of ``max``) get no cotangent input."""
+    guards = getattr(gm, "__dict__", {}).get("guards")
+    if guards is None or len(guards.args) <= n_args:
+        return ct
+    from .guards import Leaf
+
+    kinds = []
+
+    def walk(spec):
+        if type(spec) is Leaf:
+            kinds.append(spec.kind)
+        else:
+            for c in spec.children:
+                walk(c)
+
+    walk(guards.args[n_args])
+    leaves, spec = pytree.tree_flatten(ct, is_leaf=lambda v: v is None)
+    if len(kinds) != len(leaves):
+        return ct
+    return pytree.tree_unflatten([None if k == "none" else c for k, c in zip(kinds, leaves)], spec)
+
+
 def check_vjp(f, *args, gm=None, rtol=1e-7, atol=1e-9, seed=0):
     """Compare ``fxtools.vjp(f, *args)`` with ``torch.autograd`` on a random cotangent.
 
@@ -91,7 +115,7 @@ def check_vjp(f, *args, gm=None, rtol=1e-7, atol=1e-9, seed=0):
                                allow_unused=True) if diff_out and inputs else [None] * len(inputs)
     want = [torch.zeros_like(x) if w is None else w for w, x in zip(want, inputs)]
     torch.manual_seed(seed)
-    got_out, got_grads = gm(*args, ct)
+    got_out, got_grads = gm(*args, _cotangent_for(gm, len(args), ct))
     _report("output", [(f"out{i}", g, w.detach() if isinstance(w, torch.Tensor) else w)
                        for i, (g, w) in enumerate(zip(pytree.tree_leaves(got_out), pytree.tree_leaves(want_out)))
                        if isinstance(w, torch.Tensor)], rtol, atol)
@@ -131,7 +155,7 @@ def check_vjp_fd(f, *args, gm=None, eps=1e-6, rtol=1e-5, atol=1e-7, seed=0):
     # dL = <grad, dx>: the directional derivative along v is <grad, v>, real and imaginary parts alike.
     fd = sum(_pair(c, (p - m) / (2 * eps)) for p, m, c in zip(
         pytree.tree_leaves(plus), pytree.tree_leaves(minus), pytree.tree_leaves(ct)) if _is_float(p))
-    _, grads = gm(*args, ct)
+    _, grads = gm(*args, _cotangent_for(gm, len(args), ct))
     g_leaves = pytree.tree_leaves(grads, is_leaf=lambda x: x is None)
     analytic = sum(_pair(g, d) for g, d in zip(g_leaves, v) if g is not None and d is not None)
     fd, analytic = torch.as_tensor(fd, dtype=torch.float64), torch.as_tensor(analytic, dtype=torch.float64)
