@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import fxtools
 from fxtools.errors import FxtoolsError
+from fxtools.guards import InputMismatch
 
 D = torch.float64
 
@@ -304,8 +305,8 @@ def test_non_tensor_objects_are_still_specialised():
         def __init__(self):
             self.scale = 3.0
 
-    x = _x(3)
-    torch.testing.assert_close(fxtools.grad(lambda x, c: (x * c.scale).sum(), x, Config())(x, Config()),
+    x, config = _x(3), Config()
+    torch.testing.assert_close(fxtools.grad(lambda x, c: (x * c.scale).sum(), x, config)(x, config),
                                torch.full((3,), 3.0, dtype=D))
 
 
@@ -358,7 +359,11 @@ def _compare_with_autograd(f, inputs, rtol=1e-9):
     if out.is_complex() or not out.is_floating_point():
         pytest.skip("complex or non-float output: not a special-value case of a real rule")
     want = _autograd_elementwise(f, inputs)
-    _, got = fxtools.vjp(f, *inputs)(*inputs, torch.ones_like(out))
+    gm = fxtools.vjp(f, *inputs)
+    try:
+        _, got = gm(*inputs, torch.ones_like(out))
+    except InputMismatch:  # an op fxtools knows to be non-differentiable (ceil, sign) takes None
+        _, got = gm(*inputs, None)
     for g, w in zip(got, want):
         assert_same_specials(g, w, inputs, rtol)
 
