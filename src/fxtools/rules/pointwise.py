@@ -4,15 +4,21 @@ Binary ops broadcast, so their cotangents are reduced back to each input's shape
 (``unbroadcast``). Python-number and integer arguments get no cotangent. At points where an op
 is not differentiable (``abs`` at 0, ``relu`` at 0, ``clamp`` at its bounds, ties of
 ``maximum``) the rules pick the same one-sided derivative as ``torch.autograd``.
+
+Complex tensors: the rules are the real formulas, and ``vjp_rule`` hands holomorphic ones (all
+but those saying ``complex="convention"``) conjugated arguments, so ``mul``'s ``ct * y`` becomes
+autograd's ``ct * y.conj()`` (see ``fxtools.registry``). ``abs``, ``sgn``, ``angle`` and
+``conj_physical`` are not holomorphic and compute autograd's convention themselves.
 """
 from __future__ import annotations
 
+import cmath
 import math
 
 import torch
 
 from ..registry import mark_nondifferentiable, register_vjp, vjp_rule
-from .common import is_tensor, unbroadcast
+from .common import cast_cotangent, is_tensor, unbroadcast
 
 aten = torch.ops.aten
 
@@ -164,16 +170,19 @@ def square(ct, out, x):
     return ct * (2 * x)
 
 
-@vjp_rule(aten.abs)
+@vjp_rule(aten.abs, complex="convention")
 def abs(ct, out, x):
     return ct * (torch.sgn(x) if x.is_complex() else torch.sign(x))
 
 
-@vjp_rule(aten.sgn)
+@vjp_rule(aten.sgn, complex="convention")
 def sgn(ct, out, x):
-    if x.is_complex():
-        raise NotImplementedError("fxtools: the VJP of sgn is only written for real tensors")
-    return None
+    """``sgn(z) = z / |z|`` moves only along the circle: ``(ct - s Re(s̄ ct)) / |z|``, 0 at 0."""
+    if not x.is_complex():
+        return None
+    r = x.abs()
+    g = (ct - out * torch.real(out.conj() * ct)) / r
+    return torch.where(r == 0, 0, g)
 
 
 @vjp_rule(aten.neg)
@@ -196,11 +205,12 @@ def rad2deg(ct, out, x):
     return ct * (180 / math.pi)
 
 
-@vjp_rule(aten.angle)
+@vjp_rule(aten.angle, complex="convention")
 def angle(ct, out, x):
-    if x.is_complex():
-        raise NotImplementedError("fxtools: the VJP of angle is only written for real tensors")
-    return None
+    """``d angle(z) = Im(z̄ dz) / |z|²``: the gradient is ``ct * i z / |z|²`` (0 at 0; none for reals)."""
+    if not x.is_complex():
+        return None
+    return torch.where(x == 0, 0, ct * x * 1j / (x * x.conj()).real)
 
 
 @vjp_rule(aten.nan_to_num)
@@ -329,14 +339,22 @@ def pow_tensor_scalar(ct, out, x, exponent):
 @vjp_rule(aten.pow.Tensor_Tensor)
 def pow_tensor_tensor(ct, out, x, exponent):
     gx = torch.where(exponent == 0, 0, ct * exponent * x.pow(exponent - 1))
-    ge = torch.where(torch.logical_and(x == 0, exponent >= 0), 0, ct * out * torch.log(x)) if _diff(exponent) else None
+    ge = torch.where(torch.logical_and(x == 0, _real(exponent) >= 0), 0, ct * out * torch.log(x)) if _diff(exponent) else None
     return unbroadcast(gx, x), unbroadcast(ge, exponent)
+
+
+def _real(t):
+    return t.real if t.is_complex() else t
 
 
 @vjp_rule(aten.pow.Scalar)
 def pow_scalar(ct, out, base, exponent):
     if base == 0:
-        return None, torch.where(exponent >= 0, 0, ct * out * -math.inf)
+        return None, torch.where(_real(exponent) >= 0, 0, ct * out * -math.inf)
+    if isinstance(base, complex) or exponent.is_complex():
+        # log of the conjugated base (a real one is not conjugated by vjp_rule): -0.0 picks the
+        # conjugate's side of the branch cut for a negative base
+        return None, ct * out * cmath.log(base if isinstance(base, complex) else complex(base, -0.0))
     return None, ct * out * (math.log(base) if base > 0 else math.nan)
 
 
@@ -709,14 +727,19 @@ def _identity(ct, out, x, *args, **kwargs):
 
 
 for _op in (aten.clone, aten.alias, aten.lift_fresh_copy, aten.contiguous, aten.positive,
-            aten.conj_physical, aten.resolve_conj, aten.resolve_neg):
+            aten.resolve_conj, aten.resolve_neg):
     vjp_rule(_op)(_identity)
+
+
+@vjp_rule(aten.conj_physical, complex="convention")
+def conj_physical(ct, out, x):
+    return ct.conj() if x.is_complex() else ct
 
 
 def _cast_back(ct, out, x, *args, **kwargs):
     if ct.device != x.device:
         ct = ct.to(x.device)
-    return ct if ct.dtype == x.dtype else ct.to(x.dtype)
+    return cast_cotangent(ct, x.dtype)
 
 
 for _op in (aten._to_copy, aten.to, aten.type_as):
