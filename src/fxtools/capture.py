@@ -45,6 +45,7 @@ class Captured:
     tensor_leaf: list[bool]    # which leaves are tensors (and so graph placeholders)
     arg_of_leaf: list[int]     # index of the positional argument each leaf belongs to
     out_leaves: list[Any] = field(default_factory=list)  # example output leaves (FakeTensors or constants)
+    symbolic: Any = None       # sizes.Symbolic when sizes were marked dynamic (dynamic_shapes=)
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -353,8 +354,11 @@ def _refuse_hidden_tensors(paths_leaves, top_names: list[str]) -> None:
             f"calls would ignore it, and it would get no gradient). To fix it, {how}.")
 
 
-def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True) -> Captured:
-    """Trace ``f(*args)`` into a flat pre-dispatch ATen graph (see module docstring)."""
+def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dynamic_shapes=None) -> Captured:
+    """Trace ``f(*args)`` into a flat pre-dispatch ATen graph (see module docstring).
+
+    ``dynamic_shapes`` (torch.export's format) keeps the marked sizes symbolic (``sizes.py``).
+    """
     paths_leaves, in_spec = pytree.tree_flatten_with_path(tuple(args))
     paths = [p for p, _ in paths_leaves]
     leaves = [leaf for _, leaf in paths_leaves]
@@ -376,6 +380,12 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True) -> C
         return out_leaves
 
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
+    symbolic = None
+    if dynamic_shapes is not None:
+        from .sizes import fake_arguments
+
+        fake_args, symbolic = fake_arguments(f, tuple(args), dynamic_shapes)
+        tensors = [x for x in pytree.tree_leaves(fake_args) if isinstance(x, torch.Tensor)]
     try:
         with _custom_autograd_functions(pre_dispatch), _compiling(), _inference_mode_as_no_grad():
             gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch)
@@ -390,7 +400,8 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True) -> C
     _name_constants(gm, _module_tensor_names(f))
     gm.recompile()
     arg_of_leaf = [p[0].idx if p else 0 for p in paths]
-    return Captured(gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"])
+    return Captured(gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"],
+                    symbolic)
 
 
 def check_supported(gm: fx.GraphModule) -> None:

@@ -46,7 +46,14 @@ def _needs_work(node) -> bool:
     with complex ones (PyTorch's decomposition or formula then gives autograd's convention)."""
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
             and registry.lookup_node(node) is None
-            and not registry.is_nondifferentiable(node.target) and "fxtools_rule" not in node.meta)
+            and not registry.is_nondifferentiable(node.target) and "fxtools_rule" not in node.meta
+            and not _is_size(node.meta.get("val")))
+
+
+def _is_size(val) -> bool:
+    """A size (``aten.size``, ``sym_size`` under symbolic sizes): nothing to differentiate."""
+    return isinstance(val, (int, torch.SymInt)) or (
+        isinstance(val, (list, tuple)) and bool(val) and all(isinstance(v, (int, torch.SymInt)) for v in val))
 
 
 def _nondifferentiable_outputs(op, args, kwargs) -> list[int]:

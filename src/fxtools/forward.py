@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from . import custom
+from . import custom, sizes
 from .api import _names, prepare
 from .assemble import assemble
 from .capture import Captured
@@ -173,7 +173,7 @@ def _true_adjoints(gm: fx.GraphModule) -> None:
             node.args = tuple(args)
 
 
-def jvp(f, *args) -> fx.GraphModule:
+def jvp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
     """The Jacobian-vector product of ``f`` at example ``args``, as readable PyTorch code.
 
     Returns a GraphModule ``gm`` with ``out, out_tangent = gm(*args, *tangents)``: there is one
@@ -186,7 +186,7 @@ def jvp(f, *args) -> fx.GraphModule:
         args = tuple(args)
     argnums = tuple(range(len(args)))
     with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored: refuse it
-        cap, wrt = prepare(f, args, argnums)
+        cap, wrt = prepare(f, args, argnums, dynamic_shapes)
     cap.f = f
     _true_adjoints(cap.gm)
     vjp_flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
@@ -268,11 +268,15 @@ def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False, made
     simplify(gm)
     while collapse_view_chains(gm):
         simplify(gm)
+    sizes.check(cap.symbolic, gm)
     tidy_names(gm)
     render(gm)
+    sizes.name_sizes(gm, cap.symbolic)
     gm.graph.lint()
     gm.recompile()
-    install(gm, made_by, [*names, *(n for n, _ in extra_args)], [*args, *(v for _, v in extra_args)], roles=roles)
+    examples = [*args, *(v for _, v in extra_args)]
+    install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
+    sizes.guard_symbolic(gm.guards, cap, examples)
     return remember_inputs(gm)
 
 

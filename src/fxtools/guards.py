@@ -30,7 +30,8 @@ in any order; "attrs" is a namedtuple, dataclass or other class read by attribut
 ``Leaf``:
 
 - ``path``: how messages name it, ``"params['fc1.weight']"``;
-- ``kind``: ``"tensor"``, ``"scalar"`` (a Python value compared by value: ints, bools, strings,
+- ``kind``: ``"tensor"``, ``"optional"`` (None, or a tensor as for "tensor": the cotangent of
+  a floating-point output with no gradient path, which the code ignores), ``"scalar"`` (a Python value compared by value: ints, bools, strings,
   dtypes, floats bitwise, so ``-0.0 != 0.0`` and NaN equals NaN), ``"none"`` (must be None),
   ``"state"`` (a plain object, such as a config, whose attributes are built-in values: its class
   name and attributes, as ``_snapshot`` gives them, compared as scalars are, so an equal new
@@ -50,8 +51,12 @@ in any order; "attrs" is a namedtuple, dataclass or other class read by attribut
 - ``role``: for cotangents and tangents, what it must match (``"the cotangent of out[0]"``):
   the message then reads as autograd's for a wrong ``grad_output``.
 
-A module with symbolic sizes replaces entries of ``Leaf.sizes`` by ``Sym``s (``build(...,
-sizes=...)``, or edit ``gm.guards`` in place: it is read at every call).
+A module with symbolic sizes replaces entries of ``Leaf.sizes`` by ``Sym``s (in ``gm.guards``,
+which every call reads; ``Guards.leaves()`` lists the leaves in placeholder order). Sizes of the
+example that are symbols already (a data-dependent output size ``u0``, which a cotangent must
+have) become ``Sym("u0", 0, None)``: any size, equal wherever it recurs. A cotangent of such a
+size is checked only against the other values of that size, not against the output computed in
+the same call.
 
 ``Guards.check(args)`` raises ``InputMismatch`` or returns the tensor leaves in the order of
 ``torch.utils._pytree.tree_flatten`` of the example (``fxtools.split``'s placeholder order), so
@@ -63,6 +68,7 @@ import copy
 import dataclasses
 import inspect
 import math
+import operator
 import sys
 
 import torch
@@ -200,7 +206,7 @@ class Guards:
 
     def _walk(self, spec, value, tensors, bound, layout):
         if type(spec) is Leaf:
-            if spec.kind == "tensor":
+            if spec.kind == "tensor" or spec.kind == "optional" and value is not None:
                 if not isinstance(value, torch.Tensor):
                     self._leaf_fail(spec, f"{spec.path} is {_got(value)}, but the module was made for a tensor "
                                           f"{_desc(spec.sizes, spec.dtype, spec.device)}")
@@ -346,8 +352,10 @@ class Guards:
     def __str__(self):
         lines = [f"{self.made_by} module accepting ({', '.join(self.names)}):"]
         for leaf in self.leaves():
-            if leaf.kind == "tensor":
+            if leaf.kind in ("tensor", "optional"):
                 text = f"{leaf.path}: {_desc(leaf.sizes, leaf.dtype, leaf.device)}"
+                if leaf.kind == "optional":
+                    text += " or None"
                 if leaf.layout == "contiguous":
                     text += ", contiguous"
                 elif leaf.layout is not None:
@@ -376,18 +384,42 @@ _LAYOUT_OPS = {"view", "_unsafe_view", "as_strided", "as_strided_", "as_strided_
 
 def uses_strides(*graphs) -> bool:
     """Whether code of these graphs relies on its inputs' strides (``.view``, ``as_strided``)."""
-    for g in graphs:
-        graph = g.graph if isinstance(g, fx.GraphModule) else g
-        for node in graph.nodes:
-            if node.op == "call_method":
-                name = node.target
-            elif node.op == "call_function":
-                target = node.target
-                name = getattr(getattr(target, "overloadpacket", target), "__name__", None)
-            else:
-                continue
-            if name in _LAYOUT_OPS:
-                return True
+    return any(_layout_op(node) for g in graphs
+               for node in (g.graph if isinstance(g, fx.GraphModule) else g).nodes)
+
+
+def stride_sensitive_paths(gm: fx.GraphModule, names) -> set:
+    """Paths of the argument leaves whose strides the code relies on: those a ``.view`` (or
+    ``as_strided``) in ``gm`` reads, directly or through other ops (a pointwise op keeps its
+    input's strides). Placeholders are ``names``; leaves are read by ``[key]`` / ``.attr`` chains."""
+    ph = {n: name for n, name in zip((n for n in gm.graph.nodes if n.op == "placeholder"), names)}
+    seen, stack = set(), []
+    for node in gm.graph.nodes:
+        if _layout_op(node) and node.args and isinstance(node.args[0], fx.Node):
+            stack.append(node.args[0])
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    paths = set()
+    for node in seen:
+        keys, cur = [], node
+        while cur.op == "call_function" and cur.target in (operator.getitem, getattr) and isinstance(cur.args[0], fx.Node):
+            key = cur.args[1]
+            keys.append(pytree.GetAttrKey(key) if cur.target is getattr else pytree.MappingKey(key))
+            cur = cur.args[0]
+        if cur in ph:
+            paths.add(ph[cur] + pytree.keystr(tuple(reversed(keys))))
+    return paths
+
+
+def _layout_op(node) -> bool:
+    if node.op == "call_method":
+        return node.target in _LAYOUT_OPS
+    if node.op == "call_function":
+        target = node.target
+        return getattr(getattr(target, "overloadpacket", target), "__name__", None) in _LAYOUT_OPS
     return False
 
 
@@ -406,9 +438,21 @@ def _size_spec(n):
     return int(n)
 
 
+class OptionalTensor:
+    """In example arguments: None or a tensor like ``example`` (a Leaf of kind "optional")."""
+
+    def __init__(self, example):
+        self.example = example
+
+
 def _leaf_spec(value, path, layout, role):
+    if isinstance(value, OptionalTensor):
+        leaf = _leaf_spec(value.example, path, layout, role)
+        leaf.kind = "optional"
+        return leaf
     if isinstance(value, torch.Tensor):
-        strided = layout and value.layout == torch.strided
+        wanted = path in layout if isinstance(layout, (set, frozenset)) else layout
+        strided = wanted and value.layout == torch.strided
         # cotangents and tangents are traced contiguous (as callers make them)
         lay = None if not strided else "contiguous" if role or value.is_contiguous() else tuple(value.stride())
         return Leaf(path, "tensor", tuple(_size_spec(n) for n in value.shape), value.dtype, value.device.type, lay,
@@ -448,7 +492,8 @@ def _spec(value, path, layout, role):
 def build(made_by: str, names, args, *, layout=False, roles=None) -> Guards:
     """Guards for a module made at example ``args`` (one per positional argument named ``names``).
 
-    ``layout``: whether the code relies on strides (``uses_strides``); ``roles``: for each
+    ``layout``: whether the code relies on strides (``uses_strides``), or the set of leaf paths
+    whose strides it relies on (``stride_sensitive_paths``); ``roles``: for each
     argument index, None or a function ``path -> role text`` (cotangents, tangents).
     """
     names, args = tuple(names), tuple(args)
@@ -525,14 +570,11 @@ def guarded(gm: fx.GraphModule) -> GuardedGraphModule:
     return new
 
 
-def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None, layout_from=None) -> GuardedGraphModule:
-    """Attach guards for example ``args`` to ``gm`` (made a GuardedGraphModule if it is not one).
-
-    Layouts are required when the code of ``layout_from`` (default: ``gm``) relies on strides.
-    """
+def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None) -> GuardedGraphModule:
+    """Attach guards for example ``args`` to ``gm`` (made a GuardedGraphModule if it is not one);
+    layouts are required where its code relies on strides."""
     gm = guarded(gm)
-    layout = uses_strides(*(layout_from if layout_from is not None else [gm]))
-    gm.guards = build(made_by, names, args, layout=layout, roles=roles)
+    gm.guards = build(made_by, names, args, layout=stride_sensitive_paths(gm, names), roles=roles)
     return gm
 
 

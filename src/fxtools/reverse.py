@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from . import registry
 from .registry import differentiable_nodes, is_float
 from .capture import Captured, data_dependent_error, is_data_dependent, trace_flat
-from .dynamic_shapes import cotangent_example, dynamic_nodes, is_dynamic, tie
+from .dynamic_shapes import cotangent_example, dynamic_nodes, is_dynamic, symbolic_mode, tie
 from .errors import MissingRuleError, user_line_of
 from .replay import Memo
 
@@ -249,14 +249,18 @@ def ancestors(nodes) -> set[fx.Node]:
 
 
 def example_mode(vals):
-    """The fake mode to re-trace in: the capture's when a value has a data-dependent size (its
-    symbols live there), else a fresh one, as ``make_fx`` would make for real examples."""
+    """The fake mode to re-trace in: the capture's when a value has a data-dependent or a
+    symbolic size (its symbols live there), else a fresh one, as ``make_fx`` would make for real
+    examples."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     for val in vals:
         if isinstance(val, torch.Tensor) and is_dynamic(val):
             return val.fake_mode
+    symbolic = symbolic_mode(vals)  # sizes marked dynamic: their symbols live in the capture's mode
+    if symbolic is not None:
+        return symbolic
     return FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=ShapeEnv(),
                           static_shapes=True)
 

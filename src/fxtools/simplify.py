@@ -41,7 +41,7 @@ import re
 import torch
 import torch.fx as fx
 
-from .dynamic_shapes import broadcasts_into, same_shape, shape_arg
+from .dynamic_shapes import broadcasts_into, materialize, same_shape, shape_arg, sizes_from_inputs
 
 aten = torch.ops.aten
 
@@ -156,7 +156,7 @@ def fake_mode_of(graph):
 
 
 def _new(graph, before, target, args, fake_mode, kwargs=None):
-    kwargs = dict(kwargs or {})
+    args, kwargs = materialize(graph, before, (args, dict(kwargs or {})))  # symbolic sizes as nodes
     with graph.inserting_before(before):
         node = graph.create_node("call_function", target, args, kwargs, name=target.overloadpacket.__name__)
     vals, kvals = fx.node.map_arg((args, kwargs), _val)
@@ -256,7 +256,7 @@ def _rewrite(node: fx.Node, fake_mode):
     if t in _BINARY and len(args) == 2 and not node.kwargs and _scalar_of_dtype(node):
         return _new(node.graph, node, t, (x, args[1].args[0]), fake_mode)
     if t in _BINARY and len(args) == 2 and not node.kwargs:
-        folded = _fold_fill(node, fake_mode)
+        folded = _fold_fill(node, fake_mode) or _unexpand_symbolic(node, fake_mode)
         if folded is not None:
             return folded
     if t in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2:
@@ -341,6 +341,31 @@ def _fold_fill(node, fake_mode):
             continue  # on CUDA, t / number is t * (1 / number): not t / tensor
         if fv.dtype == out.dtype and broadcasts_into(fv.shape, out.shape):
             return _new(node.graph, node, node.target, (tensor, value), fake_mode)
+    return None
+
+
+def _unexpand_symbolic(node, fake_mode):
+    """``t * s.expand([batch, 4])`` -> ``t * s`` when ``s`` only broadcasts into ``t`` (same dtype
+    and shape as the result), for an expand to symbolic sizes.
+
+    It is what ``_fold_fill`` does for a static fill: with a size marked dynamic, a mean's seed
+    ``ones / (batch * 4)`` is no number, but a 0-d tensor that multiplies as one.
+    """
+    a, b = node.args
+    out = _val(node)
+    if not isinstance(out, torch.Tensor):
+        return None
+    for tensor, e in ((a, b), (b, a)):
+        if e is a and node.target not in (aten.add.Tensor, aten.mul.Tensor):
+            continue
+        if not (isinstance(e, fx.Node) and e.op == "call_function" and e.target is aten.expand.default
+                and isinstance(tensor, fx.Node) and _same_type(tensor, node)
+                and any(isinstance(n, fx.Node) for n in e.args[1])):
+            continue
+        source = e.args[0]
+        sv = _val(source)
+        if isinstance(sv, torch.Tensor) and sv.dtype == out.dtype and broadcasts_into(sv.shape, out.shape):
+            return _new(node.graph, node, node.target, (tensor, source), fake_mode)
     return None
 
 
@@ -492,6 +517,7 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
 
     The caller recompiles ``gm`` once its last pass is done (code generation is slow on big graphs).
     """
+    sizes_from_inputs(gm)  # symbolic sizes read from the inputs (dynamic_shapes.py)
     while True:
         changed = identities(gm)
         changed |= cse(gm)
