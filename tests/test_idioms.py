@@ -304,8 +304,8 @@ def test_non_tensor_objects_are_still_specialised():
         def __init__(self):
             self.scale = 3.0
 
-    x = _x(3)
-    torch.testing.assert_close(fxtools.grad(lambda x, c: (x * c.scale).sum(), x, Config())(x, Config()),
+    x, config = _x(3), Config()
+    torch.testing.assert_close(fxtools.grad(lambda x, c: (x * c.scale).sum(), x, config)(x, config),
                                torch.full((3,), 3.0, dtype=D))
 
 

@@ -7,7 +7,9 @@ control flow on shapes and Python values to the example inputs.
 
 Arguments and outputs may be any pytree. The captured graph takes one placeholder per *tensor*
 leaf of the arguments, named from the leaf's argument name and pytree path; other leaves
-(ints, floats, bools) are specialised. Tensors the function closes over (a module's parameters
+(ints, floats, bools) are specialised. A leaf that holds tensors without being a pytree (a plain
+object, an unregistered dataclass, a set) is refused: its tensors would be baked in as constants.
+``torch.inference_mode()`` blocks are traced as ``no_grad`` ones. Tensors the function closes over (a module's parameters
 and buffers) become attributes of the graph module that are the very same tensor objects, so
 in-place updates of buffers (BatchNorm's running statistics) happen exactly as in eager mode.
 """

@@ -12,6 +12,10 @@ A check on values becomes a runtime assertion in the captured graph
 PyTorch's message (as a ``RuntimeError``). Checks of shapes, dtypes and Python arguments still
 run while tracing. A replacement returns ``NotImplemented`` to leave a call to PyTorch. One entry
 per function; each replacement's docstring says where it differs from the original.
+
+``ATTRIBUTES`` does the same for tensor attributes autograd owns, which dispatch no op and so
+would escape the trace: ``.data`` (read as ``detach()``, assignment refused) and
+``requires_grad_(False)`` (eager's error on a non-leaf).
 """
 from __future__ import annotations
 
