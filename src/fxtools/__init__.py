@@ -16,6 +16,7 @@ from .custom import CustomFunctionError, custom_vjp
 from .check import VjpMismatch, check_vjp, check_vjp_fd
 from .errors import DataDependentError, FxtoolsError, MissingRuleError
 from .guards import InputMismatch
+from .sizes import SymbolicSizeError
 from .draw import draw
 from .export import save
 from .functional import functional
@@ -28,5 +29,6 @@ __all__ = [
     "vjp", "grad", "value_and_grad", "functional", "jvp", "hvp", "hessian", "vmap", "log", "show", "save", "draw", "check_vjp", "check_vjp_fd",
     "register_vjp", "mark_nondifferentiable", "rule_set", "custom_vjp", "split", "Split", "compile", "backend",
     "FxtoolsError", "MissingRuleError", "DataDependentError", "VjpMismatch", "InputMismatch",
+    "SymbolicSizeError",
     "CustomFunctionError",
 ]

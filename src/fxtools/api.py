@@ -16,6 +16,7 @@ from .assemble import assemble
 from .capture import Captured, capture, check_supported
 from .draw import PART_KEY
 from .decompose import expand
+from . import sizes
 from .functionalize import functionalize
 from .guards import OptionalTensor, cotangent_role, install
 from .naming import arg_names
@@ -33,10 +34,11 @@ def _argnums_tuple(argnums, nargs):
     return tuple(a % nargs for a in nums)
 
 
-def prepare(f, args, argnums):
+def prepare(f, args, argnums, dynamic_shapes=None):
     if not isinstance(args, tuple):
         args = tuple(args)
-    cap = capture(f, args)
+    cap = capture(f, args, dynamic_shapes=dynamic_shapes)
+    sizes.check(cap.symbolic, cap.gm)  # the program itself specialised a marked size
     check_supported(cap.gm)
     functionalize(cap.gm)
     expand(cap.gm)
@@ -82,12 +84,16 @@ def _finish(cap, flat_gm, args, build, made_by, extra_args=(), guard_extra=None)
     names = _names(cap_f(cap), args)
     gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
     simplify(gm)
+    sizes.check(cap.symbolic, gm)
     render(gm)
+    sizes.name_sizes(gm, cap.symbolic)
     gm.graph.lint()
     gm.recompile()
     roles = {len(args) + i: cotangent_role() for i, _ in enumerate(extra_args)}
     extra = guard_extra if guard_extra is not None else [v for _, v in extra_args]
-    install(gm, made_by, [*names, *(n for n, _ in extra_args)], [*args, *extra], roles=roles)
+    examples = [*args, *extra]
+    install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
+    sizes.guard_symbolic(gm.guards, cap, examples)
     return remember_inputs(gm)
 
 
@@ -99,7 +105,7 @@ def _output_structure(cap, out_flat):
     return pytree.tree_unflatten(out_flat, cap.out_spec)
 
 
-def vjp(f, *args) -> fx.GraphModule:
+def vjp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
     """The vector-Jacobian product of ``f`` at example ``args``, as readable PyTorch code.
 
     Returns a GraphModule ``gm`` with ``out, grads = gm(*args, grad_out)``: ``out`` is
@@ -107,9 +113,12 @@ def vjp(f, *args) -> fx.GraphModule:
     not floating point, such as the indices of ``torch.max(x, dim)``); ``grads`` has one entry
     per positional argument, each with that argument's pytree structure, holding
     ``J^T grad_out`` for floating-point tensor leaves and ``None`` for every other leaf.
+
+    ``dynamic_shapes`` (here and in every transform; torch.export's format, see ``fxtools.sizes``)
+    keeps the marked sizes symbolic: the module then serves every size in their range.
     """
     argnums = tuple(range(len(args)))
-    cap, wrt = prepare(f, args, argnums)
+    cap, wrt = prepare(f, args, argnums, dynamic_shapes)
     cap.f = f
     flat_gm, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     n_out = len(cap.out_leaves)
@@ -129,9 +138,9 @@ def vjp(f, *args) -> fx.GraphModule:
                    guard_extra=[accepts])
 
 
-def _grad_gm(f, args, argnums, with_value):
+def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None):
     nums = _argnums_tuple(argnums, len(args))
-    cap, wrt = prepare(f, args, nums)
+    cap, wrt = prepare(f, args, nums, dynamic_shapes)
     cap.f = f
     outs = [o for o in cap.out_leaves if isinstance(o, torch.Tensor)]
     if len(cap.out_leaves) != 1 or not outs or outs[0].numel() != 1 or not is_float(outs[0]):
@@ -148,15 +157,15 @@ def _grad_gm(f, args, argnums, with_value):
     return _finish(cap, flat_gm, args, build, "fxtools.value_and_grad" if with_value else "fxtools.grad")
 
 
-def grad(f, *args, argnums=0) -> fx.GraphModule:
+def grad(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     """The gradient of scalar-valued ``f`` at example ``args``: ``gm(*args) -> grads``.
 
     As ``torch.func.grad``: ``argnums`` (int or tuple) picks the arguments differentiated;
     for an int the result has that argument's structure, for a tuple it is a tuple of those.
     """
-    return _grad_gm(f, args, argnums, with_value=False)
+    return _grad_gm(f, args, argnums, with_value=False, dynamic_shapes=dynamic_shapes)
 
 
-def value_and_grad(f, *args, argnums=0) -> fx.GraphModule:
+def value_and_grad(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     """Like ``grad``, but ``gm(*args) -> (value, grads)``."""
-    return _grad_gm(f, args, argnums, with_value=True)
+    return _grad_gm(f, args, argnums, with_value=True, dynamic_shapes=dynamic_shapes)

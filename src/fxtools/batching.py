@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
-from . import custom
+from . import custom, sizes
 from .api import _names
 from .assemble import assemble
 from .capture import capture, is_data_dependent, realize_constants
@@ -89,7 +89,7 @@ def _in_dims_for(in_dims, args):
     return in_dims
 
 
-def vmap(f, *args, in_dims=0, out_dims=0) -> fx.GraphModule:
+def vmap(f, *args, in_dims=0, out_dims=0, dynamic_shapes=None) -> fx.GraphModule:
     """``f`` mapped over a batch dimension of its arguments, as one batched GraphModule.
 
     As ``torch.func.vmap(f, in_dims, out_dims)``: ``args`` are example arguments *with* their
@@ -101,7 +101,7 @@ def vmap(f, *args, in_dims=0, out_dims=0) -> fx.GraphModule:
         args = tuple(args)
     namer = _NodeNamer(vmappable(f), getattr(f, "guards", None)) if isinstance(f, fx.GraphModule) else None
     batched = torch.func.vmap(namer or f, in_dims=_in_dims_for(in_dims, args), out_dims=out_dims)
-    return trace_batched(batched, args, names_of=f, namer=namer, made_by="fxtools.vmap")
+    return trace_batched(batched, args, names_of=f, namer=namer, made_by="fxtools.vmap", dynamic_shapes=dynamic_shapes)
 
 
 class _NodeNamer(fx.Interpreter):
@@ -139,12 +139,12 @@ class _NodeNamer(fx.Interpreter):
                 node._rename(name)
 
 
-def trace_batched(fn, args, names_of=None, namer=None, made_by="fxtools.vmap") -> fx.GraphModule:
+def trace_batched(fn, args, names_of=None, namer=None, made_by="fxtools.vmap", dynamic_shapes=None) -> fx.GraphModule:
     """Trace ``fn`` (which may call torch.func transforms) into a readable GraphModule."""
     f = fn if names_of is None else names_of
     try:
         with custom.transform("fxtools.vmap"):  # custom functions just run their forward
-            cap = capture(fn, args, pre_dispatch=False)
+            cap = capture(fn, args, pre_dispatch=False, dynamic_shapes=dynamic_shapes)
     except FxtoolsError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised naming the user's line
@@ -168,8 +168,12 @@ def trace_batched(fn, args, names_of=None, namer=None, made_by="fxtools.vmap") -
     simplify(out)
     while collapse_view_chains(out):
         simplify(out)
+    sizes.check(cap.symbolic, out)
     tidy_names(out)
     render(out)
+    sizes.name_sizes(out, cap.symbolic)
     out.graph.lint()
     out.recompile()
-    return install(out, made_by, names, args)
+    out = install(out, made_by, names, args)
+    sizes.guard_symbolic(out.guards, cap, args)
+    return out

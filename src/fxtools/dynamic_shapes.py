@@ -25,6 +25,8 @@ A graph without data-dependent ops never meets any of this: its shapes stay plai
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
@@ -41,6 +43,18 @@ def _unbacked(val) -> bool:
         return False
 
 
+def symbolic_mode(vals):
+    """The fake mode of the first of ``vals`` with a symbolic size marked dynamic (``sizes.py``),
+    else None. Data-dependent sizes of inputs do not count: those stand-ins are made as before."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for val in vals:
+        if isinstance(val, torch._subclasses.FakeTensor) and any(
+                isinstance(s, torch.SymInt) and not free_unbacked_symbols(s) for s in val.shape):
+            return val.fake_mode  # (a size specialised to a number while tracing is still a SymInt)
+    return None
+
+
 def is_dynamic(val) -> bool:
     """Whether a node value (a FakeTensor, a SymInt, or a pytree of them) has data-dependent sizes."""
     return any(_unbacked(v) for v in pytree.tree_leaves(val) if isinstance(v, (torch.Tensor, torch.SymInt)))
@@ -55,18 +69,19 @@ def has_dynamic_shapes(gm: fx.GraphModule) -> bool:
     return bool(dynamic_nodes(gm))
 
 
-def cotangent_example(val):
+def cotangent_example(val, fake_mode=None):
     """An example cotangent for an output of value ``val`` (a FakeTensor).
 
-    Static shapes give a real zero tensor, as always. A data-dependent shape gives an empty
-    FakeTensor of the capture's fake mode with the same symbolic sizes, so the template is traced
-    in that mode and the cotangent's sizes are the output's.
+    Static shapes give a real zero tensor, as always. A data-dependent shape, or any shape when
+    sizes were marked dynamic (``fake_mode`` given, see ``sizes.py``), gives an empty FakeTensor
+    of the capture's fake mode with the same symbolic sizes, so the template is traced in that
+    mode and the cotangent's sizes are the output's.
     """
     if not isinstance(val, torch.Tensor):
         return val
-    if not _unbacked(val):
+    if fake_mode is None and not _unbacked(val):
         return torch.zeros(val.shape, dtype=val.dtype, device="cpu")
-    with val.fake_mode:
+    with fake_mode or val.fake_mode:
         return torch.empty(val.shape, dtype=val.dtype, device=val.device)
 
 
@@ -171,3 +186,113 @@ def upper_bound(n) -> int:
         return int(upper) if upper.is_finite else 1
     except Exception:  # noqa: BLE001 - an expression the shape environment cannot bound
         return 1
+
+
+def materialize(graph: fx.Graph, before: fx.Node, args, inputs_only=False):
+    """``args`` (a pytree) with each symbolic size replaced by a graph node computing it.
+
+    A pass that builds a node from a value's shape (``x.new_ones(list(v.shape))``) meets SymInt
+    objects where sizes are symbolic (marked dynamic, ``sizes.py``); code needs nodes. A size
+    some node before ``before`` already holds is reused; a plain symbol is read from the first
+    tensor having it as a size (``x.size(0)``); a product or sum is built from its parts.
+    ``inputs_only``: read sizes from the inputs only (``sizes_from_inputs``).
+    """
+    if not any(isinstance(a, torch.SymInt) for a in pytree.tree_leaves(args)):
+        return args
+    def key(size):
+        return size.node.shape_env.replace(size.node.expr) if size.node.shape_env is not None else size.node.expr
+
+    found: dict = {}
+    for node in graph.nodes:
+        if node is before or inputs_only:
+            break
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt):
+            found.setdefault(key(val), node)
+    for node in graph.nodes:  # sizes of tensors, read with x.size(d) when needed
+        if node is before:
+            break
+        if inputs_only and not _is_input_leaf(node):
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter):
+            for d, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and key(size).is_symbol:
+                    found.setdefault(("size", key(size)), (node, d, size))
+
+    def build(expr, like):
+        import sympy
+
+        if expr in found and isinstance(found[expr], fx.Node):
+            return found[expr]
+        if expr.is_Integer:
+            return int(expr)
+        if expr.is_symbol and ("size", expr) in found:
+            source, d, size = found[("size", expr)]
+            with graph.inserting_before(before):
+                node = graph.call_function(torch.ops.aten.sym_size.int, (source, d))
+            node.meta["val"] = size
+        elif isinstance(expr, (sympy.Mul, sympy.Add)):
+            op = operator.mul if isinstance(expr, sympy.Mul) else operator.add
+            parts = sorted((build(a, like) for a in expr.args), key=lambda p: isinstance(p, int))  # batch * 4
+            node = parts[0]
+            for part in parts[1:]:
+                with graph.inserting_before(before):
+                    new = graph.call_function(op, (node, part))
+                new.meta["val"] = op(_val_of(node), _val_of(part))
+                node = new
+        else:
+            raise _Unwritable(expr)
+        found[expr] = node
+        return node
+
+    def convert(a):
+        if not isinstance(a, torch.SymInt):
+            return a
+        expr = key(a)
+        return int(expr) if expr.is_Integer else build(expr, a)
+
+    return pytree.tree_map(convert, args)
+
+
+class _Unwritable(NotImplementedError):
+    """A size expression materialize cannot spell as code (FloorDiv, Max, ...)."""
+
+    def __init__(self, expr):
+        super().__init__(f"fxtools cannot write the size {expr} as code")
+
+
+def _is_input_leaf(n: fx.Node) -> bool:
+    return n.op == "placeholder" or (n.op == "call_function" and n.target is operator.getitem
+                                     and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")
+
+
+def sizes_from_inputs(gm: fx.GraphModule) -> bool:
+    """Compute every symbolic size from the inputs' sizes: ``pow_1.numel()`` -> ``batch * 4``.
+
+    Tracing reads a size from whatever tensor is at hand (a mean's backward takes the numel of
+    its input), which keeps that tensor alive and hides what the size is. Sizes marked dynamic
+    are sizes of the inputs, so each is rewritten as arithmetic of ``x.size(d)`` reads of input
+    tensors; data-dependent sizes (``u0``) stay as they are.
+    """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    graph, changed = gm.graph, False
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(val, torch.SymInt) or free_unbacked_symbols(val):
+            continue
+        if node.target is torch.ops.aten.sym_size.int and _is_input_leaf(node.args[0]):
+            continue
+        try:
+            new = materialize(graph, node, val, inputs_only=True)
+        except _Unwritable:
+            continue
+        if new is not node:
+            node.replace_all_uses_with(new)
+            changed = True
+    return changed
+
+
+def _val_of(x):
+    return x.meta["val"] if isinstance(x, fx.Node) else x

@@ -17,16 +17,15 @@ tensor leaf, the structure of the result, and any fxtools metadata the GraphModu
 """
 from __future__ import annotations
 
-import builtins
 import contextlib
 import datetime
 import io
-import keyword
 import math
 import operator
 import os
 import re
 import types
+import unicodedata
 
 import torch
 import torch.fx as fx
@@ -34,6 +33,7 @@ import torch.fx as fx
 from . import guards as _guards
 from .errors import FxtoolsError
 from .inline import InlineError, inline_submodules
+from .naming import identifier, is_plain_identifier, is_taken_name, plain_literal
 from .show import describe
 
 __all__ = ["save", "ExportError", "EMBED_LIMIT"]
@@ -77,7 +77,8 @@ def _import_line(name: str, obj) -> str:
     if isinstance(obj, (bool, int, float, complex, str)) or obj is None:
         return f"{name} = {_literal(obj)}"
     mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if mod and qual and "<" not in qual and "." not in qual:
+    if (isinstance(mod, str) and all(map(is_plain_identifier, mod.split("."))) and is_plain_identifier(qual)
+            and is_plain_identifier(name)):
         _check_importable(mod, name)
         try:
             found = getattr(__import__(mod, fromlist=[qual]), qual)
@@ -102,7 +103,9 @@ def _check_importable(module: str, name: str) -> None:
 
 
 def _literal(v) -> str:
-    """Python source for a scalar, exact on reload (``float('inf')`` for infinities)."""
+    """Python source for a scalar, exact on reload (``float('inf')`` for infinities); a subclass
+    of a built-in type is written as its built-in value, never with its own ``repr``."""
+    v = plain_literal(v, "a constant")
     if isinstance(v, bool) or v is None:
         return repr(v)
     if isinstance(v, float):
@@ -198,12 +201,12 @@ def _meta_lines(meta: dict) -> list[str]:
 def _plain(v, depth=0) -> bool:
     if depth > 6:
         return False
-    if v is None or isinstance(v, (bool, int, float, str)):
+    if type(v) in (type(None), bool, int, float, str):
         return True
-    if isinstance(v, (list, tuple)):
+    if type(v) in (list, tuple):
         return all(_plain(x, depth + 1) for x in v)
-    if isinstance(v, dict):
-        return all(isinstance(k, (str, int)) and _plain(x, depth + 1) for k, x in v.items())
+    if type(v) is dict:
+        return all(type(k) in (str, int) and _plain(x, depth + 1) for k, x in v.items())
     return False
 
 
@@ -225,8 +228,9 @@ def _annotate(src: str, graph: fx.Graph) -> str:
 
 
 def _fresh_name(base: str, taken: set[str]) -> str:
+    """``base`` (an identifier), suffixed until it is not in ``taken`` and shadows nothing."""
     name, i = base, 1
-    while name in taken or keyword.iskeyword(name) or name in dir(builtins):
+    while name in taken or is_taken_name(name):
         name, i = f"{base}_{i}", i + 1
     return name
 
@@ -256,11 +260,15 @@ class _Function:
             if node.op == "get_attr":
                 value = inlined[node] if node in inlined else _get_attr(gm, node.target)
                 if id(value) not in ids:
-                    base = re.sub(r"\W", "_", node.target)
-                    flat = _fresh_name("c" + base if base.startswith("__") or base[0].isdigit() else base, set(values))
+                    base = re.sub(r"\W", "_", unicodedata.normalize("NFKC", node.target))
+                    if base.startswith("__") or not base.isidentifier():  # no name mangling in the class body
+                        base = "c" + identifier(base)
+                    flat = _fresh_name(base, set(values) | {ns})
                     ids[id(value)] = flat
                     values[flat] = value
                 node.target = ids[id(value)]
+        from .render import check_code_data
+        check_code_data(graph)  # no text from user data but identifiers and literals
         self.graph = graph
         code = graph.python_code(root_module=ns)
         # FX always writes ``def forward(self, ...)``; the standalone function has no self.
@@ -403,6 +411,6 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
 
     if stored:
         torch.save({t: v.detach().clone() for t, v in stored.items()}, path[:-3] + ".pt")
-    with open(path, "w") as fh:
+    with open(path, "w", encoding="utf-8") as fh:
         fh.write(text)
     return text

@@ -33,7 +33,7 @@ def _differentiated(args, argnums):
     return args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
 
 
-def hvp(f, *args, argnums=0) -> fx.GraphModule:
+def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     """The Hessian-vector product of scalar ``f``: ``gm(*args, v) -> H @ v``.
 
     ``v`` has the structure of the differentiated argument (``args[argnums]``, or a tuple of
@@ -51,8 +51,8 @@ def hvp(f, *args, argnums=0) -> fx.GraphModule:
     # Always the readable rules: fused backward kernels are first-order only (CPU flash
     # attention's backward has no derivative) and the second derivative should read as math.
     with rule_set("readable"):
-        g = grad(f, *args, argnums=argnums)
-        cap, wrt = prepare(g, args, nums)
+        g = grad(f, *args, argnums=argnums, dynamic_shapes=dynamic_shapes)
+        cap, wrt = prepare(g, args, nums, dynamic_shapes)
         cap.f = g
         flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     n_out = len(cap.out_leaves)

@@ -26,7 +26,9 @@ _SHORT = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torc
 def describe(val) -> str | None:
     """``f32[8, 16]`` for a tensor, ``(f32[8], i64[8])`` for a tuple of them, None otherwise."""
     if isinstance(val, torch.Tensor):
-        return f"{_SHORT.get(val.dtype, str(val.dtype).replace('torch.', ''))}[{', '.join(map(str, val.shape))}]"
+        from .sizes import size_text  # symbolic sizes by their Dim's name: f32[batch, 16]
+
+        return f"{_SHORT.get(val.dtype, str(val.dtype).replace('torch.', ''))}[{', '.join(map(size_text, val.shape))}]"
     if isinstance(val, (tuple, list)):
         parts = [describe(v) or "-" for v in val]
         return f"({', '.join(parts)})"

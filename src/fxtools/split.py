@@ -49,7 +49,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
-from . import policies, registry
+from . import policies, registry, sizes
 from .api import grads_structure, prepare
 from .checkpoint import checkpoint_regions
 from .draw import PART_KEY
@@ -259,6 +259,9 @@ class _Partition:
             return policies.RECOMPUTE
         if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             return self._forced(node.args[0])
+        if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)) \
+                and policies.can_recompute(node):
+            return policies.RECOMPUTE  # a size (``x.size(0)``): read again from a saved tensor
         if not policies.can_recompute(node):
             return policies.SAVE
         if policies.checkpoint_region(node) is not None and node not in self.region_outputs:
@@ -388,23 +391,29 @@ def _copy_meta(new: fx.Node, old: fx.Node) -> fx.Node:
     return new
 
 
-def _finish(gm: fx.GraphModule) -> fx.GraphModule:
+def _finish(gm: fx.GraphModule, symbolic=None) -> fx.GraphModule:
     render(gm)
+    sizes.name_sizes(gm, symbolic)
     gm.graph.lint()
     gm.recompile()
     return remember_inputs(gm)
 
 
-def _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents) -> None:
+def _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap=None) -> None:
     """Guards (``fxtools.guards``) of the three graphs: inputs by their paths in the arguments,
     saved values by name (any layout: they come from the forward), cotangents as the outputs."""
     leaves = [p.meta["val"] for p in part.primals]
-    forward.guards = build("fxtools.split forward", [i.path or i.name for i in signature], leaves,
-                           layout=uses_strides(forward))
-    saved = build("fxtools.split backward", [s.name for s in part.saved], [s.meta["val"] for s in part.saved])
-    cts = build("fxtools.split backward", [c.name for c in part.cts], [c.meta["val"] for c in part.cts],
+    saved_vals, ct_vals = [s.meta["val"] for s in part.saved], [c.meta["val"] for c in part.cts]
+    forward.guards = build("fxtools.split forward", [i.path or i.name for i in signature],
+                           sizes.concrete(cap, leaves), layout=uses_strides(forward))
+    saved = build("fxtools.split backward", [s.name for s in part.saved], sizes.concrete(cap, saved_vals))
+    cts = build("fxtools.split backward", [c.name for c in part.cts], sizes.concrete(cap, ct_vals),
                 layout=uses_strides(backward),
                 roles={i: (lambda path, what=info.path: f"the cotangent of {what}") for i, info in enumerate(cotangents)})
+    if cap is not None:  # symbolic sizes (sizes.py)
+        sizes.guard_symbolic(forward.guards, cap, leaves)
+        sizes.guard_symbolic(saved, cap, saved_vals)
+        sizes.guard_symbolic(cts, cap, ct_vals)
     backward.guards = Guards("fxtools.split backward", saved.names + cts.names, saved.args + cts.args)
     drop_unneeded_layouts(forward.guards, forward.graph)
     drop_unneeded_layouts(backward.guards, backward.graph)
@@ -496,7 +505,7 @@ class Split:
                 f"{len(self.cotangents)} cotangents, policy={policies.describe(self.policy)})")
 
 
-def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> Split:
+def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dynamic_shapes=None) -> Split:
     """Forward and backward graphs of ``f`` at ``args`` (see the module docstring).
 
     ``policy``: ``"recompute_cheap"`` (default), ``"save_all"``, ``"dots_saveable"`` or a function
@@ -508,14 +517,16 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
     """
     if rules is not None:
         with registry.rule_set(rules):
-            return split(f, *args, policy=policy, grad_leaves=grad_leaves)
+            return split(f, *args, policy=policy, grad_leaves=grad_leaves, dynamic_shapes=dynamic_shapes)
     policies.resolve(policy)  # validate early
     if isinstance(f, torch.nn.Module):
         args = (dict(f.named_parameters()), *args)
+        if isinstance(dynamic_shapes, (tuple, list)):
+            dynamic_shapes = (None, *dynamic_shapes)
         f = functional(f)
     argnums = tuple(range(len(args)))
     with checkpoint_regions():
-        cap, wrt = prepare(f, args, argnums)
+        cap, wrt = prepare(f, args, argnums, dynamic_shapes)
     cap.f = f
     if grad_leaves is not None:
         grad_leaves = [bool(g) for g in grad_leaves]
@@ -525,6 +536,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
     with fx_traceback.preserve_node_meta():
         joint, ct_index, grad_index = reverse(cap, ReverseSpec(wrt, "cotangent"))
     simplify(joint)
+    sizes.check(cap.symbolic, joint)
     _name_items(joint)
     n_out = len(cap.out_leaves)
     part = _Partition(joint, sum(cap.tensor_leaf), n_out, policy)
@@ -542,7 +554,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
             env[n].meta[PART_KEY] = "forward"
     out_struct = pytree.tree_unflatten([env[o] if isinstance(o, fx.Node) else o for o in part.fw_outs], cap.out_spec)
     fg.output((out_struct, tuple(env[s] for s in part.saved)))
-    forward = _finish(GuardedGraphModule(joint, fg, class_name="SplitForward"))
+    forward = _finish(GuardedGraphModule(joint, fg, class_name="SplitForward"), cap.symbolic)
 
     # backward: saved values and cotangents in; recomputation placed just before first use
     bg = fx.Graph()
@@ -578,7 +590,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
     grads_flat = [next(it) if w else None for w in wrt]  # one per tensor leaf
     grads_flat = [emit(g) if isinstance(g, fx.Node) else g for g in grads_flat]
     bg.output(grads_structure(cap, args, grads_flat, argnums))
-    backward = _finish(GuardedGraphModule(joint, bg, class_name="SplitBackward"))
+    backward = _finish(GuardedGraphModule(joint, bg, class_name="SplitBackward"), cap.symbolic)
     boxed_graph = fx.Graph()
     boxed_graph.output(boxed_graph.graph_copy(backward.graph, {}))
     boxed_graph.set_codegen(_BoxedCodeGen())
@@ -604,7 +616,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
         storage_bytes[root.name] = max(storage_bytes.get(root.name, 0), nbytes(root.meta.get("val")), nbytes(s.meta.get("val")))
         info = _info(s, kind, line=user_line_of(s), storage=root.name)
         saved.append(info)
-    _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents)
+    _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap)
     result = Split(forward, backward, backward_boxed, signature, saved, cotangents, policy,
                    cap.in_spec, cap.out_spec, cap)
     result.guards = build("fxtools.split", top, args, layout=uses_strides(forward, backward))
@@ -614,6 +626,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
     for leaf, fw_leaf, p in zip(tensor_leaves, forward.guards.args, part.primals):
         if fw_leaf.layout is None and p.name not in by_name:
             leaf.layout = None
+    sizes.guard_symbolic(result.guards, cap, args)
     result._ct_index = ct_index
     result._storage_bytes = storage_bytes
     result._saved_kinds = [s.kind for s in saved]

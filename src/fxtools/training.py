@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from . import sizes
 from .functional import functional
 from .guards import InputMismatch
 from .naming import identifier
@@ -112,12 +113,39 @@ class _Runners:
     """The split graphs of ``fn``. A call runs the first whose guards (``Split.guards``, as every
     generated module checks them: structure, sizes, dtypes, devices, layouts where the code needs
     them, Python values) accept its arguments, made in the same training mode and for the same
-    pattern of ``requires_grad``; if none does, a new split is made and kept."""
+    pattern of ``requires_grad``; if none does, a new split is made and kept.
 
-    def __init__(self, fn, fw_compiler, bw_compiler, policy, rules="fused"):
+    With symbolic sizes (``dynamic_shapes``, or ``dynamic=True``: ``Dim.AUTO`` for every size > 1
+    of every tensor argument but the parameters) a split serves every call whose sizes it
+    accepts (its guards check the symbols' ranges); others get a new split.
+    """
+
+    def __init__(self, fn, fw_compiler, bw_compiler, policy, rules="fused", dynamic_shapes=None, dynamic=False,
+                 skip_first=False):
         self.fn, self.fw_compiler, self.bw_compiler, self.policy = fn, fw_compiler, bw_compiler, policy
         self.rules = rules
+        self.dynamic_shapes, self.dynamic, self.skip_first = dynamic_shapes, dynamic, skip_first
         self.entries: list = []  # (training, requires_grad mask, runner)
+
+    def _marks(self, args):
+        """dynamic_shapes by position for ``args`` (None: static)."""
+        if self.dynamic_shapes is not None:
+            marks = self.dynamic_shapes
+            if isinstance(marks, dict):
+                return marks
+            marks = tuple(marks)
+            return (None, *marks) if self.skip_first else marks
+        if not self.dynamic:
+            return None
+        from torch.export import Dim
+
+        def mark(x):
+            if not isinstance(x, torch.Tensor):
+                return None
+            return {d: Dim.AUTO for d, n in enumerate(x.shape) if n > 1} or None
+
+        return tuple(None if i == 0 and self.skip_first else
+                     pytree.tree_map(mark, a, is_leaf=lambda x: isinstance(x, torch.Tensor)) for i, a in enumerate(args))
 
     def __call__(self, args, training):
         """``(runner, tensor leaves)`` for ``args``."""
@@ -129,7 +157,8 @@ class _Runners:
                     return runner, runner.split.guards.check(args)
                 except InputMismatch:
                     continue
-        sp = split(self.fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules)
+        sp = split(self.fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules,
+                   dynamic_shapes=self._marks(args))
         leaves = sp.flatten(*args)
         runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler)
         self.entries.append((training, mask, runner))
@@ -186,10 +215,11 @@ class CompiledModule(torch.nn.Module):
     """``model`` whose forward and backward run fxtools' split graphs; ``.module`` is the original."""
 
     def __init__(self, model: torch.nn.Module, fw_compiler=None, bw_compiler=None, policy="recompute_cheap",
-                 rules="fused"):
+                 rules="fused", dynamic_shapes=None, dynamic=False):
         super().__init__()
         self.module = model
-        self._runners = _Runners(_accepting_keywords(functional(model)), fw_compiler, bw_compiler, policy, rules)
+        self._runners = _Runners(_accepting_keywords(functional(model)), fw_compiler, bw_compiler, policy, rules,
+                                 dynamic_shapes, dynamic, skip_first=True)
 
     def _args(self, inputs, kwargs):
         params = dict(self.module.named_parameters())
@@ -211,9 +241,11 @@ class CompiledModule(torch.nn.Module):
 class CompiledFunction:
     """``fn`` whose calls run fxtools' split graphs inside an autograd.Function."""
 
-    def __init__(self, fn, fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused"):
+    def __init__(self, fn, fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused",
+                 dynamic_shapes=None, dynamic=False):
         self.fn = fn
-        self._runners = _Runners(_accepting_keywords(fn), fw_compiler, bw_compiler, policy, rules)
+        self._runners = _Runners(_accepting_keywords(fn), fw_compiler, bw_compiler, policy, rules,
+                                 dynamic_shapes, dynamic)
 
     def runner(self, *args, **kwargs) -> _Runner:
         return self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)[0]
@@ -264,18 +296,25 @@ def _signature_with_keywords(fn):
 
 
 def compile(model_or_fn, *example_args, example_kwargs=None, fw_compiler=None, bw_compiler=None,
-            policy="recompute_cheap", rules="fused"):
+            policy="recompute_cheap", rules="fused", dynamic_shapes=None, dynamic=False):
     """A module or function whose forward and backward run fxtools' split graphs.
 
     It is called as the original, keyword arguments included (``compiled(**batch)`` for a Hugging
     Face model). With ``example_args`` / ``example_kwargs`` the graphs are made now; otherwise at
     the first call. See the module docstring for compilers, re-specialisation and ``rules``
     (default ``"fused"``).
+
+    ``dynamic_shapes`` (torch.export's format, for the call's positional arguments; a module's
+    parameters are never dynamic) keeps those sizes symbolic, so one pair of graphs serves every
+    size in range. ``dynamic=True`` marks every size > 1 of every tensor argument ``Dim.AUTO``,
+    as ``torch.compile``'s automatic dynamic shapes do: a size the program specialises (a
+    feature size matching a weight) silently stays static; the batch and sequence sizes of
+    token ids and targets stay symbolic.
     """
     if isinstance(model_or_fn, torch.nn.Module):
-        compiled = CompiledModule(model_or_fn, fw_compiler, bw_compiler, policy, rules)
+        compiled = CompiledModule(model_or_fn, fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic)
     else:
-        compiled = CompiledFunction(model_or_fn, fw_compiler, bw_compiler, policy, rules)
+        compiled = CompiledFunction(model_or_fn, fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic)
     if example_args or example_kwargs:
         compiled.runner(*example_args, **(example_kwargs or {}))
     return compiled

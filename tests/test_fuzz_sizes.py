@@ -1,0 +1,119 @@
+"""Random programs called at sizes other than their example's: the exact answer or a refusal.
+
+Each program of ``tests/fuzz_programs.py`` goes through ``fxtools.vjp`` twice: with static sizes
+and with every size marked ``Dim.AUTO`` (symbolic where the program allows it, silently static
+where it specialises, as in torch.export). Both modules are then called at new arguments whose
+sizes are the example's under one substitution (2 -> 5, 3 -> 7, 4 -> 6, ...; equal sizes stay
+equal, so broadcasting and indexing relations between arguments hold) and whose values are the
+example's tiled over the new sizes plus a little noise (so every value stays in the domain the
+generator chose it for, away from kinks and ties). Required, against ``torch.func.vjp`` in
+float64 at 1e-9:
+
+- the static module refuses the new sizes with ``fxtools.InputMismatch``;
+- the symbolic module equals ``torch.func`` at the example and at the new sizes, or refuses the
+  new sizes with ``InputMismatch`` (a size that became static); where eager PyTorch itself
+  fails at the new sizes (a reshape to the example's numbers), it must raise, never return.
+
+Never a result that differs from ``torch.func``. ``FXTOOLS_FUZZ_SIZES_N`` programs (default
+below); ``FXTOOLS_FUZZ_SEED`` and ``FXTOOLS_FUZZ_ONLY`` as in ``tests/test_fuzz.py``.
+"""
+import os
+
+import pytest
+import torch
+from torch.export import Dim
+
+import fxtools
+from test_fuzz import SEED, ONLY, close, float_leaves, program, randn_like_floats
+
+N = int(os.environ.get("FXTOOLS_FUZZ_SIZES_N", "150"))
+GROUP = 50
+SUBSTITUTION = {2: 5, 3: 7, 4: 6, 5: 9, 6: 8, 7: 11, 8: 10, 9: 13, 12: 14, 16: 17}
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+def _resized(x, gen):
+    """``x`` at the substituted sizes: its values tiled, floats moved by at most 1%."""
+    shape = [SUBSTITUTION.get(s, s) for s in x.shape]
+    index = [torch.arange(n) % s for n, s in zip(shape, x.shape)]
+    y = x[torch.meshgrid(*index, indexing="ij")] if x.dim() else x.clone()
+    if y.is_floating_point():
+        y = y * (1 + 0.01 * (2 * torch.rand(y.shape, generator=gen, dtype=y.dtype) - 1))
+    return y
+
+
+def _all_sizes_auto(args):
+    return tuple({d: Dim.AUTO for d in range(a.dim())} if isinstance(a, torch.Tensor) and a.dim() else None
+                 for a in args)
+
+
+def _reference(p, args, ct):
+    floats = [args[k] for k in p.float_args]
+
+    def f(*fl):
+        full = list(args)
+        for k, x in zip(p.float_args, fl):
+            full[k] = x
+        return float_leaves(p.fn(*full))
+
+    out, pullback = torch.func.vjp(f, *floats)
+    return out, pullback(float_leaves(ct))
+
+
+def _call_and_compare(gm, p, args, gen):
+    """Run ``gm`` at ``args``: "exact", "refused" (InputMismatch) or raise AssertionError."""
+    try:
+        out = p.fn(*args)
+    except Exception:  # noqa: BLE001 - eager PyTorch refuses these sizes: so must the module
+        ct = randn_like_floats(p.fn(*p.args), gen)
+        with pytest.raises(Exception):  # noqa: B017,PT011 - any refusal; a returned value would be wrong
+            gm(*args, ct)
+        return "refused"
+    ct = randn_like_floats(out, gen)
+    try:
+        got_out, grads = gm(*args, ct)
+    except fxtools.InputMismatch:
+        return "refused"
+    want_out, want = _reference(p, args, ct)
+    close(float_leaves(got_out), want_out, "out")
+    close([grads[k] for k in p.float_args], list(want), "grads")
+    return "exact"
+
+
+def check_sizes(p, gen, tally):
+    args = p.args
+    new = tuple(_resized(a, gen) for a in args)
+    static = fxtools.vjp(p.fn, *args)
+    ct = randn_like_floats(p.fn(*args), gen)
+    with pytest.raises(fxtools.InputMismatch):
+        static(*new, ct)
+    try:
+        symbolic = fxtools.vjp(p.fn, *args, dynamic_shapes=_all_sizes_auto(args))
+    except fxtools.FxtoolsError as exc:  # a clear refusal at generation time is allowed, and counted
+        tally["not generated"] = tally.get("not generated", 0) + 1
+        tally.setdefault("reasons", []).append(f"{p.index}: {str(exc).splitlines()[0][:120]}")
+        return
+    assert _call_and_compare(symbolic, p, args, gen) == "exact", "the symbolic module refused its own example"
+    outcome = _call_and_compare(symbolic, p, new, gen)
+    tally[outcome] = tally.get(outcome, 0) + 1
+
+
+def groups():
+    indices = ONLY or list(range(N))
+    return [indices[k:k + GROUP] for k in range(0, len(indices), GROUP)]
+
+
+@pytest.mark.parametrize("chunk", groups(), ids=lambda c: f"{c[0]}-{c[-1]}")
+def test_other_sizes_exact_or_refused(chunk):
+    failures, tally = [], {}
+    for i in chunk:
+        p = program(i)
+        try:
+            check_sizes(p, torch.Generator().manual_seed(i), tally)
+        except Exception as exc:  # noqa: BLE001 - every failing program is reported
+            failures.append(f"- index {i}: {type(exc).__name__}: {str(exc).strip()[:400]}\n{p}")
+    assert not failures, (f"{len(failures)} of {len(chunk)} programs (FXTOOLS_FUZZ_SEED={SEED}):\n"
+                          + "\n".join(failures[:3]))
+    # the symbolic path must actually be exercised: most programs give exact answers at new sizes
+    assert tally.get("exact", 0) >= len(chunk) // 2, tally
