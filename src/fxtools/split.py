@@ -56,7 +56,7 @@ from .draw import PART_KEY
 from .dynamic_shapes import upper_bound
 from .errors import user_line_of
 from .functional import functional
-from .guards import GuardedGraphModule, Guards, Node, build, uses_strides
+from .guards import GuardedGraphModule, Guards, Node, build, drop_unneeded_layouts, strided_nodes, uses_strides
 from .naming import arg_names
 from .render import render
 from .show import remember_inputs
@@ -415,6 +415,8 @@ def _install_guards(forward, backward, backward_boxed, args, top, part, signatur
         sizes.guard_symbolic(saved, cap, saved_vals)
         sizes.guard_symbolic(cts, cap, ct_vals)
     backward.guards = Guards("fxtools.split backward", saved.names + cts.names, saved.args + cts.args)
+    drop_unneeded_layouts(forward.guards, forward.graph)
+    drop_unneeded_layouts(backward.guards, backward.graph)
     backward_boxed.guards = Guards("fxtools.split backward_boxed", ("args",),
                                    (Node("args", "list", "list", tuple(range(len(backward.guards.args))),
                                          backward.guards.args),))
@@ -618,6 +620,12 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     result = Split(forward, backward, backward_boxed, signature, saved, cotangents, policy,
                    cap.in_spec, cap.out_spec, cap)
     result.guards = build("fxtools.split", top, args, layout=uses_strides(forward, backward))
+    # an input's layout matters where the forward, or the backward reading it as saved, views it
+    by_name = {n.name for n in strided_nodes(backward.graph) if n.op == "placeholder"}
+    tensor_leaves = [leaf for leaf in result.guards.leaves() if leaf.kind == "tensor"]
+    for leaf, fw_leaf, p in zip(tensor_leaves, forward.guards.args, part.primals):
+        if fw_leaf.layout is None and p.name not in by_name:
+            leaf.layout = None
     sizes.guard_symbolic(result.guards, cap, args)
     result._ct_index = ct_index
     result._storage_bytes = storage_bytes
