@@ -43,11 +43,10 @@ in any order; "attrs" is a namedtuple, dataclass or other class read by attribut
   dimensions (of any arguments) with the same ``Sym`` name must be equal at call time;
   ``dtype`` (a ``torch.dtype``), ``device`` (a device *type*, ``"cpu"``, ``"cuda"``: the code
   takes devices from its inputs, so the index is free), ``layout`` (``None``: any strides;
-  ``"contiguous"``; or a tuple of strides). A layout is required only for leaves whose values
-  reach a ``.view`` / ``as_strided`` of the code (through any ops: elementwise ops keep their
-  input's layout), which rely on strides (simplify drops a ``.contiguous()`` before a ``.view``
-  when the example was contiguous); it is not checked inside ``torch.func.vmap``, where
-  fxtools runs modules with ``.reshape`` instead;
+  ``"contiguous"``; or a tuple of strides). A layout is required only when the code has
+  ``.view`` / ``as_strided``, which rely on strides (simplify drops a ``.contiguous()`` before
+  a ``.view`` when the example was contiguous), and is not checked inside ``torch.func.vmap``,
+  where fxtools runs modules with ``.reshape`` instead;
 - scalars and objects: ``value``;
 - ``role``: for cotangents and tangents, what it must match (``"the cotangent of out[0]"``):
   the message then reads as autograd's for a wrong ``grad_output``.
@@ -383,59 +382,45 @@ class Guards:
 _LAYOUT_OPS = {"view", "_unsafe_view", "as_strided", "as_strided_", "as_strided_scatter", "view_copy"}
 
 
-def _is_layout_op(node) -> bool:
+def uses_strides(*graphs) -> bool:
+    """Whether code of these graphs relies on its inputs' strides (``.view``, ``as_strided``)."""
+    return any(_layout_op(node) for g in graphs
+               for node in (g.graph if isinstance(g, fx.GraphModule) else g).nodes)
+
+
+def stride_sensitive_paths(gm: fx.GraphModule, names) -> set:
+    """Paths of the argument leaves whose strides the code relies on: those a ``.view`` (or
+    ``as_strided``) in ``gm`` reads, directly or through other ops (a pointwise op keeps its
+    input's strides). Placeholders are ``names``; leaves are read by ``[key]`` / ``.attr`` chains."""
+    ph = {n: name for n, name in zip((n for n in gm.graph.nodes if n.op == "placeholder"), names)}
+    seen, stack = set(), []
+    for node in gm.graph.nodes:
+        if _layout_op(node) and node.args and isinstance(node.args[0], fx.Node):
+            stack.append(node.args[0])
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    paths = set()
+    for node in seen:
+        keys, cur = [], node
+        while cur.op == "call_function" and cur.target in (operator.getitem, getattr) and isinstance(cur.args[0], fx.Node):
+            key = cur.args[1]
+            keys.append(pytree.GetAttrKey(key) if cur.target is getattr else pytree.MappingKey(key))
+            cur = cur.args[0]
+        if cur in ph:
+            paths.add(ph[cur] + pytree.keystr(tuple(reversed(keys))))
+    return paths
+
+
+def _layout_op(node) -> bool:
     if node.op == "call_method":
         return node.target in _LAYOUT_OPS
     if node.op == "call_function":
         target = node.target
         return getattr(getattr(target, "overloadpacket", target), "__name__", None) in _LAYOUT_OPS
     return False
-
-
-def strided_nodes(graph) -> set:
-    """Nodes whose strides the code relies on: those a ``.view`` / ``as_strided`` reads, through
-    any chain of ops (an elementwise op keeps its input's layout)."""
-    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
-    needs = set()
-    for node in reversed(list(graph.nodes)):
-        if any(_is_layout_op(u) or u in needs for u in node.users):
-            needs.add(node)
-    return needs
-
-
-def uses_strides(*graphs) -> bool:
-    """Whether code of these graphs relies on its inputs' strides anywhere."""
-    return any(_is_layout_op(n) for g in graphs for n in (g.graph if isinstance(g, fx.GraphModule) else g).nodes)
-
-
-def _leaf_nodes(graph, guards):
-    """``{id(leaf): node}``: the node that extracts each leaf (placeholders, then indexing)."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    found = {}
-
-    def walk(spec, node):
-        if node is None:
-            return
-        if type(spec) is Leaf:
-            found[id(spec)] = node
-            return
-        for k, child in zip(spec.keys, spec.children):
-            sub = next((u for u in node.users if u.op == "call_function" and u.args and u.args[0] is node
-                        and len(u.args) > 1 and u.args[1] == k and u.target in (operator.getitem, getattr)), None)
-            walk(child, sub)
-
-    for spec, ph in zip(guards.args, placeholders):
-        walk(spec, ph)
-    return found
-
-
-def drop_unneeded_layouts(guards, graph) -> None:
-    """Keep a tensor leaf's layout requirement only where the code of ``graph`` relies on it."""
-    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
-    needs, nodes = strided_nodes(graph), _leaf_nodes(graph, guards)
-    for leaf in guards.leaves():
-        if leaf.layout is not None and nodes.get(id(leaf)) not in needs:
-            leaf.layout = None
 
 
 def _is_scalar(x) -> bool:
@@ -466,7 +451,8 @@ def _leaf_spec(value, path, layout, role):
         leaf.kind = "optional"
         return leaf
     if isinstance(value, torch.Tensor):
-        strided = layout and value.layout == torch.strided
+        wanted = path in layout if isinstance(layout, (set, frozenset)) else layout
+        strided = wanted and value.layout == torch.strided
         # cotangents and tangents are traced contiguous (as callers make them)
         lay = None if not strided else "contiguous" if role or value.is_contiguous() else tuple(value.stride())
         return Leaf(path, "tensor", tuple(_size_spec(n) for n in value.shape), value.dtype, value.device.type, lay,
@@ -506,7 +492,8 @@ def _spec(value, path, layout, role):
 def build(made_by: str, names, args, *, layout=False, roles=None) -> Guards:
     """Guards for a module made at example ``args`` (one per positional argument named ``names``).
 
-    ``layout``: whether the code relies on strides (``uses_strides``); ``roles``: for each
+    ``layout``: whether the code relies on strides (``uses_strides``), or the set of leaf paths
+    whose strides it relies on (``stride_sensitive_paths``); ``roles``: for each
     argument index, None or a function ``path -> role text`` (cotangents, tangents).
     """
     names, args = tuple(names), tuple(args)
@@ -587,8 +574,7 @@ def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None) -> Gua
     """Attach guards for example ``args`` to ``gm`` (made a GuardedGraphModule if it is not one);
     layouts are required where its code relies on strides."""
     gm = guarded(gm)
-    gm.guards = build(made_by, names, args, layout=uses_strides(gm), roles=roles)
-    drop_unneeded_layouts(gm.guards, gm.graph)
+    gm.guards = build(made_by, names, args, layout=stride_sensitive_paths(gm, names), roles=roles)
     return gm
 
 

@@ -56,7 +56,7 @@ from .draw import PART_KEY
 from .dynamic_shapes import upper_bound
 from .errors import user_line_of
 from .functional import functional
-from .guards import GuardedGraphModule, Guards, Node, build, drop_unneeded_layouts, strided_nodes, uses_strides
+from .guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
 from .naming import arg_names
 from .render import render
 from .show import remember_inputs
@@ -404,19 +404,18 @@ def _install_guards(forward, backward, backward_boxed, args, top, part, signatur
     saved values by name (any layout: they come from the forward), cotangents as the outputs."""
     leaves = [p.meta["val"] for p in part.primals]
     saved_vals, ct_vals = [s.meta["val"] for s in part.saved], [c.meta["val"] for c in part.cts]
-    forward.guards = build("fxtools.split forward", [i.path or i.name for i in signature],
-                           sizes.concrete(cap, leaves), layout=uses_strides(forward))
+    names = [i.path or i.name for i in signature]
+    forward.guards = build("fxtools.split forward", names, sizes.concrete(cap, leaves),
+                           layout=stride_sensitive_paths(forward, names))
     saved = build("fxtools.split backward", [s.name for s in part.saved], sizes.concrete(cap, saved_vals))
     cts = build("fxtools.split backward", [c.name for c in part.cts], sizes.concrete(cap, ct_vals),
-                layout=uses_strides(backward),
+                layout=stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts]),
                 roles={i: (lambda path, what=info.path: f"the cotangent of {what}") for i, info in enumerate(cotangents)})
     if cap is not None:  # symbolic sizes (sizes.py)
         sizes.guard_symbolic(forward.guards, cap, leaves)
         sizes.guard_symbolic(saved, cap, saved_vals)
         sizes.guard_symbolic(cts, cap, ct_vals)
     backward.guards = Guards("fxtools.split backward", saved.names + cts.names, saved.args + cts.args)
-    drop_unneeded_layouts(forward.guards, forward.graph)
-    drop_unneeded_layouts(backward.guards, backward.graph)
     backward_boxed.guards = Guards("fxtools.split backward_boxed", ("args",),
                                    (Node("args", "list", "list", tuple(range(len(backward.guards.args))),
                                          backward.guards.args),))
@@ -619,13 +618,11 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap)
     result = Split(forward, backward, backward_boxed, signature, saved, cotangents, policy,
                    cap.in_spec, cap.out_spec, cap)
-    result.guards = build("fxtools.split", top, args, layout=uses_strides(forward, backward))
     # an input's layout matters where the forward, or the backward reading it as saved, views it
-    by_name = {n.name for n in strided_nodes(backward.graph) if n.op == "placeholder"}
-    tensor_leaves = [leaf for leaf in result.guards.leaves() if leaf.kind == "tensor"]
-    for leaf, fw_leaf, p in zip(tensor_leaves, forward.guards.args, part.primals):
-        if fw_leaf.layout is None and p.name not in by_name:
-            leaf.layout = None
+    fw_paths = stride_sensitive_paths(forward, [i.path or i.name for i in signature])
+    bw_paths = stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts])
+    strided = {i.path for i, p in zip(signature, part.primals) if (i.path or i.name) in fw_paths or p.name in bw_paths}
+    result.guards = build("fxtools.split", top, args, layout=strided)
     sizes.guard_symbolic(result.guards, cap, args)
     result._ct_index = ct_index
     result._storage_bytes = storage_bytes
