@@ -1,4 +1,4 @@
-"""Run fxtools.vjp on PyTorch's OpInfo samples and compare with torch.autograd (float64).
+"""Run fxtools.vjp on PyTorch's OpInfo samples and compare with torch.autograd (float64, complex128).
 
 Shared by the per-rule tests and the full op sweep.
 """
@@ -15,14 +15,44 @@ from fxtools.check import check_vjp
 
 
 @functools.lru_cache(maxsize=None)
-def autograd_opinfos():
+def autograd_opinfos(dtype=torch.float64):
+    """The OpInfos autograd differentiates on the CPU in ``dtype`` (for complex dtypes: those whose
+    backward PyTorch declares supported in it)."""
     from torch.testing._internal.common_methods_invocations import op_db
 
-    return tuple(op for op in op_db if op.supports_autograd and torch.float64 in op.supported_dtypes("cpu"))
+    if dtype.is_complex:
+        return tuple(op for op in op_db if op.supports_autograd and dtype in op.supported_backward_dtypes("cpu"))
+    return tuple(op for op in op_db if op.supports_autograd and dtype in op.supported_dtypes("cpu"))
 
 
-def samples(opinfo, n=3):
-    return opinfo_samples(opinfo, n)
+def samples(opinfo, n=3, dtype=torch.float64):
+    return opinfo_samples(opinfo, n, dtype)
+
+
+def func_vjp(f, args):
+    """``torch.func.vjp`` of ``f`` packaged like a generated module, ``(*args, ct) -> (out, grads)``,
+    so ``check_vjp`` can compare it with autograd as it does fxtools (the sweeps' yardstick)."""
+    leaves, spec = pytree.tree_flatten(args)
+    diff = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
+
+    def run(*a):
+        *call, ct = a
+        flat, _ = pytree.tree_flatten(tuple(call))
+
+        def g(*xs):
+            full = list(flat)
+            for i, x in zip(diff, xs):
+                full[i] = x
+            return f(*pytree.tree_unflatten(full, spec))
+
+        out, pullback = torch.func.vjp(g, *[flat[i] for i in diff])
+        grads = pullback(ct)
+        per_leaf = [None] * len(flat)
+        for i, gr in zip(diff, grads):
+            per_leaf[i] = gr
+        return out, per_leaf
+
+    return run
 
 
 def is_random(f, args) -> bool:
@@ -39,7 +69,7 @@ def check_self_consistent(f, args, seed=0, rtol=1e-6, atol=1e-8):
     forward itself, run under the same seed (so the same masks are drawn), and reruns agree."""
     gm = fxtools.vjp(f, *args)
     leaves, spec = pytree.tree_flatten(args)
-    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in leaves]
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point() or x.is_complex()) for x in leaves]
     torch.manual_seed(seed)
     out0, _ = gm(*args, fxtools.check.random_cotangent(f(*args), torch.Generator().manual_seed(seed)))
     ct = fxtools.check.random_cotangent(out0, torch.Generator().manual_seed(seed))

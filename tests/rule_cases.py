@@ -30,7 +30,23 @@ _target2d = torch.randint(0, 3, (2, 4, 4), generator=torch.Generator().manual_se
 _offs = torch.tensor([3, 3, 8], dtype=torch.int32)
 _rows_with_duplicate = torch.cat([_t(4, 3), _t(4, 3)[:1]])  # a zero distance: PyTorch's subgradient 0
 
+def _c(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed + len(shape))
+    return torch.randn(*shape, dtype=torch.complex128, generator=g)
+
+
+def _svd_invariant(a):
+    """Singular values and ``U @ Vh``: independent of the complex singular vectors' phases."""
+    u, s, vh = torch.linalg.svd(a, full_matrices=False)
+    return u @ vh, s, (u * s.unsqueeze(-2)) @ vh
+
+
 EXTRA_CASES = {
+    # the complex-only SVD rule (real SVDs keep PyTorch's formula)
+    aten._linalg_svd: [(_svd_invariant, (_c(*shape),)) for shape in ((4, 3), (3, 4), (3, 3), (2, 3, 3))]
+    + [(lambda a: torch.linalg.svd(a, full_matrices=False)[1] * 2, (_c(4, 3),))],
+    aten.view_as_real: [(lambda z: torch.view_as_real(z * z).sin(), (_c(3, 2),)),
+                         (lambda z: torch.view_as_real(z)[..., 1].expand(4, 3), (_c(3),))],
     aten._pdist_forward: [(lambda x, p=p: aten._pdist_forward(x, p), (x,))
                           for p in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf")) for x in (_t(5, 3), _rows_with_duplicate)],
     aten.pdist: [(lambda x, p=p: F.pdist(x, p), (x,)) for p in (0.0, 0.5, 1.0, 2.0, 3.0, float("inf"))

@@ -7,6 +7,7 @@ import torch
 
 from fxtools.cli import main
 from fxtools.cli_commands import CliError, build_args, parse_spec
+from conftest import MODEL
 from isolated import run_isolated
 
 def test_grad_of_a_module_writes_a_standalone_module(model_dir):
@@ -104,27 +105,85 @@ def test_specs():
     assert build_args(f, ["f32[1]", "f32[1]", "c=7"], g)[2] == 7
 
 
-def test_show_a_torch_saved_graph_module_with_shapes(tmp_path, capsys, monkeypatch):
-    """torch.save keeps no shapes: show runs the graph on FakeTensors of recorded or --arg inputs."""
+class _Payload:
+    """Unpickling this runs ``open(marker, 'w')``: what a crafted .pt file can do to torch.load."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def test_show_never_runs_code_from_a_pt_file(tmp_path, capsys, monkeypatch):
+    """``fxtools show g.pt`` loads with weights_only=True: a crafted file's payload does not run,
+    a torch.save'd GraphModule (whose unpickling executes its code) is refused, pointing to
+    fxtools.save; a file of tensors (the constants beside a saved module) is listed with shapes."""
     import fxtools
     monkeypatch.chdir(tmp_path)
-    params = {"w": torch.randn(8, 3)}
-    gm = fxtools.grad(lambda p, x: (x @ p["w"]).tanh().sum(), params, torch.randn(4, 8))
-    torch.save(gm, "g.pt")
-    assert main(["show", "g.pt"]) == 0  # from the inputs fxtools recorded in the module
-    out = capsys.readouterr().out
-    assert "p['w']  # f32[8, 3]" in out and "# f32[4, 3]" in out
-    assert main(["show", "g.pt", "--arg", "x=f32[2,8]"]) == 2  # params cannot be given as a spec
-    assert "missing --arg" in capsys.readouterr().err
+    marker = tmp_path / "payload_ran"
+    torch.save({"gm": _Payload(marker)}, "evil.pt")
+    assert main(["show", "evil.pt"]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists(), "loading the file ran its payload"
+    assert err.count("\n") == 1 and "weights_only=True" in err and "fxtools.save" in err
 
-    plain = torch.fx.symbolic_trace(lambda x, y: torch.relu(x @ y).sum(0))
-    torch.save(plain, "plain.pt")
-    assert main(["show", "plain.pt"]) == 0  # nothing recorded: the code, and a hint
-    captured = capsys.readouterr()
-    assert "# f32" not in captured.out and "pass --arg" in captured.err
-    assert main(["show", "plain.pt", "--arg", "x=f32[4,8]", "--arg", "y=f32[5,3]"]) == 2
-    assert "cannot propagate shapes" in capsys.readouterr().err
-    assert main(["show", "plain.pt", "--arg", "x=f32[4,8]", "--arg", "y=f32[8,3]"]) == 0
-    out = capsys.readouterr().out
-    assert "# x: f32[4, 8], y: f32[8, 3]" in out and "relu = torch.relu(matmul)  # f32[4, 3]" in out
-    assert "sum_1 = relu.sum(0)  # f32[3]" in out
+    gm = fxtools.grad(lambda p, x: (x @ p["w"]).tanh().sum(), {"w": torch.randn(8, 3)}, torch.randn(4, 8))
+    torch.save(gm, "g.pt")
+    assert main(["show", "g.pt"]) == 2
+    assert "fxtools.save(gm, 'g.py')" in capsys.readouterr().err
+
+    torch.save({"w": torch.randn(8, 3), "b": torch.zeros(3, dtype=torch.float64)}, "constants.pt")
+    assert main(["show", "constants.pt"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["['w']: f32[8, 3]", "['b']: f64[3]"]
+
+
+BAD_INVOCATIONS = {  # arguments -> what the one line says
+    "out into a missing folder": (["grad", "model.py:Net", "--arg", "x=f32[4,8]", "--out", "nodir/g.py"],
+                                  "no such folder nodir"),
+    "out not a .py file": (["grad", "model.py:Net", "--arg", "x=f32[4,8]", "--out", "g.txt"], "must end in .py"),
+    "svg into a missing folder": (["vjp", "model.py:Net", "--arg", "x=f32[4,8]", "--svg", "nodir/g.svg"],
+                                  "no such folder"),
+    "integers in [0, 0)": (["grad", "model.py:embed", "--arg", "table=f32[10,4]", "--arg", "idx=i64[4]%0",
+                            "--arg", "n=2"], "N must be at least 1"),
+    "argnums not a number": (["grad", "model.py:embed", "--arg", "f32[10,4]", "--arg", "i64[3]%10", "--arg", "2",
+                              "--argnums", "a"], "--argnums 'a'"),
+    "argnums out of range": (["grad", "model.py:embed", "--arg", "f32[10,4]", "--arg", "i64[3]%10", "--arg", "2",
+                              "--argnums", "0,5"], "takes 3 positional arguments"),
+    "bad spec": (["grad", "model.py:Net", "--arg", "x=f32[4,8"], "cannot read the example input"),
+    "shape too large": (["grad", "model.py:Net", "--arg", "x=f32[99999999999999999999,8]"],
+                        "cannot make the example input"),
+    "missing file": (["grad", "missing.py:f"], "no such file: missing.py"),
+    "missing attribute": (["vjp", "model.py:Nope"], "defines no 'Nope'"),
+    "unknown option": (["jvp", "model.py:Net", "--bogus"], "unrecognized arguments: --bogus"),
+    "grad of a vector": (["grad", "model.py:vector", "--arg", "x=f32[3]"], "single floating-point tensor"),
+    "shapes that do not fit": (["vjp", "model.py:Net", "--arg", "x=f32[4,5]"], "model.py:16: h = F.gelu"),
+    "file that fails to import": (["grad", "broken.py:f"], "broken.py:2: x = undefined_name"),
+    "unknown example": (["demo", "nosuch"], "unknown example 'nosuch'"),
+    "show of a missing file": (["show", "nothing.pt"], "no such file: nothing.pt"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INVOCATIONS))
+def test_every_cli_error_is_one_line(case, model_dir, capsys, monkeypatch):
+    """A bad argument, file or input: one line on stderr (besides progress), exit code 2, no traceback."""
+    monkeypatch.chdir(model_dir)
+    (model_dir / "model.py").write_text(MODEL + "\n\ndef vector(x):\n    return x.sin()\n")
+    (model_dir / "broken.py").write_text("import torch\nx = undefined_name\n")
+    argv, says = BAD_INVOCATIONS[case]
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[fxtools]")]
+    assert len(err) == 1, err
+    assert err[0].startswith(f"fxtools {argv[0]}: error: ") and says in err[0], err[0]
+
+
+def test_internal_errors_keep_their_traceback(model_dir, monkeypatch):
+    """A bug of fxtools itself (an exception raised in its own code) is not dressed up as a user error."""
+    import fxtools.cli_commands as commands
+    from fxtools.naming import unique
+    monkeypatch.chdir(model_dir)
+    monkeypatch.setattr(commands, "load_target", lambda target: unique(None))  # fails inside fxtools
+    with pytest.raises(TypeError):
+        main(["grad", "model.py:Net", "--arg", "x=f32[4,8]"])
+
+

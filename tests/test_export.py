@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import fxtools
 from fxtools import examples
-from fxtools.export import ExportError
+from fxtools.export import GUARDS_MARKER, ExportError
 from isolated import run_isolated
 
 
@@ -38,8 +38,9 @@ def test_vjp_module_needs_only_torch_and_matches(tmp_path):
     x = torch.randn(13, dtype=torch.float64)
     gm = fxtools.vjp(f, x)
     text = fxtools.save(gm, tmp_path / "sinx.py")
-    assert "fxtools" not in text.split('"""')[-1]  # only the docstring may name it
-    assert imports_of(text) <= {"torch", "os"}
+    # only the docstring, and the guards' messages ("fxtools.vjp module: ..."), may name it
+    assert "fxtools" not in text.split('"""', 2)[2].split(GUARDS_MARKER)[0]
+    assert imports_of(text) <= {"torch", "os", "dataclasses"}  # dataclasses: the guards' data
     assert "def forward(x, grad_out):" in text
     assert "x: f64[13]" in text and "grad_out: f64[13]" in text  # the docstring's signature
     ct = torch.randn(13, dtype=torch.float64)

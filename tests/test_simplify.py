@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import fxtools
+from fxtools.simplify import count_compute_nodes
 
 
 def _mlp():
@@ -103,20 +104,110 @@ def test_grad_seeds_from_an_input_and_value_and_grad_keeps_the_loss():
         torch.testing.assert_close(got_vg, w, rtol=0, atol=1e-15)
 
 
-def test_scalings_by_powers_of_two_merge_exactly():
+def _bits_equal(got, want):
+    """Bit for bit where it matters: values, NaN positions and the signs of zeros."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), (got, want)
+    ok = ~torch.isnan(want)
+    assert torch.equal(got[ok], want[ok]), (got, want)
+    assert torch.equal(torch.signbit(got[ok]), torch.signbit(want[ok])), (got, want)
+
+
+def _value(f, *args):
+    """The forward value of fxtools' generated code for ``f`` (through ``vjp``)."""
+    gm = fxtools.vjp(f, *args)
+    out, _ = gm(*args, torch.ones_like(f(*args)))
+    return gm, out
+
+
+def test_scalings_are_not_merged_even_by_powers_of_two():
+    """``(x * 2) * 0.5`` is not ``x``: at 3e38 in float32 eager overflows to inf (it was merged
+    and returned 3e38); ``(x * 0.5) * 2`` loses the last bit of a subnormal ``x``."""
+    big = torch.tensor([3e38, -3e38, 1.0])
+    gm, out = _value(lambda x: (x * 2) * 0.5, big)
+    _bits_equal(out, (big * 2) * 0.5)
+    assert torch.isinf(out[:2]).all()
+    tiny = torch.tensor([3 * 2.0 ** -149, 1.0])  # an odd multiple of float32's smallest subnormal
+    _, out = _value(lambda x: (x * 0.5) * 2, tiny)
+    _bits_equal(out, (tiny * 0.5) * 2)
+    assert out[0] != tiny[0]
+
     x, y = torch.randn(2, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
-    gm = fxtools.grad(F.mse_loss, x, y)  # 2 * (x - y) * (1 / 2)
-    assert fxtools.simplify.count_compute_nodes(gm) == 1 and "grad_input_ = input_ - target" in gm.code
+    gm = fxtools.grad(F.mse_loss, x, y)  # 2 * (x - y) * (1 / 2): kept as computed
     xr = x.clone().requires_grad_()
     (want,) = torch.autograd.grad(F.mse_loss(xr, y), xr)
     torch.testing.assert_close(gm(x, y), want, rtol=0, atol=0)
 
+
+def test_adding_zero_keeps_the_sign_of_zero():
+    """``x + 0`` is ``+0.0`` at ``x = -0.0``: not simplified to ``x``; ``x - 0`` and ``x + (-0.0)``
+    are ``x`` for every ``x`` and are."""
+    x = torch.tensor([-0.0, 0.0, float("nan"), -float("inf"), 1.5])
+    for f in (lambda x: x + torch.zeros_like(x), lambda x: torch.zeros_like(x) + x, lambda x: x + 0.0,
+              lambda x: x - torch.full_like(x, -0.0)):
+        gm, out = _value(f, x)
+        _bits_equal(out, f(x))
+        assert not torch.signbit(out[0])
+    for f in (lambda x: x - torch.zeros_like(x), lambda x: x + torch.full_like(x, -0.0), lambda x: x - 0.0):
+        gm, out = _value(f, x)
+        _bits_equal(out, f(x))
+        assert torch.signbit(out[0])
+        assert count_compute_nodes(gm) == 0, gm.code
+    i = torch.tensor([3, -1])
+    gm = fxtools.vjp(lambda x, i: x * (i + torch.zeros_like(i)), x[-2:], i)
+    assert "zeros" not in gm.code, gm.code  # integers have one zero
+
+
+def test_zero_and_negative_zero_fills_are_not_one_subexpression():
+    def f(x):
+        return x + torch.full_like(x, -0.0), x + torch.full_like(x, 0.0)
+
+    x = torch.tensor([-0.0, 2.0])
+    gm = fxtools.vjp(f, x)
+    (a, b), _ = gm(x, (torch.ones(2), torch.ones(2)))
+    want_a, want_b = f(x)
+    _bits_equal(a, want_a)
+    _bits_equal(b, want_b)
+    assert torch.signbit(a[0]) and not torch.signbit(b[0])
+
+
+def test_exact_identities_apply_at_nan_inf_and_negative_zero():
+    """``x * 1``, ``x / 1``, ``--x``, ``x * -1 -> -x``, transpose of transpose, NaN/inf fills."""
+    x = torch.tensor([[-0.0, 0.0, float("nan")], [float("inf"), -float("inf"), -2.5]])
+    cases = {
+        lambda x: x * torch.ones_like(x): 0,
+        lambda x: torch.ones_like(x) * x / torch.ones_like(x): 0,
+        lambda x: -(-x): 0,
+        lambda x: x * torch.full_like(x, -1.0): 1,
+        lambda x: x.t().t(): 0,
+        lambda x: x.transpose(0, 1).transpose(1, 0): 0,
+        lambda x: x * torch.full_like(x, float("nan")): 1,
+        lambda x: x + torch.full_like(x, float("inf")): 1,
+        lambda x: x * (torch.full_like(x, -float("inf")) / 2): 1,
+    }
+    for f, nodes in cases.items():
+        gm, out = _value(f, x)
+        _bits_equal(out, f(x))
+        forward = fxtools.vjp(f, x)
+        assert "full_like" not in forward.code and "ones_like" not in forward.code, forward.code
+    gm = fxtools.vjp(lambda x: x * torch.full_like(x, float("nan")), x)
+    assert "x * nan" in gm.code, gm.code
+
+
+def test_division_by_a_fill_becomes_a_number_only_with_an_exact_reciprocal():
+    """CUDA divides by a number as a multiplication by its rounded reciprocal, by a tensor exactly:
+    ``t / full_like(t, 3.)`` stays a tensor division; ``t / full_like(t, 4.)`` is ``t / 4.0``."""
     t = torch.randn(5)
-    merged = fxtools.vjp(lambda t: (t * 3) * 0.25, t)
-    assert "t * 0.75" in merged.code
-    torch.testing.assert_close(merged(t, torch.ones(5))[0], (t * 3) * 0.25, rtol=0, atol=0)
-    kept = fxtools.vjp(lambda t: (t * 3) * 0.1, t)  # neither a power of two: rounding would differ
-    assert "* 3" in kept.code and "* 0.1" in kept.code
+    kept = fxtools.vjp(lambda t: t / torch.full_like(t, 3.0), t)
+    assert "full_like" in kept.code or "new_full" in kept.code, kept.code
+    folded = fxtools.vjp(lambda t: t / torch.full_like(t, 4.0), t)
+    assert "t / 4.0" in folded.code, folded.code
+    for gm, d in ((kept, 3.0), (folded, 4.0)):
+        out, (g,) = gm(t, torch.ones(5))
+        _bits_equal(out, t / torch.full_like(t, d))
+    # a fill divided by a number folds when the fill is 1 (1 * (1 / n) is 1 / n), not when it is 3
+    assert "ones_like" not in fxtools.vjp(lambda t: t * (torch.ones_like(t) / 7), t).code
+    assert "/ 7" in fxtools.vjp(lambda t: t * (torch.full_like(t, 3.0) / 7), t).code
 
 
 def test_factories_take_their_device_from_an_input():
@@ -142,3 +233,14 @@ def test_tensor_indexing_reads_as_subscripts():
     want = torch.zeros_like(x)
     want[i, j] = 2
     torch.testing.assert_close(grad_x, want, rtol=0, atol=0)
+
+
+def test_an_integer_times_a_float64_scalar_tensor_stays_float64():
+    """``i * scalar_tensor(2., float64)`` is float64; ``i * 2.0`` would be the default dtype
+    (float32 rounds 2**25 + 1)."""
+    def f(x, i):
+        return x * (i * torch.scalar_tensor(2.0, dtype=torch.float64))
+
+    x, i = torch.ones(2, dtype=torch.float64), torch.tensor([2 ** 25 + 1, 3])
+    out, _ = fxtools.vjp(f, x, i)(x, i, torch.ones(2, dtype=torch.float64))
+    _bits_equal(out, f(x, i))

@@ -47,7 +47,7 @@ MODELS = ["mlp", "cnn", "gpt"]
 def test_jvp_sin_plus_x_is_small_and_correct():
     fn, (x,) = examples.sin_plus_x()
     gm = fxtools.jvp(fn, x)
-    assert count_compute_nodes(gm) <= 4, gm.code
+    assert count_compute_nodes(gm) <= 5, gm.code  # sin, add; cos, mul, add
     assert "cos" in gm.code and "grad" not in gm.code, gm.code
     t = torch.randn_like(x)
     out, tan = gm(x, t)
@@ -285,3 +285,99 @@ def test_jvp_of_an_embedding_with_padding_is_the_derivative_of_its_forward():
         value, want = torch.func.jvp(f, (w,), (t,))
         torch.testing.assert_close(out, value, rtol=0, atol=0)
         torch.testing.assert_close(tangent, want, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ second order through tanh
+
+def _tanh_mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 5), torch.nn.Tanh(),
+                                torch.nn.Linear(5, 3))
+    x, y = torch.randn(7, 4), torch.randn(7, 3)
+    f = fxtools.functional(model)
+
+    def loss(params, x, y):
+        return ((f(params, x) - y) ** 2).mean()  # torch.func.jvp of grad of F.mse_loss raises (ZeroTensor)
+    return loss, {k: v.detach() for k, v in model.named_parameters()}, (x, y)
+
+
+def _hf_gpt2():
+    """Hugging Face GPT-2 from a tiny config, random weights (its MLP's ``gelu_new`` uses tanh)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=31, n_positions=8, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    ids = torch.randint(0, 31, (2, 5), generator=torch.Generator().manual_seed(1))
+    f = fxtools.functional(model)
+
+    def loss(params, ids):
+        logits = f(params, input_ids=ids).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return loss, {k: v.detach() for k, v in model.named_parameters()}, (ids,)
+
+
+SECOND_ORDER = {"tanh_mlp": _tanh_mlp, "hf_gpt2": _hf_gpt2}
+
+
+def test_hvp_of_tanh_of_a_product():
+    """Crashed with 'Tried to erase Node mul_5 but it still had 1 users' (the addcmul fusion)."""
+    def f(x, w):
+        return torch.tanh(x @ w).pow(2).sum()
+
+    x, w, v = torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 4)
+    got = fxtools.hvp(f, x, w)(x, w, v)
+    close(got, torch.func.jvp(lambda x: torch.func.grad(f)(x, w), (x,), (v,))[1])
+
+
+def test_jvp_does_not_fuse_into_addcmul_which_rounds_once():
+    """``a + b * c`` is not ``torch.addcmul(a, b, c)``: PyTorch's kernel may round once (fused
+    multiply-add) and stays finite where ``b * c`` overflows. Forward values are eager's, bit for bit."""
+    def f(a, b, c):
+        return a + b * c
+
+    a = torch.tensor([-3e38, 1.0], dtype=torch.float32)
+    b = torch.tensor([2e19, 1 + 2 ** -20], dtype=torch.float32)
+    c = torch.tensor([2e19, 1 + 2 ** -22], dtype=torch.float32)
+    gm = fxtools.jvp(f, a, b, c)
+    assert "addcmul" not in gm.code, gm.code
+    out, tangent = gm(a, b, c, torch.ones_like(a), torch.ones_like(a), torch.ones_like(a))
+    assert torch.equal(out, f(a, b, c)), (out, f(a, b, c))
+    assert torch.isinf(out[0])
+    torch.testing.assert_close(tangent, torch.func.jvp(f, (a, b, c), (torch.ones_like(a),) * 3)[1])
+
+
+@pytest.mark.parametrize("name", list(SECOND_ORDER))
+def test_second_order_through_tanh_matches_torch_func(name):
+    """jvp, hvp and hessian of a tanh MLP and of Hugging Face GPT-2 (float64) against torch.func."""
+    loss, params, inputs = SECOND_ORDER[name]()
+    t = random_like(params, seed=3)
+
+    no_tangents = [torch.zeros_like(x) if x.is_floating_point() else None for x in inputs]
+    out, tan = fxtools.jvp(loss, params, *inputs)(params, *inputs, t, *no_tangents)
+    want_out, want_tan = torch.func.jvp(lambda p: loss(p, *inputs), (params,), (t,))
+    close(out, want_out)
+    close(tan, want_tan)
+
+    got = fxtools.hvp(loss, params, *inputs)(params, *inputs, t)
+    want = torch.func.jvp(lambda p: torch.func.grad(loss)(p, *inputs), (params,), (t,))[1]
+    assert set(got) == set(want)
+    for k in want:
+        close(got[k], want[k])
+
+    keys = [k for k in params if k.endswith("bias")][-2:]  # a Hessian block small enough to compare
+    sub, rest = {k: params[k] for k in keys}, {k: v for k, v in params.items() if k not in keys}
+
+    def f(sub, *inputs):
+        return loss({**rest, **sub}, *inputs)
+
+    H = fxtools.hessian(f, sub, *inputs)(sub, *inputs)
+    # reference: torch.func.jvp of grad along every basis vector (jacfwd of jacrev, column by column)
+    for j in keys:
+        for b in range(sub[j].numel()):
+            e = {k: torch.zeros_like(x) for k, x in sub.items()}
+            e[j].view(-1)[b] = 1
+            col = torch.func.jvp(lambda s: torch.func.grad(f)(s, *inputs), (sub,), (e,))[1]
+            for i in keys:
+                close(H[i][j].reshape(sub[i].numel(), -1)[:, b], col[i].reshape(-1))

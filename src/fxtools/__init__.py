@@ -15,6 +15,7 @@ from .oplog import log
 from .custom import CustomFunctionError, custom_vjp
 from .check import VjpMismatch, check_vjp, check_vjp_fd
 from .errors import DataDependentError, FxtoolsError, MissingRuleError
+from .guards import InputMismatch
 from .draw import draw
 from .export import save
 from .functional import functional
@@ -26,6 +27,6 @@ from .training import backend, compile  # noqa: A004 - fxtools.compile, like tor
 __all__ = [
     "vjp", "grad", "value_and_grad", "functional", "jvp", "hvp", "hessian", "vmap", "log", "show", "save", "draw", "check_vjp", "check_vjp_fd",
     "register_vjp", "mark_nondifferentiable", "rule_set", "custom_vjp", "split", "Split", "compile", "backend",
-    "FxtoolsError", "MissingRuleError", "DataDependentError", "VjpMismatch",
+    "FxtoolsError", "MissingRuleError", "DataDependentError", "VjpMismatch", "InputMismatch",
     "CustomFunctionError",
 ]

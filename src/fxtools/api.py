@@ -16,6 +16,7 @@ from .capture import Captured, capture, check_supported
 from .draw import PART_KEY
 from .decompose import expand
 from .functionalize import functionalize
+from .guards import cotangent_role, install
 from .naming import arg_names
 from .render import render
 from .reverse import ReverseSpec, ancestors, is_float, reverse
@@ -75,13 +76,16 @@ def mark_parts(flat_gm: fx.GraphModule, n_out: int) -> None:
             node.meta[PART_KEY] = "forward" if node in forward else "backward"
 
 
-def _finish(cap, flat_gm, args, build, extra_args=()):
+def _finish(cap, flat_gm, args, build, made_by, extra_args=()):
     mark_parts(flat_gm, len(cap.out_leaves))
-    gm = assemble(flat_gm, _names(cap_f(cap), args), args, cap.tensor_leaf, cap.names, build, extra_args)
+    names = _names(cap_f(cap), args)
+    gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
     simplify(gm)
     render(gm)
     gm.graph.lint()
     gm.recompile()
+    roles = {len(args) + i: cotangent_role() for i, _ in enumerate(extra_args)}
+    install(gm, made_by, [*names, *(n for n, _ in extra_args)], [*args, *(v for _, v in extra_args)], roles=roles)
     return remember_inputs(gm)
 
 
@@ -114,7 +118,7 @@ def vjp(f, *args) -> fx.GraphModule:
         out = _output_structure(cap, flat[:n_out])
         return out, grads_structure(cap, args, flat[n_out:], argnums)
 
-    return _finish(cap, flat_gm, args, build, extra_args=[("grad_out", ct_example)])
+    return _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)])
 
 
 def _grad_gm(f, args, argnums, with_value):
@@ -133,7 +137,7 @@ def _grad_gm(f, args, argnums, with_value):
         grads = grads[0] if isinstance(argnums, int) else grads
         return (_output_structure(cap, flat[:1]), grads) if with_value else grads
 
-    return _finish(cap, flat_gm, args, build)
+    return _finish(cap, flat_gm, args, build, "fxtools.value_and_grad" if with_value else "fxtools.grad")
 
 
 def grad(f, *args, argnums=0) -> fx.GraphModule:

@@ -35,6 +35,7 @@ from .capture import capture, is_data_dependent, realize_constants
 from .errors import FxtoolsError, user_frame
 from .forward import collapse_view_chains, tidy_names
 from .functionalize import functionalize
+from .guards import install
 from .render import render
 from .simplify import simplify
 
@@ -98,9 +99,9 @@ def vmap(f, *args, in_dims=0, out_dims=0) -> fx.GraphModule:
     """
     if not isinstance(args, tuple):
         args = tuple(args)
-    namer = _NodeNamer(vmappable(f)) if isinstance(f, fx.GraphModule) else None
+    namer = _NodeNamer(vmappable(f), getattr(f, "guards", None)) if isinstance(f, fx.GraphModule) else None
     batched = torch.func.vmap(namer or f, in_dims=_in_dims_for(in_dims, args), out_dims=out_dims)
-    return trace_batched(batched, args, names_of=f, namer=namer)
+    return trace_batched(batched, args, names_of=f, namer=namer, made_by="fxtools.vmap")
 
 
 class _NodeNamer(fx.Interpreter):
@@ -111,12 +112,15 @@ class _NodeNamer(fx.Interpreter):
     values names the last node traced while computing it.
     """
 
-    def __init__(self, gm):
+    def __init__(self, gm, guards=None):
         super().__init__(gm)
         self.names: dict[fx.Node, str] = {}
+        self.guards = guards  # of the module batched: each example must be what it was made for
         self.__signature__ = inspect.signature(gm.forward)  # argument names for the batched code
 
     def __call__(self, *args):
+        if self.guards is not None:
+            self.guards.check(args, layout=False)  # vmappable's code reshapes rather than views
         return self.run(*args)
 
     def run_node(self, n):
@@ -135,7 +139,7 @@ class _NodeNamer(fx.Interpreter):
                 node._rename(name)
 
 
-def trace_batched(fn, args, names_of=None, namer=None) -> fx.GraphModule:
+def trace_batched(fn, args, names_of=None, namer=None, made_by="fxtools.vmap") -> fx.GraphModule:
     """Trace ``fn`` (which may call torch.func transforms) into a readable GraphModule."""
     f = fn if names_of is None else names_of
     try:
@@ -168,4 +172,4 @@ def trace_batched(fn, args, names_of=None, namer=None) -> fx.GraphModule:
     render(out)
     out.graph.lint()
     out.recompile()
-    return out
+    return install(out, made_by, names, args)

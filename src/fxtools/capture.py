@@ -271,12 +271,94 @@ def _compiling():
         torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = old
 
 
+@contextlib.contextmanager
+def _inference_mode_as_no_grad():
+    """Trace ``torch.inference_mode(mode)`` blocks as ``torch.set_grad_enabled(not mode)``.
+
+    Inference mode is no_grad that also skips autograd's bookkeeping; entering it dispatches no
+    op, so a trace would not see it and would differentiate the block. Grad mode changes are
+    recorded (``_set_grad_enabled`` nodes), so the block carries no gradient, as in eager.
+    """
+    cls = torch.autograd.grad_mode.inference_mode
+    old = cls.__enter__, cls.__exit__
+
+    def enter(self):
+        self._fxtools_prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(not self.mode)
+
+    def exit(self, *exc):
+        torch._C._set_grad_enabled(self._fxtools_prev)
+
+    cls.__enter__, cls.__exit__ = enter, exit
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = old
+
+
+def _hidden_tensor(obj, depth=0, seen=None) -> str | None:
+    """The path (``.t``, ``[0]``, ``{...}``) to a tensor held inside ``obj``, a pytree leaf that is
+    not a tensor (a plain object, an unregistered dataclass, a set), or None if it holds none."""
+    if isinstance(obj, torch.Tensor):
+        return ""
+    seen = set() if seen is None else seen
+    if depth > 6 or id(obj) in seen or isinstance(obj, (type, str, bytes, int, float, complex, bool)):
+        return None
+    seen.add(id(obj))
+    if isinstance(obj, (set, frozenset)):
+        items = [("{...}", x) for x in obj]
+    elif isinstance(obj, (list, tuple)):
+        items = [(f"[{i}]", x) for i, x in enumerate(obj)]
+    elif isinstance(obj, dict):
+        items = [(f"[{k!r}]", x) for k, x in obj.items()]
+    else:
+        attrs = getattr(obj, "__dict__", None)
+        attrs = dict(attrs) if isinstance(attrs, dict) else {}
+        for slot in getattr(type(obj), "__slots__", ()):
+            if isinstance(slot, str) and hasattr(obj, slot):
+                attrs[slot] = getattr(obj, slot)
+        items = [(f".{k}", x) for k, x in attrs.items()]
+    for key, x in items:
+        rest = _hidden_tensor(x, depth + 1, seen)
+        if rest is not None:
+            return key + rest
+    return None
+
+
+def _refuse_hidden_tensors(paths_leaves, top_names: list[str]) -> None:
+    """A tensor inside an argument leaf that is not a pytree would become a constant of the
+    graph (later calls would not read it, and it would get no gradient): refuse it."""
+    for path, leaf in paths_leaves:
+        if isinstance(leaf, torch.Tensor):
+            continue
+        inside = _hidden_tensor(leaf)
+        if inside is None:
+            continue
+        where = (top_names[path[0].idx] if path else "an argument") + pytree.keystr(path[1:])
+        kind = type(leaf)
+        if isinstance(leaf, (set, frozenset)):
+            how = "pass a list or tuple instead (a set has no order, so it is not a pytree)"
+        elif isinstance(leaf, torch.nn.Module):
+            how = ("close over the module instead of passing it, or differentiate "
+                   "fxtools.functional(module), which takes its parameters as a dict")
+        else:
+            how = (f"register {kind.__qualname__} as a pytree (torch.utils._pytree.register_dataclass for a "
+                   "dataclass, torch.utils._pytree.register_pytree_node otherwise), or pass its tensors as "
+                   "arguments directly")
+        raise FxtoolsError(
+            f"argument {where} is a {kind.__module__}.{kind.__qualname__} holding a tensor ({where}{inside}), "
+            "and it is not a pytree: fxtools would bake that tensor into the code as a constant (later "
+            f"calls would ignore it, and it would get no gradient). To fix it, {how}.")
+
+
 def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True) -> Captured:
     """Trace ``f(*args)`` into a flat pre-dispatch ATen graph (see module docstring)."""
     paths_leaves, in_spec = pytree.tree_flatten_with_path(tuple(args))
     paths = [p for p, _ in paths_leaves]
     leaves = [leaf for _, leaf in paths_leaves]
-    names = leaf_names(paths, arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args)))
+    top_names = arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
+    _refuse_hidden_tensors(paths_leaves, top_names)
+    names = leaf_names(paths, top_names)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     out_info = {}
 
@@ -293,7 +375,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True) -> C
 
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
     try:
-        with _custom_autograd_functions(pre_dispatch), _compiling():
+        with _custom_autograd_functions(pre_dispatch), _compiling(), _inference_mode_as_no_grad():
             gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch)
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if is_data_dependent(exc):

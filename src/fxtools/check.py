@@ -100,10 +100,16 @@ def check_vjp(f, *args, gm=None, rtol=1e-7, atol=1e-9, seed=0):
     return gm
 
 
+def _pair(a, b):
+    """Re(sum(conj(a) * b)): the real inner product, of complex tensors as pairs of real ones."""
+    return torch.real(a.conj() * b).sum() if a.is_complex() or b.is_complex() else (a * b).sum()
+
+
 def check_vjp_fd(f, *args, gm=None, eps=1e-6, rtol=1e-5, atol=1e-7, seed=0):
     """Check ``<grads, v>`` against central differences ``<ct, (f(x+eps v) - f(x-eps v)) / 2 eps>``.
 
-    ``v`` and the cotangent are random; use float64 arguments.
+    ``v`` and the cotangent are random; use float64 or complex128 arguments. Complex arguments
+    are moved along a random complex ``v``, so both their real and imaginary parts are perturbed.
     """
     from .api import vjp
 
@@ -119,11 +125,15 @@ def check_vjp_fd(f, *args, gm=None, eps=1e-6, rtol=1e-5, atol=1e-7, seed=0):
         return f(*pytree.tree_unflatten(moved, spec))
 
     plus, minus = shifted(1), shifted(-1)
-    fd = sum(((p - m) / (2 * eps) * c).sum() for p, m, c in zip(
+    # The real pairing <a, b> = Re(sum(conj(a) * b)) (the plain dot product for real tensors). The
+    # VJP's convention is autograd's: for the real loss L = <ct, f(x)>, the gradient of a complex
+    # x = a + ib is dL/da + i dL/db (the conjugate Wirtinger derivative, times 2), so that
+    # dL = <grad, dx>: the directional derivative along v is <grad, v>, real and imaginary parts alike.
+    fd = sum(_pair(c, (p - m) / (2 * eps)) for p, m, c in zip(
         pytree.tree_leaves(plus), pytree.tree_leaves(minus), pytree.tree_leaves(ct)) if _is_float(p))
     _, grads = gm(*args, ct)
     g_leaves = pytree.tree_leaves(grads, is_leaf=lambda x: x is None)
-    analytic = sum((g * d).sum() for g, d in zip(g_leaves, v) if g is not None and d is not None)
+    analytic = sum(_pair(g, d) for g, d in zip(g_leaves, v) if g is not None and d is not None)
     fd, analytic = torch.as_tensor(fd, dtype=torch.float64), torch.as_tensor(analytic, dtype=torch.float64)
     if not torch.allclose(analytic, fd, rtol=rtol, atol=atol):
         raise VjpMismatch(f"finite-difference mismatch: <grads, v> = {analytic.item():.10g}, "

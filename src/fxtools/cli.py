@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
 import textwrap
 import time
+import traceback
 
 import torch
 
@@ -68,7 +70,9 @@ def _demo_one(name: str, full: bool, out) -> bool:
 def demo(argv) -> int:
     from . import examples
 
-    p = argparse.ArgumentParser(prog="fxtools demo", description="Differentiate the built-in examples and "
+    from .cli_commands import Parser
+
+    p = Parser(prog="fxtools demo", description="Differentiate the built-in examples and "
                                 "print source, generated code and a check against torch.autograd.")
     p.add_argument("names", nargs="*", help=f"examples to run (default: all of {', '.join(examples.EXAMPLES)})")
     p.add_argument("--full", action="store_true", help="print long generated code in full")
@@ -102,11 +106,42 @@ def main(argv=None) -> int:
               "  vjp    the vector-Jacobian product of FILE.py:NAME as code\n"
               "  jvp    the Jacobian-vector product of FILE.py:NAME as code\n"
               "  split  forward and backward graphs of FILE.py:NAME and what the forward saves\n"
-              "  show   print a module written by fxtools.save / --out, or a torch.save'd GraphModule\n"
+              "  show   print a module written by fxtools.save / --out, or the tensors of a .pt file\n"
               "  bench  benchmarks against PyTorch (AOTAutograd, make_fx, eager autograd)\n"
               "  ops    coverage: how each op of PyTorch's OpInfo samples is differentiated (rule, decomposition, derived)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    return COMMANDS[argv[0]](argv[1:])
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except Exception as exc:  # noqa: BLE001 - user errors become one line; fxtools' own bugs keep their traceback
+        message = user_error_message(exc)
+        if message is None or os.environ.get("FXTOOLS_TRACEBACK"):
+            raise
+        print(f"fxtools {argv[0]}: error: {message}", file=sys.stderr)
+        return 2
+
+
+def user_error_message(exc: BaseException) -> str | None:
+    """One line for an error that is the user's to fix, None for a bug of fxtools (kept as a traceback).
+
+    The user's: bad command-line arguments (CliError), an FxtoolsError (the library's errors for
+    programs it cannot handle, naming the user's line), a ValueError raised by fxtools' own argument
+    checks, an OSError writing an output, and an exception raised by the user's code or by torch
+    under it while it is traced (named by the user's line; raised in fxtools' own code, it is a
+    bug and keeps its traceback). ``FXTOOLS_TRACEBACK=1`` shows the traceback anyway.
+    """
+    from .cli_commands import CliError, user_error
+    from .errors import FxtoolsError, _FXTOOLS_DIR, is_user_file
+
+    if isinstance(exc, (CliError, FxtoolsError)):
+        return " ".join(str(exc).split())
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc)
+    frames = traceback.extract_tb(exc.__traceback__)
+    if isinstance(exc, ValueError) and frames and frames[-1].filename.startswith(_FXTOOLS_DIR):
+        return " ".join(str(exc).split())
+    if any(is_user_file(f.filename) for f in frames) and not frames[-1].filename.startswith(_FXTOOLS_DIR):
+        return user_error(exc) + " (FXTOOLS_TRACEBACK=1 shows the traceback)"  # raised by the user's code
+    return None
 
 
 if __name__ == "__main__":

@@ -37,7 +37,14 @@ ARG_HELP = ("an example input, NAME=SPEC or SPEC (by position). SPEC is a tensor
 
 
 class CliError(Exception):
-    """A user error on the command line: printed without a traceback."""
+    """A user error on the command line: printed as one line, exit code 2 (see ``cli.main``)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line (``fxtools grad: error: ...``), exit code 2."""
+
+    def error(self, message):
+        raise CliError(f"{message} (see {self.prog} --help)")
 
 
 def progress(msg: str) -> None:
@@ -57,18 +64,28 @@ def parse_spec(spec: str, generator: torch.Generator):
         dtype = _DTYPES[m["dtype"]]
         shape = tuple(int(s) for s in m["shape"].replace(" ", "").split(",") if s)
         if dtype == torch.bool:
-            return torch.randint(0, 2, shape, generator=generator).bool()
+            return _make(spec, lambda: torch.randint(0, 2, shape, generator=generator).bool())
         if dtype.is_floating_point or dtype.is_complex:
             if m["high"]:
                 raise CliError(f"%N only applies to integer tensors: {spec!r}")
-            return torch.randn(shape, generator=generator, dtype=dtype)
+            return _make(spec, lambda: torch.randn(shape, generator=generator, dtype=dtype))
         high = int(m["high"]) if m["high"] else INT_HIGH
-        return torch.randint(0, high, shape, generator=generator, dtype=dtype)
+        if high < 1:
+            raise CliError(f"{spec!r}: %N draws integers in [0, N), so N must be at least 1")
+        return _make(spec, lambda: torch.randint(0, high, shape, generator=generator, dtype=dtype))
     try:
         return ast.literal_eval(spec)
     except (ValueError, SyntaxError):
         raise CliError(f"cannot read the example input {spec!r}: expected DTYPE[SHAPE] such as f32[8,16] "
                        "or a Python literal such as 5") from None
+
+
+def _make(spec: str, make):
+    """A random example tensor, or a CliError if it cannot be made (too large for memory)."""
+    try:
+        return make()
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as exc:
+        raise CliError(f"cannot make the example input {spec!r}: {str(exc).strip().splitlines()[0]}") from None
 
 
 def _positional_params(fn) -> list[inspect.Parameter]:
@@ -136,6 +153,8 @@ def load_target(target: str):
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's file failed: one line naming its line
+        raise CliError(f"running {os.path.basename(path)} failed: {user_error(exc)}") from exc
     finally:
         sys.path.remove(os.path.dirname(path))
     obj = module
@@ -144,6 +163,44 @@ def load_target(target: str):
             raise CliError(f"{os.path.basename(path)} defines no {name!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def user_error(exc: BaseException) -> str:
+    """``file:line: code: Type: message`` for an exception raised in (or through) user code."""
+    from .errors import user_frame
+
+    where = user_frame(exc.__traceback__)
+    if isinstance(exc, SyntaxError) and exc.filename:
+        where = f"{exc.filename}:{exc.lineno}: {(exc.text or '').strip()}"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{where + ': ' if where else ''}{type(exc).__name__}: {first}"
+
+
+def check_output_path(path: str | None, suffix: str, option: str) -> None:
+    """A CliError unless ``path`` ends in ``suffix`` and its folder exists (checked before any work)."""
+    if path is None:
+        return
+    if not path.endswith(suffix):
+        raise CliError(f"{option} {path}: the file name must end in {suffix}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CliError(f"{option} {path}: no such folder {os.path.dirname(path) or '.'}")
+    if os.path.isdir(path):
+        raise CliError(f"{option} {path} is a folder")
+
+
+def parse_argnums(text: str, nargs: int):
+    """``--argnums 0`` or ``0,2`` as an int or a tuple of argument positions (a CliError if invalid)."""
+    try:
+        nums = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise CliError(f"--argnums {text!r}: expected argument positions such as 0 or 0,2") from None
+    if not nums:
+        raise CliError("--argnums: expected at least one argument position")
+    for a in nums:
+        if not -nargs <= a < nargs:
+            raise CliError(f"--argnums {a}: the function takes {nargs} positional argument{'s' * (nargs != 1)}")
+    return nums[0] if len(nums) == 1 else nums
 
 
 def _cast(args, dtype):
@@ -165,8 +222,8 @@ class Target:
         if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
             try:
                 obj = obj()
-            except TypeError as exc:
-                raise CliError(f"cannot instantiate {obj.__name__}() with no arguments: {exc}") from None
+            except Exception as exc:  # noqa: BLE001 - the user's constructor failed: one line naming its line
+                raise CliError(f"cannot instantiate {obj.__name__}() with no arguments: {user_error(exc)}") from None
         if isinstance(obj, torch.nn.Module):
             if dtype is not None:
                 obj = obj.to(dtype)
@@ -255,7 +312,7 @@ def _transform_parser(kind: str) -> argparse.ArgumentParser:
             "jvp": "the Jacobian-vector product (out, out_tangent = forward(*args, *tangents))",
             "split": "separate forward and backward graphs (forward(*leaves) -> (out, saved); "
                      "backward(*saved, *cotangents) -> grads) and what the forward saves"}[kind]
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=f"fxtools {kind}",
         description=f"Print {what} as readable PyTorch code, with the shape of every value. "
                     "TARGET is path/to/file.py:NAME where NAME is a function or an nn.Module class "
@@ -290,33 +347,30 @@ def _run_transform(kind: str, argv) -> int:
     from .simplify import count_compute_nodes
 
     a = _transform_parser(kind).parse_args(argv)
-    try:
-        progress(f"loading {a.target}")
-        obj = load_target(a.target)
-        target = Target(obj, a.arg, a.seed, _DTYPES[a.dtype] if a.dtype else None)
-        argnums = 0
-        if kind == "grad" and target.model is None:
-            nums = tuple(int(s) for s in a.argnums.split(",") if s.strip())
-            argnums = nums[0] if len(nums) == 1 else nums
-        progress(f"tracing and differentiating {target.kind} ...")
-        start = time.perf_counter()
-        if kind == "grad":
-            gm = grad(target.fn, *target.args, argnums=argnums)
-        elif kind == "vjp":
-            gm = vjp(target.fn, *target.args)
-        elif kind == "jvp":
-            from . import jvp
-            gm = jvp(target.fn, *target.args)
-        else:
-            from . import split
-            gm = split(target.fn, *target.args, policy=a.policy)
-        elapsed = time.perf_counter() - start
-        nodes = (f"{count_compute_nodes(gm.forward)} + {count_compute_nodes(gm.backward)}" if kind == "split"
-                 else count_compute_nodes(gm))
-        progress(f"done in {elapsed:.2f} s: {nodes} compute nodes")
-    except CliError as exc:
-        print(f"fxtools {kind}: error: {exc}", file=sys.stderr)
-        return 2
+    check_output_path(a.out, ".py", "--out")
+    check_output_path(a.svg, ".svg", "--svg")
+    progress(f"loading {a.target}")
+    obj = load_target(a.target)
+    target = Target(obj, a.arg, a.seed, _DTYPES[a.dtype] if a.dtype else None)
+    argnums = 0
+    if kind == "grad" and target.model is None:
+        argnums = parse_argnums(a.argnums, len(target.args))
+    progress(f"tracing and differentiating {target.kind} ...")
+    start = time.perf_counter()
+    if kind == "grad":
+        gm = grad(target.fn, *target.args, argnums=argnums)
+    elif kind == "vjp":
+        gm = vjp(target.fn, *target.args)
+    elif kind == "jvp":
+        from . import jvp
+        gm = jvp(target.fn, *target.args)
+    else:
+        from . import split
+        gm = split(target.fn, *target.args, policy=a.policy)
+    elapsed = time.perf_counter() - start
+    nodes = (f"{count_compute_nodes(gm.forward)} + {count_compute_nodes(gm.backward)}" if kind == "split"
+             else count_compute_nodes(gm))
+    progress(f"done in {elapsed:.2f} s: {nodes} compute nodes")
     if not a.quiet:
         print(f"# fxtools {kind} of {a.target}: {target.kind}")
         if kind == "split":
@@ -331,13 +385,9 @@ def _run_transform(kind: str, argv) -> int:
         save(gm, a.out, name=f"`fxtools {kind} {os.path.basename(a.target)}`: {target.kind}")
         progress(f"wrote {a.out}" + (" (+ .pt constants)" if os.path.exists(a.out[:-3] + ".pt") else ""))
     if a.svg:
-        from .draw import DrawError, draw
-        try:
-            draw(gm, a.svg, title=f"fxtools {kind} {os.path.basename(a.target)}"
-                 + (f" (policy {a.policy})" if kind == "split" else ""))
-        except DrawError as exc:
-            print(f"fxtools {kind}: error: {exc}", file=sys.stderr)
-            return 2
+        from .draw import draw
+        draw(gm, a.svg, title=f"fxtools {kind} {os.path.basename(a.target)}"
+             + (f" (policy {a.policy})" if kind == "split" else ""))  # a DrawError is one line (cli.main)
         progress(f"wrote {a.svg}")
     if a.check:
         progress("checking against torch.autograd ...")
@@ -418,48 +468,40 @@ def split_command(argv) -> int:
 
 
 def show_command(argv) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="fxtools show",
-        description="Print generated code: a module written by fxtools.save / --out (FILE.py), or a "
-                    "GraphModule saved with torch.save (FILE.pt), with the shape of every value.",
-        epilog="example: fxtools show g.pt --arg x=f32[4,8] --arg y=i64[4]%%3")
-    p.add_argument("file", metavar="FILE", help="FILE.py (a saved module) or FILE.pt (torch.save(gm))")
+        description="Print generated code: a module written by fxtools.save / --out (FILE.py), or the "
+                    "tensors of a .pt file (the constants saved beside such a module) with their shapes. "
+                    "A .pt file is loaded with torch.load(..., weights_only=True): nothing in it can run code, "
+                    "so a GraphModule saved with torch.save is refused (write it with fxtools.save instead).",
+        epilog="example: fxtools show g.py")
+    p.add_argument("file", metavar="FILE", help="FILE.py (a module written by fxtools.save) or FILE.pt (tensors)")
     p.add_argument("--code-only", action="store_true", help="for FILE.py: leave out the docstring and constants")
-    p.add_argument("--arg", action="append", default=[], metavar="[NAME=]SPEC",
-                   help="for FILE.pt: an example input of the GraphModule's forward, to show the shapes "
-                        "(default: the inputs fxtools recorded in the module, if any). " + ARG_HELP)
     a = p.parse_args(argv)
     if not os.path.isfile(a.file):
-        print(f"fxtools show: error: no such file: {a.file}", file=sys.stderr)
-        return 2
+        raise CliError(f"no such file: {a.file}")
     if a.file.endswith(".py"):
-        with open(a.file) as fh:
+        with open(a.file, encoding="utf-8") as fh:
             text = fh.read()
         if a.code_only:
+            from .export import GUARDS_MARKER
             start = text.find("\ndef forward(")
             text = text[start + 1:] if start >= 0 else text
+            text = text.split(GUARDS_MARKER)[0]
         print(text.rstrip())
         return 0
-    from .show import annotated_code, propagate_shapes, recorded_inputs
-    obj = torch.load(a.file, weights_only=False)
-    if not isinstance(obj, torch.fx.GraphModule):
-        print(f"fxtools show: error: {a.file} holds a {type(obj).__name__}, not a GraphModule", file=sys.stderr)
-        return 2
-    try:  # torch.save keeps no shapes: run the graph on FakeTensors shaped like the inputs
-        if a.arg:
-            propagate_shapes(obj, *build_args(obj.forward, a.arg, torch.Generator().manual_seed(0)))
-        elif recorded_inputs(obj) is not None:
-            propagate_shapes(obj)
-        else:
-            progress("no shapes: the file records no example inputs; pass --arg NAME=SPEC for each argument")
-    except CliError as exc:
-        print(f"fxtools show: error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # the graph does not run on these inputs
-        print(f"fxtools show: error: cannot propagate shapes through {a.file}: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
-        return 2
-    print(annotated_code(obj).rstrip())
+    try:
+        obj = torch.load(a.file, weights_only=True, map_location="cpu")
+    except Exception:  # noqa: BLE001 - anything that is not a plain file of tensors
+        raise CliError(
+            f"{a.file} is not a file of tensors that torch.load(..., weights_only=True) can read; fxtools "
+            "never loads a pickle that could run code (a GraphModule saved with torch.save is one). "
+            "Write generated code with fxtools.save(gm, 'g.py') (or --out g.py) and run fxtools show g.py") from None
+    from .show import describe
+    leaves = pytree.tree_flatten_with_path(obj)[0]
+    for path, leaf in leaves:
+        name = pytree.keystr(path) if path else "(the file)"
+        print(f"{name}: {describe(leaf) or type(leaf).__name__}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Which mechanism differentiates each op PyTorch's OpInfo samples call.
 
-For every OpInfo of PyTorch's ``op_db`` that supports autograd and float64 on the CPU, the first
-samples are captured (and functionalised) as fxtools captures user code; each ATen overload the
+For every OpInfo of PyTorch's ``op_db`` that supports autograd and float64 on the CPU (or, with
+``dtype=torch.complex128``, whose backward supports complex128 on the CPU), the first samples are
+captured (and functionalised) as fxtools captures user code; each ATen overload the
 captures contain is classified by how fxtools differentiates it:
 
 - ``hand-written``: a rule in ``fxtools.rules`` (or registered by the user);
@@ -53,7 +54,7 @@ class Coverage:
         return f"{total} ATen overloads: {parts}"
 
 
-def _op_db():
+def _op_db(dtype=torch.float64):
     try:
         import expecttest  # noqa: F401 - op_db's module imports it
     except ImportError as exc:
@@ -61,21 +62,24 @@ def _op_db():
                          "pip install expecttest") from exc
     from torch.testing._internal.common_methods_invocations import op_db
 
-    return [op for op in op_db if op.supports_autograd and torch.float64 in op.supported_dtypes("cpu")]
+    if dtype.is_complex:
+        return [op for op in op_db if op.supports_autograd and dtype in op.supported_backward_dtypes("cpu")]
+    return [op for op in op_db if op.supports_autograd and dtype in op.supported_dtypes("cpu")]
 
 
 def opinfo_id(opinfo) -> str:
     return opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
 
 
-def opinfo_samples(opinfo, n):
-    """The first n float64 CPU samples of an OpInfo, generated from a fixed seed.
+def opinfo_samples(opinfo, n, dtype=torch.float64):
+    """The first n CPU samples of an OpInfo in ``dtype`` (float64 or complex128), generated from a
+    fixed seed.
 
     The sample generator runs under ``no_grad``: it is closed at once, or its ``no_grad`` exit
     would run whenever it is garbage-collected, possibly in the middle of a later trace.
     """
     torch.manual_seed(0)
-    gen = iter(opinfo.sample_inputs_func(opinfo, "cpu", torch.float64, True))
+    gen = iter(opinfo.sample_inputs_func(opinfo, "cpu", dtype, True))
     try:
         return list(itertools.islice(gen, n))
     finally:
@@ -119,7 +123,7 @@ def _classify_graph(gm, category: dict) -> list[str]:
     todo = {}
     for name, nodes in ops.items():
         op = nodes[0].target
-        rule = registry.lookup(op)
+        rule = registry.lookup_node(nodes[0])
         if rule is not None:
             category.setdefault(name, "hand-written" if rule.source != "derived" else "derived")
         elif registry.is_nondifferentiable(op):
@@ -144,20 +148,21 @@ def _classify_graph(gm, category: dict) -> list[str]:
     return list(ops)
 
 
-def compute(n_samples: int = 3, progress: Callable[[int, int, str], None] | None = None) -> Coverage:
-    """Classify every op the OpInfo samples call (see the module docstring)."""
+def compute(n_samples: int = 3, progress: Callable[[int, int, str], None] | None = None,
+            dtype: torch.dtype = torch.float64) -> Coverage:
+    """Classify every op the OpInfo samples call in ``dtype`` (see the module docstring)."""
     from . import rules  # noqa: F401 - registers fxtools' own rules
     from .capture import capture, check_supported
     from .functionalize import functionalize
 
     cov = Coverage()
-    opinfos = _op_db()
+    opinfos = _op_db(dtype)
     for i, opinfo in enumerate(opinfos):
         name = opinfo_id(opinfo)
         if progress is not None:
             progress(i, len(opinfos), name)
         try:
-            samples = opinfo_samples(opinfo, n_samples)
+            samples = opinfo_samples(opinfo, n_samples, dtype)
         except Exception as exc:  # noqa: BLE001 - a sample generator that does not run here
             cov.uncaptured[name] = f"{type(exc).__name__}: {exc}"
             continue
@@ -200,14 +205,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="fxtools ops",
         description="Capture the first samples of every differentiable OpInfo in PyTorch's op_db "
-        "(float64, CPU) and report, per ATen overload they call, how fxtools differentiates it: "
+        "(float64 or complex128, CPU) and report, per ATen overload they call, how fxtools differentiates it: "
         "hand-written rule, declared non-differentiable, PyTorch decomposition, rule derived from "
         "PyTorch's autograd formula, or failing. Needs expecttest (pip install expecttest).")
     p.add_argument("--samples", type=int, default=3, help="samples per OpInfo (default: 3)")
+    p.add_argument("--dtype", choices=("f64", "c128"), default="f64",
+                   help="sample dtype: float64 (default) or complex128 (OpInfos whose backward supports it)")
     p.add_argument("--counts", action="store_true", help="print only the counts, not the table")
     p.add_argument("--quiet", action="store_true", help="no progress indication on stderr")
     a = p.parse_args(argv)
-    cov = compute(a.samples, progress=None if a.quiet else _progress_printer(sys.stderr))
+    dtype = torch.complex128 if a.dtype == "c128" else torch.float64
+    cov = compute(a.samples, progress=None if a.quiet else _progress_printer(sys.stderr), dtype=dtype)
     if not a.counts:
         print(cov.table())
         if cov.uncaptured:

@@ -37,10 +37,16 @@ def _decompositions(op):
     return found
 
 
+def _is_float(x) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
 def _needs_work(node) -> bool:
+    """An op with no rule for this call: none at all, or one written for real tensors only called
+    with complex ones (PyTorch's decomposition or formula then gives autograd's convention)."""
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and registry.lookup(node.target) is None and not registry.is_nondifferentiable(node.target)
-            and "fxtools_rule" not in node.meta)
+            and registry.lookup_node(node) is None
+            and not registry.is_nondifferentiable(node.target) and "fxtools_rule" not in node.meta)
 
 
 def _nondifferentiable_outputs(op, args, kwargs) -> list[int]:
@@ -48,7 +54,7 @@ def _nondifferentiable_outputs(op, args, kwargs) -> list[int]:
     (``_batch_norm_with_update``'s saved mean and inverse std): a decomposition must not let
     gradients flow through them, or fxtools would differentiate a different function than autograd."""
     flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
-    if not any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in flat):
+    if not any(_is_float(a) for a in flat):
         return []
     written = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     bound = dict(zip([a.name for a in op._schema.arguments], args)) | dict(kwargs)
@@ -56,14 +62,12 @@ def _nondifferentiable_outputs(op, args, kwargs) -> list[int]:
     fake_mode = torch._guards.detect_fake_mode(flat)
     try:
         with fake_mode, torch.enable_grad():
-            flat = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
-                    and id(a) not in written_ids else a for a in flat]
+            flat = [a.detach().requires_grad_() if _is_float(a) and id(a) not in written_ids else a for a in flat]
             a, k = torch.utils._pytree.tree_unflatten(flat, spec)
             outs = torch.utils._pytree.tree_leaves(op(*a, **k))
     except Exception:  # noqa: BLE001 - cannot tell: keep every output differentiable
         return []
-    return [i for i, o in enumerate(outs)
-            if isinstance(o, torch.Tensor) and o.is_floating_point() and not o.requires_grad]
+    return [i for i, o in enumerate(outs) if _is_float(o) and not o.requires_grad]
 
 
 def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:

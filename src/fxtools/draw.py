@@ -130,7 +130,7 @@ class _Picture:
     def __init__(self, title: str | None):
         self.pydot = _pydot()
         self.dot = self.pydot.Dot(graph_type="digraph", rankdir="TB", nodesep="0.25", ranksep="0.35",
-                                  fontname=_FONT, label=html.escape(title or ""), labelloc="t")
+                                  fontname=_FONT, label=html.escape(title or "").replace("\\", "\\\\"), labelloc="t")
         self.dot.set_node_defaults(shape="box", style="rounded,filled", fontname=_FONT, fontsize="11",
                                    margin="0.12,0.04", height="0.3")
         self.dot.set_edge_defaults(color="#555555", arrowsize="0.6")

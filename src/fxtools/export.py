@@ -17,27 +17,30 @@ tensor leaf, the structure of the result, and any fxtools metadata the GraphModu
 """
 from __future__ import annotations
 
-import builtins
 import contextlib
 import datetime
 import io
-import keyword
 import math
 import operator
 import os
 import re
 import types
+import unicodedata
 
 import torch
 import torch.fx as fx
 
+from . import guards as _guards
 from .errors import FxtoolsError
 from .inline import InlineError, inline_submodules
+from .naming import identifier, is_plain_identifier, is_taken_name, plain_literal
 from .show import describe
 
 __all__ = ["save", "ExportError", "EMBED_LIMIT"]
 
 EMBED_LIMIT = 64  # constants with at most this many elements are written into the module as literals
+GUARDS_MARKER = "# ---- What the functions above accept (fxtools guards: everything their code was specialised to) ----"
+_RUNTIME_NAMES = ("InputMismatch", "Sym", "Leaf", "Node", "Guards", "_HOW", "_desc", "_got", "_same", "_equal")
 
 
 class ExportError(FxtoolsError):
@@ -74,7 +77,8 @@ def _import_line(name: str, obj) -> str:
     if isinstance(obj, (bool, int, float, complex, str)) or obj is None:
         return f"{name} = {_literal(obj)}"
     mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if mod and qual and "<" not in qual and "." not in qual:
+    if (isinstance(mod, str) and all(map(is_plain_identifier, mod.split("."))) and is_plain_identifier(qual)
+            and is_plain_identifier(name)):
         _check_importable(mod, name)
         try:
             found = getattr(__import__(mod, fromlist=[qual]), qual)
@@ -99,7 +103,9 @@ def _check_importable(module: str, name: str) -> None:
 
 
 def _literal(v) -> str:
-    """Python source for a scalar, exact on reload (``float('inf')`` for infinities)."""
+    """Python source for a scalar, exact on reload (``float('inf')`` for infinities); a subclass
+    of a built-in type is written as its built-in value, never with its own ``repr``."""
+    v = plain_literal(v, "a constant")
     if isinstance(v, bool) or v is None:
         return repr(v)
     if isinstance(v, float):
@@ -195,12 +201,12 @@ def _meta_lines(meta: dict) -> list[str]:
 def _plain(v, depth=0) -> bool:
     if depth > 6:
         return False
-    if v is None or isinstance(v, (bool, int, float, str)):
+    if type(v) in (type(None), bool, int, float, str):
         return True
-    if isinstance(v, (list, tuple)):
+    if type(v) in (list, tuple):
         return all(_plain(x, depth + 1) for x in v)
-    if isinstance(v, dict):
-        return all(isinstance(k, (str, int)) and _plain(x, depth + 1) for k, x in v.items())
+    if type(v) is dict:
+        return all(type(k) in (str, int) and _plain(x, depth + 1) for k, x in v.items())
     return False
 
 
@@ -222,8 +228,9 @@ def _annotate(src: str, graph: fx.Graph) -> str:
 
 
 def _fresh_name(base: str, taken: set[str]) -> str:
+    """``base`` (an identifier), suffixed until it is not in ``taken`` and shadows nothing."""
     name, i = base, 1
-    while name in taken or keyword.iskeyword(name) or name in dir(builtins):
+    while name in taken or is_taken_name(name):
         name, i = f"{base}_{i}", i + 1
     return name
 
@@ -253,11 +260,15 @@ class _Function:
             if node.op == "get_attr":
                 value = inlined[node] if node in inlined else _get_attr(gm, node.target)
                 if id(value) not in ids:
-                    base = re.sub(r"\W", "_", node.target)
-                    flat = _fresh_name("c" + base if base.startswith("__") or base[0].isdigit() else base, set(values))
+                    base = re.sub(r"\W", "_", unicodedata.normalize("NFKC", node.target))
+                    if base.startswith("__") or not base.isidentifier():  # no name mangling in the class body
+                        base = "c" + identifier(base)
+                    flat = _fresh_name(base, set(values) | {ns})
                     ids[id(value)] = flat
                     values[flat] = value
                 node.target = ids[id(value)]
+        from .render import check_code_data
+        check_code_data(graph)  # no text from user data but identifiers and literals
         self.graph = graph
         code = graph.python_code(root_module=ns)
         # FX always writes ``def forward(self, ...)``; the standalone function has no self.
@@ -265,6 +276,18 @@ class _Function:
         if n_sub != 1:
             raise ExportError("unexpected code layout: no `def forward(self, ...)` line")
         self.src, self.globals = src, code.globals
+        self.guards = gm.__dict__.get("guards")  # fxtools.guards: written after the code, checked first
+        self.accepts = None
+
+    def check_first(self, accepts: str) -> None:
+        """Make the function's first line check its arguments against ``accepts`` (its guards)."""
+        self.accepts = accepts
+        names = [n.name for n in self.graph.nodes if n.op == "placeholder"]
+        line = f"    {accepts}.check(({', '.join(names)}{',' if len(names) == 1 else ''}))"
+        m = re.search(rf"^def {self.fname}\(.*\):[^\n]*$", self.src, flags=re.M)
+        if m is None:
+            raise ExportError(f"unexpected code layout: no `def {self.fname}(...)` line")
+        self.src = self.src[:m.end()] + "\n" + line + self.src[m.end():]
 
     def doc(self) -> list[str]:
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
@@ -305,10 +328,16 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
     if not path.endswith(".py"):
         raise ValueError(f"save writes a Python module; the path must end in .py, not {path!r}")
     pairs, notes = _functions_of(gm)
-    taken = {n.name for _, g in pairs for n in g.graph.nodes} | {"torch", "os"} | {f for f, _ in pairs}
+    taken = {n.name for _, g in pairs for n in g.graph.nodes} | {"torch", "os", "math", "dataclasses"} \
+        | {f for f, _ in pairs} | set(_RUNTIME_NAMES)
     ns = _fresh_name("constants", taken)
     values, ids = {}, {}
     functions = [_Function(g, fname, ns, values, ids) for fname, g in pairs]
+    guarded = [fn for fn in functions if fn.guards is not None]
+    for fn in guarded:
+        name = _fresh_name(f"{fn.fname}_accepts", taken | {ns})
+        taken.add(name)
+        fn.check_first(name)
 
     # constants read by get_attr nodes
     targets = list(values)
@@ -325,6 +354,8 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
 
     # globals the code uses
     imports = ["import os", "import torch"] if stored else ["import torch"]
+    if guarded:
+        imports.insert(0, "import dataclasses")
     for fn in functions:
         for gname, obj in sorted(fn.globals.items()):
             if gname == "torch" or not re.search(rf"(?<![\w.]){re.escape(gname)}\b", fn.src):
@@ -340,6 +371,10 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
         doc += notes + [""]
     for fn in functions:
         doc += fn.doc() + [""]
+    if guarded:
+        doc += [f"{', '.join(fn.fname for fn in guarded)} first check{'s' if len(guarded) == 1 else ''} "
+                "that the arguments are what the code was made for (structure, sizes, dtypes, devices, "
+                "Python values: the guards at the end of this file) and raise InputMismatch otherwise.", ""]
     if targets:
         doc += [f"Constants ({ns}.<name>): " + ", ".join(f"{t} {describe(values[t])}" for t in targets)]
         if stored:
@@ -366,11 +401,16 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
     for fn in functions:
         parts.append("")
         parts.append(_annotate(fn.src, fn.graph))
+    if guarded:
+        parts += ["", GUARDS_MARKER, "", "", _guards.runtime_source(), ""]
+        for fn in guarded:
+            parts += ["", f"{fn.accepts} = {_guards.render(fn.guards)}"]
+        parts.append("")
     text = "\n".join(parts)
     compile(text, path, "exec")  # fail here, not at import, if anything is off
 
     if stored:
         torch.save({t: v.detach().clone() for t, v in stored.items()}, path[:-3] + ".pt")
-    with open(path, "w") as fh:
+    with open(path, "w", encoding="utf-8") as fh:
         fh.write(text)
     return text

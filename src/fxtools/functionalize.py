@@ -126,6 +126,41 @@ def _storage(val):
 
 
 
+def _closed_over_storages(gm: fx.GraphModule):
+    """``_storage`` that knows which values live in a closed-over tensor's memory.
+
+    Each read of a closed-over real tensor (a ``get_attr`` node) gets its own FakeTensor, and so
+    do views of it (``buf[0]``, ``buf.detach()``): their fake storages differ, though the tensors
+    share memory when the code runs. Each is mapped to the real tensor's storage, so that a write
+    through a view (``buf[0].add_(1)``, ``buf.data.add_(1)``) is seen as a write to the buffer.
+    """
+    canonical: dict = {}
+    for node in gm.graph.nodes:
+        st = _storage(_val(node))
+        if st is None:
+            continue
+        if node.op == "get_attr":
+            real = getattr(gm, node.target, None)
+            if isinstance(real, torch.Tensor) and not isinstance(real, torch._subclasses.FakeTensor):
+                real_st = _storage(real)
+                if real_st is not None:
+                    canonical[st] = real_st
+            continue
+        src = node.args[0] if node.op == "call_function" and node.args else None
+        if isinstance(src, fx.Node) and src.op == "call_function" and node.target is operator.getitem:
+            src = src.args[0] if _is_view_op(src.target) and src.args else None
+        elif not (node.op == "call_function" and _is_view_op(node.target)):
+            src = None
+        if isinstance(src, fx.Node) and _storage(_val(src)) in canonical:
+            canonical[st] = canonical[_storage(_val(src))]
+
+    def storage(val):
+        st = _storage(val)
+        return canonical.get(st, st)
+
+    return storage
+
+
 def _where(node) -> str:
     return user_line_of(node) or "an unknown line"
 
@@ -322,6 +357,7 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
         return gm
     maybe_need = _maybe_differentiable(gm)
     b = _Builder(graph)
+    _storage = _closed_over_storages(gm)
 
     input_storages: dict = {}       # storage -> placeholder / get_attr node owning it
     aliases: dict[fx.Node, _Alias] = {}
@@ -437,7 +473,7 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
         base = info_base[st]
         if base in maybe_need and (not grad_enabled or _through_detach(target_arg, aliases)):
             raise _error(node, "it modifies a value that carries a gradient under torch.no_grad() or "
-                               "through .detach(); its gradient would be that of the old value, "
+                               "through .detach() or .data; its gradient would be that of the old value, "
                                "which a functional rewrite cannot reproduce")
         func = _functional_of(op)
         if op is aten.copy_.default:
@@ -458,7 +494,7 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
             repl[node] = new
             to_erase.append(node)
             continue
-        value = _functional_value(b, node, func, tval, input_storages)
+        value = _functional_value(b, node, func, tval, input_storages, _storage)
         value = b.cast_like(value, tval)
         # write the new value back through the chain of views to the base
         child, cur = value, target_arg
@@ -480,7 +516,7 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
             raise _error(node, "internal error: a rewritten in-place op is still used")
         graph.erase_node(node)
     if kept:
-        _snapshot_reads(gm, kept, b)
+        _snapshot_reads(gm, kept, b, _storage)
     graph.lint()
     gm.recompile()
     return gm
@@ -503,7 +539,19 @@ def _through_detach(node, aliases) -> bool:
     return False
 
 
-def _functional_value(b: _Builder, node, func, tval, input_storages):
+def _detached_input(node):
+    """The input or buffer that ``node`` is a ``detach()`` (``.data``) of, possibly through
+    views, else None."""
+    detached = False
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        detached = detached or node.target in (aten.detach.default, aten.detach_.default)
+        if not (_is_view_op(node.target) or node.target is operator.getitem) or not node.args:
+            return None
+        node = node.args[0]
+    return node if detached and isinstance(node, fx.Node) else None
+
+
+def _functional_value(b: _Builder, node, func, tval, input_storages, _storage):
     """The new value of the written tensor, computed out of place."""
     op, args, kwargs = node.target, node.args, node.kwargs
     if op is aten.copy_.default:
@@ -543,13 +591,17 @@ def _keep(node, written, maybe_need, grad_enabled):
         return
     node.meta["fxtools_rule"] = _kept_mutation_rule(node)
     target = _arg_at(node, written[0])
+    if _detached_input(target) in maybe_need:
+        raise _error(node, "it modifies, through .detach() or .data, an input that may be differentiated: "
+                           "eager autograd does not see the write, but the tensors it saved for the "
+                           "backward do, so the gradient depends on what autograd happens to save")
     if (not grad_enabled and isinstance(target, fx.Node) and target in maybe_need and node.users):
         raise _error(node, "it modifies, under torch.no_grad(), an input that may be differentiated, and "
                            "the modified value is used afterwards; its gradient would be that of the "
                            "input, which fxtools cannot reproduce")
 
 
-def _snapshot_reads(gm: fx.GraphModule, kept: list, b: _Builder) -> None:
+def _snapshot_reads(gm: fx.GraphModule, kept: list, b: _Builder, _storage) -> None:
     """Differentiable ops reading an input before it is modified in place read a copy instead.
 
     Their backward runs after the whole forward, so it would otherwise see the modified values.

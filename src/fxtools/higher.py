@@ -68,7 +68,8 @@ def hvp(f, *args, argnums=0) -> fx.GraphModule:
         return hv[0] if isinstance(argnums, int) else hv
 
     names = _names(f, args)
-    gm = finish(flat, names, args, cap, build, [("v", v_example)])
+    gm = finish(flat, names, args, cap, build, [("v", v_example)], made_by="fxtools.hvp",
+                roles={len(args): lambda path: "the vector v of the Hessian-vector product"})
     _name_results(gm)
     return gm
 
@@ -132,4 +133,4 @@ def hessian(f, *args, argnums=0) -> fx.GraphModule:
     except (TypeError, ValueError):
         pass
     hessian_of.__name__ = getattr(f, "__name__", "hessian")
-    return trace_batched(hessian_of, args, names_of=f)
+    return trace_batched(hessian_of, args, names_of=f, made_by="fxtools.hessian")

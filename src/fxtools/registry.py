@@ -11,6 +11,19 @@ A rule is a pair of plain Python functions, as in JAX's ``custom_vjp``:
 Rules run on FakeTensors while fxtools traces the derivative, so they may read ``x.shape``
 and ``x.dtype`` freely; the torch calls they make become the generated code.
 
+Complex tensors. A backward returns what autograd returns: for ``out = f(z)`` and cotangent
+``ct``, the cotangent of ``z`` is ``ct * f'(z).conj()`` for a holomorphic ``f`` (the conjugate
+Wirtinger derivative, PyTorch's "Autograd for Complex Numbers"); in general, for a real loss
+``L``, the gradient of ``z = x + iy`` is ``dL/dx + i dL/dy``. ``vjp_rule`` rules are written as
+the real formula (``ct * torch.cos(x)``) and, by default (``complex="holomorphic"``), receive
+the op's complex arguments and outputs conjugated, which turns that formula into the convention
+(``ct * torch.cos(x.conj())``); real tensors are passed as they are, so real code is unchanged.
+A rule of a non-holomorphic op (``abs``, ``angle``, ``var``) says ``complex="convention"`` and
+computes the convention itself; one written for real tensors only says ``complex="real"``, and
+complex calls of its op are differentiated by PyTorch's decomposition or derivative formula.
+``complex="complex"`` is the converse: a convention rule for complex calls only (real ones keep
+PyTorch's formula, so their generated code is unchanged).
+
 Keys are ``torch.ops.aten`` overload packets (``torch.ops.aten.sin``, covering every
 overload) or single overloads (``torch.ops.aten.sum.dim_IntList``), which take precedence.
 
@@ -36,6 +49,38 @@ class Rule:
     fwd: Callable[..., tuple[Any, Any]]
     bwd: Callable[[Any, Any], Any]
     source: str = "hand-written"  # or "user", "derived", "fused"
+    complex: str = "convention"   # the calls it handles (module docstring): all; "real" or "complex" ones only
+
+
+COMPLEX_MODES = ("holomorphic", "convention", "real", "complex")
+
+
+def _check_complex_mode(mode, allowed=COMPLEX_MODES):
+    if mode not in allowed:
+        raise ValueError(f"complex must be one of {', '.join(map(repr, allowed))}, not {mode!r}")
+
+
+def conj_if_complex(x):
+    """``x.conj()`` for a complex tensor or Python complex; anything else unchanged (no code)."""
+    if isinstance(x, torch.Tensor):
+        return x.conj() if x.is_complex() else x
+    return x.conjugate() if isinstance(x, complex) else x
+
+
+def cast_cotangent(g, dtype):
+    """``g`` as a cotangent of a ``dtype`` value: a complex cotangent of a real value is its real
+    part (autograd's convention: the imaginary part is the derivative along a direction the real
+    value cannot move in), never a cast that warns and drops it."""
+    if g.is_complex() and not dtype.is_complex:
+        g = torch.real(g)
+    return g if g.dtype == dtype else g.to(dtype)
+
+
+def conj_complex_leaves(tree):
+    """Every complex tensor or number of a pytree conjugated (the holomorphic rules' primals)."""
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(conj_if_complex, tree)
 
 
 _RULES: dict[Any, Rule] = {}
@@ -64,8 +109,12 @@ def _key(op):
     )
 
 
-def register_vjp(op, fwd: Callable, bwd: Callable, *, source: str = "user", rule_set: str | None = None) -> Rule:
+def register_vjp(op, fwd: Callable, bwd: Callable, *, source: str = "user", rule_set: str | None = None,
+                 complex: str = "convention") -> Rule:
     """Add or replace the VJP rule of ``op`` (in the named ``rule_set``, default: the readable table).
+
+    For complex tensors ``bwd`` must return autograd's convention (see the module docstring), or
+    the rule says ``complex="real"`` and complex calls are differentiated by PyTorch's formula.
 
     ``op`` is an ATen op (``torch.ops.aten.sin``, ``torch.ops.aten.sum.dim_IntList``), its name
     (``"sin"``), or a torch function of the same name (``torch.sin``). Example::
@@ -76,12 +125,13 @@ def register_vjp(op, fwd: Callable, bwd: Callable, *, source: str = "user", rule
             return ct * torch.cos(x)          # cotangent of the one argument
         fxtools.register_vjp(torch.ops.aten.sin, sin_fwd, sin_bwd)
     """
-    rule = Rule(fwd, bwd, source)
+    _check_complex_mode(complex, ("convention", "real", "complex"))
+    rule = Rule(fwd, bwd, source, complex)
     _table(rule_set)[_key(op)] = rule
     return rule
 
 
-def vjp_rule(op, *, rule_set: str | None = None):
+def vjp_rule(op, *, rule_set: str | None = None, complex: str = "holomorphic"):
     """Decorator for the common rule shape: the forward is the op itself.
 
     The decorated function is ``bwd(ct, out, *args, **kwargs) -> arg cotangents`` and sees the
@@ -91,19 +141,25 @@ def vjp_rule(op, *, rule_set: str | None = None):
         @vjp_rule(aten.sin)
         def sin(ct, out, x):
             return ct * torch.cos(x)
+
+    ``complex`` says how the rule treats complex tensors (module docstring): ``"holomorphic"``
+    (conjugated arguments and output), ``"convention"``, ``"real"`` or ``"complex"``.
     """
+    _check_complex_mode(complex)
+
     def register(bwd_of_inputs):
         def fwd(*args, **kwargs):
             out = op(*args, **kwargs)
             return out, (out, args, kwargs)
 
         def bwd(aux, ct):
-            out, args, kwargs = aux
+            out, args, kwargs = conj_complex_leaves(aux) if complex == "holomorphic" else aux
             return bwd_of_inputs(ct, out, *args, **kwargs)
 
         fwd.__name__ = bwd.__name__ = bwd_of_inputs.__name__
         fwd.__qualname__ = bwd.__qualname__ = bwd_of_inputs.__qualname__
-        _table(rule_set)[_key(op)] = Rule(fwd, bwd, "hand-written" if rule_set is None else rule_set)
+        _table(rule_set)[_key(op)] = Rule(fwd, bwd, "hand-written" if rule_set is None else rule_set,
+                                          "convention" if complex == "holomorphic" else complex)
         return bwd_of_inputs
 
     return register
@@ -123,6 +179,31 @@ def lookup(op) -> Rule | None:
     overrides = _ACTIVE.get()[1]
     if overrides and not (rule is not None and rule.source == "user"):
         return _find(overrides, op) or rule
+    return rule
+
+
+def handles(rule: Rule | None, node) -> bool:
+    """Whether ``rule`` differentiates ``node``: not a real-only rule called with complex tensors,
+    nor a complex-only one called with real ones."""
+    if rule is None:
+        return False
+    mode = getattr(rule, "complex", "convention")
+    if mode == "convention":
+        return True
+    from torch.utils import _pytree as pytree
+
+    vals = [a.meta.get("val") for a in node.all_input_nodes] + pytree.tree_leaves(node.meta.get("val"))
+    return any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals) == (mode == "complex")
+
+
+def lookup_node(node) -> Rule | None:
+    """The rule differentiating the call ``node``: ``lookup``'s, or, when that one is written for
+    real tensors and the call has complex ones, the readable table's if it handles them (a fused
+    rule's fallback); None when neither does (PyTorch's formula is then used)."""
+    rule = lookup(node.target)
+    if rule is not None and not handles(rule, node):
+        readable = readable_rule(node.target)
+        return readable if handles(readable, node) else None
     return rule
 
 

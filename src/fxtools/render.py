@@ -5,6 +5,9 @@
 ``aten.linear.default(x, w, b)`` becomes ``torch.nn.functional.linear(x, w, b)``. Arguments
 equal to their schema default are dropped. An op is only renamed to a public function whose
 behaviour on those arguments is the op itself; anything else keeps its ``torch.ops.aten`` name.
+
+Last, ``check_code_data`` makes sure the code holds no text from user data other than
+identifiers and plain built-in literals (see ``naming.py``).
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .errors import FxtoolsError
+from .naming import SHADOWS, is_plain_identifier, plain_literal, repr_safe
 from .simplify import is_input_leaf
 
 aten = torch.ops.aten
@@ -40,6 +45,7 @@ _METHODS = {
     aten.new_full.default: "new_full", aten.new_empty.default: "new_empty", aten.expand_as.default: "expand_as",
     aten.view_as.default: "view_as", aten.repeat.default: "repeat", aten.unflatten.int: "unflatten",
     aten.split.Tensor: "split", aten.split_with_sizes.default: "split",
+    aten._conj.default: "conj",  # the lazy conjugate that Tensor.conj() of a complex tensor is
     # sizes and values read back from tensors when they depend on the data (dynamic_shapes.py)
     aten.sym_size.int: "size", aten.sym_numel.default: "numel", aten._local_scalar_dense.default: "item",
 }
@@ -245,7 +251,59 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
             node.op, node.target, node.args, node.kwargs = kind, target, args, kwargs
         else:
             node.target, node.args, node.kwargs = target, args, kwargs
+    check_code_data(gm)
     return gm
+
+
+_TORCH_CONSTANTS = (torch.dtype, torch.device, torch.layout, torch.memory_format, torch._ops.OpOverload,
+                    torch._ops.HigherOrderOperator, type(...))
+
+
+def _code_value(value, where: str):
+    """``value`` as torch.fx may print it: nodes, plain literals, torch constants, containers of
+    them (subclasses of built-in types and numpy scalars converted, everything else refused)."""
+    if isinstance(value, (fx.Node, *_TORCH_CONSTANTS)):
+        return value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # fx prints its items with repr
+        items = [_code_value(v, where) for v in value]
+        if not repr_safe(items):
+            raise FxtoolsError(f"{where} holds a {type(value).__qualname__} of values fxtools cannot print")
+        return type(value)(*items)
+    if isinstance(value, (tuple, list)):  # fx's immutable_list, torch.Size
+        return (tuple if isinstance(value, tuple) else list)(_code_value(v, where) for v in value)
+    if isinstance(value, dict):  # fx prints it with repr
+        items = {plain_literal(k, f"a dict key in {where}"): _code_value(v, where) for k, v in value.items()}
+        if not repr_safe(items):
+            raise FxtoolsError(f"{where} holds a dict of values fxtools cannot print")
+        return items
+    if isinstance(value, slice):
+        return slice(*(_code_value(v, where) for v in (value.start, value.stop, value.step)))
+    if isinstance(value, range):
+        return range(*(plain_literal(v, where) for v in (value.start, value.stop, value.step)))
+    return plain_literal(value, where)
+
+
+def check_code_data(gm) -> None:
+    """Make every constant in ``gm``'s graph a plain literal and check every name it writes.
+
+    fx prints constants with ``repr``: a ``str`` subclass with its own ``__repr__`` would put
+    arbitrary code into ``gm.code``. Names (arguments, attributes, methods) must be identifiers
+    in normal form (Python reads ``self.ﬁ`` as ``self.fi``) that shadow nothing the code uses.
+    Takes a GraphModule or a Graph.
+    """
+    for node in getattr(gm, "graph", gm).nodes:
+        where = f"a constant of {node.name} in the generated code"
+        if node.op == "placeholder":
+            if not is_plain_identifier(node.target.lstrip("*")) or node.target.lstrip("*") in SHADOWS:
+                raise FxtoolsError(f"cannot name an argument {node.target!r} in generated code")
+        elif node.op in ("get_attr", "call_module"):
+            if not all(is_plain_identifier(part) and part != "self" for part in node.target.split(".")):
+                raise FxtoolsError(f"cannot write the attribute name {node.target!r} in generated code")
+        elif node.op == "call_method" and not is_plain_identifier(node.target):
+            raise FxtoolsError(f"cannot write the method name {node.target!r} in generated code")
+        if node.op != "placeholder":
+            node.args = _code_value(tuple(node.args), where)
+            node.kwargs = {plain_literal(k, where): _code_value(v, where) for k, v in node.kwargs.items()}
 
 
 def _devices_from_inputs(gm: fx.GraphModule) -> None:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
-from .errors import FxtoolsError, user_line_of
+from .errors import FxtoolsError, current_user_line, user_line_of
 
 
 def _check(ok, message):
@@ -199,12 +199,85 @@ REPLACEMENTS = {
 _COPIES_OF_VIEWS: list = []  # storages of replacement results that stand for views
 
 
+def _data(tensor):
+    """``tensor.data``: ``tensor.detach()``, which is what it means to autograd. PyTorch makes
+    ``.data`` without dispatching any op, so a trace would see a new, unrelated tensor (a
+    FakeTensor constant in the graph). Writes through it are writes through a ``detach()``:
+    refused on values that carry a gradient (``functionalize.py``)."""
+    return tensor.detach()
+
+
+def _set_data(tensor, value):
+    """``tensor.data = value`` swaps a tensor's values behind autograd's back: refused."""
+    raise FxtoolsError(
+        f"assigning to .data (at {current_user_line()}) replaces a tensor's values without autograd "
+        "seeing it, and fxtools cannot trace that. Compute a new tensor and use it instead "
+        "(`p = value`), or pass the new value as an argument.")
+
+
+def _requires_grad_(tensor, requires_grad=True):
+    """``tensor.requires_grad_(False)``: eager PyTorch raises when ``tensor`` is not a leaf, which
+    in a trace is known only once the differentiated inputs are: the tensor is marked with a rule
+    that raises eager's error if its value depends on one (``mark_not_requires_grad``)."""
+    if not requires_grad:
+        mark_not_requires_grad(tensor, current_user_line())
+    return NotImplemented  # and PyTorch sets the flag of the traced tensor, as before
+
+
+def _set_requires_grad(tensor, requires_grad):
+    """``tensor.requires_grad = flag``: as ``requires_grad_(flag)``."""
+    return _requires_grad_(tensor, requires_grad)
+
+
+def mark_not_requires_grad(tensor, where: str) -> None:
+    """From now on the traced program reads ``tensor`` through an ``alias`` node whose VJP rule
+    raises eager PyTorch's error: reverse mode calls it only when the value carries a gradient
+    (is a non-leaf in eager terms)."""
+    from torch.fx.experimental import proxy_tensor
+
+    from .registry import Rule
+
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    if mode is None:
+        return
+    try:
+        slot = proxy_tensor.get_proxy_slot(tensor, mode.tracer)
+    except Exception:  # noqa: BLE001 - not a traced tensor (a constant): a leaf
+        return
+    if slot.proxy.node.op in ("placeholder", "get_attr"):
+        return  # a leaf: eager allows it
+    marker = torch.ops.aten.alias.default(tensor)
+    marker_slot = proxy_tensor.get_proxy_slot(marker, mode.tracer)
+
+    def fwd(x):
+        raise FxtoolsError(
+            f"requires_grad_(False) (at {where}) on a value computed from a differentiated input: eager "
+            "PyTorch raises 'you can only change requires_grad flags of leaf variables'. If you want "
+            "to use a computed variable in a subgraph that doesn't require differentiation use "
+            "var_no_grad = var.detach().")
+
+    def bwd(aux, ct):  # pragma: no cover - fwd always raises
+        raise AssertionError("unreachable")
+
+    marker_slot.proxy.node.meta["fxtools_rule"] = Rule(fwd, bwd, "fxtools-requires-grad")
+    proxy_tensor.set_proxy_slot(tensor, mode.tracer, marker_slot)
+
+
+ATTRIBUTES = {
+    torch.Tensor.data.__get__: _data,
+    torch.Tensor.data.__set__: _set_data,
+    torch.Tensor.requires_grad_: _requires_grad_,
+    torch.Tensor.requires_grad.__set__: _set_requires_grad,
+}
+
+
 class Replacing(TorchFunctionMode):
-    """Calls the replacement of each function in ``REPLACEMENTS`` (active while capturing)."""
+    """Calls the replacement of each function in ``REPLACEMENTS`` and of each attribute access in
+    ``ATTRIBUTES`` (active while capturing)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        replacement = REPLACEMENTS.get(func)
+        replacement = REPLACEMENTS.get(func) or ATTRIBUTES.get(func)
         if replacement is not None:
             out = replacement(*args, **kwargs)
             if out is not NotImplemented:

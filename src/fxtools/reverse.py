@@ -55,6 +55,16 @@ def rule_for(node):
             or registry.lookup(node.target))
     if rule is None:
         raise missing_rule(node)
+    if not registry.handles(rule, node) and "fxtools_rule" not in node.meta:
+        rule = registry.lookup_node(node)
+    if rule is None:
+        kind, other = ("complex", "real") if registry.lookup(node.target).complex == "real" else ("real", "complex")
+        raise MissingRuleError(
+            f"fxtools cannot differentiate {node.target} with {kind} tensors (called from "
+            f"{user_line_of(node) or 'an unknown line'}): its VJP rule is written for {other} tensors only "
+            "and PyTorch gives no decomposition or derivative formula for this call. Register a rule "
+            "following autograd's convention for complex tensors with fxtools.register_vjp"
+            + (", or differentiate a real formulation (torch.view_as_real)." if kind == "complex" else "."))
     return rule
 
 
@@ -152,7 +162,8 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
             if c is None or node not in need:
                 return
             if isinstance(c, torch.Tensor) and c.dtype != node.meta["val"].dtype:
-                c = memo.call(torch.Tensor.to, c, node.meta["val"].dtype)
+                # a complex cotangent reaching a real value keeps its real part, as in autograd
+                c = memo.call(registry.cast_cotangent, c, node.meta["val"].dtype)
             ct[node] = c if node not in ct else memo.call(operator.add, ct[node], c)
 
         if spec.seed == "ones":
@@ -199,8 +210,10 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
             grads.append(g)
         return (*outs, *grads)
 
-    examples = [_example(p.meta["val"], keep_strides=True) for p in placeholders]
-    ct_examples = [cotangent_example(out_nodes[i].meta["val"]) for i in ct_index] if spec.seed == "cotangent" else []
+    ct_vals = [out_nodes[i].meta["val"] for i in ct_index] if spec.seed == "cotangent" else []
+    mode = example_mode([p.meta["val"] for p in placeholders] + ct_vals)
+    examples = [_example(p.meta["val"], mode, keep_strides=True) for p in placeholders]
+    ct_examples = [_example(v, mode) for v in ct_vals]
     try:
         gm = trace_flat(template, [*examples, *ct_examples], record_stack_traces=False)
     except Exception as exc:
@@ -214,6 +227,9 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
     for node, i in zip(ph[len(placeholders):], ct_index):
         src = out_nodes[i]
         node._rename(f"grad_{src.name}" if len(ct_index) > 1 else "grad_out")
+    for node in gm.graph.nodes:  # the conjugated arguments of holomorphic rules (complex tensors)
+        if node.target is aten._conj.default and node.name.startswith("_conj"):
+            node._rename(f"{node.args[0].name}_conj")
     _copy_constants(cap.gm, gm)
     grad_index = [i for i, w in enumerate(spec.wrt) if w]
     return gm, ct_index, grad_index
@@ -232,11 +248,24 @@ def ancestors(nodes) -> set[fx.Node]:
     return seen
 
 
-def _example(val, keep_strides=False):
-    """A real tensor standing in for a FakeTensor when re-tracing (shapes are static).
+def example_mode(vals):
+    """The fake mode to re-trace in: the capture's when a value has a data-dependent size (its
+    symbols live there), else a fresh one, as ``make_fx`` would make for real examples."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    Tracing reads only its metadata, so the arguments' stand-ins are left uninitialised (zeroing
-    GPT-2's parameters alone takes a tenth of a second).
+    for val in vals:
+        if isinstance(val, torch.Tensor) and is_dynamic(val):
+            return val.fake_mode
+    return FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=ShapeEnv(),
+                          static_shapes=True)
+
+
+def _example(val, mode, keep_strides=False):
+    """A FakeTensor of ``mode`` standing in for ``val`` when re-tracing.
+
+    Examples stay fake, so nothing is allocated however large the example (a 100000 x 100000
+    argument on the ``meta`` device costs nothing), and the re-trace sees the value's own device.
 
     With ``keep_strides`` (the function's own arguments) it has the example argument's strides,
     so the re-traced graph knows which values are contiguous (simplify keeps ``.contiguous()``
@@ -246,9 +275,10 @@ def _example(val, keep_strides=False):
         return val
     if is_dynamic(val):
         return cotangent_example(val)  # a FakeTensor with the same data-dependent sizes
-    if keep_strides:
-        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="cpu")
-    return torch.zeros(val.shape, dtype=val.dtype, device="cpu")
+    with mode:
+        if keep_strides:
+            return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+        return torch.empty(val.shape, dtype=val.dtype, device=val.device)
 
 
 def _copy_constants(src: fx.GraphModule, dst: fx.GraphModule) -> None:

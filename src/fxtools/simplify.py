@@ -3,13 +3,34 @@
 They work on the ATen graph, where every node carries its FakeTensor value
 (``node.meta['val']``), and run to a fixed point:
 
-- algebraic identities: ``x * 1``, ``x + 0``, ``x - 0``, ``x / 1``, ``-(-x)``, ``x * -1 -> -x``,
-  where "1" is anything known to be a tensor full of ones (``ones_like``, an expanded one, ...);
+- algebraic identities: ``x * 1``, ``x / 1``, ``-(-x)``, ``x * -1 -> -x``, ``x - 0`` and
+  ``x + (-0.0)``, where "1" is anything known to be a tensor full of ones (``ones_like``, an
+  expanded one, ...);
+- fills folded into numbers (``t * ones_like(loss) / n`` -> ``t * 0.25``);
 - no-op shape ops: view/reshape/expand/squeeze/conversion to the same shape and dtype,
   a view of a view, a transpose of a transpose, a permute of a permute;
 - common subexpressions (never of random or mutating ops);
 - dead code (keeping ops that mutate buffers, such as BatchNorm's running statistics);
 - backward kernels' ``output_mask`` reduced to the results that are used.
+
+Every rewrite is exact: the simplified graph computes bit for bit what the graph it replaces
+computes, for every input (overflow, NaN, infinities and signed zeros included) and on every
+device, or the rewrite is not applied. So some identities of real numbers are not used:
+
+- ``x + 0 -> x`` (and ``0 + x``, ``x - (-0.0)``): ``-0.0 + 0`` is ``+0.0``; only ``x - 0`` and
+  ``x + (-0.0)`` are ``x`` for every float ``x`` (integers: every zero);
+- ``(t * a) * b -> t * (a * b)``, even for powers of two: ``(x * 2) * 0.5`` overflows to inf at
+  3e38 in float32, and ``(x * 0.5) * 2`` loses the last bit of subnormal ``x``;
+- ``a + b * c -> addcmul(a, b, c)`` (``forward.py``): the kernel may round once (fused multiply-add);
+- a division by a fill or a 0-dim tensor becomes a division by a number only when the number's
+  reciprocal is exact (a power of two): CUDA divides by a number as a multiplication by its
+  rounded reciprocal, and by a tensor exactly; likewise a fill divided by a number is folded
+  only when both give the same result (the fill is 0 or ±1, or the divisor a power of two).
+
+Rewrites that are exact: ``x * 1``, ``x / 1`` (also at NaN, inf, -0.0), ``x * -1 -> -x``,
+``-(-x)``, transposes and permutes that compose to the identity, no-op views and conversions,
+fills (NaN and infinities included: the code says ``x * nan``) computed in the node's dtype op
+by op as PyTorch would, ``sum(x, all dims) -> sum(x)``.
 """
 from __future__ import annotations
 
@@ -93,8 +114,22 @@ def _fill_value(node):
         a, b = (constant_value(x) if isinstance(x, fx.Node) else x for x in args)
         if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
                 and not isinstance(b, bool):
-            return _OPS[t](torch.tensor(a, dtype=_val(node).dtype), b).item()
+            dtype = _val(node).dtype
+            if t is aten.div.Tensor and a not in (0, 1, -1) and not _exact_reciprocal(b, dtype):
+                return None  # CUDA computes fill / b as fill * (1 / b), rounded twice
+            return _OPS[t](torch.tensor(a, dtype=dtype), b).item()
     return None
+
+
+def _exact_reciprocal(b, dtype) -> bool:
+    """``x / b`` equals ``x * (1 / b)`` for every ``x``: ``b`` is a power of two whose reciprocal
+    is a normal number of ``dtype`` (CUDA divides by a number through its reciprocal)."""
+    if not dtype.is_floating_point or not _is_number(b) or b == 0 or not math.isfinite(b) \
+            or abs(math.frexp(b)[0]) != 0.5:
+        return False
+    r = 1 / b
+    info = torch.finfo(dtype)
+    return torch.tensor(b, dtype=dtype).item() == b and info.tiny <= abs(r) <= info.max and abs(b) >= info.tiny
 
 
 def is_impure(node: fx.Node) -> bool:
@@ -184,12 +219,18 @@ def _input_like(graph, val):
     return None
 
 
-def _scalar_of_dtype(x, dtype) -> bool:
-    """``x`` is ``torch.scalar_tensor(number, dtype=dtype)``: with a tensor of that dtype, the
-    number itself computes the same (``x / scalar_tensor(2.)`` is ``x / 2``)."""
+def _scalar_of_dtype(node) -> bool:
+    """``node`` is ``t op torch.scalar_tensor(number)`` with ``t``, the scalar and the result of
+    one dtype: the number itself computes the same (``t / scalar_tensor(2.)`` is ``t / 2``; with an
+    integer ``t`` the scalar's dtype would decide the result's, a Python float the default dtype's).
+    Divisions need an exact reciprocal (see ``_exact_reciprocal``)."""
+    t, x = node.args
+    dtype = _val(node).dtype
     return (isinstance(x, fx.Node) and x.op == "call_function" and x.target is aten.scalar_tensor.default
             and isinstance(_val(x), torch.Tensor) and _val(x).dtype == dtype
-            and isinstance(x.args[0], (int, float)))
+            and isinstance(_val(t), torch.Tensor) and _val(t).dtype == dtype
+            and _is_number(x.args[0])
+            and (node.target is not aten.div.Tensor or _exact_reciprocal(x.args[0], dtype)))
 
 
 def _rewrite(node: fx.Node, fake_mode):
@@ -212,16 +253,12 @@ def _rewrite(node: fx.Node, fake_mode):
             return _new(node.graph, node, t, (source, *args[1:]), fake_mode, node.kwargs)
     if t in _SCALAR_OVERLOADS and len(args) == 2 and not node.kwargs:
         return _new(node.graph, node, _SCALAR_OVERLOADS[t], args, fake_mode)
-    if t in _BINARY and len(args) == 2 and not node.kwargs and _scalar_of_dtype(args[1], _val(node).dtype):
+    if t in _BINARY and len(args) == 2 and not node.kwargs and _scalar_of_dtype(node):
         return _new(node.graph, node, t, (x, args[1].args[0]), fake_mode)
     if t in _BINARY and len(args) == 2 and not node.kwargs:
         folded = _fold_fill(node, fake_mode)
         if folded is not None:
             return folded
-    if t is aten.mul.Tensor and len(args) == 2 and not node.kwargs:
-        scaled = _merge_scalings(node, fake_mode)
-        if scaled is not None:
-            return scaled
     if t in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2:
         if constant_value(args[1]) == 1 or args[1] == 1:
             return x if _same_type(x, node) else None
@@ -230,9 +267,9 @@ def _rewrite(node: fx.Node, fake_mode):
         if t is aten.mul.Tensor and (args[1] == -1 or constant_value(args[1]) == -1) and _same_type(x, node):
             return _new(node.graph, node, aten.neg.default, (x,), fake_mode)
     if t in (aten.add.Tensor, aten.sub.Tensor) and len(args) == 2 and not node.kwargs:
-        if args[1] == 0 or constant_value(args[1]) == 0:
-            return x if _same_type(x, node) else None
-        if t is aten.add.Tensor and constant_value(x) == 0 and _same_type(args[1], node):
+        if _neutral_zero(args[1], node, t) and _same_type(x, node):
+            return x
+        if t is aten.add.Tensor and _neutral_zero(x, node, t) and _same_type(args[1], node):
             return args[1]
     if t is aten.neg.default and isinstance(x, fx.Node) and x.target is aten.neg.default:
         return x.args[0]
@@ -269,6 +306,19 @@ def _rewrite(node: fx.Node, fake_mode):
     return None
 
 
+def _neutral_zero(z, node, op) -> bool:
+    """``z`` is a zero that ``op`` (add or sub) leaves every value of ``node``'s dtype unchanged
+    with: any zero for integers; for floats ``x - 0.0`` and ``x + (-0.0)``, never ``x + 0.0``
+    (``-0.0 + 0.0`` is ``+0.0``) nor ``x - (-0.0)``."""
+    v = z if _is_number(z) else constant_value(z)
+    if v is None or isinstance(v, bool) or v != 0:
+        return False
+    if not _val(node).is_floating_point():
+        return True
+    negative = math.copysign(1.0, v) < 0
+    return negative if op is aten.add.Tensor else not negative
+
+
 def _fold_fill(node, fake_mode):
     """``t * f`` -> ``t * 0.5`` when ``f`` is known to be filled with 0.5 and only broadcasts into
     ``t`` (same dtype and shape as the result).
@@ -287,6 +337,8 @@ def _fold_fill(node, fake_mode):
         if value is None or not isinstance(tensor, fx.Node) or not _same_type(tensor, node):
             continue
         fv = _val(fill)
+        if node.target is aten.div.Tensor and not _exact_reciprocal(value, out.dtype):
+            continue  # on CUDA, t / number is t * (1 / number): not t / tensor
         if fv.dtype == out.dtype and broadcasts_into(fv.shape, out.shape):
             return _new(node.graph, node, node.target, (tensor, value), fake_mode)
     return None
@@ -294,26 +346,6 @@ def _fold_fill(node, fake_mode):
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _merge_scalings(node, fake_mode):
-    """``(t * a) * b`` -> ``t * (a * b)`` when ``a`` or ``b`` is a power of two: scaling by one is
-    exact, so both round the same product once (``(d * 2) * 0.5`` of an MSE backward is ``d``)."""
-    inner, b = node.args
-    if not (isinstance(inner, fx.Node) and inner.op == "call_function" and inner.target is aten.mul.Tensor
-            and len(inner.args) == 2 and not inner.kwargs and len(inner.users) == 1 and _is_number(b)):
-        return None
-    t, a = inner.args
-    if not (_is_number(a) and isinstance(t, fx.Node) and _same_type(t, node) and _val(node).is_floating_point()):
-        return None
-    if not any(v != 0 and math.frexp(v)[0] in (0.5, -0.5) for v in (a, b)):
-        return None
-    product = a * b
-    if torch.tensor(product, dtype=_val(node).dtype).item() != product:
-        return None
-    if float(product).is_integer() and (isinstance(a, int) or isinstance(b, int)):
-        product = int(product)  # ``x * 4``, not ``x * 4.0``, when the code said 4
-    return _new(node.graph, node, aten.mul.Tensor, (t, product), fake_mode)
 
 
 def _same_device(a, b):
@@ -379,6 +411,8 @@ def _hashable(x):
         return tuple(sorted((k, _hashable(v)) for k, v in x.items()))
     if isinstance(x, float) and x != x:
         return ("nan",)
+    if isinstance(x, float) and x == 0:
+        return ("float", x, math.copysign(1.0, x))  # -0.0 == 0.0, but x + -0.0 is not x + 0.0
     if isinstance(x, torch.Tensor):
         return ("tensor", id(x))
     return (type(x).__name__, x)

@@ -51,6 +51,7 @@ from .draw import PART_KEY
 from .dynamic_shapes import upper_bound
 from .errors import user_line_of
 from .functional import functional
+from .guards import GuardedGraphModule, Guards, Node, build, uses_strides
 from .naming import arg_names
 from .render import render
 from .show import remember_inputs
@@ -389,6 +390,22 @@ def _finish(gm: fx.GraphModule) -> fx.GraphModule:
     return remember_inputs(gm)
 
 
+def _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents) -> None:
+    """Guards (``fxtools.guards``) of the three graphs: inputs by their paths in the arguments,
+    saved values by name (any layout: they come from the forward), cotangents as the outputs."""
+    leaves = [p.meta["val"] for p in part.primals]
+    forward.guards = build("fxtools.split forward", [i.path or i.name for i in signature], leaves,
+                           layout=uses_strides(forward))
+    saved = build("fxtools.split backward", [s.name for s in part.saved], [s.meta["val"] for s in part.saved])
+    cts = build("fxtools.split backward", [c.name for c in part.cts], [c.meta["val"] for c in part.cts],
+                layout=uses_strides(backward),
+                roles={i: (lambda path, what=info.path: f"the cotangent of {what}") for i, info in enumerate(cotangents)})
+    backward.guards = Guards("fxtools.split backward", saved.names + cts.names, saved.args + cts.args)
+    backward_boxed.guards = Guards("fxtools.split backward_boxed", ("args",),
+                                   (Node("args", "list", "list", tuple(range(len(backward.guards.args))),
+                                         backward.guards.args),))
+
+
 def _keystr(path) -> str:
     return pytree.keystr(path) if path else ""
 
@@ -412,11 +429,10 @@ class Split:
     # -- calling helpers ---------------------------------------------------------------------
 
     def flatten(self, *args) -> list[torch.Tensor]:
-        """The tensor leaves of ``args`` in the forward's placeholder order."""
-        leaves, spec = pytree.tree_flatten(tuple(args))
-        if spec != self.in_spec:
-            raise ValueError(f"arguments have structure {spec}, the split was made for {self.in_spec}")
-        return [x for x, t in zip(leaves, self._cap.tensor_leaf) if t]
+        """The tensor leaves of ``args`` in the forward's placeholder order, after checking that
+        ``args`` are what the split was made for (``self.guards``, with the Python values the
+        forward's flat signature does not take)."""
+        return self.guards.check(args)
 
     def flatten_cotangent(self, grad_out) -> list[torch.Tensor]:
         """The cotangent leaves the backward takes, from ``grad_out`` shaped like ``f``'s output."""
@@ -519,7 +535,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
             env[n].meta[PART_KEY] = "forward"
     out_struct = pytree.tree_unflatten([env[o] if isinstance(o, fx.Node) else o for o in part.fw_outs], cap.out_spec)
     fg.output((out_struct, tuple(env[s] for s in part.saved)))
-    forward = _finish(fx.GraphModule(joint, fg, class_name="SplitForward"))
+    forward = _finish(GuardedGraphModule(joint, fg, class_name="SplitForward"))
 
     # backward: saved values and cotangents in; recomputation placed just before first use
     bg = fx.Graph()
@@ -555,11 +571,11 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
     grads_flat = [next(it) if w else None for w in wrt]  # one per tensor leaf
     grads_flat = [emit(g) if isinstance(g, fx.Node) else g for g in grads_flat]
     bg.output(grads_structure(cap, args, grads_flat, argnums))
-    backward = _finish(fx.GraphModule(joint, bg, class_name="SplitBackward"))
+    backward = _finish(GuardedGraphModule(joint, bg, class_name="SplitBackward"))
     boxed_graph = fx.Graph()
     boxed_graph.output(boxed_graph.graph_copy(backward.graph, {}))
     boxed_graph.set_codegen(_BoxedCodeGen())
-    backward_boxed = fx.GraphModule(backward, boxed_graph, class_name="SplitBackwardBoxed")
+    backward_boxed = GuardedGraphModule(backward, boxed_graph, class_name="SplitBackwardBoxed")
 
     # descriptions
     paths = [p for p, _ in pytree.tree_flatten_with_path(tuple(args))[0]]
@@ -581,8 +597,10 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None) -> S
         storage_bytes[root.name] = max(storage_bytes.get(root.name, 0), nbytes(root.meta.get("val")), nbytes(s.meta.get("val")))
         info = _info(s, kind, line=user_line_of(s), storage=root.name)
         saved.append(info)
+    _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents)
     result = Split(forward, backward, backward_boxed, signature, saved, cotangents, policy,
                    cap.in_spec, cap.out_spec, cap)
+    result.guards = build("fxtools.split", top, args, layout=uses_strides(forward, backward))
     result._ct_index = ct_index
     result._storage_bytes = storage_bytes
     result._saved_kinds = [s.kind for s in saved]

@@ -16,8 +16,11 @@ Compilers receive the ``Split`` GraphModules and return a callable: ``compiler(g
 backward compiler the backward runs boxed (``Split.backward_boxed``), freeing each saved
 activation after its last use.
 
-Graphs are specialised to the shapes, dtypes, strides and Python values of the arguments and to
-``model.training``; a call with different ones makes (and caches) a new split.
+Graphs are specialised to the arguments as every generated module is (``fxtools.guards``: structure,
+shapes, dtypes, device types, strides where the code relies on them, Python values), to
+``model.training`` and to which inputs require gradients. A call runs the first cached split
+whose guards accept it (the same checks ``Split.guards`` makes); otherwise a new split is made
+and cached.
 
 Rules: training graphs are run far more often than they are read, so both use the ``"fused"``
 rule set by default (``rules="fused"``): backwards call PyTorch's fused backward kernels
@@ -35,6 +38,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .functional import functional
+from .guards import InputMismatch
 from .naming import identifier
 from .reverse import is_float
 from .split import Split, split
@@ -63,9 +67,10 @@ class _Runner:
 
     def __init__(self, sp: Split, leaves, fw_compiler, bw_compiler):
         self.split = sp
-        self.fw = _apply_compiler(fw_compiler, sp.forward, leaves)
+        # the graphs' own guards are skipped (``.forward``): _Runners chose this split by sp.guards
+        self.fw = _apply_compiler(fw_compiler, sp.forward, leaves) if fw_compiler else sp.forward.forward
         if bw_compiler is None:
-            self.bw, self.boxed = sp.backward_boxed, True
+            self.bw, self.boxed = sp.backward_boxed.forward, True
         else:
             examples = [_zeros_like_meta(s) for s in sp.saved] + [_zeros_like_meta(c) for c in sp.cotangents]
             self.bw, self.boxed = _apply_compiler(bw_compiler, sp.backward, examples), False
@@ -91,8 +96,8 @@ class _Runner:
             grads = self.bw(*saved, *cts)
         return self.split.flat_grads(grads)
 
-    def __call__(self, args):
-        leaves = self.split.flatten(*args)
+    def __call__(self, leaves):
+        """Run on the tensor leaves of arguments the split's guards accepted."""
         if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
             outs = _SplitFunction.apply(self, *leaves)
         else:
@@ -103,28 +108,40 @@ class _Runner:
         return pytree.tree_unflatten(full, self.split.out_spec)
 
 
-
 class _Runners:
-    """The split graphs of ``fn``, one per input signature (shapes, strides, dtypes, mode, requires_grad)."""
+    """The split graphs of ``fn``. A call runs the first whose guards (``Split.guards``, as every
+    generated module checks them: structure, sizes, dtypes, devices, layouts where the code needs
+    them, Python values) accept its arguments, made in the same training mode and for the same
+    pattern of ``requires_grad``; if none does, a new split is made and kept."""
 
     def __init__(self, fn, fw_compiler, bw_compiler, policy, rules="fused"):
         self.fn, self.fw_compiler, self.bw_compiler, self.policy = fn, fw_compiler, bw_compiler, policy
         self.rules = rules
-        self.cache: dict = {}
+        self.entries: list = []  # (training, requires_grad mask, runner)
 
-    def __call__(self, args, training) -> _Runner:
-        key = _key(args, training)
-        if key not in self.cache:
-            sp = split(self.fn, *args, policy=self.policy, grad_leaves=_requires_grad(args), rules=self.rules)
-            self.cache[key] = _Runner(sp, sp.flatten(*args), self.fw_compiler, self.bw_compiler)
-        return self.cache[key]
+    def __call__(self, args, training):
+        """``(runner, tensor leaves)`` for ``args``."""
+        mask = _requires_grad(args)
+        mask = None if mask is None else tuple(mask)
+        for t, m, runner in self.entries:
+            if t == training and m == mask:
+                try:
+                    return runner, runner.split.guards.check(args)
+                except InputMismatch:
+                    continue
+        sp = split(self.fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules)
+        leaves = sp.flatten(*args)
+        runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler)
+        self.entries.append((training, mask, runner))
+        return runner, leaves
 
     def __len__(self) -> int:
-        return len(self.cache)
+        return len(self.entries)
 
     @property
     def latest(self) -> Split:
-        return next(reversed(self.cache.values())).split
+        return self.entries[-1][2].split
+
 
 class _SplitFunction(torch.autograd.Function):
     @staticmethod
@@ -165,14 +182,6 @@ def _requires_grad(args):
     return mask
 
 
-def _key(args, training):
-    leaves, spec = pytree.tree_flatten(tuple(args))
-    sig = tuple((tuple(x.shape), x.dtype, x.stride(), x.device) if isinstance(x, torch.Tensor)
-                else ("py", type(x), x) for x in leaves)
-    mask = _requires_grad(args)
-    return spec, sig, training, None if mask is None else tuple(mask)
-
-
 class CompiledModule(torch.nn.Module):
     """``model`` whose forward and backward run fxtools' split graphs; ``.module`` is the original."""
 
@@ -187,7 +196,7 @@ class CompiledModule(torch.nn.Module):
         return (params, *inputs, KeywordArguments(kwargs)) if kwargs else (params, *inputs)
 
     def runner(self, *inputs, **kwargs) -> _Runner:
-        return self._runners(self._args(inputs, kwargs), self.module.training)
+        return self._runners(self._args(inputs, kwargs), self.module.training)[0]
 
     @property
     def split(self) -> Split:
@@ -195,8 +204,8 @@ class CompiledModule(torch.nn.Module):
         return self._runners.latest
 
     def forward(self, *inputs, **kwargs):
-        args = self._args(inputs, kwargs)
-        return self._runners(args, self.module.training)(args)
+        runner, leaves = self._runners(self._args(inputs, kwargs), self.module.training)
+        return runner(leaves)
 
 
 class CompiledFunction:
@@ -207,7 +216,7 @@ class CompiledFunction:
         self._runners = _Runners(_accepting_keywords(fn), fw_compiler, bw_compiler, policy, rules)
 
     def runner(self, *args, **kwargs) -> _Runner:
-        return self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)
+        return self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)[0]
 
     @property
     def split(self) -> Split:
@@ -215,8 +224,8 @@ class CompiledFunction:
         return self._runners.latest
 
     def __call__(self, *args, **kwargs):
-        args = (*args, KeywordArguments(kwargs)) if kwargs else args
-        return self._runners(args, None)(args)
+        runner, leaves = self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)
+        return runner(leaves)
 
 
 class KeywordArguments(dict):

@@ -4,10 +4,12 @@ from __future__ import annotations
 import torch
 
 from ..dynamic_shapes import known_equal, same_shape  # noqa: F401 (re-exported for the rule families)
+from ..registry import cast_cotangent, conj_if_complex  # noqa: F401 (re-exported for the rule families)
 
 
 def unbroadcast(g, like):
-    """Reduce cotangent ``g`` to the shape and dtype of ``like`` (the undoing of broadcasting).
+    """Reduce cotangent ``g`` to the shape and dtype of ``like`` (the undoing of broadcasting; a
+    complex ``g`` of a real ``like`` keeps its real part, as autograd does).
 
     Returns ``None`` when ``like`` is not a tensor (a Python number gets no cotangent) and ``g``
     itself, emitting no code, when nothing needs reducing.
@@ -28,9 +30,7 @@ def unbroadcast(g, like):
                 g = g.reshape(shape) if not same_shape(g.shape, shape) else g
             elif not same_shape(g.shape, shape):
                 g = g.reshape(shape)
-    if g.dtype != like.dtype:
-        g = g.to(like.dtype)
-    return g
+    return cast_cotangent(g, like.dtype)
 
 
 def keep_dims(g, shape, dims, keepdim):

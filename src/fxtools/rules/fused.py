@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import register_vjp, vjp_rule
-from . import nn, pointwise
+from . import nn
 
 aten = torch.ops.aten
 
@@ -30,7 +30,8 @@ MEAN = nn.MEAN
 
 
 def fused(op):
-    return vjp_rule(op, rule_set=FUSED)
+    """A fused rule: real tensors only (complex calls use the readable rules)."""
+    return vjp_rule(op, rule_set=FUSED, complex="real")
 
 
 def _mask(*present):
@@ -92,13 +93,12 @@ def softplus(ct, out, x, beta=1, threshold=20):
 
 @fused(aten.sigmoid)
 def sigmoid(ct, out, x):
-    """Complex sigmoid differentiates through the conjugate: the readable rule handles it."""
-    return pointwise.sigmoid(ct, out, x) if out.is_complex() else aten.sigmoid_backward(ct, out)
+    return aten.sigmoid_backward(ct, out)
 
 
 @fused(aten.tanh)
 def tanh(ct, out, x):
-    return pointwise.tanh(ct, out, x) if out.is_complex() else aten.tanh_backward(ct, out)
+    return aten.tanh_backward(ct, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def layer_norm_bwd(aux, ct):
     return dx, None, dw, db
 
 
-register_vjp(aten.layer_norm, nn.layer_norm_fwd, layer_norm_bwd, source=FUSED, rule_set=FUSED)
+register_vjp(aten.layer_norm, nn.layer_norm_fwd, layer_norm_bwd, source=FUSED, rule_set=FUSED, complex="real")
 
 
 @fused(aten.native_layer_norm)
@@ -165,7 +165,7 @@ def batch_norm_bwd(aux, ct):
     return dx, dw, db, None, None
 
 
-register_vjp(aten.batch_norm, batch_norm_fwd, batch_norm_bwd, source=FUSED, rule_set=FUSED)
+register_vjp(aten.batch_norm, batch_norm_fwd, batch_norm_bwd, source=FUSED, rule_set=FUSED, complex="real")
 
 
 def _native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, training, eps, readable):
@@ -260,7 +260,7 @@ def _max_pool_rule(op, nd):
         x, (kernel, stride, padding, dilation), ceil_mode, indices = aux
         return _MAX_POOL_BACKWARD[nd](ct, x, kernel, stride, padding, dilation, ceil_mode, indices)
 
-    register_vjp(op, fwd, bwd, source=FUSED, rule_set=FUSED)
+    register_vjp(op, fwd, bwd, source=FUSED, rule_set=FUSED, complex="real")
 
 
 def _max_pool_with_indices_rule(op, nd):
@@ -315,7 +315,7 @@ def sdpa_bwd(aux, ct):
     return dq, dk, dv, None
 
 
-register_vjp(aten.scaled_dot_product_attention, sdpa_fwd, sdpa_bwd, source=FUSED, rule_set=FUSED)
+register_vjp(aten.scaled_dot_product_attention, sdpa_fwd, sdpa_bwd, source=FUSED, rule_set=FUSED, complex="real")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,7 +349,7 @@ def cross_entropy_bwd(aux, ct):
     return aten._log_softmax_backward_data(grad, log_probs, cdim, log_probs.dtype), None, None
 
 
-register_vjp(aten.cross_entropy_loss, cross_entropy_fwd, cross_entropy_bwd, source=FUSED, rule_set=FUSED)
+register_vjp(aten.cross_entropy_loss, cross_entropy_fwd, cross_entropy_bwd, source=FUSED, rule_set=FUSED, complex="real")
 
 
 @fused(aten.nll_loss_forward)
@@ -386,5 +386,5 @@ def nll_loss_bwd(aux, ct):
     return _NLL[x.dim()][1](ct, x, target, weight, reduction, ignore_index, total_weight), None, None
 
 
-register_vjp(aten.nll_loss_nd, nll_loss_fwd, nll_loss_bwd, source=FUSED, rule_set=FUSED)
-register_vjp(aten.nll_loss, nll_loss_fwd, nll_loss_bwd, source=FUSED, rule_set=FUSED)
+register_vjp(aten.nll_loss_nd, nll_loss_fwd, nll_loss_bwd, source=FUSED, rule_set=FUSED, complex="real")
+register_vjp(aten.nll_loss, nll_loss_fwd, nll_loss_bwd, source=FUSED, rule_set=FUSED, complex="real")

@@ -1,8 +1,15 @@
 """VJP rules of linear algebra: the matmul family, einsum, tensordot, and matrix functions.
 
-The cotangent of a product is a product with the other factor transposed (conjugate-transposed
-for complex tensors); batch dimensions a factor was broadcast over are summed (``unbroadcast``).
-Einsum-shaped ops differentiate into einsums with the cotangent in the operand's place.
+The cotangent of a product is a product with the other factor transposed; batch dimensions a
+factor was broadcast over are summed (``unbroadcast``). Einsum-shaped ops differentiate into
+einsums with the cotangent in the operand's place.
+
+Complex tensors: products, solves, inverses and determinants are holomorphic, so their rules are
+the real formulas and ``vjp_rule`` conjugates the arguments (``ct @ b.mT`` becomes autograd's
+``ct @ b.conj().mT``). ``vdot`` and the Hermitian eigen- and singular-value rules compute autograd's
+convention themselves (``_H``, the conjugate transpose), as does the complex SVD's. The Cholesky
+and ``slogdet`` rules are written for real matrices: complex ones are differentiated by PyTorch's
+own formulas.
 """
 from __future__ import annotations
 
@@ -17,8 +24,13 @@ aten = torch.ops.aten
 
 
 def _H(x):
-    """The (conjugate) transpose of the last two dims."""
+    """The conjugate transpose of the last two dims (the transpose of a real matrix)."""
     return x.mH if x.is_complex() else x.mT
+
+
+def _T(x):
+    """The transpose of the last two dims."""
+    return x.mT
 
 
 def _conj(x):
@@ -30,10 +42,10 @@ def _scale(ct, s):
 
 
 def _outer(u, v):
-    """u[..., i] * conj(v[..., j]) as a matrix (a plain outer product for vectors)."""
+    """u[..., i] * v[..., j] as a matrix (a plain outer product for vectors)."""
     if u.dim() == 1 and v.dim() == 1:
-        return torch.outer(u, _conj(v))
-    return u.unsqueeze(-1) * (_conj(v) if v.dim() == 1 else _conj(v).unsqueeze(-2))
+        return torch.outer(u, v)
+    return u.unsqueeze(-1) * (v if v.dim() == 1 else v.unsqueeze(-2))
 
 
 def _flat(x):
@@ -43,66 +55,66 @@ def _flat(x):
 
 @vjp_rule(aten.mm)
 def mm(ct, out, a, b):
-    return ct @ _H(b), _H(a) @ ct
+    return ct @ _T(b), _T(a) @ ct
 
 
 @vjp_rule(aten.bmm)
 def bmm(ct, out, a, b):
-    return ct @ _H(b), _H(a) @ ct
+    return ct @ _T(b), _T(a) @ ct
 
 
 @vjp_rule(aten.matmul)
 def matmul(ct, out, a, b):
     if a.dim() == 1 and b.dim() == 1:
-        return ct * _conj(b), ct * _conj(a)
+        return ct * b, ct * a
     if b.dim() == 1:
-        gb = _H(a) @ ct if a.dim() == 2 else _H(_flat(a)) @ ct.reshape(-1)
+        gb = _T(a) @ ct if a.dim() == 2 else _T(_flat(a)) @ ct.reshape(-1)
         return _outer(ct, b), gb
     if a.dim() == 1:
-        ga = _conj(b) @ ct if b.dim() == 2 else unbroadcast((_conj(b) @ ct.unsqueeze(-1)).squeeze(-1), a)
+        ga = b @ ct if b.dim() == 2 else unbroadcast((b @ ct.unsqueeze(-1)).squeeze(-1), a)
         return ga, _outer(a, ct)
     if b.dim() == 2:
-        return ct @ _H(b), _H(_flat(a)) @ _flat(ct)
-    return unbroadcast(ct @ _H(b), a), unbroadcast(_H(a) @ ct, b)
+        return ct @ _T(b), _T(_flat(a)) @ _flat(ct)
+    return unbroadcast(ct @ _T(b), a), unbroadcast(_T(a) @ ct, b)
 
 
 @vjp_rule(aten.dot)
 def dot(ct, out, a, b):
-    return ct * _conj(b), ct * _conj(a)
+    return ct * b, ct * a
 
 
-@vjp_rule(aten.vdot)
+@vjp_rule(aten.vdot, complex="convention")
 def vdot(ct, out, a, b):
     return _conj(ct) * b, ct * a
 
 
 @vjp_rule(aten.mv)
 def mv(ct, out, a, v):
-    return _outer(ct, v), _H(a) @ ct
+    return _outer(ct, v), _T(a) @ ct
 
 
 @vjp_rule(aten.outer)
 def outer(ct, out, a, b):
-    return ct @ _conj(b), _conj(a) @ ct
+    return ct @ b, a @ ct
 
 
 
 @vjp_rule(aten.addmm)
 def addmm(ct, out, x, a, b, *, beta=1, alpha=1):
     g = _scale(ct, alpha)
-    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, g @ _H(b), _H(a) @ g
+    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, g @ _T(b), _T(a) @ g
 
 
 @vjp_rule(aten.addmv)
 def addmv(ct, out, x, a, v, *, beta=1, alpha=1):
     g = _scale(ct, alpha)
-    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, _outer(g, v), _H(a) @ g
+    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, _outer(g, v), _T(a) @ g
 
 
 @vjp_rule(aten.addr)
 def addr(ct, out, x, u, v, *, beta=1, alpha=1):
     g = _scale(ct, alpha)
-    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, g @ _conj(v), _conj(u) @ g
+    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, g @ v, u @ g
 
 
 vjp_rule(aten.baddbmm)(addmm)  # the same formula, batched by the matmuls
@@ -111,7 +123,7 @@ vjp_rule(aten.baddbmm)(addmm)  # the same formula, batched by the matmuls
 @vjp_rule(aten.addbmm)
 def addbmm(ct, out, x, a, b, *, beta=1, alpha=1):
     g = _scale(ct, alpha)
-    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, g @ _H(b), _H(a) @ g
+    return unbroadcast(_scale(ct, beta), x) if beta != 0 else None, g @ _T(b), _T(a) @ g
 
 
 @vjp_rule(aten._grouped_mm)
@@ -132,8 +144,8 @@ def linear(ct, out, x, weight, bias=None):
     if weight.dim() == 1:
         gx, gw = matmul(ct, out, x, weight)
     else:
-        gx = ct @ _conj(weight)
-        gw = _outer(ct, x) if x.dim() == 1 else _flat(ct).mT @ _conj(_flat(x))
+        gx = ct @ weight
+        gw = _outer(ct, x) if x.dim() == 1 else _flat(ct).mT @ _flat(x)
     return gx, gw, unbroadcast(ct, bias)
 
 
@@ -165,7 +177,7 @@ def einsum_cotangents(subs, out, operands, ct):
             grads.append(None)
             continue
         terms = [out if j == i else s for j, s in enumerate(subs)]
-        args = [ct if j == i else _conj(y) for j, y in enumerate(operands)]
+        args = [ct if j == i else y for j, y in enumerate(operands)]
         avail = set("".join(terms))
         target = ""
         for pos, c in enumerate(subs[i]):
@@ -217,8 +229,8 @@ def kron(ct, out, a, b):
     la, lb = string.ascii_lowercase[:n], string.ascii_uppercase[:n]
     g = ct.reshape([s for pair in zip(sa, sb) for s in pair])
     gs = "".join(x + y for x, y in zip(la, lb))
-    ga = torch.einsum(f"{gs},{lb}->{la}", g, _conj(b.reshape(sb)) if b.dim() < n else _conj(b))
-    gb = torch.einsum(f"{gs},{la}->{lb}", g, _conj(a.reshape(sa)) if a.dim() < n else _conj(a))
+    ga = torch.einsum(f"{gs},{lb}->{la}", g, b.reshape(sb) if b.dim() < n else b)
+    gb = torch.einsum(f"{gs},{la}->{lb}", g, a.reshape(sa) if a.dim() < n else a)
     return ga.reshape(a.shape) if a.dim() < n else ga, gb.reshape(b.shape) if b.dim() < n else gb
 
 
@@ -243,40 +255,40 @@ def _batch_scalar(s):
 
 @vjp_rule(aten.linalg_det)
 def linalg_det(ct, out, a):
-    return _batch_scalar(ct * _conj(out)) * _H(torch.linalg.inv(a))
+    return _batch_scalar(ct * out) * _T(torch.linalg.inv(a))
 
 
 
 @vjp_rule(aten.logdet)
 def logdet(ct, out, a):
-    return _batch_scalar(ct) * _H(torch.linalg.inv(a))
+    return _batch_scalar(ct) * _T(torch.linalg.inv(a))
 
 
-@vjp_rule(aten.linalg_slogdet)
+@vjp_rule(aten.linalg_slogdet, complex="real")
 def linalg_slogdet(ct, out, a):
-    return None if ct[1] is None else _batch_scalar(ct[1]) * _H(torch.linalg.inv(a))
+    return None if ct[1] is None else _batch_scalar(ct[1]) * _T(torch.linalg.inv(a))
 
 
 
 @vjp_rule(aten.linalg_inv)
 def linalg_inv(ct, out, a):
-    return -_H(out) @ ct @ _H(out)
+    return -_T(out) @ ct @ _T(out)
 
 
 @vjp_rule(aten.linalg_inv_ex)
 def linalg_inv_ex(ct, out, a, *, check_errors=False):
-    return -_H(out[0]) @ ct[0] @ _H(out[0])
+    return -_T(out[0]) @ ct[0] @ _T(out[0])
 
 
 
 @vjp_rule(aten.linalg_solve)
 def linalg_solve(ct, out, a, b, *, left=True):
     vector = b.dim() == 1 or (b.dim() == a.dim() - 1 and b.shape == a.shape[:-1])
-    gb = torch.linalg.solve(_H(a), ct, left=left)
+    gb = torch.linalg.solve(_T(a), ct, left=left)
     if vector:
         ga = -_outer(gb, out)
     else:
-        ga = -(gb @ _H(out) if left else _H(out) @ gb)
+        ga = -(gb @ _T(out) if left else _T(out) @ gb)
     return unbroadcast(ga, a), unbroadcast(gb, b)
 
 
@@ -288,8 +300,8 @@ def linalg_solve_ex(ct, out, a, b, *, left=True, check_errors=False):
 
 @vjp_rule(aten.linalg_solve_triangular)
 def linalg_solve_triangular(ct, out, a, b, *, upper, left=True, unitriangular=False):
-    gb = torch.linalg.solve_triangular(_H(a), ct, upper=not upper, left=left, unitriangular=unitriangular)
-    ga = -(gb @ _H(out) if left else _H(out) @ gb)
+    gb = torch.linalg.solve_triangular(_T(a), ct, upper=not upper, left=left, unitriangular=unitriangular)
+    ga = -(gb @ _T(out) if left else _T(out) @ gb)
     ga = ga.triu(int(unitriangular)) if upper else ga.tril(-int(unitriangular))
     return unbroadcast(ga, a), unbroadcast(gb, b)
 
@@ -300,9 +312,9 @@ def triangular_solve(ct, out, b, a, upper=True, transpose=False, unitriangular=F
     x = out[0]
     ga = None
     if gx is not None:
-        gb = torch.linalg.solve_triangular(a if transpose else _H(a), gx, upper=upper == transpose,
+        gb = torch.linalg.solve_triangular(a if transpose else _T(a), gx, upper=upper == transpose,
                                            unitriangular=unitriangular)
-        ga = -(x @ _H(gb) if transpose else gb @ _H(x))
+        ga = -(x @ _T(gb) if transpose else gb @ _T(x))
         ga = ga.triu(int(unitriangular)) if upper else ga.tril(-int(unitriangular))
     else:
         gb = None
@@ -313,30 +325,30 @@ def triangular_solve(ct, out, b, a, upper=True, transpose=False, unitriangular=F
 
 def _cholesky_cotangent(gl, l, upper):
     if upper:
-        l, gl = _H(l), _H(gl)
-    phi = (_H(l) @ gl).tril()
+        l, gl = _T(l), _T(gl)
+    phi = (_T(l) @ gl).tril()
     phi = phi - 0.5 * torch.diag_embed(phi.diagonal(dim1=-2, dim2=-1))
-    lower_inv_h = torch.linalg.solve_triangular(_H(l), phi, upper=True)
+    lower_inv_h = torch.linalg.solve_triangular(_T(l), phi, upper=True)
     g = torch.linalg.solve_triangular(l, lower_inv_h, upper=False, left=False)
-    return 0.5 * (g + _H(g))
+    return 0.5 * (g + _T(g))
 
 
-@vjp_rule(aten.linalg_cholesky_ex)
+@vjp_rule(aten.linalg_cholesky_ex, complex="real")
 def linalg_cholesky_ex(ct, out, a, *, upper=False, check_errors=False):
     return _cholesky_cotangent(ct[0], out[0], upper)
 
 
-@vjp_rule(aten.linalg_cholesky)
+@vjp_rule(aten.linalg_cholesky, complex="real")
 def linalg_cholesky(ct, out, a, *, upper=False):
     return _cholesky_cotangent(ct, out, upper)
 
 
-@vjp_rule(aten.cholesky)
+@vjp_rule(aten.cholesky, complex="real")
 def cholesky(ct, out, a, upper=False):
     return _cholesky_cotangent(ct, out, upper)
 
 
-@vjp_rule(aten.linalg_eigh)
+@vjp_rule(aten.linalg_eigh, complex="convention")
 def linalg_eigh(ct, out, a, UPLO="L"):
     gl, gv = ct
     lam, v = out
@@ -350,19 +362,19 @@ def linalg_eigh(ct, out, a, UPLO="L"):
     return v @ inner @ _H(v)
 
 
-@vjp_rule(aten.linalg_eigvalsh)
+@vjp_rule(aten.linalg_eigvalsh, complex="convention")
 def linalg_eigvalsh(ct, out, a, UPLO="L"):
     _, v = torch.linalg.eigh(a, UPLO=UPLO)
     return v @ torch.diag_embed(ct.to(a.dtype)) @ _H(v)
 
 
-@vjp_rule(aten.linalg_svdvals)
+@vjp_rule(aten.linalg_svdvals, complex="convention")
 def linalg_svdvals(ct, out, a, *, driver=None):
     u, _, vh = torch.linalg.svd(a, full_matrices=False)
     return u @ torch.diag_embed(ct.to(a.dtype)) @ vh
 
 
-@vjp_rule(aten.slogdet)
+@vjp_rule(aten.slogdet, complex="real")
 def slogdet(ct, out, a):
     return linalg_slogdet(ct, out, a)
 
@@ -375,3 +387,53 @@ def _linalg_solve_ex(ct, out, a, b, *, left=True, check_errors=False):
 @vjp_rule(aten.det)
 def det(ct, out, a):
     return linalg_det(ct, out, a)
+
+
+_SVD_PHASE_MESSAGE = ("svd: the loss depends on the phases of the complex singular vectors, so its "
+                      "derivative is not defined (autograd raises here too)")
+
+
+@vjp_rule(aten._linalg_svd, complex="complex")
+def _linalg_svd(ct, out, a, full_matrices=False, compute_uv=True, *, driver=None):
+    """Complex SVD: autograd's formula, with its check that the loss ignores the singular vectors'
+    phases made an assertion of the generated code (it depends on the data). Real matrices keep
+    PyTorch's own formula."""
+    gu, gs, gvh = ct
+    u, s, vh = out
+    m, n = a.shape[-2], a.shape[-1]
+    k = min(m, n)
+    if gu is None and gvh is None:
+        return u[..., :k] @ (gs.unsqueeze(-1) * vh[..., :k, :]) if m >= n else (u[..., :, :k] * gs.unsqueeze(-2)) @ vh[..., :k, :]
+    if full_matrices and m != n:
+        raise NotImplementedError("the derivative of a non-square full_matrices=True SVD's singular vectors "
+                                  "is not defined (autograd refuses it too); use full_matrices=False")
+
+    def skew(x):
+        return x - _H(x)
+
+    uhgu = None if gu is None else skew(_H(u) @ gu)
+    vhgv = None if gvh is None else skew(vh @ _H(gvh))
+    # autograd's check, kept at run time: a loss that depends on the phases has no derivative
+    im_u = 0 if uhgu is None else uhgu.diagonal(dim1=-2, dim2=-1).imag
+    im_v = 0 if vhgv is None else vhgv.diagonal(dim1=-2, dim2=-1).imag
+    torch._assert_async(((im_u + im_v).abs() <= 1e-2 + 1e-2 * (im_v.abs() if vhgv is not None else 0)).all(),
+                        _SVD_PHASE_MESSAGE)
+    s2 = s * s
+    e = s2.unsqueeze(-2) - s2.unsqueeze(-1) + torch.eye(k, dtype=s.dtype, device=s.device)
+    if uhgu is not None and vhgv is not None:
+        g = (uhgu * s.unsqueeze(-2) + s.unsqueeze(-1) * vhgv) / e
+    elif uhgu is not None:
+        g = uhgu * (s.unsqueeze(-2) / e)
+    else:
+        g = s.unsqueeze(-1) * vhgv / e
+    if gs is not None:
+        g = g + torch.diag_embed(gs)
+    if uhgu is not None:
+        g = g + torch.diag_embed(uhgu.diagonal(dim1=-2, dim2=-1) / (2 * s))
+    if m > n and gu is not None:
+        gus = gu / s.unsqueeze(-2)
+        return (u @ g + gus - u @ (_H(u) @ gus)) @ vh
+    if m < n and gvh is not None:
+        sgvh = gvh / s.unsqueeze(-1)
+        return u @ (g @ vh + sgvh - (sgvh @ _H(vh)) @ vh)
+    return u @ g @ vh

@@ -6,7 +6,10 @@ Conventions used below:
   returns the statistics (mean and reciprocal standard deviation) that the backward needs;
 - the backward of a normalisation is written once, in ``_normalized_grad``;
 - ops with randomness (dropout) draw their mask once in the forward and reuse it;
-- losses take ``reduction`` as PyTorch's enum: 0 none, 1 mean, 2 sum.
+- losses take ``reduction`` as PyTorch's enum: 0 none, 1 mean, 2 sum;
+- complex tensors: the normalisations, attention, convolutions and ``l1_loss`` are written for real
+  tensors (``complex="real"``); their complex calls use PyTorch's decompositions (a complex
+  convolution is three real ones) or formulas.
 """
 from __future__ import annotations
 
@@ -110,10 +113,10 @@ def layer_norm_bwd(aux, ct):
     return dx, None, dw, db
 
 
-register_vjp(aten.layer_norm, layer_norm_fwd, layer_norm_bwd, source="hand-written")
+register_vjp(aten.layer_norm, layer_norm_fwd, layer_norm_bwd, source="hand-written", complex="real")
 
 
-@vjp_rule(aten.native_layer_norm)
+@vjp_rule(aten.native_layer_norm, complex="real")
 def native_layer_norm(ct, out, x, normalized_shape, weight, bias, eps):
     # The statistics (outputs 1 and 2) are functions of x too: generated backward code reads
     # them, so differentiating it again (hvp, jvp) needs their cotangents.
@@ -146,7 +149,7 @@ def rms_norm_bwd(aux, ct):
     return dx, None, dw, None
 
 
-register_vjp(aten.rms_norm, rms_norm_fwd, rms_norm_bwd, source="hand-written")
+register_vjp(aten.rms_norm, rms_norm_fwd, rms_norm_bwd, source="hand-written", complex="real")
 
 
 def _channel_shape(x):
@@ -183,10 +186,10 @@ def group_norm_bwd(aux, ct):
     return dx, None, dw, db
 
 
-register_vjp(aten.group_norm, group_norm_fwd, group_norm_bwd, source="hand-written")
+register_vjp(aten.group_norm, group_norm_fwd, group_norm_bwd, source="hand-written", complex="real")
 
 
-@vjp_rule(aten.native_group_norm)
+@vjp_rule(aten.native_group_norm, complex="real")
 def native_group_norm(ct, out, x, weight, bias, N, C, HxW, group, eps):
     _, mean, rstd = out
     ct_out, ct_mean, ct_rstd = ct
@@ -228,7 +231,7 @@ def batch_norm_bwd(aux, ct):
     return dx, dw, db, None, None
 
 
-register_vjp(aten.batch_norm, batch_norm_fwd, batch_norm_bwd, source="hand-written")
+register_vjp(aten.batch_norm, batch_norm_fwd, batch_norm_bwd, source="hand-written", complex="real")
 
 
 def _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, training, eps):
@@ -251,23 +254,23 @@ def _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, 
     return dx, dw, db
 
 
-@vjp_rule(aten.native_batch_norm)
+@vjp_rule(aten.native_batch_norm, complex="real")
 def native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
     training = training or running_mean is None
     return _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, training, eps)
 
 
-@vjp_rule(aten._native_batch_norm_legit.default)
+@vjp_rule(aten._native_batch_norm_legit.default, complex="real")
 def _native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
     return _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, training, eps)
 
 
-@vjp_rule(aten._native_batch_norm_legit.no_stats)
+@vjp_rule(aten._native_batch_norm_legit.no_stats, complex="real")
 def _native_batch_norm_legit_no_stats(ct, out, x, weight, bias, training, momentum, eps):
     return _native_batch_norm_bwd(ct, out, x, weight, bias, None, None, True, eps)
 
 
-@vjp_rule(aten._native_batch_norm_legit_no_training)
+@vjp_rule(aten._native_batch_norm_legit_no_training, complex="real")
 def _native_batch_norm_legit_no_training(ct, out, x, weight, bias, running_mean, running_var, momentum, eps):
     return _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, False, eps)
 
@@ -384,13 +387,14 @@ def _conv_transpose_nd(ct, out, x, weight, bias=None, stride=1, padding=0, outpu
     return _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups, transposed=True)
 
 
+# Complex convolutions: PyTorch's decomposition into real ones (the kernels are real-only).
 for _op in (aten.conv1d, aten.conv2d, aten.conv3d):
-    vjp_rule(_op)(_conv_nd)
+    vjp_rule(_op, complex="real")(_conv_nd)
 for _op in (aten.conv_transpose1d, aten.conv_transpose2d.input, aten.conv_transpose3d.input):
-    vjp_rule(_op)(_conv_transpose_nd)
+    vjp_rule(_op, complex="real")(_conv_transpose_nd)
 
 
-@vjp_rule(aten.convolution)
+@vjp_rule(aten.convolution, complex="real")
 def convolution(ct, out, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     return _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups, transposed)
 
@@ -684,7 +688,7 @@ def sdpa_bwd(aux, ct):
             unbroadcast(_sum_heads(grad_v, v), v), grad_mask)
 
 
-register_vjp(aten.scaled_dot_product_attention, sdpa_fwd, sdpa_bwd, source="hand-written")
+register_vjp(aten.scaled_dot_product_attention, sdpa_fwd, sdpa_bwd, source="hand-written", complex="real")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -773,7 +777,7 @@ def mse_loss(ct, out, x, target, reduction=MEAN):
     return unbroadcast(grad, x), unbroadcast(-grad, target)
 
 
-@vjp_rule(aten.l1_loss)
+@vjp_rule(aten.l1_loss, complex="real")
 def l1_loss(ct, out, x, target, reduction=MEAN):
     grad = torch.sign(x - target) * _reduced(ct, reduction, max(x.numel(), target.numel()))
     return unbroadcast(grad, x), unbroadcast(-grad, target)
@@ -857,4 +861,4 @@ def linear_cross_entropy_chunked_bwd(aux, ct):
     return (gi * ct, grad_w, None, grad_b) + (None,) * 11
 
 
-register_vjp(_lce_chunked, linear_cross_entropy_chunked_fwd, linear_cross_entropy_chunked_bwd, source="hand-written")
+register_vjp(_lce_chunked, linear_cross_entropy_chunked_fwd, linear_cross_entropy_chunked_bwd, source="hand-written", complex="real")

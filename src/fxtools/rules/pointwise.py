@@ -4,15 +4,21 @@ Binary ops broadcast, so their cotangents are reduced back to each input's shape
 (``unbroadcast``). Python-number and integer arguments get no cotangent. At points where an op
 is not differentiable (``abs`` at 0, ``relu`` at 0, ``clamp`` at its bounds, ties of
 ``maximum``) the rules pick the same one-sided derivative as ``torch.autograd``.
+
+Complex tensors: the rules are the real formulas, and ``vjp_rule`` hands holomorphic ones (all
+but those saying ``complex="convention"``) conjugated arguments, so ``mul``'s ``ct * y`` becomes
+autograd's ``ct * y.conj()`` (see ``fxtools.registry``). ``abs``, ``sgn``, ``angle`` and
+``conj_physical`` are not holomorphic and compute autograd's convention themselves.
 """
 from __future__ import annotations
 
+import cmath
 import math
 
 import torch
 
 from ..registry import mark_nondifferentiable, register_vjp, vjp_rule
-from .common import is_tensor, unbroadcast
+from .common import cast_cotangent, is_tensor, unbroadcast
 
 aten = torch.ops.aten
 
@@ -36,6 +42,15 @@ def _keep(mask, ct, like=None):
     """``ct`` where ``mask`` holds, zero elsewhere (reduced to ``like``'s shape if given)."""
     g = torch.where(mask, ct, 0)
     return g if like is None else unbroadcast(g, like)
+
+
+def _drop(mask, ct):
+    """Zero where ``mask`` holds, ``ct`` elsewhere: written with the comparison autograd's kernel
+    makes (``x <= 0``), so that at NaN, where every comparison is false, ``ct`` passes as in autograd.
+    (Autograd's vectorised CPU loops disagree with its own scalar code at NaN for some activations:
+    hardtanh gives 0 on 8 or more float64 elements, 1 on fewer and on GPU; the rules follow the
+    scalar code.)"""
+    return torch.where(mask, 0, ct)
 
 
 # Unary math.
@@ -155,16 +170,19 @@ def square(ct, out, x):
     return ct * (2 * x)
 
 
-@vjp_rule(aten.abs)
+@vjp_rule(aten.abs, complex="convention")
 def abs(ct, out, x):
     return ct * (torch.sgn(x) if x.is_complex() else torch.sign(x))
 
 
-@vjp_rule(aten.sgn)
+@vjp_rule(aten.sgn, complex="convention")
 def sgn(ct, out, x):
-    if x.is_complex():
-        raise NotImplementedError("fxtools: the VJP of sgn is only written for real tensors")
-    return None
+    """``sgn(z) = z / |z|`` moves only along the circle: ``(ct - s Re(s̄ ct)) / |z|``, 0 at 0."""
+    if not x.is_complex():
+        return None
+    r = x.abs()
+    g = (ct - out * torch.real(out.conj() * ct)) / r
+    return torch.where(r == 0, 0, g)
 
 
 @vjp_rule(aten.neg)
@@ -187,11 +205,12 @@ def rad2deg(ct, out, x):
     return ct * (180 / math.pi)
 
 
-@vjp_rule(aten.angle)
+@vjp_rule(aten.angle, complex="convention")
 def angle(ct, out, x):
-    if x.is_complex():
-        raise NotImplementedError("fxtools: the VJP of angle is only written for real tensors")
-    return None
+    """``d angle(z) = Im(z̄ dz) / |z|²``: the gradient is ``ct * i z / |z|²`` (0 at 0; none for reals)."""
+    if not x.is_complex():
+        return None
+    return torch.where(x == 0, 0, ct * x * 1j / (x * x.conj()).real)
 
 
 @vjp_rule(aten.nan_to_num)
@@ -207,7 +226,8 @@ def sigmoid(ct, out, x):
 @vjp_rule(aten.logit)
 def logit(ct, out, x, eps=None):
     lo, hi = (0, 1) if eps is None else (eps, 1 - eps)
-    g = ct / (x * (1 - x))
+    d = x * (1 - x)
+    g = ct / (d.abs() if eps is None else d)  # autograd: +inf at -0.0 too (the kernel tests x == 0)
     return torch.where(torch.logical_and(x >= lo, x <= hi), g, math.nan if eps is None else 0)
 
 
@@ -263,8 +283,8 @@ def polygamma(ct, out, n, x):
 
 @vjp_rule(aten.mvlgamma)
 def mvlgamma(ct, out, x, p):
-    offsets = torch.arange(p, dtype=x.dtype) / 2
-    return ct * torch.digamma(x.unsqueeze(-1) - offsets).sum(-1)
+    offsets = torch.arange(1 - p, 1, dtype=x.dtype, device=x.device) / 2  # x + 0.0, as autograd: +0.0 at -0.0
+    return ct * torch.digamma(x.unsqueeze(-1) + offsets).sum(-1)
 
 
 @vjp_rule(aten.special_entr)
@@ -319,14 +339,22 @@ def pow_tensor_scalar(ct, out, x, exponent):
 @vjp_rule(aten.pow.Tensor_Tensor)
 def pow_tensor_tensor(ct, out, x, exponent):
     gx = torch.where(exponent == 0, 0, ct * exponent * x.pow(exponent - 1))
-    ge = torch.where(torch.logical_and(x == 0, exponent >= 0), 0, ct * out * torch.log(x)) if _diff(exponent) else None
+    ge = torch.where(torch.logical_and(x == 0, _real(exponent) >= 0), 0, ct * out * torch.log(x)) if _diff(exponent) else None
     return unbroadcast(gx, x), unbroadcast(ge, exponent)
+
+
+def _real(t):
+    return t.real if t.is_complex() else t
 
 
 @vjp_rule(aten.pow.Scalar)
 def pow_scalar(ct, out, base, exponent):
     if base == 0:
-        return None, torch.where(exponent >= 0, 0, ct * out * -math.inf)
+        return None, torch.where(_real(exponent) >= 0, 0, ct * out * -math.inf)
+    if isinstance(base, complex) or exponent.is_complex():
+        # log of the conjugated base (a real one is not conjugated by vjp_rule): -0.0 picks the
+        # conjugate's side of the branch cut for a negative base
+        return None, ct * out * cmath.log(base if isinstance(base, complex) else complex(base, -0.0))
     return None, ct * out * (math.log(base) if base > 0 else math.nan)
 
 
@@ -439,12 +467,14 @@ def frexp(ct, out, x):
 
 @vjp_rule(aten.logaddexp)
 def logaddexp(ct, out, x, y):
-    return unbroadcast(ct * torch.exp(x - out), x), unbroadcast(ct * torch.exp(y - out), y)
+    """Autograd's ``ct / (1 + exp(y - x))``, as a sigmoid: 1 at ``(inf, 0)``, where ``exp(x - out)`` is NaN."""
+    return unbroadcast(ct * torch.sigmoid(x - y), x), unbroadcast(ct * torch.sigmoid(y - x), y)
 
 
 @vjp_rule(aten.logaddexp2)
 def logaddexp2(ct, out, x, y):
-    return unbroadcast(ct * torch.exp2(x - out), x), unbroadcast(ct * torch.exp2(y - out), y)
+    """Autograd's formula, finite at ``(inf, 0)`` (see ``logaddexp``)."""
+    return unbroadcast(ct / (1 + torch.exp2(y - x)), x), unbroadcast(ct / (1 + torch.exp2(x - y)), y)
 
 
 def _xlog_self_grad(g, x, y, edge):
@@ -561,22 +591,22 @@ for _overload in ("ScalarSelf", "ScalarOther"):
 
 @vjp_rule(aten.relu)
 def relu(ct, out, x):
-    return _keep(out > 0, ct)
+    return _drop(out <= 0, ct)
 
 
 @vjp_rule(aten.threshold)
 def threshold(ct, out, x, threshold, value):
-    return _keep(x > threshold, ct)
+    return _drop(x <= threshold, ct)
 
 
 @vjp_rule(aten.hardtanh)
 def hardtanh(ct, out, x, min_val=-1, max_val=1):
-    return _keep(torch.logical_and(x > min_val, x < max_val), ct)
+    return _drop(torch.logical_or(x <= min_val, x >= max_val), ct)
 
 
 @vjp_rule(aten.relu6)
 def relu6(ct, out, x):
-    return _keep(torch.logical_and(x > 0, x < 6), ct)
+    return hardtanh(ct, out, x, 0, 6)
 
 
 @vjp_rule(aten.leaky_relu)
@@ -585,9 +615,15 @@ def leaky_relu(ct, out, x, negative_slope=0.01):
 
 
 def _rrelu_fwd(x, lower=1 / 8, upper=1 / 3, training=False, generator=None):
+    """In training, eager PyTorch's kernel draws one uniform slope per element that is not positive
+    (in order) and records every element's slope as its noise: the rule calls that kernel, so the
+    same seed gives the same slopes as eager, and the noise is the derivative. The value is
+    ``x * noise``, which is what the kernel computes (bitwise): PyTorch's autograd formula of the
+    functional kernel's value reads uninitialised memory (2.13), and generated code may be run
+    under autograd."""
     if training:
-        slope = torch.where(x > 0, 1, torch.rand_like(x) * (upper - lower) + lower)
-        return x * slope, slope
+        _, noise = aten.rrelu_with_noise_functional(x, torch.empty_like(x), lower, upper, True)
+        return x * noise, noise
     return aten.rrelu(x, lower, upper), (x, (lower + upper) / 2)
 
 
@@ -602,7 +638,7 @@ register_vjp(aten.rrelu, _rrelu_fwd, _rrelu_bwd, source="hand-written")
 
 def _elu(ct, out, x, alpha, scale, input_scale):
     neg = _scaled(ct * (out + alpha * scale), input_scale)
-    return torch.where(x > 0, _scaled(ct, scale), neg)
+    return torch.where(x <= 0, neg, _scaled(ct, scale))
 
 
 @vjp_rule(aten.elu)
@@ -667,12 +703,12 @@ def hardswish(ct, out, x):
 
 @vjp_rule(aten.softshrink)
 def softshrink(ct, out, x, lambd=0.5):
-    return _keep(x.abs() > lambd, ct)
+    return _drop(x.abs() <= lambd, ct)
 
 
 @vjp_rule(aten.hardshrink)
 def hardshrink(ct, out, x, lambd=0.5):
-    return _keep(x.abs() > lambd, ct)
+    return _drop(x.abs() <= lambd, ct)
 
 
 @vjp_rule(aten.prelu)
@@ -691,14 +727,19 @@ def _identity(ct, out, x, *args, **kwargs):
 
 
 for _op in (aten.clone, aten.alias, aten.lift_fresh_copy, aten.contiguous, aten.positive,
-            aten.conj_physical, aten.resolve_conj, aten.resolve_neg):
+            aten.resolve_conj, aten.resolve_neg):
     vjp_rule(_op)(_identity)
+
+
+@vjp_rule(aten.conj_physical, complex="convention")
+def conj_physical(ct, out, x):
+    return ct.conj() if x.is_complex() else ct
 
 
 def _cast_back(ct, out, x, *args, **kwargs):
     if ct.device != x.device:
         ct = ct.to(x.device)
-    return ct if ct.dtype == x.dtype else ct.to(x.dtype)
+    return cast_cotangent(ct, x.dtype)
 
 
 for _op in (aten._to_copy, aten.to, aten.type_as):
@@ -707,6 +748,10 @@ for _op in (aten._to_copy, aten.to, aten.type_as):
 
 mark_nondifferentiable(aten.detach, aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like)
 # Factories (no tensor input to differentiate) and runtime value checks.
+# Random draws carry no gradient in autograd either (``bernoulli(p)``, ``normal(mean, std)``); kept as
+# the ops eager PyTorch calls, they draw the same numbers as eager under the same seed.
 mark_nondifferentiable(aten.empty, aten.empty_strided, aten.zeros, aten.ones, aten.full, aten.arange,
-                       aten.scalar_tensor, aten.rand, aten.randn, aten.randint, aten.normal.float_float,
+                       aten.scalar_tensor, aten.rand, aten.randn, aten.randint, aten.normal, aten.normal_functional,
+                       aten.rand_like, aten.randn_like, aten.randint_like, aten.bernoulli.default,
+                       aten.bernoulli.p, aten.poisson,
                        aten._assert_async, aten.sym_constrain_range_for_size)

@@ -5,6 +5,10 @@ reduction's output broadcasts against the input; a full reduction's 0-d cotangen
 Ops that select elements (max over a dim, sort, topk, median, ...) scatter the cotangent back to
 the indices they return; ops that pick a value shared by ties (amax, max of the whole tensor,
 median of the whole tensor) split it evenly between the ties, as autograd does.
+
+Complex tensors: sums, means and products are holomorphic rules (``vjp_rule`` conjugates their
+arguments); variances and norms are real functions of complex tensors and compute autograd's
+convention themselves (``complex="convention"``: ``var``'s ``2 ct (x - mean) / dof``).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import math
 import torch
 
 from ..registry import mark_nondifferentiable, vjp_rule
-from .common import normalize_dims, same_shape
+from .common import cast_cotangent, normalize_dims, same_shape
 
 aten = torch.ops.aten
 
@@ -28,12 +32,12 @@ def restore(g, x, dim, keepdim=False):
 
 
 def expand_as(g, x):
-    g = g.to(x.dtype) if g.dtype != x.dtype else g
+    g = cast_cotangent(g, x.dtype)
     return g if same_shape(g.shape, x.shape) else g.expand(x.shape)
 
 
 def cast(g, x):
-    return g.to(x.dtype) if g is not None and g.dtype != x.dtype else g
+    return None if g is None else cast_cotangent(g, x.dtype)
 
 
 def _at_least_one(n):
@@ -60,10 +64,6 @@ def sum_keep(t, x, dim):
 
 def sign(x):
     return x.sgn() if x.is_complex() else x.sign()
-
-
-def conj(t):
-    return t.conj() if t.is_complex() else t
 
 
 def power(t, e):
@@ -134,11 +134,15 @@ def _prod_grad(ct, out, x, dim, keepdim):
     out, ct = restore(out, x, dim, keepdim), restore(ct, x, dim, keepdim)
     zero = x == 0
     if is_full(x, dim):
-        others = torch.where(zero, 1, x).prod() * (zero.sum() == 1)
+        zeros = zero.sum()
+        others = torch.where(zeros == 1, torch.where(zero, 1, x).prod(), 0)
     else:
         d = dims_of(x, dim)[0]
-        others = torch.where(zero, 1, x).prod(d, keepdim=True) * (zero.sum(d, keepdim=True) == 1)
-    return cast(ct * conj(torch.where(zero, others, out / x)), x)
+        zeros = zero.sum(d, keepdim=True)
+        others = torch.where(zeros == 1, torch.where(zero, 1, x).prod(d, keepdim=True), 0)
+    # beside a zero the product of the others is 0, also where ``out`` is NaN (``prod([0, inf])``)
+    lost = torch.logical_and(zeros > 0, torch.isnan(out))
+    return cast(ct * torch.where(zero, others, torch.where(lost, 0, out / x)), x)
 
 
 @vjp_rule(aten.prod.default)
@@ -161,13 +165,15 @@ def cumprod(ct, out, x, dim, dtype=None):
     if x.dim() == 0:
         return cast(ct, x)
     zero = x == 0
-    first_zero = torch.logical_and(zero, zero.cumsum(dim) == 1)
-    at_first_zero = rev_cumsum(ct * conj(torch.where(first_zero, 1, x).cumprod(dim)), dim)
-    elsewhere = torch.where(zero, 0, rev_cumsum(ct * conj(out), dim) / conj(x))
+    seen = zero.cumsum(dim)
+    first_zero = torch.logical_and(zero, seen == 1)
+    at_first_zero = rev_cumsum(ct * torch.where(first_zero, 1, x).cumprod(dim), dim)
+    # after a zero every product holds it: the derivative is 0, even where out / x is NaN (0 * inf)
+    elsewhere = torch.where(seen > 0, 0, rev_cumsum(ct * out, dim) / x)
     return cast(torch.where(first_zero, at_first_zero, elsewhere), x)
 
 
-@vjp_rule(aten.logcumsumexp.default)
+@vjp_rule(aten.logcumsumexp.default, complex="real")  # splits ct by sign
 def logcumsumexp(ct, out, x, dim):
     if x.dim() == 0:
         return ct
@@ -182,7 +188,7 @@ def logcumsumexp(ct, out, x, dim):
 
 @vjp_rule(aten.logsumexp.default)
 def logsumexp(ct, out, x, dim, keepdim=False):
-    return restore(ct, x, dim, keepdim) * conj(torch.exp(x - restore(out, x, dim, keepdim)))
+    return restore(ct, x, dim, keepdim) * torch.exp(x - restore(out, x, dim, keepdim))
 
 
 # --- max, min and friends -------------------------------------------------------------------
@@ -205,8 +211,13 @@ def aminmax(ct, out, x, *, dim=None, keepdim=False):
 
 @vjp_rule(aten.max.default)
 def max_(ct, out, x):
-    mask = x == out
-    return ct / mask.sum() * mask
+    """``ct`` split evenly between the elements equal to ``out``, or between the NaNs when there
+    are any (then ``out`` is NaN), as autograd does."""
+    return _split_evenly(ct, torch.logical_or(x == out, torch.isnan(x)))
+
+
+def _split_evenly(ct, mask):
+    return torch.where(mask, ct / mask.sum(), 0)
 
 
 @vjp_rule(aten.min.default)
@@ -221,7 +232,8 @@ def median(ct, out, x):
 
 @vjp_rule(aten.nanmedian.default)
 def nanmedian(ct, out, x):
-    return max_(ct, out, x)
+    """As ``max_``, but NaNs are skipped unless they are all there is (then ``out`` is NaN)."""
+    return _split_evenly(ct, torch.logical_or(x == out, torch.logical_and(torch.isnan(x), torch.isnan(out))))
 
 
 @vjp_rule(aten.max.dim)
@@ -295,62 +307,62 @@ def _correction(unbiased):
     return 1 if unbiased else 0
 
 
-@vjp_rule(aten.var.correction)
+@vjp_rule(aten.var.correction, complex="convention")
 def var(ct, out, x, dim=None, *, correction=None, keepdim=False):
     return _var_grad(ct, x, dim, correction, keepdim)
 
 
-@vjp_rule(aten.var.dim)
+@vjp_rule(aten.var.dim, complex="convention")
 def var_dim(ct, out, x, dim, unbiased=True, keepdim=False):
     return _var_grad(ct, x, dim, _correction(unbiased), keepdim)
 
 
-@vjp_rule(aten.var.default)
+@vjp_rule(aten.var.default, complex="convention")
 def var_all(ct, out, x, unbiased=True):
     return _var_grad(ct, x, None, _correction(unbiased), False)
 
 
-@vjp_rule(aten.std.correction)
+@vjp_rule(aten.std.correction, complex="convention")
 def std(ct, out, x, dim=None, *, correction=None, keepdim=False):
     return _std_grad(ct, out, x, dim, correction, keepdim)
 
 
-@vjp_rule(aten.std.dim)
+@vjp_rule(aten.std.dim, complex="convention")
 def std_dim(ct, out, x, dim, unbiased=True, keepdim=False):
     return _std_grad(ct, out, x, dim, _correction(unbiased), keepdim)
 
 
-@vjp_rule(aten.std.default)
+@vjp_rule(aten.std.default, complex="convention")
 def std_all(ct, out, x, unbiased=True):
     return _std_grad(ct, out, x, None, _correction(unbiased), False)
 
 
-@vjp_rule(aten.var_mean.correction)
+@vjp_rule(aten.var_mean.correction, complex="convention")
 def var_mean(ct, out, x, dim=None, *, correction=None, keepdim=False):
     return add(_var_grad(ct[0], x, dim, correction, keepdim), _mean_grad(ct[1], x, dim, keepdim))
 
 
-@vjp_rule(aten.var_mean.dim)
+@vjp_rule(aten.var_mean.dim, complex="convention")
 def var_mean_dim(ct, out, x, dim, unbiased=True, keepdim=False):
     return var_mean(ct, out, x, dim, correction=_correction(unbiased), keepdim=keepdim)
 
 
-@vjp_rule(aten.var_mean.default)
+@vjp_rule(aten.var_mean.default, complex="convention")
 def var_mean_all(ct, out, x, unbiased=True):
     return var_mean(ct, out, x, None, correction=_correction(unbiased))
 
 
-@vjp_rule(aten.std_mean.correction)
+@vjp_rule(aten.std_mean.correction, complex="convention")
 def std_mean(ct, out, x, dim=None, *, correction=None, keepdim=False):
     return add(_std_grad(ct[0], out[0], x, dim, correction, keepdim), _mean_grad(ct[1], x, dim, keepdim))
 
 
-@vjp_rule(aten.std_mean.dim)
+@vjp_rule(aten.std_mean.dim, complex="convention")
 def std_mean_dim(ct, out, x, dim, unbiased=True, keepdim=False):
     return std_mean(ct, out, x, dim, correction=_correction(unbiased), keepdim=keepdim)
 
 
-@vjp_rule(aten.std_mean.default)
+@vjp_rule(aten.std_mean.default, complex="convention")
 def std_mean_all(ct, out, x, unbiased=True):
     return std_mean(ct, out, x, None, correction=_correction(unbiased))
 
@@ -372,7 +384,7 @@ def _norm_grad(ct, norm, x, p, dim, keepdim):
     return cast(x * power(x.abs(), p - 2) * (ct / power(norm, p - 1)).masked_fill(norm == 0, 0), x)
 
 
-@vjp_rule(aten.linalg_vector_norm.default)
+@vjp_rule(aten.linalg_vector_norm.default, complex="convention")
 def linalg_vector_norm(ct, out, x, ord=2, dim=None, keepdim=False, *, dtype=None):
     return _norm_grad(ct, out, x, ord, dim, keepdim)
 

@@ -3,16 +3,29 @@
 Views are undone by their inverse view, joins by splits and splits by joins; reads
 (slicing, gather, indexing) are transposed into the matching write into zeros (padding,
 ``scatter_add``, ``index_add``, ``index_put(accumulate=True)``), emitted only when needed.
+
+These maps are linear with real coefficients and read only their arguments' shapes, so their
+transposes already are autograd's convention for complex tensors (``complex="convention"``:
+nothing to conjugate); the two that multiply by argument values (``index_add``'s ``alpha``,
+``scatter_reduce``'s products) are holomorphic rules.
 """
 from __future__ import annotations
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..registry import vjp_rule
+from ..registry import vjp_rule as _vjp_rule
 from .common import is_tensor, known_equal, same_shape, unbroadcast
 
 aten = torch.ops.aten
+
+
+def vjp_rule(op, complex="convention"):
+    return _vjp_rule(op, complex=complex)
+
+
+def _diff(t) -> bool:
+    return is_tensor(t) and (t.is_floating_point() or t.is_complex())
 
 
 def _reshape(g, shape):
@@ -294,7 +307,7 @@ def index_select(ct, out, x, dim, index):
     return _zeros(x).index_add(dim, index.reshape(-1), ct) if x.dim() else ct.reshape(()), None, None
 
 
-@vjp_rule(aten.index_add)
+@vjp_rule(aten.index_add, complex="holomorphic")
 def index_add(ct, out, x, dim, index, source, alpha=1):
     g = ct.index_select(dim, index) if ct.dim() else ct
     g = _reshape(g if alpha == 1 else g * alpha, source.shape)
@@ -310,7 +323,7 @@ def index_copy(ct, out, x, dim, index, source):
 @vjp_rule(aten.index_fill)
 def index_fill(ct, out, x, dim, index, value):
     g = ct.index_fill(dim, index, 0)
-    return g, None, None, (ct - g).sum() if is_tensor(value) and value.is_floating_point() else None
+    return g, None, None, (ct - g).sum() if _diff(value) else None
 
 
 @vjp_rule(aten.gather)
@@ -333,7 +346,7 @@ def scatter_add(ct, out, x, dim, index, src):
     return ct, None, None, ct.gather(dim, index)
 
 
-@vjp_rule(aten.scatter_reduce.two)
+@vjp_rule(aten.scatter_reduce.two, complex="holomorphic")
 def scatter_reduce(ct, out, x, dim, index, src, reduce, include_self=True):
     if reduce == "sum":
         g = ct if include_self else ct.scatter(dim, index, 0)
@@ -378,7 +391,7 @@ def masked_fill_scalar(ct, out, x, mask, value):
 
 @vjp_rule(aten.masked_fill.Tensor)
 def masked_fill_tensor(ct, out, x, mask, value):
-    g_value = torch.where(mask, ct, 0).sum() if value.is_floating_point() else None
+    g_value = torch.where(mask, ct, 0).sum() if _diff(value) else None
     return unbroadcast(ct.masked_fill(mask, 0), x), None, unbroadcast(g_value, value)
 
 
@@ -523,6 +536,19 @@ def unfold(ct, out, x, dimension, size, step):
         g = ct.movedim(-1, dimension + 1).flatten(dimension, dimension + 1)
         return _pad_dim(g, dimension, 0, x.shape[dimension] - g.shape[dimension])
     return aten.unfold_backward(ct, x.shape, dimension, size, step)
+
+
+# ---- complex tensors as pairs of real ones ----------------------------------------------------
+
+@vjp_rule(aten.view_as_real)
+def view_as_real(ct, out, x):
+    """The real and imaginary parts' cotangents, as one complex cotangent (autograd's convention)."""
+    return torch.view_as_complex(ct.contiguous())
+
+
+@vjp_rule(aten.view_as_complex)
+def view_as_complex(ct, out, x):
+    return torch.view_as_real(ct.resolve_conj())
 
 
 @vjp_rule(aten.hstack)
