@@ -147,8 +147,12 @@ def test_wrong_cotangent_shape_and_dtype():
 def test_non_float_output_takes_no_cotangent():
     gm = fxtools.vjp(lambda x: torch.max(x, 0), torch.randn(4, 3))
     x = torch.randn(4, 3)
-    gm(x, (torch.ones(3), None))
-    assert "grad_out[1] must be None" in mismatch(gm, x, (torch.ones(3), torch.ones(3, dtype=torch.int64)))
+    _, (want,) = gm(x, (torch.ones(3), None))
+    _, (got,) = gm(x, (torch.ones(3), torch.ones(3, dtype=torch.int64)))  # ignored, as torch.func.vjp does
+    assert torch.equal(got, want)
+    assert "grad_out[1] must be None" in mismatch(gm, x, (torch.ones(3), 1.0))
+    ceil = fxtools.vjp(torch.ceil, x)  # a float output without gradient: its cotangent is ignored too
+    assert torch.equal(ceil(x, torch.ones(4, 3))[1][0], torch.zeros(4, 3))
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,3 +413,25 @@ def test_compile_picks_its_graphs_by_the_guards():
     assert len(compiled._runners) == 3
     sp = compiled._runners.entries[0][2].split
     assert "x.size(0) is 5" in mismatch(sp.guards.check, (x5, w, 0.5))
+
+
+def test_plain_objects_are_guarded_by_their_attributes(tmp_path):
+    """A config object the code reads (``c.scale``) is a constant: an equal new instance is
+    accepted, a changed attribute is refused, in the module and in its saved form."""
+    class Config:
+        def __init__(self, scale):
+            self.scale = scale
+
+    x = torch.randn(3, dtype=torch.float64)
+    gm = fxtools.grad(lambda x, c: (x * c.scale).sum(), x, Config(3.0))
+    torch.testing.assert_close(gm(x, Config(3.0)), torch.full((3,), 3.0, dtype=torch.float64))
+    assert "c is a Config whose attributes differ" in mismatch(gm, x, Config(5.0))
+    assert "c is a Config whose attributes differ" in mismatch(gm, x, Config(3))  # an int, not the float 3.0
+    fxtools.save(gm, tmp_path / "g.py")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("g_cfg", tmp_path / "g.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.testing.assert_close(mod.forward(x, Config(3.0)), torch.full((3,), 3.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match="attributes differ"):
+        mod.forward(x, Config(5.0))

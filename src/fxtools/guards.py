@@ -32,8 +32,11 @@ in any order; "attrs" is a namedtuple, dataclass or other class read by attribut
 - ``path``: how messages name it, ``"params['fc1.weight']"``;
 - ``kind``: ``"tensor"``, ``"scalar"`` (a Python value compared by value: ints, bools, strings,
   dtypes, floats bitwise, so ``-0.0 != 0.0`` and NaN equals NaN), ``"none"`` (must be None),
-  ``"object"`` (compared with ``==``) or ``"type"`` (only the type's name is checked; what
-  ``fxtools.save`` writes for objects it cannot spell);
+  ``"state"`` (a plain object, such as a config, whose attributes are built-in values: its class
+  name and attributes, as ``_snapshot`` gives them, compared as scalars are, so an equal new
+  instance is accepted and a changed attribute refused), ``"object"`` (compared with ``==``) or
+  ``"type"`` (only the type's name is checked; what ``fxtools.save`` writes for objects it
+  cannot spell);
 - tensors: ``sizes``, a tuple with per dimension either an ``int`` (that size exactly) or a
   ``Sym(name, min, max)``: any size in ``[min, max]`` (``max=None``: unbounded), and all
   dimensions (of any arguments) with the same ``Sym`` name must be equal at call time;
@@ -129,6 +132,29 @@ def _got(value):
     return f"a {type(value).__name__}"
 
 
+def _snapshot(obj, depth=0):
+    """A plain object's state as nested tuples of built-in values (its class name and attributes),
+    or None if any part is not plain: two objects whose snapshots are the same give the code the
+    same constants (``c.scale`` read while tracing)."""
+    if obj is None or type(obj) in (bool, int, float, complex, str):
+        return obj
+    if depth > 8:
+        return None
+    if type(obj) in (tuple, list):
+        items = tuple(_snapshot(v, depth + 1) for v in obj)
+        return None if any(v is None and x is not None for v, x in zip(items, obj)) else (type(obj).__name__, items)
+    state = getattr(obj, "__dict__", None)
+    if type(state) is not dict or callable(obj) or isinstance(obj, type):
+        return None
+    items = []
+    for k in sorted(state, key=str):
+        v = _snapshot(state[k], depth + 1)
+        if type(k) is not str or (v is None and state[k] is not None):
+            return None
+        items.append((k, v))
+    return (type(obj).__qualname__, tuple(items))
+
+
 def _same(a, b):
     """Python values as the code saw them: same type, and floats bitwise (NaN == NaN, -0.0 != 0.0)."""
     if type(a) is not type(b) and not (isinstance(a, float) and isinstance(b, float)
@@ -203,9 +229,15 @@ class Guards:
                               f"Generate the module again with {spec.path} = {value!r} (or with a 0-dim tensor "
                               "there, which makes the value an input of the generated code).")
             elif spec.kind == "none":
-                if value is not None:
+                # a cotangent where the output carries no gradient (integer indices, ``ceil``) is
+                # ignored, as torch.func.vjp ignores it: None or a tensor
+                if value is not None and not (spec.role and isinstance(value, torch.Tensor)):
                     self._leaf_fail(spec, f"{spec.path} must be None (the module was made with None there), "
                                           f"got {_got(value)}")
+            elif spec.kind == "state":
+                if not _same(_snapshot(value), spec.value):
+                    self.fail(f"{spec.path} is a {type(value).__name__} whose attributes differ from those of the "
+                              f"example the module was made with ({spec.value!r}); its code uses them as constants")
             elif spec.kind == "type":
                 if type(value).__name__ != spec.value:
                     self.fail(f"{spec.path} is {_got(value)}, but the module was made for a {spec.value}")
@@ -385,6 +417,9 @@ def _leaf_spec(value, path, layout, role):
         return Leaf(path, "none", role=role)
     if _is_scalar(value):
         return Leaf(path, "scalar", value=value, role=role)
+    state = _snapshot(value)
+    if state is not None:
+        return Leaf(path, "state", value=state, role=role)
     return Leaf(path, "object", value=value, role=role)
 
 
