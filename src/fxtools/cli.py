@@ -130,16 +130,16 @@ def user_error_message(exc: BaseException) -> str | None:
     bug and keeps its traceback). ``FXTOOLS_TRACEBACK=1`` shows the traceback anyway.
     """
     from .cli_commands import CliError, user_error
-    from .errors import FxtoolsError, _FXTOOLS_DIR, is_user_file
+    from .errors import FxtoolsError, FXTOOLS_DIR, is_user_file
 
     if isinstance(exc, (CliError, FxtoolsError)):
         return " ".join(str(exc).split())
     if isinstance(exc, OSError):
         return f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc)
     frames = traceback.extract_tb(exc.__traceback__)
-    if isinstance(exc, ValueError) and frames and frames[-1].filename.startswith(_FXTOOLS_DIR):
+    if isinstance(exc, ValueError) and frames and frames[-1].filename.startswith(FXTOOLS_DIR):
         return " ".join(str(exc).split())
-    if any(is_user_file(f.filename) for f in frames) and not frames[-1].filename.startswith(_FXTOOLS_DIR):
+    if any(is_user_file(f.filename) for f in frames) and not frames[-1].filename.startswith(FXTOOLS_DIR):
         return user_error(exc) + " (FXTOOLS_TRACEBACK=1 shows the traceback)"  # raised by the user's code
     return None
 

@@ -7,7 +7,7 @@ import traceback
 import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_FXTOOLS_DIR = os.path.dirname(__file__)
+FXTOOLS_DIR = os.path.dirname(__file__)
 
 
 class FxtoolsError(Exception):
@@ -25,7 +25,7 @@ class DataDependentError(FxtoolsError):
 def is_user_file(filename: str) -> bool:
     return not (
         filename.startswith(_TORCH_DIR)
-        or filename.startswith(_FXTOOLS_DIR)
+        or filename.startswith(FXTOOLS_DIR)
         or filename.startswith("<")
         or "/site-packages/" in filename and "/torch/" in filename
     )

@@ -93,7 +93,7 @@ class Sym:
     """A symbolic size: any value in [min, max] (max None: unbounded); equal wherever the name recurs."""
     name: str
     min: int = 0
-    max: int = None
+    max: int | None = None
 
 
 @dataclasses.dataclass
@@ -102,11 +102,11 @@ class Leaf:
     path: str
     kind: str
     sizes: tuple = ()
-    dtype: torch.dtype = None
-    device: str = None
+    dtype: torch.dtype | None = None
+    device: str | None = None
     layout: object = None
     value: object = None
-    role: str = None
+    role: str | None = None
 
 
 @dataclasses.dataclass

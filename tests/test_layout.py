@@ -1,0 +1,99 @@
+"""The package's layers (docs/architecture.md): no import cycles, imports point down the layers, and
+no private name is imported from another subpackage. Read from the source: every import statement,
+inside functions too."""
+import ast
+import pathlib
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "fxtools"
+LAYERS = ["cli", "training", "transforms", "rules", "capture", "codegen", "passes"]  # top to bottom
+SHARED = {"errors", "registry", "dynamic_shapes", "functional"}  # at the root, below every layer
+FACE = {PACKAGE, f"{PACKAGE}.__main__"}  # the public API imports from everywhere
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in (SRC / PACKAGE).rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports():
+    """(importer, imported module, names taken from it) for every import between fxtools modules."""
+    modules = _modules()
+    edges = []
+    for mod, path in modules.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    edges.append((mod, sub, []) if sub in modules else (mod, target, [alias.name]))
+            elif isinstance(node, ast.Import):
+                edges += [(mod, alias.name, []) for alias in node.names]
+    return modules, [(a, b, names) for a, b, names in edges if b in modules and b != a]
+
+
+def _layer(mod: str):
+    """Index in LAYERS (0 is the top), len(LAYERS) for the shared root modules, None if unplaced."""
+    parts = mod.split(".")
+    if len(parts) >= 2 and parts[1] in LAYERS:
+        return LAYERS.index(parts[1])
+    if len(parts) == 2 and parts[1] in SHARED:
+        return len(LAYERS)
+    return None
+
+
+def test_no_import_cycles():
+    modules, edges = _imports()
+    graph = {m: sorted({b for a, b, _ in edges if a == m and b not in FACE}) for m in modules if m not in FACE}
+    state, stack, cycles = {}, [], []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in graph[m]:
+            if state.get(n) == "open":
+                cycles.append(" -> ".join(stack[stack.index(n):] + [n]))
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in graph:
+        if m not in state:
+            visit(m)
+    assert not cycles, f"{len(cycles)} import cycles, such as:\n" + "\n".join(cycles[:5])
+
+
+def test_imports_point_down_the_layers():
+    _, edges = _imports()
+    upward = [f"{a} imports {b}" for a, b, _ in edges
+              if a not in FACE and _layer(a) is not None and _layer(b) is not None and _layer(b) < _layer(a)]
+    assert not upward, "imports that climb to a higher layer:\n" + "\n".join(upward)
+
+
+def test_no_private_names_across_subpackages():
+    modules, edges = _imports()
+
+    def subpackage(mod):  # fxtools.rules for fxtools.rules.nn and fxtools.rules; fxtools for fxtools.errors
+        return ".".join(modules[mod].parent.relative_to(SRC).parts[:2])
+    private = [f"{a} imports {', '.join(n for n in names if n.startswith('_'))} from {b}"
+               for a, b, names in edges
+               if subpackage(a) != subpackage(b) and any(n.startswith("_") and not n.startswith("__") for n in names)]
+    assert not private, "give what another subpackage needs a public name:\n" + "\n".join(private)
+
+
+def test_the_checks_see_the_imports():
+    """The checks above read real edges: the public API imports its transforms, a cycle would be seen."""
+    modules, edges = _imports()
+    assert len(modules) > 30 and len(edges) > 150
+    assert any(a == PACKAGE and b.endswith(".errors") for a, b, _ in edges)
