@@ -37,9 +37,9 @@ import torch
 import torch.fx as fx
 
 import fxtools
-from fxtools import examples
-from fxtools.reverse import ancestors
-from fxtools.simplify import count_compute_nodes
+from fxtools.cli import examples
+from fxtools.transforms.reverse import ancestors
+from fxtools.passes.simplify import count_compute_nodes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -29,7 +29,7 @@ import time
 import torch
 
 import fxtools
-from fxtools import examples
+from fxtools.cli import examples
 
 
 def _storages(tensors, exclude):

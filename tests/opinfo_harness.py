@@ -10,8 +10,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 import fxtools
-from fxtools.coverage import opinfo_samples, sample_function  # noqa: F401 (re-exported)
-from fxtools.check import _cotangent_for, check_vjp
+from fxtools.cli.coverage import opinfo_samples, sample_function  # noqa: F401 (re-exported)
+from fxtools.transforms.check import _cotangent_for, check_vjp
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,7 +57,7 @@ def func_vjp(f, args):
 
 def is_random(f, args) -> bool:
     """Whether f draws random numbers (dropout, rrelu in training, randn inside)."""
-    from fxtools.capture import capture
+    from fxtools.capture.trace import capture
 
     cap = capture(f, args, record_stack_traces=False)
     return any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
@@ -72,8 +72,8 @@ def check_self_consistent(f, args, seed=0, rtol=1e-6, atol=1e-8):
     xs = [x.detach().clone().requires_grad_(x.is_floating_point() or x.is_complex()) for x in leaves]
     n = len(args)
     torch.manual_seed(seed)
-    out0, _ = gm(*args, _cotangent_for(gm, n, fxtools.check.random_cotangent(f(*args), torch.Generator().manual_seed(seed))))
-    ct = _cotangent_for(gm, n, fxtools.check.random_cotangent(out0, torch.Generator().manual_seed(seed)))
+    out0, _ = gm(*args, _cotangent_for(gm, n, fxtools.transforms.check.random_cotangent(f(*args), torch.Generator().manual_seed(seed))))
+    ct = _cotangent_for(gm, n, fxtools.transforms.check.random_cotangent(out0, torch.Generator().manual_seed(seed)))
     torch.manual_seed(seed)
     out, grads = gm(*pytree.tree_unflatten(xs, spec), ct)
     torch.manual_seed(seed)
@@ -102,7 +102,7 @@ def check_sample(opinfo, sample):
 
 def captured_ops(opinfo, sample):
     """The aten overloads that the capture of one sample contains (before decomposition)."""
-    from fxtools.capture import capture
+    from fxtools.capture.trace import capture
 
     f, args = sample_function(opinfo, sample)
     cap = capture(f, args, record_stack_traces=False)

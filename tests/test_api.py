@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 import fxtools
-from fxtools.simplify import count_compute_nodes
+from fxtools.passes.simplify import count_compute_nodes
 
 pytestmark = pytest.mark.usefixtures("float64")  # the oracle's precision, for every test here
 
@@ -26,7 +26,7 @@ def test_pytree_arguments_and_outputs():
 
     args = ({"w": torch.randn(3)}, [torch.randn(3), torch.randn(2)], 2.0)
     gm = fxtools.check_vjp(f, *args)
-    out, grads = gm(*args, fxtools.check.random_cotangent(f(*args)))
+    out, grads = gm(*args, fxtools.transforms.check.random_cotangent(f(*args)))
     assert set(out) == {"a", "b"}
     assert set(grads[0]) == {"w"} and len(grads[1]) == 2 and grads[2] is None
 

@@ -5,8 +5,8 @@ import sys
 import pytest
 import torch
 
-from fxtools.cli import main
-from fxtools.cli_commands import CliError, build_args, parse_spec
+from fxtools.cli.main import main
+from fxtools.cli.commands import CliError, build_args, parse_spec
 from conftest import MODEL
 from isolated import run_isolated
 
@@ -142,7 +142,7 @@ def test_shapes_of_a_graph_module_the_user_loads_themselves(tmp_path):
     """torch.save keeps no shapes; for a file the user trusts and loads themselves, ``show``'s
     ``propagate_shapes`` runs the graph on FakeTensors of the recorded (or given) inputs."""
     import fxtools
-    from fxtools.show import annotated_code, propagate_shapes
+    from fxtools.codegen.show import annotated_code, propagate_shapes
 
     gm = fxtools.grad(lambda p, x: (x @ p["w"]).tanh().sum(), {"w": torch.randn(8, 3)}, torch.randn(4, 8))
     torch.save(gm, tmp_path / "g.pt")
@@ -195,8 +195,8 @@ def test_every_cli_error_is_one_line(case, model_dir, capsys, monkeypatch):
 
 def test_internal_errors_keep_their_traceback(model_dir, monkeypatch):
     """A bug of fxtools itself (an exception raised in its own code) is not dressed up as a user error."""
-    import fxtools.cli_commands as commands
-    from fxtools.naming import unique
+    import fxtools.cli.commands as commands
+    from fxtools.codegen.naming import unique
     monkeypatch.chdir(model_dir)
     monkeypatch.setattr(commands, "load_target", lambda target: unique(None))  # fails inside fxtools
     with pytest.raises(TypeError):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fxtools
-from fxtools.check import VjpMismatch, check_vjp, check_vjp_fd
+from fxtools.transforms.check import VjpMismatch, check_vjp, check_vjp_fd
 from fxtools.errors import MissingRuleError
 
 aten = torch.ops.aten
@@ -150,7 +150,7 @@ def test_unsupported_complex_call_is_refused_with_the_line():
 
 
 def test_cli_grad_of_complex_argument(tmp_path, monkeypatch, capsys):
-    from fxtools.cli import main
+    from fxtools.cli.main import main
 
     (tmp_path / "cmodel.py").write_text(
         "import torch\n\ndef loss(z, w):\n    return (torch.sin(z) * w.conj() + z.exp()).abs().sum()\n")

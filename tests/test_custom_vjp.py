@@ -12,8 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxtools
-from fxtools.capture import capture
-from fxtools.custom import CustomCall
+from fxtools.capture.trace import capture
+from fxtools.capture.custom import CustomCall
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 

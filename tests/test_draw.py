@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import fxtools
-from fxtools import examples
-from fxtools.cli import main
-from fxtools.draw import COLORS, DrawError, Svg, _is_unpacking, draw
+from fxtools.cli import examples
+from fxtools.cli.main import main
+from fxtools.codegen.draw import COLORS, DrawError, Svg, _is_unpacking, draw
 
 SVG = "{http://www.w3.org/2000/svg}"
 

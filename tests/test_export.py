@@ -9,8 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxtools
-from fxtools import examples
-from fxtools.export import GUARDS_MARKER, ExportError
+from fxtools.cli import examples
+from fxtools.codegen.export import GUARDS_MARKER, ExportError
 from isolated import run_isolated
 
 
@@ -65,7 +65,7 @@ def test_pytree_arguments_constants_and_globals_in_a_fresh_interpreter(tmp_path)
     text = fxtools.save(gm, tmp_path / "tree.py", embed_limit=8)
     assert (tmp_path / "tree.pt").exists()
     assert "forward(d, xs, grad_out)" in text and "d['w']: f64[3]" in text
-    ct = fxtools.check.random_cotangent(f(*args))
+    ct = fxtools.transforms.check.random_cotangent(f(*args))
     torch.save((args, ct, gm(*args, ct)), tmp_path / "io.pt")
     run_isolated("""
 import torch, tree
@@ -138,7 +138,7 @@ def test_non_torch_callables_are_refused(tmp_path):
 
 
 def test_literals_are_exact():
-    from fxtools.export import _tensor_literal
+    from fxtools.codegen.export import _tensor_literal
     for t in (torch.tensor([0.1, -math.inf, math.nan, 1e-300], dtype=torch.float64),
               torch.randn(5, dtype=torch.float32), torch.randn(3, dtype=torch.bfloat16),
               torch.tensor([True, False]), torch.tensor(7), torch.randn(2, dtype=torch.complex64),

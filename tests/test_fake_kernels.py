@@ -4,7 +4,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxtools
-from fxtools.fake_kernels import tracing_kernels
+from fxtools.capture.fake_kernels import tracing_kernels
 
 OFFS = torch.tensor([3, 3, 8], dtype=torch.int32)
 

@@ -1,4 +1,4 @@
-"""Guards: every generated module refuses arguments it was not made for (fxtools.guards).
+"""Guards: every generated module refuses arguments it was not made for (fxtools.codegen.guards).
 
 Each case makes a module at one example and calls it with something its code is specialised
 against; the call must raise ``fxtools.InputMismatch`` whose message names the argument by its
@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxtools
-from fxtools import examples
-from fxtools.guards import Guards, InputMismatch, Leaf, Sym, build
+from fxtools.cli import examples
+from fxtools.codegen.guards import Guards, InputMismatch, Leaf, Sym, build
 from isolated import run_isolated
 
 

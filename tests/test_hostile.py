@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import fxtools
 from fxtools.errors import FxtoolsError
-from fxtools.export import ExportError
+from fxtools.codegen.export import ExportError
 from isolated import run_isolated
 
 D = torch.float64
@@ -58,7 +58,7 @@ def test_constants_in_any_graph_are_checked_before_code_is_written(tmp_path):
     """The last check on every generated graph (``render.check_code_data``), also run by ``save``:
     subclasses of built-in types become plain literals; other objects and names that are not
     normal-form identifiers are refused."""
-    from fxtools.render import check_code_data
+    from fxtools.codegen.render import check_code_data
 
     marker = tmp_path / "ran"
     Evil = _evil_str(marker)

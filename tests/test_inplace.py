@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 import fxtools
-from fxtools.capture import capture
-from fxtools.check import check_vjp, check_vjp_fd
+from fxtools.capture.trace import capture
+from fxtools.transforms.check import check_vjp, check_vjp_fd
 from fxtools.errors import FxtoolsError
-from fxtools.functionalize import functionalize, is_mutating
+from fxtools.capture.functionalize import functionalize, is_mutating
 
 D = torch.float64
 

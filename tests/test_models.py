@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fxtools
-from fxtools import examples
-from fxtools.simplify import count_compute_nodes
+from fxtools.cli import examples
+from fxtools.passes.simplify import count_compute_nodes
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -122,7 +122,7 @@ def test_seed_examples_are_small_and_correct(name, limit):
     gm = fxtools.vjp(fn, *args)
     n = count_compute_nodes(gm)
     assert n <= limit, f"{name}: {n} compute nodes (at most {limit} expected)\n{gm.code}"
-    from fxtools.check import check_vjp
+    from fxtools.transforms.check import check_vjp
     check_vjp(fn, *args, gm=gm, rtol=1e-10, atol=1e-10)
 
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import fxtools
-from fxtools import replacements
-from fxtools.check import check_vjp
+from fxtools.capture import replacements
+from fxtools.transforms.check import check_vjp
 from fxtools.errors import FxtoolsError
 
 f64 = torch.float64

@@ -1,4 +1,4 @@
-"""Memoized replay of rule calls (fxtools.replay): the same graphs as tracing every call, faster.
+"""Memoized replay of rule calls (fxtools.transforms.replay): the same graphs as tracing every call, faster.
 
 Models of repeated identical layers are differentiated with and without replay (same code),
 and their gradients are compared with torch.autograd in float64. ``Memo`` is also exercised
@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch.fx.experimental import proxy_tensor
 
 import fxtools
-from fxtools import examples, replay
-from fxtools import reverse as reverse_module
-from fxtools.draw import PART_KEY
+from fxtools.cli import examples
+from fxtools.transforms import replay
+from fxtools.transforms import reverse as reverse_module
+from fxtools.codegen.draw import PART_KEY
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 

@@ -9,8 +9,8 @@ import torch
 
 import fxtools
 from fxtools import registry
-from fxtools.capture import capture
-from fxtools.decompose import expand
+from fxtools.capture.trace import capture
+from fxtools.rules.decompose import expand
 from fxtools.errors import DataDependentError
 from opinfo_harness import cases_for_rule, check_self_consistent, check_sample, is_random
 from rule_cases import EXTRA_CASES

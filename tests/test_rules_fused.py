@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import fxtools
-from fxtools import examples, registry
+from fxtools.cli import examples
+from fxtools import registry
 from fxtools.errors import DataDependentError
-from fxtools.simplify import count_compute_nodes
+from fxtools.passes.simplify import count_compute_nodes
 from opinfo_harness import cases_for_rule, check_self_consistent, is_random, sample_function
 from rule_cases import EXTRA_CASES
 

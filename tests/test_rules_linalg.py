@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import fxtools
-from fxtools.check import check_vjp
-from fxtools.simplify import count_compute_nodes
+from fxtools.transforms.check import check_vjp
+from fxtools.passes.simplify import count_compute_nodes
 
 MATMULS = {"mm", "matmul", "bmm"}
 RESHAPES = {"reshape", "view", "_unsafe_view", "flatten"}

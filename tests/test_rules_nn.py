@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
 
 import fxtools
-from fxtools.check import check_vjp
+from fxtools.transforms.check import check_vjp
 
 aten = torch.ops.aten
 def r(*shape):

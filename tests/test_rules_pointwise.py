@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 
 import fxtools
-from fxtools.check import check_vjp, check_vjp_fd
-from fxtools.simplify import count_compute_nodes
+from fxtools.transforms.check import check_vjp, check_vjp_fd
+from fxtools.passes.simplify import count_compute_nodes
 
 aten = torch.ops.aten
 D = torch.float64

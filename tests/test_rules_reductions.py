@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fxtools
-from fxtools.check import check_vjp
+from fxtools.transforms.check import check_vjp
 
 D = torch.float64
 INF = float("inf")

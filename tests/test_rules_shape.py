@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import fxtools
-from fxtools.check import check_vjp
+from fxtools.transforms.check import check_vjp
 
 aten = torch.ops.aten
 

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import fxtools
-from fxtools.simplify import count_compute_nodes
+from fxtools.passes.simplify import count_compute_nodes
 
 
 def _mlp():

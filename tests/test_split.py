@@ -6,7 +6,8 @@ import torch
 import torch.utils.checkpoint as cp
 
 import fxtools
-from fxtools import examples, policies
+from fxtools.cli import examples
+from fxtools.training import policies
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 

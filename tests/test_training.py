@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 import fxtools
-from fxtools import examples
+from fxtools.cli import examples
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import fxtools
-from fxtools import examples
-from fxtools.simplify import count_compute_nodes
+from fxtools.cli import examples
+from fxtools.passes.simplify import count_compute_nodes
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 

@@ -44,7 +44,7 @@ def _unbacked(val) -> bool:
 
 
 def symbolic_mode(vals):
-    """The fake mode of the first of ``vals`` with a symbolic size marked dynamic (``sizes.py``),
+    """The fake mode of the first of ``vals`` with a symbolic size marked dynamic (``codegen/sizes.py``),
     else None. Data-dependent sizes of inputs do not count: those stand-ins are made as before."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
@@ -73,7 +73,7 @@ def cotangent_example(val, fake_mode=None):
     """An example cotangent for an output of value ``val`` (a FakeTensor).
 
     Static shapes give a real zero tensor, as always. A data-dependent shape, or any shape when
-    sizes were marked dynamic (``fake_mode`` given, see ``sizes.py``), gives an empty FakeTensor
+    sizes were marked dynamic (``fake_mode`` given, see ``codegen/sizes.py``), gives an empty FakeTensor
     of the capture's fake mode with the same symbolic sizes, so the template is traced in that
     mode and the cotangent's sizes are the output's.
     """
@@ -192,7 +192,7 @@ def materialize(graph: fx.Graph, before: fx.Node, args, inputs_only=False):
     """``args`` (a pytree) with each symbolic size replaced by a graph node computing it.
 
     A pass that builds a node from a value's shape (``x.new_ones(list(v.shape))``) meets SymInt
-    objects where sizes are symbolic (marked dynamic, ``sizes.py``); code needs nodes. A size
+    objects where sizes are symbolic (marked dynamic, ``codegen/sizes.py``); code needs nodes. A size
     some node before ``before`` already holds is reused; a plain symbol is read from the first
     tensor having it as a size (``x.size(0)``); a product or sum is built from its parts.
     ``inputs_only``: read sizes from the inputs only (``sizes_from_inputs``).

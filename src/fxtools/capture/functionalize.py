@@ -1,0 +1,636 @@
+"""Remove in-place ops from a captured graph, so that it can be differentiated.
+
+The captured (pre-dispatch, not functionalised) graph may contain mutating ATen overloads:
+``y.add_(1)``, ``x.squeeze_(0)``, ``z[0].mul_(3)``, ``out[:, 1] = v`` (``copy_`` on a view),
+``torch.relu_``... ``functionalize`` rewrites them on the graph:
+
+- A mutation of a tensor that the function *created* (an intermediate) becomes its functional
+  counterpart (``add_`` -> ``add``, ``copy_(dst, src)`` -> ``src`` cast and expanded to
+  ``dst``, ``fill_`` -> ``full``, ``index_put_`` -> ``index_put``, ...). When the mutated tensor
+  is a view, the new value is written back into its base with the scatter form of each view
+  (``select`` -> ``select_scatter``, ``slice`` -> ``slice_scatter``, ``view`` -> reshape back,
+  ``transpose`` -> transpose back, ...), and every later use of any alias of that base (the base
+  itself, views taken before the mutation) reads a view regenerated from the new base.
+  Aliasing is read off the FakeTensors of the trace: two values alias when they share storage.
+- A mutation of a graph input or of a tensor the function closes over (a module's buffers, such
+  as BatchNorm's ``num_batches_tracked``) stays in place, so the caller sees it exactly as in
+  eager mode. Such a mutation must not take part in differentiation: if it does (it writes a
+  value computed from a differentiated input) differentiation stops with an error naming the op
+  and the user's line. Reads of that tensor made before the mutation by ops whose backward may
+  keep their arguments read a snapshot (``clone``) instead, so the backward sees the values the
+  forward saw.
+
+Anything else (mutation through an expanded or otherwise unsupported view, ``out=`` variants of
+ops on intermediates, ``set_``, resizing...) raises ``FxtoolsError`` naming the op and the line.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..errors import FxtoolsError, user_line_of
+from ..passes.simplify import fake_mode_of
+from ..registry import Rule, differentiable_nodes, is_float
+
+aten = torch.ops.aten
+
+__all__ = ["functionalize", "InplaceError"]
+
+
+class InplaceError(FxtoolsError):
+    """An in-place op fxtools cannot turn into functional code without changing its gradient."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema helpers
+
+
+def _is_op(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def _written_args(op) -> list[int]:
+    """Positions of the schema arguments an op writes to (``Tensor(a!)``)."""
+    return [i for i, a in enumerate(op._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
+def is_mutating(node: fx.Node) -> bool:
+    return node.op == "call_function" and _is_op(node.target) and bool(_written_args(node.target))
+
+
+def _is_view_op(op) -> bool:
+    """Ops whose output aliases their input without writing it (``view``, ``select``, ``split``...)."""
+    if not _is_op(op) or op._schema.is_mutable:
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+
+
+def _arg_names(op):
+    return [a.name for a in op._schema.arguments]
+
+
+_SPECIAL_FUNCTIONAL = {
+    aten.normal_.default: aten.normal_functional.default,
+}
+
+
+_NO_FUNCTIONAL = {"set_", "resize_", "resize_as_", "resize_as_sparse_", "sparse_resize_",
+                  "sparse_resize_and_clear_", "requires_grad_", "retain_grad"}
+
+
+def _functional_of(op):
+    """The out-of-place overload computing what in-place ``op`` writes, or None."""
+    if op._schema.name.split("::")[-1] in _NO_FUNCTIONAL:
+        return None
+    if op in _SPECIAL_FUNCTIONAL:
+        return _SPECIAL_FUNCTIONAL[op]
+    name = op._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.endswith("__"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    if packet is None:
+        return None
+    names = _arg_names(op)
+    types = [str(a.type) for a in op._schema.arguments]
+    candidates = [op._overloadname] + [o for o in packet.overloads() if o != op._overloadname]
+    for ov in candidates:
+        if ov not in packet.overloads():
+            continue
+        f = getattr(packet, ov)
+        if (_arg_names(f)[1:] == names[1:] and [str(a.type) for a in f._schema.arguments] == types
+                and not f._schema.is_mutable and len(f._schema.returns) == 1):
+            return f
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Graph helpers
+
+
+def _val(x):
+    return x.meta.get("val") if isinstance(x, fx.Node) else x
+
+
+def _storage(val):
+    if not isinstance(val, torch.Tensor) or val.layout != torch.strided:
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except Exception:  # noqa: BLE001 - tensors without storage cannot alias anything
+        return None
+
+
+
+
+def _closed_over_storages(gm: fx.GraphModule):
+    """``_storage`` that knows which values live in a closed-over tensor's memory.
+
+    Each read of a closed-over real tensor (a ``get_attr`` node) gets its own FakeTensor, and so
+    do views of it (``buf[0]``, ``buf.detach()``): their fake storages differ, though the tensors
+    share memory when the code runs. Each is mapped to the real tensor's storage, so that a write
+    through a view (``buf[0].add_(1)``, ``buf.data.add_(1)``) is seen as a write to the buffer.
+    """
+    canonical: dict = {}
+    for node in gm.graph.nodes:
+        st = _storage(_val(node))
+        if st is None:
+            continue
+        if node.op == "get_attr":
+            real = getattr(gm, node.target, None)
+            if isinstance(real, torch.Tensor) and not isinstance(real, torch._subclasses.FakeTensor):
+                real_st = _storage(real)
+                if real_st is not None:
+                    canonical[st] = real_st
+            continue
+        src = node.args[0] if node.op == "call_function" and node.args else None
+        if isinstance(src, fx.Node) and src.op == "call_function" and node.target is operator.getitem:
+            src = src.args[0] if _is_view_op(src.target) and src.args else None
+        elif not (node.op == "call_function" and _is_view_op(node.target)):
+            src = None
+        if isinstance(src, fx.Node) and _storage(_val(src)) in canonical:
+            canonical[st] = canonical[_storage(_val(src))]
+
+    def storage(val):
+        st = _storage(val)
+        return canonical.get(st, st)
+
+    return storage
+
+
+def _where(node) -> str:
+    return user_line_of(node) or "an unknown line"
+
+
+def _error(node, why: str) -> InplaceError:
+    return InplaceError(
+        f"in-place {node.target} (from {_where(node)}): {why}.\n"
+        "Write the computation out of place (for example `y = y + 1` instead of `y.add_(1)`, "
+        "or torch.where / index_put instead of item assignment).")
+
+
+class _Builder:
+    """Creates nodes before a given node, with FakeTensor values and the user's stack trace."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.fake_mode = fake_mode_of(graph)
+        self.before = None
+        self.trace = None
+
+    def __call__(self, target, *args, **kwargs):
+        with self.graph.inserting_before(self.before):
+            node = self.graph.call_function(target, args, kwargs)
+        vals, kvals = fx.node.map_arg((args, kwargs), _val)
+        if self.fake_mode is not None:
+            with self.fake_mode:
+                node.meta["val"] = target(*vals, **kvals)
+        else:  # pragma: no cover - captured graphs always carry FakeTensors
+            node.meta["val"] = target(*vals, **kvals)
+        if self.trace:
+            node.meta["stack_trace"] = self.trace
+        if self.before is not None and "custom" in self.before.meta:  # e.g. checkpoint regions
+            node.meta["custom"] = self.before.meta["custom"]
+        return node
+
+    def cast_like(self, value, like):
+        """``value`` converted to the dtype and broadcast to the shape of FakeTensor ``like``."""
+        v = _val(value)
+        if v.dtype != like.dtype:
+            value = self(aten._to_copy.default, value, dtype=like.dtype)
+            v = _val(value)
+        if tuple(v.shape) != tuple(like.shape):
+            value = self(aten.expand.default, value, list(like.shape))
+        return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Views: how to redo a view on a new base, and how to write a new view value back
+
+
+_SHAPE_ONLY = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default,
+    aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default, aten.reshape_as.default,
+    aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.alias.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+    aten.to.other, aten.type_as.default, aten.lift_fresh.default, aten.expand.default,
+    aten.expand_as.default, aten.view_as_real.default, aten.view_as_complex.default,
+}
+_INVOLUTIONS = {aten.t.default, aten.numpy_T.default, aten.mT.default}
+_TRANSPOSES = {aten.transpose.int, aten.swapdims.default, aten.swapaxes.default}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+           aten.tensor_split.sections, aten.tensor_split.indices, aten.unsafe_split.Tensor,
+           aten.unsafe_split_with_sizes.default, aten.hsplit.int, aten.vsplit.int}
+
+
+class _Step:
+    """One view op applied to its first argument (and, for multi-output views, an index)."""
+
+    def __init__(self, target, args, kwargs, index=None, multi_val=None):
+        self.target, self.args, self.kwargs, self.index = target, tuple(args), dict(kwargs), index
+        self.multi_val = multi_val  # the list of FakeTensors of a multi-output view op
+
+    def apply(self, b: _Builder, parent):
+        node = b(self.target, parent, *self.args[1:], **self.kwargs)
+        if self.index is not None:
+            node = b(operator.getitem, node, self.index)
+        return node
+
+    def _arg(self, i, name, default):
+        if len(self.args) > i:
+            return self.args[i]
+        return self.kwargs.get(name, default)
+
+    def scatter(self, b: _Builder, parent, child, pval, cval, mutation):
+        """The new value of ``parent`` once its view (this step) holds ``child``."""
+        t = self.target
+        if t in _SHAPE_ONLY:
+            if pval.dtype != cval.dtype or pval.is_complex() != cval.is_complex():
+                raise _error(mutation, f"writing through a {t} view that changes the dtype is not supported")
+            if tuple(pval.shape) == tuple(cval.shape):
+                return child
+            if t in (aten.expand.default, aten.expand_as.default):
+                raise _error(mutation, "it writes through an expanded view, where several elements share memory")
+            return b(aten.reshape.default, child, list(pval.shape))
+        if t in (aten.detach.default, aten.detach_.default):
+            return child
+        if t is aten.select.int:
+            return b(aten.select_scatter.default, parent, child, self._arg(1, "dim", 0), self._arg(2, "index", 0))
+        if t is aten.slice.Tensor:
+            return b(aten.slice_scatter.default, parent, child, self._arg(1, "dim", 0),
+                     self._arg(2, "start", None), self._arg(3, "end", None), self._arg(4, "step", 1))
+        if t is aten.narrow.default:
+            dim, start, length = self.args[1], self.args[2], self.args[3]
+            size = pval.shape[dim]
+            start = start + size if start < 0 else start
+            return b(aten.slice_scatter.default, parent, child, dim, start, start + length, 1)
+        if t is aten.diagonal.default:
+            return b(aten.diagonal_scatter.default, parent, child, self._arg(1, "offset", 0),
+                     self._arg(2, "dim1", 0), self._arg(3, "dim2", 1))
+        if t in _TRANSPOSES:
+            return b(aten.transpose.int, child, self.args[1], self.args[2])
+        if t in _INVOLUTIONS and not cval.is_complex():
+            return b(t, child)
+        if t is aten.permute.default:
+            dims = [d % pval.dim() for d in self.args[1]]
+            inverse = [dims.index(i) for i in range(len(dims))]
+            return b(aten.permute.default, child, inverse)
+        if t in (aten.movedim.int, aten.movedim.intlist, aten.moveaxis.int, aten.moveaxis.intlist):
+            return b(t, child, self.args[2], self.args[1])
+        if t is aten.unbind.int:
+            return b(aten.select_scatter.default, parent, child, self._arg(1, "dim", 0), self.index)
+        if t in _SPLITS and self.multi_val is not None:
+            dim = self._arg(2, "dim", 0)
+            if t in (aten.hsplit.int,):
+                dim = 1 if pval.dim() > 1 else 0
+            if t in (aten.vsplit.int,):
+                dim = 0
+            dim %= pval.dim()
+            start = sum(v.shape[dim] for v in self.multi_val[: self.index])
+            return b(aten.slice_scatter.default, parent, child, dim, start, start + cval.shape[dim], 1)
+        if t is aten.as_strided.default and pval.is_contiguous() and pval.storage_offset() == 0:
+            # write through the flat positions the view covers (as_strided_scatter's gradient in
+            # PyTorch does not give the gradient of this write)
+            positions = b(aten.arange.default, pval.numel(), dtype=torch.int64, device=pval.device)
+            index = b(aten.as_strided.default, positions, *self.args[1:], **self.kwargs)
+            flat = b(aten.index_put.default, b(aten.reshape.default, parent, [-1]), [index], child)
+            return b(aten.reshape.default, flat, list(pval.shape))
+        raise _error(mutation, f"it writes through a view made by {t}, which fxtools cannot write back")
+
+
+# ---------------------------------------------------------------------------------------------
+# The pass
+
+
+class _Alias:
+    """What fxtools knows about a value that lives in an intermediate's storage."""
+
+    __slots__ = ("storage", "parent", "step", "version")
+
+    def __init__(self, storage, parent, step, version):
+        self.storage = storage  # StorageWeakRef of the base
+        self.parent = parent    # original node this is a view of (None: the base itself)
+        self.step = step        # _Step from parent, or None for the base / an opaque alias
+        self.version = version  # version of the storage when this value was made
+
+
+class _Opaque(Exception):
+    pass
+
+
+def _kept_mutation_rule(node: fx.Node) -> Rule:
+    """Rule for an in-place op kept on an input or buffer: it must carry no gradient."""
+    op, where = node.target, _where(node)
+
+    def fwd(*args, **kwargs):
+        raise InplaceError(
+            f"in-place {op} (from {where}) writes to a function input or a closed-over tensor "
+            "and takes part in differentiation (it writes, or writes into, a value that depends "
+            "on a differentiated input). fxtools keeps such mutations in place so the caller sees "
+            "them, and cannot differentiate through them without a wrong gradient.\n"
+            "Compute the new value out of place and return it, or do the update under "
+            "torch.no_grad() / on .detach()ed values.")
+
+    def bwd(aux, ct):  # pragma: no cover - fwd always raises
+        raise AssertionError("unreachable")
+
+    return Rule(fwd, bwd, "fxtools-inplace")
+
+
+def _maybe_differentiable(gm: fx.GraphModule) -> set:
+    """Nodes that depend differentiably on some floating-point input (any argnums)."""
+    wrt = {n for n in gm.graph.nodes if n.op == "placeholder" and is_float(n.meta.get("val"))}
+    return differentiable_nodes(gm, wrt)
+
+
+def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite in-place ops on intermediates into functional ops (see the module docstring).
+
+    Changes ``gm`` in place and returns it. Raises ``InplaceError`` (an ``FxtoolsError``) naming
+    the op and the user's line for in-place code it cannot rewrite without changing gradients.
+    """
+    graph = gm.graph
+    if not any(is_mutating(n) for n in graph.nodes):
+        return gm
+    maybe_need = _maybe_differentiable(gm)
+    b = _Builder(graph)
+    _storage = _closed_over_storages(gm)
+
+    input_storages: dict = {}       # storage -> placeholder / get_attr node owning it
+    aliases: dict[fx.Node, _Alias] = {}
+    latest: dict = {}               # intermediate storage -> node holding the base's current value
+    version: dict = {}              # intermediate storage -> number of mutations so far
+    opaque: set = set()             # intermediate storages with aliases fxtools cannot regenerate
+    cache: dict = {}                # (node, version) -> regenerated node
+    repl: dict[fx.Node, fx.Node] = {}  # original node -> node holding its value (when not stale)
+    to_erase: list[fx.Node] = []
+    kept: list[fx.Node] = []
+    grad_enabled = True
+
+    def current(node):
+        """The node holding ``node``'s value at this point of the program."""
+        if not isinstance(node, fx.Node):
+            return node
+        info = aliases.get(node)
+        if info is None or info.version == version[info.storage]:
+            return repl.get(node, node)
+        if info.parent is None:
+            if info.step is not None:
+                raise _Opaque(node)
+            return latest[info.storage]
+        key = (node, version[info.storage])
+        if key not in cache:
+            cache[key] = info.step.apply(b, current(info.parent))
+        return cache[key]
+
+    info_base: dict = {}
+    original: dict = {}             # node -> its arguments before they were remapped
+
+    def remap(node):
+        try:
+            node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), current)
+        except _Opaque as e:
+            raise _error_use(e.args[0], node) from None
+
+    def _error_use(alias, user):
+        return InplaceError(
+            f"{user.target if user.op != 'output' else 'the output'} (from {_where(user)}) reads {alias.name}, "
+            f"a view of a tensor that was later modified in place, and fxtools cannot recompute that "
+            f"view ({alias.target}) from the modified tensor. Write the computation out of place.")
+
+    def register(node):
+        """Record storage facts for a node that is not an in-place op."""
+        val = node.meta.get("val")
+        st = _storage(val)
+        if st is None:
+            return
+        if node.op in ("placeholder", "get_attr"):
+            input_storages.setdefault(st, node)
+            return
+        if st in input_storages:
+            return
+        if st not in latest:
+            latest[st], version[st], info_base[st] = node, 0, node
+            aliases[node] = _Alias(st, None, None, 0)
+            return
+        parent, step = _view_parent(node, st)
+        if parent is None:
+            opaque.add(st)
+            aliases[node] = _Alias(st, None, _Step(node.target, (), {}), version[st])
+        else:
+            aliases[node] = _Alias(st, parent, step, version[st])
+
+    def _view_parent(node, st):
+        if node.op != "call_function":
+            return None, None
+        args = original.get(node, node.args)
+        if node.target is operator.getitem:
+            multi = args[0]
+            if not (isinstance(multi, fx.Node) and multi.op == "call_function" and _is_view_op(multi.target)):
+                return None, None
+            margs = original.get(multi, multi.args)
+            if (isinstance(margs[0], fx.Node) and _storage(_val(margs[0])) == st and margs[0] in aliases):
+                return margs[0], _Step(multi.target, margs, multi.kwargs, args[1], _val(multi))
+            return None, None
+        if (_is_view_op(node.target) and args and isinstance(args[0], fx.Node)
+                and _storage(_val(args[0])) == st and args[0] in aliases):
+            return args[0], _Step(node.target, args, node.kwargs)
+        return None, None
+
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            grad_enabled = bool(node.args[0])
+            continue
+        orig_args = original[node] = node.args
+        remap(node)
+        if not is_mutating(node):
+            register(node)
+            continue
+        b.before, b.trace = node, node.meta.get("stack_trace")
+        op = node.target
+        written = _written_args(op)
+        target_arg = _arg_at(node, written[0], orig_args) if written else None
+        tval = _val(target_arg)
+        st = _storage(tval)
+        if st is None or st in input_storages or not isinstance(target_arg, fx.Node):
+            if st is None and not (written and all(
+                    _storage(_val(_arg_at(node, i))) in input_storages for i in written)):
+                raise _error(node, "fxtools cannot tell which tensor it modifies")
+            _keep(node, written, maybe_need, grad_enabled)
+            kept.append(node)
+            continue
+        # A mutation of an intermediate: rewrite it.
+        if written != [0] or len(op._schema.returns) != 1:
+            raise _error(node, "only ops that modify their first argument can be rewritten")
+        if st in opaque:
+            raise _error(node, "it modifies a tensor with an alias (view) fxtools cannot follow")
+        info = aliases.get(target_arg)
+        if info is None:
+            raise _error(node, "fxtools cannot tell how the modified tensor relates to its base")
+        base = info_base[st]
+        if base in maybe_need and (not grad_enabled or _through_detach(target_arg, aliases)):
+            raise _error(node, "it modifies a value that carries a gradient under torch.no_grad() or "
+                               "through .detach() or .data; its gradient would be that of the old value, "
+                               "which a functional rewrite cannot reproduce")
+        func = _functional_of(op)
+        if op is aten.copy_.default:
+            kind, func = "data", None
+        elif op in (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default):
+            kind = "data"
+        elif func is None:
+            raise _error(node, "fxtools knows no out-of-place version of this op")
+        elif _is_view_op(func):
+            kind = "view"
+        else:
+            kind = "data"
+        if kind == "view":
+            if func in (aten.as_strided.default,):
+                raise _error(node, "changing a tensor's strides or autograd identity in place is not supported")
+            new = b(func, *node.args, **node.kwargs)
+            aliases[node] = _Alias(st, target_arg, _Step(func, node.args, node.kwargs), version[st])
+            repl[node] = new
+            to_erase.append(node)
+            continue
+        value = _functional_value(b, node, func, tval, input_storages, _storage)
+        value = b.cast_like(value, tval)
+        # write the new value back through the chain of views to the base
+        child, cur = value, target_arg
+        while aliases[cur].parent is not None:
+            a = aliases[cur]
+            parent = a.parent
+            child = a.step.scatter(b, current(parent), child, _val(parent), _val(cur), node)
+            cur = parent
+        if aliases[cur].step is not None:
+            raise _error(node, "it modifies a tensor with an alias (view) fxtools cannot follow")
+        latest[st] = child
+        version[st] += 1
+        aliases[node] = _Alias(st, info.parent, info.step, version[st])
+        repl[node] = value
+        to_erase.append(node)
+
+    for node in reversed(to_erase):
+        if node.users:
+            raise _error(node, "internal error: a rewritten in-place op is still used")
+        graph.erase_node(node)
+    if kept:
+        _snapshot_reads(gm, kept, b, _storage)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _arg_at(node, i, args=None):
+    args = node.args if args is None else args
+    if i < len(args):
+        return args[i]
+    name = node.target._schema.arguments[i].name
+    return node.kwargs.get(name)
+
+
+def _through_detach(node, aliases) -> bool:
+    while node is not None:
+        if node.op == "call_function" and node.target in (aten.detach.default, aten.detach_.default):
+            return True
+        info = aliases.get(node)
+        node = info.parent if info is not None else None
+    return False
+
+
+def _detached_input(node):
+    """The input or buffer that ``node`` is a ``detach()`` (``.data``) of, possibly through
+    views, else None."""
+    detached = False
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        detached = detached or node.target in (aten.detach.default, aten.detach_.default)
+        if not (_is_view_op(node.target) or node.target is operator.getitem) or not node.args:
+            return None
+        node = node.args[0]
+    return node if detached and isinstance(node, fx.Node) else None
+
+
+def _functional_value(b: _Builder, node, func, tval, input_storages, _storage):
+    """The new value of the written tensor, computed out of place."""
+    op, args, kwargs = node.target, node.args, node.kwargs
+    if op is aten.copy_.default:
+        src = args[1]
+        st = _storage(_val(src))
+        if st is not None and st in input_storages:
+            # the source may itself be modified in place later: copy it now
+            src = b(aten.clone.default, src)
+        return b.cast_like(src, tval)
+    if op is aten.zero_.default:
+        return b(aten.full.default, list(tval.shape), 0, dtype=tval.dtype, device=tval.device,
+                 pin_memory=False)
+    if op is aten.fill_.Scalar:
+        return b(aten.full.default, list(tval.shape), args[1], dtype=tval.dtype, device=tval.device,
+                 pin_memory=False)
+    if op is aten.fill_.Tensor:
+        return b.cast_like(args[1], tval)
+    # the out-of-place overload may lack the in-place one's defaults (bernoulli_.float's p=0.5)
+    args = list(args)
+    for a in op._schema.arguments[len(args):]:
+        if a.kwarg_only or a.name in kwargs or not a.has_default_value():
+            break
+        args.append(a.default_value)
+    return b(func, *args, **kwargs)
+
+
+def _side_effect_only(op) -> bool:
+    """Ops that return fresh values and update some arguments on the side (BatchNorm's running
+    statistics in ``_native_batch_norm_legit``): their outputs are differentiated by their own
+    rule; the updates, as in eager autograd, carry no gradient."""
+    return all(r.alias_info is None for r in op._schema.returns) and bool(op._schema.returns)
+
+
+def _keep(node, written, maybe_need, grad_enabled):
+    """An in-place op on an input or buffer stays; it must not carry a gradient."""
+    if _side_effect_only(node.target):
+        return
+    node.meta["fxtools_rule"] = _kept_mutation_rule(node)
+    target = _arg_at(node, written[0])
+    if _detached_input(target) in maybe_need:
+        raise _error(node, "it modifies, through .detach() or .data, an input that may be differentiated: "
+                           "eager autograd does not see the write, but the tensors it saved for the "
+                           "backward do, so the gradient depends on what autograd happens to save")
+    if (not grad_enabled and isinstance(target, fx.Node) and target in maybe_need and node.users):
+        raise _error(node, "it modifies, under torch.no_grad(), an input that may be differentiated, and "
+                           "the modified value is used afterwards; its gradient would be that of the "
+                           "input, which fxtools cannot reproduce")
+
+
+def _snapshot_reads(gm: fx.GraphModule, kept: list, b: _Builder, _storage) -> None:
+    """Differentiable ops reading an input before it is modified in place read a copy instead.
+
+    Their backward runs after the whole forward, so it would otherwise see the modified values.
+    """
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last_write: dict = {}
+    for node in kept:
+        for i in _written_args(node.target):
+            st = _storage(_val(_arg_at(node, i)))
+            if st is not None:
+                last_write[st] = max(last_write.get(st, -1), order[node])
+    need = _maybe_differentiable(gm)
+    for node in list(graph.nodes):
+        if (node not in need or node.op != "call_function" or node.target is operator.getitem
+                or "fxtools_rule" in node.meta or _is_view_op(node.target)):
+            continue
+        b.before, b.trace = node, node.meta.get("stack_trace")
+        snaps = {}
+        own = {_arg_at(node, i) for i in _written_args(node.target)} if is_mutating(node) else set()
+
+        def snap(a):
+            if not isinstance(a, fx.Node) or a in own:
+                return a
+            st = _storage(_val(a))
+            if st is None or last_write.get(st, -1) < order[node]:
+                return a
+            if a not in snaps:
+                snaps[a] = b(aten.clone.default, a)
+            return snaps[a]
+
+        node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), snap)

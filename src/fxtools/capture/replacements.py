@@ -1,0 +1,315 @@
+"""Torch functions that fxtools captures through a replacement of its own.
+
+A few PyTorch functions read the *values* of their tensor arguments on the host before
+computing: ``F.gaussian_nll_loss`` raises if ``torch.any(var < 0)``, ``torch.cov`` checks its
+weights in C++, ``torch.narrow`` reads a tensor ``start`` with ``.item()``. fxtools traces with
+FakeTensors, which have no values, so such a call could not be captured at all.
+
+While fxtools captures, a ``TorchFunctionMode`` sends each function of ``REPLACEMENTS`` to a
+replacement that computes the same value from the same arguments without reading tensor values.
+A check on values becomes a runtime assertion in the captured graph
+(``torch._assert_async(ok, message)``), so the generated code still refuses invalid values, with
+PyTorch's message (as a ``RuntimeError``). Checks of shapes, dtypes and Python arguments still
+run while tracing. A replacement returns ``NotImplemented`` to leave a call to PyTorch. One entry
+per function; each replacement's docstring says where it differs from the original.
+
+``ATTRIBUTES`` does the same for tensor attributes autograd owns, which dispatch no op and so
+would escape the trace: ``.data`` (read as ``detach()``, assignment refused) and
+``requires_grad_(False)`` (eager's error on a non-leaf).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+
+from ..errors import FxtoolsError, current_user_line, user_line_of
+
+
+def _check(ok, message):
+    """Assert ``ok`` (a bool tensor) when the generated code runs, not while tracing."""
+    torch._assert_async(ok, message)
+
+
+def _integral(t):
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def cov(input, *, correction=1, fweights=None, aweights=None):
+    """``torch.cov`` (PyTorch's C++ definition, step by step). The checks that weights are
+    non-negative and do not sum to zero are runtime assertions; a non-positive number of degrees
+    of freedom warns while tracing when it is known then (no weights), and otherwise silently
+    gives the same inf/nan result as PyTorch."""
+    if input.dim() > 2:
+        raise RuntimeError("cov(): expected input to have two or fewer dimensions but got an input "
+                           f"with {input.dim()} dimensions")
+    if input.dtype == torch.bool:
+        raise RuntimeError("cov(): bool dtype is not supported for input")
+    x = input if input.dim() == 2 else input.view(1, -1)
+    n = x.shape[1]
+    w = None
+    for name, weights, ok in (("fweights", fweights, _integral), ("aweights", aweights, torch.is_floating_point)):
+        if weights is None:
+            continue
+        if weights.dim() > 1 or not ok(weights) or weights.numel() != n:
+            raise RuntimeError(f"cov(): expected {name} to have one or fewer dimensions, "
+                               f"{'an integral' if name == 'fweights' else 'a floating point'} dtype and "
+                               f"{n} elements (one per observation), got shape {list(weights.shape)} "
+                               f"and dtype {weights.dtype}")
+        if n:
+            _check(weights.min() >= 0, f"cov(): {name} cannot be negative")
+        w = weights if w is None else w * weights
+    if w is None:
+        w_sum = n
+        avg = x.sum(1) / n
+    else:
+        w_sum = w.sum()
+        _check(w_sum != 0, "cov(): weights sum to zero, can't be normalized")
+        avg = (x * w).sum(1) / w_sum
+    if w is None:
+        norm = n - correction
+        if norm <= 0:
+            warnings.warn("cov(): degrees of freedom is <= 0. Correction should be strictly less than "
+                          "the number of observations.", stacklevel=2)
+            norm = 0
+    else:
+        if correction == 0:
+            norm = w_sum
+        elif aweights is None:
+            norm = w_sum - correction
+        elif fweights is None and n == 1 and correction == 1:
+            norm = 0
+        else:
+            norm = w_sum - correction * (w * aweights).sum() / w_sum
+        if isinstance(norm, torch.Tensor):
+            norm = torch.where(norm <= 0, 0, norm)
+    if n == 1 and (fweights is None) != (aweights is None):
+        xc = torch.zeros_like(x if not _integral(x) else x.float())  # PyTorch's single-observation case
+    else:
+        xc = x - avg.unsqueeze(1)
+    c = torch.mm(xc, (xc if w is None else xc * w).t().conj())
+    return torch.true_divide(c, norm).squeeze()
+
+
+def corrcoef(input):
+    """``torch.corrcoef``: PyTorch's definition over fxtools' ``cov``."""
+    if input.dim() > 2:
+        raise RuntimeError("corrcoef(): expected input to have two or fewer dimensions but got an input "
+                           f"with {input.dim()} dimensions")
+    c = cov(input)
+    if c.dim() == 0:
+        return c / c
+    d = c.diagonal()
+    std = torch.sqrt(d.real if d.is_complex() else d)
+    c = c / std.view(-1, 1)
+    c = c / std.view(1, -1)
+    if c.is_complex():
+        return torch.complex(c.real.clip(-1, 1), c.imag.clip(-1, 1))
+    return c.clip(-1, 1)
+
+
+def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+    """``F.gaussian_nll_loss`` (PyTorch's Python definition) with the check that ``var`` has no
+    negative entry as a runtime assertion, and its clamp of ``var`` to ``eps`` (in place under
+    ``no_grad``: the gradient passes through unchanged) written out of place."""
+    if isinstance(var, float):
+        if var < 0:
+            raise ValueError("var has negative entry/entries")
+        var = var * torch.ones_like(input)
+    else:
+        _check(torch.logical_not(torch.any(var < 0)), "var has negative entry/entries")
+    if var.size() != input.size():
+        if input.size()[:-1] == var.size():
+            var = torch.unsqueeze(var, -1)
+        elif not (input.ndim == var.ndim
+                  and sum(y for x, y in zip(input.size(), var.size()) if x != y) == 1):
+            raise ValueError("var is of incorrect size")
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(reduction + " is not valid")
+    # PyTorch clamps a clone in place under no_grad: clamped values with the identity gradient
+    var = torch.where(var < eps, eps + (var - var.detach()), var)
+    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    return loss
+
+
+def narrow(input, dim, start, length):
+    """``torch.narrow`` with a 0-dim tensor ``start``, as an ``index_select`` of
+    ``arange(length) + start``: the start is never read while tracing. Out-of-range starts still
+    raise (in ``index_select``). Unlike ``narrow`` the result is a copy, not a view, so writing into
+    it is refused (``check_no_writes``)."""
+    if not isinstance(start, torch.Tensor):
+        return NotImplemented
+    if start.dim() != 0 or not _integral(start):
+        raise RuntimeError("start must be an 0-dim integral Tensor.")
+    dim %= input.dim()
+    size = input.shape[dim]
+    start = torch.where(start < 0, start + size, start)
+    index = torch.arange(length, device=input.device) + (start if start.device == input.device else start.to(input.device))
+    out = input.index_select(dim, index)
+    _COPIES_OF_VIEWS.append(StorageWeakRef(out.untyped_storage()))
+    return out
+
+
+def lstsq(A, B, rcond=None, *, driver=None):
+    """``torch.linalg.lstsq`` with ``driver="gels"``, by the algorithm LAPACK's gels uses: a QR
+    factorisation of ``A`` (of ``A^H`` when it has fewer rows than columns, for the minimum-norm
+    solution) and a triangular solve; the residuals are summed from ``A @ solution - B``. gels
+    assumes ``A`` has full rank, and so does this. Its output
+    shapes are static; PyTorch's fake kernel still treats them as data-dependent because the other
+    drivers' are (``rank`` and ``residuals`` depend on the computed rank), so those drivers are left
+    to PyTorch and refused."""
+    if driver != "gels" or A.dim() < 2 or B.dim() < 2:
+        return NotImplemented
+    m, n = A.shape[-2:]
+    if m >= n:
+        q, r = torch.linalg.qr(A)
+        solution = torch.linalg.solve_triangular(r, q.mH @ B, upper=True)
+        if m > n:
+            residuals = (A @ solution - B).abs().pow(2).sum(-2)
+        else:
+            residuals = B.new_empty(0, dtype=B.abs().dtype)
+    else:
+        q, r = torch.linalg.qr(A.mH)
+        y = torch.linalg.solve_triangular(r.mH, B, upper=False)
+        solution = q @ y
+        residuals = B.new_empty(0, dtype=B.abs().dtype)
+    rank = torch.empty(0, dtype=torch.int64, device=A.device)
+    singular_values = A.new_empty(0, dtype=A.abs().dtype)
+    return torch.return_types.linalg_lstsq((solution, residuals, rank, singular_values))
+
+
+REPLACEMENTS = {
+    torch.linalg.lstsq: lstsq,
+    torch.cov: cov,
+    torch.Tensor.cov: cov,
+    torch.corrcoef: corrcoef,
+    torch.Tensor.corrcoef: corrcoef,
+    F.gaussian_nll_loss: gaussian_nll_loss,
+    torch.narrow: narrow,
+    torch.Tensor.narrow: narrow,
+}
+
+_COPIES_OF_VIEWS: list = []  # storages of replacement results that stand for views
+
+
+def _data(tensor):
+    """``tensor.data``: ``tensor.detach()``, which is what it means to autograd. PyTorch makes
+    ``.data`` without dispatching any op, so a trace would see a new, unrelated tensor (a
+    FakeTensor constant in the graph). Writes through it are writes through a ``detach()``:
+    refused on values that carry a gradient (``capture/functionalize.py``)."""
+    return tensor.detach()
+
+
+def _set_data(tensor, value):
+    """``tensor.data = value`` swaps a tensor's values behind autograd's back: refused."""
+    raise FxtoolsError(
+        f"assigning to .data (at {current_user_line()}) replaces a tensor's values without autograd "
+        "seeing it, and fxtools cannot trace that. Compute a new tensor and use it instead "
+        "(`p = value`), or pass the new value as an argument.")
+
+
+def _requires_grad_(tensor, requires_grad=True):
+    """``tensor.requires_grad_(False)``: eager PyTorch raises when ``tensor`` is not a leaf, which
+    in a trace is known only once the differentiated inputs are: the tensor is marked with a rule
+    that raises eager's error if its value depends on one (``mark_not_requires_grad``)."""
+    if not requires_grad:
+        mark_not_requires_grad(tensor, current_user_line())
+    return NotImplemented  # and PyTorch sets the flag of the traced tensor, as before
+
+
+def _set_requires_grad(tensor, requires_grad):
+    """``tensor.requires_grad = flag``: as ``requires_grad_(flag)``."""
+    return _requires_grad_(tensor, requires_grad)
+
+
+def mark_not_requires_grad(tensor, where: str) -> None:
+    """From now on the traced program reads ``tensor`` through an ``alias`` node whose VJP rule
+    raises eager PyTorch's error: reverse mode calls it only when the value carries a gradient
+    (is a non-leaf in eager terms)."""
+    from torch.fx.experimental import proxy_tensor
+
+    from ..registry import Rule
+
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    if mode is None:
+        return
+    try:
+        slot = proxy_tensor.get_proxy_slot(tensor, mode.tracer)
+    except Exception:  # noqa: BLE001 - not a traced tensor (a constant): a leaf
+        return
+    if slot.proxy.node.op in ("placeholder", "get_attr"):
+        return  # a leaf: eager allows it
+    marker = torch.ops.aten.alias.default(tensor)
+    marker_slot = proxy_tensor.get_proxy_slot(marker, mode.tracer)
+
+    def fwd(x):
+        raise FxtoolsError(
+            f"requires_grad_(False) (at {where}) on a value computed from a differentiated input: eager "
+            "PyTorch raises 'you can only change requires_grad flags of leaf variables'. If you want "
+            "to use a computed variable in a subgraph that doesn't require differentiation use "
+            "var_no_grad = var.detach().")
+
+    def bwd(aux, ct):  # pragma: no cover - fwd always raises
+        raise AssertionError("unreachable")
+
+    marker_slot.proxy.node.meta["fxtools_rule"] = Rule(fwd, bwd, "fxtools-requires-grad")
+    proxy_tensor.set_proxy_slot(tensor, mode.tracer, marker_slot)
+
+
+ATTRIBUTES = {
+    torch.Tensor.data.__get__: _data,
+    torch.Tensor.data.__set__: _set_data,
+    torch.Tensor.requires_grad_: _requires_grad_,
+    torch.Tensor.requires_grad.__set__: _set_requires_grad,
+}
+
+
+class Replacing(TorchFunctionMode):
+    """Calls the replacement of each function in ``REPLACEMENTS`` and of each attribute access in
+    ``ATTRIBUTES`` (active while capturing)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        replacement = REPLACEMENTS.get(func) or ATTRIBUTES.get(func)
+        if replacement is not None:
+            out = replacement(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        _COPIES_OF_VIEWS.clear()
+        return super().__enter__()
+
+
+def check_no_writes(gm: fx.GraphModule) -> None:
+    """Refuse in-place writes into a replacement's copy of what PyTorch returns as a view: the
+    write would not reach the viewed tensor as it does in eager mode."""
+    copies = set(_COPIES_OF_VIEWS)
+    _COPIES_OF_VIEWS.clear()
+    if not copies:
+        return
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for i, a in enumerate(node.target._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write or i >= len(node.args):
+                continue
+            val = node.args[i].meta.get("val") if isinstance(node.args[i], fx.Node) else None
+            if isinstance(val, torch.Tensor) and StorageWeakRef(val.untyped_storage()) in copies:
+                raise FxtoolsError(
+                    f"{node.target} (at {user_line_of(node) or 'an unknown line of user code'}) writes into "
+                    "the result of torch.narrow with a tensor start, which fxtools computes as a copy "
+                    "(index_select), not a view: the write would not reach the narrowed tensor. Write "
+                    "with index_copy / index_put instead.")

@@ -1,0 +1,414 @@
+"""Capture a Python function as a flat graph of pre-dispatch ATen ops.
+
+Pre-dispatch tracing (``make_fx(..., pre_dispatch=True)``) keeps each user call as one node
+(``aten.linear``, ``aten.layer_norm``, ``aten.scaled_dot_product_attention``), records a
+FakeTensor with shape and dtype on every node (``node.meta['val']``), and specialises Python
+control flow on shapes and Python values to the example inputs.
+
+Arguments and outputs may be any pytree. The captured graph takes one placeholder per *tensor*
+leaf of the arguments, named from the leaf's argument name and pytree path; other leaves
+(ints, floats, bools) are specialised. A leaf that holds tensors without being a pytree (a plain
+object, an unregistered dataclass, a set) is refused: its tensors would be baked in as constants.
+``torch.inference_mode()`` blocks are traced as ``no_grad`` ones. Tensors the function closes over (a module's parameters
+and buffers) become attributes of the graph module that are the very same tensor objects, so
+in-place updates of buffers (BatchNorm's running statistics) happen exactly as in eager mode.
+"""
+from __future__ import annotations
+
+import contextlib
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
+from torch.utils import _pytree as pytree
+
+from ..errors import DataDependentError, FxtoolsError, is_user_file, user_frame
+from .checkpoint import checkpoint_regions
+from ..dynamic_shapes import CountsFromExamples
+from ..codegen.naming import arg_names, identifier, leaf_names
+from .replacements import Replacing, check_no_writes
+
+
+@dataclass
+class Captured:
+    """A traced function: its graph and how its pytree inputs and outputs flatten."""
+
+    gm: fx.GraphModule
+    in_spec: pytree.TreeSpec   # of the tuple of positional arguments
+    out_spec: pytree.TreeSpec  # of the return value
+    leaves: list[Any]          # example argument leaves, in flattening order
+    names: list[str]           # one identifier per leaf
+    tensor_leaf: list[bool]    # which leaves are tensors (and so graph placeholders)
+    arg_of_leaf: list[int]     # index of the positional argument each leaf belongs to
+    out_leaves: list[Any] = field(default_factory=list)  # example output leaves (FakeTensors or constants)
+    symbolic: Any = None       # sizes.Symbolic when sizes were marked dynamic (dynamic_shapes=)
+
+    @property
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+
+def _module_tensor_names(f) -> dict[int, str]:
+    """id(tensor) -> identifier for the tensors ``f`` reads without taking them as arguments:
+    the parameters and buffers of the module behind ``f``, and the tensors (or modules' tensors)
+    its code names as closure variables or globals (``w`` in ``lambda x: x @ w``)."""
+    names: dict[int, str] = {}
+
+    def add_module(module, prefix=""):
+        for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+            names.setdefault(id(t), identifier(prefix + name))
+
+    module = f if isinstance(f, torch.nn.Module) else getattr(f, "__fxtools_module__", None)
+    if module is not None:
+        add_module(module)
+    code = getattr(f, "__code__", None)
+    if code is not None:
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in f.__closure__ or () if _has_contents(c))))
+        seen = {**{n: f.__globals__[n] for n in code.co_names if n in getattr(f, "__globals__", {})}, **cells}
+        for name, value in seen.items():
+            if isinstance(value, torch.Tensor):
+                names.setdefault(id(value), identifier(name))
+            elif isinstance(value, torch.nn.Module):
+                add_module(value, name + ".")
+    return names
+
+
+def _has_contents(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell: a variable assigned after the function was made
+        return False
+    return True
+
+
+def _name_constants(gm: fx.GraphModule, names: dict[int, str]) -> None:
+    """Give closed-over tensors (``_tensor_constant3``) the names of the module attributes they are."""
+    taken = {n.name for n in gm.graph.nodes}
+    renamed = {}  # several get_attr nodes may read one constant (tracing a GraphModule)
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        if node.target in renamed:
+            node.target = renamed[node.target]
+            continue
+        tensor = getattr(gm, node.target)
+        name = names.get(id(tensor))
+        if name is None or not node.target.startswith(("_tensor_constant", "_param_constant")):
+            continue
+        new = name
+        i = 1
+        while hasattr(gm, new) or (new in taken and new != node.name):
+            new, i = f"{name}_{i}", i + 1
+        setattr(gm, new, tensor)
+        delattr(gm, node.target)
+        renamed[node.target] = new
+        node.target = new
+        node._rename(new)
+        taken.add(node.name)
+
+
+@contextlib.contextmanager
+def _all_user_frames():
+    """make_fx keeps only frames below a ``forward`` method in stack traces; keep every user frame."""
+    def keep_user_frames(self, summary):
+        return traceback.StackSummary.from_list([f for f in summary if is_user_file(f.filename)])
+
+    PythonKeyTracer._filter_traceback_frames = keep_user_frames
+    try:
+        yield
+    finally:
+        del PythonKeyTracer._filter_traceback_frames
+
+
+
+
+@contextlib.contextmanager
+def _no_real_mutation():
+    """Keep tracing from mutating closed-over real tensors.
+
+    FakeTensorMode runs an op for real when none of its tensor arguments is fake and the op
+    accepts Python numbers as tensors, so ``module.num_batches_tracked.add_(1)`` would bump the
+    real buffer each time fxtools traces (the graph records the op, so it also happens at run
+    time). For mutating ops we make it take the ordinary fake path instead.
+    """
+    from torch._subclasses import fake_tensor
+
+    original = fake_tensor.should_allow_numbers_as_tensors
+
+    def allow_numbers(func):
+        if isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable:
+            return False
+        return original(func)
+
+    fake_tensor.should_allow_numbers_as_tensors = allow_numbers
+    try:
+        yield
+    finally:
+        fake_tensor.should_allow_numbers_as_tensors = original
+
+
+def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=True) -> fx.GraphModule:
+    """make_fx at pre-dispatch level, with fake tensors, closed-over real tensors allowed.
+
+    ``pre_dispatch=False`` traces below torch.func transforms (``fxtools.vmap`` needs it).
+    The graph module generates its code when first run or read (``_LazyGraphModule``): the
+    pipeline's intermediate graphs are transformed many times and never run.
+    """
+    from ..dynamic_shapes import capture_decompositions
+    from .fake_kernels import tracing_kernels
+
+    tracer = make_fx(
+        fn,
+        decomposition_table=capture_decompositions(),
+        pre_dispatch=pre_dispatch,
+        tracing_mode="fake",
+        _allow_non_fake_inputs=True,
+        record_stack_traces=record_stack_traces,
+    )
+    with _all_user_frames() if record_stack_traces else contextlib.nullcontext(), _no_real_mutation(), \
+            tracing_kernels(), _use_lazy_graph_module(True):
+        return tracer(*example_leaves)
+
+
+def is_data_dependent(exc: BaseException) -> bool:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
+
+    # PendingUnbackedSymbolNotFound: a value read with .item() became an offset or size that
+    # make_fx cannot bind (torch.narrow with a tensor start)
+    return isinstance(exc, (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException,
+                            PendingUnbackedSymbolNotFound))
+
+
+def realize_constants(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace FakeTensor attributes (constants made while tracing in fake mode) by their real values.
+
+    Fake mode keeps the real value of small constants it creates (``fake.constant``); generated
+    code must hold real tensors, so a constant without a known value is an error.
+    """
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target)
+            if isinstance(value, torch._subclasses.FakeTensor):
+                if value.constant is None:
+                    raise FxtoolsError(f"a tensor constant of shape {list(value.shape)} was created while "
+                                       "tracing, and its value is unknown")
+                setattr(gm, node.target, value.constant)
+    return gm
+
+
+def data_dependent_error(exc: BaseException, node=None) -> DataDependentError:
+    """A DataDependentError for ``exc``, naming the user's line (of ``node`` when given)."""
+    from ..errors import user_line_of
+
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    where = (user_line_of(node) if node is not None else None) or user_frame(exc.__traceback__)
+    if isinstance(exc, DynamicOutputShapeException) and exc.args:
+        return DataDependentError(
+            f"the output shape of {exc.args[0]} depends on the values of its inputs (at "
+            f"{where or 'an unknown line of user code'}), and PyTorch gives it no symbolic shape "
+            "that fxtools could trace. Compute it another way, or see the op's options for one with "
+            "static shapes (e.g. torch.linalg.lstsq(..., driver='gels')).")
+    what = f"the derivative of {node.target}" if node is not None else "Python control flow or a Python value"
+    return DataDependentError(
+        f"{what} depends on the value of a tensor (at {where or 'an unknown line of user code'}).\n"
+        "fxtools traces one path through the program for the example's shapes; it cannot branch "
+        "on tensor data. Use torch.where / masking instead of `if`, or pass the value as a Python number.")
+
+
+def _check_output_leaves(out) -> None:
+    """Every leaf of the return value must be a tensor or a constant a graph can return.
+
+    Other objects (a model's key/value cache, say) may hold traced tensors that are not pytree
+    leaves; without this check make_fx fails with an obscure ``NotImplementedError``.
+    """
+    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+        if leaf is None or isinstance(leaf, (*fx.node.base_types, slice, range, type(...))):
+            continue
+        where = f"the return value{pytree.keystr(path)}" if path else "the return value"
+        raise FxtoolsError(
+            f"{where} is a {type(leaf).__module__}.{type(leaf).__qualname__}, which fxtools cannot return "
+            "from a graph: return tensors, Python numbers, or lists, tuples, dicts (any pytree) of "
+            "them (a model that returns a cache usually has a flag to turn it off, e.g. use_cache=False)")
+
+
+@contextlib.contextmanager
+def _custom_autograd_functions(pre_dispatch=True):
+    """Trace ``torch.utils.checkpoint`` as its function; custom rules as one call each.
+
+    Checkpointing only trades memory for recomputation (the gradient of a checkpointed call is
+    the gradient of its function), so both variants just call the function; the reentrant one
+    would otherwise run it under ``no_grad`` and its inputs would get no gradient. A
+    ``torch.autograd.Function`` or ``fxtools.custom_vjp`` call becomes one node carrying its own
+    backward as its rule (``capture/custom.py``); under ``fxtools.vmap`` (``pre_dispatch=False``) it just
+    runs. Nested ``torch.func`` transforms are refused with the user's line (``capture/nested.py``).
+    """
+    from .custom import capturing
+    from .nested import no_nested_transforms
+
+    with checkpoint_regions(), capturing(record=pre_dispatch), \
+            (no_nested_transforms() if pre_dispatch else contextlib.nullcontext()):
+        yield
+
+
+@contextlib.contextmanager
+def _compiling():
+    """Make ``torch.compiler.is_compiling()`` and ``is_exporting()`` true while the user's code is
+    traced, as torch.export's (non-strict) tracing does.
+
+    Libraries check them to keep tracing free of side effects and of constructs only a compiler
+    handles: Hugging Face models then skip their ``lru_cache``s of tensors (which would otherwise
+    keep a FakeTensor made during tracing and hand it to the next eager call of the model), and
+    take their export paths (a sequential scan rather than torch's ``associative_scan``).
+    """
+    old = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag
+    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = old
+
+
+@contextlib.contextmanager
+def _inference_mode_as_no_grad():
+    """Trace ``torch.inference_mode(mode)`` blocks as ``torch.set_grad_enabled(not mode)``.
+
+    Inference mode is no_grad that also skips autograd's bookkeeping; entering it dispatches no
+    op, so a trace would not see it and would differentiate the block. Grad mode changes are
+    recorded (``_set_grad_enabled`` nodes), so the block carries no gradient, as in eager.
+    """
+    cls = torch.autograd.grad_mode.inference_mode
+    old = cls.__enter__, cls.__exit__
+
+    def enter(self):
+        self._fxtools_prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(not self.mode)
+
+    def exit(self, *exc):
+        torch._C._set_grad_enabled(self._fxtools_prev)
+
+    cls.__enter__, cls.__exit__ = enter, exit
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = old
+
+
+def _hidden_tensor(obj, depth=0, seen=None) -> str | None:
+    """The path (``.t``, ``[0]``, ``{...}``) to a tensor held inside ``obj``, a pytree leaf that is
+    not a tensor (a plain object, an unregistered dataclass, a set), or None if it holds none."""
+    if isinstance(obj, torch.Tensor):
+        return ""
+    seen = set() if seen is None else seen
+    if depth > 6 or id(obj) in seen or isinstance(obj, (type, str, bytes, int, float, complex, bool)):
+        return None
+    seen.add(id(obj))
+    if isinstance(obj, (set, frozenset)):
+        items = [("{...}", x) for x in obj]
+    elif isinstance(obj, (list, tuple)):
+        items = [(f"[{i}]", x) for i, x in enumerate(obj)]
+    elif isinstance(obj, dict):
+        items = [(f"[{k!r}]", x) for k, x in obj.items()]
+    else:
+        attrs = getattr(obj, "__dict__", None)
+        attrs = dict(attrs) if isinstance(attrs, dict) else {}
+        for slot in getattr(type(obj), "__slots__", ()):
+            if isinstance(slot, str) and hasattr(obj, slot):
+                attrs[slot] = getattr(obj, slot)
+        items = [(f".{k}", x) for k, x in attrs.items()]
+    for key, x in items:
+        rest = _hidden_tensor(x, depth + 1, seen)
+        if rest is not None:
+            return key + rest
+    return None
+
+
+def _refuse_hidden_tensors(paths_leaves, top_names: list[str]) -> None:
+    """A tensor inside an argument leaf that is not a pytree would become a constant of the
+    graph (later calls would not read it, and it would get no gradient): refuse it."""
+    for path, leaf in paths_leaves:
+        if isinstance(leaf, torch.Tensor):
+            continue
+        inside = _hidden_tensor(leaf)
+        if inside is None:
+            continue
+        where = (top_names[path[0].idx] if path else "an argument") + pytree.keystr(path[1:])
+        kind = type(leaf)
+        if isinstance(leaf, (set, frozenset)):
+            how = "pass a list or tuple instead (a set has no order, so it is not a pytree)"
+        elif isinstance(leaf, torch.nn.Module):
+            how = ("close over the module instead of passing it, or differentiate "
+                   "fxtools.functional(module), which takes its parameters as a dict")
+        else:
+            how = (f"register {kind.__qualname__} as a pytree (torch.utils._pytree.register_dataclass for a "
+                   "dataclass, torch.utils._pytree.register_pytree_node otherwise), or pass its tensors as "
+                   "arguments directly")
+        raise FxtoolsError(
+            f"argument {where} is a {kind.__module__}.{kind.__qualname__} holding a tensor ({where}{inside}), "
+            "and it is not a pytree: fxtools would bake that tensor into the code as a constant (later "
+            f"calls would ignore it, and it would get no gradient). To fix it, {how}.")
+
+
+def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dynamic_shapes=None) -> Captured:
+    """Trace ``f(*args)`` into a flat pre-dispatch ATen graph (see module docstring).
+
+    ``dynamic_shapes`` (torch.export's format) keeps the marked sizes symbolic (``codegen/sizes.py``).
+    """
+    paths_leaves, in_spec = pytree.tree_flatten_with_path(tuple(args))
+    paths = [p for p, _ in paths_leaves]
+    leaves = [leaf for _, leaf in paths_leaves]
+    top_names = arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
+    _refuse_hidden_tensors(paths_leaves, top_names)
+    names = leaf_names(paths, top_names)
+    is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+    out_info = {}
+
+    def flat_f(*tensors):
+        it = iter(tensors)
+        full = [next(it) if t else leaf for t, leaf in zip(is_tensor, leaves)]
+        reals = [leaf for leaf, t in zip(leaves, is_tensor) if t]
+        with Replacing(), CountsFromExamples(tensors, reals):  # functions that read tensor values (capture/replacements.py)
+            out = f(*pytree.tree_unflatten(full, in_spec))
+        _check_output_leaves(out)
+        out_leaves, out_info["spec"] = pytree.tree_flatten(out)
+        out_info["leaves"] = out_leaves
+        return out_leaves
+
+    tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
+    symbolic = None
+    if dynamic_shapes is not None:
+        from ..codegen.sizes import fake_arguments
+
+        fake_args, symbolic = fake_arguments(f, tuple(args), dynamic_shapes)
+        tensors = [x for x in pytree.tree_leaves(fake_args) if isinstance(x, torch.Tensor)]
+    try:
+        with _custom_autograd_functions(pre_dispatch), _compiling(), _inference_mode_as_no_grad():
+            gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
+        if is_data_dependent(exc):
+            raise data_dependent_error(exc) from exc
+        raise
+    check_no_writes(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, [n for n, t in zip(names, is_tensor) if t]):
+        node._rename(name)
+    _name_constants(gm, _module_tensor_names(f))
+    gm.recompile()
+    arg_of_leaf = [p[0].idx if p else 0 for p in paths]
+    return Captured(gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"],
+                    symbolic)
+
+
+def check_supported(gm: fx.GraphModule) -> None:
+    """Reject graph constructs fxtools cannot differentiate yet, naming the user's line."""
+    from ..errors import user_line_of
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            where = user_line_of(node) or "unknown line"
+            raise FxtoolsError(f"{node.target.name()} (from {where}) is not supported by fxtools yet")

@@ -1,0 +1,356 @@
+"""Symbolic sizes: ``dynamic_shapes=`` in torch.export's format.
+
+``fxtools.grad(f, *args, dynamic_shapes=...)`` (and ``vjp``, ``value_and_grad``, ``jvp``,
+``hvp``, ``vmap``, ``split``, ``compile``) accepts what ``torch.export.export`` accepts: a dict
+by argument name or a tuple by position, nested like the arguments, whose tensor entries map
+dims to a ``torch.export.Dim("batch", min=..., max=...)``, ``Dim.AUTO`` or ``Dim.DYNAMIC`` (a
+dict ``{0: batch}`` or a tuple with one entry per dim). Unlike torch.export, ``None`` may stand
+for a whole argument, and arguments left out of a dict are static.
+
+The example arguments become FakeTensors whose marked sizes are symbols of one ``ShapeEnv``,
+made by torch.export's own ``make_fake_inputs`` (so the rules are export's: equal ``Dim``\\ s are
+one symbol; an example size of 0 or 1 cannot be symbolic, and is refused for a named ``Dim``).
+Tracing records sizes as graph nodes (``aten.sym_size.int``) wherever code needs them;
+``simplify`` rewrites each as arithmetic of the inputs' sizes (``batch * 4``, not
+``pow_1.numel()``: ``dynamic_shapes.sizes_from_inputs``), and ``name_sizes`` names the reads
+after their ``Dim`` (``batch = x.size(0)``). A mean divides by that count, a reshape or expand
+takes it: the module serves every size in range.
+
+Whatever tracing assumed about a marked size (a branch on ``x.shape[0] == 32``, a broadcast
+with a static size) is recorded in the ``ShapeEnv`` as a guard. After tracing, ``check`` asks
+torch.export's ``produce_guards_and_solve_constraints`` whether the guards contradict the
+user's marks, and raises ``SymbolicSizeError`` naming the size and the user's line otherwise,
+as torch.export does. ``Dim.AUTO`` sizes silently stay static where the program needs them so.
+
+The module's guards (``fxtools.codegen.guards``) then hold a ``Sym(name, min, max)`` for each symbolic
+size (``guard_symbolic``): a call outside the range, or with sizes of one symbol that differ,
+raises ``InputMismatch`` saying which. ``fxtools.compile(..., dynamic=True)`` marks every size
+> 1 of every input tensor (not the parameters) ``Dim.AUTO``, as ``torch.compile``'s automatic
+dynamic shapes do, and picks its splits by those guards.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from ..errors import FxtoolsError
+
+
+class SymbolicSizeError(FxtoolsError):
+    """A size marked dynamic cannot stay symbolic (the program specialised it), or the marks are malformed."""
+
+
+@dataclass
+class Symbolic:
+    """What ``check`` needs after tracing, and the names of the marked sizes."""
+
+    fake_mode: Any
+    equalities: Any
+    signature: inspect.Signature
+    dynamic_shapes: dict
+    names: dict = field(default_factory=dict)  # sympy symbol -> Dim name ("batch")
+    declared: dict = field(default_factory=dict)  # sympy symbol -> (min, max) the user's Dim declares
+
+    @property
+    def shape_env(self):
+        return self.fake_mode.shape_env
+
+
+def _signature(f):
+    target = f.forward if isinstance(f, torch.nn.Module) else f
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+
+
+def _complete(arg, spec, where):
+    """``spec`` for ``arg`` with ``None`` standing for a whole (sub)structure expanded to its leaves."""
+    if isinstance(arg, torch.Tensor):
+        return spec
+    if spec is None:
+        return pytree.tree_map(lambda _: None, arg, is_leaf=lambda x: x is None)
+    if isinstance(arg, dict) and isinstance(spec, dict):
+        unknown = set(spec) - set(arg)
+        if unknown:
+            raise SymbolicSizeError(f"dynamic_shapes{where} names {sorted(map(str, unknown))}, which "
+                                    f"the argument{where} does not have (it has {sorted(map(str, arg))})")
+        return type(arg)((k, _complete(v, spec.get(k), f"{where}[{k!r}]")) for k, v in arg.items())
+    if isinstance(arg, (list, tuple)) and isinstance(spec, (list, tuple)) and not hasattr(arg, "_fields"):
+        if len(spec) != len(arg):
+            raise SymbolicSizeError(f"dynamic_shapes{where} has {len(spec)} entries but the argument{where} "
+                                    f"has {len(arg)}")
+        return type(arg)(_complete(a, s, f"{where}[{i}]") for i, (a, s) in enumerate(zip(arg, spec)))
+    if not isinstance(arg, (dict, list, tuple)):
+        if spec is not None:
+            raise SymbolicSizeError(f"dynamic_shapes{where} marks a {type(arg).__name__}; only tensor sizes "
+                                    "can be symbolic (Python numbers are specialised)")
+        return None
+    raise SymbolicSizeError(f"dynamic_shapes{where} is a {type(spec).__name__} but the argument{where} is a "
+                            f"{type(arg).__name__}: nest dynamic_shapes like the argument (or use None)")
+
+
+def _by_name(f, args, dynamic_shapes) -> tuple[dict, inspect.Signature]:
+    """``dynamic_shapes`` as a dict by parameter name covering every argument."""
+    from .naming import arg_names
+
+    names = arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
+    if isinstance(dynamic_shapes, dict):
+        unknown = set(dynamic_shapes) - set(names)
+        if unknown:
+            raise SymbolicSizeError(f"dynamic_shapes names {sorted(unknown)}, which are not arguments "
+                                    f"(the arguments are {names})")
+        per_arg = [dynamic_shapes.get(n) for n in names]
+    elif isinstance(dynamic_shapes, (list, tuple)):
+        if len(dynamic_shapes) != len(args):
+            raise SymbolicSizeError(f"dynamic_shapes has {len(dynamic_shapes)} entries for {len(args)} arguments")
+        per_arg = list(dynamic_shapes)
+    else:
+        raise SymbolicSizeError("dynamic_shapes must be a dict by argument name or a tuple by position, "
+                                f"as for torch.export.export (got a {type(dynamic_shapes).__name__})")
+    specs = {n: _complete(a, s, f"[{n!r}]") for n, a, s in zip(names, args, per_arg)}
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
+    return specs, inspect.Signature(params)
+
+
+class _Signature(torch.nn.Module):
+    """A stand-in module whose ``forward`` has the given signature (what make_fake_inputs reads)."""
+
+    def __init__(self, signature):
+        super().__init__()
+        namespace: dict = {}
+        exec(f"def forward({', '.join(signature.parameters)}):\n    pass\n", namespace)  # noqa: S102 - a signature only
+        self.forward = namespace["forward"]
+
+
+def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
+    """``args`` with tensors made FakeTensors, marked sizes symbolic (torch.export's rules)."""
+    from torch._export.non_strict_utils import make_fake_inputs
+
+    specs, signature = _by_name(f, args, dynamic_shapes)
+    # only tensors become fakes: other leaves (numbers, strings, objects) are specialised by capture
+    leaves, spec = pytree.tree_flatten(tuple(args))
+    tensor_only = pytree.tree_unflatten([x if isinstance(x, torch.Tensor) else None for x in leaves], spec)
+    module = _Signature(signature)
+    try:
+        fake_mode, fake_args, _, equalities, _, _ = make_fake_inputs(module, tensor_only, {}, specs)
+    except FxtoolsError:
+        raise
+    except Exception as exc:  # torch.export's message for malformed dynamic_shapes
+        raise SymbolicSizeError(f"dynamic_shapes: {exc}") from exc
+    fakes = pytree.tree_leaves(fake_args, is_leaf=lambda x: x is None)
+    it = iter(fakes)
+    merged = [next(it) if isinstance(x, torch.Tensor) else (next(it), x)[1] for x in leaves]
+    sym = Symbolic(fake_mode, equalities, signature, specs)
+    sym.names, sym.declared = _dim_names(specs, pytree.tree_unflatten(merged, spec), signature)
+    fake_mode.shape_env.fxtools_names = sym.names  # how size_text shows them
+    return pytree.tree_unflatten(merged, spec), sym
+
+
+def _dim_names(specs, fake_args, signature) -> dict:
+    """symbol -> the user's Dim name for each named marked size (``Dim.AUTO`` ones get none),
+    and symbol -> the (min, max) that Dim declares."""
+    from torch.export.dynamic_shapes import Dim
+
+    names, declared = {}, {}
+    for name, arg in zip(signature.parameters, fake_args):
+        spec = specs[name]
+
+        def visit(t, s):
+            if not isinstance(t, torch.Tensor) or s is None:
+                return
+            items = s.items() if isinstance(s, dict) else enumerate(s)
+            for d, dim in items:
+                size = t.shape[d]
+                if isinstance(size, int) and size in (0, 1) and (isinstance(dim, Dim) or dim == Dim.DYNAMIC):
+                    label = dim.__name__ if isinstance(dim, Dim) else "Dim.DYNAMIC"
+                    raise SymbolicSizeError(
+                        f"{name}{_path_text(t, arg)}.size({d}) is {size} in the example, but is marked dynamic "
+                        f"({label}): torch treats sizes 0 and 1 as static while tracing (broadcasting depends "
+                        "on them), as torch.export does. Give an example where this size is at least 2; the "
+                        "module then also serves sizes 0 and 1 within the Dim's range.")
+                if isinstance(dim, Dim) and isinstance(size, torch.SymInt):
+                    names.setdefault(size.node.expr, dim.__name__)
+                    declared.setdefault(size.node.expr, (dim.min, dim.max))
+
+        pytree.tree_map(visit, arg, spec, is_leaf=lambda x: isinstance(x, torch.Tensor) or x is None)
+    return names, declared
+
+
+def _path_text(t, arg) -> str:
+    """``['w']`` for the leaf ``t`` of ``arg`` (empty for the argument itself)."""
+    for path, leaf in pytree.tree_flatten_with_path(arg)[0]:
+        if leaf is t:
+            return pytree.keystr(path)
+    return ""
+
+
+def size_text(size) -> str:
+    """A size as shape comments show it: ``batch`` for a size marked ``Dim("batch")``, ``4*batch``
+    for a product, the ShapeEnv's ``s0`` for an unnamed one, the number for a static size."""
+    if not isinstance(size, torch.SymInt):
+        return str(size)
+    env = size.node.shape_env
+    names = getattr(env, "fxtools_names", None)
+    expr = env.replace(size.node.expr) if env is not None else size.node.expr
+    if names:
+        import sympy
+
+        expr = expr.xreplace({env.replace(s): sympy.Symbol(n, integer=True, positive=True) for s, n in names.items()
+                              if env.replace(s).is_symbol})
+    return str(expr)
+
+
+def _specialisations(sym: Symbolic) -> list[str]:
+    """``  - batch == 32 (at model.py:16 in f)`` for each guard tracing recorded on a named size."""
+    import sympy
+
+    env = sym.shape_env
+    named = {s: sympy.Symbol(n, integer=True) for s, n in sym.names.items()}
+    lines = []
+    for guard in env.guards:
+        expr = guard.expr
+        if not expr.free_symbols & set(named):
+            continue
+        loc = guard.sloc.framework_loc
+        where = f"{loc.filename}:{loc.lineno} in {loc.name}" if hasattr(loc, "lineno") else str(guard.sloc).strip("()")
+        text = str(expr.xreplace(named))
+        text = text[3:-1].replace(", ", " == ", 1) if text.startswith("Eq(") else text
+        lines.append(f"  - {text} (at {where})")
+    return lines
+
+
+def check(sym: Symbolic | None, gm: fx.GraphModule) -> None:
+    """Raise ``SymbolicSizeError`` if tracing specialised a size the user marked dynamic."""
+    if sym is None:
+        return
+    from torch._export.non_strict_utils import produce_guards_and_solve_constraints
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    if sym.shape_env.frozen:
+        return
+    try:
+        produce_guards_and_solve_constraints(sym.fake_mode, gm, sym.dynamic_shapes, sym.equalities, sym.signature)
+    except ConstraintViolationError as exc:
+        found = _specialisations(sym)
+        raise SymbolicSizeError(
+            "a size marked dynamic cannot stay symbolic: the program (or its derivative) needs it to "
+            "have a particular value or to be in a narrower range than declared"
+            + (":\n" + "\n".join(found) if found else ".")
+            + "\nMark it static, widen or narrow its Dim as torch suggests below, use Dim.AUTO (static "
+            f"wherever the program needs it so), or change the program. torch.export's analysis:\n{exc}") from None
+    finally:
+        sym.shape_env.frozen = False  # later passes (simplify) may still reason about sizes
+
+
+def name_sizes(gm: fx.GraphModule, sym: Symbolic | None) -> None:
+    """``sym_size_int = x.size(0)`` -> ``batch = x.size(0)``: size nodes take their Dim's name."""
+    if sym is None:
+        return
+    names = sym.names
+    used: dict = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" or not isinstance(val, torch.SymInt):
+            continue
+        env = val.node.shape_env
+        name = next((n for sym, n in names.items() if env.replace(sym) == env.replace(val.node.expr)), None)
+        if name is None or not _is_size_read(node):
+            continue
+        count = used.get(name, 0)
+        used[name] = count + 1
+        node._rename(name if count == 0 else f"{name}_{count}")
+
+
+def _is_size_read(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target is torch.ops.aten.sym_size.int) or \
+        (node.op == "call_method" and node.target == "size")
+
+
+def _range(expr, sym: Symbolic):
+    """(min, max) a symbol may take at run time: the shape environment's range (what tracing
+    assumed, narrowed by the program's checks), with the user's own lower bound where a ``Dim``
+    declares one (torch traces sizes as >= 2 but the code serves 0 and 1 as torch.export's does)."""
+    env = sym.shape_env
+    rng = env.var_to_range.get(expr)
+    low = int(rng.lower) if rng is not None and rng.lower.is_Integer else 0
+    high = int(rng.upper) if rng is not None and rng.upper.is_Integer else None
+    declared = next((d for s, d in sym.declared.items() if env.replace(s) == expr), None)
+    if declared is not None and declared[0] is not None:
+        low = min(low, declared[0])
+    return low, high
+
+
+def _sizes(val, sym: Symbolic) -> list:
+    """Each size of ``val``: an int, a symbol (sympy), or a derived expression."""
+    env = sym.shape_env
+    out = []
+    for size in val.shape:
+        expr = env.replace(size.node.expr) if isinstance(size, torch.SymInt) else size
+        out.append(int(expr) if isinstance(size, int) or expr.is_Integer else expr)
+    return out
+
+
+def concrete(cap, examples):
+    """``examples`` with FakeTensors (an output's example, for a cotangent) made real tensors of
+    their example sizes, to build guards from without specialising their symbols (sizes marked
+    dynamic only: data-dependent ones have no example size)."""
+    if cap.symbolic is None:
+        return examples
+
+    def real(x):
+        if isinstance(x, torch._subclasses.FakeTensor) and all(
+                not isinstance(s, torch.SymInt) or s.node.hint is not None for s in x.shape):
+            shape = [s.node.hint if isinstance(s, torch.SymInt) else s for s in x.shape]
+            return torch.empty(shape, dtype=x.dtype)
+        return x
+
+    return pytree.tree_map(real, examples)
+
+
+def guard_symbolic(guards, cap, examples) -> None:
+    """Make the guards of a module traced with symbolic sizes accept every size in range.
+
+    ``examples`` are the module's example arguments (the captured function's arguments, then
+    cotangents or tangents); a leaf that is one of the captured arguments, or a FakeTensor
+    (an output's example), has symbolic sizes, which become ``guards.Sym`` entries named after
+    the user's ``Dim`` (or ``x.size(0)``, where the size was first seen, for ``Dim.AUTO``).
+    """
+    sym = cap.symbolic
+    if sym is None or guards is None:
+        return
+    from .guards import Sym
+
+    placeholder_vals = iter(p.meta["val"] for p in cap.placeholders)
+    symbolic_of = {id(leaf): next(placeholder_vals) for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t}
+    values = pytree.tree_leaves(examples)
+    leaves = guards.leaves()
+    if len(values) != len(leaves):
+        return
+    names: dict = {}
+    for leaf, value in zip(leaves, values):
+        val = value if isinstance(value, torch._subclasses.FakeTensor) else symbolic_of.get(id(value))
+        if leaf.kind != "tensor" or val is None:
+            continue
+        new = []
+        for d, expr in enumerate(_sizes(val, sym)):
+            if isinstance(expr, int):
+                new.append(expr)
+                continue
+            if not expr.is_symbol:
+                new = None  # a derived size (2 * s0): the guards cannot say it; keep the static check
+                break
+            if expr not in names:
+                names[expr] = next((n for s, n in sym.names.items() if sym.shape_env.replace(s) == expr),
+                                   f"{leaf.path}.size({d})")
+            low, high = _range(expr, sym)
+            new.append(Sym(names[expr], low, high))
+        if new is not None and new != list(leaf.sizes):
+            leaf.sizes = tuple(new)
+            if isinstance(leaf.layout, tuple):
+                leaf.layout = "contiguous" if value.is_contiguous() else None

@@ -1,0 +1,538 @@
+"""Simplification passes that make generated graphs read like hand-written code.
+
+They work on the ATen graph, where every node carries its FakeTensor value
+(``node.meta['val']``), and run to a fixed point:
+
+- algebraic identities: ``x * 1``, ``x / 1``, ``-(-x)``, ``x * -1 -> -x``, ``x - 0`` and
+  ``x + (-0.0)``, where "1" is anything known to be a tensor full of ones (``ones_like``, an
+  expanded one, ...);
+- fills folded into numbers (``t * ones_like(loss) / n`` -> ``t * 0.25``);
+- no-op shape ops: view/reshape/expand/squeeze/conversion to the same shape and dtype,
+  a view of a view, a transpose of a transpose, a permute of a permute;
+- common subexpressions (never of random or mutating ops);
+- dead code (keeping ops that mutate buffers, such as BatchNorm's running statistics);
+- backward kernels' ``output_mask`` reduced to the results that are used.
+
+Every rewrite is exact: the simplified graph computes bit for bit what the graph it replaces
+computes, for every input (overflow, NaN, infinities and signed zeros included) and on every
+device, or the rewrite is not applied. So some identities of real numbers are not used:
+
+- ``x + 0 -> x`` (and ``0 + x``, ``x - (-0.0)``): ``-0.0 + 0`` is ``+0.0``; only ``x - 0`` and
+  ``x + (-0.0)`` are ``x`` for every float ``x`` (integers: every zero);
+- ``(t * a) * b -> t * (a * b)``, even for powers of two: ``(x * 2) * 0.5`` overflows to inf at
+  3e38 in float32, and ``(x * 0.5) * 2`` loses the last bit of subnormal ``x``;
+- ``a + b * c -> addcmul(a, b, c)`` (``transforms/forward.py``): the kernel may round once (fused multiply-add);
+- a division by a fill or a 0-dim tensor becomes a division by a number only when the number's
+  reciprocal is exact (a power of two): CUDA divides by a number as a multiplication by its
+  rounded reciprocal, and by a tensor exactly; likewise a fill divided by a number is folded
+  only when both give the same result (the fill is 0 or ±1, or the divisor a power of two).
+
+Rewrites that are exact: ``x * 1``, ``x / 1`` (also at NaN, inf, -0.0), ``x * -1 -> -x``,
+``-(-x)``, transposes and permutes that compose to the identity, no-op views and conversions,
+fills (NaN and infinities included: the code says ``x * nan``) computed in the node's dtype op
+by op as PyTorch would, ``sum(x, all dims) -> sum(x)``.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+
+import torch
+import torch.fx as fx
+
+from ..dynamic_shapes import broadcasts_into, materialize, same_shape, shape_arg, sizes_from_inputs
+
+aten = torch.ops.aten
+
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+          aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
+          aten.alias.default, aten.flatten.using_ints, aten.detach.default}
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_CONVERSIONS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default}
+_CONSTANT_FILLS = {aten.ones_like.default: 1, aten.zeros_like.default: 0, aten.ones.default: 1,
+                   aten.zeros.default: 0, aten.new_ones.default: 1, aten.new_zeros.default: 0}
+_STATEFUL_NORMS = {aten.batch_norm.default, aten.instance_norm.default,
+                   aten._native_batch_norm_legit.default, aten.native_batch_norm.default,
+                   aten._native_batch_norm_legit_functional.default}
+
+
+def _val(x):
+    return x.meta.get("val") if isinstance(x, fx.Node) else x
+
+
+def _same_type(a, b) -> bool:
+    va, vb = _val(a), _val(b)
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
+            and same_shape(va.shape, vb.shape) and va.dtype == vb.dtype)
+
+
+# constant_value's answers while identities() runs. A deep model's residual stream is a chain of
+# adds that each call would walk again. Sound while the graph changes: the nodes answered are
+# at or before the node being rewritten, and rewriting a node changes only its users' arguments.
+_known: dict | None = None
+
+
+def constant_value(node):
+    """The number a tensor node is known to be filled with, else None.
+
+    Fills (``ones_like``, ``full``, ...), their views and conversions, and arithmetic of them
+    with numbers (``-ones_like(loss) / 2``). The number is rounded to the node's dtype, so using
+    it in place of the tensor computes exactly the same.
+    """
+    if _known is None or not isinstance(node, fx.Node):
+        return _constant_value(node)
+    if node not in _known:
+        _known[node] = _constant_value(node)
+    return _known[node]
+
+
+def _constant_value(node):
+    value = _fill_value(node)
+    val = _val(node)
+    if value is None or not isinstance(val, torch.Tensor) or val.is_complex() or isinstance(value, bool):
+        return None
+    return torch.tensor(value, dtype=val.dtype).item()
+
+
+def _fill_value(node):
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    t, args = node.target, node.args
+    if t in _CONSTANT_FILLS:
+        return _CONSTANT_FILLS[t]
+    if t in (aten.full_like.default, aten.new_full.default, aten.full.default):
+        return args[1] if isinstance(args[1], (int, float)) else None
+    if t is aten.scalar_tensor.default:
+        return args[0]
+    if t in _VIEWS or t in _CONVERSIONS or t in (aten.clone.default, aten.contiguous.default):
+        return constant_value(args[0])
+    if t is aten.neg.default:
+        v = constant_value(args[0])
+        return None if v is None else -v
+    if t in _OPS and len(args) == 2 and not node.kwargs and _val(node).is_floating_point():
+        a, b = (constant_value(x) if isinstance(x, fx.Node) else x for x in args)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
+                and not isinstance(b, bool):
+            dtype = _val(node).dtype
+            if t is aten.div.Tensor and a not in (0, 1, -1) and not _exact_reciprocal(b, dtype):
+                return None  # CUDA computes fill / b as fill * (1 / b), rounded twice
+            return _OPS[t](torch.tensor(a, dtype=dtype), b).item()
+    return None
+
+
+def _exact_reciprocal(b, dtype) -> bool:
+    """``x / b`` equals ``x * (1 / b)`` for every ``x``: ``b`` is a power of two whose reciprocal
+    is a normal number of ``dtype`` (CUDA divides by a number through its reciprocal)."""
+    if not dtype.is_floating_point or not _is_number(b) or b == 0 or not math.isfinite(b) \
+            or abs(math.frexp(b)[0]) != 0.5:
+        return False
+    r = 1 / b
+    info = torch.finfo(dtype)
+    return torch.tensor(b, dtype=dtype).item() == b and info.tiny <= abs(r) <= info.max and abs(b) >= info.tiny
+
+
+def is_impure(node: fx.Node) -> bool:
+    """Nodes dead-code elimination and CSE must keep: mutation, randomness, stateful norms."""
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t in _STATEFUL_NORMS:
+        training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
+        return bool(training)
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags or node.is_impure()  # _assert_async
+    return node.is_impure()
+
+
+def fake_mode_of(graph):
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch._subclasses.FakeTensor):
+            return v.fake_mode
+    return None
+
+
+def _new(graph, before, target, args, fake_mode, kwargs=None):
+    args, kwargs = materialize(graph, before, (args, dict(kwargs or {})))  # symbolic sizes as nodes
+    with graph.inserting_before(before):
+        node = graph.create_node("call_function", target, args, kwargs, name=target.overloadpacket.__name__)
+    vals, kvals = fx.node.map_arg((args, kwargs), _val)
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["val"] = target(*vals, **kvals)
+    for key in _KEPT_META:
+        if key in before.meta:
+            node.meta[key] = before.meta[key]
+    return node
+
+
+# What a rewritten node keeps of the node it replaces: the user's line, and the part of the
+# program it belongs to (fxtools.draw colours by it).
+_KEPT_META = ("stack_trace", "fxtools_part")
+
+
+# The tensor arithmetic that folds numbers, with the Python operator computing it.
+_OPS = {aten.add.Tensor: operator.add, aten.sub.Tensor: operator.sub, aten.mul.Tensor: operator.mul,
+        aten.div.Tensor: operator.truediv}
+_BINARY = tuple(_OPS)
+_SCALAR_OVERLOADS = {aten.add.Scalar: aten.add.Tensor, aten.sub.Scalar: aten.sub.Tensor,
+                     aten.mul.Scalar: aten.mul.Tensor, aten.div.Scalar: aten.div.Tensor}
+
+
+_FILL_LIKE = {aten.ones_like.default: aten.new_ones.default, aten.zeros_like.default: aten.new_zeros.default,
+              aten.full_like.default: aten.new_full.default}
+
+
+# ``x.new_zeros(shape)`` reads only ``x``'s dtype and device: made from an input instead, it
+# depends on nothing computed (fxtools.split then recomputes it rather than saving it).
+_NEW_FILLS = (aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default)
+
+
+def _only_shapes_a_fill(node) -> bool:
+    """``ones_like(v)`` where ``v`` is computed only for this: the fill needs its shape, not its
+    value (``grad``'s seed ``ones_like(loss)``, when the loss itself is not returned)."""
+    v = node.args[0]
+    kwargs_ok = all(k == "pin_memory" and not x for k, x in node.kwargs.items())
+    return (kwargs_ok and isinstance(v, fx.Node) and v.op == "call_function" and set(v.users) == {node}
+            and not is_impure(v) and isinstance(_val(v), torch.Tensor) and _val(v).is_contiguous())
+
+
+def is_input_leaf(n: fx.Node) -> bool:
+    """A placeholder, or a leaf taken out of one (``params['fc1.weight']``)."""
+    return n.op == "placeholder" or (n.op == "call_function" and n.target is operator.getitem
+                                     and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")
+
+
+def _input_like(graph, val):
+    """An input tensor of ``val``'s dtype and device: ``input.new_ones(shape)`` then makes a fill
+    without computing anything."""
+    for n in graph.nodes:
+        if is_input_leaf(n):
+            v = _val(n)
+            if isinstance(v, torch.Tensor) and v.dtype == val.dtype and v.device == val.device:
+                return n
+        elif n.op == "call_function" and n.target is not operator.getitem:
+            return None
+    return None
+
+
+def _scalar_of_dtype(node) -> bool:
+    """``node`` is ``t op torch.scalar_tensor(number)`` with ``t``, the scalar and the result of
+    one dtype: the number itself computes the same (``t / scalar_tensor(2.)`` is ``t / 2``; with an
+    integer ``t`` the scalar's dtype would decide the result's, a Python float the default dtype's).
+    Divisions need an exact reciprocal (see ``_exact_reciprocal``)."""
+    t, x = node.args
+    dtype = _val(node).dtype
+    return (isinstance(x, fx.Node) and x.op == "call_function" and x.target is aten.scalar_tensor.default
+            and isinstance(_val(x), torch.Tensor) and _val(x).dtype == dtype
+            and isinstance(_val(t), torch.Tensor) and _val(t).dtype == dtype
+            and _is_number(x.args[0])
+            and (node.target is not aten.div.Tensor or _exact_reciprocal(x.args[0], dtype)))
+
+
+def _rewrite(node: fx.Node, fake_mode):
+    """A node (existing or new) that computes the same as ``node`` more simply, or None."""
+    t, args = node.target, node.args
+    if node.op != "call_function" or not args:
+        return None
+    x = args[0]
+    if t in _CONVERSIONS and isinstance(x, (int, float)) and set(node.kwargs) == {"dtype"}:
+        return _new(node.graph, node, aten.scalar_tensor.default, (x,), fake_mode, node.kwargs)
+    if t in _FILL_LIKE and _only_shapes_a_fill(node):
+        source = _input_like(node.graph, _val(node))
+        if source is not None:
+            fill = _FILL_LIKE[t]
+            value = () if fill is aten.new_full.default and len(args) < 2 else tuple(args[1:2])
+            return _new(node.graph, node, fill, (source, list(_val(node).shape), *value), fake_mode)
+    if t in _NEW_FILLS and isinstance(x, fx.Node) and x.op == "call_function" and x.target is not operator.getitem:
+        source = _input_like(node.graph, _val(x))
+        if source is not None:
+            return _new(node.graph, node, t, (source, *args[1:]), fake_mode, node.kwargs)
+    if t in _SCALAR_OVERLOADS and len(args) == 2 and not node.kwargs:
+        return _new(node.graph, node, _SCALAR_OVERLOADS[t], args, fake_mode)
+    if t in _BINARY and len(args) == 2 and not node.kwargs and _scalar_of_dtype(node):
+        return _new(node.graph, node, t, (x, args[1].args[0]), fake_mode)
+    if t in _BINARY and len(args) == 2 and not node.kwargs:
+        folded = _fold_fill(node, fake_mode) or _unexpand_symbolic(node, fake_mode)
+        if folded is not None:
+            return folded
+    if t in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2:
+        if constant_value(args[1]) == 1 or args[1] == 1:
+            return x if _same_type(x, node) else None
+        if t is aten.mul.Tensor and constant_value(x) == 1 and _same_type(args[1], node):
+            return args[1]
+        if t is aten.mul.Tensor and (args[1] == -1 or constant_value(args[1]) == -1) and _same_type(x, node):
+            return _new(node.graph, node, aten.neg.default, (x,), fake_mode)
+    if t in (aten.add.Tensor, aten.sub.Tensor) and len(args) == 2 and not node.kwargs:
+        if _neutral_zero(args[1], node, t) and _same_type(x, node):
+            return x
+        if t is aten.add.Tensor and _neutral_zero(x, node, t) and _same_type(args[1], node):
+            return args[1]
+    if t is aten.neg.default and isinstance(x, fx.Node) and x.target is aten.neg.default:
+        return x.args[0]
+    if t is aten.detach.default:
+        return x  # generated code runs without autograd: detach only blocks gradients, already handled
+    if t in _VIEWS or t in _CONVERSIONS or t is aten.contiguous.default:
+        if isinstance(x, fx.Node) and _same_type(x, node) and (t not in _CONVERSIONS or _same_device(x, node)) \
+                and (t is not aten.contiguous.default or _val(x).is_contiguous()):
+            return x  # contiguous() of a transposed tensor is not a no-op: a later .view needs it
+    if t in _RESHAPES and isinstance(x, fx.Node) and x.target in _RESHAPES:
+        return _new(node.graph, node, aten.reshape.default if aten.reshape.default in (t, x.target) else t,
+                    (x.args[0], shape_arg(node, _val(node))), fake_mode)
+    if t is aten.transpose.int and isinstance(x, fx.Node) and x.target is aten.transpose.int:
+        nd = _val(x).dim()
+        if {a % nd for a in args[1:]} == {a % nd for a in x.args[1:]}:
+            return x.args[0]
+    if t is aten.sum.dim_IntList and len(args) == 2 and not node.kwargs and _val(node).dim() == 0:
+        return _new(node.graph, node, aten.sum.default, (x,), fake_mode)
+    if t in (aten.t.default, aten.mT.default, aten.transpose.int) and isinstance(x, fx.Node):
+        nd = _val(x).dim()
+        if nd < 2 and t is not aten.transpose.int:
+            return x
+        dims = sorted(d % nd for d in args[1:3]) if t is aten.transpose.int else [nd - 2, nd - 1]
+        if dims[0] == dims[1]:
+            return x
+        if t is not aten.transpose.int or list(args[1:3]) != dims:
+            return _new(node.graph, node, aten.transpose.int, (x, *dims), fake_mode)
+    if t is aten.permute.default and isinstance(x, fx.Node) and x.target is aten.permute.default:
+        inner, outer = list(x.args[1]), list(args[1])
+        composed = [inner[o] for o in outer]
+        if composed == sorted(composed):
+            return x.args[0]
+        return _new(node.graph, node, aten.permute.default, (x.args[0], composed), fake_mode)
+    return None
+
+
+def _neutral_zero(z, node, op) -> bool:
+    """``z`` is a zero that ``op`` (add or sub) leaves every value of ``node``'s dtype unchanged
+    with: any zero for integers; for floats ``x - 0.0`` and ``x + (-0.0)``, never ``x + 0.0``
+    (``-0.0 + 0.0`` is ``+0.0``) nor ``x - (-0.0)``."""
+    v = z if _is_number(z) else constant_value(z)
+    if v is None or isinstance(v, bool) or v != 0:
+        return False
+    if not _val(node).is_floating_point():
+        return True
+    negative = math.copysign(1.0, v) < 0
+    return negative if op is aten.add.Tensor else not negative
+
+
+def _fold_fill(node, fake_mode):
+    """``t * f`` -> ``t * 0.5`` when ``f`` is known to be filled with 0.5 and only broadcasts into
+    ``t`` (same dtype and shape as the result).
+
+    Seeds and their scalings (``ones_like(loss).expand(...) / n``) then become numbers in the code,
+    and whatever the fill was shaped after (in ``grad``, the loss itself) becomes dead code.
+    """
+    a, b = node.args
+    out = _val(node)
+    if not isinstance(out, torch.Tensor):
+        return None
+    for tensor, fill in ((a, b), (b, a)):
+        if fill is a and node.target not in (aten.add.Tensor, aten.mul.Tensor):
+            continue
+        value = constant_value(fill)
+        if value is None or not isinstance(tensor, fx.Node) or not _same_type(tensor, node):
+            continue
+        fv = _val(fill)
+        if node.target is aten.div.Tensor and not _exact_reciprocal(value, out.dtype):
+            continue  # on CUDA, t / number is t * (1 / number): not t / tensor
+        if fv.dtype == out.dtype and broadcasts_into(fv.shape, out.shape):
+            return _new(node.graph, node, node.target, (tensor, value), fake_mode)
+    return None
+
+
+def _unexpand_symbolic(node, fake_mode):
+    """``t * s.expand([batch, 4])`` -> ``t * s`` when ``s`` only broadcasts into ``t`` (same dtype
+    and shape as the result), for an expand to symbolic sizes.
+
+    It is what ``_fold_fill`` does for a static fill: with a size marked dynamic, a mean's seed
+    ``ones / (batch * 4)`` is no number, but a 0-d tensor that multiplies as one.
+    """
+    a, b = node.args
+    out = _val(node)
+    if not isinstance(out, torch.Tensor):
+        return None
+    for tensor, e in ((a, b), (b, a)):
+        if e is a and node.target not in (aten.add.Tensor, aten.mul.Tensor):
+            continue
+        if not (isinstance(e, fx.Node) and e.op == "call_function" and e.target is aten.expand.default
+                and isinstance(tensor, fx.Node) and _same_type(tensor, node)
+                and any(isinstance(n, fx.Node) for n in e.args[1])):
+            continue
+        source = e.args[0]
+        sv = _val(source)
+        if isinstance(sv, torch.Tensor) and sv.dtype == out.dtype and broadcasts_into(sv.shape, out.shape):
+            return _new(node.graph, node, node.target, (tensor, source), fake_mode)
+    return None
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _same_device(a, b):
+    return _val(a).device == _val(b).device
+
+
+def _made_since(start: fx.Node, node: fx.Node, new) -> bool:
+    """Whether ``new`` is not a node that existed when ``node``'s predecessor was ``start``."""
+    if not isinstance(new, fx.Node):
+        return True
+    n = node.prev
+    while n is not start:
+        if n is new:
+            return True
+        n = n.prev
+    return False
+
+
+def identities(gm: fx.GraphModule) -> bool:
+    global _known
+    fake_mode = fake_mode_of(gm.graph)
+    _known = {}
+    try:
+        return _identities(gm, fake_mode)
+    finally:
+        _known = None
+
+
+def _identities(gm: fx.GraphModule, fake_mode) -> bool:
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not node.users and not is_impure(node):
+            continue
+        start = node.prev  # _rewrite inserts the nodes it makes just before ``node``
+        new = _rewrite(node, fake_mode)
+        if new is not None and new is not node:
+            only_for_this = isinstance(new, fx.Node) and set(new.users) == {node} and has_generic_name(new)
+            node.replace_all_uses_with(new)
+            if _made_since(start, node, new) or only_for_this:
+                name = node.name
+                gm.graph.erase_node(node)
+                if name.startswith("grad_"):
+                    new.name = name  # the erased node's name: unique, and still reserved in the namespace
+            changed = True
+    return changed
+
+
+def has_generic_name(node: fx.Node) -> bool:
+    """The node is named only after its op (``mm_2``): a better name may replace it.
+
+    Only a value computed for the one node it replaces takes that node's name: a forward value
+    that the backward happens to reuse keeps its own.
+    """
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return re.fullmatch(rf"{re.escape(node.target.overloadpacket.__name__.rstrip('_'))}_*(_\d+)?", node.name) is not None
+
+
+def _hashable(x):
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_hashable(i) for i in x))
+    if isinstance(x, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in x.items()))
+    if isinstance(x, float) and x != x:
+        return ("nan",)
+    if isinstance(x, float) and x == 0:
+        return ("float", x, math.copysign(1.0, x))  # -0.0 == 0.0, but x + -0.0 is not x + 0.0
+    if isinstance(x, torch.Tensor):
+        return ("tensor", id(x))
+    return (type(x).__name__, x)
+
+
+def cse(gm: fx.GraphModule) -> bool:
+    seen, changed = {}, False
+    written = {a for n in gm.graph.nodes if _mutates(n) for a in n.all_input_nodes}
+    for node in list(gm.graph.nodes):
+        if node in written:
+            continue  # its value changes in place later: it is not interchangeable with a twin
+        if _mutates(node):
+            seen.clear()  # a read after a mutation is not the same value as the read before it
+            continue
+        if node.op not in ("call_function", "call_method", "get_attr") or is_impure(node):
+            continue
+        try:
+            key = (node.op, node.target, _hashable(node.args), _hashable(node.kwargs))
+            hash(key)
+        except TypeError:
+            continue
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            changed = True
+        else:
+            seen[key] = node
+    return changed
+
+
+def _mutates(node: fx.Node) -> bool:
+    t = node.target
+    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable or t in _STATEFUL_NORMS and is_impure(node)
+    return node.op == "call_method" and isinstance(t, str) and t.endswith("_")
+
+
+def dce(gm: fx.GraphModule) -> bool:
+    changed = False
+    for node in reversed(list(gm.graph.nodes)):
+        if not node.users and not is_impure(node):
+            gm.graph.erase_node(node)
+            changed = True
+    return changed
+
+
+def output_masks(gm: fx.GraphModule) -> bool:
+    """Backward kernels taking an ``output_mask`` (``convolution_backward``,
+    ``native_layer_norm_backward``, ...) compute only the results something reads (the first
+    convolution's input gradient is never asked for). Run after dead-code elimination."""
+    changed = False
+    for node in gm.graph.nodes:
+        t = node.target
+        if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+            continue
+        names = [a.name for a in t._schema.arguments]
+        if "output_mask" not in names or any(u.target is not operator.getitem for u in node.users):
+            continue
+        i = names.index("output_mask")
+        mask = node.args[i] if i < len(node.args) else node.kwargs.get("output_mask")
+        used = {u.args[1] for u in node.users}
+        new = [bool(m) and k in used for k, m in enumerate(mask)]
+        if not any(new) or new == [bool(m) for m in mask]:
+            continue
+        if i < len(node.args):
+            node.args = node.args[:i] + (new,) + node.args[i + 1:]
+        else:
+            node.kwargs = {**node.kwargs, "output_mask": new}
+        val = node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            node.meta["val"] = type(val)(v if k >= len(new) or new[k] else None for k, v in enumerate(val))
+        changed = True
+    return changed
+
+
+def simplify(gm: fx.GraphModule) -> fx.GraphModule:
+    """Run every pass to a fixed point; returns ``gm`` (its graph changed in place).
+
+    The caller recompiles ``gm`` once its last pass is done (code generation is slow on big graphs).
+    """
+    sizes_from_inputs(gm)  # symbolic sizes read from the inputs (dynamic_shapes.py)
+    while True:
+        changed = identities(gm)
+        changed |= cse(gm)
+        changed |= dce(gm)
+        if not changed:
+            break
+    output_masks(gm)
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    return gm
+
+
+def count_compute_nodes(gm: fx.GraphModule) -> int:
+    """Nodes doing work: calls other than getitem, getattr (``x.device``) and placeholder plumbing."""
+    return sum(1 for n in gm.graph.nodes
+               if n.op in ("call_function", "call_method", "call_module") and n.target not in (operator.getitem, getattr))

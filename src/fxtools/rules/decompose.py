@@ -1,0 +1,174 @@
+"""Expand ops that have no VJP rule into ops that do, using PyTorch's own decompositions.
+
+Runs on the captured graph before differentiation. A node whose op has no rule is replaced by
+the trace of its decomposition (the op's CompositeImplicitAutograd definition, or an entry of
+``torch._decomp``'s table), repeatedly, until every node has a rule. An op with neither gets a
+rule derived from PyTorch's own derivative formula (``rules/derived.py``).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch._decomp import decomposition_table
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .. import registry
+from ..capture.trace import realize_constants
+from .derived import derived_rule
+from ..errors import FxtoolsError
+from ..capture.functionalize import functionalize
+
+_MAX_ROUNDS = 20
+
+
+def _decompositions(op):
+    """Candidate decompositions of ``op``, best first: ``torch._decomp``'s entry, then the op's
+    CompositeImplicitAutograd definition (used when the table's entry is rejected, e.g. because
+    it is written in prims, as ``alpha_dropout``'s is)."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return []
+    found = []
+    if op in decomposition_table:
+        found.append(decomposition_table[op])
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+        found.append(op.decompose)
+    return found
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _needs_work(node) -> bool:
+    """An op with no rule for this call: none at all, or one written for real tensors only called
+    with complex ones (PyTorch's decomposition or formula then gives autograd's convention)."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and registry.lookup_node(node) is None
+            and not registry.is_nondifferentiable(node.target) and "fxtools_rule" not in node.meta
+            and not _is_size(node.meta.get("val")))
+
+
+def _is_size(val) -> bool:
+    """A size (``aten.size``, ``sym_size`` under symbolic sizes): nothing to differentiate."""
+    return isinstance(val, (int, torch.SymInt)) or (
+        isinstance(val, (list, tuple)) and bool(val) and all(isinstance(v, (int, torch.SymInt)) for v in val))
+
+
+def _nondifferentiable_outputs(op, args, kwargs) -> list[int]:
+    """Float outputs that PyTorch's autograd formula for ``op`` declares non-differentiable
+    (``_batch_norm_with_update``'s saved mean and inverse std): a decomposition must not let
+    gradients flow through them, or fxtools would differentiate a different function than autograd."""
+    flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    if not any(_is_float(a) for a in flat):
+        return []
+    written = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    bound = dict(zip([a.name for a in op._schema.arguments], args)) | dict(kwargs)
+    written_ids = {id(bound[n]) for n in written if n in bound}  # updated in place: cannot require grad
+    fake_mode = torch._guards.detect_fake_mode(flat)
+    try:
+        with fake_mode, torch.enable_grad():
+            flat = [a.detach().requires_grad_() if _is_float(a) and id(a) not in written_ids else a for a in flat]
+            a, k = torch.utils._pytree.tree_unflatten(flat, spec)
+            outs = torch.utils._pytree.tree_leaves(op(*a, **k))
+    except Exception:  # noqa: BLE001 - cannot tell: keep every output differentiable
+        return []
+    return [i for i, o in enumerate(outs) if _is_float(o) and not o.requires_grad]
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    fake_mode = torch._guards.detect_fake_mode([node.meta.get("val")])
+    flat_args, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    tensor_pos = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)]
+
+    def fn(*tensors):
+        full = list(flat_args)
+        for i, t in zip(tensor_pos, tensors):
+            full[i] = t
+        a, k = torch.utils._pytree.tree_unflatten(full, spec)
+        out = decomp(*a, **k)
+        if out is NotImplemented:
+            raise NotImplementedError(f"no decomposition of {node.target} for these arguments")
+        return list(torch.utils._pytree.tree_leaves(out))
+
+    try:
+        with fake_mode:
+            sub = make_fx(fn)(*[flat_args[i] for i in tensor_pos])
+    except Exception:  # noqa: BLE001 - a decomposition that does not apply: try the next tool
+        return False
+    try:
+        realize_constants(sub)
+    except FxtoolsError:
+        return False
+    if any(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "prims" for n in sub.graph.nodes):
+        return False  # a reference implementation in prims: less readable than PyTorch's formula
+    try:
+        functionalize(sub)  # decompositions may use in-place ops internally
+    except FxtoolsError:
+        return False
+    flat_nodes, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+    env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], [flat_nodes[i] for i in tensor_pos]))
+    trace = node.meta.get("stack_trace")
+    with gm.graph.inserting_before(node):
+        for sn in sub.graph.nodes:
+            if sn.op == "placeholder":
+                continue
+            if sn.op == "get_attr":
+                name = f"_decomp_const_{len(list(gm.graph.nodes))}"
+                setattr(gm, name, getattr(sub, sn.target))
+                env[sn] = gm.graph.get_attr(name)
+                env[sn].meta = dict(sn.meta)
+                continue
+            if sn.op == "output":
+                result = fx.node.map_arg(sn.args[0], env.__getitem__)
+                break
+            new = gm.graph.node_copy(sn, env.__getitem__)
+            new.meta = dict(sn.meta)
+            if trace:
+                new.meta["stack_trace"] = trace
+            if "custom" in node.meta:  # markers such as fxtools.split's checkpoint regions
+                new.meta["custom"] = node.meta["custom"]
+            env[sn] = new
+    nondiff = _nondifferentiable_outputs(node.target, args, kwargs)
+    if nondiff:
+        result = list(result)
+        with gm.graph.inserting_before(node):
+            for i in nondiff:
+                if i < len(result) and isinstance(result[i], fx.Node):
+                    detached = gm.graph.call_function(torch.ops.aten.detach.default, (result[i],))
+                    detached.meta = dict(result[i].meta)
+                    result[i] = detached
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        if len(result) != len(node.meta["val"]) or any(isinstance(v, (tuple, list)) for v in node.meta["val"]):
+            raise NotImplementedError(f"cannot inline the decomposition of {node.target}")
+        for user in list(node.users):
+            if user.target is operator.getitem:
+                user.replace_all_uses_with(result[user.args[1]])
+                gm.graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(result[0])
+    gm.graph.erase_node(node)
+    return True
+
+
+def expand(gm: fx.GraphModule) -> fx.GraphModule:
+    """Decompose rule-less ops in place; attach derived rules where no decomposition exists."""
+    for _ in range(_MAX_ROUNDS):
+        todo = [n for n in gm.graph.nodes if _needs_work(n)]
+        if not todo:
+            break
+        progressed = False
+        for node in todo:
+            if any(_inline(gm, node, decomp) for decomp in _decompositions(node.target)):
+                progressed = True
+                continue
+            rule = derived_rule(node)
+            if rule is not None:
+                node.meta["fxtools_rule"] = rule
+                progressed = True
+        if not progressed:
+            break
+    gm.recompile()
+    return gm

@@ -1,0 +1,169 @@
+"""The last-resort rule for an op: PyTorch's own derivative formula, traced into code.
+
+For an op with no hand-written rule and no decomposition, fxtools traces
+``torch.autograd.grad`` of that single op (at the example's shapes) with ``make_fx``. The
+resulting ATen graph becomes the op's backward, so generated code never calls autograd at run
+time.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from ..capture.trace import data_dependent_error, is_data_dependent, realize_constants
+from ..errors import FxtoolsError, MissingRuleError
+from ..capture.functionalize import functionalize
+from ..registry import Rule
+
+
+def _is_float(x):
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _draws_random_numbers(gm: fx.GraphModule) -> bool:
+    """Whether a random op (``bernoulli``, ``normal``) contributes to the graph's outputs."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    seen, stack = set(), [output]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _differentiable(op, flat, spec, diff, out_float, fake_mode):
+    """The float arguments autograd accepts as differentiable inputs of ``op`` (a fractional max
+    pool's ``random_samples`` is refused) and the float outputs it differentiates (``lu_unpack``'s
+    permutation matrix is not), found by running the op on FakeTensors under autograd."""
+    def run(mask):
+        full = [a.detach().requires_grad_(i in mask) if i in diff else a for i, a in enumerate(flat)]
+        a, k = pytree.tree_unflatten(full, spec)
+        with fake_mode, torch.enable_grad():
+            return pytree.tree_leaves(op(*a, **k))
+
+    try:
+        outs = run(set(diff))
+    except RuntimeError:
+        ok = []
+        for i in diff:
+            try:
+                run({i})
+                ok.append(i)
+            except RuntimeError:
+                continue
+        diff = ok
+        if not diff:
+            return [], []
+        try:
+            outs = run(set(diff))
+        except RuntimeError:
+            return [], []
+    except Exception:  # noqa: BLE001 - let the traced backward report what it can
+        return diff, out_float
+    grad_outs = [i for i in out_float if i < len(outs) and getattr(outs[i], "requires_grad", False)]
+    return diff, grad_outs
+
+
+def derived_rule(node: fx.Node) -> Rule | None:
+    """A Rule computing ``node``'s VJP from PyTorch's derivative of its op, or None if it has none."""
+    op = node.target
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    diff = [i for i, a in enumerate(flat) if _is_float(a)]
+    out_vals = pytree.tree_leaves(node.meta.get("val"))
+    out_float = [i for i, o in enumerate(out_vals) if _is_float(o)]
+    if not diff or not out_float:
+        return None
+    fake_mode = torch._guards.detect_fake_mode(flat)
+    tensor_pos = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+
+    no_gradient = [False]
+
+    def backward(*tensors_and_cts):
+        tensors, cts = tensors_and_cts[: len(tensor_pos)], tensors_and_cts[len(tensor_pos):]
+        full = list(flat)
+        for i, t in zip(tensor_pos, tensors):
+            full[i] = t.detach().requires_grad_(i in diff)
+        a, k = pytree.tree_unflatten(full, spec)
+        with torch.enable_grad():
+            outs = pytree.tree_leaves(op(*a, **k))
+            outs = [outs[i] for i in out_float]
+            ins = [full[i] for i in diff]
+            grads = torch.autograd.grad(outs, ins, cts, allow_unused=True)
+        no_gradient[0] = all(g is None for g in grads)
+        return tuple(g if g is not None else torch.zeros_like(x) for g, x in zip(grads, ins))
+
+    def trace():
+        with fake_mode, warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*autograd kernel was not registered.*")
+            return make_fx(backward)(*[flat[i] for i in tensor_pos], *[out_vals[i] for i in out_float])
+
+    try:
+        try:
+            bw = trace()
+        except Exception as exc:  # noqa: BLE001 - retried with what autograd accepts
+            if is_data_dependent(exc):
+                raise
+            # autograd refuses some float arguments or does not differentiate some float
+            # outputs: keep only those it does (``backward`` and ``bwd`` read these names)
+            diff, out_float = _differentiable(op, flat, spec, diff, out_float, fake_mode)
+            if not diff or not out_float:
+                return None
+            bw = trace()
+    except Exception as exc:  # noqa: BLE001 - PyTorch has no derivative for this op here
+        if is_data_dependent(exc):
+            raise data_dependent_error(exc, node) from exc
+        return None
+    if _draws_random_numbers(bw):
+        # the traced backward re-runs the op: it would draw new random numbers (a new dropout mask)
+        return None
+    if no_gradient[0]:
+        # Its outputs require grad, yet its backward gives no input a gradient: the op was
+        # specialised to inputs that do not require grad (a wrapper passed ``x.requires_grad``,
+        # False while fxtools traces, to a custom op). Zeros would be silently wrong.
+        # Fail when (and only if) a gradient is asked of it.
+        from ..errors import user_line_of
+
+        message = (
+            f"PyTorch's derivative of {op} (called from {user_line_of(node) or 'an unknown line'}) gives "
+            "no gradient to any input, though its outputs require grad: the call was probably "
+            "specialised to inputs that do not require grad. Register a rule with "
+            "fxtools.register_vjp, or call a differentiable formulation of it.")
+
+        def no_bwd(aux, ct):
+            raise MissingRuleError(message)
+
+        return Rule(lambda *a, **k: (op(*a, **k), None), no_bwd, "derived")
+    realize_constants(bw)
+    try:
+        functionalize(bw)  # PyTorch's formulas sometimes update buffers in place (masked_fill_)
+    except FxtoolsError:
+        pass  # left as traced: simplify keeps in-place ops and never merges across them
+
+    def fwd(*a, **k):
+        out = op(*a, **k)
+        return out, (a, k)
+
+    def bwd(aux, ct):
+        a, k = aux
+        flat_now, _ = pytree.tree_flatten((a, k))
+        cts = ct if isinstance(ct, tuple) else (ct,)
+        cts = [cts[i] for i in out_float]
+        cts = [c if c is not None else torch.zeros(out_vals[j].shape, dtype=out_vals[j].dtype)
+               for c, j in zip(cts, out_float)]
+        grads = bw(*[flat_now[i] for i in tensor_pos], *cts)
+        per_flat = [None] * len(flat_now)
+        for i, g in zip(diff, grads):
+            per_flat[i] = g
+        pa, _ = pytree.tree_unflatten(per_flat, spec)
+        return tuple(pa)
+
+    return Rule(fwd, bwd, "derived")

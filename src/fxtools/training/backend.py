@@ -1,0 +1,415 @@
+"""Training with fxtools' graphs: ``fxtools.compile`` and the ``torch.compile`` backend.
+
+``compile(model_or_fn, *example_args, fw_compiler=None, bw_compiler=None, policy=...)`` returns
+a callable (an ``nn.Module`` wrapping the original one, for a module) whose forward runs
+``Split.forward`` inside a ``torch.autograd.Function`` and whose backward runs
+``Split.backward``. ``loss.backward()`` and optimizers work unchanged: gradients land in the
+``.grad`` of the original tensors, so an optimizer built on ``model.parameters()`` keeps working.
+
+``torch.compile(model, backend=fxtools.backend(...))`` does the same for the graphs TorchDynamo
+captures: each is differentiated by fxtools as a function of its inputs (parameters usually arrive
+as inputs; any the graph holds itself are treated as inputs too).
+
+Compilers receive the ``Split`` GraphModules and return a callable: ``compiler(gm)`` or
+``compiler(gm, example_inputs)`` (as for AOTAutograd). The forward is called as
+``fw(*tensor_leaves) -> (out, saved)``, the backward as ``bw(*saved, *cotangents)``. Without a
+backward compiler the backward runs boxed (``Split.backward_boxed``), freeing each saved
+activation after its last use.
+
+Graphs are specialised to the arguments as every generated module is (``fxtools.codegen.guards``: structure,
+shapes, dtypes, device types, strides where the code relies on them, Python values), to
+``model.training`` and to which inputs require gradients. A call runs the first cached split
+whose guards accept it (the same checks ``Split.guards`` makes); otherwise a new split is made
+and cached.
+
+Rules: training graphs are run far more often than they are read, so both use the ``"fused"``
+rule set by default (``rules="fused"``): backwards call PyTorch's fused backward kernels
+(``native_layer_norm_backward``, ``convolution_backward``, flash attention's backward, ...) as
+autograd does, which makes them faster and about half the size. ``rules="readable"`` gives the
+graphs ``fxtools.grad`` prints, with every backward written out; ``rules=None`` uses the set of
+the enclosing ``fxtools.rule_set`` block.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from ..codegen import sizes
+from ..functional import functional
+from ..codegen.guards import InputMismatch
+from ..codegen.naming import identifier
+from ..transforms.reverse import is_float
+from .partition import Split, split
+
+__all__ = ["compile", "backend", "CompiledModule"]
+
+
+def _apply_compiler(compiler, gm, example_inputs):
+    if compiler is None:
+        return gm
+    try:
+        params = [p for p in inspect.signature(compiler).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    except (TypeError, ValueError):
+        params = []
+    two = len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+    return compiler(gm, example_inputs) if two else compiler(gm)
+
+
+def _zeros_like_meta(info):
+    return torch.zeros(info.shape, dtype=info.dtype)
+
+
+class _Runner:
+    """A split with its compiled graphs, and how to call them from an autograd.Function."""
+
+    def __init__(self, sp: Split, leaves, fw_compiler, bw_compiler):
+        self.split = sp
+        # the graphs' own guards are skipped (``.forward``): _Runners chose this split by sp.guards
+        self.fw = _apply_compiler(fw_compiler, sp.forward, leaves) if fw_compiler else sp.forward.forward
+        if bw_compiler is None:
+            self.bw, self.boxed = sp.backward_boxed.forward, True
+        else:
+            examples = [_zeros_like_meta(s) for s in sp.saved] + [_zeros_like_meta(c) for c in sp.cotangents]
+            self.bw, self.boxed = _apply_compiler(bw_compiler, sp.backward, examples), False
+        cap = sp._cap
+        self.out_leaves = cap.out_leaves
+        self.out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
+        tensor_positions = [i for i, t in enumerate(self.out_is_tensor) if t]
+        self.ct_positions = [tensor_positions.index(i) for i in sp._ct_index]
+        # inputs and outputs are saved through ctx.save_for_backward; activations in a list the
+        # backward empties
+        self.via_ctx = [p or o for p, o in zip(sp._saved_is_primal, sp._saved_is_output)]
+
+    def run_forward(self, leaves):
+        out, saved = self.fw(*leaves)
+        return pytree.tree_leaves(out), list(saved)
+
+    def run_backward(self, saved: list, cts: list):
+        if self.boxed:
+            args = saved + cts
+            saved.clear()
+            grads = self.bw(args)
+        else:
+            grads = self.bw(*saved, *cts)
+        return self.split.flat_grads(grads)
+
+    def __call__(self, leaves):
+        """Run on the tensor leaves of arguments the split's guards accepted."""
+        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+            outs = _SplitFunction.apply(self, *leaves)
+        else:
+            with torch.no_grad():
+                outs, _ = self.run_forward(leaves)
+        it = iter(outs)
+        full = [next(it) if t else o for t, o in zip(self.out_is_tensor, self.out_leaves)]
+        return pytree.tree_unflatten(full, self.split.out_spec)
+
+
+class _Runners:
+    """The split graphs of ``fn``. A call runs the first whose guards (``Split.guards``, as every
+    generated module checks them: structure, sizes, dtypes, devices, layouts where the code needs
+    them, Python values) accept its arguments, made in the same training mode and for the same
+    pattern of ``requires_grad``; if none does, a new split is made and kept.
+
+    With symbolic sizes (``dynamic_shapes``, or ``dynamic=True``: ``Dim.AUTO`` for every size > 1
+    of every tensor argument but the parameters) a split serves every call whose sizes it
+    accepts (its guards check the symbols' ranges); others get a new split.
+    """
+
+    def __init__(self, fn, fw_compiler, bw_compiler, policy, rules="fused", dynamic_shapes=None, dynamic=False,
+                 skip_first=False):
+        self.fn, self.fw_compiler, self.bw_compiler, self.policy = fn, fw_compiler, bw_compiler, policy
+        self.rules = rules
+        self.dynamic_shapes, self.dynamic, self.skip_first = dynamic_shapes, dynamic, skip_first
+        self.entries: list = []  # (training, requires_grad mask, runner)
+
+    def _marks(self, args):
+        """dynamic_shapes by position for ``args`` (None: static)."""
+        if self.dynamic_shapes is not None:
+            marks = self.dynamic_shapes
+            if isinstance(marks, dict):
+                return marks
+            marks = tuple(marks)
+            return (None, *marks) if self.skip_first else marks
+        if not self.dynamic:
+            return None
+        from torch.export import Dim
+
+        def mark(x):
+            if not isinstance(x, torch.Tensor):
+                return None
+            return {d: Dim.AUTO for d, n in enumerate(x.shape) if n > 1} or None
+
+        return tuple(None if i == 0 and self.skip_first else
+                     pytree.tree_map(mark, a, is_leaf=lambda x: isinstance(x, torch.Tensor)) for i, a in enumerate(args))
+
+    def __call__(self, args, training):
+        """``(runner, tensor leaves)`` for ``args``."""
+        mask = _requires_grad(args)
+        mask = None if mask is None else tuple(mask)
+        for t, m, runner in self.entries:
+            if t == training and m == mask:
+                try:
+                    return runner, runner.split.guards.check(args)
+                except InputMismatch:
+                    continue
+        sp = split(self.fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules,
+                   dynamic_shapes=self._marks(args))
+        leaves = sp.flatten(*args)
+        runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler)
+        self.entries.append((training, mask, runner))
+        return runner, leaves
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def latest(self) -> Split:
+        return self.entries[-1][2].split
+
+
+class _SplitFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runner: _Runner, *leaves):
+        outs, saved = runner.run_forward(leaves)
+        tensors = [o for o in outs if isinstance(o, torch.Tensor)]
+        ctx.runner = runner
+        ctx.save_for_backward(*[s for s, c in zip(saved, runner.via_ctx) if c])
+        ctx.fxtools_saved = [s for s, c in zip(saved, runner.via_ctx) if not c]
+        non_diff = [o for o in tensors if not is_float(o)]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        runner = ctx.runner
+        kept, plain = iter(ctx.saved_tensors), iter(ctx.fxtools_saved)
+        saved = [next(kept) if c else next(plain) for c in runner.via_ctx]
+        ctx.fxtools_saved = None
+        cts = [grad_outs[i] for i in runner.ct_positions]
+        del plain
+        grads = runner.run_backward(saved, cts)
+        return (None, *grads)
+
+
+def _requires_grad(args):
+    """Which tensor leaves need a gradient, or None for all of them.
+
+    None also when no floating-point leaf requires grad (example arguments made with
+    ``.detach()``): the graphs then serve any later pattern of ``requires_grad`` until one with
+    some but not all leaves needing gradients comes along.
+    """
+    tensors = [x for x in pytree.tree_leaves(tuple(args)) if isinstance(x, torch.Tensor)]
+    mask = [x.requires_grad or not is_float(x) for x in tensors]
+    if all(mask) or not any(x.requires_grad for x in tensors):
+        return None
+    return mask
+
+
+class CompiledModule(torch.nn.Module):
+    """``model`` whose forward and backward run fxtools' split graphs; ``.module`` is the original."""
+
+    def __init__(self, model: torch.nn.Module, fw_compiler=None, bw_compiler=None, policy="recompute_cheap",
+                 rules="fused", dynamic_shapes=None, dynamic=False):
+        super().__init__()
+        self.module = model
+        self._runners = _Runners(_accepting_keywords(functional(model)), fw_compiler, bw_compiler, policy, rules,
+                                 dynamic_shapes, dynamic, skip_first=True)
+
+    def _args(self, inputs, kwargs):
+        params = dict(self.module.named_parameters())
+        return (params, *inputs, KeywordArguments(kwargs)) if kwargs else (params, *inputs)
+
+    def runner(self, *inputs, **kwargs) -> _Runner:
+        return self._runners(self._args(inputs, kwargs), self.module.training)[0]
+
+    @property
+    def split(self) -> Split:
+        """The split of the most recent compilation."""
+        return self._runners.latest
+
+    def forward(self, *inputs, **kwargs):
+        runner, leaves = self._runners(self._args(inputs, kwargs), self.module.training)
+        return runner(leaves)
+
+
+class CompiledFunction:
+    """``fn`` whose calls run fxtools' split graphs inside an autograd.Function."""
+
+    def __init__(self, fn, fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused",
+                 dynamic_shapes=None, dynamic=False):
+        self.fn = fn
+        self._runners = _Runners(_accepting_keywords(fn), fw_compiler, bw_compiler, policy, rules,
+                                 dynamic_shapes, dynamic)
+
+    def runner(self, *args, **kwargs) -> _Runner:
+        return self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)[0]
+
+    @property
+    def split(self) -> Split:
+        """The split of the most recent compilation."""
+        return self._runners.latest
+
+    def __call__(self, *args, **kwargs):
+        runner, leaves = self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)
+        return runner(leaves)
+
+
+class KeywordArguments(dict):
+    """A call's keyword arguments, passed to the split function as its last argument (a pytree
+    dict: each tensor is an input named after its keyword)."""
+
+
+pytree.register_pytree_node(
+    KeywordArguments,
+    lambda d: (list(d.values()), list(d)),
+    lambda values, keys: KeywordArguments(zip(keys, values)),
+    flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.items()], list(d)),
+    serialized_type_name="fxtools.KeywordArguments",
+)
+
+
+def _accepting_keywords(fn):
+    """``fn``, called with a trailing ``KeywordArguments`` as keyword arguments."""
+    def call(*args):
+        if args and isinstance(args[-1], KeywordArguments):
+            return fn(*args[:-1], **args[-1])
+        return fn(*args)
+
+    call.__signature__ = _signature_with_keywords(fn)
+    call.__name__ = getattr(fn, "__name__", "fn")
+    return call
+
+
+def _signature_with_keywords(fn):
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    except (TypeError, ValueError):
+        params = [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)]
+    return inspect.Signature(params)
+
+
+def compile(model_or_fn, *example_args, example_kwargs=None, fw_compiler=None, bw_compiler=None,
+            policy="recompute_cheap", rules="fused", dynamic_shapes=None, dynamic=False):
+    """A module or function whose forward and backward run fxtools' split graphs.
+
+    It is called as the original, keyword arguments included (``compiled(**batch)`` for a Hugging
+    Face model). With ``example_args`` / ``example_kwargs`` the graphs are made now; otherwise at
+    the first call. See the module docstring for compilers, re-specialisation and ``rules``
+    (default ``"fused"``).
+
+    ``dynamic_shapes`` (torch.export's format, for the call's positional arguments; a module's
+    parameters are never dynamic) keeps those sizes symbolic, so one pair of graphs serves every
+    size in range. ``dynamic=True`` marks every size > 1 of every tensor argument ``Dim.AUTO``,
+    as ``torch.compile``'s automatic dynamic shapes do: a size the program specialises (a
+    feature size matching a weight) silently stays static; the batch and sequence sizes of
+    token ids and targets stay symbolic.
+    """
+    if isinstance(model_or_fn, torch.nn.Module):
+        compiled = CompiledModule(model_or_fn, fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic)
+    else:
+        compiled = CompiledFunction(model_or_fn, fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic)
+    if example_args or example_kwargs:
+        compiled.runner(*example_args, **(example_kwargs or {}))
+    return compiled
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile backend
+# --------------------------------------------------------------------------------------------
+
+def _run_checkpoint_body(body, *args):
+    """Stands for Dynamo's ``tag_activation_checkpoint``: a region ``split`` recomputes."""
+    import torch.utils.checkpoint as cp
+    return cp.checkpoint(body, *args, use_reentrant=False)
+
+
+def _inline_higher_order(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace Dynamo's checkpoint / wrap higher-order ops by calls fxtools can trace."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    wrap = getattr(torch.ops.higher_order, "wrap", None)
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if hop is not None and node.target is hop:
+            node.target = _run_checkpoint_body
+            node.kwargs = {}
+            changed = True
+        elif wrap is not None and node.target is wrap:
+            node.target = _call_body
+            node.kwargs = {}
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def _call_body(body, *args):
+    return body(*args)
+
+
+def _input_name(target: str) -> str:
+    """A readable name for a Dynamo placeholder: ``L_self_modules_fc1_parameters_weight_`` -> ``fc1_weight``."""
+    name = target
+    if name.startswith(("L_", "G_")):
+        name = name[2:]
+    name = name.rstrip("_")
+    for prefix in ("self_modules_", "self_parameters_", "self_buffers_"):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    for part in ("_modules_", "_parameters_", "_buffers_"):
+        name = name.replace(part, "_")
+    return name or "arg"
+
+
+def _as_function(gm: fx.GraphModule):
+    """``gm`` as a function whose parameters carry its placeholders' readable names."""
+    targets = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    names, used = [], set()
+    for t in targets:
+        base = name = identifier(_input_name(str(t)))
+        i = 1
+        while name in used:
+            name, i = f"{base}_{i}", i + 1
+        used.add(name)
+        names.append(name)
+
+    def fn(*args):
+        return gm(*args)
+
+    fn.__signature__ = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    fn.__name__ = fn.__qualname__ = "dynamo_graph"
+    return fn
+
+
+def backend(fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused"):
+    """A ``torch.compile`` backend differentiating Dynamo's graphs with fxtools.
+
+    ``torch.compile(model, backend=fxtools.backend())``; the compilers, policy and rules are those
+    of ``fxtools.compile``. Each Dynamo graph is split as a function of its inputs (and of the
+    parameters it holds, if any), and runs through an autograd.Function.
+    """
+    def fxtools_backend(gm: fx.GraphModule, example_inputs):
+        gm = _inline_higher_order(gm)
+        if any(True for _ in gm.parameters()):
+            compiled = CompiledModule(gm, fw_compiler, bw_compiler, policy, rules)
+        else:  # parameters arrive as inputs: differentiate the graph as a function of them
+            compiled = CompiledFunction(_as_function(gm), fw_compiler, bw_compiler, policy, rules)
+        with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
+            compiled.runner(*example_inputs)
+
+        def run(*args):
+            return compiled(*args)
+
+        run.fxtools_compiled = compiled
+        return run
+
+    return fxtools_backend

@@ -1,0 +1,634 @@
+"""``fxtools.split``: a forward graph and a backward graph with a stable, documented signature.
+
+``split(f, *args, policy=...)`` differentiates ``f`` at the example ``args`` (one joint graph from
+``reverse``) and cuts the joint graph in two:
+
+- ``Split.forward`` takes one placeholder per **tensor leaf** of ``args``, in the order of
+  ``torch.utils._pytree.tree_flatten(args)`` (dicts in key-insertion order, lists and tuples in
+  order), each named after its argument name and pytree path (``carry['a']`` -> ``a``,
+  ``params['fc1.weight']`` -> ``fc1_weight``). Non-tensor leaves (ints, floats, flags) are
+  specialised, as everywhere in fxtools. It returns ``(out, saved)``: ``out`` with the structure
+  of ``f``'s result, ``saved`` a tuple of tensors, each named after the forward value it holds.
+- ``Split.backward`` takes ``(*saved, *cotangents)``: the saved tensors, then one cotangent per
+  floating-point tensor leaf of the output (in flattening order, see ``Split.cotangents``), and
+  returns the gradients with the structure ``fxtools.vjp`` gives them: one entry per positional
+  argument, with that argument's pytree structure, ``None`` at leaves that are not
+  floating-point tensors.
+- ``Split.backward_boxed`` is the same graph called as ``backward_boxed([*saved, *cotangents])``:
+  it empties the list on entry, so each saved tensor is freed right after its last use.
+
+``Split.signature``, ``Split.saved`` and ``Split.cotangents`` list every input, saved value and
+cotangent with its name, shape, dtype, bytes and the user line that produced it;
+``Split.report()`` prints what is saved and how many bytes. Outputs that alias inputs or each
+other (``return x * w, w``) and inputs passed twice are handled inside the graphs: the backward
+alone computes the whole vector-Jacobian product.
+
+Each of the three graphs checks its arguments when called (``fxtools.codegen.guards``: shapes, dtypes,
+device types, layouts where the code relies on them; cotangents as the outputs they belong to);
+``Split.guards`` describes the original arguments, Python values included, and ``Split.flatten``
+/ ``Split.vjp`` (and ``fxtools.compile``, which picks its splits with them) check those.
+
+For an ``nn.Module``, ``split(model, *inputs)`` splits ``fxtools.functional(model)`` at
+``(dict(model.named_parameters()), *inputs)``: parameters come first, by name.
+
+The policy decides what is saved and what the backward recomputes (see ``fxtools.policies``).
+Regions of ``torch.utils.checkpoint`` in user code are recomputed in the backward.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import operator
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental import proxy_tensor
+from torch.utils import _pytree as pytree
+
+from . import policies
+from .. import registry
+from ..codegen import sizes
+from ..transforms.vjp import grads_structure, prepare
+from ..capture.checkpoint import checkpoint_regions
+from ..codegen.draw import PART_KEY
+from ..dynamic_shapes import upper_bound
+from ..errors import user_line_of
+from ..functional import functional
+from ..codegen.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
+from ..codegen.naming import arg_names
+from ..codegen.render import render
+from ..codegen.show import remember_inputs
+from ..transforms.reverse import ReverseSpec, ancestors, reverse
+from ..passes.simplify import is_impure, simplify
+
+_INF = 1 << 62
+
+
+# --------------------------------------------------------------------------------------------
+# Descriptions of inputs, saved values and cotangents
+# --------------------------------------------------------------------------------------------
+
+def nbytes(val) -> int:
+    """Bytes of the memory a tensor spans (an expanded tensor counts once); for a size that
+    depends on the data, its largest possible value."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    shape, stride = [upper_bound(s) for s in val.shape], [upper_bound(s) for s in val.stride()]
+    if 0 in shape:
+        return 0
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(shape, stride))
+    return span * val.element_size()
+
+
+@dataclass
+class TensorInfo:
+    """One input, saved value or cotangent of a split."""
+
+    name: str            # the placeholder's name in the graph that takes it
+    shape: tuple
+    dtype: torch.dtype
+    bytes: int
+    kind: str            # "input", "cotangent", or for saved values "input" / "activation" / "output"
+    path: str | None = None   # pytree path in the arguments or the output (inputs, cotangents)
+    line: str | None = None   # "file:line: code" of the user call that produced it (saved values)
+    storage: str | None = None  # saved values: the saved value or input whose memory it is
+
+    def __str__(self):
+        dt = str(self.dtype).replace("torch.", "")
+        where = f"  {self.path}" if self.path else ""
+        line = f"  <- {self.line}" if self.line else ""
+        return f"{self.name}: {dt}{list(self.shape)} ({self.bytes} B, {self.kind}){where}{line}"
+
+
+def _info(node: fx.Node, kind: str, path=None, line=None, storage=None) -> TensorInfo:
+    val = node.meta.get("val")
+    return TensorInfo(node.name, tuple(val.shape), val.dtype, nbytes(val), kind, path, line, storage)
+
+
+def _storage_root(node: fx.Node) -> fx.Node:
+    """The node whose memory ``node``'s value lives in (following views)."""
+    while node.op == "call_function":
+        if node.target is operator.getitem:
+            parent = node.args[0]
+            if isinstance(parent, fx.Node) and policies.is_view(parent):
+                node = parent.args[0]
+                continue
+            return node
+        if policies.is_view(node) and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+            continue
+        return node
+    return node
+
+
+# --------------------------------------------------------------------------------------------
+# Deciding what to save
+# --------------------------------------------------------------------------------------------
+
+def _augment(head, to, cap, level, it, source, sink) -> int:
+    """Push flow along one shortest augmenting path (iteratively: paths can be thousands of edges long)."""
+    path, u = [], source
+    while True:
+        if u == sink:
+            f = min(cap[e] for e in path)
+            for e in path:
+                cap[e] -= f
+                cap[e ^ 1] += f
+            return f
+        while it[u] < len(head[u]):
+            e = head[u][it[u]]
+            if cap[e] > 0 and level[to[e]] == level[u] + 1:
+                path.append(e)
+                u = to[e]
+                break
+            it[u] += 1
+        else:
+            if u == source:
+                return 0
+            level[u] = -1  # a dead end for this phase
+            e = path.pop()
+            u = to[e ^ 1]
+            it[u] += 1
+
+
+def _max_flow_min_cut(n: int, edges, source: int, sink: int):
+    """Dinic's algorithm; returns the vertices that can still reach ``sink`` in the residual graph."""
+    head = [[] for _ in range(n)]
+    to, cap = [], []
+    for u, v, c in edges:
+        head[u].append(len(to)); to.append(v); cap.append(c)
+        head[v].append(len(to)); to.append(u); cap.append(0)
+    while True:
+        level = [-1] * n
+        level[source] = 0
+        queue = collections.deque([source])
+        while queue:
+            u = queue.popleft()
+            for e in head[u]:
+                if cap[e] > 0 and level[to[e]] < 0:
+                    level[to[e]] = level[u] + 1
+                    queue.append(to[e])
+        if level[sink] < 0:
+            break
+        it = [0] * n
+        while True:
+            f = _augment(head, to, cap, level, it, source, sink)
+            if not f:
+                break
+            if f >= _INF:
+                raise RuntimeError("fxtools.split: no finite cut (a value can be neither saved nor recomputed)")
+    reach = {sink}
+    queue = collections.deque([sink])
+    while queue:
+        v = queue.popleft()
+        for e in head[v]:  # residual edge u -> v exists when the reverse slot e^1 has capacity
+            u = to[e]
+            if u not in reach and cap[e ^ 1] > 0:
+                reach.add(u)
+                queue.append(u)
+    return reach
+
+
+class _Partition:
+    """Which joint-graph values the forward saves and which the backward recomputes."""
+
+    def __init__(self, joint: fx.GraphModule, n_in: int, n_out: int, policy):
+        self.nodes = list(joint.graph.nodes)
+        ph = [n for n in self.nodes if n.op == "placeholder"]
+        self.primals, self.cts = ph[:n_in], ph[n_in:]
+        output = self.nodes[-1]
+        outs = list(output.args[0])
+        self.fw_outs, self.grads = outs[:n_out], outs[n_out:]
+        bw = set(self.cts)
+        for n in self.nodes:
+            if n.op == "call_function" and any(a in bw for a in n.all_input_nodes):
+                bw.add(n)
+        self.bw = bw
+        # Forward values the rules' backwards compute (``cos(x)`` for ``sin``) come after the first
+        # cotangent use in the trace; autograd computes those in the backward too.
+        in_backward = False
+        for n in self.nodes:
+            in_backward = in_backward or n in bw and n.op == "call_function"
+            if n.op == "call_function":
+                n.meta["fxtools_phase"] = "backward" if in_backward else "forward"
+        needed, seen = [], set()
+
+        def need(v):
+            if isinstance(v, fx.Node) and v not in bw and v not in seen:
+                seen.add(v)
+                needed.append(v)
+
+        for n in self.nodes:
+            if n in bw and n.op == "call_function":
+                for a in n.all_input_nodes:
+                    need(a)
+        for g in self.grads:
+            need(g)
+        self.needed = needed
+        self.region_outputs = self._region_outputs()
+        fn, min_cut = policies.resolve(policy)
+        if min_cut:
+            self.saved, self.recomputed = self._min_cut()
+        else:
+            self.saved, self.recomputed = self._by_rule(fn)
+        order = {n: i for i, n in enumerate(self.nodes)}
+        self.saved = sorted(self.saved, key=order.__getitem__)
+
+    # -- constraints shared by every policy --------------------------------------------------
+
+    def _region_outputs(self) -> set:
+        """Values of a checkpoint region used outside it: the region's boundary."""
+        outs = set()
+        fw_outs = {o for o in self.fw_outs if isinstance(o, fx.Node)}
+        for n in self.nodes:
+            r = policies.checkpoint_region(n) if n.op == "call_function" else None
+            if r is None or n in self.bw:
+                continue
+            if n in fw_outs or any(u.op == "call_function" and u.meta.get("fxtools_phase") == "forward"
+                                   and u not in self.bw and policies.checkpoint_region(u) != r for u in n.users):
+                outs.add(n)
+        return outs
+
+    def _forced(self, node: fx.Node):
+        """'save' / 'recompute' when the choice is not the policy's to make, else None."""
+        if node.op == "placeholder":
+            return policies.SAVE
+        if node.op == "get_attr":
+            return policies.RECOMPUTE
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            return self._forced(node.args[0])
+        if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)) \
+                and policies.can_recompute(node):
+            return policies.RECOMPUTE  # a size (``x.size(0)``): read again from a saved tensor
+        if not policies.can_recompute(node):
+            return policies.SAVE
+        if policies.checkpoint_region(node) is not None and node not in self.region_outputs:
+            return policies.RECOMPUTE
+        return None
+
+    def _by_rule(self, fn):
+        saved, recomputed = set(), set()
+        stack, visited = list(self.needed), set()
+        cache = {}
+
+        def choice(node):
+            """The policy's answer; an item of a tuple of results (``native_layer_norm``) gets its op's."""
+            if node not in cache:
+                forced = self._forced(node)
+                if forced is not None:
+                    cache[node] = forced
+                elif node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+                    cache[node] = choice(node.args[0])
+                else:
+                    c = fn(node)
+                    if c not in (policies.SAVE, policies.RECOMPUTE):
+                        raise ValueError(f"a split policy must return 'save' or 'recompute', got {c!r} for {node}")
+                    cache[node] = c
+            return cache[node]
+
+        while stack:
+            v = stack.pop()
+            if v in visited:
+                continue
+            visited.add(v)
+            c = choice(v)
+            if not isinstance(v.meta.get("val"), torch.Tensor) and v.op != "placeholder":
+                c = policies.RECOMPUTE  # a tuple of results is reached only through an item recomputed
+            if c == policies.SAVE:
+                saved.add(v)
+            else:
+                recomputed.add(v)
+                stack.extend(a for a in v.all_input_nodes if a not in self.bw)
+        return saved, recomputed
+
+    def _min_cut(self):
+        # candidates: forward-side ancestors of what the backward needs
+        cand, stack = set(), list(self.needed)
+        while stack:
+            v = stack.pop()
+            if v in cand or v in self.bw or v.op == "get_attr":
+                continue
+            cand.add(v)
+            stack.extend(v.all_input_nodes)
+        cand = [n for n in self.nodes if n in cand]
+        index = {n: i for i, n in enumerate(cand)}
+        source, sink = 2 * len(cand), 2 * len(cand) + 1
+        edges = []
+        for n, i in index.items():
+            forced = self._forced(n)
+            val = n.meta.get("val")
+            tensor = isinstance(val, torch.Tensor)
+            if (forced is None and n.target is not operator.getitem and not policies.is_cheap(n)
+                    and n.meta.get("fxtools_phase") != "backward"):
+                forced = policies.SAVE
+            if n.op == "placeholder":
+                weight = 0
+            elif forced == policies.RECOMPUTE or not tensor:
+                weight = _INF
+            else:
+                weight = max(nbytes(val), 1)
+            edges.append((2 * i, 2 * i + 1, weight))
+            if forced == policies.SAVE and n.target is not operator.getitem:
+                edges.append((source, 2 * i, _INF))
+            for a in n.all_input_nodes:
+                if a in index:
+                    edges.append((2 * index[a] + 1, 2 * i, _INF))
+        for n in self.needed:
+            if n in index:
+                edges.append((2 * index[n] + 1, sink, _INF))
+        reach = _max_flow_min_cut(2 * len(cand) + 2, edges, source, sink)
+        saved = {n for n, i in index.items() if 2 * i not in reach and 2 * i + 1 in reach}
+        recomputed = {n for n, i in index.items() if 2 * i in reach}
+        recomputed |= {a for n in recomputed for a in n.all_input_nodes if a.op == "get_attr"}
+        recomputed |= {n for n in self.needed if n.op == "get_attr"}
+        return saved, recomputed
+
+
+# --------------------------------------------------------------------------------------------
+# Building the two graphs
+# --------------------------------------------------------------------------------------------
+
+_ITEM_NAMES = {  # names of the results of multi-output ops, for the values a split saves
+    "native_layer_norm": ("out", "mean", "rstd"),
+    "native_batch_norm": ("out", "mean", "invstd"),
+    "_native_batch_norm_legit_functional": ("out", "mean", "invstd", "running_mean", "running_var"),
+    "_native_batch_norm_legit": ("out", "mean", "invstd"),
+    "native_group_norm": ("out", "mean", "rstd"),
+    "var_mean": ("var", "mean"),
+    "max": ("values", "indices"), "min": ("values", "indices"), "sort": ("values", "indices"),
+    "topk": ("values", "indices"), "native_dropout": ("out", "mask"),
+}
+
+
+def _name_items(gm: fx.GraphModule) -> None:
+    """``getitem_7 = native_layer_norm_1[2]`` becomes ``native_layer_norm_1_rstd``; ``split[0]``, ``split_0``."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not operator.getitem or not node.name.startswith("getitem"):
+            continue
+        parent, i = node.args
+        if not isinstance(parent, fx.Node) or parent.op != "call_function" or not isinstance(i, int):
+            continue
+        packet = getattr(getattr(parent.target, "overloadpacket", None), "__name__", None)
+        labels = _ITEM_NAMES.get(packet)
+        label = labels[i] if labels and i < len(labels) else str(i)
+        node._rename(f"{parent.name}_{label}")
+
+
+class _BoxedCodeGen(fx.graph.CodeGen):
+    """``def forward(self, args)``: unpack the list, empty it, then run (each value is dropped after its last use)."""
+
+    def gen_fn_def(self, free_vars, maybe_return_annotation, *, expanded_def=False):
+        names = [v.split(":")[0].strip() for v in free_vars]
+        names = [n for n in names if n != "self"]
+        unpack = f"\n    {', '.join(names)}{',' if len(names) == 1 else ''} = args" if names else ""
+        return f"def {self._func_name}(self, args){maybe_return_annotation}:{unpack}\n    args.clear()"
+
+
+def _copy_meta(new: fx.Node, old: fx.Node) -> fx.Node:
+    new.meta = dict(old.meta)
+    return new
+
+
+def _finish(gm: fx.GraphModule, symbolic=None) -> fx.GraphModule:
+    render(gm)
+    sizes.name_sizes(gm, symbolic)
+    gm.graph.lint()
+    gm.recompile()
+    return remember_inputs(gm)
+
+
+def _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap=None) -> None:
+    """Guards (``fxtools.codegen.guards``) of the three graphs: inputs by their paths in the arguments,
+    saved values by name (any layout: they come from the forward), cotangents as the outputs."""
+    leaves = [p.meta["val"] for p in part.primals]
+    saved_vals, ct_vals = [s.meta["val"] for s in part.saved], [c.meta["val"] for c in part.cts]
+    names = [i.path or i.name for i in signature]
+    forward.guards = build("fxtools.split forward", names, sizes.concrete(cap, leaves),
+                           layout=stride_sensitive_paths(forward, names))
+    saved = build("fxtools.split backward", [s.name for s in part.saved], sizes.concrete(cap, saved_vals))
+    cts = build("fxtools.split backward", [c.name for c in part.cts], sizes.concrete(cap, ct_vals),
+                layout=stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts]),
+                roles={i: (lambda path, what=info.path: f"the cotangent of {what}") for i, info in enumerate(cotangents)})
+    if cap is not None:  # symbolic sizes (codegen/sizes.py)
+        sizes.guard_symbolic(forward.guards, cap, leaves)
+        sizes.guard_symbolic(saved, cap, saved_vals)
+        sizes.guard_symbolic(cts, cap, ct_vals)
+    backward.guards = Guards("fxtools.split backward", saved.names + cts.names, saved.args + cts.args)
+    backward_boxed.guards = Guards("fxtools.split backward_boxed", ("args",),
+                                   (Node("args", "list", "list", tuple(range(len(backward.guards.args))),
+                                         backward.guards.args),))
+
+
+def _keystr(path) -> str:
+    return pytree.keystr(path) if path else ""
+
+
+class Split:
+    """A forward graph and a backward graph (see the module docstring for the calling conventions)."""
+
+    def __init__(self, forward, backward, backward_boxed, signature, saved, cotangents, policy,
+                 in_spec, out_spec, captured):
+        self.forward: fx.GraphModule = forward
+        self.backward: fx.GraphModule = backward
+        self.backward_boxed: fx.GraphModule = backward_boxed
+        self.signature: list[TensorInfo] = signature
+        self.saved: list[TensorInfo] = saved
+        self.cotangents: list[TensorInfo] = cotangents
+        self.policy = policy
+        self.in_spec = in_spec
+        self.out_spec = out_spec
+        self._cap = captured
+
+    # -- calling helpers ---------------------------------------------------------------------
+
+    def flatten(self, *args) -> list[torch.Tensor]:
+        """The tensor leaves of ``args`` in the forward's placeholder order, after checking that
+        ``args`` are what the split was made for (``self.guards``, with the Python values the
+        forward's flat signature does not take)."""
+        return self.guards.check(args)
+
+    def flatten_cotangent(self, grad_out) -> list[torch.Tensor]:
+        """The cotangent leaves the backward takes, from ``grad_out`` shaped like ``f``'s output."""
+        leaves = pytree.tree_leaves(grad_out)
+        if len(leaves) == len(self._cap.out_leaves):
+            return [leaves[i] for i in self._ct_index]
+        if len(leaves) == len(self._ct_index):
+            return leaves
+        raise ValueError(f"grad_out has {len(leaves)} leaves; expected {len(self._ct_index)} cotangents")
+
+    def flat_grads(self, grads) -> list:
+        """The backward's gradients as one entry per tensor leaf of the arguments (forward order)."""
+        leaves = pytree.tree_leaves(grads)  # None is a leaf
+        return [g for g, t in zip(leaves, self._cap.tensor_leaf) if t]
+
+    def vjp(self, *args, grad_out=None):
+        """Run forward then backward: ``(out, grads)``; ``grad_out`` defaults to ones."""
+        out, saved = self.forward(*self.flatten(*args))
+        if grad_out is None:
+            cts = [torch.ones_like(o) for o in (pytree.tree_leaves(out)[i] for i in self._ct_index)]
+        else:
+            cts = self.flatten_cotangent(grad_out)
+        return out, self.backward_boxed([*saved, *cts])
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes the forward keeps alive for the backward beyond the inputs (each storage once)."""
+        seen, total = set(), 0
+        for s in self.saved:
+            if s.kind != "input" and s.storage not in seen:
+                seen.add(s.storage)
+                total += self._storage_bytes[s.storage]
+        return total
+
+    def report(self, file=None) -> str:
+        """Print (and return) what the forward saves for the backward, like JAX's print_saved_residuals."""
+        lines = [f"fxtools.split (policy {policies.describe(self.policy)}): "
+                 f"{len(self.saved)} saved values, {self.saved_bytes:,} bytes beyond the inputs"]
+        width = max((len(s.name) for s in self.saved), default=0)
+        types = [str(s.dtype).replace("torch.", "") + str(list(s.shape)) for s in self.saved]
+        twidth = max(map(len, types), default=0)
+        for s, ty in zip(self.saved, types):
+            share = f" (memory of {s.storage})" if s.storage != s.name else ""
+            lines.append(f"  {s.kind:<10} {s.name:<{width}}  {ty:<{twidth}} {s.bytes:>12,} B{share}"
+                         + (f"  {s.line}" if s.line else ""))
+        text = "\n".join(lines)
+        print(text, file=file or sys.stdout)
+        return text
+
+    def __repr__(self):
+        return (f"Split({len(self.signature)} inputs, {len(self.saved)} saved ({self.saved_bytes:,} B), "
+                f"{len(self.cotangents)} cotangents, policy={policies.describe(self.policy)})")
+
+
+def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dynamic_shapes=None) -> Split:
+    """Forward and backward graphs of ``f`` at ``args`` (see the module docstring).
+
+    ``policy``: ``"recompute_cheap"`` (default), ``"save_all"``, ``"dots_saveable"`` or a function
+    ``node -> "save" | "recompute"`` (see ``fxtools.policies``). ``grad_leaves``: one bool per
+    tensor leaf (forward placeholder order) saying which get a gradient (default: all); the
+    backward returns ``None`` for the others and saves nothing only they would need.
+    ``rules``: the rule set (``"readable"``, ``"fused"``, a dict; see ``fxtools.rule_set``);
+    ``None`` (default) uses the one in effect, readable unless a ``rule_set`` block says otherwise.
+    """
+    if rules is not None:
+        with registry.rule_set(rules):
+            return split(f, *args, policy=policy, grad_leaves=grad_leaves, dynamic_shapes=dynamic_shapes)
+    policies.resolve(policy)  # validate early
+    if isinstance(f, torch.nn.Module):
+        args = (dict(f.named_parameters()), *args)
+        if isinstance(dynamic_shapes, (tuple, list)):
+            dynamic_shapes = (None, *dynamic_shapes)
+        f = functional(f)
+    argnums = tuple(range(len(args)))
+    with checkpoint_regions():
+        cap, wrt = prepare(f, args, argnums, dynamic_shapes)
+    cap.f = f
+    if grad_leaves is not None:
+        grad_leaves = [bool(g) for g in grad_leaves]
+        if len(grad_leaves) != len(wrt):
+            raise ValueError(f"grad_leaves has {len(grad_leaves)} entries for {len(wrt)} tensor leaves")
+        wrt = [w and g for w, g in zip(wrt, grad_leaves)]
+    with fx_traceback.preserve_node_meta():
+        joint, ct_index, grad_index = reverse(cap, ReverseSpec(wrt, "cotangent"))
+    simplify(joint)
+    sizes.check(cap.symbolic, joint)
+    _name_items(joint)
+    n_out = len(cap.out_leaves)
+    part = _Partition(joint, sum(cap.tensor_leaf), n_out, policy)
+
+    # forward: outputs, saved values, and side effects (buffer updates)
+    keep = ancestors([*part.fw_outs, *part.saved,
+                      *(n for n in part.nodes if n.op == "call_function" and n not in part.bw and is_impure(n))])
+    fg = fx.Graph()
+    env = {}
+    for p in part.primals:
+        env[p] = _copy_meta(fg.placeholder(p.name), p)
+    for n in part.nodes:
+        if n in keep and n.op in ("call_function", "get_attr"):
+            env[n] = fg.node_copy(n, env.__getitem__)
+            env[n].meta[PART_KEY] = "forward"
+    out_struct = pytree.tree_unflatten([env[o] if isinstance(o, fx.Node) else o for o in part.fw_outs], cap.out_spec)
+    fg.output((out_struct, tuple(env[s] for s in part.saved)))
+    forward = _finish(GuardedGraphModule(joint, fg, class_name="SplitForward"), cap.symbolic)
+
+    # backward: saved values and cotangents in; recomputation placed just before first use
+    bg = fx.Graph()
+    benv = {}
+    for s in part.saved:
+        benv[s] = _copy_meta(bg.placeholder(s.name), s)
+    for c in part.cts:
+        benv[c] = _copy_meta(bg.placeholder(c.name), c)
+
+    def emit(node):
+        todo = [node]
+        while todo:
+            v = todo[-1]
+            if v in benv:
+                todo.pop()
+                continue
+            missing = [a for a in v.all_input_nodes if a not in benv]
+            if missing:
+                for a in missing:
+                    if a not in part.recomputed and a not in part.bw:
+                        raise AssertionError(f"fxtools.split: {a} is neither saved nor recomputed")
+                todo.extend(missing)
+                continue
+            benv[v] = bg.node_copy(v, benv.__getitem__)
+            benv[v].meta[PART_KEY] = "recompute" if v in keep else "backward"  # computed in both graphs
+            todo.pop()
+        return benv[node]
+
+    for n in part.nodes:
+        if n in part.bw and n.op == "call_function":
+            emit(n)
+    it = iter(part.grads)
+    grads_flat = [next(it) if w else None for w in wrt]  # one per tensor leaf
+    grads_flat = [emit(g) if isinstance(g, fx.Node) else g for g in grads_flat]
+    bg.output(grads_structure(cap, args, grads_flat, argnums))
+    backward = _finish(GuardedGraphModule(joint, bg, class_name="SplitBackward"), cap.symbolic)
+    boxed_graph = fx.Graph()
+    boxed_graph.output(boxed_graph.graph_copy(backward.graph, {}))
+    boxed_graph.set_codegen(_BoxedCodeGen())
+    backward_boxed = GuardedGraphModule(backward, boxed_graph, class_name="SplitBackwardBoxed")
+
+    # descriptions
+    paths = [p for p, _ in pytree.tree_flatten_with_path(tuple(args))[0]]
+    tensor_paths = [p for p, t in zip(paths, cap.tensor_leaf) if t]
+    top = arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
+
+    def path_text(path):
+        return top[path[0].idx] + _keystr(path[1:]) if path else None
+
+    signature = [_info(p, "input", path_text(path)) for p, path in zip(part.primals, tensor_paths)]
+    out_paths = [p for p, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(n_out)), cap.out_spec))[0]]
+    cotangents = [_info(c, "cotangent", "out" + _keystr(out_paths[i])) for c, i in zip(part.cts, ct_index)]
+    fw_out_nodes = {o for o in part.fw_outs if isinstance(o, fx.Node)}
+    saved, storage_bytes = [], {}
+    primal_set = set(part.primals)
+    for s in part.saved:
+        root = _storage_root(s)
+        kind = "input" if root in primal_set else "output" if s in fw_out_nodes else "activation"
+        storage_bytes[root.name] = max(storage_bytes.get(root.name, 0), nbytes(root.meta.get("val")), nbytes(s.meta.get("val")))
+        info = _info(s, kind, line=user_line_of(s), storage=root.name)
+        saved.append(info)
+    _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap)
+    result = Split(forward, backward, backward_boxed, signature, saved, cotangents, policy,
+                   cap.in_spec, cap.out_spec, cap)
+    # an input's layout matters where the forward, or the backward reading it as saved, views it
+    fw_paths = stride_sensitive_paths(forward, [i.path or i.name for i in signature])
+    bw_paths = stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts])
+    strided = {i.path for i, p in zip(signature, part.primals) if (i.path or i.name) in fw_paths or p.name in bw_paths}
+    result.guards = build("fxtools.split", top, args, layout=strided)
+    sizes.guard_symbolic(result.guards, cap, args)
+    result._ct_index = ct_index
+    result._storage_bytes = storage_bytes
+    result._saved_kinds = [s.kind for s in saved]
+    result._saved_is_primal = [s in primal_set for s in part.saved]
+    result._saved_is_output = [s in fw_out_nodes for s in part.saved]
+    return result

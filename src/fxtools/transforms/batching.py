@@ -1,0 +1,180 @@
+"""``vmap(f, *args, in_dims, out_dims)``: ``f`` over a batch dimension, as batched PyTorch code.
+
+How: PyTorch already knows how to batch every op (``torch.func.vmap``'s batching rules), so
+fxtools traces ``torch.func.vmap(f)`` itself, with ``make_fx`` on FakeTensors. The trace is taken
+below the functorch layer (not at the pre-dispatch level fxtools uses for differentiation, which
+sits above vmap and would only see vmap's unbatched inner values), so what is recorded is the
+batched ops: one ``mm`` on the whole batch, not a Python loop. The graph then goes through the
+same clean-up as every fxtools result (functionalisation of vmap's in-place ``squeeze_``,
+simplification, collapsing of reshape chains that end where they started, public names), and
+is assembled to take the user's pytree arguments with their batch dimensions.
+
+Composition: the result is an ordinary GraphModule, so ``fxtools.grad`` of it and ``vmap`` of an
+``fxtools.grad`` module both work; per-sample gradients are
+``fxtools.vmap(fxtools.grad(loss, params, x0, y0), params, xs, ys, in_dims=(None, 0, 0))``.
+
+Limits (errors, never wrong results): vmap cannot batch data-dependent Python control flow,
+``.item()``, or in-place updates of unbatched tensors by batched values (a BatchNorm in
+training mode updating its running statistics); such programs raise ``FxtoolsError`` naming the
+user's line and PyTorch's explanation.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental import proxy_tensor
+from torch.utils import _pytree as pytree
+
+from ..capture import custom
+from ..codegen import sizes
+from .vjp import _names
+from ..codegen.assemble import assemble
+from ..capture.trace import capture, is_data_dependent, realize_constants
+from ..errors import FxtoolsError, user_frame
+from .forward import collapse_view_chains, tidy_names
+from ..capture.functionalize import functionalize
+from ..codegen.guards import install
+from ..codegen.render import render
+from ..passes.simplify import simplify
+
+__all__ = ["vmap"]
+
+
+aten = torch.ops.aten
+_INPLACE_VIEWS = {aten.squeeze_.dims: aten.squeeze.dims, aten.squeeze_.dim: aten.squeeze.dim,
+                  aten.squeeze_.default: aten.squeeze.default, aten.unsqueeze_.default: aten.unsqueeze.default,
+                  aten.transpose_.default: aten.transpose.int, aten.t_.default: aten.t.default}
+
+
+def _out_of_place_views(gm: fx.GraphModule) -> None:
+    """vmap's batching rules reshape their own fresh results in place (``mm(...)._unsafe_view(...)
+    .squeeze_(1)``); when nothing else reads the tensor, that is the out-of-place view."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _INPLACE_VIEWS:
+            src = node.args[0]
+            if isinstance(src, fx.Node) and len(src.users) == 1 and src.op == "call_function":
+                node.target = _INPLACE_VIEWS[node.target]
+
+
+def vmappable(f):
+    """``f``, with ``.view`` calls of a generated GraphModule turned into ``.reshape``.
+
+    fxtools drops ``.contiguous()`` before a ``.view`` when the example value is contiguous; under
+    vmap the same value may be a non-contiguous slice of a batched tensor, where only
+    ``reshape`` (a view when possible, a copy otherwise) is valid. Attributes stay shared.
+    """
+    if not isinstance(f, fx.GraphModule):
+        return f
+    if not any(n.op == "call_method" and n.target == "view" for n in f.graph.nodes):
+        return f
+    graph = fx.Graph()
+    out = graph.graph_copy(f.graph, {})
+    graph.output(out)
+    for n in graph.nodes:
+        if n.op == "call_method" and n.target == "view":
+            n.target = "reshape"
+    gm = fx.GraphModule(f, graph, class_name=f.__class__.__name__)
+    gm.meta.update(getattr(f, "meta", {}))
+    return gm
+
+
+def _in_dims_for(in_dims, args):
+    if isinstance(in_dims, int) or in_dims is None:
+        return in_dims
+    in_dims = tuple(in_dims)
+    if len(in_dims) != len(args):
+        raise ValueError(f"in_dims has {len(in_dims)} entries for {len(args)} positional arguments")
+    return in_dims
+
+
+def vmap(f, *args, in_dims=0, out_dims=0, dynamic_shapes=None) -> fx.GraphModule:
+    """``f`` mapped over a batch dimension of its arguments, as one batched GraphModule.
+
+    As ``torch.func.vmap(f, in_dims, out_dims)``: ``args`` are example arguments *with* their
+    batch dimension (at ``in_dims``; ``None`` for an unbatched argument, which may be any
+    pytree); ``gm(*args)`` returns ``f``'s outputs stacked along ``out_dims``. Shapes (including
+    the batch size) are specialised to the example.
+    """
+    if not isinstance(args, tuple):
+        args = tuple(args)
+    namer = _NodeNamer(vmappable(f), getattr(f, "guards", None)) if isinstance(f, fx.GraphModule) else None
+    batched = torch.func.vmap(namer or f, in_dims=_in_dims_for(in_dims, args), out_dims=out_dims)
+    return trace_batched(batched, args, names_of=f, namer=namer, made_by="fxtools.vmap", dynamic_shapes=dynamic_shapes)
+
+
+class _NodeNamer(fx.Interpreter):
+    """Runs a generated GraphModule op by op, noting which traced node computed each of its values.
+
+    Batching traces below vmap, where names would otherwise come from ATen ops (``mul_4``); the
+    batched code of a generated module keeps its names (``grad_linear``) instead: each of its
+    values names the last node traced while computing it.
+    """
+
+    def __init__(self, gm, guards=None):
+        super().__init__(gm)
+        self.names: dict[fx.Node, str] = {}
+        self.guards = guards  # of the module batched: each example must be what it was made for
+        self.__signature__ = inspect.signature(gm.forward)  # argument names for the batched code
+
+    def __call__(self, *args):
+        if self.guards is not None:
+            self.guards.check(args, layout=False)  # vmappable's code reshapes rather than views
+        return self.run(*args)
+
+    def run_node(self, n):
+        mode = proxy_tensor.get_innermost_proxy_mode()
+        graph = mode.tracer.graph if mode is not None else None
+        last = graph._root.prev if graph is not None else None
+        out = super().run_node(n)
+        if graph is not None and n.op in ("call_function", "call_method") and graph._root.prev is not last:
+            self.names[graph._root.prev] = n.name
+        return out
+
+    def apply(self, gm: fx.GraphModule) -> None:
+        for node in gm.graph.nodes:
+            name = self.names.get(node)
+            if name is not None and node.op == "call_function" and node.target is not operator.getitem:
+                node._rename(name)
+
+
+def trace_batched(fn, args, names_of=None, namer=None, made_by="fxtools.vmap", dynamic_shapes=None) -> fx.GraphModule:
+    """Trace ``fn`` (which may call torch.func transforms) into a readable GraphModule."""
+    f = fn if names_of is None else names_of
+    try:
+        with custom.transform("fxtools.vmap"):  # custom functions just run their forward
+            cap = capture(fn, args, pre_dispatch=False, dynamic_shapes=dynamic_shapes)
+    except FxtoolsError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised naming the user's line
+        if is_data_dependent(exc):
+            raise
+        where = user_frame(exc.__traceback__) or "an unknown line of user code"
+        raise FxtoolsError(f"fxtools.vmap cannot batch {getattr(f, '__name__', f)!s} (at {where}): "
+                           f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
+    gm = cap.gm
+    if namer is not None:
+        namer.apply(gm)
+    realize_constants(gm)
+    _out_of_place_views(gm)
+    functionalize(gm)
+    names = _names(f, args)
+
+    def build(flat):
+        return pytree.tree_unflatten(flat, cap.out_spec)
+
+    out = assemble(gm, names, args, cap.tensor_leaf, cap.names, build)
+    simplify(out)
+    while collapse_view_chains(out):
+        simplify(out)
+    sizes.check(cap.symbolic, out)
+    tidy_names(out)
+    render(out)
+    sizes.name_sizes(out, cap.symbolic)
+    out.graph.lint()
+    out.recompile()
+    out = install(out, made_by, names, args)
+    sizes.guard_symbolic(out.guards, cap, args)
+    return out

@@ -1,0 +1,285 @@
+"""Forward mode: ``jvp(f, *args)``, the Jacobian-vector product, as readable PyTorch code.
+
+How: the transpose trick, reusing the VJP rules
+-------------------------------------------------
+fxtools has one rule per op, for reverse mode. Rather than write (and keep correct) a second
+rule per op for forward mode, ``jvp`` uses the fact that the VJP graph
+
+    u -> (f(x), J(x)^T u)
+
+is *linear* in the cotangent ``u``. Differentiating that graph with respect to ``u`` (reverse
+mode again, with cotangent ``t`` on its ``J^T u`` outputs) gives the transpose of ``J^T``,
+that is ``J t``: the JVP. Because the second pass only differentiates the backward ops that
+``u`` flows through (the forward ops do not depend on ``u``) and the result does not depend on
+``u`` at all, dead-code elimination leaves exactly the forward computation plus one linear
+op per backward op: for ``sin`` the VJP ``ct * cos(x)`` transposes to ``t * cos(x)``.
+
+Why this and not forward rules: every op fxtools can differentiate in reverse mode (its own
+rules, PyTorch decompositions, rules derived from PyTorch's derivative formulas, the user's
+``register_vjp`` and ``custom_vjp`` rules) is then supported in forward mode with no extra
+table, and the two modes cannot disagree. The cost is paid once, when the code is generated;
+the generated code is what one would write by hand after simplification.
+
+Naming: a cotangent of a cotangent is a tangent, so the value the second pass calls
+``grad_grad_v`` (the cotangent of ``v``'s cotangent) is the tangent of ``v`` and is named
+``tangent_v``. Tangent arguments are ``tangent_<arg>`` (pytrees as for ``vjp``).
+
+No pass fuses ``a + b * c`` into ``torch.addcmul(a, b, c)``: PyTorch's kernel may compute it
+with one rounding (a fused multiply-add), so it differs from ``a + b * c`` in the last bit for
+about one input in four, and stays finite where ``b * c`` overflows. A clean-up is exact or not
+applied (``tests/test_transforms.py``).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from ..capture import custom
+from ..codegen import sizes
+from .vjp import _names, prepare
+from ..codegen.assemble import assemble
+from ..capture.trace import Captured
+from ..rules.decompose import expand
+from ..errors import FxtoolsError
+from ..capture.functionalize import functionalize
+from ..codegen.guards import install, tangent_role
+from ..codegen.render import render
+from ..codegen.show import remember_inputs
+from .reverse import ReverseSpec, is_float, reverse
+from ..passes.simplify import has_generic_name, fake_mode_of, dce, simplify
+
+aten = torch.ops.aten
+
+__all__ = ["jvp", "transpose_vjp", "tangent_names"]
+
+
+def _as_captured(gm: fx.GraphModule) -> Captured:
+    """A flat ATen graph (from ``reverse``) as the ``Captured`` that ``reverse`` reads."""
+    functionalize(gm)
+    expand(gm)
+    return Captured(gm, None, None, [], [], [], [])
+
+
+def tangent_names(gm: fx.GraphModule) -> None:
+    """``grad_grad_v`` (cotangent of a cotangent) is the tangent of ``v``: name it so.
+
+    Other ``grad_`` names of the second pass are cotangents of backward intermediates, which
+    mean nothing to a reader of forward-mode code: they get their op's name back.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not node.name.startswith("grad_"):
+            continue
+        if node.name.startswith("grad_grad_"):
+            node._rename("tangent_" + node.name[len("grad_grad_"):])
+        else:
+            target = node.target
+            base = getattr(getattr(target, "overloadpacket", target), "__name__", "v")
+            node._rename(base.lstrip("_"))
+
+
+def transpose_vjp(vjp_gm: fx.GraphModule, n_in: int, n_out: int):
+    """Transpose the flat VJP graph ``(x..., u...) -> (out..., J^T u...)``.
+
+    ``vjp_gm`` has ``n_in`` primal placeholders followed by cotangent placeholders ``u``, and
+    returns ``n_out`` primal outputs followed by one gradient (or None) per primal input.
+    Returns ``(gm, tangent_of)``: ``gm`` takes ``(x..., u..., t...)`` and returns
+    ``(out..., J^T u..., J t per u)``, and ``tangent_of[k]`` is the primal input index whose
+    tangent is the k-th ``t`` placeholder.
+    """
+    placeholders = [n for n in vjp_gm.graph.nodes if n.op == "placeholder"]
+    n_u = len(placeholders) - n_in
+    wrt = [False] * n_in + [True] * n_u
+    flat, ct_index, _ = reverse(_as_captured(vjp_gm), ReverseSpec(wrt, "cotangent"))
+    for i in ct_index:
+        if i < n_out:
+            raise FxtoolsError("internal error: a primal output depends on the cotangent")
+    return flat, [i - n_out for i in ct_index]
+
+
+_SHAPE_ONLY = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.dim,
+               aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.flatten.using_ints,
+               aten.unflatten.int}
+
+
+def collapse_view_chains(gm: fx.GraphModule) -> bool:
+    """A chain of reshapes/squeezes/unsqueezes that ends in its start's shape is its start."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.slice.Tensor and node.users:
+            x = node.args[0]
+            a, b = (x.meta.get("val") if isinstance(x, fx.Node) else None), node.meta.get("val")
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
+                node.replace_all_uses_with(x)  # a slice of the whole dimension
+                changed = True
+                continue
+        if node.op != "call_function" or node.target not in _SHAPE_ONLY or not node.users:
+            continue
+        start = node
+        while isinstance(start, fx.Node) and start.op == "call_function" and start.target in _SHAPE_ONLY:
+            start = start.args[0]
+        if start is node.args[0] or not isinstance(start, fx.Node):
+            continue
+        a, b = start.meta.get("val"), node.meta.get("val")
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+                and a.dtype == b.dtype and a.is_contiguous():
+            only_for_this = len(start.users) == 1 and has_generic_name(start)
+            node.replace_all_uses_with(start)
+            if only_for_this and not has_generic_name(node):
+                name = node.name
+                gm.graph.erase_node(node)
+                start.name = name  # the erased node's name: unique, and still reserved
+            changed = True
+    return changed
+
+
+def tidy_names(gm: fx.GraphModule) -> None:
+    """``tangent_out_1`` -> ``tangent_out`` when the shorter name is free (after fusions)."""
+    import re
+
+    taken = {n.name for n in gm.graph.nodes}
+    for node in gm.graph.nodes:
+        m = re.fullmatch(r"((?:tangent|grad|hvp)_\w+?)_\d+", node.name)
+        if m and m.group(1) not in taken:
+            node.name = m.group(1)  # the graph namespace still lists it; harmless: names are unique
+            taken.add(node.name)
+
+
+def _zeros(graph: fx.Graph, val, fake_mode, name="zeros"):
+    node = graph.call_function(aten.zeros.default, (list(val.shape),), {"dtype": val.dtype})
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["val"] = torch.zeros(val.shape, dtype=val.dtype)
+    return node
+
+
+# Ops whose PyTorch gradient is deliberately not the adjoint of their forward, with the
+# arguments that make it so: ``embedding``'s gradient skips the padding row (so training leaves
+# it alone) and may be scaled by word frequency, but its forward reads every row plainly. Forward
+# mode, like torch.func.jvp, gives the derivative of the forward: those arguments are reset
+# (they change only the gradient, never the value).
+_GRADIENT_ONLY_ARGS = {aten.embedding.default: {2: -1, 3: False}}  # padding_idx, scale_grad_by_freq
+
+
+def _true_adjoints(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        reset = _GRADIENT_ONLY_ARGS.get(node.target) if node.op == "call_function" else None
+        if reset:
+            args = list(node.args)
+            for i, value in reset.items():
+                if i < len(args):
+                    args[i] = value
+            node.args = tuple(args)
+
+
+def jvp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
+    """The Jacobian-vector product of ``f`` at example ``args``, as readable PyTorch code.
+
+    Returns a GraphModule ``gm`` with ``out, out_tangent = gm(*args, *tangents)``: there is one
+    tangent per positional argument, with that argument's pytree structure (pass ``None`` at
+    leaves that are not floating-point tensors, such as class indices); ``out`` is ``f(*args)``
+    and ``out_tangent`` has its structure, holding ``J @ tangents`` at floating-point leaves and
+    ``None`` elsewhere. As ``torch.func.jvp(f, args, tangents)``.
+    """
+    if not isinstance(args, tuple):
+        args = tuple(args)
+    argnums = tuple(range(len(args)))
+    with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored: refuse it
+        cap, wrt = prepare(f, args, argnums, dynamic_shapes)
+    cap.f = f
+    _true_adjoints(cap.gm)
+    vjp_flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
+    simplify(vjp_flat)
+    x_vals = [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t]
+    n_x, n_out = len(x_vals), len(cap.out_leaves)
+    flat, tangent_of = transpose_vjp(vjp_flat, n_x, n_out)
+    tangent_names(flat)
+
+    # Rebuild: placeholders (x..., one tangent per float tensor leaf), outputs (out..., J t...).
+    old_ph = [n for n in flat.graph.nodes if n.op == "placeholder"]
+    x_ph, u_ph, t_ph = old_ph[:n_x], old_ph[n_x:n_x + len(ct_index)], old_ph[n_x + len(ct_index):]
+    fake_mode = fake_mode_of(flat.graph)
+    graph = fx.Graph()
+    env = {}
+    new_x = []
+    for p in x_ph:
+        q = graph.placeholder(p.name)
+        q.meta["val"] = p.meta.get("val")
+        env[p] = q
+        new_x.append(q)
+    float_x = [i for i, v in enumerate(x_vals) if is_float(v)]
+    t_new = {}
+    for i in float_x:
+        q = graph.placeholder(f"tangent_{x_ph[i].name}")
+        q.meta["val"] = x_ph[i].meta.get("val")
+        t_new[i] = q
+    for k, p in enumerate(t_ph):
+        env[p] = t_new[tangent_of[k]]
+    for p in u_ph:
+        # J t does not depend on u (the VJP is linear in it); anything left reading u is dead
+        # or multiplied away, and zero is as good a value as any.
+        env[p] = _zeros(graph, p.meta["val"], fake_mode, "zeros")
+    mapped = graph.graph_copy(flat.graph, env)
+    mapped = list(mapped) if isinstance(mapped, (tuple, list)) else [mapped]
+    outs = mapped[:n_out]
+    jt = mapped[n_out + n_x:]
+    out_tangents = []
+    it = iter(jt)
+    jt_of = {i: next(it) for i in ct_index}
+    for i, o in enumerate(cap.out_leaves):
+        if i in jt_of:
+            out_tangents.append(jt_of[i])
+        elif is_float(o):
+            src = outs[i]
+            if isinstance(src, fx.Node):
+                z = graph.call_function(aten.zeros_like.default, (src,))
+                z.meta["val"] = src.meta.get("val")
+            else:
+                z = torch.zeros_like(o)
+            out_tangents.append(z)
+        else:
+            out_tangents.append(None)
+    graph.output((*outs, *out_tangents))
+    flat_gm = fx.GraphModule(flat, graph)
+    dce(flat_gm)
+    for n in flat_gm.graph.nodes:
+        if n.op == "placeholder" and n.name.startswith("grad_") and n.users:
+            raise FxtoolsError("internal error: the JVP depends on the cotangent of the VJP")
+
+    names = _names(f, args)
+    tangent_examples = [
+        (f"tangent_{name}", pytree.tree_map(lambda v: v if is_float(v) else None, a))
+        for name, a in zip(names, args)]
+
+    def build(flat_results):
+        out = pytree.tree_unflatten(flat_results[:n_out], cap.out_spec)
+        tan = pytree.tree_unflatten(flat_results[n_out:], cap.out_spec)
+        return out, tan
+
+    return finish(flat_gm, names, args, cap, build, tangent_examples, leaf_x_only=True, made_by="fxtools.jvp",
+                  roles={len(args) + i: tangent_role(n) for i, n in enumerate(names)})
+
+
+def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False, made_by="fxtools", roles=None) -> fx.GraphModule:
+    """Assemble the user-facing module, simplify, render; ``made_by`` and ``roles`` describe
+    it to its guards (``fxtools.codegen.guards``)."""
+    gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
+    simplify(gm)
+    while collapse_view_chains(gm):
+        simplify(gm)
+    sizes.check(cap.symbolic, gm)
+    tidy_names(gm)
+    render(gm)
+    sizes.name_sizes(gm, cap.symbolic)
+    gm.graph.lint()
+    gm.recompile()
+    examples = [*args, *(v for _, v in extra_args)]
+    install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
+    sizes.guard_symbolic(gm.guards, cap, examples)
+    return remember_inputs(gm)
+
+
+def _is_getitem(node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem

@@ -1,0 +1,136 @@
+"""Second derivatives: ``hvp`` (Hessian-vector product) and ``hessian``.
+
+Both are compositions of the first-order transforms, which is possible because every fxtools
+transform returns an ordinary GraphModule of public PyTorch calls that fxtools can trace again:
+
+- ``hvp(f, *args)`` is reverse over reverse: the VJP of ``fxtools.grad(f)`` with cotangent
+  ``v``. Since the Hessian is symmetric, ``(∇f)ᵀ``'s VJP ``Hᵀ v`` is ``H v``. Reverse over
+  reverse needs only the VJP rules (the backward ops of the first pass are ordinary ops with
+  rules), and after simplification it reads like a hand-written double backward. It uses the
+  readable rules whatever ``fxtools.rule_set`` is in effect.
+- ``hessian(f, *args)`` is ``hvp`` batched over the standard basis with ``fxtools``' vmap (the
+  batched graph of ``torch.func.vmap(hvp)``): one batched evaluation, not a loop over columns.
+  The result is nested as ``torch.func.hessian``'s: for a differentiated argument with pytree
+  structure ``S``, ``H`` has structure ``S`` of ``S``, ``H[i][j]`` of shape
+  ``shape_i + shape_j``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .vjp import _argnums_tuple, _names, grads_structure, prepare
+from .batching import trace_batched, vmappable
+from .forward import finish
+from ..registry import rule_set
+from .reverse import ReverseSpec, is_float, reverse
+
+__all__ = ["hvp", "hessian"]
+
+
+def _differentiated(args, argnums):
+    return args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
+
+
+def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
+    """The Hessian-vector product of scalar ``f``: ``gm(*args, v) -> H @ v``.
+
+    ``v`` has the structure of the differentiated argument (``args[argnums]``, or a tuple of
+    them for a tuple ``argnums``), and so has the result. As
+    ``torch.func.jvp(torch.func.grad(f, argnums), args, tangents)[1]`` with ``v`` as the tangent
+    of the differentiated arguments, wherever PyTorch's gradient is the derivative of ``f``.
+    Where it deliberately is not (``embedding`` skips its padding row), the two orders of
+    differentiation differ, and this equals torch.func's reverse over reverse.
+    """
+    from .vjp import grad
+
+    if not isinstance(args, tuple):
+        args = tuple(args)
+    nums = _argnums_tuple(argnums, len(args))
+    # Always the readable rules: fused backward kernels are first-order only (CPU flash
+    # attention's backward has no derivative) and the second derivative should read as math.
+    with rule_set("readable"):
+        g = grad(f, *args, argnums=argnums, dynamic_shapes=dynamic_shapes)
+        cap, wrt = prepare(g, args, nums, dynamic_shapes)
+        cap.f = g
+        flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
+    n_out = len(cap.out_leaves)
+    # keep only H v: drop the gradient itself from the outputs
+    out_node = next(n for n in flat.graph.nodes if n.op == "output")
+    results = list(out_node.args[0])
+    out_node.args = (tuple(results[n_out:]),)
+    v_example = pytree.tree_unflatten(
+        [cap.out_leaves[i] if i in ct_index else None for i in range(n_out)], cap.out_spec)
+
+    def build(flat_results):
+        hv = grads_structure(cap, args, flat_results, nums)
+        return hv[0] if isinstance(argnums, int) else hv
+
+    names = _names(f, args)
+    gm = finish(flat, names, args, cap, build, [("v", v_example)], made_by="fxtools.hvp",
+                roles={len(args): lambda path: "the vector v of the Hessian-vector product"})
+    _name_results(gm)
+    return gm
+
+
+def _name_results(gm: fx.GraphModule) -> None:
+    """The returned ``grad_<x>`` of a Hessian-vector product is ``hvp_<x>``."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for node in pytree.tree_leaves(out.args[0]):
+        if isinstance(node, fx.Node) and node.op != "placeholder" and node.name.startswith("grad_"):
+            node._rename("hvp_" + node.name[len("grad_"):])
+    gm.recompile()
+
+
+def hessian(f, *args, argnums=0) -> fx.GraphModule:
+    """The Hessian of scalar ``f`` with respect to ``args[argnums]``: ``gm(*args) -> H``.
+
+    As ``torch.func.hessian(f, argnums)``: for a tensor argument of shape ``S``, ``H`` has shape
+    ``S + S``; for a pytree argument, ``H[i][j]`` (nested as the argument) has shape
+    ``shape_i + shape_j``. Computed as ``hvp`` batched over the standard basis.
+    """
+    if not isinstance(args, tuple):
+        args = tuple(args)
+    hv = vmappable(hvp(f, *args, argnums=argnums))
+    diff = _differentiated(args, argnums)
+    leaves, spec = pytree.tree_flatten(diff)
+    floats = [x for x in leaves if is_float(x)]
+    if not floats:
+        raise ValueError("hessian needs floating-point tensors in the differentiated arguments")
+    dtype = floats[0].dtype
+    sizes = [x.numel() if is_float(x) else 0 for x in leaves]
+    offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+    total = sum(sizes)
+
+    def hessian_of(*a):
+        eye = torch.eye(total, dtype=dtype)
+        basis = [eye[:, o:o + n].reshape(total, *x.shape) if is_float(x) else None
+                 for x, o, n in zip(leaves, offsets, sizes)]
+        v = pytree.tree_unflatten(basis, spec)
+        columns = torch.func.vmap(hv, in_dims=(None,) * len(a) + (0,))(*a, v)
+        cols = pytree.tree_leaves(columns) if not isinstance(columns, torch.Tensor) else [columns]
+        it = iter(cols)
+        cols = [next(it) if is_float(x) else None for x in leaves]
+        rows = []
+        for xi, ci, ni in zip(leaves, cols, sizes):
+            if ci is None:
+                rows.append(None)
+                continue
+            row = []
+            for xj, oj, nj in zip(leaves, offsets, sizes):
+                if not is_float(xj):
+                    row.append(None)
+                    continue
+                block = ci[oj:oj + nj].reshape(nj, ni).transpose(0, 1)
+                row.append(block.reshape(*xi.shape, *xj.shape))
+            rows.append(pytree.tree_unflatten(row, spec))
+        return pytree.tree_unflatten(rows, spec)
+
+    import inspect
+    try:
+        hessian_of.__signature__ = inspect.signature(f.forward if isinstance(f, torch.nn.Module) else f)
+    except (TypeError, ValueError):
+        pass
+    hessian_of.__name__ = getattr(f, "__name__", "hessian")
+    return trace_batched(hessian_of, args, names_of=f, made_by="fxtools.hessian")
