@@ -19,6 +19,7 @@ Then the transform time of a GPT as the number of layers grows (1 to 24) goes to
 ``benchmarks/scaling.png`` (needs matplotlib; skipped without it). Results are printed and
 written to ``benchmarks/results.md``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,8 @@ import torch.fx as fx
 
 import fxtools
 from fxtools.cli import examples
-from fxtools.transforms.reverse import ancestors
 from fxtools.passes.simplify import count_compute_nodes
+from fxtools.transforms.reverse import ancestors
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -89,6 +90,7 @@ def nbytes(t) -> int:
 # The three transforms
 # ---------------------------------------------------------------------------------------------
 
+
 def fxtools_transform(loss_fn, args, rules="readable"):
     with fxtools.rule_set(rules):
         return fxtools.grad(loss_fn, *args)
@@ -121,6 +123,7 @@ def aot_transform(loss_fn, args):
         def compiler(gm, example_inputs):
             graphs[name] = gm
             return gm
+
         return compiler
 
     fn = aot_function(loss_fn, fw_compiler=keep("fw"), bw_compiler=keep("bw"))
@@ -147,8 +150,25 @@ def eager_fw_bw(loss_fn, args):
 # Graph statistics
 # ---------------------------------------------------------------------------------------------
 
-_VIEWS = {"view", "expand", "transpose", "t", "permute", "reshape", "unsqueeze", "squeeze", "contiguous",
-          "view_as", "expand_as", "flatten", "unflatten", "detach", "alias", "_unsafe_view", "split"}
+_VIEWS = {
+    "view",
+    "expand",
+    "transpose",
+    "t",
+    "permute",
+    "reshape",
+    "unsqueeze",
+    "squeeze",
+    "contiguous",
+    "view_as",
+    "expand_as",
+    "flatten",
+    "unflatten",
+    "detach",
+    "alias",
+    "_unsafe_view",
+    "split",
+}
 
 
 def _name(node):
@@ -161,8 +181,10 @@ def _inputs_and_their_views(gm: fx.GraphModule) -> set:
     inputs = set()
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr") or (
-                n.all_input_nodes and all(a in inputs for a in n.all_input_nodes)
-                and (n.target is operator.getitem or n.target is getattr or _name(n) in _VIEWS)):
+            n.all_input_nodes
+            and all(a in inputs for a in n.all_input_nodes)
+            and (n.target is operator.getitem or n.target is getattr or _name(n) in _VIEWS)
+        ):
             inputs.add(n)
     return inputs
 
@@ -177,8 +199,7 @@ def fxtools_split_stats(gm: fx.GraphModule):
     out = next(n for n in gm.graph.nodes if n.op == "output")
     forward = ancestors([out.args[0][0]])
     inputs = _inputs_and_their_views(gm)
-    compute = [n for n in gm.graph.nodes
-               if n.op in ("call_function", "call_method") and n.target is not operator.getitem]
+    compute = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and n.target is not operator.getitem]
     n_fw = sum(1 for n in compute if n in forward)
     saved = set()
     for n in gm.graph.nodes:
@@ -230,13 +251,16 @@ def eager_saved_bytes(loss_fn, args):
 # Models
 # ---------------------------------------------------------------------------------------------
 
+
 def models(quick: bool):
     yield "MLP (8-16-4, batch 6)", lambda: examples.mlp()
     yield "SmallCNN (4x3x8x8)", lambda: examples.small_cnn()
     yield "GPT tiny (2 layers, width 16, 2x8 tokens)", lambda: examples.gpt("tiny")
     if quick:
-        yield "GPT 4 layers, width 128 (1x32 tokens)", lambda: examples.gpt(
-            "gpt2", batch=1, seq_len=32, n_layer=4, n_embd=128, n_head=4, vocab_size=1024)
+        yield (
+            "GPT 4 layers, width 128 (1x32 tokens)",
+            lambda: examples.gpt("gpt2", batch=1, seq_len=32, n_layer=4, n_embd=128, n_head=4, vocab_size=1024),
+        )
     else:
         yield "GPT-2 124M (12 layers, width 768, 1x64 tokens)", lambda: examples.gpt("gpt2", batch=1, seq_len=64)
 
@@ -283,7 +307,8 @@ def bench_model(name, build, reps, run_reps):
     fx_fn, fx_args = copies["fx"]
     fused_args = copies["fused"][1]
     row["fxtools_run_s"], row["fused_run_s"], row["eager_run_s"] = interleaved_median_times(
-        [lambda: gm(*fx_args), lambda: gm_fused(*fused_args), lambda: eager_fw_bw(*copies["eager"])], run_reps)
+        [lambda: gm(*fx_args), lambda: gm_fused(*fused_args), lambda: eager_fw_bw(*copies["eager"])], run_reps
+    )
     # correctness guard: the numbers are only worth reporting if the gradients agree
     want = eager_fw_bw(*examples.as_loss(copy.deepcopy(model), inputs))
     for key, g, a in (("max_grad_diff", gm, fx_args), ("fused_max_grad_diff", gm_fused, fused_args)):
@@ -291,11 +316,9 @@ def bench_model(name, build, reps, run_reps):
         row[key] = max((x - w).abs().max().item() for x, w in zip(grads.values(), want))
 
     n_fw, n_bw, saved = fxtools_split_stats(gm)
-    row.update(fxtools_nodes=count_compute_nodes(gm), fxtools_fw_nodes=n_fw, fxtools_bw_nodes=n_bw,
-               fxtools_saved=saved)
+    row.update(fxtools_nodes=count_compute_nodes(gm), fxtools_fw_nodes=n_fw, fxtools_bw_nodes=n_bw, fxtools_saved=saved)
     n_fw, n_bw, saved = fxtools_split_stats(gm_fused)
-    row.update(fused_nodes=count_compute_nodes(gm_fused), fused_fw_nodes=n_fw, fused_bw_nodes=n_bw,
-               fused_saved=saved)
+    row.update(fused_nodes=count_compute_nodes(gm_fused), fused_fw_nodes=n_fw, fused_bw_nodes=n_bw, fused_saved=saved)
     a_fw, a_bw, a_saved = aot_stats(fw, bw)
     row.update(aot_fw_nodes=a_fw, aot_bw_nodes=a_bw, aot_saved=a_saved)
     row["eager_saved"] = eager_saved_bytes(*copies["eager"])
@@ -307,8 +330,9 @@ def bench_scaling(layers, width, seq_len, vocab, reps=3):
     rows = []
     for n in layers:
         log(f"scaling: GPT with {n} layers, width {width}")
-        model, inputs = examples.gpt("gpt2", batch=1, seq_len=seq_len, n_layer=n, n_embd=width,
-                                     n_head=max(1, width // 64), vocab_size=vocab)
+        model, inputs = examples.gpt(
+            "gpt2", batch=1, seq_len=seq_len, n_layer=n, n_embd=width, n_head=max(1, width // 64), vocab_size=vocab
+        )
         loss_fn, args = examples.as_loss(model, inputs)
         t_fx = median_time(lambda: fxtools_transform(loss_fn, args), reps)
         t_run = median_time(lambda: eager_fw_bw(loss_fn, args), 3, warmup=1, collect=False)
@@ -327,6 +351,7 @@ def bench_scaling(layers, width, seq_len, vocab, reps=3):
 def plot(rows, path, title):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -334,8 +359,11 @@ def plot(rows, path, title):
         return None
     x = [r["layers"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for key, label in (("fxtools_s", "fxtools.grad"), ("aot_s", "aot_function (nop compiler)"),
-                       ("make_fx_s", "make_fx(torch.func.grad)")):
+    for key, label in (
+        ("fxtools_s", "fxtools.grad"),
+        ("aot_s", "aot_function (nop compiler)"),
+        ("make_fx_s", "make_fx(torch.func.grad)"),
+    ):
         ax.plot(x, [r[key] for r in rows], marker="o", label=label)
     ax.set_xlabel("transformer layers")
     ax.set_ylabel("transform time (s)")
@@ -351,6 +379,7 @@ def plot(rows, path, title):
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
+
 
 def _mb(b):
     return f"{b / 2**20:.2f} MB" if b >= 2**20 else f"{b / 1024:.1f} kB"
@@ -370,47 +399,79 @@ def machine():
                     break
     except OSError:
         pass
-    return (f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"Python {platform.python_version()}, {platform.system()} {platform.release()}")
+    return (
+        f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"Python {platform.python_version()}, {platform.system()} {platform.release()}"
+    )
 
 
 def tables(rows, scaling, scaling_note):
-    out = ["### Transform time (median; lower is better)", "",
-           "| model | params | fxtools | fxtools fused | aot_function | make_fx(grad) | fxtools / aot | fxtools / make_fx |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "### Transform time (median; lower is better)",
+        "",
+        "| model | params | fxtools | fxtools fused | aot_function | make_fx(grad) | fxtools / aot | fxtools / make_fx |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        out.append(f"| {r['model']} | {r['params']:,} | {r['fxtools_s']:.3f} s | {r['fused_s']:.3f} s | {r['aot_s']:.3f} s | "
-                   f"{r['make_fx_s']:.3f} s | {_ratio(r['fxtools_s'], r['aot_s'])} | "
-                   f"{_ratio(r['fxtools_s'], r['make_fx_s'])} |")
-    out += ["", "### Forward + backward run time (median; readable rules, fused rule set, eager)", "",
-            "| model | readable | fused | eager autograd | readable / eager | fused / eager | max abs grad difference (readable, fused) |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+        out.append(
+            f"| {r['model']} | {r['params']:,} | {r['fxtools_s']:.3f} s | {r['fused_s']:.3f} s | {r['aot_s']:.3f} s | "
+            f"{r['make_fx_s']:.3f} s | {_ratio(r['fxtools_s'], r['aot_s'])} | "
+            f"{_ratio(r['fxtools_s'], r['make_fx_s'])} |"
+        )
+    out += [
+        "",
+        "### Forward + backward run time (median; readable rules, fused rule set, eager)",
+        "",
+        "| model | readable | fused | eager autograd | readable / eager | fused / eager | max abs grad difference (readable, fused) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        out.append(f"| {r['model']} | {r['fxtools_run_s'] * 1e3:.2f} ms | {r['fused_run_s'] * 1e3:.2f} ms | "
-                   f"{r['eager_run_s'] * 1e3:.2f} ms | {_ratio(r['fxtools_run_s'], r['eager_run_s'])} | "
-                   f"{_ratio(r['fused_run_s'], r['eager_run_s'])} | {r['max_grad_diff']:.2g}, {r['fused_max_grad_diff']:.2g} |")
-    out += ["", "### Saved activations (kept from forward for backward; parameters and inputs not counted)", "",
-            "| model | fxtools | fxtools fused | AOTAutograd | eager autograd | fxtools / eager | fused / eager |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+        out.append(
+            f"| {r['model']} | {r['fxtools_run_s'] * 1e3:.2f} ms | {r['fused_run_s'] * 1e3:.2f} ms | "
+            f"{r['eager_run_s'] * 1e3:.2f} ms | {_ratio(r['fxtools_run_s'], r['eager_run_s'])} | "
+            f"{_ratio(r['fused_run_s'], r['eager_run_s'])} | {r['max_grad_diff']:.2g}, {r['fused_max_grad_diff']:.2g} |"
+        )
+    out += [
+        "",
+        "### Saved activations (kept from forward for backward; parameters and inputs not counted)",
+        "",
+        "| model | fxtools | fxtools fused | AOTAutograd | eager autograd | fxtools / eager | fused / eager |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        out.append(f"| {r['model']} | {_mb(r['fxtools_saved'])} | {_mb(r['fused_saved'])} | {_mb(r['aot_saved'])} | "
-                   f"{_mb(r['eager_saved'])} | {_ratio(r['fxtools_saved'], r['eager_saved'])} | "
-                   f"{_ratio(r['fused_saved'], r['eager_saved'])} |")
-    out += ["", "### Graph size (compute nodes)", "",
-            "| model | fxtools fw / bw / total | fused fw / bw / total | AOTAutograd fw / bw | make_fx joint | "
-            "fxtools bw / aot bw | fused bw / aot bw |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+        out.append(
+            f"| {r['model']} | {_mb(r['fxtools_saved'])} | {_mb(r['fused_saved'])} | {_mb(r['aot_saved'])} | "
+            f"{_mb(r['eager_saved'])} | {_ratio(r['fxtools_saved'], r['eager_saved'])} | "
+            f"{_ratio(r['fused_saved'], r['eager_saved'])} |"
+        )
+    out += [
+        "",
+        "### Graph size (compute nodes)",
+        "",
+        "| model | fxtools fw / bw / total | fused fw / bw / total | AOTAutograd fw / bw | make_fx joint | "
+        "fxtools bw / aot bw | fused bw / aot bw |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        out.append(f"| {r['model']} | {r['fxtools_fw_nodes']} / {r['fxtools_bw_nodes']} / {r['fxtools_nodes']} | "
-                   f"{r['fused_fw_nodes']} / {r['fused_bw_nodes']} / {r['fused_nodes']} | "
-                   f"{r['aot_fw_nodes']} / {r['aot_bw_nodes']} | {r['make_fx_nodes']} | "
-                   f"{_ratio(r['fxtools_bw_nodes'], r['aot_bw_nodes'])} | {_ratio(r['fused_bw_nodes'], r['aot_bw_nodes'])} |")
+        out.append(
+            f"| {r['model']} | {r['fxtools_fw_nodes']} / {r['fxtools_bw_nodes']} / {r['fxtools_nodes']} | "
+            f"{r['fused_fw_nodes']} / {r['fused_bw_nodes']} / {r['fused_nodes']} | "
+            f"{r['aot_fw_nodes']} / {r['aot_bw_nodes']} | {r['make_fx_nodes']} | "
+            f"{_ratio(r['fxtools_bw_nodes'], r['aot_bw_nodes'])} | {_ratio(r['fused_bw_nodes'], r['aot_bw_nodes'])} |"
+        )
     if scaling:
-        out += ["", f"### Transform time against depth ({scaling_note})", "",
-                "| layers | fxtools | aot_function | make_fx(grad) | fxtools / aot |", "|---:|---:|---:|---:|---:|"]
+        out += [
+            "",
+            f"### Transform time against depth ({scaling_note})",
+            "",
+            "| layers | fxtools | aot_function | make_fx(grad) | fxtools / aot |",
+            "|---:|---:|---:|---:|---:|",
+        ]
         for r in scaling:
-            out.append(f"| {r['layers']} | {r['fxtools_s']:.2f} s | {r['aot_s']:.2f} s | {r['make_fx_s']:.2f} s | "
-                       f"{_ratio(r['fxtools_s'], r['aot_s'])} |")
+            out.append(
+                f"| {r['layers']} | {r['fxtools_s']:.2f} s | {r['aot_s']:.2f} s | {r['make_fx_s']:.2f} s | "
+                f"{_ratio(r['fxtools_s'], r['aot_s'])} |"
+            )
     return "\n".join(out)
 
 
@@ -443,9 +504,13 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=768, help="width of the GPTs in the scaling sweep (default 768)")
     p.add_argument("--no-scaling", action="store_true", help="skip the scaling sweep")
     p.add_argument("--out", default=os.path.join(HERE, "results.md"), help="where to write the markdown report")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads for everything (default: torch's current setting); on a loaded machine "
-                        "1 avoids OpenMP threads waiting for each other")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for everything (default: torch's current setting); on a loaded machine "
+        "1 avoids OpenMP threads waiting for each other",
+    )
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", message="Your compiler for AOTAutograd")
     if a.threads:
@@ -474,24 +539,32 @@ def main(argv=None) -> int:
         width = 128 if a.quick and a.width == 768 else a.width
         vocab = 1024 if a.quick else 50257
         reps = 1 if a.quick else 3
-        note = (f"GPT, width {width}, {max(1, width // 64)} heads, vocabulary {vocab}, 1x64 tokens, "
-                f"median of {reps}")
+        note = f"GPT, width {width}, {max(1, width // 64)} heads, vocabulary {vocab}, 1x64 tokens, median of {reps}"
         scaling = bench_scaling(layers, width, 64, vocab, reps)
-        png = plot(scaling, os.path.join(os.path.dirname(a.out), "scaling.png"),
-                   f"Transform time of a GPT (width {width}) by depth")
+        png = plot(
+            scaling, os.path.join(os.path.dirname(a.out), "scaling.png"), f"Transform time of a GPT (width {width}) by depth"
+        )
 
     table = tables(rows, scaling, note)
     total = time.perf_counter() - start
     load_after = os.getloadavg()
-    header = (f"# fxtools benchmarks\n\n{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} {time.strftime('%Z')}; "
-              f"{machine()}.\nTotal benchmark time {total / 60:.1f} min{' (--quick)' if a.quick else ''}; "
-              f"1-minute load average {load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end "
-              "(other processes shared the CPUs: absolute times are noisy, ratios less so).\n"
-              f"Command: `fxtools bench {' '.join(argv if argv is not None else sys.argv[1:])}`"
-              + (" (one thread: with more threads than free cores, OpenMP threads wait for each other and "
-                 "small ops slow down by orders of magnitude)" if a.threads == 1 else "") + ".\n")
-    text = header + "\n" + table + "\n" + (f"\n![transform time by depth]({os.path.basename(png)})\n" if png else "") \
-        + "\n" + NOTES
+    header = (
+        f"# fxtools benchmarks\n\n{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} {time.strftime('%Z')}; "
+        f"{machine()}.\nTotal benchmark time {total / 60:.1f} min{' (--quick)' if a.quick else ''}; "
+        f"1-minute load average {load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end "
+        "(other processes shared the CPUs: absolute times are noisy, ratios less so).\n"
+        f"Command: `fxtools bench {' '.join(argv if argv is not None else sys.argv[1:])}`"
+        + (
+            " (one thread: with more threads than free cores, OpenMP threads wait for each other and "
+            "small ops slow down by orders of magnitude)"
+            if a.threads == 1
+            else ""
+        )
+        + ".\n"
+    )
+    text = (
+        header + "\n" + table + "\n" + (f"\n![transform time by depth]({os.path.basename(png)})\n" if png else "") + "\n" + NOTES
+    )
     print(table)
     with open(a.out, "w") as fh:
         fh.write(text)

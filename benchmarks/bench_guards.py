@@ -15,6 +15,7 @@ vocabulary 50257, batch 1 x 64 tokens, float32). Measured in this one process, o
 The guards' share of a step is the check's median over the step's median; it must stay under 1%.
 Results are printed and written to ``benchmarks/results_guards.md``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -105,15 +106,22 @@ def main(argv=None) -> int:
         ("fxtools.grad: difference of the medians", f"{(guarded - bare) * 1e3:+.2f} ms ({(guarded - bare) / bare:+.2%})"),
         ("gm.guards.check(args) alone", f"{check * 1e6:.0f} µs ({check / bare:.3%} of the step)"),
         ("fxtools.compile: training step (forward + backward)", f"{step_time * 1e3:.1f} ms"),
-        ("fxtools.compile: choosing the graphs (guards + requires_grad)", f"{choose * 1e6:.0f} µs "
-                                                                          f"({choose / step_time:.3%} of the step)"),
+        (
+            "fxtools.compile: choosing the graphs (guards + requires_grad)",
+            f"{choose * 1e6:.0f} µs ({choose / step_time:.3%} of the step)",
+        ),
     ]
     width = max(len(r[0]) for r in rows)
-    lines = [f"# The guards' cost ({name})", "",
-             f"{datetime.date.today().isoformat()}, torch {torch.__version__}, {platform.machine()}, "
-             f"{torch.get_num_threads()} threads, medians of {reps} steps; {n_leaves} argument leaves "
-             "(parameters, idx, targets).", "",
-             "| measurement | time |", "|---|---|"]
+    lines = [
+        f"# The guards' cost ({name})",
+        "",
+        f"{datetime.date.today().isoformat()}, torch {torch.__version__}, {platform.machine()}, "
+        f"{torch.get_num_threads()} threads, medians of {reps} steps; {n_leaves} argument leaves "
+        "(parameters, idx, targets).",
+        "",
+        "| measurement | time |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {v} |" for k, v in rows]
     text = "\n".join(lines) + "\n"
     for k, v in rows:

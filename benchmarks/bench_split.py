@@ -15,6 +15,7 @@ parameters, float32), by default at batch 1 and sequence length 256 rather than 
 
 Results are printed and written to ``benchmarks/results_split.md``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -120,8 +121,10 @@ def main(argv=None):
         rows.append((f"fxtools {policy}", b, sp.saved_bytes, med[policy], build[policy]))
 
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-               f"{torch.get_num_threads()} threads, Python {platform.python_version()}")
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, Python {platform.python_version()}"
+    )
     lines = [
         f"# fxtools.split against eager autograd ({when})",
         "",
@@ -134,8 +137,10 @@ def main(argv=None):
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, b, static, t, bt in rows:
-        lines.append(f"| {name} | {b / 2**20:.1f} | {b / eager_bytes:.2f} | {t:.3f} | {t / med['eager']:.2f} | "
-                     f"{'' if bt is None else f'{bt:.1f}'} |")
+        lines.append(
+            f"| {name} | {b / 2**20:.1f} | {b / eager_bytes:.2f} | {t:.3f} | {t / med['eager']:.2f} | "
+            f"{'' if bt is None else f'{bt:.1f}'} |"
+        )
     text = "\n".join(lines)
     print(text)
     if not args.quick:

@@ -2,6 +2,7 @@
 
 Run from the repository root: ``.venv/bin/python docs/split_mlp.py`` (needs pydot and Graphviz).
 """
+
 import os
 
 import torch
@@ -29,5 +30,5 @@ if __name__ == "__main__":
     s = fxtools.split(MLP(), x, y, policy="recompute_cheap")
     s.report()
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "split_mlp.svg")
-    fxtools.draw(s, path, title="fxtools.split(MLP(), x, y, policy=\"recompute_cheap\")")
+    fxtools.draw(s, path, title='fxtools.split(MLP(), x, y, policy="recompute_cheap")')
     print("wrote", path)

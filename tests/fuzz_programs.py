@@ -27,6 +27,7 @@ Finally 1 to 3 values (preferably not yet used) are returned as a tensor, a tupl
 nested dict; sometimes an integer output (an ``argmax``), an input, a view of an input or one
 value twice goes along. A few statements mutate fresh temporaries in place (``.mul_``, ``.add_``).
 """
+
 from __future__ import annotations
 
 import random
@@ -37,15 +38,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-BATCH = 3          # samples the vmap and per-sample-gradient tests batch over
-MARGIN = 1e-3      # distance kept from kinks and ties (no finite differences: exactness suffices)
+BATCH = 3  # samples the vmap and per-sample-gradient tests batch over
+MARGIN = 1e-3  # distance kept from kinks and ties (no finite differences: exactness suffices)
 MAX_ABS = 1e3
 
 
 @dataclass(eq=False)
 class Var:
     name: str
-    vals: list            # one tensor per sample: [example, batch sample 1, ..., batch sample BATCH]
+    vals: list  # one tensor per sample: [example, batch sample 1, ..., batch sample BATCH]
     is_input: bool = False
     used: int = 0
 
@@ -68,7 +69,7 @@ class Program:
     seed: int
     source: str
     fn: object
-    inputs: list            # Vars of the inputs, in argument order
+    inputs: list  # Vars of the inputs, in argument order
     float_args: list = field(default_factory=list)  # argument positions of the float inputs
 
     @property
@@ -94,7 +95,7 @@ class _Reject(Exception):
 class _Builder:
     def __init__(self, index, seed):
         self.rng = random.Random(f"fxtools-fuzz-{seed}-{index}")
-        self.gen = torch.Generator().manual_seed(hash((seed, index)) % (2 ** 62))
+        self.gen = torch.Generator().manual_seed(hash((seed, index)) % (2**62))
         self.inputs: list[Var] = []
         self.pool: list[Var] = []
         self.lines: list[str] = []
@@ -117,7 +118,7 @@ class _Builder:
         return var
 
     def random_shape(self, max_dim=3):
-        nd = self.rng.choice([1, 2, 2, 2, 3, 3][:2 * max_dim])
+        nd = self.rng.choice([1, 2, 2, 2, 3, 3][: 2 * max_dim])
         return tuple(self.rng.randint(2, 4) for _ in range(nd))
 
     def floats(self, pred=lambda v: True):
@@ -125,8 +126,7 @@ class _Builder:
         if not cands:
             raise _Reject
         # prefer recent and unused values: programs then read as chains, with little dead code
-        weights = [1 + 2 * (k >= len(cands) - 3) + 3 * (v.used == 0 and not v.is_input)
-                   for k, v in enumerate(cands)]
+        weights = [1 + 2 * (k >= len(cands) - 3) + 3 * (v.used == 0 and not v.is_input) for k, v in enumerate(cands)]
         return self.rng.choices(cands, weights)[0]
 
     # -- statements --------------------------------------------------------------------------
@@ -208,24 +208,46 @@ class _Builder:
         exec(compile(source, f"<fuzz program {index} (seed {seed})>", "exec"), env)
         fn = env["f"]
         fn.__fuzz_source__ = source
-        return Program(index, seed, source, fn, self.inputs,
-                       [k for k, v in enumerate(self.inputs) if v.is_float])
+        return Program(index, seed, source, fn, self.inputs, [k for k, v in enumerate(self.inputs) if v.is_float])
 
 
 # ------------------------------------------------------------------------------------------------
 # The vocabulary: each entry (weight, builder) emits one statement or raises _Reject.
+
 
 def _away(x, points=(0.0,)):
     return all(bool(((x - p).abs() >= MARGIN).all()) for p in points)
 
 
 def _unary(b: _Builder):
-    simple = ["torch.sin({a})", "torch.cos({a})", "torch.tanh({a})", "torch.sigmoid({a})",
-              "F.gelu({a})", "F.gelu({a}, approximate='tanh')", "F.softplus({a})", "F.silu({a})",
-              "F.mish({a})", "torch.erf({a})", "torch.atan({a})", "-{a}", "{a} * {a}", "{a}.pow(3)",
-              "{a} ** 2", "F.logsigmoid({a})", "torch.square({a})", "{a} * 2.5", "{a} / 3",
-              "1.5 - {a}", "{a} + 1", "torch.sinh({a})", "torch.asinh({a})", "{a}.cos().mul(2)",
-              "torch.sin({a}).mul_(2)", "{a}.clone().tanh_()"]
+    simple = [
+        "torch.sin({a})",
+        "torch.cos({a})",
+        "torch.tanh({a})",
+        "torch.sigmoid({a})",
+        "F.gelu({a})",
+        "F.gelu({a}, approximate='tanh')",
+        "F.softplus({a})",
+        "F.silu({a})",
+        "F.mish({a})",
+        "torch.erf({a})",
+        "torch.atan({a})",
+        "-{a}",
+        "{a} * {a}",
+        "{a}.pow(3)",
+        "{a} ** 2",
+        "F.logsigmoid({a})",
+        "torch.square({a})",
+        "{a} * 2.5",
+        "{a} / 3",
+        "1.5 - {a}",
+        "{a} + 1",
+        "torch.sinh({a})",
+        "torch.asinh({a})",
+        "{a}.cos().mul(2)",
+        "torch.sin({a}).mul_(2)",
+        "{a}.clone().tanh_()",
+    ]
     guarded = [
         ("torch.exp({a})", lambda x: bool((x.abs() < 5).all())),
         ("torch.expm1({a})", lambda x: bool((x.abs() < 5).all())),
@@ -286,18 +308,24 @@ def _binary(b: _Builder):
     c = _other_operand(b, a)
     if b.rng.random() < 0.5:
         a, c = c, a
-    ops = [("{a} + {c}", None), ("{a} - {c}", None), ("{a} * {c}", None), ("torch.add({a}, {c}, alpha=0.5)", None),
-           ("{a} / {c}", lambda x, y: bool((y.abs() >= 0.2).all())),
-           ("torch.maximum({a}, {c})", lambda x, y: _away(x - y)),
-           ("torch.minimum({a}, {c})", lambda x, y: _away(x - y)),
-           ("torch.atan2({a}, {c})", lambda x, y: bool((x * x + y * y >= 0.04).all())),
-           ("torch.hypot({a}, {c})", lambda x, y: bool((x * x + y * y >= 0.04).all())),
-           ("torch.pow({a}, {c})", lambda x, y: bool((x >= 0.2).all() and (y.abs() < 3).all())),
-           ("torch.lerp({a}, {c}, 0.3)", None), ("({a} * {c}).sub_({c})", None),
-           ("torch.where({a} > {c}, {a}, {c} * 2)", lambda x, y: _away(x - y)),
-           ("{a}.masked_fill({c} < 0, 0.5)", None),
-           ("F.mse_loss({a}, {c})", lambda x, y: x.shape == y.shape),
-           ("F.mse_loss({a}, {c}, reduction='none')", lambda x, y: x.shape == y.shape)]
+    ops = [
+        ("{a} + {c}", None),
+        ("{a} - {c}", None),
+        ("{a} * {c}", None),
+        ("torch.add({a}, {c}, alpha=0.5)", None),
+        ("{a} / {c}", lambda x, y: bool((y.abs() >= 0.2).all())),
+        ("torch.maximum({a}, {c})", lambda x, y: _away(x - y)),
+        ("torch.minimum({a}, {c})", lambda x, y: _away(x - y)),
+        ("torch.atan2({a}, {c})", lambda x, y: bool((x * x + y * y >= 0.04).all())),
+        ("torch.hypot({a}, {c})", lambda x, y: bool((x * x + y * y >= 0.04).all())),
+        ("torch.pow({a}, {c})", lambda x, y: bool((x >= 0.2).all() and (y.abs() < 3).all())),
+        ("torch.lerp({a}, {c}, 0.3)", None),
+        ("({a} * {c}).sub_({c})", None),
+        ("torch.where({a} > {c}, {a}, {c} * 2)", lambda x, y: _away(x - y)),
+        ("{a}.masked_fill({c} < 0, 0.5)", None),
+        ("F.mse_loss({a}, {c})", lambda x, y: x.shape == y.shape),
+        ("F.mse_loss({a}, {c}, reduction='none')", lambda x, y: x.shape == y.shape),
+    ]
     expr, check = b.rng.choice(ops)
     operands = [a] if a is c else [a, c]
     if check is not None and a is c:
@@ -314,10 +342,16 @@ def _view(b: _Builder):
         d0, d1 = rng.sample(range(nd), 2)
         perm = list(range(nd))
         rng.shuffle(perm)
-        choices += [f"{a.name}.transpose({d0}, {d1})", f"{a.name}.permute({perm})", f"{a.name}.mT",
-                    f"{a.name}.flatten()", f"{a.name}[{rng.randrange(shape[0])}]",
-                    f"{a.name}.select({d1}, {rng.randrange(shape[d1])})", f"{a.name}[:, 1:]",
-                    f"{a.name}.transpose({d0}, {d1}).contiguous().view(-1)"]
+        choices += [
+            f"{a.name}.transpose({d0}, {d1})",
+            f"{a.name}.permute({perm})",
+            f"{a.name}.mT",
+            f"{a.name}.flatten()",
+            f"{a.name}[{rng.randrange(shape[0])}]",
+            f"{a.name}.select({d1}, {rng.randrange(shape[d1])})",
+            f"{a.name}[:, 1:]",
+            f"{a.name}.transpose({d0}, {d1}).contiguous().view(-1)",
+        ]
     if nd == 2:
         choices.append(f"{a.name}.t()")
     n = a.v.numel()
@@ -326,12 +360,17 @@ def _view(b: _Builder):
         d = rng.choice(divisors)
         choices += [f"{a.name}.reshape({d}, {n // d})", f"{a.name}.reshape(-1, {d})", f"{a.name}.view({n})"]
     dim = rng.randint(0, nd)
-    choices += [f"{a.name}.unsqueeze({dim})", f"{a.name}[..., ::2]", f"{a.name}[1:]",
-                f"{a.name}.narrow({nd - 1}, 1, {shape[-1] - 1})",
-                f"{a.name}.unsqueeze(0).expand({rng.randint(2, 3)}, {', '.join(map(str, shape))})",
-                f"{a.name}.unsqueeze(-1).expand(*{a.name}.shape, 2)",
-                f"{a.name}.flip({rng.randrange(nd)})", f"{a.name}.roll(1, {rng.randrange(nd)})",
-                f"{a.name}.repeat({', '.join(['2'] + ['1'] * (nd - 1))})"]
+    choices += [
+        f"{a.name}.unsqueeze({dim})",
+        f"{a.name}[..., ::2]",
+        f"{a.name}[1:]",
+        f"{a.name}.narrow({nd - 1}, 1, {shape[-1] - 1})",
+        f"{a.name}.unsqueeze(0).expand({rng.randint(2, 3)}, {', '.join(map(str, shape))})",
+        f"{a.name}.unsqueeze(-1).expand(*{a.name}.shape, 2)",
+        f"{a.name}.flip({rng.randrange(nd)})",
+        f"{a.name}.roll(1, {rng.randrange(nd)})",
+        f"{a.name}.repeat({', '.join(['2'] + ['1'] * (nd - 1))})",
+    ]
     b.emit(rng.choice(choices), [a])
 
 
@@ -349,21 +388,25 @@ def _reduction(b: _Builder):
     nd = a.v.dim()
     dim = rng.randrange(-nd, nd)
     keep = rng.random() < 0.4
-    ops = [(f"{a.name}.sum({dim}, keepdim={keep})", None), (f"{a.name}.mean({dim}, keepdim={keep})", None),
-           (f"{a.name}.sum()", None), (f"{a.name}.mean()", None),
-           (f"torch.logsumexp({a.name}, {dim}, keepdim={keep})", None),
-           (f"{a.name}.var({dim}, keepdim={keep})", None), (f"{a.name}.var({dim}, correction=0)", None),
-           (f"{a.name}.std({dim})", lambda x: bool((x.std(dim) >= MARGIN).all())),
-           (f"{a.name}.amax({dim}, keepdim={keep})", lambda x: _gap(x, dim)),
-           (f"{a.name}.amin({dim})", lambda x: _gap(x, dim, largest=False)),
-           (f"{a.name}.max({dim}).values", lambda x: _gap(x, dim)),
-           (f"torch.linalg.vector_norm({a.name}, 2, {dim}, keepdim={keep})",
-            lambda x: bool((x.norm(dim=dim) >= MARGIN).all())),
-           (f"{a.name}.norm()", lambda x: bool(x.norm() >= MARGIN)),
-           (f"{a.name}.prod({dim})", lambda x: bool((x.abs() >= 0.2).all())),
-           (f"{a.name}.cumsum({dim})", None),
-           (f"torch.cummax({a.name}, {dim}).values", lambda x: _distinct(x, dim)),
-           (f"torch.sort({a.name}, {dim}).values", lambda x: _distinct(x, dim))]
+    ops = [
+        (f"{a.name}.sum({dim}, keepdim={keep})", None),
+        (f"{a.name}.mean({dim}, keepdim={keep})", None),
+        (f"{a.name}.sum()", None),
+        (f"{a.name}.mean()", None),
+        (f"torch.logsumexp({a.name}, {dim}, keepdim={keep})", None),
+        (f"{a.name}.var({dim}, keepdim={keep})", None),
+        (f"{a.name}.var({dim}, correction=0)", None),
+        (f"{a.name}.std({dim})", lambda x: bool((x.std(dim) >= MARGIN).all())),
+        (f"{a.name}.amax({dim}, keepdim={keep})", lambda x: _gap(x, dim)),
+        (f"{a.name}.amin({dim})", lambda x: _gap(x, dim, largest=False)),
+        (f"{a.name}.max({dim}).values", lambda x: _gap(x, dim)),
+        (f"torch.linalg.vector_norm({a.name}, 2, {dim}, keepdim={keep})", lambda x: bool((x.norm(dim=dim) >= MARGIN).all())),
+        (f"{a.name}.norm()", lambda x: bool(x.norm() >= MARGIN)),
+        (f"{a.name}.prod({dim})", lambda x: bool((x.abs() >= 0.2).all())),
+        (f"{a.name}.cumsum({dim})", None),
+        (f"torch.cummax({a.name}, {dim}).values", lambda x: _distinct(x, dim)),
+        (f"torch.sort({a.name}, {dim}).values", lambda x: _distinct(x, dim)),
+    ]
     if nd >= 2:
         ops.append((f"{a.name}.sum(({0}, {nd - 1}))", None))
     expr, check = rng.choice(ops)
@@ -423,8 +466,22 @@ def _operand_of_shape(b: _Builder, shape):
 
 def _nn(b: _Builder):
     rng = b.rng
-    kind = rng.choice(["softmax", "log_softmax", "layer_norm", "layer_norm_affine", "conv1d", "conv2d",
-                       "cross_entropy", "normalize", "dropout0", "glu", "embedding", "pad"])
+    kind = rng.choice(
+        [
+            "softmax",
+            "log_softmax",
+            "layer_norm",
+            "layer_norm_affine",
+            "conv1d",
+            "conv2d",
+            "cross_entropy",
+            "normalize",
+            "dropout0",
+            "glu",
+            "embedding",
+            "pad",
+        ]
+    )
     if kind in ("softmax", "log_softmax"):
         a = b.floats(lambda v: v.v.dim() >= 1)
         b.emit(f"F.{kind}({a.name}, {rng.randrange(-a.v.dim(), a.v.dim())})", [a])
@@ -435,8 +492,7 @@ def _nn(b: _Builder):
             b.emit(f"F.layer_norm({a.name}, ({a.shape[-1]},))", [a], ok)
         else:
             w, bias = _operand_of_shape(b, a.shape[-1:]), _operand_of_shape(b, a.shape[-1:])
-            b.emit(f"F.layer_norm({a.name}, ({a.shape[-1]},), {w.name}, {bias.name})", [a, w, bias],
-                   lambda x, *_: ok(x))
+            b.emit(f"F.layer_norm({a.name}, ({a.shape[-1]},), {w.name}, {bias.name})", [a, w, bias], lambda x, *_: ok(x))
     elif kind == "conv1d":
         a = b.floats(lambda v: v.v.dim() == 3 and v.shape[-1] >= 2)
         w = _operand_of_shape(b, (rng.randint(1, 3), a.shape[1], 2))
@@ -498,8 +554,7 @@ def _indexing(b: _Builder):
     elif kind == "where":
         c = _other_operand(b, a)
         m = b.floats(lambda v: _broadcasts(v.shape, a.shape))
-        ops = [a, c] if a is c else [a, c]
-        ops = list(dict.fromkeys(ops + [m]))
+        ops = list(dict.fromkeys([a, c, m]))
         b.emit(f"torch.where({m.name} > 0, {a.name}, {c.name})", ops)
     elif kind == "masked_fill":
         b.emit(f"{a.name}.masked_fill({a.name} > 0.5, -1.0)", [a], lambda x: _away(x, (0.5,)))
@@ -540,8 +595,16 @@ def _combine(b: _Builder):
         b.emit(f"{a.name}.unbind({dim})", [a], names=2)
 
 
-_OPS = {"unary": (5, _unary), "binary": (5, _binary), "view": (3, _view), "reduction": (2.5, _reduction),
-        "matmul": (2, _matmul), "nn": (2.5, _nn), "indexing": (1.5, _indexing), "combine": (1.5, _combine)}
+_OPS = {
+    "unary": (5, _unary),
+    "binary": (5, _binary),
+    "view": (3, _view),
+    "reduction": (2.5, _reduction),
+    "matmul": (2, _matmul),
+    "nn": (2.5, _nn),
+    "indexing": (1.5, _indexing),
+    "combine": (1.5, _combine),
+}
 
 
 def program(index: int, seed: int = 0, steps: tuple = (2, 6)) -> Program:

@@ -4,6 +4,7 @@
 how the editable install of fxtools puts it on the path); the directory holding torch is then
 added by hand, and an import hook refuses ``fxtools`` should it be found some other way.
 """
+
 import os
 import subprocess
 import sys
@@ -27,8 +28,9 @@ sys.meta_path.insert(0, _NoFxtools())
 
 def run_isolated(code: str, cwd) -> str:
     """Run ``code`` with the prelude in a subprocess in ``cwd``; returns stdout, raises on failure."""
-    proc = subprocess.run([sys.executable, "-I", "-S", "-c", PRELUDE + code], cwd=str(cwd),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", PRELUDE + code], cwd=str(cwd), capture_output=True, text=True, timeout=300
+    )
     if proc.returncode != 0:
         raise AssertionError(f"isolated interpreter failed:\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout

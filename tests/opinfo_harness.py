@@ -2,6 +2,7 @@
 
 Shared by the per-rule tests and the full op sweep.
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,7 @@ from fxtools.cli.coverage import opinfo_samples, sample_function  # noqa: F401 (
 from fxtools.transforms.check import _cotangent_for, check_vjp
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def autograd_opinfos(dtype=torch.float64):
     """The OpInfos autograd differentiates on the CPU in ``dtype`` (for complex dtypes: those whose
     backward PyTorch declares supported in it)."""
@@ -60,8 +61,10 @@ def is_random(f, args) -> bool:
     from fxtools.capture.trace import capture
 
     cap = capture(f, args, record_stack_traces=False)
-    return any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
-               for n in cap.gm.graph.nodes)
+    return any(
+        isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
+        for n in cap.gm.graph.nodes
+    )
 
 
 def check_self_consistent(f, args, seed=0, rtol=1e-6, atol=1e-8):
@@ -72,14 +75,19 @@ def check_self_consistent(f, args, seed=0, rtol=1e-6, atol=1e-8):
     xs = [x.detach().clone().requires_grad_(x.is_floating_point() or x.is_complex()) for x in leaves]
     n = len(args)
     torch.manual_seed(seed)
-    out0, _ = gm(*args, _cotangent_for(gm, n, fxtools.transforms.check.random_cotangent(f(*args), torch.Generator().manual_seed(seed))))
+    out0, _ = gm(
+        *args, _cotangent_for(gm, n, fxtools.transforms.check.random_cotangent(f(*args), torch.Generator().manual_seed(seed)))
+    )
     ct = _cotangent_for(gm, n, fxtools.transforms.check.random_cotangent(out0, torch.Generator().manual_seed(seed)))
     torch.manual_seed(seed)
     out, grads = gm(*pytree.tree_unflatten(xs, spec), ct)
     torch.manual_seed(seed)
     out_again, grads_again = gm(*args, ct)
-    pairs = [(o, c) for o, c in zip(pytree.tree_leaves(out), pytree.tree_leaves(ct, is_leaf=lambda v: v is None))
-             if o.requires_grad and c is not None]
+    pairs = [
+        (o, c)
+        for o, c in zip(pytree.tree_leaves(out), pytree.tree_leaves(ct, is_leaf=lambda v: v is None))
+        if o.requires_grad and c is not None
+    ]
     diff = [x for x in xs if x.requires_grad]
     torch.testing.assert_close(pytree.tree_leaves(out_again), [o.detach() for o in pytree.tree_leaves(out)])
     if not diff:  # nothing to differentiate (torch.normal(1.0, 2.0, size)): the reruns agree
@@ -109,7 +117,7 @@ def captured_ops(opinfo, sample):
     return {n.target for n in cap.gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cases_by_op(n_samples=3):
     """aten overload -> [(opinfo, sample, ops), ...] for every OpInfo sample whose capture calls it."""
     table = {}

@@ -1,4 +1,5 @@
 """The public API: calling conventions, pytrees, naming, custom rules, checks and errors."""
+
 import pytest
 import torch
 import torch.nn as nn

@@ -1,24 +1,32 @@
 """The command line: ``fxtools grad/vjp/show`` on a model file it has never seen."""
+
 import subprocess
 import sys
 
 import pytest
 import torch
-
-from fxtools.cli.main import main
-from fxtools.cli.commands import CliError, build_args, parse_spec
 from conftest import MODEL
 from isolated import run_isolated
 
+from fxtools.cli.commands import CliError, build_args, parse_spec
+from fxtools.cli.main import main
+
+
 def test_grad_of_a_module_writes_a_standalone_module(model_dir):
-    proc = subprocess.run([sys.executable, "-m", "fxtools", "grad", "model.py:Net", "--arg", "x=f32[4,8]",
-                           "--out", "g.py"], cwd=model_dir, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fxtools", "grad", "model.py:Net", "--arg", "x=f32[4,8]", "--out", "g.py"],
+        cwd=model_dir,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "def forward(self, params, x):" in proc.stdout and "# f32[16, 8]" in proc.stdout
     assert "[fxtools]" in proc.stderr  # progress goes to stderr
     text = (model_dir / "g.py").read_text()
     assert "import fxtools" not in text and "from fxtools" not in text
-    out = run_isolated("""
+    out = run_isolated(
+        """
 import torch, g, model
 torch.manual_seed(1)
 net = model.Net()
@@ -30,7 +38,9 @@ assert got.keys() == want.keys(), (got.keys(), want.keys())
 for k in want:
     torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
 print("same gradients:", len(want))
-""", model_dir)
+""",
+        model_dir,
+    )
     assert "same gradients: 6" in out
 
 
@@ -44,15 +54,30 @@ def test_check_and_show(model_dir, capsys, monkeypatch):
     monkeypatch.chdir(model_dir)
     assert main(["grad", "model.py:Net", "--arg", "x=f64[5,8]", "--dtype", "f64", "--check", "--quiet"]) == 0
     assert "check against torch.autograd: ok" in capsys.readouterr().out
-    assert main(["vjp", "model.py:embed", "--arg", "table=f64[10,4]", "--arg", "idx=i64[6]%10", "--arg", "n=3",
-                 "--check", "--out", "v.py"]) == 0
+    assert (
+        main(
+            [
+                "vjp",
+                "model.py:embed",
+                "--arg",
+                "table=f64[10,4]",
+                "--arg",
+                "idx=i64[6]%10",
+                "--arg",
+                "n=3",
+                "--check",
+                "--out",
+                "v.py",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "def forward(self, table, idx, n, grad_out):" in out and "check against torch.autograd: ok" in out
     assert main(["show", "v.py"]) == 0
     shown = capsys.readouterr().out
     assert "def forward(table, idx, n, grad_out):" in shown and "table: f64[10, 4]" in shown
-    assert main(["grad", "model.py:embed", "--arg", "f32[10,4]", "--arg", "i64[3]%10", "--arg", "2.0",
-                 "--check", "--quiet"]) == 0
+    assert main(["grad", "model.py:embed", "--arg", "f32[10,4]", "--arg", "i64[3]%10", "--arg", "2.0", "--check", "--quiet"]) == 0
 
 
 def test_errors_are_short(model_dir, capsys, monkeypatch):
@@ -66,8 +91,7 @@ def test_errors_are_short(model_dir, capsys, monkeypatch):
 
 def test_jvp_and_split(model_dir, capsys, monkeypatch):
     monkeypatch.chdir(model_dir)
-    assert main(["jvp", "model.py:embed", "--arg", "table=f64[10,4]", "--arg", "idx=i64[6]%10", "--arg", "n=3",
-                 "--check"]) == 0
+    assert main(["jvp", "model.py:embed", "--arg", "table=f64[10,4]", "--arg", "idx=i64[6]%10", "--arg", "n=3", "--check"]) == 0
     out = capsys.readouterr().out
     assert "tangent_table" in out and "check against torch.autograd: ok" in out
     assert main(["split", "model.py:Net", "--arg", "x=f64[4,8]", "--dtype", "f64", "--check", "--out", "s.py"]) == 0
@@ -120,6 +144,7 @@ def test_show_never_runs_code_from_a_pt_file(tmp_path, capsys, monkeypatch):
     a torch.save'd GraphModule (whose unpickling executes its code) is refused, pointing to
     fxtools.save; a file of tensors (the constants beside a saved module) is listed with shapes."""
     import fxtools
+
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "payload_ran"
     torch.save({"gm": _Payload(marker)}, "evil.pt")
@@ -155,20 +180,23 @@ def test_shapes_of_a_graph_module_the_user_loads_themselves(tmp_path):
 
 
 BAD_INVOCATIONS = {  # arguments -> what the one line says
-    "out into a missing folder": (["grad", "model.py:Net", "--arg", "x=f32[4,8]", "--out", "nodir/g.py"],
-                                  "no such folder nodir"),
+    "out into a missing folder": (["grad", "model.py:Net", "--arg", "x=f32[4,8]", "--out", "nodir/g.py"], "no such folder nodir"),
     "out not a .py file": (["grad", "model.py:Net", "--arg", "x=f32[4,8]", "--out", "g.txt"], "must end in .py"),
-    "svg into a missing folder": (["vjp", "model.py:Net", "--arg", "x=f32[4,8]", "--svg", "nodir/g.svg"],
-                                  "no such folder"),
-    "integers in [0, 0)": (["grad", "model.py:embed", "--arg", "table=f32[10,4]", "--arg", "idx=i64[4]%0",
-                            "--arg", "n=2"], "N must be at least 1"),
-    "argnums not a number": (["grad", "model.py:embed", "--arg", "f32[10,4]", "--arg", "i64[3]%10", "--arg", "2",
-                              "--argnums", "a"], "--argnums 'a'"),
-    "argnums out of range": (["grad", "model.py:embed", "--arg", "f32[10,4]", "--arg", "i64[3]%10", "--arg", "2",
-                              "--argnums", "0,5"], "takes 3 positional arguments"),
+    "svg into a missing folder": (["vjp", "model.py:Net", "--arg", "x=f32[4,8]", "--svg", "nodir/g.svg"], "no such folder"),
+    "integers in [0, 0)": (
+        ["grad", "model.py:embed", "--arg", "table=f32[10,4]", "--arg", "idx=i64[4]%0", "--arg", "n=2"],
+        "N must be at least 1",
+    ),
+    "argnums not a number": (
+        ["grad", "model.py:embed", "--arg", "f32[10,4]", "--arg", "i64[3]%10", "--arg", "2", "--argnums", "a"],
+        "--argnums 'a'",
+    ),
+    "argnums out of range": (
+        ["grad", "model.py:embed", "--arg", "f32[10,4]", "--arg", "i64[3]%10", "--arg", "2", "--argnums", "0,5"],
+        "takes 3 positional arguments",
+    ),
     "bad spec": (["grad", "model.py:Net", "--arg", "x=f32[4,8"], "cannot read the example input"),
-    "shape too large": (["grad", "model.py:Net", "--arg", "x=f32[99999999999999999999,8]"],
-                        "cannot make the example input"),
+    "shape too large": (["grad", "model.py:Net", "--arg", "x=f32[99999999999999999999,8]"], "cannot make the example input"),
     "missing file": (["grad", "missing.py:f"], "no such file: missing.py"),
     "missing attribute": (["vjp", "model.py:Nope"], "defines no 'Nope'"),
     "unknown option": (["jvp", "model.py:Net", "--bogus"], "unrecognized arguments: --bogus"),
@@ -197,9 +225,8 @@ def test_internal_errors_keep_their_traceback(model_dir, monkeypatch):
     """A bug of fxtools itself (an exception raised in its own code) is not dressed up as a user error."""
     import fxtools.cli.commands as commands
     from fxtools.codegen.naming import unique
+
     monkeypatch.chdir(model_dir)
     monkeypatch.setattr(commands, "load_target", lambda target: unique(None))  # fails inside fxtools
     with pytest.raises(TypeError):
         main(["grad", "model.py:Net", "--arg", "x=f32[4,8]"])
-
-

@@ -4,14 +4,15 @@ For ``out = f(z)`` and cotangent ``ct`` autograd returns ``ct * f'(z).conj()`` f
 ``f``; for a real loss ``L`` of ``z = x + iy`` in general, ``dL/dx + i dL/dy``. The OpInfo sweep
 in complex128 is in test_opinfo_sweep.py; these tests pin the mechanism and its edges.
 """
+
 import warnings
 
 import pytest
 import torch
 
 import fxtools
-from fxtools.transforms.check import VjpMismatch, check_vjp, check_vjp_fd
 from fxtools.errors import MissingRuleError
+from fxtools.transforms.check import VjpMismatch, check_vjp, check_vjp_fd
 
 aten = torch.ops.aten
 C = torch.complex128
@@ -39,40 +40,52 @@ def test_real_code_has_no_conj():
     assert "grad_x = " in gm.code
 
 
-@pytest.mark.parametrize("f", [
-    lambda z: torch.sin(z) * torch.exp(z) / (z + 2),
-    lambda z: torch.tanh(z).pow(3) + torch.sigmoid(z) - torch.log(z) + z.sqrt() + z.rsqrt(),
-    lambda z: torch.linalg.inv(z @ z.mT + 3 * torch.eye(3, dtype=C)) @ z,
-    lambda z: torch.linalg.det(z) * z.sum(0).prod(),
-    lambda z: torch.einsum("ij,jk->ik", z, z.conj()) + 2j * z,
-    lambda z: torch.cumprod(z, 0) * torch.logsumexp(z, 1, keepdim=True),
-], ids=["pointwise", "holomorphic-powers", "inverse", "det-prod", "einsum-conj", "cumprod-logsumexp"])
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda z: torch.sin(z) * torch.exp(z) / (z + 2),
+        lambda z: torch.tanh(z).pow(3) + torch.sigmoid(z) - torch.log(z) + z.sqrt() + z.rsqrt(),
+        lambda z: torch.linalg.inv(z @ z.mT + 3 * torch.eye(3, dtype=C)) @ z,
+        lambda z: torch.linalg.det(z) * z.sum(0).prod(),
+        lambda z: torch.einsum("ij,jk->ik", z, z.conj()) + 2j * z,
+        lambda z: torch.cumprod(z, 0) * torch.logsumexp(z, 1, keepdim=True),
+    ],
+    ids=["pointwise", "holomorphic-powers", "inverse", "det-prod", "einsum-conj", "cumprod-logsumexp"],
+)
 def test_holomorphic_compositions_match_autograd(f):
     z = _z(3, 3) + 0.5
     check_vjp(f, z)
     check_vjp_fd(f, z)
 
 
-@pytest.mark.parametrize("f", [
-    lambda z: torch.real(z) * 2 + torch.imag(z).sin(),
-    lambda z: z.abs() + z.angle(),
-    lambda z: torch.view_as_real(z * z).sum(-1),
-    lambda z: torch.sgn(z).real + z.var() + torch.linalg.vector_norm(z, 3),
-    lambda z: z.conj().imag * z.conj_physical().real,
-], ids=["real-imag", "abs-angle", "view_as_real", "sgn-var-norm", "conj"])
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda z: torch.real(z) * 2 + torch.imag(z).sin(),
+        lambda z: z.abs() + z.angle(),
+        lambda z: torch.view_as_real(z * z).sum(-1),
+        lambda z: torch.sgn(z).real + z.var() + torch.linalg.vector_norm(z, 3),
+        lambda z: z.conj().imag * z.conj_physical().real,
+    ],
+    ids=["real-imag", "abs-angle", "view_as_real", "sgn-var-norm", "conj"],
+)
 def test_complex_to_real(f):
     z = _z(4, 3)
     check_vjp(f, z)
     check_vjp_fd(f, z)
 
 
-@pytest.mark.parametrize("f", [
-    lambda x, y: torch.view_as_complex(torch.stack([x, y], -1)).exp(),
-    lambda x, y: torch.polar(x.abs() + 0.1, y),
-    lambda x, y: torch.complex(x, y).sin(),
-    lambda x, y: (x * 1j).exp() * y,
-    lambda x, y: x.to(C) * y,
-], ids=["view_as_complex", "polar", "complex", "real-times-1j", "to-complex"])
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda x, y: torch.view_as_complex(torch.stack([x, y], -1)).exp(),
+        lambda x, y: torch.polar(x.abs() + 0.1, y),
+        lambda x, y: torch.complex(x, y).sin(),
+        lambda x, y: (x * 1j).exp() * y,
+        lambda x, y: x.to(C) * y,
+    ],
+    ids=["view_as_complex", "polar", "complex", "real-times-1j", "to-complex"],
+)
 def test_real_to_complex_keeps_the_real_part(f):
     """A complex cotangent flowing into a real input: autograd keeps its real part (no cast warning)."""
     x, y = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
@@ -93,8 +106,10 @@ def test_mixed_real_and_complex_arguments():
 def test_fd_check_sees_the_imaginary_part():
     """check_vjp_fd perturbs real and imaginary parts: the non-conjugated (wrong) VJP of mul fails
     it. It passed before, when the check dropped the imaginary part."""
+
     def wrong_mul(ct, out, x, y):
         return ct * y, ct * x
+
     rule = fxtools.registry.vjp_rule(aten.mul, rule_set="wrong_mul", complex="convention")
     rule(wrong_mul)
     z, w = _z(3), _z(3, seed=1)
@@ -138,8 +153,10 @@ def test_unsupported_complex_call_is_refused_with_the_line():
     op = torch.ops.fxtools_complex_test.twice.default
     fxtools.register_vjp(op, lambda x: (op(x), None), lambda aux, ct: ct * 2, complex="real")
     try:
+
         def f(z):
             return op(z).sum()  # the refused line
+
         with pytest.raises(MissingRuleError, match=r"(?s)twice.*complex.*test_complex.py"):
             fxtools.vjp(f, _z(3))
         x, ct = torch.randn(3, dtype=torch.float64), torch.tensor(1.5, dtype=torch.float64)
@@ -153,10 +170,10 @@ def test_cli_grad_of_complex_argument(tmp_path, monkeypatch, capsys):
     from fxtools.cli.main import main
 
     (tmp_path / "cmodel.py").write_text(
-        "import torch\n\ndef loss(z, w):\n    return (torch.sin(z) * w.conj() + z.exp()).abs().sum()\n")
+        "import torch\n\ndef loss(z, w):\n    return (torch.sin(z) * w.conj() + z.exp()).abs().sum()\n"
+    )
     monkeypatch.chdir(tmp_path)
-    assert main(["grad", "cmodel.py:loss", "--arg", "z=c128[3]", "--arg", "w=c128[3]", "--argnums", "0,1",
-                 "--check"]) == 0
+    assert main(["grad", "cmodel.py:loss", "--arg", "z=c128[3]", "--arg", "w=c128[3]", "--argnums", "0,1", "--check"]) == 0
     out = capsys.readouterr().out
     assert "check against torch.autograd: ok" in out and ".conj()" in out
 

@@ -3,6 +3,7 @@
 The oracle is torch.autograd on the same autograd.Function (autograd honours its backward), and
 for custom_vjp functions the equivalent autograd.Function.
 """
+
 import copy
 import inspect
 
@@ -12,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxtools
-from fxtools.capture.trace import capture
 from fxtools.capture.custom import CustomCall
+from fxtools.capture.trace import capture
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -39,6 +40,7 @@ def custom_calls(gm):
 
 
 # ------------------------------------------------------------------ functions under test
+
 
 class StraightThroughRound(torch.autograd.Function):
     """round() forward, identity backward: its derivative by the forward alone would be zero."""
@@ -154,7 +156,7 @@ class Polynomial(torch.autograd.Function):
     def forward(ctx, x, w, power, mode):
         ctx.power, ctx.mode = power, mode
         ctx.save_for_backward(x, w)
-        y = w * x ** power
+        y = w * x**power
         return y if mode == "plain" else y + x
 
     @staticmethod
@@ -166,7 +168,7 @@ class Polynomial(torch.autograd.Function):
             if ctx.mode != "plain":
                 gx = gx + g
         if ctx.needs_input_grad[1]:
-            gw = (g * x ** ctx.power).sum(0)  # w broadcasts over the rows of x
+            gw = (g * x**ctx.power).sum(0)  # w broadcasts over the rows of x
         return gx, gw, None, None
 
 
@@ -204,6 +206,7 @@ class SumAndMax(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ first order
+
 
 def test_straight_through_estimator_uses_the_custom_backward():
     f = lambda x: (StraightThroughRound.apply(3 * x) * x).sum()  # noqa: E731
@@ -366,6 +369,7 @@ def test_eager_calls_are_untouched_by_fxtools():
 
 # ------------------------------------------------------------------ composed transforms
 
+
 def jacobian_by_autograd(f, x):
     return torch.autograd.functional.jacobian(f, x)
 
@@ -494,6 +498,7 @@ def test_torch_compile_backend_with_a_function_matches_eager():
 
 # ------------------------------------------------------------------ clear errors
 
+
 class Doubler(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -579,7 +584,9 @@ def test_closed_over_traced_tensor_is_a_clear_error():
         w_holder[:] = [w]
         return scale_by(x).sum()
 
-    with pytest.raises(fxtools.CustomFunctionError, match=rf"scale_by .*test_custom_vjp.py:{line_of(f, 'scale_by(x)')}.*argument"):
+    with pytest.raises(
+        fxtools.CustomFunctionError, match=rf"scale_by .*test_custom_vjp.py:{line_of(f, 'scale_by(x)')}.*argument"
+    ):
         fxtools.grad(f, torch.randn(3), torch.randn(3), argnums=(0, 1))
 
 
@@ -593,7 +600,9 @@ def test_wrong_number_of_gradients_is_a_clear_error():
     def f(x):
         return twice(x, x).sum()
 
-    with pytest.raises(fxtools.CustomFunctionError, match=rf"twice .*test_custom_vjp.py:{line_of(f, 'twice(x, x)')}.*1 gradients for 2"):
+    with pytest.raises(
+        fxtools.CustomFunctionError, match=rf"twice .*test_custom_vjp.py:{line_of(f, 'twice(x, x)')}.*1 gradients for 2"
+    ):
         fxtools.grad(f, torch.randn(3))
 
 
@@ -622,6 +631,8 @@ def test_nested_torch_func_transform_is_a_clear_error(transform):
         return torch.func.jvp(lambda w: (x @ w).tanh().sum(), (w,), (torch.ones_like(w),))[1]
 
     x, w = torch.randn(4, 3), torch.randn(3, 2)
-    with pytest.raises(fxtools.FxtoolsError, match=rf"torch.func {transform}.*test_custom_vjp.py:{line_of(f, 'torch.func.' + transform)}"):
+    with pytest.raises(
+        fxtools.FxtoolsError, match=rf"torch.func {transform}.*test_custom_vjp.py:{line_of(f, 'torch.func.' + transform)}"
+    ):
         fxtools.grad(f, x, w, argnums=(0, 1))
     fxtools.vmap(lambda x: torch.func.vmap(torch.sin)(x), torch.randn(2, 3))  # fxtools.vmap traces below functorch

@@ -1,4 +1,5 @@
 """fxtools.draw: SVG pictures of the forward and backward graphs, rendered by Graphviz."""
+
 import sys
 import xml.etree.ElementTree as ET
 
@@ -20,8 +21,11 @@ def nodes_of(svg: str) -> dict:
     for g in root.iter(f"{SVG}g"):
         if g.get("class") != "node":
             continue
-        shape = next(e for e in g.iter() if e.tag in (f"{SVG}path", f"{SVG}polygon", f"{SVG}ellipse")
-                     and e.get("fill") not in (None, "none"))
+        shape = next(
+            e
+            for e in g.iter()
+            if e.tag in (f"{SVG}path", f"{SVG}polygon", f"{SVG}ellipse") and e.get("fill") not in (None, "none")
+        )
         out[g.get("id")] = shape.get("fill")
     return out
 

@@ -3,6 +3,7 @@
 Each generated module is built once, at one example, and then called on inputs that select a
 *different* number of elements; results are compared with torch.autograd in float64.
 """
+
 import importlib.util
 
 import pytest
@@ -24,8 +25,7 @@ def autograd_vjp(f, args, ct):
     diff = [x for x in xs if x.requires_grad]
     got = torch.autograd.grad([o for o, _ in pairs], diff, [c for _, c in pairs], allow_unused=True)
     it = iter(got)
-    grads = [(lambda g, x: torch.zeros_like(x) if g is None else g)(next(it), x) if x.requires_grad else None
-             for x in xs]
+    grads = [(lambda g, x: torch.zeros_like(x) if g is None else g)(next(it), x) if x.requires_grad else None for x in xs]
     return pytree.tree_map(lambda o: o.detach(), out), grads
 
 
@@ -251,6 +251,7 @@ def test_split_and_compile_serve_every_mask():
 def test_last_selected_row_per_sequence():
     """Hugging Face's sequence classifiers pick each sequence's last EOS token this way:
     ``h[ids == eos].view(batch, -1, width)[:, -1, :]`` (a select at a data-dependent size)."""
+
     def f(h, ids):
         return (h[ids.eq(5), :].view(2, -1, 3)[:, -1, :] ** 2).sum()
 

@@ -2,16 +2,17 @@
 size in range. (Data-dependent sizes, ``x[mask]``, are tested in test_dynamic_shapes.py.)
 
 Oracle: torch.func / eager autograd in float64."""
+
 import copy
 
 import pytest
 import torch
+from isolated import run_isolated
 from torch.export import Dim
 
 import fxtools
 from fxtools.cli import examples
 from fxtools.codegen.sizes import SymbolicSizeError
-from isolated import run_isolated
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 BATCHES = (1, 7, 64)
@@ -24,11 +25,16 @@ def mlp_loss(params, x, y):
 
 def mlp_args(batch, seed=0):
     g = torch.Generator().manual_seed(seed)
-    params = {"w1": torch.randn(16, 8, generator=g, dtype=torch.float64),
-              "b1": torch.randn(16, generator=g, dtype=torch.float64),
-              "w2": torch.randn(4, 16, generator=g, dtype=torch.float64)}
-    return params, torch.randn(batch, 8, generator=g, dtype=torch.float64), \
-        torch.randn(batch, 4, generator=g, dtype=torch.float64)
+    params = {
+        "w1": torch.randn(16, 8, generator=g, dtype=torch.float64),
+        "b1": torch.randn(16, generator=g, dtype=torch.float64),
+        "w2": torch.randn(4, 16, generator=g, dtype=torch.float64),
+    }
+    return (
+        params,
+        torch.randn(batch, 8, generator=g, dtype=torch.float64),
+        torch.randn(batch, 4, generator=g, dtype=torch.float64),
+    )
 
 
 BATCH = Dim("batch", min=1, max=1024)
@@ -90,14 +96,20 @@ def test_saved_module_serves_every_batch_in_a_fresh_interpreter(tmp_path):
     fxtools.save(gm, tmp_path / "mlp_grad.py")
     cases = [mlp_args(n, seed=n) for n in BATCHES]
     torch.save([(args, torch.func.grad(mlp_loss)(*args)) for args in cases], tmp_path / "io.pt")
-    assert run_isolated("""
+    assert (
+        run_isolated(
+            """
 import torch, mlp_grad
 for args, want in torch.load("io.pt"):
     got = mlp_grad.forward(*args)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-10)
 print("ok")
-""", tmp_path).strip() == "ok"
+""",
+            tmp_path,
+        ).strip()
+        == "ok"
+    )
 
 
 def test_gpt_grad_with_batch_and_sequence_dynamic():
@@ -121,8 +133,7 @@ def test_compile_dynamic_trains_over_varying_lengths_with_one_graph_pair():
     g = torch.Generator().manual_seed(1)
     lengths = (8, 5, 12, 3, 16)
     for step in range(20):
-        idx, targets = (torch.randint(0, model.config.vocab_size, (2, lengths[step % 5]), generator=g)
-                        for _ in range(2))
+        idx, targets = (torch.randint(0, model.config.vocab_size, (2, lengths[step % 5]), generator=g) for _ in range(2))
         for m, o in ((compiled, opt), (eager, opt_eager)):
             loss = m(idx, targets)
             loss.backward()
@@ -165,8 +176,7 @@ def test_dynamic_sizes_beside_data_dependent_ones():
         return h[h > 0].sum() / x.shape[0]
 
     w = torch.randn(3, 4, dtype=torch.float64)
-    gm = fxtools.grad(f, torch.randn(10, 3, dtype=torch.float64), w, argnums=(0, 1),
-                      dynamic_shapes={"x": {0: Dim("batch")}})
+    gm = fxtools.grad(f, torch.randn(10, 3, dtype=torch.float64), w, argnums=(0, 1), dynamic_shapes={"x": {0: Dim("batch")}})
     for n in (2, 9, 33):
         x = torch.randn(n, 3, dtype=torch.float64)
         assert_tree_close(gm(x, w), torch.func.grad(f, argnums=(0, 1))(x, w))
@@ -226,8 +236,9 @@ def test_vmap_over_a_dynamic_batch():
         return torch.func.grad(lambda w, x: torch.tanh(x @ w).sum())(w, x)
 
     w = torch.randn(3, 4, dtype=torch.float64)
-    gm = fxtools.vmap(per_example_grad, w, torch.randn(10, 3, dtype=torch.float64), in_dims=(None, 0),
-                      dynamic_shapes={"x": {0: Dim("batch")}})
+    gm = fxtools.vmap(
+        per_example_grad, w, torch.randn(10, 3, dtype=torch.float64), in_dims=(None, 0), dynamic_shapes={"x": {0: Dim("batch")}}
+    )
     assert "batch = x.size(0)" in gm.code
     for n in (2, 9, 40):
         x = torch.randn(n, 3, dtype=torch.float64)

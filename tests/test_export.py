@@ -1,4 +1,5 @@
 """fxtools.save: standalone modules that need only torch, run in an interpreter without fxtools."""
+
 import ast
 import importlib.util
 import math
@@ -6,12 +7,11 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from isolated import run_isolated
 
 import fxtools
 from fxtools.cli import examples
 from fxtools.codegen.export import GUARDS_MARKER, ExportError
-from isolated import run_isolated
 
 
 def load(path):
@@ -59,15 +59,18 @@ def test_pytree_arguments_constants_and_globals_in_a_fresh_interpreter(tmp_path)
         z = torch.clamp(y, max=float("inf")) + torch.where(small.isinf(), 0.0, small)
         return {"y": y.exp(), "z": (z.sum(), xs[1].cos())}
 
-    args = ({"w": torch.randn(3, dtype=torch.float64)},
-            [torch.randn(3, dtype=torch.float64), torch.randn(2, dtype=torch.float64)])
+    args = (
+        {"w": torch.randn(3, dtype=torch.float64)},
+        [torch.randn(3, dtype=torch.float64), torch.randn(2, dtype=torch.float64)],
+    )
     gm = fxtools.vjp(f, *args)
     text = fxtools.save(gm, tmp_path / "tree.py", embed_limit=8)
     assert (tmp_path / "tree.pt").exists()
     assert "forward(d, xs, grad_out)" in text and "d['w']: f64[3]" in text
     ct = fxtools.transforms.check.random_cotangent(f(*args))
     torch.save((args, ct, gm(*args, ct)), tmp_path / "io.pt")
-    run_isolated("""
+    run_isolated(
+        """
 import torch, tree
 args, ct, want = torch.load("io.pt")
 got = tree.forward(*args, ct)
@@ -84,7 +87,9 @@ assert len(flat_got) == len(flat_want)
 for a, b in zip(flat_got, flat_want):
     assert (a is None and b is None) or torch.equal(a, b), (a, b)
 print("ok")
-""", tmp_path)
+""",
+        tmp_path,
+    )
 
 
 def test_model_with_batchnorm_buffers_updates_them_like_the_graph_module(tmp_path):
@@ -139,10 +144,18 @@ def test_non_torch_callables_are_refused(tmp_path):
 
 def test_literals_are_exact():
     from fxtools.codegen.export import _tensor_literal
-    for t in (torch.tensor([0.1, -math.inf, math.nan, 1e-300], dtype=torch.float64),
-              torch.randn(5, dtype=torch.float32), torch.randn(3, dtype=torch.bfloat16),
-              torch.tensor([True, False]), torch.tensor(7), torch.randn(2, dtype=torch.complex64),
-              torch.ones(2, 3), torch.full((4,), -math.inf), torch.zeros(0, 2)):
+
+    for t in (
+        torch.tensor([0.1, -math.inf, math.nan, 1e-300], dtype=torch.float64),
+        torch.randn(5, dtype=torch.float32),
+        torch.randn(3, dtype=torch.bfloat16),
+        torch.tensor([True, False]),
+        torch.tensor(7),
+        torch.randn(2, dtype=torch.complex64),
+        torch.ones(2, 3),
+        torch.full((4,), -math.inf),
+        torch.zeros(0, 2),
+    ):
         back = eval(_tensor_literal(t), {"torch": torch})
         assert back.dtype == t.dtype and back.shape == t.shape
         assert torch.equal(torch.nan_to_num(back), torch.nan_to_num(t)) and torch.equal(back.isnan(), t.isnan())
@@ -200,11 +213,14 @@ def test_submodules_are_inlined_and_run_without_fxtools(tmp_path):
     assert model.bn.num_batches_tracked.item() == 0  # writing the module ran nothing
     want = model(x)  # updates the running statistics, as the written module must
     torch.save((x, want, model.bn.running_mean), tmp_path / "io.pt")
-    run_isolated("""
+    run_isolated(
+        """
 import torch, parts
 x, want, running_mean = torch.load("io.pt")
 torch.testing.assert_close(parts.forward(x), want, rtol=1e-12, atol=1e-12)
 mean = [v for k, v in vars(parts.constants).items() if k.endswith("bn_running_mean")]
 torch.testing.assert_close(mean[0], running_mean, rtol=1e-12, atol=1e-12)
 print("ok")
-""", tmp_path)
+""",
+        tmp_path,
+    )

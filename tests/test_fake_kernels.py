@@ -1,4 +1,5 @@
 """fxtools' fake kernels: used while fxtools traces, absent afterwards, as strict as the CPU kernel."""
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -13,12 +14,15 @@ def grouped(a, b, offs=None):
     return torch._grouped_mm(a, b, offs=offs)
 
 
-@pytest.mark.parametrize("a,b,offs", [
-    (torch.randn(8, 8), torch.randn(3, 8, 8), OFFS),
-    (torch.randn(4, 8), torch.randn(8, 8), OFFS),
-    (torch.randn(3, 4, 8), torch.randn(8, 8), OFFS),
-    (torch.randn(3, 4, 8), torch.randn(3, 8, 8), None),
-])  # 16-byte aligned rows in every dtype, as the kernel requires
+@pytest.mark.parametrize(
+    "a,b,offs",
+    [
+        (torch.randn(8, 8), torch.randn(3, 8, 8), OFFS),
+        (torch.randn(4, 8), torch.randn(8, 8), OFFS),
+        (torch.randn(3, 4, 8), torch.randn(8, 8), OFFS),
+        (torch.randn(3, 4, 8), torch.randn(3, 8, 8), None),
+    ],
+)  # 16-byte aligned rows in every dtype, as the kernel requires
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_traced_shapes_and_dtypes_are_the_kernels(a, b, offs, dtype):
     a, b = a.to(dtype), b.to(dtype)
@@ -43,13 +47,16 @@ def test_pytorch_fake_mode_is_untouched_outside_fxtools():
         grouped(a, b, offs)
 
 
-@pytest.mark.parametrize("a,b,offs,error", [
-    (torch.randn(8, 8, dtype=torch.float64), torch.randn(3, 8, 4, dtype=torch.float64), OFFS, "Float32, BFloat16"),
-    (torch.randn(8, 6), torch.randn(3, 6, 4), OFFS, "16 bytes"),
-    (torch.randn(8, 8), torch.randn(2, 8, 4), OFFS, "batch sizes"),
-    (torch.randn(8, 8), torch.randn(3, 8, 4), OFFS.long(), "int32"),
-    (torch.randn(8, 8), torch.randn(3, 8, 4), None, "offsets"),
-])
+@pytest.mark.parametrize(
+    "a,b,offs,error",
+    [
+        (torch.randn(8, 8, dtype=torch.float64), torch.randn(3, 8, 4, dtype=torch.float64), OFFS, "Float32, BFloat16"),
+        (torch.randn(8, 6), torch.randn(3, 6, 4), OFFS, "16 bytes"),
+        (torch.randn(8, 8), torch.randn(2, 8, 4), OFFS, "batch sizes"),
+        (torch.randn(8, 8), torch.randn(3, 8, 4), OFFS.long(), "int32"),
+        (torch.randn(8, 8), torch.randn(3, 8, 4), None, "offsets"),
+    ],
+)
 def test_arguments_the_cpu_kernel_refuses_fail_while_tracing(a, b, offs, error):
     with pytest.raises(RuntimeError):
         grouped(a, b, offs)

@@ -9,15 +9,16 @@ Environment: ``FXTOOLS_FUZZ_N`` programs per transform (default below), ``FXTOOL
 (default 0) selects another sequence, ``FXTOOLS_FUZZ_ONLY=12,40`` runs only those indices.
 ``python tests/fuzz_programs.py INDEX [SEED]`` prints a program's source.
 """
+
 import os
 import traceback
 
+import fuzz_programs
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
 import fxtools
-import fuzz_programs
 
 N = int(os.environ.get("FXTOOLS_FUZZ_N", "100"))
 SEED = int(os.environ.get("FXTOOLS_FUZZ_SEED", "0"))
@@ -60,20 +61,27 @@ def of_floats(p, f=None):
         for k, x in zip(p.float_args, floats):
             args[k] = x
         return f(*args)
+
     return g
 
 
 def loss_of(p):
     """A scalar of the program's outputs whose Hessian is not zero for linear programs."""
+
     def loss(*args):
         return sum((x * x).sum() for x in float_leaves(p.fn(*args)))
+
     loss.__name__ = "loss"
     return loss
 
 
 def randn_like_floats(tree, gen):
-    return pytree.tree_map(lambda x: torch.randn(x.shape, generator=gen, dtype=x.dtype)
-                           if isinstance(x, torch.Tensor) and x.is_floating_point() else None, tree)
+    return pytree.tree_map(
+        lambda x: (
+            torch.randn(x.shape, generator=gen, dtype=x.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else None
+        ),
+        tree,
+    )
 
 
 def check_vjp(p, gen):
@@ -94,8 +102,9 @@ def check_jvp(p, gen):
     tangents = randn_like_floats(args, gen)
     got_out, got_t = fxtools.jvp(p.fn, *args)(*args, *tangents)
     floats = [args[k] for k in p.float_args]
-    want_out, want_t = torch.func.jvp(lambda *fl: float_leaves(of_floats(p)(*fl)), tuple(floats),
-                                      tuple(tangents[k] for k in p.float_args))
+    want_out, want_t = torch.func.jvp(
+        lambda *fl: float_leaves(of_floats(p)(*fl)), tuple(floats), tuple(tangents[k] for k in p.float_args)
+    )
     close(got_out, p.fn(*args), "out")
     close(float_leaves(got_t), want_t, "tangent")
 
@@ -142,13 +151,19 @@ def check_split(p, gen):
     close([grads[k] for k in p.float_args], list(pullback(cts)), "grads")
 
 
-CHECKS = {"vjp": check_vjp, "jvp": check_jvp, "hvp": check_hvp, "vmap": check_vmap,
-          "per_sample_grads": check_per_sample_grads, "split": check_split}
+CHECKS = {
+    "vjp": check_vjp,
+    "jvp": check_jvp,
+    "hvp": check_hvp,
+    "vmap": check_vmap,
+    "per_sample_grads": check_per_sample_grads,
+    "split": check_split,
+}
 
 
 def groups():
     indices = ONLY or list(range(N))
-    return [indices[k:k + GROUP] for k in range(0, len(indices), GROUP)]
+    return [indices[k : k + GROUP] for k in range(0, len(indices), GROUP)]
 
 
 @pytest.mark.parametrize("chunk", groups(), ids=lambda c: f"{c[0]}-{c[-1]}")
@@ -163,11 +178,15 @@ def test_fuzz(transform, chunk):
         except Exception as exc:  # noqa: BLE001 - every failing program is reported
             failures.append((i, p, exc))
     if failures:
-        lines = [f"{len(failures)} of {len(chunk)} programs fail under {transform}; reproduce one with "
-                 f"FXTOOLS_FUZZ_SEED={SEED} FXTOOLS_FUZZ_ONLY=<index> pytest tests/test_fuzz.py -k {transform}"
-                 f" (source: python tests/fuzz_programs.py <index> {SEED})"]
+        lines = [
+            f"{len(failures)} of {len(chunk)} programs fail under {transform}; reproduce one with "
+            f"FXTOOLS_FUZZ_SEED={SEED} FXTOOLS_FUZZ_ONLY=<index> pytest tests/test_fuzz.py -k {transform}"
+            f" (source: python tests/fuzz_programs.py <index> {SEED})"
+        ]
         for i, p, exc in failures:
-            lines.append(f"- index {i}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}")
+            lines.append(
+                f"- index {i}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+            )
         i, p, exc = failures[0]
         lines.append(f"\nfirst failure, {p}")
         lines.append("".join(traceback.format_exception(exc))[-3000:])
@@ -179,6 +198,19 @@ def test_programs_are_reproducible_and_varied():
     a, b = fuzz_programs.program(3, SEED), fuzz_programs.program(3, SEED)
     assert a.source == b.source and all(torch.equal(x, y) for x, y in zip(a.args, b.args))
     text = "\n".join(fuzz_programs.program(i, SEED).source for i in range(200))
-    for word in ("@", "F.softmax", "F.layer_norm", "torch.gather", "torch.cat", ".sum(", "torch.where",
-                 "F.cross_entropy", "F.conv", "torch.tanh", "torch.relu", ".reshape(", "'rest'"):
+    for word in (
+        "@",
+        "F.softmax",
+        "F.layer_norm",
+        "torch.gather",
+        "torch.cat",
+        ".sum(",
+        "torch.where",
+        "F.cross_entropy",
+        "F.conv",
+        "torch.tanh",
+        "torch.relu",
+        ".reshape(",
+        "'rest'",
+    ):
         assert word in text, word

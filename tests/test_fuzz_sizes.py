@@ -17,14 +17,15 @@ float64 at 1e-9:
 Never a result that differs from ``torch.func``. ``FXTOOLS_FUZZ_SIZES_N`` programs (default
 below); ``FXTOOLS_FUZZ_SEED`` and ``FXTOOLS_FUZZ_ONLY`` as in ``tests/test_fuzz.py``.
 """
+
 import os
 
 import pytest
 import torch
+from test_fuzz import ONLY, SEED, close, float_leaves, program, randn_like_floats
 from torch.export import Dim
 
 import fxtools
-from test_fuzz import SEED, ONLY, close, float_leaves, program, randn_like_floats
 
 N = int(os.environ.get("FXTOOLS_FUZZ_SIZES_N", "150"))
 GROUP = 50
@@ -44,8 +45,7 @@ def _resized(x, gen):
 
 
 def _all_sizes_auto(args):
-    return tuple({d: Dim.AUTO for d in range(a.dim())} if isinstance(a, torch.Tensor) and a.dim() else None
-                 for a in args)
+    return tuple(dict.fromkeys(range(a.dim()), Dim.AUTO) if isinstance(a, torch.Tensor) and a.dim() else None for a in args)
 
 
 def _reference(p, args, ct):
@@ -101,7 +101,7 @@ def check_sizes(p, gen, tally):
 
 def groups():
     indices = ONLY or list(range(N))
-    return [indices[k:k + GROUP] for k in range(0, len(indices), GROUP)]
+    return [indices[k : k + GROUP] for k in range(0, len(indices), GROUP)]
 
 
 @pytest.mark.parametrize("chunk", groups(), ids=lambda c: f"{c[0]}-{c[-1]}")
@@ -113,8 +113,7 @@ def test_other_sizes_exact_or_refused(chunk):
             check_sizes(p, torch.Generator().manual_seed(i), tally)
         except Exception as exc:  # noqa: BLE001 - every failing program is reported
             failures.append(f"- index {i}: {type(exc).__name__}: {str(exc).strip()[:400]}\n{p}")
-    assert not failures, (f"{len(failures)} of {len(chunk)} programs (FXTOOLS_FUZZ_SEED={SEED}):\n"
-                          + "\n".join(failures[:3]))
+    assert not failures, f"{len(failures)} of {len(chunk)} programs (FXTOOLS_FUZZ_SEED={SEED}):\n" + "\n".join(failures[:3])
     # the symbolic path must be exercised: a third or more of the programs (those without sizes
     # written into their source) give exact answers at new sizes
     assert tally.get("exact", 0) >= len(chunk) // 3, tally

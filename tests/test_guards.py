@@ -5,6 +5,7 @@ against; the call must raise ``fxtools.InputMismatch`` whose message names the a
 path, what the module was made for, what it got and how to get a module that accepts it. Calls
 with what it was made for still give torch.func's answer (float64).
 """
+
 import copy
 import importlib.util
 import io
@@ -15,11 +16,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from isolated import run_isolated
 
 import fxtools
 from fxtools.cli import examples
 from fxtools.codegen.guards import Guards, InputMismatch, Leaf, Sym, build
-from isolated import run_isolated
 
 
 def close(a, b):
@@ -55,13 +56,13 @@ def mean_mlp(batch):
 
 def data(batch, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, 4, dtype=torch.float64, generator=g),
-            torch.randn(batch, 1, dtype=torch.float64, generator=g))
+    return (torch.randn(batch, 4, dtype=torch.float64, generator=g), torch.randn(batch, 1, dtype=torch.float64, generator=g))
 
 
 # --------------------------------------------------------------------------------------------
 # The cases of issue 10
 # --------------------------------------------------------------------------------------------
+
 
 def test_mean_loss_grad_made_at_batch_32_refuses_other_batches():
     loss, params, x, y = mean_mlp(32)
@@ -70,8 +71,8 @@ def test_mean_loss_grad_made_at_batch_32_refuses_other_batches():
     for batch in (16, 64, 1):
         xb, yb = data(batch)
         text = mismatch(gm, params, xb, yb)
-        assert text.startswith("fxtools.grad module: x.size(0) is %d, but the module was made for 32" % batch)
-        assert "made for shape [32, 4], got [%d, 4]" % batch in text
+        assert text.startswith(f"fxtools.grad module: x.size(0) is {batch}, but the module was made for 32")
+        assert f"made for shape [32, 4], got [{batch}, 4]" in text
         assert "generate the module again" in text and "dynamic_shapes=" in text
 
 
@@ -108,9 +109,11 @@ def test_scalar_argument_is_a_guarded_constant():
     x, w, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
     gm = fxtools.grad(f, x, w, b, 0.5, argnums=(0, 1, 2))
     text = mismatch(gm, x, w, b, 3.0)
-    assert text == ("fxtools.grad module: scale is float 3.0, but the module was made with scale = 0.5, a value "
-                    "its code uses as a constant. Generate the module again with scale = 3.0 (or with a 0-dim "
-                    "tensor there, which makes the value an input of the generated code).")
+    assert text == (
+        "fxtools.grad module: scale is float 3.0, but the module was made with scale = 0.5, a value "
+        "its code uses as a constant. Generate the module again with scale = 3.0 (or with a 0-dim "
+        "tensor there, which makes the value an input of the generated code)."
+    )
     assert "(a Python float)" in mismatch(gm, x, w, b, 1)  # an int is not the float the code was made with
     assert "a tensor float64[]" in mismatch(gm, x, w, b, torch.tensor(0.5, dtype=torch.float64))
     for got, want in zip(gm(x, w, b, 0.5), torch.func.grad(f, argnums=(0, 1, 2))(x, w, b, 0.5)):
@@ -159,18 +162,22 @@ def test_non_float_output_takes_no_cotangent():
 # Structure, dtype, device, layout, calling conventions
 # --------------------------------------------------------------------------------------------
 
+
 def test_structure_count_dtype_device():
     loss, params, x, y = mean_mlp(8)
     gm = fxtools.grad(loss, params, x, y)
     partial = {k: v for k, v in params.items() if k != "fc2.bias"}
     text = mismatch(gm, partial, x, y)
-    assert text.startswith("fxtools.grad module: params must be a dict with keys ['fc1.weight', 'fc1.bias', "
-                           "'fc2.weight', 'fc2.bias'] (the structure the module was made for), got a dict "
-                           "without ['fc2.bias']")
+    assert text.startswith(
+        "fxtools.grad module: params must be a dict with keys ['fc1.weight', 'fc1.bias', "
+        "'fc2.weight', 'fc2.bias'] (the structure the module was made for), got a dict "
+        "without ['fc2.bias']"
+    )
     assert "with the extra keys ['extra']" in mismatch(gm, {**params, "extra": x}, x, y)
     assert "it takes 3 arguments (params, x, y), got 2" in mismatch(gm, params, x)
     assert "params['fc1.weight'] has dtype float32, but the module was made for float64" in mismatch(
-        gm, {**params, "fc1.weight": params["fc1.weight"].float()}, x, y)
+        gm, {**params, "fc1.weight": params["fc1.weight"].float()}, x, y
+    )
     assert "x is on meta, but the module was made for cpu tensors" in mismatch(gm, params, x.to("meta"), y)
     assert "y is None, but the module was made for a tensor float64[8, 1] on cpu" in mismatch(gm, params, x, None)
     reordered = dict(reversed(list(params.items())))  # the code indexes by key: any order is exact
@@ -193,8 +200,10 @@ def test_layout_is_guarded_where_the_code_views():
     assert "x.view([-1])" in gm.code
     xt = torch.randn(4, 3, dtype=torch.float64).t()
     text = mismatch(gm, xt)
-    assert text.startswith("fxtools.grad module: x is not contiguous (strides (1, 3)), but the module was made for "
-                           "a contiguous tensor and its code uses .view")
+    assert text.startswith(
+        "fxtools.grad module: x is not contiguous (strides (1, 3)), but the module was made for "
+        "a contiguous tensor and its code uses .view"
+    )
     assert "Pass x.contiguous()" in text
     close(gm(xt.contiguous()), torch.func.grad(f)(xt.contiguous()))
 
@@ -235,9 +244,11 @@ def test_guards_survive_deepcopy_and_pickling():
 def test_symbolic_sizes_interface():
     """The data the dynamic sizes build on: a Sym accepts its range, equal wherever it recurs."""
     batch = Sym("batch", 2, 64)
-    g = Guards("fxtools.grad", ("x", "y"), (
-        Leaf("x", "tensor", (batch, 4), torch.float32, "cpu"),
-        Leaf("y", "tensor", (batch,), torch.int64, "cpu")))
+    g = Guards(
+        "fxtools.grad",
+        ("x", "y"),
+        (Leaf("x", "tensor", (batch, 4), torch.float32, "cpu"), Leaf("y", "tensor", (batch,), torch.int64, "cpu")),
+    )
     for n in (2, 7, 64):
         assert len(g.check((torch.randn(n, 4), torch.zeros(n, dtype=torch.int64)))) == 2
     text = mismatch(g.check, (torch.randn(1, 4), torch.zeros(1, dtype=torch.int64)))
@@ -245,13 +256,15 @@ def test_symbolic_sizes_interface():
     text = mismatch(g.check, (torch.randn(8, 4), torch.zeros(9, dtype=torch.int64)))
     assert "y.size(0) is 9, but x.size(0) is 8; both are the dynamic size batch" in text
     assert "x.size(1) is 5, but the module was made for 4" in mismatch(
-        g.check, (torch.randn(8, 5), torch.zeros(8, dtype=torch.int64)))
+        g.check, (torch.randn(8, 5), torch.zeros(8, dtype=torch.int64))
+    )
     assert "  batch: any size in [2, 64]" in str(g)
 
 
 # --------------------------------------------------------------------------------------------
 # The other transforms
 # --------------------------------------------------------------------------------------------
+
 
 def test_jvp_tangents():
     def f(x, w):
@@ -290,8 +303,10 @@ def test_vmap_and_per_sample_grads():
 
     g = fxtools.grad(per_example, params, x[0], y[0])
     ps = fxtools.vmap(g, params, x, y, in_dims=(None, 0, 0))
-    close(ps(params, x, y)["fc1.weight"],
-          torch.func.vmap(torch.func.grad(per_example), in_dims=(None, 0, 0))(params, x, y)["fc1.weight"])
+    close(
+        ps(params, x, y)["fc1.weight"],
+        torch.func.vmap(torch.func.grad(per_example), in_dims=(None, 0, 0))(params, x, y)["fc1.weight"],
+    )
     xb, yb = data(5)
     assert mismatch(ps, params, xb, yb).startswith("fxtools.vmap module: x.size(0) is 5, but the module was made for 8")
     # batching a module made for other per-example shapes refuses at once
@@ -303,6 +318,7 @@ def test_vmap_and_per_sample_grads():
 # --------------------------------------------------------------------------------------------
 # split, save, compile
 # --------------------------------------------------------------------------------------------
+
 
 def test_split_forward_backward_and_boxed():
     loss, params, x, y = mean_mlp(32)
@@ -345,7 +361,8 @@ def test_saved_module_checks_in_a_fresh_interpreter(tmp_path):
     assert text.index("def forward(") < text.index("class Guards")  # the derivative first
     xb, yb = data(16)
     torch.save((params, x, y, xb, yb, gm(params, x, y)), tmp_path / "io.pt")
-    out = run_isolated("""
+    out = run_isolated(
+        """
 import torch, meanmlp
 params, x, y, xb, yb, want = torch.load("io.pt")
 got = meanmlp.forward(params, x, y)
@@ -361,13 +378,18 @@ try:
     meanmlp.forward({k: v for k, v in params.items() if k != "fc2.bias"}, x, y)
 except ValueError as e:
     print(e)
-""", tmp_path)
+""",
+        tmp_path,
+    )
     first, second = out.strip().splitlines()
-    assert first.startswith("fxtools.grad module: x.size(0) is 16, but the module was made for 32 "
-                            "(x: made for shape [32, 4], got [16, 4])")
-    assert second.startswith("fxtools.grad module: params must be a dict with keys ['fc1.weight', 'fc1.bias', "
-                             "'fc2.weight', 'fc2.bias'] (the structure the module was made for), got a dict "
-                             "without ['fc2.bias']")
+    assert first.startswith(
+        "fxtools.grad module: x.size(0) is 16, but the module was made for 32 (x: made for shape [32, 4], got [16, 4])"
+    )
+    assert second.startswith(
+        "fxtools.grad module: params must be a dict with keys ['fc1.weight', 'fc1.bias', "
+        "'fc2.weight', 'fc2.bias'] (the structure the module was made for), got a dict "
+        "without ['fc2.bias']"
+    )
 
 
 def test_saved_split_checks_both_functions(tmp_path):
@@ -418,6 +440,7 @@ def test_compile_picks_its_graphs_by_the_guards():
 def test_plain_objects_are_guarded_by_their_attributes(tmp_path):
     """A config object the code reads (``c.scale``) is a constant: an equal new instance is
     accepted, a changed attribute is refused, in the module and in its saved form."""
+
     class Config:
         def __init__(self, scale):
             self.scale = scale
@@ -429,6 +452,7 @@ def test_plain_objects_are_guarded_by_their_attributes(tmp_path):
     assert "c is a Config whose attributes differ" in mismatch(gm, x, Config(3))  # an int, not the float 3.0
     fxtools.save(gm, tmp_path / "g.py")
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("g_cfg", tmp_path / "g.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -7,6 +7,7 @@ The eager reference runs on a deep copy of the model made before fxtools sees it
 rtol 1e-4 / atol 1e-6; float64 rtol 1e-9 / atol 1e-11, except where the model itself computes in
 float32 (see FLOAT32_SOFTMAX).
 """
+
 import copy
 import os
 
@@ -39,6 +40,7 @@ def _ids(seed=1, seq=SEQ):
 # Losses. ``f`` is ``fxtools.functional(model)``; every loss returns a scalar tensor.
 # --------------------------------------------------------------------------------------------
 
+
 def next_token_loss(f, params, input_ids, labels, attention_mask=None):
     """Causal-LM cross-entropy computed from the logits in the model's dtype.
 
@@ -58,6 +60,7 @@ def hf_loss(f, params, *inputs, keys):
 # Tiny configs. Each builder returns (model, loss(f, params, *inputs), inputs); dropout is 0.
 # --------------------------------------------------------------------------------------------
 
+
 def _causal_lm(model_cls, config_cls, **config):
     def build(attention, dtype):
         model = model_cls(config_cls(vocab_size=VOCAB, attn_implementation=attention, **config))
@@ -66,20 +69,46 @@ def _causal_lm(model_cls, config_cls, **config):
         if dtype == torch.float64:
             return model, next_token_loss, (_ids(), labels)
         return model, lambda f, p, *a: hf_loss(f, p, *a, keys=("input_ids", "labels")), (_ids(), labels)
+
     return build
 
 
-_DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0)
+_DECODER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    attention_dropout=0.0,
+)
 
-gpt2 = _causal_lm(transformers.GPT2LMHeadModel, transformers.GPT2Config, n_positions=32, n_embd=32, n_layer=2,
-                  n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+gpt2 = _causal_lm(
+    transformers.GPT2LMHeadModel,
+    transformers.GPT2Config,
+    n_positions=32,
+    n_embd=32,
+    n_layer=2,
+    n_head=4,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+)
 llama = _causal_lm(transformers.LlamaForCausalLM, transformers.LlamaConfig, **_DECODER)
 mistral = _causal_lm(transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=4, **_DECODER)
 qwen2 = _causal_lm(transformers.Qwen2ForCausalLM, transformers.Qwen2Config, **_DECODER)
-opt = _causal_lm(transformers.OPTForCausalLM, transformers.OPTConfig, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                 num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0,
-                 attention_dropout=0.0)
+opt = _causal_lm(
+    transformers.OPTForCausalLM,
+    transformers.OPTConfig,
+    hidden_size=32,
+    ffn_dim=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    word_embed_proj_dim=32,
+    dropout=0.0,
+    attention_dropout=0.0,
+)
 
 
 def _moe(model_cls, config_cls, **config):
@@ -89,20 +118,37 @@ def _moe(model_cls, config_cls, **config):
     traces, ``torch.compiler.is_compiling()`` makes float32 take its ``grouped_mm_fallback`` op);
     the CPU kernel has no float64, so float64 cases use the ``batched_mm`` experts (``bmm``).
     """
+
     def build(attention, dtype):
         experts = "grouped_mm" if dtype == torch.float32 else "batched_mm"
-        return _causal_lm(model_cls, config_cls, experts_implementation=experts, output_router_logits=True,
-                          num_experts_per_tok=2, **config)(attention, dtype)
+        return _causal_lm(
+            model_cls, config_cls, experts_implementation=experts, output_router_logits=True, num_experts_per_tok=2, **config
+        )(attention, dtype)
+
     return build
 
 
 mixtral = _moe(transformers.MixtralForCausalLM, transformers.MixtralConfig, num_local_experts=4, **_DECODER)
-qwen2_moe = _moe(transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig, num_experts=4,
-                 moe_intermediate_size=32, shared_expert_intermediate_size=32, **_DECODER)
+qwen2_moe = _moe(
+    transformers.Qwen2MoeForCausalLM,
+    transformers.Qwen2MoeConfig,
+    num_experts=4,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    **_DECODER,
+)
 stablelm = _causal_lm(transformers.StableLmForCausalLM, transformers.StableLmConfig, **_DECODER)
 
-_BERT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-             max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+_BERT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
 
 
 def bert_mlm(attention, dtype):
@@ -118,7 +164,8 @@ def bert_mlm(attention, dtype):
 
 def bert_classifier(attention, dtype):
     model = transformers.BertForSequenceClassification(
-        transformers.BertConfig(attn_implementation=attention, num_labels=3, **_BERT))
+        transformers.BertConfig(attn_implementation=attention, num_labels=3, **_BERT)
+    )
     token_types = torch.tensor([[0] * 4 + [1] * (SEQ - 4)] * BATCH)
     keys = ("input_ids", "token_type_ids", "labels")
     return model, lambda f, p, *a: hf_loss(f, p, *a, keys=keys), (_ids(), token_types, torch.tensor([0, 2]))
@@ -129,15 +176,37 @@ def _seq2seq(model_cls, config_cls, **config):
         model = model_cls(config_cls(vocab_size=VOCAB, attn_implementation=attention, **config))
         keys = ("input_ids", "labels")
         return model, lambda f, p, *a: hf_loss(f, p, *a, keys=keys), (_ids(), _ids(seed=2, seq=5))
+
     return build
 
 
-bart = _seq2seq(transformers.BartForConditionalGeneration, transformers.BartConfig, d_model=32, encoder_layers=1,
-                decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-                decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
-                activation_dropout=0.0)
-t5 = _seq2seq(transformers.T5ForConditionalGeneration, transformers.T5Config, d_model=32, d_kv=8, d_ff=64,
-              num_layers=2, num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+bart = _seq2seq(
+    transformers.BartForConditionalGeneration,
+    transformers.BartConfig,
+    d_model=32,
+    encoder_layers=1,
+    decoder_layers=1,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    max_position_embeddings=64,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+)
+t5 = _seq2seq(
+    transformers.T5ForConditionalGeneration,
+    transformers.T5Config,
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=2,
+    num_heads=4,
+    dropout_rate=0.0,
+    decoder_start_token_id=0,
+    pad_token_id=0,
+)
 
 
 def _images(dtype, size):
@@ -147,23 +216,46 @@ def _images(dtype, size):
 
 
 def vit(attention, dtype):
-    model = transformers.ViTForImageClassification(transformers.ViTConfig(
-        image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation=attention))
+    model = transformers.ViTForImageClassification(
+        transformers.ViTConfig(
+            image_size=16,
+            patch_size=4,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_labels=5,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation=attention,
+        )
+    )
     return (model, *_images(dtype, 16))
 
 
 def resnet(attention, dtype):
     """A two-stage ResNet: convolutions, BatchNorm, residual connections, pooling."""
-    model = transformers.ResNetForImageClassification(transformers.ResNetConfig(
-        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=5))
+    model = transformers.ResNetForImageClassification(
+        transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=5)
+    )
     return (model, *_images(dtype, 32))
 
 
 MODELS = {
-    "gpt2": gpt2, "llama": llama, "bert_mlm": bert_mlm, "bert_classifier": bert_classifier,
-    "mistral": mistral, "qwen2": qwen2, "opt": opt, "bart": bart, "t5": t5, "vit": vit, "resnet": resnet,
-    "mixtral": mixtral, "qwen2_moe": qwen2_moe, "stablelm": stablelm,
+    "gpt2": gpt2,
+    "llama": llama,
+    "bert_mlm": bert_mlm,
+    "bert_classifier": bert_classifier,
+    "mistral": mistral,
+    "qwen2": qwen2,
+    "opt": opt,
+    "bart": bart,
+    "t5": t5,
+    "vit": vit,
+    "resnet": resnet,
+    "mixtral": mixtral,
+    "qwen2_moe": qwen2_moe,
+    "stablelm": stablelm,
 }
 # Eager attention of these models takes the softmax in float32 whatever the model's dtype
 # (``softmax(..., dtype=torch.float32)``), so in float64 both gradients carry float32 rounding.
@@ -174,7 +266,7 @@ FLOAT32_ROUTER = {"mixtral"}
 
 
 def tolerance(name, attention, dtype):
-    if dtype == torch.float64 and (attention == "eager" and name in FLOAT32_SOFTMAX or name in FLOAT32_ROUTER):
+    if dtype == torch.float64 and ((attention == "eager" and name in FLOAT32_SOFTMAX) or name in FLOAT32_ROUTER):
         return TOL[torch.float32]
     return TOL[dtype]
 
@@ -222,8 +314,12 @@ def check(name, attention, dtype, train=False):
 # in eager attention (float32) and SDPA (float64); ResNet has no attention.
 CORE = ["gpt2", "llama", "bert_mlm", "bert_classifier"]
 CASES = [(name, attention, dtype) for name in CORE for attention in ATTENTION for dtype in DTYPES]
-CASES += [(name, attention, dtype) for name in MODELS if name not in CORE
-          for attention, dtype in zip(["eager", "eager" if name == "resnet" else "sdpa"], DTYPES)]
+CASES += [
+    (name, attention, dtype)
+    for name in MODELS
+    if name not in CORE
+    for attention, dtype in zip(["eager", "eager" if name == "resnet" else "sdpa"], DTYPES)
+]
 
 
 @pytest.mark.parametrize("name, attention, dtype", CASES, ids=lambda v: str(v).replace("torch.", ""))
@@ -231,8 +327,7 @@ def test_gradients_match_autograd(name, attention, dtype):
     check(name, attention, dtype)
 
 
-@pytest.mark.parametrize("name, attention", [("gpt2", "sdpa"), ("llama", "eager"), ("bert_mlm", "sdpa"),
-                                             ("bart", "eager")])
+@pytest.mark.parametrize("name, attention", [("gpt2", "sdpa"), ("llama", "eager"), ("bert_mlm", "sdpa"), ("bart", "eager")])
 def test_train_mode_with_zero_dropout(name, attention):
     check(name, attention, torch.float64, train=True)
 

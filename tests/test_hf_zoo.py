@@ -9,6 +9,7 @@ autograd for every parameter in float64 (rtol 1e-5, atol 1e-7: the models' own l
 softmaxes and routers, compute in float32 on purpose), and the model still runs eagerly afterwards, unchanged (tracing
 must leave no FakeTensor in the model's caches).
 """
+
 import copy
 import os
 
@@ -38,8 +39,7 @@ def _text(model_cls, config_cls, **config):
 
 
 def _vision(model_cls, config_cls, size, **config):
-    return lambda: (model_cls(config_cls(num_labels=5, **config)),
-                    {"pixel_values": _image(size), "labels": torch.tensor([1, 3])})
+    return lambda: (model_cls(config_cls(num_labels=5, **config)), {"pixel_values": _image(size), "labels": torch.tensor([1, 3])})
 
 
 ZOO = {
@@ -56,47 +56,160 @@ ZOO = {
     "distilbert": _text(T.DistilBertForMaskedLM, T.DistilBertConfig, dim=32, n_layers=2, n_heads=4, hidden_dim=64),
     "albert": _text(T.AlbertForMaskedLM, T.AlbertConfig, embedding_size=16, **_D),
     "deberta_v2": _text(T.DebertaV2ForMaskedLM, T.DebertaV2Config, **_D),
-    "convnext": _vision(T.ConvNextForImageClassification, T.ConvNextConfig, 32, num_stages=2, hidden_sizes=[8, 16],
-                        depths=[1, 1], image_size=32),
-    "swin": _vision(T.SwinForImageClassification, T.SwinConfig, 32, image_size=32, patch_size=4, embed_dim=16,
-                    depths=[1, 1], num_heads=[2, 2], window_size=4),
-    "mobilenet_v2": _vision(T.MobileNetV2ForImageClassification, T.MobileNetV2Config, 32, image_size=32,
-                            depth_multiplier=0.25),
-    "regnet": _vision(T.RegNetForImageClassification, T.RegNetConfig, 32, embedding_size=8, hidden_sizes=[8, 16],
-                      depths=[1, 1], groups_width=8),
-    "beit": _vision(T.BeitForImageClassification, T.BeitConfig, 16, image_size=16, patch_size=4, hidden_size=32,
-                    num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, use_relative_position_bias=True),
-    "whisper": lambda: (T.WhisperForConditionalGeneration(T.WhisperConfig(
-        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
-        max_target_positions=16, decoder_start_token_id=0, pad_token_id=0)),
-        {"input_features": torch.randn(BATCH, 8, 32, generator=torch.Generator().manual_seed(1)), "labels": _ids(2)[:, :5]}),
-    "clip": lambda: (T.CLIPModel(T.CLIPConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, max_position_embeddings=16, bos_token_id=0, eos_token_id=2),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                           image_size=16, patch_size=4), projection_dim=16)),
-        {"input_ids": _ids(1), "pixel_values": _image(16), "return_loss": True}),
-    "wav2vec2": lambda: (T.Wav2Vec2ForSequenceClassification(T.Wav2Vec2Config(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16),
-        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
-        num_labels=3, mask_time_prob=0.0)),
-        {"input_values": torch.randn(BATCH, 400, generator=torch.Generator().manual_seed(1)), "labels": torch.tensor([0, 2])}),
-    "t5_classifier": lambda: (T.T5ForSequenceClassification(T.T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, num_labels=3,
-        decoder_start_token_id=0, pad_token_id=0)),  # picks each sequence's last EOS (id 1): a data-dependent select
-        {"input_ids": torch.cat([_ids(1).clamp(min=2)[:, :-1], torch.ones(BATCH, 1, dtype=torch.long)], 1),
-         "labels": torch.tensor([0, 2])}),
-    "segformer": lambda: (T.SegformerForSemanticSegmentation(T.SegformerConfig(
-        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], num_attention_heads=[1, 2],
-        decoder_hidden_size=16, patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2], num_labels=3)),
-        {"pixel_values": _image(32), "labels": torch.randint(0, 3, (BATCH, 32, 32), generator=torch.Generator().manual_seed(2))}),
-    "vit_mae": lambda: (T.ViTMAEForPreTraining(T.ViTMAEConfig(
-        image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-        decoder_hidden_size=16, decoder_num_hidden_layers=1, decoder_num_attention_heads=2, decoder_intermediate_size=32,
-        mask_ratio=0.5)), {"pixel_values": _image(16)}),  # random masking: the same generator state on both sides
-    "dinov2": _vision(T.Dinov2ForImageClassification, T.Dinov2Config, 16, image_size=16, patch_size=4, hidden_size=32,
-                      num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2),
+    "convnext": _vision(
+        T.ConvNextForImageClassification, T.ConvNextConfig, 32, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=32
+    ),
+    "swin": _vision(
+        T.SwinForImageClassification,
+        T.SwinConfig,
+        32,
+        image_size=32,
+        patch_size=4,
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[2, 2],
+        window_size=4,
+    ),
+    "mobilenet_v2": _vision(T.MobileNetV2ForImageClassification, T.MobileNetV2Config, 32, image_size=32, depth_multiplier=0.25),
+    "regnet": _vision(
+        T.RegNetForImageClassification, T.RegNetConfig, 32, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=8
+    ),
+    "beit": _vision(
+        T.BeitForImageClassification,
+        T.BeitConfig,
+        16,
+        image_size=16,
+        patch_size=4,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        use_relative_position_bias=True,
+    ),
+    "whisper": lambda: (
+        T.WhisperForConditionalGeneration(
+            T.WhisperConfig(
+                vocab_size=VOCAB,
+                d_model=32,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                num_mel_bins=8,
+                max_source_positions=16,
+                max_target_positions=16,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+            )
+        ),
+        {"input_features": torch.randn(BATCH, 8, 32, generator=torch.Generator().manual_seed(1)), "labels": _ids(2)[:, :5]},
+    ),
+    "clip": lambda: (
+        T.CLIPModel(
+            T.CLIPConfig(
+                text_config=dict(
+                    vocab_size=VOCAB,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=1,
+                    num_attention_heads=4,
+                    max_position_embeddings=16,
+                    bos_token_id=0,
+                    eos_token_id=2,
+                ),
+                vision_config=dict(
+                    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=16, patch_size=4
+                ),
+                projection_dim=16,
+            )
+        ),
+        {"input_ids": _ids(1), "pixel_values": _image(16), "return_loss": True},
+    ),
+    "wav2vec2": lambda: (
+        T.Wav2Vec2ForSequenceClassification(
+            T.Wav2Vec2Config(
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                intermediate_size=64,
+                conv_dim=(16, 16),
+                conv_stride=(5, 2),
+                conv_kernel=(10, 3),
+                num_conv_pos_embeddings=16,
+                num_conv_pos_embedding_groups=4,
+                num_labels=3,
+                mask_time_prob=0.0,
+            )
+        ),
+        {"input_values": torch.randn(BATCH, 400, generator=torch.Generator().manual_seed(1)), "labels": torch.tensor([0, 2])},
+    ),
+    "t5_classifier": lambda: (
+        T.T5ForSequenceClassification(
+            T.T5Config(
+                vocab_size=VOCAB,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=1,
+                num_heads=4,
+                num_labels=3,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+            )
+        ),  # picks each sequence's last EOS (id 1): a data-dependent select
+        {
+            "input_ids": torch.cat([_ids(1).clamp(min=2)[:, :-1], torch.ones(BATCH, 1, dtype=torch.long)], 1),
+            "labels": torch.tensor([0, 2]),
+        },
+    ),
+    "segformer": lambda: (
+        T.SegformerForSemanticSegmentation(
+            T.SegformerConfig(
+                num_encoder_blocks=2,
+                depths=[1, 1],
+                sr_ratios=[2, 1],
+                hidden_sizes=[8, 16],
+                num_attention_heads=[1, 2],
+                decoder_hidden_size=16,
+                patch_sizes=[7, 3],
+                strides=[4, 2],
+                mlp_ratios=[2, 2],
+                num_labels=3,
+            )
+        ),
+        {"pixel_values": _image(32), "labels": torch.randint(0, 3, (BATCH, 32, 32), generator=torch.Generator().manual_seed(2))},
+    ),
+    "vit_mae": lambda: (
+        T.ViTMAEForPreTraining(
+            T.ViTMAEConfig(
+                image_size=16,
+                patch_size=4,
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                intermediate_size=64,
+                decoder_hidden_size=16,
+                decoder_num_hidden_layers=1,
+                decoder_num_attention_heads=2,
+                decoder_intermediate_size=32,
+                mask_ratio=0.5,
+            )
+        ),
+        {"pixel_values": _image(16)},
+    ),  # random masking: the same generator state on both sides
+    "dinov2": _vision(
+        T.Dinov2ForImageClassification,
+        T.Dinov2Config,
+        16,
+        image_size=16,
+        patch_size=4,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        mlp_ratio=2,
+    ),
 }
 
 
@@ -119,8 +232,9 @@ def test_gradients_equal_eager_autograd(name):
     loss = fxtools.functional(reference)(ref_params, **inputs).loss
     want = torch.autograd.grad(loss, list(ref_params.values()), allow_unused=True)
     for (n, p), w in zip(ref_params.items(), want):
-        torch.testing.assert_close(got[n], torch.zeros_like(p) if w is None else w, rtol=1e-5, atol=1e-7,
-                                   msg=lambda m: f"{name} {n}: {m}")
+        torch.testing.assert_close(
+            got[n], torch.zeros_like(p) if w is None else w, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} {n}: {m}"
+        )
 
     torch.manual_seed(1)
     after = model(**inputs).loss  # the traced model still runs eagerly, with real tensors
@@ -216,12 +330,22 @@ def test_per_sample_gradients_of_a_sequence_classifier(name):
     ops.)"""
     torch.manual_seed(0)
     if name == "bert":
-        model = T.BertForSequenceClassification(T.BertConfig(
-            vocab_size=VOCAB, num_labels=3, attn_implementation="eager", **{**_D, "num_hidden_layers": 1}))
+        model = T.BertForSequenceClassification(
+            T.BertConfig(vocab_size=VOCAB, num_labels=3, attn_implementation="eager", **{**_D, "num_hidden_layers": 1})
+        )
     else:
-        model = T.GPT2ForSequenceClassification(T.GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=32, num_labels=3, pad_token_id=0,
-            attn_implementation="eager"))
+        model = T.GPT2ForSequenceClassification(
+            T.GPT2Config(
+                vocab_size=VOCAB,
+                n_embd=32,
+                n_layer=1,
+                n_head=4,
+                n_positions=32,
+                num_labels=3,
+                pad_token_id=0,
+                attn_implementation="eager",
+            )
+        )
     model = model.double().eval()
     f = fxtools.functional(model)
     params = {k: v.detach() for k, v in model.named_parameters()}

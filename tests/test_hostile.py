@@ -4,9 +4,9 @@ Generated code may hold text from user data only as identifiers and plain built-
 (``naming.py``); names are in Python's normal form and shadow nothing the code uses; examples
 stay fake however large they are.
 """
+
 import collections
 import enum
-import os
 import pathlib
 import resource
 import time
@@ -17,20 +17,22 @@ import torch
 import torch as T
 import torch.fx as fx
 import torch.nn as nn
+from isolated import run_isolated
 
 import fxtools
-from fxtools.errors import FxtoolsError
 from fxtools.codegen.export import ExportError
-from isolated import run_isolated
+from fxtools.errors import FxtoolsError
 
 D = torch.float64
 
 
 def _evil_str(marker):
     """A str subclass whose repr is code that creates ``marker`` (and evaluates to 'a')."""
+
     class Evil(str):
         def __repr__(self):
             return f"(__import__('pathlib').Path({str(marker)!r}).touch() or 'a')"
+
     return Evil
 
 
@@ -85,13 +87,18 @@ def test_constants_in_any_graph_are_checked_before_code_is_written(tmp_path):
 def test_returned_dict_subclass_with_keyword_and_unnormalised_keys():
     """``OrderedDict`` is rebuilt by a call with keyword arguments only for keys that are plain
     identifiers: ``if=`` is a syntax error and ``ﬁ=`` would become the key ``fi``."""
+
     def f(x):
         return collections.OrderedDict([("if", x.sin()), ("\ufb01", x.cos()), ("fi", x.exp()), ("None", x)])
 
     x = torch.randn(3, dtype=D)
     gm = fxtools.vjp(f, x)
-    ct = {"if": torch.ones(3, dtype=D), "\ufb01": 2 * torch.ones(3, dtype=D), "fi": 3 * torch.ones(3, dtype=D),
-          "None": 4 * torch.ones(3, dtype=D)}
+    ct = {
+        "if": torch.ones(3, dtype=D),
+        "\ufb01": 2 * torch.ones(3, dtype=D),
+        "fi": 3 * torch.ones(3, dtype=D),
+        "None": 4 * torch.ones(3, dtype=D),
+    }
     out, (gx,) = gm(x, ct)
     assert list(out) == ["if", "\ufb01", "fi", "None"]  # a plain dict: its keys are no keyword arguments
     torch.testing.assert_close(out["\ufb01"], x.cos())
@@ -149,6 +156,7 @@ def _closing_over_torch():
 
     def f(x):
         return (x * torch * w).sin().sum()
+
     return f
 
 
@@ -159,16 +167,19 @@ def test_a_closed_over_tensor_named_torch_in_a_saved_module(tmp_path):
     x = torch.randn(3, dtype=D)
     gm = fxtools.grad(f, x)
     xr = x.clone().requires_grad_()
-    want, = torch.autograd.grad(f(xr), xr)
+    (want,) = torch.autograd.grad(f(xr), xr)
     torch.testing.assert_close(gm(x), want)
     fxtools.save(gm, tmp_path / "g.py")
     torch.save((x, want), tmp_path / "io.pt")
-    out = run_isolated("""
+    out = run_isolated(
+        """
 import torch, g
 x, want = torch.load("io.pt")
 torch.testing.assert_close(g.forward(x), want)
 print("same")
-""", tmp_path)
+""",
+        tmp_path,
+    )
     assert "same" in out
 
 
@@ -191,7 +202,8 @@ def test_any_plain_key_works(tmp_path):
         torch.testing.assert_close(grads[k], 2 * i * x[k])
     fxtools.save(gm, tmp_path / "g.py")
     torch.save((x, ct, grads), tmp_path / "io.pt")
-    assert "same" in run_isolated("""
+    assert "same" in run_isolated(
+        """
 import torch, g
 x, ct, want = torch.load("io.pt")
 out, (grads,) = g.forward(x, ct)
@@ -199,7 +211,9 @@ assert list(grads) == list(want)
 for k in want:
     torch.testing.assert_close(grads[k], want[k])
 print("same")
-""", tmp_path)
+""",
+        tmp_path,
+    )
 
 
 class Color(enum.Enum):
@@ -210,8 +224,11 @@ class Level(enum.IntEnum):
     LOW = 1
 
 
-@pytest.mark.parametrize("key", [np.int64(1), np.float64(1.5), np.float32(0.5), Color.RED, Level.LOW],
-                         ids=["numpy int", "numpy float", "numpy float32", "enum", "int enum"])
+@pytest.mark.parametrize(
+    "key",
+    [np.int64(1), np.float64(1.5), np.float32(0.5), Color.RED, Level.LOW],
+    ids=["numpy int", "numpy float", "numpy float32", "enum", "int enum"],
+)
 def test_keys_equal_to_a_literal_or_enum_members_work(key):
     """A numpy number is written as the int or float it equals (it indexes the same entry); an
     enum member as ``Class.NAME``. Gradients equal autograd's."""
@@ -226,8 +243,9 @@ def test_keys_equal_to_a_literal_or_enum_members_work(key):
     torch.testing.assert_close(grads[key], x.cos())
 
 
-@pytest.mark.parametrize("key", [pathlib.Path("a"), float("nan"), np.float64("nan"), object()],
-                         ids=["path", "nan", "numpy nan", "object"])
+@pytest.mark.parametrize(
+    "key", [pathlib.Path("a"), float("nan"), np.float64("nan"), object()], ids=["path", "nan", "numpy nan", "object"]
+)
 def test_keys_code_cannot_hold_are_refused_clearly(key):
     """A key no literal can stand for (a Path), or that cannot index a dict (nan), is an error
     naming the argument and the key, never a crash in torch.fx or a module that cannot run."""
@@ -253,8 +271,12 @@ class _RealTensorsMade(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
-            if (isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor)
-                    and t.device.type != "meta" and t.numel() >= self.numel):
+            if (
+                isinstance(t, torch.Tensor)
+                and not isinstance(t, torch._subclasses.FakeTensor)
+                and t.device.type != "meta"
+                and t.numel() >= self.numel
+            ):
                 self.seen.append((getattr(func, "__name__", func), tuple(t.shape)))
         return out
 
@@ -281,6 +303,7 @@ def test_a_huge_example_on_the_meta_device_allocates_nothing(transform):
 
 class _Shouting(enum.Enum):
     """An enum whose repr is code: torch.fx prints items of dicts and namedtuples with repr."""
+
     A = 1
 
     def __repr__(self):
@@ -293,6 +316,7 @@ _Pair = collections.namedtuple("_Pair", "value tag")
 def test_enum_keys_of_returned_dicts():
     """A returned dict with an enum key is built by a call that fx prints item by item
     (``Class.NAME``), never with the member's own repr."""
+
     def f(x):
         return {_Shouting.A: x.sin(), "pair": _Pair(x.cos(), "t")}
 
@@ -308,6 +332,7 @@ def test_enum_keys_of_returned_dicts():
 def test_draw_title_with_quotes_and_a_trailing_backslash(tmp_path):
     """Text in a picture is escaped: a title ending in a backslash used to end Graphviz's string early."""
     import shutil
+
     pytest.importorskip("pydot")
     if shutil.which("dot") is None:
         pytest.skip("Graphviz is not installed")

@@ -5,6 +5,7 @@ carry a gradient, ``p.data = ...`` and ``requires_grad_(False)`` on a non-leaf a
 as eager refuses it); ``torch.inference_mode()`` is ``no_grad``; tensors hidden in arguments that are
 not pytrees are refused at generation time.
 """
+
 import dataclasses
 import re
 
@@ -23,8 +24,7 @@ def _x(*shape, seed=0):
 
 
 def _eager_grad(f, *args, argnums=0):
-    args = [a.detach().clone().requires_grad_(i == argnums) if isinstance(a, torch.Tensor) else a
-            for i, a in enumerate(args)]
+    args = [a.detach().clone().requires_grad_(i == argnums) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
     return torch.autograd.grad(f(*args), args[argnums])[0]
 
 
@@ -38,6 +38,7 @@ def _line(f, text):
 
 
 # --- .data -------------------------------------------------------------------------------------
+
 
 def data_of_intermediate(x):
     y = x * x
@@ -91,8 +92,7 @@ def write_through_data_of_input(x):
     return (a + x * x).sum()
 
 
-@pytest.mark.parametrize("f, text", [(write_through_data, "y.data.mul_(0)"),
-                                     (write_through_data_of_input, "x.data.mul_(2)")])
+@pytest.mark.parametrize("f, text", [(write_through_data, "y.data.mul_(0)"), (write_through_data_of_input, "x.data.mul_(2)")])
 def test_write_through_data_is_refused_with_the_line(f, text):
     """Eager applies the write without autograd seeing it, except in the tensors autograd saved
     (so its gradient depends on what it saves): fxtools refuses it."""
@@ -146,6 +146,7 @@ def test_assigning_data_is_refused_with_the_line():
 
 # --- grad modes --------------------------------------------------------------------------------
 
+
 def inference_block(x):
     with torch.inference_mode():
         y = x * 2
@@ -168,9 +169,10 @@ def inference_off_inside(x):
     return (y + x * x).sum()
 
 
-@pytest.mark.parametrize("f, expected", [(inference_block, lambda x: 2 * x),
-                                         (inference_decorator, lambda x: 2 * x),
-                                         (inference_off_inside, lambda x: 2 * x + 2)])
+@pytest.mark.parametrize(
+    "f, expected",
+    [(inference_block, lambda x: 2 * x), (inference_decorator, lambda x: 2 * x), (inference_off_inside, lambda x: 2 * x + 2)],
+)
 def test_inference_mode_is_no_grad(f, expected):
     x = _x(4)
     torch.testing.assert_close(fxtools.grad(f, x)(x), expected(x), rtol=0, atol=1e-12)
@@ -187,8 +189,9 @@ def test_inference_mode_matches_eager_no_grad():
     """Eager autograd refuses to save an inference tensor for the backward; where it does not need
     to, the block is a constant, as under no_grad."""
     x = _x(4)
-    torch.testing.assert_close(fxtools.grad(inference_block, x)(x),
-                               _eager_grad(inference_block_eager_equivalent, x), rtol=0, atol=0)
+    torch.testing.assert_close(
+        fxtools.grad(inference_block, x)(x), _eager_grad(inference_block_eager_equivalent, x), rtol=0, atol=0
+    )
 
 
 def requires_grad_off(x):
@@ -203,8 +206,9 @@ def requires_grad_attr_off(x):
     return (y * x).sum()
 
 
-@pytest.mark.parametrize("f, text", [(requires_grad_off, "y.requires_grad_(False)"),
-                                     (requires_grad_attr_off, "y.requires_grad = False")])
+@pytest.mark.parametrize(
+    "f, text", [(requires_grad_off, "y.requires_grad_(False)"), (requires_grad_attr_off, "y.requires_grad = False")]
+)
 def test_requires_grad_off_on_non_leaf_raises_as_eager(f, text):
     with pytest.raises(RuntimeError, match="only change requires_grad flags of leaf variables"):
         _eager_grad(f, _x(3))
@@ -223,8 +227,9 @@ def requires_grad_off_on_leaf(x, c):
 
 def test_requires_grad_off_on_leaves_is_allowed():
     x, c = _x(3), _x(3, seed=1)
-    torch.testing.assert_close(fxtools.grad(requires_grad_off_on_leaf, x, c)(x, c),
-                               _eager_grad(requires_grad_off_on_leaf, x, c), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        fxtools.grad(requires_grad_off_on_leaf, x, c)(x, c), _eager_grad(requires_grad_off_on_leaf, x, c), rtol=0, atol=1e-12
+    )
 
 
 def requires_grad_off_other_arg(x, c):
@@ -237,11 +242,16 @@ def test_requires_grad_off_on_value_of_undifferentiated_argument():
     """Differentiated with respect to ``c`` only, ``x * x`` is a leaf, as in eager when only ``c``
     requires grad."""
     x, c = _x(3), _x(3, seed=1)
-    torch.testing.assert_close(fxtools.grad(requires_grad_off_other_arg, x, c, argnums=1)(x, c),
-                               _eager_grad(requires_grad_off_other_arg, x, c, argnums=1), rtol=0, atol=0)
+    torch.testing.assert_close(
+        fxtools.grad(requires_grad_off_other_arg, x, c, argnums=1)(x, c),
+        _eager_grad(requires_grad_off_other_arg, x, c, argnums=1),
+        rtol=0,
+        atol=0,
+    )
 
 
 # --- arguments that are not pytrees ------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Holder:
@@ -270,12 +280,15 @@ def scaled_nested(x, h):
     return scaled(x, h["a"][0])
 
 
-@pytest.mark.parametrize("f, arg, where, how", [
-    (scaled, Holder(_x(3)), "h.t", "register_dataclass"),
-    (scaled_plain, Plain(_x(3)), "h.parts[0]", "register_pytree_node"),
-    (scaled_nested, {"a": [Holder(_x(3))]}, "h['a'][0].t", "register_dataclass"),
-    (scaled_set, {_x(3)}, "s{...}", "list or tuple"),
-])
+@pytest.mark.parametrize(
+    "f, arg, where, how",
+    [
+        (scaled, Holder(_x(3)), "h.t", "register_dataclass"),
+        (scaled_plain, Plain(_x(3)), "h.parts[0]", "register_pytree_node"),
+        (scaled_nested, {"a": [Holder(_x(3))]}, "h['a'][0].t", "register_dataclass"),
+        (scaled_set, {_x(3)}, "s{...}", "list or tuple"),
+    ],
+)
 def test_tensor_in_non_pytree_argument_is_refused(f, arg, where, how):
     """Today's code would bake the tensor in as a constant: later calls ignore it, its gradient is None."""
     with pytest.raises(FxtoolsError, match=re.escape(where) + ".*not a pytree.*" + re.escape(how)):
@@ -305,8 +318,9 @@ def test_non_tensor_objects_are_still_specialised():
             self.scale = 3.0
 
     x, config = _x(3), Config()
-    torch.testing.assert_close(fxtools.grad(lambda x, c: (x * c.scale).sum(), x, config)(x, config),
-                               torch.full((3,), 3.0, dtype=D))
+    torch.testing.assert_close(
+        fxtools.grad(lambda x, c: (x * c.scale).sum(), x, config)(x, config), torch.full((3,), 3.0, dtype=D)
+    )
 
 
 # --- NaN, infinities and signed zeros: every gradient as autograd's -----------------------------
@@ -330,7 +344,8 @@ def assert_same_specials(got, want, inputs, rtol=1e-9, signed_zeros=True):
     bad = (~ok).nonzero()
     assert not len(bad), "differs from autograd at " + "; ".join(
         f"inputs {[float(t[tuple(i)]) for t in inputs]}: {float(got[tuple(i)])} vs {float(want[tuple(i)])}"
-        for i in bad[:5].tolist())
+        for i in bad[:5].tolist()
+    )
 
 
 def _autograd_elementwise(f, inputs):
@@ -339,7 +354,7 @@ def _autograd_elementwise(f, inputs):
     or more float64 elements, 1 on fewer, as on GPU); the scalar code is the reference."""
     grads = [[] for _ in inputs]
     for i in range(inputs[0].numel()):
-        leaves = [t[i:i + 1].clone().requires_grad_() for t in inputs]
+        leaves = [t[i : i + 1].clone().requires_grad_() for t in inputs]
         out = f(*leaves)
         for g, w in zip(grads, torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)):
             g.append(torch.zeros(1, dtype=D) if w is None else w)
@@ -368,9 +383,29 @@ def _opinfos():
 
     unary = {o.name for o in unary_ufuncs}
     binary = {o.name for o in binary_ufuncs} | {"logaddexp", "logaddexp2"}
-    activations = {"nn.functional." + n for n in (
-        "relu", "relu6", "hardtanh", "threshold", "elu", "selu", "celu", "leaky_relu", "gelu", "silu", "mish",
-        "softplus", "logsigmoid", "hardsigmoid", "hardswish", "softshrink", "hardshrink", "tanhshrink")} | {"logit"}
+    activations = {
+        "nn.functional." + n
+        for n in (
+            "relu",
+            "relu6",
+            "hardtanh",
+            "threshold",
+            "elu",
+            "selu",
+            "celu",
+            "leaky_relu",
+            "gelu",
+            "silu",
+            "mish",
+            "softplus",
+            "logsigmoid",
+            "hardsigmoid",
+            "hardswish",
+            "softshrink",
+            "hardshrink",
+            "tanhshrink",
+        )
+    } | {"logit"}
     random = {"nn.functional.rrelu"}  # random: see the tests of random ops below
     out = []
     for op in op_db:
@@ -404,8 +439,9 @@ def _pointwise_case(op, kind):
     return (lambda *xs: op.op(*xs, *args, **kwargs)), inputs
 
 
-@pytest.mark.parametrize("op, kind", _OPINFOS, ids=[f"{o.name}{'-' + o.variant_test_name if o.variant_test_name else ''}"
-                                                  for o, _ in _OPINFOS])
+@pytest.mark.parametrize(
+    "op, kind", _OPINFOS, ids=[f"{o.name}{'-' + o.variant_test_name if o.variant_test_name else ''}" for o, _ in _OPINFOS]
+)
 def test_pointwise_rules_at_special_values(op, kind):
     case = _pointwise_case(op, kind)
     if case is None:
@@ -415,15 +451,29 @@ def test_pointwise_rules_at_special_values(op, kind):
 
 
 # one slice per case: autograd's prod chooses its formula by whether the *whole* input holds a zero
-_VECTORS = [[s, 1.0, 2.0] for s in SPECIAL] + [[0.0, s, 3.0] for s in SPECIAL] + [[s, -0.0, -1.0] for s in SPECIAL] + [
-    [0.0, INF, 1.0], [INF, -INF, 2.0], [NAN, NAN, 1.0], [1.0, 1.0, -2.0]]
+_VECTORS = (
+    [[s, 1.0, 2.0] for s in SPECIAL]
+    + [[0.0, s, 3.0] for s in SPECIAL]
+    + [[s, -0.0, -1.0] for s in SPECIAL]
+    + [[0.0, INF, 1.0], [INF, -INF, 2.0], [NAN, NAN, 1.0], [1.0, 1.0, -2.0]]
+)
 _REDUCTIONS = {
-    "max": torch.max, "min": torch.min, "median": torch.median, "nanmedian": torch.nanmedian,
-    "amax": lambda x: torch.amax(x, 0), "amin": lambda x: torch.amin(x, 0), "prod": torch.prod,
-    "prod_dim": lambda x: torch.prod(x, 0), "cumprod": lambda x: torch.cumprod(x, 0),
-    "logsumexp": lambda x: torch.logsumexp(x, 0), "sum": torch.sum, "mean": torch.mean,
-    "softmax": lambda x: torch.softmax(x, 0), "log_softmax": lambda x: torch.log_softmax(x, 0),
-    "max_dim": lambda x: torch.max(x, 0).values, "norm": torch.linalg.vector_norm,
+    "max": torch.max,
+    "min": torch.min,
+    "median": torch.median,
+    "nanmedian": torch.nanmedian,
+    "amax": lambda x: torch.amax(x, 0),
+    "amin": lambda x: torch.amin(x, 0),
+    "prod": torch.prod,
+    "prod_dim": lambda x: torch.prod(x, 0),
+    "cumprod": lambda x: torch.cumprod(x, 0),
+    "logsumexp": lambda x: torch.logsumexp(x, 0),
+    "sum": torch.sum,
+    "mean": torch.mean,
+    "softmax": lambda x: torch.softmax(x, 0),
+    "log_softmax": lambda x: torch.log_softmax(x, 0),
+    "max_dim": lambda x: torch.max(x, 0).values,
+    "norm": torch.linalg.vector_norm,
 }
 # at the other elements of a slice holding a zero *and* a NaN or infinity, autograd's product of
 # the others is NaN (0 * inf); fxtools' prod rule, which avoids computing exclusive products, gives 0
@@ -442,7 +492,7 @@ def test_reduction_rules_at_special_values(name):
         xe = x.clone().requires_grad_()
         out = f(xe)
         ct = torch.ones_like(out)
-        want, = torch.autograd.grad(out, xe, ct)
+        (want,) = torch.autograd.grad(out, xe, ct)
         _, (got,) = gm(x, ct)
         if i in _PROD_ZERO_AND_NONFINITE.get(name, ()):
             zero = x == 0
@@ -452,12 +502,20 @@ def test_reduction_rules_at_special_values(name):
         assert_same_specials(got, want, [x], signed_zeros=i not in _PROD_TWO_ZEROS.get(name, ()))
 
 
-@pytest.mark.parametrize("f, x, expected", [
-    (torch.relu, NAN, 1.0), (lambda x: torch.threshold(x, 0.5, 0.0), NAN, 1.0),
-    (torch.nn.functional.relu6, NAN, 1.0), (torch.nn.functional.hardtanh, NAN, 1.0),
-    (torch.nn.functional.elu, NAN, 1.0), (torch.selu, NAN, 1.0507009873554805), (torch.celu, NAN, 1.0),
-    (torch.special.logit, -0.0, INF), (lambda x: torch.logaddexp(x, torch.zeros_like(x)), INF, 1.0),
-])
+@pytest.mark.parametrize(
+    "f, x, expected",
+    [
+        (torch.relu, NAN, 1.0),
+        (lambda x: torch.threshold(x, 0.5, 0.0), NAN, 1.0),
+        (torch.nn.functional.relu6, NAN, 1.0),
+        (torch.nn.functional.hardtanh, NAN, 1.0),
+        (torch.nn.functional.elu, NAN, 1.0),
+        (torch.selu, NAN, 1.0507009873554805),
+        (torch.celu, NAN, 1.0),
+        (torch.special.logit, -0.0, INF),
+        (lambda x: torch.logaddexp(x, torch.zeros_like(x)), INF, 1.0),
+    ],
+)
 def test_issue_examples_at_special_values(f, x, expected):
     """The values the issue lists (checked against autograd too, by the sweeps above)."""
     x = torch.tensor([x], dtype=D)
@@ -504,10 +562,14 @@ RANDOM_CASES = {
     "feature_alpha_dropout": (lambda x: torch.nn.functional.feature_alpha_dropout(x, 0.4, True), (_r(3, 4, 2, 2),)),
     "feature_alpha_dropout_5d": (lambda x: torch.nn.functional.feature_alpha_dropout(x, 0.4, True), (_r(2, 3, 2, 2, 2),)),
     "alpha_dropout": (lambda x: torch.nn.functional.alpha_dropout(x, 0.3, True), (_r(5, 4),)),
-    "fractional_max_pool3d": (lambda x: torch.nn.functional.fractional_max_pool3d(x, (2, 3, 2), output_size=(2, 3, 2)),
-                              (_r(2, 3, 6, 7, 5),)),
-    "fractional_max_pool3d_ratio": (lambda x: torch.nn.functional.fractional_max_pool3d(x, 2, output_ratio=(0.5, 0.6, 0.5)),
-                                    (_r(3, 6, 7, 5),)),
+    "fractional_max_pool3d": (
+        lambda x: torch.nn.functional.fractional_max_pool3d(x, (2, 3, 2), output_size=(2, 3, 2)),
+        (_r(2, 3, 6, 7, 5),),
+    ),
+    "fractional_max_pool3d_ratio": (
+        lambda x: torch.nn.functional.fractional_max_pool3d(x, 2, output_ratio=(0.5, 0.6, 0.5)),
+        (_r(3, 6, 7, 5),),
+    ),
     "multi_head_attention": (lambda q: _MHA(q, q, q)[0], (_r(2, 5, 4),)),
     "multi_head_attention_sdpa": (lambda q: _MHA(q, q, q, key_padding_mask=_PADDING, need_weights=False)[0], (_r(2, 5, 4),)),
     "multi_head_attention_kv": (lambda q, k, v: _MHA_KV(q, k, v)[0], (_r(5, 2, 4), _r(6, 2, 3), _r(6, 2, 5))),

@@ -1,15 +1,16 @@
 """In-place ops in user code: rewritten to functional code (checked against autograd in float64),
 kept in place when they update inputs or buffers (visible to the caller, as in eager), or
 rejected with an error naming the op and the user's line -- never a wrong gradient."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fxtools
-from fxtools.capture.trace import capture
-from fxtools.transforms.check import check_vjp, check_vjp_fd
-from fxtools.errors import FxtoolsError
 from fxtools.capture.functionalize import functionalize, is_mutating
+from fxtools.capture.trace import capture
+from fxtools.errors import FxtoolsError
+from fxtools.transforms.check import check_vjp, check_vjp_fd
 
 D = torch.float64
 
@@ -25,6 +26,7 @@ def _mutations(f, *args):
 
 
 # --- in-place ops on intermediates -------------------------------------------------------------
+
 
 def inplace_chain(x):
     y = x * 2
@@ -42,7 +44,7 @@ def inplace_on_select_view(x):
 
 
 def inplace_on_slice_view(x):
-    z = x * 1.5 + x ** 2
+    z = x * 1.5 + x**2
     z[:, 1:3].mul_(x[:, :2])
     z[1:, ::2].sub_(1)
     return z
@@ -51,7 +53,7 @@ def inplace_on_slice_view(x):
 def inplace_on_transpose_view(x):
     z = x * x
     t = z.t()
-    w = z[1]            # a view taken before the mutation must see it
+    w = z[1]  # a view taken before the mutation must see it
     t[0].mul_(5)
     return z * w.sum(), t
 
@@ -61,7 +63,7 @@ def views_see_later_mutation(x):
     w = z[1]
     t = z.transpose(0, 1)
     r = z.view(-1)
-    z.add_(x ** 2)
+    z.add_(x**2)
     r[3:5].mul_(4)
     return w, t, r.sum()
 
@@ -105,7 +107,7 @@ def inplace_activations(x):
 
 def copy_casts_and_broadcasts(x, v):
     buf = torch.empty(3, 4, dtype=torch.float32)
-    buf.copy_(x)          # float64 -> float32
+    buf.copy_(x)  # float64 -> float32
     b2 = torch.ones(3, 4, dtype=D)
     b2.copy_(v[:, None] if v.dim() == 1 else v)  # broadcast (3, 1) -> (3, 4)
     b3 = x * 1
@@ -218,10 +220,21 @@ def copy_into_float32_view(x):
     return z.double()
 
 
-CASES += [(f, lambda: (_x(4, 4),)) for f in (
-    multi_output_op_value, view_of_view, diagonal_views, as_strided_view, buffer_built_under_no_grad,
-    integer_intermediates_and_accumulate, earlier_unfold_view_regenerated, reshaped_and_permuted_views,
-    two_views_of_the_same_row, copy_into_float32_view)]
+CASES += [
+    (f, lambda: (_x(4, 4),))
+    for f in (
+        multi_output_op_value,
+        view_of_view,
+        diagonal_views,
+        as_strided_view,
+        buffer_built_under_no_grad,
+        integer_intermediates_and_accumulate,
+        earlier_unfold_view_regenerated,
+        reshaped_and_permuted_views,
+        two_views_of_the_same_row,
+        copy_into_float32_view,
+    )
+]
 
 
 # Failures caused outside the in-place pass (see the report of the functionalize work):
@@ -231,9 +244,15 @@ KNOWN = {}
 
 
 def _params(cases):
-    return [pytest.param(f, make, id=f.__name__,
-                         marks=[pytest.mark.xfail(reason=KNOWN[f.__name__], strict=False)] if f.__name__ in KNOWN else [])
-            for f, make in cases]
+    return [
+        pytest.param(
+            f,
+            make,
+            id=f.__name__,
+            marks=[pytest.mark.xfail(reason=KNOWN[f.__name__], strict=False)] if f.__name__ in KNOWN else [],
+        )
+        for f, make in cases
+    ]
 
 
 @pytest.mark.parametrize("f,make_args", _params(CASES))
@@ -273,6 +292,7 @@ def test_generated_code_has_no_inplace_ops():
 
 # --- mutation of inputs and buffers: stays in place, visible to the caller --------------------
 
+
 def bump_counter(x, counter):
     counter.add_(1)
     return x * 2
@@ -301,12 +321,12 @@ def test_mutation_of_non_differentiated_float_input():
     gm = fxtools.grad(ema_update, x, buf.clone(), argnums=0)
     b = buf.clone()
     gx = gm(x, b)
-    torch.testing.assert_close(b, expect_buf)       # caller sees the update, applied once
-    torch.testing.assert_close(gx, expect_buf)      # d/dx sum(x * buf_new) = buf_new (buf_new detached)
+    torch.testing.assert_close(b, expect_buf)  # caller sees the update, applied once
+    torch.testing.assert_close(gx, expect_buf)  # d/dx sum(x * buf_new) = buf_new (buf_new detached)
 
 
 def read_then_update(x, buf):
-    y = (x * buf).sum()   # the backward needs buf as it was here
+    y = (x * buf).sum()  # the backward needs buf as it was here
     buf.add_(10)
     return y
 
@@ -343,6 +363,7 @@ def test_batchnorm_train_updates_running_stats_once_per_call():
 
 # --- clear errors instead of wrong gradients ---------------------------------------------------
 
+
 def mutate_differentiated_input(x):
     x.mul_(2)
     return x.sin()
@@ -366,12 +387,16 @@ def write_input_from_differentiated_value(x, buf):
     return buf.sum()
 
 
-@pytest.mark.parametrize("f,args,op", [
-    (mutate_differentiated_input, lambda: (_x(3),), "mul_"),
-    (mutate_under_no_grad, lambda: (_x(3),), "add_"),
-    (mutate_through_detach, lambda: (_x(3),), "zero_"),
-    (write_input_from_differentiated_value, lambda: (_x(3), _x(3)), "copy_"),
-], ids=["differentiated_input", "no_grad", "detach", "input_from_differentiated"])
+@pytest.mark.parametrize(
+    "f,args,op",
+    [
+        (mutate_differentiated_input, lambda: (_x(3),), "mul_"),
+        (mutate_under_no_grad, lambda: (_x(3),), "add_"),
+        (mutate_through_detach, lambda: (_x(3),), "zero_"),
+        (write_input_from_differentiated_value, lambda: (_x(3), _x(3)), "copy_"),
+    ],
+    ids=["differentiated_input", "no_grad", "detach", "input_from_differentiated"],
+)
 def test_unsupported_inplace_raises_naming_op_and_line(f, args, op):
     with pytest.raises(FxtoolsError) as info:
         fxtools.vjp(f, *args())
@@ -399,8 +424,11 @@ def no_functional_form(x):
     return y
 
 
-@pytest.mark.parametrize("f,op", [(out_variant_on_intermediate, "add.out"),
-                                  (no_functional_form, "fill_diagonal_")], ids=["out_variant", "fill_diagonal_"])
+@pytest.mark.parametrize(
+    "f,op",
+    [(out_variant_on_intermediate, "add.out"), (no_functional_form, "fill_diagonal_")],
+    ids=["out_variant", "fill_diagonal_"],
+)
 def test_inplace_without_rewrite_raises(f, op):
     with pytest.raises(FxtoolsError) as info:
         fxtools.vjp(f, _x(3))

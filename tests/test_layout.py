@@ -1,6 +1,7 @@
 """The package's layers (docs/architecture.md): no import cycles, imports point down the layers, and
 no private name is imported from another subpackage. Read from the source: every import statement,
 inside functions too."""
+
 import ast
 import pathlib
 
@@ -62,7 +63,7 @@ def test_no_import_cycles():
         stack.append(m)
         for n in graph[m]:
             if state.get(n) == "open":
-                cycles.append(" -> ".join(stack[stack.index(n):] + [n]))
+                cycles.append(" -> ".join(stack[stack.index(n) :] + [n]))
             elif n not in state:
                 visit(n)
         stack.pop()
@@ -76,8 +77,11 @@ def test_no_import_cycles():
 
 def test_imports_point_down_the_layers():
     _, edges = _imports()
-    upward = [f"{a} imports {b}" for a, b, _ in edges
-              if a not in FACE and _layer(a) is not None and _layer(b) is not None and _layer(b) < _layer(a)]
+    upward = [
+        f"{a} imports {b}"
+        for a, b, _ in edges
+        if a not in FACE and _layer(a) is not None and _layer(b) is not None and _layer(b) < _layer(a)
+    ]
     assert not upward, "imports that climb to a higher layer:\n" + "\n".join(upward)
 
 
@@ -86,9 +90,12 @@ def test_no_private_names_across_subpackages():
 
     def subpackage(mod):  # fxtools.rules for fxtools.rules.nn and fxtools.rules; fxtools for fxtools.errors
         return ".".join(modules[mod].parent.relative_to(SRC).parts[:2])
-    private = [f"{a} imports {', '.join(n for n in names if n.startswith('_'))} from {b}"
-               for a, b, names in edges
-               if subpackage(a) != subpackage(b) and any(n.startswith("_") and not n.startswith("__") for n in names)]
+
+    private = [
+        f"{a} imports {', '.join(n for n in names if n.startswith('_'))} from {b}"
+        for a, b, names in edges
+        if subpackage(a) != subpackage(b) and any(n.startswith("_") and not n.startswith("__") for n in names)
+    ]
     assert not private, "give what another subpackage needs a public name:\n" + "\n".join(private)
 
 

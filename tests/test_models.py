@@ -1,5 +1,6 @@
 """Whole models (float64): fxtools' parameter gradients equal torch.autograd's, and the seed
 examples stay as small as hand-written code."""
+
 import copy
 
 import pytest
@@ -115,6 +116,7 @@ def test_gpt_configs():
 # Seed examples: the generated code is as small as a hand-written VJP.
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name, limit", [("sin_plus_x", 5), ("foo", 11), ("bar", 6)])
 def test_seed_examples_are_small_and_correct(name, limit):
     fn, args = examples.example(name)
@@ -123,6 +125,7 @@ def test_seed_examples_are_small_and_correct(name, limit):
     n = count_compute_nodes(gm)
     assert n <= limit, f"{name}: {n} compute nodes (at most {limit} expected)\n{gm.code}"
     from fxtools.transforms.check import check_vjp
+
     check_vjp(fn, *args, gm=gm, rtol=1e-10, atol=1e-10)
 
 

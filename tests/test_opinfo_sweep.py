@@ -10,12 +10,12 @@ many OpInfos as ``torch.func.vjp`` on the same samples.
 OpInfos fxtools deliberately does not support are listed in ``KNOWN_FAILURES`` with the reason
 and the exception they raise; they are strict xfails, so one that starts passing is noticed.
 """
+
 import pytest
 import torch
-
-from fxtools.errors import DataDependentError
 from opinfo_harness import autograd_opinfos, check_sample, func_vjp, sample_function, samples
 
+from fxtools.errors import DataDependentError
 from fxtools.transforms.check import check_vjp
 
 N_SAMPLES = 3
@@ -30,14 +30,18 @@ def opinfo_id(opinfo) -> str:
 # id -> (exception type, reason)
 KNOWN_FAILURES = {
     "nn.functional.ctc_loss": (
-        DataDependentError, "aten._ctc_loss has no fake kernel and FakeTensorMode treats it as having "
+        DataDependentError,
+        "aten._ctc_loss has no fake kernel and FakeTensorMode treats it as having "
         "data-dependent output shapes (its log_alpha is batch x T x (2 * max(target_lengths) + 1), "
-        "which with tensor lengths depends on their values), so it cannot be captured"),
+        "which with tensor lengths depends on their values), so it cannot be captured",
+    ),
     "sparse.sampled_addmm": (RuntimeError, "sparse CSR tensors: fxtools traces strided tensors only"),
     "sparse.mm.reduce": (RuntimeError, "sparse CSR tensors: fxtools traces strided tensors only"),
     "as_strided.partial_views": (
-        RuntimeError, "as_strided reaching storage outside the argument view: the argument is a "
-        "partial view of a larger tensor, and a function of that view cannot see its storage"),
+        RuntimeError,
+        "as_strided reaching storage outside the argument view: the argument is a "
+        "partial view of a larger tensor, and a function of that view cannot see its storage",
+    ),
 }
 
 
@@ -110,5 +114,5 @@ def test_pass_ratio():
     passing = total - len(KNOWN_FAILURES)
     ratio = passing / total
     assert ratio >= REQUIRED_RATIO, (
-        f"{passing}/{total} = {ratio:.2%} of the OpInfos match torch.autograd; the issue requires "
-        f"at least {REQUIRED_RATIO:.0%}")
+        f"{passing}/{total} = {ratio:.2%} of the OpInfos match torch.autograd; the issue requires at least {REQUIRED_RATIO:.0%}"
+    )

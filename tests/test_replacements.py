@@ -1,6 +1,7 @@
 """Functions captured through fxtools' replacements (fxtools/replacements.py): each computes what
 PyTorch computes, differentiates like torch.autograd, and keeps PyTorch's value checks as
 runtime assertions in the generated code."""
+
 import warnings
 
 import pytest
@@ -9,8 +10,8 @@ import torch.nn.functional as F
 
 import fxtools
 from fxtools.capture import replacements
-from fxtools.transforms.check import check_vjp
 from fxtools.errors import FxtoolsError
+from fxtools.transforms.check import check_vjp
 
 f64 = torch.float64
 
@@ -70,11 +71,14 @@ def test_cov_weight_checks_run_in_generated_code():
         gm(x, torch.zeros_like(w), ct)
 
 
-@pytest.mark.parametrize("var_shape,kwargs", [
-    ((4, 3), {}),
-    ((4, 1), {"reduction": "sum", "full": True}),
-    ((4,), {"reduction": "none"}),
-])
+@pytest.mark.parametrize(
+    "var_shape,kwargs",
+    [
+        ((4, 3), {}),
+        ((4, 1), {"reduction": "sum", "full": True}),
+        ((4,), {"reduction": "none"}),
+    ],
+)
 def test_gaussian_nll_loss_equals_torch_and_matches_autograd(var_shape, kwargs):
     x, t, v = r(4, 3), r(4, 3, seed=1), pos(*var_shape)
     torch.testing.assert_close(replacements.gaussian_nll_loss(x, t, v, **kwargs), F.gaussian_nll_loss(x, t, v, **kwargs))

@@ -5,6 +5,7 @@ and their gradients are compared with torch.autograd in float64. ``Memo`` is als
 directly under make_fx: what it must not share (other strides, other aliasing, in-place
 updates of arguments) and what it must copy faithfully (multi-output ops, random ops).
 """
+
 import contextlib
 import operator
 
@@ -16,9 +17,9 @@ from torch.fx.experimental import proxy_tensor
 
 import fxtools
 from fxtools.cli import examples
+from fxtools.codegen.draw import PART_KEY
 from fxtools.transforms import replay
 from fxtools.transforms import reverse as reverse_module
-from fxtools.codegen.draw import PART_KEY
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -101,8 +102,12 @@ def test_replay_keeps_split_markers_and_stack_traces():
     for a, b in [(traced.forward, replayed.forward), (traced.backward, replayed.backward)]:
         assert a.code == b.code
         for x, y in zip(a.graph.nodes, b.graph.nodes):
-            assert (x.name, x.meta.get("stack_trace"), x.meta.get("custom"), x.meta.get(PART_KEY)) == \
-                   (y.name, y.meta.get("stack_trace"), y.meta.get("custom"), y.meta.get(PART_KEY))
+            assert (x.name, x.meta.get("stack_trace"), x.meta.get("custom"), x.meta.get(PART_KEY)) == (
+                y.name,
+                y.meta.get("stack_trace"),
+                y.meta.get("custom"),
+                y.meta.get(PART_KEY),
+            )
 
 
 def test_repeated_layers_match_autograd(float64, memos):
@@ -150,8 +155,7 @@ def trace(fn, *examples_):
 
     def run(*xs):
         out["value"] = fn(memo, *xs)
-        return [t for t in out["value"] if isinstance(t, torch.Tensor)] if isinstance(out["value"], tuple) \
-            else out["value"]
+        return [t for t in out["value"] if isinstance(t, torch.Tensor)] if isinstance(out["value"], tuple) else out["value"]
 
     gm = proxy_tensor.make_fx(run, tracing_mode="fake", pre_dispatch=True)(*examples_)
     return gm.graph, memo
@@ -207,8 +211,14 @@ def test_inputs_returned_in_the_result_are_the_arguments():
     assert memo.hits == 1
 
 
-@pytest.mark.parametrize("op", [lambda t: torch.var_mean(t, 1), lambda t: tuple(torch.max(t, 1)),
-                                lambda t: torch.native_layer_norm(t, [4], None, None, 1e-5)])
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda t: torch.var_mean(t, 1),
+        lambda t: tuple(torch.max(t, 1)),
+        lambda t: torch.native_layer_norm(t, [4], None, None, 1e-5),
+    ],
+)
 def test_multi_output_ops_replay_with_their_items(op):
     def fn(memo, x, y):
         a = memo.call(op, x)

@@ -4,26 +4,28 @@ Rules that no OpInfo sample reaches are checked on the cases in ``rule_cases.py`
 must really call the op. Random samples (dropout in training) are checked for self-consistency:
 the generated gradients equal autograd's gradients of the generated forward under the same seed.
 """
+
 import pytest
 import torch
+from opinfo_harness import cases_for_rule, check_sample, check_self_consistent, is_random
+from rule_cases import EXTRA_CASES
 
 import fxtools
 from fxtools import registry
 from fxtools.capture.trace import capture
-from fxtools.rules.decompose import expand
 from fxtools.errors import DataDependentError
-from opinfo_harness import cases_for_rule, check_self_consistent, check_sample, is_random
-from rule_cases import EXTRA_CASES
+from fxtools.rules.decompose import expand
 
-HAND_WRITTEN = sorted(
-    (op for op, rule in registry.registered_ops().items() if rule.source == "hand-written"), key=str)
+HAND_WRITTEN = sorted((op for op, rule in registry.registered_ops().items() if rule.source == "hand-written"), key=str)
 
 
 def _calls(f, args, key):
     cap = capture(f, args, record_stack_traces=False)
     expand(cap.gm)
-    return any(isinstance(n.target, torch._ops.OpOverload) and (n.target == key or n.target.overloadpacket == key)
-               for n in cap.gm.graph.nodes)
+    return any(
+        isinstance(n.target, torch._ops.OpOverload) and (n.target == key or n.target.overloadpacket == key)
+        for n in cap.gm.graph.nodes
+    )
 
 
 @pytest.mark.parametrize("op", HAND_WRITTEN, ids=str)
@@ -35,9 +37,11 @@ def test_rule_matches_autograd(op):
         except DataDependentError:
             continue  # the sample needs data-dependent shapes elsewhere: the op sweep tracks those
         except Exception as exc:
-            raise AssertionError(f"OpInfo {opinfo.name!r} {opinfo.variant_test_name!r} sample "
-                                 f"{sample.summary() if hasattr(sample, 'summary') else sample}: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise AssertionError(
+                f"OpInfo {opinfo.name!r} {opinfo.variant_test_name!r} sample "
+                f"{sample.summary() if hasattr(sample, 'summary') else sample}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         checked += 1
     for f, args in EXTRA_CASES.get(op, []):
         assert _calls(f, args, op), f"the case for {op} in rule_cases.py does not call it"

@@ -5,19 +5,20 @@ Rules are checked with the fused set active on the same samples as the readable 
 (``tests/opinfo_harness.py``, ``tests/rule_cases.py``), plus the hand-made cases below for ops
 no sample reaches; at least one case of each rule must really call a fused backward kernel.
 """
+
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-import fxtools
-from fxtools.cli import examples
-from fxtools import registry
-from fxtools.errors import DataDependentError
-from fxtools.passes.simplify import count_compute_nodes
 from opinfo_harness import cases_for_rule, check_self_consistent, is_random, sample_function
 from rule_cases import EXTRA_CASES
+
+import fxtools
+from fxtools import registry
+from fxtools.cli import examples
+from fxtools.errors import DataDependentError
+from fxtools.passes.simplify import count_compute_nodes
 
 aten = torch.ops.aten
 f64 = torch.float64
@@ -33,25 +34,39 @@ def _t(*shape, seed=0):
 _TARGET_2D = torch.randint(0, 3, (2, 4, 4), generator=torch.Generator().manual_seed(0))
 
 FUSED_CASES = {
-    aten.native_layer_norm: [(lambda x, w, b: aten.native_layer_norm(x, [3], w, b, 1e-5)[0], (_t(2, 4, 3), _t(3), _t(3))),
-                             (lambda x: aten.native_layer_norm(x, [4, 3], None, None, 1e-5)[0], (_t(2, 4, 3),))],
+    aten.native_layer_norm: [
+        (lambda x, w, b: aten.native_layer_norm(x, [3], w, b, 1e-5)[0], (_t(2, 4, 3), _t(3), _t(3))),
+        (lambda x: aten.native_layer_norm(x, [4, 3], None, None, 1e-5)[0], (_t(2, 4, 3),)),
+    ],
     aten._safe_softmax: [(lambda x: aten._safe_softmax(x, -1), (_t(3, 4),))],
     aten.threshold: [(lambda x: F.threshold(x, 0.2, -1.0), (_t(3, 4),))],
     aten.max_pool2d_with_indices: [(lambda x: F.max_pool2d(x, 3, 2, 1, return_indices=True)[0], (_t(2, 3, 7, 6),))],
     aten.max_pool3d_with_indices: [(lambda x: F.max_pool3d(x, 2, return_indices=True)[0], (_t(1, 2, 4, 4, 5),))],
     aten.max_pool3d: [(lambda x: F.max_pool3d(x, 2, 1, ceil_mode=True), (_t(1, 2, 4, 3, 5),))],
-    aten.nll_loss_nd: [(lambda x: F.nll_loss(x, torch.tensor([0, 3, 1])), (torch.log_softmax(_t(3, 5), 1),)),
-                       (lambda x: F.nll_loss(x, torch.tensor([[0, 2], [1, 1]]), reduction="sum"),
-                        (torch.log_softmax(_t(2, 3, 2), 1),))],
+    aten.nll_loss_nd: [
+        (lambda x: F.nll_loss(x, torch.tensor([0, 3, 1])), (torch.log_softmax(_t(3, 5), 1),)),
+        (lambda x: F.nll_loss(x, torch.tensor([[0, 2], [1, 1]]), reduction="sum"), (torch.log_softmax(_t(2, 3, 2), 1),)),
+    ],
     aten.cross_entropy_loss: [
         (lambda x, w: F.cross_entropy(x, torch.tensor([0, 3, -100]), w), (_t(3, 5), _t(5).abs())),
-        (lambda x: F.cross_entropy(x, _TARGET_2D, reduction="sum"), (_t(2, 3, 4, 4),))],
+        (lambda x: F.cross_entropy(x, _TARGET_2D, reduction="sum"), (_t(2, 3, 4, 4),)),
+    ],
     aten.scaled_dot_product_attention: [
-        (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), (_t(2, 3, 5, 4), _t(2, 3, 5, 4), _t(2, 3, 5, 4))),
-        (lambda q, k, v: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.3),
-         (_t(1, 4, 2, 8), _t(1, 6, 2, 8), _t(1, 6, 2, 8)))],
-    aten.batch_norm: [(lambda x, w, b: F.batch_norm(x, torch.zeros(3, dtype=f64), torch.ones(3, dtype=f64), w, b, False),
-                       (_t(4, 3, 2), _t(3), _t(3)))],
+        (
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            (_t(2, 3, 5, 4), _t(2, 3, 5, 4), _t(2, 3, 5, 4)),
+        ),
+        (
+            lambda q, k, v: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.3),
+            (_t(1, 4, 2, 8), _t(1, 6, 2, 8), _t(1, 6, 2, 8)),
+        ),
+    ],
+    aten.batch_norm: [
+        (
+            lambda x, w, b: F.batch_norm(x, torch.zeros(3, dtype=f64), torch.ones(3, dtype=f64), w, b, False),
+            (_t(4, 3, 2), _t(3), _t(3)),
+        )
+    ],
 }
 
 
@@ -187,9 +202,14 @@ def test_gpt_fused_graph_calls_the_kernels_autograd_calls():
     loss_fn, args = examples.as_loss(model, inputs)
     with fxtools.rule_set("fused"):
         code = fxtools.grad(loss_fn, *args).code
-    for kernel in ("native_layer_norm_backward", "gelu_backward", "embedding_dense_backward",
-                   "_scaled_dot_product_flash_attention_for_cpu_backward", "nll_loss_backward",
-                   "_log_softmax_backward_data"):
+    for kernel in (
+        "native_layer_norm_backward",
+        "gelu_backward",
+        "embedding_dense_backward",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "nll_loss_backward",
+        "_log_softmax_backward_data",
+    ):
         assert kernel in code, kernel
 
 
@@ -237,8 +257,7 @@ def _vhp_through(f, args):
 SECOND_ORDER = {
     "layer_norm": (lambda x, w, b: (F.layer_norm(x, [4], w, b) ** 2).sum(), (_t(3, 4), _t(4), _t(4))),
     "batch_norm": (lambda x, w, b: (F.batch_norm(x, None, None, w, b, True) ** 2).sum(), (_t(4, 3, 2), _t(3), _t(3))),
-    "conv_max_pool": (lambda x, w: (F.max_pool2d(F.conv2d(x, w, padding=1), 2) ** 2).sum(),
-                      (_t(2, 3, 4, 4), _t(4, 3, 3, 3))),
+    "conv_max_pool": (lambda x, w: (F.max_pool2d(F.conv2d(x, w, padding=1), 2) ** 2).sum(), (_t(2, 3, 4, 4), _t(4, 3, 3, 3))),
     "gelu_softmax": (lambda x: (F.softmax(F.gelu(x), -1) ** 2).sum(), (_t(3, 4),)),
     "cross_entropy": (lambda x: F.cross_entropy(torch.tanh(x), torch.tensor([0, 2, 1])), (_t(3, 4),)),
     "embedding_silu": (lambda w: (F.silu(F.embedding(torch.tensor([0, 2, 2]), w)) ** 2).sum(), (_t(4, 3),)),
@@ -260,6 +279,7 @@ def test_hvp_uses_readable_rules_inside_a_fused_block():
         hv = fxtools.hvp(loss_fn, *args)(*args, v)
     p = {k: t.detach().requires_grad_(True) for k, t in params.items()}
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     with sdpa_kernel(SDPBackend.MATH):  # eager's flash attention has no double backward either
         grads = torch.autograd.grad(loss_fn(p, *args[1:]), list(p.values()), create_graph=True)
     want = torch.autograd.grad(sum((g * v[k]).sum() for g, k in zip(grads, p)), list(p.values()))

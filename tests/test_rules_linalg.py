@@ -1,10 +1,11 @@
 """Linear-algebra rules: generated code is small and readable, and agrees with torch.autograd."""
+
 import pytest
 import torch
 
 import fxtools
-from fxtools.transforms.check import check_vjp
 from fxtools.passes.simplify import count_compute_nodes
+from fxtools.transforms.check import check_vjp
 
 MATMULS = {"mm", "matmul", "bmm"}
 RESHAPES = {"reshape", "view", "_unsafe_view", "flatten"}
@@ -21,9 +22,13 @@ def spd(n, *batch):
 
 def targets(gm):
     """Names of the ops a rendered graph calls (``matmul`` for ``@``, ``einsum``, ``reshape``, ...)."""
-    return [n.target.overloadpacket.__name__ if isinstance(n.target, torch._ops.OpOverload)
-            else getattr(n.target, "__name__", str(n.target))
-            for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    return [
+        n.target.overloadpacket.__name__
+        if isinstance(n.target, torch._ops.OpOverload)
+        else getattr(n.target, "__name__", str(n.target))
+        for n in gm.graph.nodes
+        if n.op in ("call_function", "call_method")
+    ]
 
 
 def test_seed_example_transpose_matmul_is_small():
@@ -43,15 +48,21 @@ def test_matmul_2d_is_three_matmuls_and_no_reshape():
     assert "grad_out @" in gm.code
 
 
-@pytest.mark.parametrize("sa,sb", [
-    ((4, 1, 5, 3), (6, 3, 2)),     # broadcast batch dims on both sides
-    ((2, 5, 3), (2, 3, 4)),        # plain batched
-    ((5, 3), (2, 3, 4)),           # matrix @ batch
-    ((2, 5, 3), (3, 4)),           # batch @ matrix
-    ((1, 5, 3), (2, 3, 4)),        # size-1 batch dim
-    ((3,), (3, 4)), ((5, 3), (3,)), ((3,), (3,)),
-    ((3,), (2, 3, 4)), ((2, 5, 3), (3,)),
-])
+@pytest.mark.parametrize(
+    "sa,sb",
+    [
+        ((4, 1, 5, 3), (6, 3, 2)),  # broadcast batch dims on both sides
+        ((2, 5, 3), (2, 3, 4)),  # plain batched
+        ((5, 3), (2, 3, 4)),  # matrix @ batch
+        ((2, 5, 3), (3, 4)),  # batch @ matrix
+        ((1, 5, 3), (2, 3, 4)),  # size-1 batch dim
+        ((3,), (3, 4)),
+        ((5, 3), (3,)),
+        ((3,), (3,)),
+        ((3,), (2, 3, 4)),
+        ((2, 5, 3), (3,)),
+    ],
+)
 def test_matmul_broadcasting_matches_autograd(sa, sb):
     check_vjp(torch.matmul, r(*sa), r(*sb))
 
@@ -74,20 +85,23 @@ def test_linear_weight_grad_is_transpose_times_input():
     assert count_compute_nodes(gm) == 5  # linear, grad_out @ w, transpose, matmul, sum
 
 
-@pytest.mark.parametrize("eq,shapes", [
-    ("ij,jk->ik", [(3, 4), (4, 5)]),
-    ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
-    ("ij,jk", [(3, 4), (4, 5)]),
-    ("...ij,jk", [(2, 3, 4), (4, 5)]),
-    ("...ij,...jk->...ik", [(2, 1, 3, 4), (6, 4, 5)]),
-    ("ii->i", [(3, 3)]),
-    ("ii", [(3, 3)]),
-    ("ij->i", [(3, 4)]),
-    ("i,j->ij", [(3,), (4,)]),
-    ("ij,ij->", [(3, 4), (1, 4)]),
-    ("ij->ji", [(3, 4)]),
-    ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]),
-])
+@pytest.mark.parametrize(
+    "eq,shapes",
+    [
+        ("ij,jk->ik", [(3, 4), (4, 5)]),
+        ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
+        ("ij,jk", [(3, 4), (4, 5)]),
+        ("...ij,jk", [(2, 3, 4), (4, 5)]),
+        ("...ij,...jk->...ik", [(2, 1, 3, 4), (6, 4, 5)]),
+        ("ii->i", [(3, 3)]),
+        ("ii", [(3, 3)]),
+        ("ij->i", [(3, 4)]),
+        ("i,j->ij", [(3,), (4,)]),
+        ("ij,ij->", [(3, 4), (1, 4)]),
+        ("ij->ji", [(3, 4)]),
+        ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]),
+    ],
+)
 def test_einsum(eq, shapes):
     def f(*xs):
         return torch.einsum(eq, *xs)
@@ -123,9 +137,16 @@ def test_bilinear(batch):
 
 @pytest.mark.parametrize("op", ["mm", "bmm", "mv", "dot", "vdot", "outer", "ger", "inner"])
 def test_products(op):
-    shapes = {"mm": [(3, 4), (4, 2)], "bmm": [(2, 3, 4), (2, 4, 5)], "mv": [(3, 4), (4,)],
-              "dot": [(4,), (4,)], "vdot": [(4,), (4,)], "outer": [(3,), (4,)], "ger": [(3,), (4,)],
-              "inner": [(2, 4), (3, 4)]}[op]
+    shapes = {
+        "mm": [(3, 4), (4, 2)],
+        "bmm": [(2, 3, 4), (2, 4, 5)],
+        "mv": [(3, 4), (4,)],
+        "dot": [(4,), (4,)],
+        "vdot": [(4,), (4,)],
+        "outer": [(3,), (4,)],
+        "ger": [(3,), (4,)],
+        "inner": [(2, 4), (3, 4)],
+    }[op]
     check_vjp(getattr(torch, op), *[r(*s) for s in shapes])
 
 
@@ -144,17 +165,36 @@ def test_cross_broadcasts():
     check_vjp(lambda a, b: torch.cross(a, b, dim=0), r(3, 4), r(3, 4))
 
 
-@pytest.mark.parametrize("f", [torch.linalg.det, torch.det, torch.logdet, torch.linalg.inv, torch.inverse,
-                               lambda a: torch.linalg.slogdet(a).logabsdet, lambda a: torch.slogdet(a)[1],
-                               lambda a: torch.linalg.inv_ex(a).inverse])
+@pytest.mark.parametrize(
+    "f",
+    [
+        torch.linalg.det,
+        torch.det,
+        torch.logdet,
+        torch.linalg.inv,
+        torch.inverse,
+        lambda a: torch.linalg.slogdet(a).logabsdet,
+        lambda a: torch.slogdet(a)[1],
+        lambda a: torch.linalg.inv_ex(a).inverse,
+    ],
+)
 def test_matrix_functions(f):
     check_vjp(f, spd(3))
     check_vjp(f, spd(3, 2))
 
 
-@pytest.mark.parametrize("sa,sb,left", [((3, 3), (3, 2), True), ((3, 3), (3,), True), ((2, 3, 3), (3,), True),
-                                        ((2, 3, 3), (2, 3), True), ((2, 3, 3), (3, 4), True),
-                                        ((3, 3), (2, 3), False), ((2, 3, 3), (1, 4, 3), False)])
+@pytest.mark.parametrize(
+    "sa,sb,left",
+    [
+        ((3, 3), (3, 2), True),
+        ((3, 3), (3,), True),
+        ((2, 3, 3), (3,), True),
+        ((2, 3, 3), (2, 3), True),
+        ((2, 3, 3), (3, 4), True),
+        ((3, 3), (2, 3), False),
+        ((2, 3, 3), (1, 4, 3), False),
+    ],
+)
 def test_solve(sa, sb, left):
     a = r(*sa) + 3 * torch.eye(3, dtype=torch.float64)
     check_vjp(lambda a, b: torch.linalg.solve(a, b, left=left), a, r(*sb))
@@ -167,8 +207,11 @@ def test_solve(sa, sb, left):
 def test_solve_triangular(upper, left, unit):
     a = r(3, 3) + 3 * torch.eye(3, dtype=torch.float64)
     a = a.triu() if upper else a.tril()
-    check_vjp(lambda a, b: torch.linalg.solve_triangular(a, b, upper=upper, left=left, unitriangular=unit),
-              a, r(3, 2) if left else r(2, 3))
+    check_vjp(
+        lambda a, b: torch.linalg.solve_triangular(a, b, upper=upper, left=left, unitriangular=unit),
+        a,
+        r(3, 2) if left else r(2, 3),
+    )
 
 
 @pytest.mark.parametrize("upper", [True, False])
@@ -204,14 +247,18 @@ def _f32(*shape):
 _OFFS = torch.tensor([3, 3, 8], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("a,b,offs", [
-    (_f32(8, 8), _f32(3, 8, 4), _OFFS),                                      # 2D x 3D: offs splits a's rows
-    (_f32(8, 8), _f32(3, 4, 8).mT, torch.tensor([0, 5, 8], dtype=torch.int32)),  # the MoE layout, b = wᵀ
-    (_f32(4, 8), _f32(8, 4), _OFFS),                                         # 2D x 2D: offs splits K -> 3D
-    (_f32(8, 4).mT, _f32(8, 4), _OFFS),                                      # column-major a
-    (_f32(3, 4, 8), _f32(8, 8), _OFFS),                                      # 3D x 2D: offs splits b's columns
-    (_f32(3, 4, 8), _f32(3, 8, 4), None),                                    # 3D x 3D: batched
-], ids=["2d3d", "2d3d_transposed_b", "2d2d", "2d2d_col_major_a", "3d2d", "3d3d"])
+@pytest.mark.parametrize(
+    "a,b,offs",
+    [
+        (_f32(8, 8), _f32(3, 8, 4), _OFFS),  # 2D x 3D: offs splits a's rows
+        (_f32(8, 8), _f32(3, 4, 8).mT, torch.tensor([0, 5, 8], dtype=torch.int32)),  # the MoE layout, b = wᵀ
+        (_f32(4, 8), _f32(8, 4), _OFFS),  # 2D x 2D: offs splits K -> 3D
+        (_f32(8, 4).mT, _f32(8, 4), _OFFS),  # column-major a
+        (_f32(3, 4, 8), _f32(8, 8), _OFFS),  # 3D x 2D: offs splits b's columns
+        (_f32(3, 4, 8), _f32(3, 8, 4), None),  # 3D x 3D: batched
+    ],
+    ids=["2d3d", "2d3d_transposed_b", "2d2d", "2d2d_col_major_a", "3d2d", "3d3d"],
+)
 def test_grouped_mm(a, b, offs):
     """Both gradients are grouped products with the same offs, for every operand layout."""
     gm = check_vjp(lambda a, b, offs: torch._grouped_mm(a, b, offs=offs), a, b, offs, rtol=1e-5, atol=1e-5)

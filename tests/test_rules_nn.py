@@ -1,5 +1,6 @@
 """Rules of nn ops (fxtools/rules/nn.py): correctness beyond the OpInfo samples, readability,
 stateful BatchNorm and dropout's random mask."""
+
 import copy
 
 import pytest
@@ -11,6 +12,8 @@ import fxtools
 from fxtools.transforms.check import check_vjp
 
 aten = torch.ops.aten
+
+
 def r(*shape):
     return torch.randn(*shape, dtype=torch.float64)
 
@@ -48,36 +51,42 @@ CASES = {
     "instance_norm": (lambda x, w, b: F.instance_norm(x, weight=w, bias=b), (r(2, 3, 4, 4), r(3), r(3))),
     "batch_norm_train": (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), (r(4, 3, 2, 2), r(3), r(3))),
     "batch_norm_train_noaffine": (lambda x: F.batch_norm(x, None, None, training=True), (r(5, 3),)),
-    "batch_norm_eval": (lambda x, w, b, m, v: F.batch_norm(x, m.detach(), v.detach(), w, b, training=False),
-                        (r(4, 3, 5), r(3), r(3), r(3), r(3).abs() + 0.5)),
-    "native_batch_norm": (lambda x, w: torch.native_batch_norm(x, w, None, None, None, True, 0.1, 1e-5)[0],
-                          (r(4, 3), r(3))),
-    "legit": (lambda x, w: aten._native_batch_norm_legit(x, w, None, stats[0], stats[1], True, 0.1, 1e-5)[0],
-              (r(4, 3, 2), r(3))),
+    "batch_norm_eval": (
+        lambda x, w, b, m, v: F.batch_norm(x, m.detach(), v.detach(), w, b, training=False),
+        (r(4, 3, 5), r(3), r(3), r(3), r(3).abs() + 0.5),
+    ),
+    "native_batch_norm": (lambda x, w: torch.native_batch_norm(x, w, None, None, None, True, 0.1, 1e-5)[0], (r(4, 3), r(3))),
+    "legit": (lambda x, w: aten._native_batch_norm_legit(x, w, None, stats[0], stats[1], True, 0.1, 1e-5)[0], (r(4, 3, 2), r(3))),
     "legit_no_stats": (lambda x, w: aten._native_batch_norm_legit(x, w, None, True, 0.1, 1e-5)[0], (r(4, 3, 2), r(3))),
-    "legit_no_training": (lambda x, b: aten._native_batch_norm_legit_no_training(
-        x, None, b, stats[0], stats[1], 0.1, 1e-5)[0], (r(4, 3, 2), r(3))),
+    "legit_no_training": (
+        lambda x, b: aten._native_batch_norm_legit_no_training(x, None, b, stats[0], stats[1], 0.1, 1e-5)[0],
+        (r(4, 3, 2), r(3)),
+    ),
     "embedding_padding_idx": (lambda w: F.embedding(idx, w, padding_idx=3), (r(5, 4),)),
     "embedding_scale_grad": (lambda w: F.embedding(idx.view(5, 1), w, scale_grad_by_freq=True), (r(6, 2),)),
     "embedding_bag_2d": (lambda w: F.embedding_bag(idx2d.clamp(min=0), w), (r(6, 3),)),
     "embedding_bag_sum": (lambda w: F.embedding_bag(bag_idx, w, bag_off, mode="sum", padding_idx=4), (r(6, 3),)),
     "embedding_bag_mean": (lambda w: F.embedding_bag(bag_idx, w, bag_off, mode="mean", padding_idx=4), (r(6, 3),)),
     "embedding_bag_max": (lambda w: F.embedding_bag(bag_idx, w, bag_off, mode="max"), (r(6, 3),)),
-    "embedding_bag_psw": (lambda w, p: F.embedding_bag(bag_idx, w, bag_off_last, per_sample_weights=p, mode="sum",
-                                                       include_last_offset=True),
-                          (r(6, 3), r(6))),
-    "conv2d_groups": (lambda x, w, b: F.conv2d(x, w, b, stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2),
-                      (r(2, 4, 7, 8), r(6, 2, 3, 3), r(6))),
+    "embedding_bag_psw": (
+        lambda w, p: F.embedding_bag(bag_idx, w, bag_off_last, per_sample_weights=p, mode="sum", include_last_offset=True),
+        (r(6, 3), r(6)),
+    ),
+    "conv2d_groups": (
+        lambda x, w, b: F.conv2d(x, w, b, stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2),
+        (r(2, 4, 7, 8), r(6, 2, 3, 3), r(6)),
+    ),
     "conv2d_same_even": (lambda x, w: F.conv2d(x, w, padding="same", dilation=(1, 1)), (r(1, 2, 6, 5), r(3, 2, 4, 3))),
     "conv1d_same_dilated": (lambda x, w: F.conv1d(x, w, padding="same", dilation=3), (r(2, 2, 9), r(2, 2, 2))),
     "conv2d_valid": (lambda x, w: F.conv2d(x, w, padding="valid"), (r(1, 2, 6, 5), r(3, 2, 2, 2))),
     "conv2d_unbatched": (lambda x, w: F.conv2d(x, w, stride=2), (r(2, 6, 7), r(3, 2, 3, 3))),
     "conv3d": (lambda x, w: F.conv3d(x, w, stride=2, padding=1), (r(1, 2, 5, 5, 6), r(2, 2, 3, 3, 3))),
-    "conv_transpose2d": (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1, groups=2,
-                                                            dilation=2), (r(2, 4, 3, 4), r(4, 3, 3, 3), r(6))),
+    "conv_transpose2d": (
+        lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1, groups=2, dilation=2),
+        (r(2, 4, 3, 4), r(4, 3, 3, 3), r(6)),
+    ),
     "convolution": (lambda x, w: torch.convolution(x, w, None, [2], [1], [1], False, [0], 1), (r(2, 3, 9), r(4, 3, 3))),
-    "convolution_transposed": (lambda x, w: torch.convolution(x, w, None, [2], [1], [1], True, [1], 1),
-                               (r(2, 3, 5), r(3, 4, 3))),
+    "convolution_transposed": (lambda x, w: torch.convolution(x, w, None, [2], [1], [1], True, [1], 1), (r(2, 3, 5), r(3, 4, 3))),
     "_adaptive_avg_pool2d": (lambda x: aten._adaptive_avg_pool2d(x, [3, 2]), (r(2, 3, 7, 6),)),
     "_adaptive_avg_pool3d": (lambda x: aten._adaptive_avg_pool3d(x, [2, 1, 3]), (r(1, 2, 5, 4, 6),)),
     "max_pool2d": (lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True), (r(2, 3, 7, 6),)),
@@ -97,58 +106,74 @@ CASES = {
     "upsample_nearest_exact": (lambda x: F.interpolate(x, size=(5, 7), mode="nearest-exact"), (r(2, 3, 3, 4),)),
     "upsample_nearest_exact3d": (lambda x: F.interpolate(x, scale_factor=2, mode="nearest-exact"), (r(1, 2, 2, 3, 2),)),
     "upsample_bilinear2d": (lambda x: F.interpolate(x, scale_factor=1.7, mode="bilinear"), (r(2, 3, 3, 4),)),
-    "upsample_bilinear2d_align": (lambda x: F.interpolate(x, size=(6, 5), mode="bilinear", align_corners=True),
-                                  (r(2, 3, 3, 4),)),
+    "upsample_bilinear2d_align": (lambda x: F.interpolate(x, size=(6, 5), mode="bilinear", align_corners=True), (r(2, 3, 3, 4),)),
     "cosine_similarity": (lambda x, y: F.cosine_similarity(x, y, dim=-1), (r(3, 4), r(2, 1, 4))),
     "pixel_shuffle": (lambda x: F.pixel_shuffle(x, 2), (r(2, 8, 3, 3),)),
     "dropout_eval": (lambda x: F.dropout(x, 0.5, training=False), (r(3, 4),)),
     "dropout_p0": (lambda x: F.dropout(x, 0.0), (r(3, 4),)),
     "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (r(2, 3, 4, 8), r(2, 3, 6, 8), r(2, 3, 6, 5))),
-    "sdpa_causal_scale": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3),
-                          (r(2, 4, 8), r(2, 4, 8), r(2, 4, 8))),
-    "sdpa_float_mask": (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
-                        (r(2, 3, 4, 8), r(2, 3, 6, 8), r(2, 3, 6, 5), r(4, 6))),
-    "sdpa_bool_mask": (lambda q, k, v: F.scaled_dot_product_attention(
-        q, k, v, attn_mask=bool_mask),
-        (r(2, 3, 4, 8), r(2, 3, 6, 8), r(2, 3, 6, 5))),
-    "sdpa_bool_mask_empty_row": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=empty_row_mask),
-                                 (r(2, 4, 8), r(2, 6, 8), r(2, 6, 5))),
-    "sdpa_gqa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-                 (r(2, 4, 3, 8), r(2, 2, 5, 8), r(2, 2, 5, 8))),
+    "sdpa_causal_scale": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3),
+        (r(2, 4, 8), r(2, 4, 8), r(2, 4, 8)),
+    ),
+    "sdpa_float_mask": (
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+        (r(2, 3, 4, 8), r(2, 3, 6, 8), r(2, 3, 6, 5), r(4, 6)),
+    ),
+    "sdpa_bool_mask": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask),
+        (r(2, 3, 4, 8), r(2, 3, 6, 8), r(2, 3, 6, 5)),
+    ),
+    "sdpa_bool_mask_empty_row": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=empty_row_mask),
+        (r(2, 4, 8), r(2, 6, 8), r(2, 6, 5)),
+    ),
+    "sdpa_gqa": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        (r(2, 4, 3, 8), r(2, 2, 5, 8), r(2, 2, 5, 8)),
+    ),
     "cross_entropy": (lambda x: F.cross_entropy(x, idx), (r(5, 4),)),
-    "cross_entropy_everything": (lambda x: F.cross_entropy(x, idx2d, class_w, ignore_index=-100, label_smoothing=0.2),
-                                 (r(2, 4, 3),)),
+    "cross_entropy_everything": (
+        lambda x: F.cross_entropy(x, idx2d, class_w, ignore_index=-100, label_smoothing=0.2),
+        (r(2, 4, 3),),
+    ),
     "cross_entropy_ignore_sum": (lambda x: F.cross_entropy(x, idx, ignore_index=3, reduction="sum"), (r(5, 4),)),
-    "cross_entropy_none_weight": (lambda x: F.cross_entropy(x, idx, class_w, reduction="none", label_smoothing=0.1),
-                                  (r(5, 4),)),
+    "cross_entropy_none_weight": (lambda x: F.cross_entropy(x, idx, class_w, reduction="none", label_smoothing=0.1), (r(5, 4),)),
     "cross_entropy_unbatched": (lambda x: F.cross_entropy(x, torch.tensor(2)), (r(4),)),
-    "cross_entropy_probs": (lambda x, t: F.cross_entropy(x, t.softmax(1), label_smoothing=0.3),
-                            (r(3, 4, 2), r(3, 4, 2))),
+    "cross_entropy_probs": (lambda x, t: F.cross_entropy(x, t.softmax(1), label_smoothing=0.3), (r(3, 4, 2), r(3, 4, 2))),
     "cross_entropy_probs_none": (lambda x, t, w: F.cross_entropy(x, t, w, reduction="none"), (r(3, 4), r(3, 4), r(4))),
     "nll_loss": (lambda x: F.nll_loss(x, idx2d, class_w, ignore_index=-100), (r(2, 4, 3),)),
     "nll_loss_aten": (lambda x: aten.nll_loss(x, idx, None, 2, 3), (r(5, 4),)),
-    "nll_loss2d_aten": (lambda x: aten.nll_loss2d(x, idx2d.clamp(min=0).view(2, 3, 1), None, 1, -100),
-                        (r(2, 4, 3, 1),)),
+    "nll_loss2d_aten": (lambda x: aten.nll_loss2d(x, idx2d.clamp(min=0).view(2, 3, 1), None, 1, -100), (r(2, 4, 3, 1),)),
     "nll_loss_forward": (lambda x: aten.nll_loss_forward(x, idx, None, 1, -100)[0], (r(5, 4),)),
-    "nll_loss2d_forward": (lambda x: aten.nll_loss2d_forward(x, idx2d.clamp(min=0).view(2, 3, 1), None, 2, 0)[0],
-                           (r(2, 4, 3, 1),)),
+    "nll_loss2d_forward": (
+        lambda x: aten.nll_loss2d_forward(x, idx2d.clamp(min=0).view(2, 3, 1), None, 2, 0)[0],
+        (r(2, 4, 3, 1),),
+    ),
     "mse_loss": (lambda x, y: F.mse_loss(x, y), (r(3, 4), r(3, 4))),
     "l1_loss": (lambda x, y: F.l1_loss(x, y, reduction="sum"), (r(3, 4), r(3, 4))),
     "smooth_l1_loss": (lambda x, y: F.smooth_l1_loss(x, y, beta=0.5), (r(3, 4), r(3, 4))),
     "smooth_l1_loss_beta0": (lambda x, y: F.smooth_l1_loss(x, y, beta=0.0), (r(3, 4), r(3, 4))),
     "huber_loss": (lambda x, y: F.huber_loss(x, y, reduction="none", delta=0.7), (r(3, 4), r(3, 4))),
     "bce": (lambda x, y, w: F.binary_cross_entropy(x.sigmoid(), y.sigmoid(), w.detach()), (r(3, 4), r(3, 4), r(4))),
-    "bce_with_logits": (lambda x, y: F.binary_cross_entropy_with_logits(x, y, row_w, pos_weight=class_w,
-                                                                        reduction="sum"),
-                        (r(3, 4), r(3, 4).sigmoid())),
-    "bce_with_logits_none": (lambda x, y: F.binary_cross_entropy_with_logits(x, y, reduction="none"),
-                             (r(3, 4), r(3, 4).sigmoid())),
+    "bce_with_logits": (
+        lambda x, y: F.binary_cross_entropy_with_logits(x, y, row_w, pos_weight=class_w, reduction="sum"),
+        (r(3, 4), r(3, 4).sigmoid()),
+    ),
+    "bce_with_logits_none": (
+        lambda x, y: F.binary_cross_entropy_with_logits(x, y, reduction="none"),
+        (r(3, 4), r(3, 4).sigmoid()),
+    ),
     "kl_div": (lambda x, y: F.kl_div(x, y, reduction="batchmean"), (r(3, 4), r(3, 4).sigmoid())),
     "kl_div_log_target": (lambda x, y: F.kl_div(x, y, reduction="sum", log_target=True), (r(3, 4), r(3, 4))),
-    "linear_cross_entropy_chunked": (lambda x, w, b: F.linear_cross_entropy(
-        x, w, idx.clamp(min=0), linear_bias=b, options=_chunked), (r(5, 3), r(4, 3), r(4))),
-    "linear_cross_entropy_chunked_sum": (lambda x, w: F.linear_cross_entropy(
-        x, w, idx.clamp(min=0), reduction="sum", options=_chunked), (r(5, 3), r(4, 3))),
+    "linear_cross_entropy_chunked": (
+        lambda x, w, b: F.linear_cross_entropy(x, w, idx.clamp(min=0), linear_bias=b, options=_chunked),
+        (r(5, 3), r(4, 3), r(4)),
+    ),
+    "linear_cross_entropy_chunked_sum": (
+        lambda x, w: F.linear_cross_entropy(x, w, idx.clamp(min=0), reduction="sum", options=_chunked),
+        (r(5, 3), r(4, 3)),
+    ),
 }
 
 
@@ -244,11 +269,14 @@ def test_batch_norm_eval_mode_leaves_stats_alone():
 # dropout: one mask, drawn in the forward, reused by the backward
 
 
-@pytest.mark.parametrize("fn, shape", [
-    (lambda x: F.dropout(x, 0.3), (6, 7)),
-    (lambda x: F.dropout2d(x, 0.4), (3, 5, 2, 2)),
-    (lambda x: torch.native_dropout(x, 0.3, True)[0], (6, 7)),
-])
+@pytest.mark.parametrize(
+    "fn, shape",
+    [
+        (lambda x: F.dropout(x, 0.3), (6, 7)),
+        (lambda x: F.dropout2d(x, 0.4), (3, 5, 2, 2)),
+        (lambda x: torch.native_dropout(x, 0.3, True)[0], (6, 7)),
+    ],
+)
 def test_dropout_same_mask_forward_and_backward(fn, shape):
     x, ct = r(*shape), r(*shape)
     gm = fxtools.vjp(fn, x)
@@ -278,7 +306,7 @@ def test_sdpa_dropout_consistent():
     # replay the same mask in eager math and differentiate that with autograd
     torch.manual_seed(0)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    probs = torch.softmax(qr @ kr.transpose(-2, -1) / 8 ** 0.5, -1)
+    probs = torch.softmax(qr @ kr.transpose(-2, -1) / 8**0.5, -1)
     keep = torch.empty_like(probs).bernoulli_(0.5) / 0.5
     want = (probs * keep) @ vr
     want_grads = torch.autograd.grad(want, (qr, kr, vr), ct)

@@ -1,11 +1,12 @@
 """Elementwise rules: agreement with autograd at special points, dtypes, and short generated code."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fxtools
-from fxtools.transforms.check import check_vjp, check_vjp_fd
 from fxtools.passes.simplify import count_compute_nodes
+from fxtools.transforms.check import check_vjp, check_vjp_fd
 
 aten = torch.ops.aten
 D = torch.float64
@@ -47,12 +48,12 @@ SPECIAL = {
     "nan_to_num": (torch.nan_to_num, torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), -2.0], dtype=D)),
     "logit": (torch.logit, UNIT),
     "logit_eps": (lambda x: torch.logit(x, eps=0.1), UNIT),
-    "pow_0": (lambda x: x ** 0, KINKS),
-    "pow_1": (lambda x: x ** 1, KINKS),
-    "pow_2": (lambda x: x ** 2, KINKS),
+    "pow_0": (lambda x: x**0, KINKS),
+    "pow_1": (lambda x: x**1, KINKS),
+    "pow_2": (lambda x: x**2, KINKS),
     "pow_3": (lambda x: x.pow(3), KINKS),
-    "pow_half": (lambda x: x ** 0.5, POS),
-    "rpow": (lambda x: 2.0 ** x, KINKS),
+    "pow_half": (lambda x: x**0.5, POS),
+    "rpow": (lambda x: 2.0**x, KINKS),
     "rpow_zero": (lambda x: torch.pow(0.0, x), KINKS),
     "float_power": (lambda x: torch.float_power(x, 2), KINKS),
     "exp2": (torch.exp2, KINKS),
@@ -125,8 +126,14 @@ def test_binary_special_points(name):
 
 def test_binary_broadcasting():
     x, y = torch.randn(3, 1, 4, dtype=D), torch.randn(5, 1, dtype=D)
-    for f in (torch.maximum, torch.hypot, torch.atan2, lambda a, b: torch.lerp(a, b, 0.3),
-              lambda a, b: torch.where(a > 0, a, b), lambda a, b: torch.clamp(a, b, b + 1)):
+    for f in (
+        torch.maximum,
+        torch.hypot,
+        torch.atan2,
+        lambda a, b: torch.lerp(a, b, 0.3),
+        lambda a, b: torch.where(a > 0, a, b),
+        lambda a, b: torch.clamp(a, b, b + 1),
+    ):
         check_vjp(f, x, y)
 
 
@@ -179,10 +186,21 @@ def test_sin_plus_x_is_short():
     assert count_compute_nodes(gm) <= 5, gm.code
 
 
-@pytest.mark.parametrize("f, limit", [
-    (torch.tanh, 4), (torch.sigmoid, 5), (F.silu, 7), (F.gelu, 12), (lambda x: F.gelu(x, approximate="tanh"), 17),
-    (torch.relu, 4), (torch.abs, 3), (torch.exp, 2), (torch.sqrt, 3), (lambda x: x * x, 4),
-])
+@pytest.mark.parametrize(
+    "f, limit",
+    [
+        (torch.tanh, 4),
+        (torch.sigmoid, 5),
+        (F.silu, 7),
+        (F.gelu, 12),
+        (lambda x: F.gelu(x, approximate="tanh"), 17),
+        (torch.relu, 4),
+        (torch.abs, 3),
+        (torch.exp, 2),
+        (torch.sqrt, 3),
+        (lambda x: x * x, 4),
+    ],
+)
 def test_activation_code_is_short(f, limit):
     gm = _code(f, torch.randn(4))
     assert count_compute_nodes(gm) <= limit, gm.code
@@ -203,8 +221,19 @@ def test_no_cotangent_for_python_numbers():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_low_precision_dtypes_are_kept(dtype):
     x, y = torch.rand(4, dtype=dtype) + 0.5, torch.rand(4, dtype=dtype) + 0.5
-    for f in (torch.sin, torch.sqrt, torch.sigmoid, F.gelu, F.silu, torch.erf, torch.log,
-              lambda a: a ** 3, lambda a: torch.clamp(a, 0.6, 0.9), F.softplus, F.elu):
+    for f in (
+        torch.sin,
+        torch.sqrt,
+        torch.sigmoid,
+        F.gelu,
+        F.silu,
+        torch.erf,
+        torch.log,
+        lambda a: a**3,
+        lambda a: torch.clamp(a, 0.6, 0.9),
+        F.softplus,
+        F.elu,
+    ):
         gm = _code(f, x)
         _, (g,) = gm(x, torch.ones_like(x))
         assert g.dtype == dtype

@@ -3,6 +3,7 @@
 Numerical checks compare with torch.autograd in float64 (``check_vjp``); readability checks
 look at the generated backward's ops.
 """
+
 import math
 
 import pytest
@@ -26,7 +27,7 @@ def _zeros():
 
 
 def _ties():
-    return torch.tensor([[1., 3., 3.], [2., 2., 0.], [5., 1., 5.]], dtype=D)
+    return torch.tensor([[1.0, 3.0, 3.0], [2.0, 2.0, 0.0], [5.0, 1.0, 5.0]], dtype=D)
 
 
 def _zero_row():
@@ -60,7 +61,7 @@ CASES = {
     "prod_zeros": (lambda x: x.prod(), _zeros()),
     "prod_zeros_dim": (lambda x: x.prod(1), _zeros()),
     "prod_zeros_keepdim": (lambda x: x.prod(0, keepdim=True), _zeros()),
-    "prod_one_zero": (lambda x: x.prod(), torch.tensor([2., 0., 3.], dtype=D)),
+    "prod_one_zero": (lambda x: x.prod(), torch.tensor([2.0, 0.0, 3.0], dtype=D)),
     "prod_0d": (lambda x: x.prod(0), S),
     "cumprod_zeros": (lambda x: x.cumprod(1), _zeros()),
     "cumprod_zeros_dim0": (lambda x: x.cumprod(0), _zeros()),
@@ -133,12 +134,23 @@ def test_matches_autograd(name):
     check_vjp(f, x, rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("name", ["sum", "mean", "prod", "cumprod", "logsumexp", "norm", "norm1", "norm3", "norm_inf", "var", "std"])
+@pytest.mark.parametrize(
+    "name", ["sum", "mean", "prod", "cumprod", "logsumexp", "norm", "norm1", "norm3", "norm_inf", "var", "std"]
+)
 def test_complex_inputs(name):
-    f = {"sum": lambda z: z.sum(1), "mean": lambda z: z.mean(), "prod": lambda z: z.prod(1),
-         "cumprod": lambda z: z.cumprod(1), "logsumexp": lambda z: z.logsumexp(1), "norm": lambda z: z.norm(dim=1),
-         "norm1": lambda z: torch.linalg.vector_norm(z, 1), "norm3": lambda z: torch.linalg.vector_norm(z, 3, 1),
-         "norm_inf": lambda z: torch.linalg.vector_norm(z, INF), "var": lambda z: z.var(1), "std": lambda z: z.std()}[name]
+    f = {
+        "sum": lambda z: z.sum(1),
+        "mean": lambda z: z.mean(),
+        "prod": lambda z: z.prod(1),
+        "cumprod": lambda z: z.cumprod(1),
+        "logsumexp": lambda z: z.logsumexp(1),
+        "norm": lambda z: z.norm(dim=1),
+        "norm1": lambda z: torch.linalg.vector_norm(z, 1),
+        "norm3": lambda z: torch.linalg.vector_norm(z, 3, 1),
+        "norm_inf": lambda z: torch.linalg.vector_norm(z, INF),
+        "var": lambda z: z.var(1),
+        "std": lambda z: z.std(),
+    }[name]
     z = torch.randn(3, 4, dtype=torch.complex128, generator=torch.Generator().manual_seed(0))
     z[0, 1] = z[1, 2] = z[1, 3] = 0
     check_vjp(f, z, rtol=1e-6, atol=1e-8)
@@ -146,11 +158,21 @@ def test_complex_inputs(name):
 
 # --- integer outputs: the indices get no cotangent ------------------------------------------
 
-@pytest.mark.parametrize("op", [
-    lambda x: torch.max(x, 1), lambda x: torch.min(x, 0, keepdim=True), lambda x: x.sort(1),
-    lambda x: x.topk(2), lambda x: x.kthvalue(2, 1), lambda x: x.median(0), lambda x: x.mode(1),
-    lambda x: x.cummax(1),
-], ids=["max", "min", "sort", "topk", "kthvalue", "median", "mode", "cummax"])
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x: torch.max(x, 1),
+        lambda x: torch.min(x, 0, keepdim=True),
+        lambda x: x.sort(1),
+        lambda x: x.topk(2),
+        lambda x: x.kthvalue(2, 1),
+        lambda x: x.median(0),
+        lambda x: x.mode(1),
+        lambda x: x.cummax(1),
+    ],
+    ids=["max", "min", "sort", "topk", "kthvalue", "median", "mode", "cummax"],
+)
 def test_indices_take_none_cotangent(op):
     x = _x()
     gm = fxtools.vjp(op, x)
@@ -171,6 +193,7 @@ def test_argmax_output_alone_is_not_differentiated():
 
 
 # --- readability ----------------------------------------------------------------------------
+
 
 def _code(f, x, grad=False):
     gm = fxtools.grad(f, x) if grad else fxtools.vjp(f, x)
@@ -243,11 +266,21 @@ def test_norm_backward_is_input_times_scaled_cotangent():
     assert "torch.ops" not in body
 
 
-@pytest.mark.parametrize("f", [
-    lambda x: x.prod(1), lambda x: x.cumprod(1), lambda x: x.logcumsumexp(1), lambda x: x.amin(0),
-    lambda x: x.nanmean(1), lambda x: torch.std_mean(x, 1), lambda x: x.topk(2), lambda x: x.kthvalue(2),
-    lambda x: x.median(), lambda x: torch.linalg.vector_norm(x, 3, 1),
-])
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda x: x.prod(1),
+        lambda x: x.cumprod(1),
+        lambda x: x.logcumsumexp(1),
+        lambda x: x.amin(0),
+        lambda x: x.nanmean(1),
+        lambda x: torch.std_mean(x, 1),
+        lambda x: x.topk(2),
+        lambda x: x.kthvalue(2),
+        lambda x: x.median(),
+        lambda x: torch.linalg.vector_norm(x, 3, 1),
+    ],
+)
 def test_backward_uses_public_torch_calls(f):
     _, code = _code(f, _x())
     backward = [line for line in code.splitlines() if "grad" in line or "torch.ops" in line]

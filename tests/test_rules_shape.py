@@ -1,4 +1,5 @@
 """Shape, view and indexing rules: generated backward code is minimal, and cases OpInfo misses are right."""
+
 import operator
 
 import pytest
@@ -35,6 +36,7 @@ def backward_calls(f, *args):
 
 
 # ---- readability ---------------------------------------------------------------------------
+
 
 def test_view_then_t_emits_only_the_inverse_transpose_and_reshape():
     ops = backward_calls(lambda x: x.view(2, 6).t(), x64(3, 4))
@@ -156,8 +158,7 @@ CASES = {
     "index_2d_index": (lambda x: x[:, torch.tensor([[0, 0], [2, 1]])], (x64(2, 3, 4),)),
     "index_scalar_tensor": (lambda x: x[:, torch.tensor(1)], (x64(2, 3, 4),)),
     "index_put_none": (lambda x, v: aten.index_put(x, [None, torch.tensor([0, 2])], v), (x64(3, 4), x64(3, 2))),
-    "index_put_accumulate": (lambda x, v: x.index_put((torch.tensor([0, 0]),), v, accumulate=True),
-                             (x64(3, 4), x64(4))),
+    "index_put_accumulate": (lambda x, v: x.index_put((torch.tensor([0, 0]),), v, accumulate=True), (x64(3, 4), x64(4))),
     "index_select_0d": (lambda x: x.index_select(1, torch.tensor(2)), (x64(3, 4),)),
     "index_add_alpha": (lambda x, s: x.index_add(0, torch.tensor([0, 2, 0]), s, alpha=2.5), (x64(3, 4), x64(3, 4))),
     "index_copy": (lambda x, s: x.index_copy(1, torch.tensor([3, 0]), s), (x64(3, 4), x64(3, 2))),
@@ -181,8 +182,7 @@ CASES = {
     "tile": (lambda x: x.tile((2,)), (x64(3, 4),)),
     "repeat_interleave_flat": (lambda x: x.repeat_interleave(2), (x64(3, 4),)),
     "repeat_interleave_dim": (lambda x: x.repeat_interleave(3, dim=-1), (x64(3, 4),)),
-    "repeat_interleave_tensor": (lambda x: x.repeat_interleave(torch.tensor([1, 0, 3]), dim=0, output_size=4),
-                                 (x64(3, 4),)),
+    "repeat_interleave_tensor": (lambda x: x.repeat_interleave(torch.tensor([1, 0, 3]), dim=0, output_size=4), (x64(3, 4),)),
     "pad_negative": (lambda x: F.pad(x, (-1, 2, 1, -1)), (x64(3, 4),)),
     "pad_circular_negative": (lambda x: F.pad(x, (-1, 2), mode="circular"), (x64(2, 3, 4),)),
     "pad_reflect_2d": (lambda x: F.pad(x, (1, 2, 2, 1), mode="reflect"), (x64(2, 3, 4),)),
@@ -190,12 +190,15 @@ CASES = {
     "unfold_disjoint": (lambda x: x.unfold(1, 2, 2), (x64(3, 5),)),
     "unfold_overlap": (lambda x: x.unfold(-1, 3, 1), (x64(3, 5),)),
     "unfold_gappy": (lambda x: x.unfold(0, 2, 3), (x64(7),)),
-    "scatter_reduce_mean_no_self": (lambda x, s: x.scatter_reduce(0, torch.tensor([0, 0, 2]), s, "mean", include_self=False),
-                                    (x64(4), x64(3))),
+    "scatter_reduce_mean_no_self": (
+        lambda x, s: x.scatter_reduce(0, torch.tensor([0, 0, 2]), s, "mean", include_self=False),
+        (x64(4), x64(3)),
+    ),
     "scatter_reduce_amax": (lambda x, s: x.scatter_reduce(0, torch.tensor([0, 0, 2]), s, "amax"), (x64(4), x64(3))),
     "scatter_reduce_prod_zeros": (
         lambda x, s: x.scatter_reduce(0, torch.tensor([0, 0, 2, 2]), s, "prod"),
-        (torch.tensor([0.0, 2.0, 3.0, 4.0], dtype=torch.float64), torch.tensor([1.5, 0.0, 2.0, -1.0], dtype=torch.float64))),
+        (torch.tensor([0.0, 2.0, 3.0, 4.0], dtype=torch.float64), torch.tensor([1.5, 0.0, 2.0, -1.0], dtype=torch.float64)),
+    ),
 }
 
 

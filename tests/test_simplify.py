@@ -1,4 +1,5 @@
 """Simplifications that make generated code read like hand-written code, checked on real outputs."""
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +15,7 @@ def _mlp():
 def _mse(model):
     def loss(params, x, y):
         return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
     return loss
 
 
@@ -71,6 +73,7 @@ def test_per_sample_gradients_keep_the_names_of_the_gradient_code():
 
 def test_number_wrapped_by_vmap_becomes_a_number_again():
     """Under vmap, ``t / 2`` is traced as ``t / _to_copy(2)``; the code says ``t / 2``."""
+
     def f(t):
         return t / 2 + t.cos()
 
@@ -127,7 +130,7 @@ def test_scalings_are_not_merged_even_by_powers_of_two():
     gm, out = _value(lambda x: (x * 2) * 0.5, big)
     _bits_equal(out, (big * 2) * 0.5)
     assert torch.isinf(out[:2]).all()
-    tiny = torch.tensor([3 * 2.0 ** -149, 1.0])  # an odd multiple of float32's smallest subnormal
+    tiny = torch.tensor([3 * 2.0**-149, 1.0])  # an odd multiple of float32's smallest subnormal
     _, out = _value(lambda x: (x * 0.5) * 2, tiny)
     _bits_equal(out, (tiny * 0.5) * 2)
     assert out[0] != tiny[0]
@@ -143,8 +146,12 @@ def test_adding_zero_keeps_the_sign_of_zero():
     """``x + 0`` is ``+0.0`` at ``x = -0.0``: not simplified to ``x``; ``x - 0`` and ``x + (-0.0)``
     are ``x`` for every ``x`` and are."""
     x = torch.tensor([-0.0, 0.0, float("nan"), -float("inf"), 1.5])
-    for f in (lambda x: x + torch.zeros_like(x), lambda x: torch.zeros_like(x) + x, lambda x: x + 0.0,
-              lambda x: x - torch.full_like(x, -0.0)):
+    for f in (
+        lambda x: x + torch.zeros_like(x),
+        lambda x: torch.zeros_like(x) + x,
+        lambda x: x + 0.0,
+        lambda x: x - torch.full_like(x, -0.0),
+    ):
         gm, out = _value(f, x)
         _bits_equal(out, f(x))
         assert not torch.signbit(out[0])
@@ -238,9 +245,10 @@ def test_tensor_indexing_reads_as_subscripts():
 def test_an_integer_times_a_float64_scalar_tensor_stays_float64():
     """``i * scalar_tensor(2., float64)`` is float64; ``i * 2.0`` would be the default dtype
     (float32 rounds 2**25 + 1)."""
+
     def f(x, i):
         return x * (i * torch.scalar_tensor(2.0, dtype=torch.float64))
 
-    x, i = torch.ones(2, dtype=torch.float64), torch.tensor([2 ** 25 + 1, 3])
+    x, i = torch.ones(2, dtype=torch.float64), torch.tensor([2**25 + 1, 3])
     out, _ = fxtools.vjp(f, x, i)(x, i, torch.ones(2, dtype=torch.float64))
     _bits_equal(out, f(x, i))

@@ -1,4 +1,5 @@
 """fxtools.split: forward and backward graphs with a stable signature (float64, against autograd)."""
+
 import io
 
 import pytest
@@ -21,21 +22,21 @@ def placeholders(gm):
 
 # seed 004's scan step: carry and x are dicts
 def scan_fn(carry, x):
-    weights = x['weights']
-    biases = x['biases']
-    carry_a = carry['a']
-    carry_b = carry['b']
+    weights = x["weights"]
+    biases = x["biases"]
+    carry_a = carry["a"]
+    carry_b = carry["b"]
     new_carry_a = torch.sin((carry_a @ weights) + biases)
     new_carry_b = torch.cos((carry_b @ weights) + biases)
     y = torch.sigmoid(new_carry_a + new_carry_b)
-    return {'a': new_carry_a, 'b': new_carry_b}, y
+    return {"a": new_carry_a, "b": new_carry_b}, y
 
 
 def scan_example(steps=None):
     g = torch.Generator().manual_seed(0)
     lead = () if steps is None else (steps,)
-    carry = {'a': torch.randn(2, 3, generator=g), 'b': torch.randn(2, 3, generator=g)}
-    x = {'weights': torch.randn(*lead, 3, 3, generator=g), 'biases': torch.randn(*lead, 2, 3, generator=g)}
+    carry = {"a": torch.randn(2, 3, generator=g), "b": torch.randn(2, 3, generator=g)}
+    x = {"weights": torch.randn(*lead, 3, 3, generator=g), "biases": torch.randn(*lead, 2, 3, generator=g)}
     return carry, x
 
 
@@ -45,11 +46,15 @@ def test_forward_placeholders_follow_the_flattening_of_the_arguments():
     assert placeholders(sp.forward) == ["a", "b", "weights", "biases"]
     assert [s.path for s in sp.signature] == ["carry['a']", "carry['b']", "x['weights']", "x['biases']"]
     assert [(s.shape, s.dtype, s.bytes) for s in sp.signature] == [
-        ((2, 3), torch.float64, 48), ((2, 3), torch.float64, 48), ((3, 3), torch.float64, 72), ((2, 3), torch.float64, 48)]
-    assert sp.flatten(carry, x) == [carry['a'], carry['b'], x['weights'], x['biases']]
+        ((2, 3), torch.float64, 48),
+        ((2, 3), torch.float64, 48),
+        ((3, 3), torch.float64, 72),
+        ((2, 3), torch.float64, 48),
+    ]
+    assert sp.flatten(carry, x) == [carry["a"], carry["b"], x["weights"], x["biases"]]
     # backward: saved values (named after the forward values), then one cotangent per output leaf
     names = placeholders(sp.backward)
-    assert names[:len(sp.saved)] == [s.name for s in sp.saved]
+    assert names[: len(sp.saved)] == [s.name for s in sp.saved]
     assert [c.path for c in sp.cotangents] == ["out[0]['a']", "out[0]['b']", "out[1]"]
     assert all(s.line and "test_split.py" in s.line for s in sp.saved if s.kind != "input")
 
@@ -65,9 +70,9 @@ def test_split_step_matches_autograd(policy):
     cts = [torch.randn(c.shape, generator=g) for c in sp.cotangents]
     grads = sp.backward(*saved, *cts)
     leaves = [t.clone().requires_grad_(True) for t in sp.flatten(carry, x)]
-    o = scan_fn({'a': leaves[0], 'b': leaves[1]}, {'weights': leaves[2], 'biases': leaves[3]})
+    o = scan_fn({"a": leaves[0], "b": leaves[1]}, {"weights": leaves[2], "biases": leaves[3]})
     want_grads = torch.autograd.grad(torch.utils._pytree.tree_leaves(o), leaves, cts)
-    got = [grads[0]['a'], grads[0]['b'], grads[1]['weights'], grads[1]['biases']]
+    got = [grads[0]["a"], grads[0]["b"], grads[1]["weights"], grads[1]["biases"]]
     for a, b in zip(got, want_grads):
         torch.testing.assert_close(a, b, **TOL)
 
@@ -80,7 +85,7 @@ class Scan(torch.autograd.Function):
         saved_steps, ys = [], []
         for i in range(weights.shape[0]):
             (carry, y), saved = sp.forward(a, b, weights[i], biases[i])
-            a, b = carry['a'], carry['b']
+            a, b = carry["a"], carry["b"]
             saved_steps.append(list(saved))
             ys.append(y)
         ctx.sp, ctx.saved_steps = sp, saved_steps
@@ -94,28 +99,28 @@ class Scan(torch.autograd.Function):
             args += [grad_a, grad_b, grad_ys[i]]
             (gc, gx) = ctx.sp.backward_boxed(args)
             assert args == []  # the boxed backward emptied the list
-            grad_a, grad_b = gc['a'], gc['b']
-            grads_w.append(gx['weights'])
-            grads_b.append(gx['biases'])
+            grad_a, grad_b = gc["a"], gc["b"]
+            grads_w.append(gx["weights"])
+            grads_b.append(gx["biases"])
         return None, grad_a, grad_b, torch.stack(grads_w[::-1]), torch.stack(grads_b[::-1])
 
 
 def test_scan_loop_over_split_reproduces_autograd():
     carry, xs = scan_example(steps=5)
-    step_x = {'weights': xs['weights'][0], 'biases': xs['biases'][0]}
+    step_x = {"weights": xs["weights"][0], "biases": xs["biases"][0]}
     sp = fxtools.split(scan_fn, carry, step_x)
-    leaves = [t.clone().requires_grad_(True) for t in (carry['a'], carry['b'], xs['weights'], xs['biases'])]
+    leaves = [t.clone().requires_grad_(True) for t in (carry["a"], carry["b"], xs["weights"], xs["biases"])]
     a, b, ys = Scan.apply(sp, *leaves)
     g = torch.Generator().manual_seed(2)
     ca, cb, cy = torch.randn(a.shape, generator=g), torch.randn(b.shape, generator=g), torch.randn(ys.shape, generator=g)
     got = torch.autograd.grad([a, b, ys], leaves, [ca, cb, cy])
 
-    ref = [t.clone().requires_grad_(True) for t in (carry['a'], carry['b'], xs['weights'], xs['biases'])]
-    c, out = {'a': ref[0], 'b': ref[1]}, []
+    ref = [t.clone().requires_grad_(True) for t in (carry["a"], carry["b"], xs["weights"], xs["biases"])]
+    c, out = {"a": ref[0], "b": ref[1]}, []
     for i in range(5):
-        c, y = scan_fn(c, {'weights': ref[2][i], 'biases': ref[3][i]})
+        c, y = scan_fn(c, {"weights": ref[2][i], "biases": ref[3][i]})
         out.append(y)
-    want = torch.autograd.grad([c['a'], c['b'], torch.stack(out)], ref, [ca, cb, cy])
+    want = torch.autograd.grad([c["a"], c["b"], torch.stack(out)], ref, [ca, cb, cy])
     torch.testing.assert_close(ys, torch.stack(out), **TOL)
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y, **TOL)
@@ -189,8 +194,11 @@ def test_policies_on_gpt_match_autograd_and_order_memory():
     assert dots.saved_bytes <= save_all.saved_bytes
     # dots_saveable keeps only matrix products (and inputs, and what may not be recomputed)
     for s in dots.saved:
-        assert s.kind == "input" or any(k in s.name for k in ("linear", "matmul", "scaled_dot", "embedding", "mm"))\
-            or s.storage != s.name, s
+        assert (
+            s.kind == "input"
+            or any(k in s.name for k in ("linear", "matmul", "scaled_dot", "embedding", "mm"))
+            or s.storage != s.name
+        ), s
 
 
 def test_user_policy_function():

@@ -1,4 +1,5 @@
 """Training through fxtools' split graphs: fxtools.compile and the torch.compile backend (float64)."""
+
 import copy
 
 import pytest
@@ -84,6 +85,7 @@ def test_compilers_receive_the_graph_modules():
         def run(*args):
             seen["bw_calls"] = seen.get("bw_calls", 0) + 1
             return gm(*args)
+
         return run
 
     model, inputs = examples.mlp()
@@ -91,7 +93,13 @@ def test_compilers_receive_the_graph_modules():
     compiled = fxtools.compile(model, *inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
     assert isinstance(seen["fw"][0], torch.fx.GraphModule) and isinstance(seen["bw"], torch.fx.GraphModule)
     assert [n.name for n in seen["fw"][0].graph.nodes if n.op == "placeholder"] == [
-        "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "x", "targets"]
+        "fc1_weight",
+        "fc1_bias",
+        "fc2_weight",
+        "fc2_bias",
+        "x",
+        "targets",
+    ]
     assert len(seen["fw"][1]) == 6
     train(compiled, inputs, steps=3)
     train(eager, inputs, steps=3)

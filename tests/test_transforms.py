@@ -1,6 +1,5 @@
 """Composable transforms (float64, against torch.func): jvp, hvp, hessian, vmap, per-sample
 gradients, custom_vjp, autograd.Function, the op log."""
-import copy
 
 import pytest
 import torch
@@ -43,6 +42,7 @@ MODELS = ["mlp", "cnn", "gpt"]
 
 
 # ------------------------------------------------------------------ jvp
+
 
 def test_jvp_sin_plus_x_is_small_and_correct():
     fn, (x,) = examples.sin_plus_x()
@@ -102,6 +102,7 @@ def test_jvp_of_grad_module():
 
 # ------------------------------------------------------------------ higher order
 
+
 def test_grad_of_grad():
     def f(x):
         return torch.tanh(x).pow(3).sum()
@@ -148,8 +149,11 @@ def test_hvp_gpt_sdpa_matches_reverse_over_reverse():
         close(got[k], want[k])
 
 
-HESSIAN_PARAMS = {"mlp": None, "cnn": ["fc.weight", "fc.bias", "bn2.weight"],
-                  "gpt": ["transformer.ln_f.weight", "transformer.h.1.mlp.c_proj.bias"]}
+HESSIAN_PARAMS = {
+    "mlp": None,
+    "cnn": ["fc.weight", "fc.bias", "bn2.weight"],
+    "gpt": ["transformer.ln_f.weight", "transformer.h.1.mlp.c_proj.bias"],
+}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -184,6 +188,7 @@ def test_hessian_models_match_torch_func(name):
 
 
 # ------------------------------------------------------------------ vmap
+
 
 def test_vmap_is_batched_code():
     def f(x, w):
@@ -249,16 +254,20 @@ def test_hvp_through_normalisation_statistics(norm):
     differentiating it again needs their cotangents (a silent error before)."""
     w, b = torch.randn(4), torch.randn(4)
     if norm == "layer":
+
         def f(x):
             return (F.layer_norm(x, (4,), w, b) ** 3).sum()
     else:
+
         def f(x):
             return (F.batch_norm(x, None, None, w, b, training=True) ** 3).sum()
+
     x, v = torch.randn(5, 4), torch.randn(5, 4)
     close(fxtools.hvp(f, x)(x, v), torch.func.jvp(torch.func.grad(f), (x,), (v,))[1])
 
 
 # ------------------------------------------------------------------ op log
+
 
 def test_log_prints_ops_with_shapes(capsys):
     fn, (x,) = examples.sin_plus_x()
@@ -278,8 +287,10 @@ def test_jvp_of_an_embedding_with_padding_is_the_derivative_of_its_forward():
     w = torch.randn(10, 3, dtype=torch.float64)
     i = torch.tensor([[1, 2, 2, 5]])
     for kwargs in ({"padding_idx": 1}, {"padding_idx": 2, "scale_grad_by_freq": True}):
+
         def f(w):
             return torch.nn.functional.embedding(i, w, **kwargs)
+
         t = torch.randn_like(w)
         out, tangent = fxtools.jvp(f, w)(w, t)
         value, want = torch.func.jvp(f, (w,), (t,))
@@ -289,15 +300,18 @@ def test_jvp_of_an_embedding_with_padding_is_the_derivative_of_its_forward():
 
 # ------------------------------------------------------------------ second order through tanh
 
+
 def _tanh_mlp():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 5), torch.nn.Tanh(),
-                                torch.nn.Linear(5, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)
+    )
     x, y = torch.randn(7, 4), torch.randn(7, 3)
     f = fxtools.functional(model)
 
     def loss(params, x, y):
         return ((f(params, x) - y) ** 2).mean()  # torch.func.jvp of grad of F.mse_loss raises (ZeroTensor)
+
     return loss, {k: v.detach() for k, v in model.named_parameters()}, (x, y)
 
 
@@ -306,8 +320,17 @@ def _hf_gpt2():
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=31, n_positions=8, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    config = transformers.GPT2Config(
+        vocab_size=31,
+        n_positions=8,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="eager",
+    )
     model = transformers.GPT2LMHeadModel(config).double().eval()
     ids = torch.randint(0, 31, (2, 5), generator=torch.Generator().manual_seed(1))
     f = fxtools.functional(model)
@@ -315,6 +338,7 @@ def _hf_gpt2():
     def loss(params, ids):
         logits = f(params, input_ids=ids).logits
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
     return loss, {k: v.detach() for k, v in model.named_parameters()}, (ids,)
 
 
@@ -323,6 +347,7 @@ SECOND_ORDER = {"tanh_mlp": _tanh_mlp, "hf_gpt2": _hf_gpt2}
 
 def test_hvp_of_tanh_of_a_product():
     """Crashed with 'Tried to erase Node mul_5 but it still had 1 users' (the addcmul fusion)."""
+
     def f(x, w):
         return torch.tanh(x @ w).pow(2).sum()
 
@@ -334,12 +359,13 @@ def test_hvp_of_tanh_of_a_product():
 def test_jvp_does_not_fuse_into_addcmul_which_rounds_once():
     """``a + b * c`` is not ``torch.addcmul(a, b, c)``: PyTorch's kernel may round once (fused
     multiply-add) and stays finite where ``b * c`` overflows. Forward values are eager's, bit for bit."""
+
     def f(a, b, c):
         return a + b * c
 
     a = torch.tensor([-3e38, 1.0], dtype=torch.float32)
-    b = torch.tensor([2e19, 1 + 2 ** -20], dtype=torch.float32)
-    c = torch.tensor([2e19, 1 + 2 ** -22], dtype=torch.float32)
+    b = torch.tensor([2e19, 1 + 2**-20], dtype=torch.float32)
+    c = torch.tensor([2e19, 1 + 2**-22], dtype=torch.float32)
     gm = fxtools.jvp(f, a, b, c)
     assert "addcmul" not in gm.code, gm.code
     out, tangent = gm(a, b, c, torch.ones_like(a), torch.ones_like(a), torch.ones_like(a))

@@ -7,29 +7,54 @@ Every transform takes a function (or ``nn.Module``) and example arguments and re
     gm = fxtools.grad(loss, params, batch)
     fxtools.show(gm)                # the code, with shapes
 """
-from .transforms.vjp import grad, value_and_grad, vjp
-from .transforms.batching import vmap
-from .transforms.forward import jvp
-from .transforms.higher import hessian, hvp
-from .capture.oplog import log
+
 from .capture.custom import CustomFunctionError, custom_vjp
-from .transforms.check import VjpMismatch, check_vjp, check_vjp_fd
-from .errors import DataDependentError, FxtoolsError, MissingRuleError
-from .codegen.guards import InputMismatch
-from .codegen.sizes import SymbolicSizeError
+from .capture.oplog import log
 from .codegen.draw import draw
 from .codegen.export import save
+from .codegen.guards import InputMismatch
+from .codegen.show import show
+from .codegen.sizes import SymbolicSizeError
+from .errors import DataDependentError, FxtoolsError, MissingRuleError
 from .functional import functional
 from .registry import mark_nondifferentiable, register_vjp, rule_set
-from .codegen.show import show
-from .training.partition import Split, split
 from .training import policies  # noqa: F401 - fxtools.policies, as documented
 from .training.backend import backend, compile  # noqa: A004 - fxtools.compile, like torch.compile
+from .training.partition import Split, split
+from .transforms.batching import vmap
+from .transforms.check import VjpMismatch, check_vjp, check_vjp_fd
+from .transforms.forward import jvp
+from .transforms.higher import hessian, hvp
+from .transforms.vjp import grad, value_and_grad, vjp
 
 __all__ = [
-    "vjp", "grad", "value_and_grad", "functional", "jvp", "hvp", "hessian", "vmap", "log", "show", "save", "draw", "check_vjp", "check_vjp_fd",
-    "register_vjp", "mark_nondifferentiable", "rule_set", "custom_vjp", "split", "Split", "compile", "backend",
-    "FxtoolsError", "MissingRuleError", "DataDependentError", "VjpMismatch", "InputMismatch",
+    "vjp",
+    "grad",
+    "value_and_grad",
+    "functional",
+    "jvp",
+    "hvp",
+    "hessian",
+    "vmap",
+    "log",
+    "show",
+    "save",
+    "draw",
+    "check_vjp",
+    "check_vjp_fd",
+    "register_vjp",
+    "mark_nondifferentiable",
+    "rule_set",
+    "custom_vjp",
+    "split",
+    "Split",
+    "compile",
+    "backend",
+    "FxtoolsError",
+    "MissingRuleError",
+    "DataDependentError",
+    "VjpMismatch",
+    "InputMismatch",
     "SymbolicSizeError",
     "CustomFunctionError",
 ]

@@ -1,4 +1,5 @@
 """``python -m fxtools``: the ``fxtools`` command."""
+
 import sys
 
 from .cli.main import main

@@ -23,6 +23,7 @@ This module holds what the pipeline's stages need to carry such symbols along:
 
 A graph without data-dependent ops never meets any of this: its shapes stay plain integers.
 """
+
 from __future__ import annotations
 
 import operator
@@ -31,7 +32,6 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-
 
 
 def _unbacked(val) -> bool:
@@ -50,7 +50,8 @@ def symbolic_mode(vals):
 
     for val in vals:
         if isinstance(val, torch._subclasses.FakeTensor) and any(
-                isinstance(s, torch.SymInt) and not free_unbacked_symbols(s) for s in val.shape):
+            isinstance(s, torch.SymInt) and not free_unbacked_symbols(s) for s in val.shape
+        ):
             return val.fake_mode  # (a size specialised to a number while tracing is still a SymInt)
     return None
 
@@ -170,8 +171,10 @@ class CountsFromExamples(TorchFunctionMode):
         if real is None or real.dim() != 0 or real.dtype != torch.int64:
             return NotImplemented
         n = int(real)
-        torch._assert_async(sections == n, f"tensor_split: fxtools specialised the number of sections "
-                                           f"to the example's {n}; this call has a different number")
+        torch._assert_async(
+            sections == n,
+            f"tensor_split: fxtools specialised the number of sections to the example's {n}; this call has a different number",
+        )
         return torch.tensor_split(input, n, dim)
 
 
@@ -199,6 +202,7 @@ def materialize(graph: fx.Graph, before: fx.Node, args, inputs_only=False):
     """
     if not any(isinstance(a, torch.SymInt) for a in pytree.tree_leaves(args)):
         return args
+
     def key(size):
         return size.node.shape_env.replace(size.node.expr) if size.node.shape_env is not None else size.node.expr
 
@@ -263,8 +267,12 @@ class _Unwritable(NotImplementedError):
 
 
 def _is_input_leaf(n: fx.Node) -> bool:
-    return n.op == "placeholder" or (n.op == "call_function" and n.target is operator.getitem
-                                     and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")
+    return n.op == "placeholder" or (
+        n.op == "call_function"
+        and n.target is operator.getitem
+        and isinstance(n.args[0], fx.Node)
+        and n.args[0].op == "placeholder"
+    )
 
 
 def sizes_from_inputs(gm: fx.GraphModule) -> bool:

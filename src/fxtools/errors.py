@@ -1,4 +1,5 @@
 """Exceptions fxtools raises, and how they find the line of user code responsible."""
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,7 @@ def is_user_file(filename: str) -> bool:
         filename.startswith(_TORCH_DIR)
         or filename.startswith(FXTOOLS_DIR)
         or filename.startswith("<")
-        or "/site-packages/" in filename and "/torch/" in filename
+        or ("/site-packages/" in filename and "/torch/" in filename)
     )
 
 
@@ -45,8 +46,7 @@ def current_user_line() -> str:
     import sysconfig
 
     stdlib = sysconfig.get_paths()["stdlib"]
-    frames = [f for f in traceback.extract_stack()
-              if is_user_file(f.filename) and not f.filename.startswith(stdlib)]
+    frames = [f for f in traceback.extract_stack() if is_user_file(f.filename) and not f.filename.startswith(stdlib)]
     if not frames:
         return "an unknown line of user code"
     f = frames[-1]

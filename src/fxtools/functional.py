@@ -1,4 +1,5 @@
 """``functional(model)``: an nn.Module as a function of its parameters, for differentiation."""
+
 from __future__ import annotations
 
 import inspect
@@ -18,6 +19,7 @@ def functional(model: torch.nn.Module):
         f = fxtools.functional(model)
         gm = fxtools.grad(f, dict(model.named_parameters()), x, y)
     """
+
     def f(params, *inputs, **kwargs):
         return torch.func.functional_call(model, params, inputs, kwargs, strict=False)
 

@@ -32,12 +32,14 @@ Rule sets. The table above holds the *readable* rules, the default. A named rule
 traced inside look its rules up there first, then in the readable table. Rules a user registered
 with ``register_vjp`` (into the default table) beat every rule set.
 """
+
 from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -49,7 +51,7 @@ class Rule:
     fwd: Callable[..., tuple[Any, Any]]
     bwd: Callable[[Any, Any], Any]
     source: str = "hand-written"  # or "user", "derived", "fused"
-    complex: str = "convention"   # the calls it handles (module docstring): all; "real" or "complex" ones only
+    complex: str = "convention"  # the calls it handles (module docstring): all; "real" or "complex" ones only
 
 
 COMPLEX_MODES = ("holomorphic", "convention", "real", "complex")
@@ -109,8 +111,9 @@ def _key(op):
     )
 
 
-def register_vjp(op, fwd: Callable, bwd: Callable, *, source: str = "user", rule_set: str | None = None,
-                 complex: str = "convention") -> Rule:
+def register_vjp(
+    op, fwd: Callable, bwd: Callable, *, source: str = "user", rule_set: str | None = None, complex: str = "convention"
+) -> Rule:
     """Add or replace the VJP rule of ``op`` (in the named ``rule_set``, default: the readable table).
 
     For complex tensors ``bwd`` must return autograd's convention (see the module docstring), or
@@ -158,8 +161,9 @@ def vjp_rule(op, *, rule_set: str | None = None, complex: str = "holomorphic"):
 
         fwd.__name__ = bwd.__name__ = bwd_of_inputs.__name__
         fwd.__qualname__ = bwd.__qualname__ = bwd_of_inputs.__qualname__
-        _table(rule_set)[_key(op)] = Rule(fwd, bwd, "hand-written" if rule_set is None else rule_set,
-                                          "convention" if complex == "holomorphic" else complex)
+        _table(rule_set)[_key(op)] = Rule(
+            fwd, bwd, "hand-written" if rule_set is None else rule_set, "convention" if complex == "holomorphic" else complex
+        )
         return bwd_of_inputs
 
     return register
@@ -269,9 +273,7 @@ def mark_nondifferentiable(*ops) -> None:
 def is_nondifferentiable(op) -> bool:
     if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return op in _NONDIFFERENTIABLE
-    return op in _NONDIFFERENTIABLE or (
-        isinstance(op, torch._ops.OpOverload) and op.overloadpacket in _NONDIFFERENTIABLE
-    )
+    return op in _NONDIFFERENTIABLE or (isinstance(op, torch._ops.OpOverload) and op.overloadpacket in _NONDIFFERENTIABLE)
 
 
 def is_float(x) -> bool:

@@ -3,6 +3,7 @@
 ``capture`` traces under ``checkpoint_regions()``; ``split``'s policies recompute those regions
 in the backward (``policies.checkpoint_region``).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -26,6 +26,7 @@ Functions (``mark_dirty``), a Function's own ``vmap`` under ``fxtools.vmap`` or 
 ``fxtools.jvp``, a function mutating its arguments or using a traced tensor it did not get as an
 argument.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -119,7 +120,7 @@ class _Kind:
 
 
 class _VjpKind(_Kind):
-    def __init__(self, fn: "custom_vjp", where: str):
+    def __init__(self, fn: custom_vjp, where: str):
         self.fn, self.name, self.where = fn, fn.__name__, where
 
     def primal(self, *args, **kwargs):
@@ -128,8 +129,9 @@ class _VjpKind(_Kind):
     def fwd(self, *args, **kwargs):
         result = self.fn.fwd(*args, **kwargs)
         if not (isinstance(result, tuple) and len(result) == 2):
-            raise CustomFunctionError(f"the forward of custom_vjp function {self.name} must return "
-                                      f"(output, residuals), got {type(result).__name__}")
+            raise CustomFunctionError(
+                f"the forward of custom_vjp function {self.name} must return (output, residuals), got {type(result).__name__}"
+            )
         return result
 
     def bwd(self, state, out, cts):
@@ -168,7 +170,8 @@ class _Ctx:
     def mark_dirty(self, *tensors):
         raise CustomFunctionError(
             f"the torch.autograd.Function {self._kind.name} (at {self._kind.where}) modifies its inputs in place "
-            "(ctx.mark_dirty), which fxtools does not support; return a new tensor instead")
+            "(ctx.mark_dirty), which fxtools does not support; return a new tensor instead"
+        )
 
 
 def _unwrap_once_differentiable(fn):
@@ -256,8 +259,10 @@ class CustomCall:
         leaves, spec = self.kind.flatten_out(out)
         tensors = [leaves[i] if i < len(leaves) else None for i in self.out_tensor_pos]
         if spec != self.out_spec or not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise CustomFunctionError(f"{self.kind.name} (at {self.where}) returned outputs of another "
-                                      "structure when fxtools traced its rule than when it captured the call")
+            raise CustomFunctionError(
+                f"{self.kind.name} (at {self.where}) returned outputs of another "
+                "structure when fxtools traced its rule than when it captured the call"
+            )
         return tensors[0] if self.single else tuple(tensors)
 
     def __call__(self, *tensors):
@@ -298,13 +303,14 @@ class CustomCall:
         if not isinstance(grads, (tuple, list)):
             grads = (grads,)
         grads = tuple(grads)
-        extra = grads[len(args):]
+        extra = grads[len(args) :]
         if len(grads) < len(args) or any(g is not None for g in extra):
             raise CustomFunctionError(
                 f"the backward of {self.kind.name} (at {self.where}) returned {len(grads)} gradients for "
-                f"{len(args)} inputs: return one per input (None where there is none)")
+                f"{len(args)} inputs: return one per input (None where there is none)"
+            )
         flat = []
-        for arg, g in zip(args, grads[:len(args)]):
+        for arg, g in zip(args, grads[: len(args)]):
             n = len(pytree.tree_leaves(arg))
             if g is None:
                 flat.extend([None] * n)
@@ -313,7 +319,8 @@ class CustomCall:
                 if len(leaves) != n:
                     raise CustomFunctionError(
                         f"the backward of {self.kind.name} (at {self.where}) returned a gradient whose structure "
-                        f"differs from its input's ({len(leaves)} leaves for {n})")
+                        f"differs from its input's ({len(leaves)} leaves for {n})"
+                    )
                 flat.extend(leaves)
         flat.extend([None] * (len(self.leaves) - len(flat)))  # keyword arguments get none
         return tuple(self._fit(flat[i], shape) for i, shape in zip(self.tensor_pos, self.shapes))
@@ -329,7 +336,8 @@ class CustomCall:
             if not expandable:
                 raise CustomFunctionError(
                     f"the backward of {self.kind.name} (at {self.where}) returned a gradient of shape "
-                    f"{list(g.shape)} for an input of shape {list(shape)}")
+                    f"{list(g.shape)} for an input of shape {list(shape)}"
+                )
             g = g.sum_to_size(shape)
         return g
 
@@ -353,13 +361,17 @@ class _NoForeignTracedTensors(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for a in pytree.tree_leaves((args, kwargs or {})):
-            if (isinstance(a, FakeTensor) and id(a) not in self.inputs
-                    and proxy_tensor.get_proxy_slot(a, self.tracer, None) is not None):
+            if (
+                isinstance(a, FakeTensor)
+                and id(a) not in self.inputs
+                and proxy_tensor.get_proxy_slot(a, self.tracer, None) is not None
+            ):
                 raise CustomFunctionError(
                     f"{self.kind.name} (at {self.kind.where}) uses a tensor it does not receive as an argument "
                     f"(read at {current_user_line()}; "
                     "a closed-over value that fxtools traces); pass it as an argument so that it gets "
-                    "its gradient from the function's backward")
+                    "its gradient from the function's backward"
+                )
         return func(*args, **(kwargs or {}))
 
 
@@ -398,15 +410,15 @@ def _record(kind: _Kind, args, kwargs):
     consts = [None if i in tensor_pos else a for i, a in enumerate(leaves)]
     before = set(tracer.graph.nodes)
     versions = [t._version for t in tensors]
-    with proxy_tensor.disable_proxy_modes_tracing(), _not_capturing(), \
-            _NoForeignTracedTensors(tracer, tensors, kind):
+    with proxy_tensor.disable_proxy_modes_tracing(), _not_capturing(), _NoForeignTracedTensors(tracer, tensors, kind):
         out, state = kind.fwd(*args, **kwargs)
     if not _drop_grad_mode_switches(tracer.graph, before):
         raise CustomFunctionError(f"internal error: running {kind.name} (at {where}) added nodes to the graph")
     if [t._version for t in tensors] != versions:
         raise CustomFunctionError(
             f"{kind.name} (at {where}) modifies an argument in place, which fxtools does not support "
-            "for functions with their own backward; return a new tensor instead")
+            "for functions with their own backward; return a new tensor instead"
+        )
     out_leaves, out_spec = kind.flatten_out(out)
     out_tensor_pos = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
     if not out_tensor_pos:
@@ -421,8 +433,7 @@ def _record(kind: _Kind, args, kwargs):
     single = len(out_leaves) == 1 and not isinstance(out, (tuple, list, dict)) and out_tensor_pos == [0]
     out_consts = [None if i in out_tensor_pos else o for i, o in enumerate(out_leaves)]
     call = CustomCall(kind, consts, spec, tensor_pos, [t.shape for t in tensors], out_spec, out_tensor_pos, single, where)
-    proxy = tracer.create_proxy("call_function", call, tuple(tracer.unwrap_proxy(t) for t in tensors), {},
-                                name=call.__name__)
+    proxy = tracer.create_proxy("call_function", call, tuple(tracer.unwrap_proxy(t) for t in tensors), {}, name=call.__name__)
     value = vals[0] if single else tuple(vals)
     proxy_tensor.track_tensor_tree(value, proxy, constant=None, tracer=tracer)
     node = proxy.node
@@ -445,7 +456,8 @@ def _function_apply(cls, original, args, kwargs):
             raise CustomFunctionError(
                 f"the torch.autograd.Function {kind.name} (at {kind.where}) defines its own vmap rule, "
                 "which fxtools.vmap does not use; fxtools would batch its forward instead. Remove the "
-                "vmap staticmethod (or set generate_vmap_rule=True) if batching the forward is right")
+                "vmap staticmethod (or set generate_vmap_rule=True) if batching the forward is right"
+            )
         args, kwargs = kind.bind(args, kwargs)
         with _not_capturing():
             return kind.primal(*args, **kwargs)
@@ -453,7 +465,8 @@ def _function_apply(cls, original, args, kwargs):
         raise CustomFunctionError(
             f"the torch.autograd.Function {kind.name} (at {kind.where}) defines its own jvp, which "
             "fxtools.jvp does not use (it transposes the backward instead); remove the jvp staticmethod "
-            "if its backward is the rule to use")
+            "if its backward is the rule to use"
+        )
     args, kwargs = kind.bind(args, kwargs)
     return _record(kind, args, kwargs)
 
@@ -493,6 +506,7 @@ class custom_vjp:  # noqa: N801 - named like jax.custom_vjp
         if not (_STATE["capturing"] and _STATE["record"]):
             return self.fun(*args, **kwargs)
         if self.fwd is None:
-            raise CustomFunctionError(f"custom_vjp function {self.__name__} (at {current_user_line()}) has no rule: "
-                                      "call .defvjp(fwd, bwd) first")
+            raise CustomFunctionError(
+                f"custom_vjp function {self.__name__} (at {current_user_line()}) has no rule: call .defvjp(fwd, bwd) first"
+            )
         return _record(_VjpKind(self, current_user_line()), args, kwargs)

@@ -13,6 +13,7 @@ outside fxtools sees PyTorch's own behaviour. The kernels only handle CPU tensor
 meta kernel applies) and check what the CPU kernel checks, so a call that would fail at run time
 fails while tracing, with the user's line.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,17 +51,21 @@ def _grouped_mm(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=N
         return NotImplemented
     _state["used"] = True
     for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
-        torch._check(mat.dtype in _GROUPED_MM_DTYPES,
-                     lambda: f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got {mat.dtype}")
+        torch._check(
+            mat.dtype in _GROUPED_MM_DTYPES, lambda: f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got {mat.dtype}"
+        )
         torch._check(mat.dim() in (2, 3), lambda: f"_grouped_mm: {name} must be 2D or 3D, got {mat.dim()}D")
-    torch._check(mat_a.dtype == mat_b.dtype, lambda: f"_grouped_mm: mat_a and mat_b must have the same dtype, "
-                                                     f"got {mat_a.dtype} and {mat_b.dtype}")
-    torch._check(out_dtype is None or out_dtype == mat_a.dtype,
-                 lambda: "Grouped gemm output dtype must match `mat_a` dtype")
+    torch._check(
+        mat_a.dtype == mat_b.dtype,
+        lambda: f"_grouped_mm: mat_a and mat_b must have the same dtype, got {mat_a.dtype} and {mat_b.dtype}",
+    )
+    torch._check(out_dtype is None or out_dtype == mat_a.dtype, lambda: "Grouped gemm output dtype must match `mat_a` dtype")
     torch._check(bias is None, lambda: "_grouped_mm: bias is not supported")
     a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
-    torch._check((offs is not None) == (a2 or b2), lambda: "Have to provide offsets if there is a 2d matrix, "
-                                                           "or no offset if both matrices are 3d")
+    torch._check(
+        (offs is not None) == (a2 or b2),
+        lambda: "Have to provide offsets if there is a 2d matrix, or no offset if both matrices are 3d",
+    )
     if offs is not None:
         torch._check(offs.dim() == 1, lambda: "offs has to be 1D")
         torch._check(offs.dtype == torch.int32, lambda: "Offsets have to be int32")

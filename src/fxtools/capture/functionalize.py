@@ -23,6 +23,7 @@ The captured (pre-dispatch, not functionalised) graph may contain mutating ATen 
 Anything else (mutation through an expanded or otherwise unsupported view, ``out=`` variants of
 ops on intermediates, ``set_``, resizing...) raises ``FxtoolsError`` naming the op and the line.
 """
+
 from __future__ import annotations
 
 import operator
@@ -54,8 +55,7 @@ def _is_op(target) -> bool:
 
 def _written_args(op) -> list[int]:
     """Positions of the schema arguments an op writes to (``Tensor(a!)``)."""
-    return [i for i, a in enumerate(op._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write]
+    return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 
 def is_mutating(node: fx.Node) -> bool:
@@ -78,8 +78,16 @@ _SPECIAL_FUNCTIONAL = {
 }
 
 
-_NO_FUNCTIONAL = {"set_", "resize_", "resize_as_", "resize_as_sparse_", "sparse_resize_",
-                  "sparse_resize_and_clear_", "requires_grad_", "retain_grad"}
+_NO_FUNCTIONAL = {
+    "set_",
+    "resize_",
+    "resize_as_",
+    "resize_as_sparse_",
+    "sparse_resize_",
+    "sparse_resize_and_clear_",
+    "requires_grad_",
+    "retain_grad",
+}
 
 
 def _functional_of(op):
@@ -101,8 +109,12 @@ def _functional_of(op):
         if ov not in packet.overloads():
             continue
         f = getattr(packet, ov)
-        if (_arg_names(f)[1:] == names[1:] and [str(a.type) for a in f._schema.arguments] == types
-                and not f._schema.is_mutable and len(f._schema.returns) == 1):
+        if (
+            _arg_names(f)[1:] == names[1:]
+            and [str(a.type) for a in f._schema.arguments] == types
+            and not f._schema.is_mutable
+            and len(f._schema.returns) == 1
+        ):
             return f
     return None
 
@@ -122,8 +134,6 @@ def _storage(val):
         return StorageWeakRef(val.untyped_storage())
     except Exception:  # noqa: BLE001 - tensors without storage cannot alias anything
         return None
-
-
 
 
 def _closed_over_storages(gm: fx.GraphModule):
@@ -169,7 +179,8 @@ def _error(node, why: str) -> InplaceError:
     return InplaceError(
         f"in-place {node.target} (from {_where(node)}): {why}.\n"
         "Write the computation out of place (for example `y = y + 1` instead of `y.add_(1)`, "
-        "or torch.where / index_put instead of item assignment).")
+        "or torch.where / index_put instead of item assignment)."
+    )
 
 
 class _Builder:
@@ -212,18 +223,44 @@ class _Builder:
 
 
 _SHAPE_ONLY = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default,
-    aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default, aten.reshape_as.default,
-    aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
-    aten.alias.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
-    aten.to.other, aten.type_as.default, aten.lift_fresh.default, aten.expand.default,
-    aten.expand_as.default, aten.view_as_real.default, aten.view_as_complex.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten._reshape_alias.default,
+    aten.flatten.using_ints,
+    aten.unflatten.int,
+    aten.view_as.default,
+    aten.reshape_as.default,
+    aten.unsqueeze.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.alias.default,
+    aten.contiguous.default,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten.to.other,
+    aten.type_as.default,
+    aten.lift_fresh.default,
+    aten.expand.default,
+    aten.expand_as.default,
+    aten.view_as_real.default,
+    aten.view_as_complex.default,
 }
 _INVOLUTIONS = {aten.t.default, aten.numpy_T.default, aten.mT.default}
 _TRANSPOSES = {aten.transpose.int, aten.swapdims.default, aten.swapaxes.default}
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-           aten.tensor_split.sections, aten.tensor_split.indices, aten.unsafe_split.Tensor,
-           aten.unsafe_split_with_sizes.default, aten.hsplit.int, aten.vsplit.int}
+_SPLITS = {
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.tensor_split.sections,
+    aten.tensor_split.indices,
+    aten.unsafe_split.Tensor,
+    aten.unsafe_split_with_sizes.default,
+    aten.hsplit.int,
+    aten.vsplit.int,
+}
 
 
 class _Step:
@@ -260,16 +297,29 @@ class _Step:
         if t is aten.select.int:
             return b(aten.select_scatter.default, parent, child, self._arg(1, "dim", 0), self._arg(2, "index", 0))
         if t is aten.slice.Tensor:
-            return b(aten.slice_scatter.default, parent, child, self._arg(1, "dim", 0),
-                     self._arg(2, "start", None), self._arg(3, "end", None), self._arg(4, "step", 1))
+            return b(
+                aten.slice_scatter.default,
+                parent,
+                child,
+                self._arg(1, "dim", 0),
+                self._arg(2, "start", None),
+                self._arg(3, "end", None),
+                self._arg(4, "step", 1),
+            )
         if t is aten.narrow.default:
             dim, start, length = self.args[1], self.args[2], self.args[3]
             size = pval.shape[dim]
             start = start + size if start < 0 else start
             return b(aten.slice_scatter.default, parent, child, dim, start, start + length, 1)
         if t is aten.diagonal.default:
-            return b(aten.diagonal_scatter.default, parent, child, self._arg(1, "offset", 0),
-                     self._arg(2, "dim1", 0), self._arg(3, "dim2", 1))
+            return b(
+                aten.diagonal_scatter.default,
+                parent,
+                child,
+                self._arg(1, "offset", 0),
+                self._arg(2, "dim1", 0),
+                self._arg(3, "dim2", 1),
+            )
         if t in _TRANSPOSES:
             return b(aten.transpose.int, child, self.args[1], self.args[2])
         if t in _INVOLUTIONS and not cval.is_complex():
@@ -308,12 +358,12 @@ class _Step:
 class _Alias:
     """What fxtools knows about a value that lives in an intermediate's storage."""
 
-    __slots__ = ("storage", "parent", "step", "version")
+    __slots__ = ("parent", "step", "storage", "version")
 
     def __init__(self, storage, parent, step, version):
         self.storage = storage  # StorageWeakRef of the base
-        self.parent = parent    # original node this is a view of (None: the base itself)
-        self.step = step        # _Step from parent, or None for the base / an opaque alias
+        self.parent = parent  # original node this is a view of (None: the base itself)
+        self.step = step  # _Step from parent, or None for the base / an opaque alias
         self.version = version  # version of the storage when this value was made
 
 
@@ -332,7 +382,8 @@ def _kept_mutation_rule(node: fx.Node) -> Rule:
             "on a differentiated input). fxtools keeps such mutations in place so the caller sees "
             "them, and cannot differentiate through them without a wrong gradient.\n"
             "Compute the new value out of place and return it, or do the update under "
-            "torch.no_grad() / on .detach()ed values.")
+            "torch.no_grad() / on .detach()ed values."
+        )
 
     def bwd(aux, ct):  # pragma: no cover - fwd always raises
         raise AssertionError("unreachable")
@@ -359,12 +410,12 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
     b = _Builder(graph)
     _storage = _closed_over_storages(gm)
 
-    input_storages: dict = {}       # storage -> placeholder / get_attr node owning it
+    input_storages: dict = {}  # storage -> placeholder / get_attr node owning it
     aliases: dict[fx.Node, _Alias] = {}
-    latest: dict = {}               # intermediate storage -> node holding the base's current value
-    version: dict = {}              # intermediate storage -> number of mutations so far
-    opaque: set = set()             # intermediate storages with aliases fxtools cannot regenerate
-    cache: dict = {}                # (node, version) -> regenerated node
+    latest: dict = {}  # intermediate storage -> node holding the base's current value
+    version: dict = {}  # intermediate storage -> number of mutations so far
+    opaque: set = set()  # intermediate storages with aliases fxtools cannot regenerate
+    cache: dict = {}  # (node, version) -> regenerated node
     repl: dict[fx.Node, fx.Node] = {}  # original node -> node holding its value (when not stale)
     to_erase: list[fx.Node] = []
     kept: list[fx.Node] = []
@@ -387,7 +438,7 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
         return cache[key]
 
     info_base: dict = {}
-    original: dict = {}             # node -> its arguments before they were remapped
+    original: dict = {}  # node -> its arguments before they were remapped
 
     def remap(node):
         try:
@@ -399,7 +450,8 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
         return InplaceError(
             f"{user.target if user.op != 'output' else 'the output'} (from {_where(user)}) reads {alias.name}, "
             f"a view of a tensor that was later modified in place, and fxtools cannot recompute that "
-            f"view ({alias.target}) from the modified tensor. Write the computation out of place.")
+            f"view ({alias.target}) from the modified tensor. Write the computation out of place."
+        )
 
     def register(node):
         """Record storage facts for a node that is not an in-place op."""
@@ -432,11 +484,16 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
             if not (isinstance(multi, fx.Node) and multi.op == "call_function" and _is_view_op(multi.target)):
                 return None, None
             margs = original.get(multi, multi.args)
-            if (isinstance(margs[0], fx.Node) and _storage(_val(margs[0])) == st and margs[0] in aliases):
+            if isinstance(margs[0], fx.Node) and _storage(_val(margs[0])) == st and margs[0] in aliases:
                 return margs[0], _Step(multi.target, margs, multi.kwargs, args[1], _val(multi))
             return None, None
-        if (_is_view_op(node.target) and args and isinstance(args[0], fx.Node)
-                and _storage(_val(args[0])) == st and args[0] in aliases):
+        if (
+            _is_view_op(node.target)
+            and args
+            and isinstance(args[0], fx.Node)
+            and _storage(_val(args[0])) == st
+            and args[0] in aliases
+        ):
             return args[0], _Step(node.target, args, node.kwargs)
         return None, None
 
@@ -456,8 +513,7 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
         tval = _val(target_arg)
         st = _storage(tval)
         if st is None or st in input_storages or not isinstance(target_arg, fx.Node):
-            if st is None and not (written and all(
-                    _storage(_val(_arg_at(node, i))) in input_storages for i in written)):
+            if st is None and not (written and all(_storage(_val(_arg_at(node, i))) in input_storages for i in written)):
                 raise _error(node, "fxtools cannot tell which tensor it modifies")
             _keep(node, written, maybe_need, grad_enabled)
             kept.append(node)
@@ -472,9 +528,12 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
             raise _error(node, "fxtools cannot tell how the modified tensor relates to its base")
         base = info_base[st]
         if base in maybe_need and (not grad_enabled or _through_detach(target_arg, aliases)):
-            raise _error(node, "it modifies a value that carries a gradient under torch.no_grad() or "
-                               "through .detach() or .data; its gradient would be that of the old value, "
-                               "which a functional rewrite cannot reproduce")
+            raise _error(
+                node,
+                "it modifies a value that carries a gradient under torch.no_grad() or "
+                "through .detach() or .data; its gradient would be that of the old value, "
+                "which a functional rewrite cannot reproduce",
+            )
         func = _functional_of(op)
         if op is aten.copy_.default:
             kind, func = "data", None
@@ -562,16 +621,14 @@ def _functional_value(b: _Builder, node, func, tval, input_storages, _storage):
             src = b(aten.clone.default, src)
         return b.cast_like(src, tval)
     if op is aten.zero_.default:
-        return b(aten.full.default, list(tval.shape), 0, dtype=tval.dtype, device=tval.device,
-                 pin_memory=False)
+        return b(aten.full.default, list(tval.shape), 0, dtype=tval.dtype, device=tval.device, pin_memory=False)
     if op is aten.fill_.Scalar:
-        return b(aten.full.default, list(tval.shape), args[1], dtype=tval.dtype, device=tval.device,
-                 pin_memory=False)
+        return b(aten.full.default, list(tval.shape), args[1], dtype=tval.dtype, device=tval.device, pin_memory=False)
     if op is aten.fill_.Tensor:
         return b.cast_like(args[1], tval)
     # the out-of-place overload may lack the in-place one's defaults (bernoulli_.float's p=0.5)
     args = list(args)
-    for a in op._schema.arguments[len(args):]:
+    for a in op._schema.arguments[len(args) :]:
         if a.kwarg_only or a.name in kwargs or not a.has_default_value():
             break
         args.append(a.default_value)
@@ -592,13 +649,19 @@ def _keep(node, written, maybe_need, grad_enabled):
     node.meta["fxtools_rule"] = _kept_mutation_rule(node)
     target = _arg_at(node, written[0])
     if _detached_input(target) in maybe_need:
-        raise _error(node, "it modifies, through .detach() or .data, an input that may be differentiated: "
-                           "eager autograd does not see the write, but the tensors it saved for the "
-                           "backward do, so the gradient depends on what autograd happens to save")
-    if (not grad_enabled and isinstance(target, fx.Node) and target in maybe_need and node.users):
-        raise _error(node, "it modifies, under torch.no_grad(), an input that may be differentiated, and "
-                           "the modified value is used afterwards; its gradient would be that of the "
-                           "input, which fxtools cannot reproduce")
+        raise _error(
+            node,
+            "it modifies, through .detach() or .data, an input that may be differentiated: "
+            "eager autograd does not see the write, but the tensors it saved for the "
+            "backward do, so the gradient depends on what autograd happens to save",
+        )
+    if not grad_enabled and isinstance(target, fx.Node) and target in maybe_need and node.users:
+        raise _error(
+            node,
+            "it modifies, under torch.no_grad(), an input that may be differentiated, and "
+            "the modified value is used afterwards; its gradient would be that of the "
+            "input, which fxtools cannot reproduce",
+        )
 
 
 def _snapshot_reads(gm: fx.GraphModule, kept: list, b: _Builder, _storage) -> None:
@@ -616,8 +679,13 @@ def _snapshot_reads(gm: fx.GraphModule, kept: list, b: _Builder, _storage) -> No
                 last_write[st] = max(last_write.get(st, -1), order[node])
     need = _maybe_differentiable(gm)
     for node in list(graph.nodes):
-        if (node not in need or node.op != "call_function" or node.target is operator.getitem
-                or "fxtools_rule" in node.meta or _is_view_op(node.target)):
+        if (
+            node not in need
+            or node.op != "call_function"
+            or node.target is operator.getitem
+            or "fxtools_rule" in node.meta
+            or _is_view_op(node.target)
+        ):
             continue
         b.before, b.trace = node, node.meta.get("stack_trace")
         snaps = {}

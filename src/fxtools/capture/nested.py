@@ -6,6 +6,7 @@ function fails there with an obscure functorch error (vmap) or, worse, traces to
 ``NestedTransformError`` naming the user's line instead, before functorch changes any state.
 ``fxtools.vmap`` traces below functorch on purpose and does not use this guard.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,10 @@ def _refuse(transform: str):
             f"a torch.func {transform} transform (at {current_user_line()}) is nested inside the function fxtools "
             "is differentiating, which fxtools cannot trace. Write the batched computation directly "
             "(batched ops, torch.einsum), or compose fxtools' own transforms instead, e.g. "
-            "fxtools.vmap(fxtools.grad(f, ...), ...) or fxtools.hvp.")
+            "fxtools.vmap(fxtools.grad(f, ...), ...) or fxtools.hvp."
+        )
         yield  # pragma: no cover
+
     return enter
 
 
@@ -37,8 +40,11 @@ def no_nested_transforms():
     import torch._functorch.eager_transforms as eager
     import torch._functorch.vmap as vmap
 
-    patches = [(vmap, "vmap_increment_nesting", "vmap"), (eager, "grad_increment_nesting", "grad/vjp"),
-               (eager, "jvp_increment_nesting", "jvp")]
+    patches = [
+        (vmap, "vmap_increment_nesting", "vmap"),
+        (eager, "grad_increment_nesting", "grad/vjp"),
+        (eager, "jvp_increment_nesting", "jvp"),
+    ]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     for module, name, transform in patches:
         setattr(module, name, _refuse(transform))

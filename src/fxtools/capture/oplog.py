@@ -9,6 +9,7 @@ generated) each line is one node of its code, under the node's own name::
     sin: f64[13] = torch.sin(x)
     add: f64[13] = sin + x
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,9 +23,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["log"]
 
-_DTYPES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
-           torch.int64: "i64", torch.int32: "i32", torch.bool: "b8", torch.uint8: "u8",
-           torch.complex64: "c64", torch.complex128: "c128"}
+_DTYPES = {
+    torch.float64: "f64",
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.bool: "b8",
+    torch.uint8: "u8",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
+}
 
 
 def _type(t: torch.Tensor) -> str:
@@ -61,8 +71,7 @@ class _OpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        arg_text = ", ".join([_short(a, self.names) for a in args]
-                             + [f"{k}={_short(v, self.names)}" for k, v in kwargs.items()])
+        arg_text = ", ".join([_short(a, self.names) for a in args] + [f"{k}={_short(v, self.names)}" for k, v in kwargs.items()])
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         lhs = ", ".join(f"{self.names(o, fresh=True)}: {_type(o)}" for o in outs) or "_"
         self.write(f"{lhs} = {func}({arg_text})")
@@ -91,9 +100,21 @@ def _call_text(n: fx.Node) -> str:
         first, rest = (str(n.args[0]), ", ".join(str(a) for a in n.args[1:])) if n.args else ("?", "")
         return f"{first}.{n.target}({rest})"
     import operator
-    symbols = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
-               operator.matmul: "@", operator.pow: "**", operator.gt: ">", operator.lt: "<",
-               operator.ge: ">=", operator.le: "<=", operator.eq: "==", operator.ne: "!="}
+
+    symbols = {
+        operator.add: "+",
+        operator.sub: "-",
+        operator.mul: "*",
+        operator.truediv: "/",
+        operator.matmul: "@",
+        operator.pow: "**",
+        operator.gt: ">",
+        operator.lt: "<",
+        operator.ge: ">=",
+        operator.le: "<=",
+        operator.eq: "==",
+        operator.ne: "!=",
+    }
     if n.target in symbols and len(n.args) == 2 and not n.kwargs:
         return f"{n.args[0]} {symbols[n.target]} {n.args[1]}"
     if n.target is operator.neg:
@@ -116,6 +137,7 @@ def log(f, *, file=None):
     ``sys.stdout``). On a GraphModule (fxtools' results) each generated line is reported under
     its name; on anything else, each ATen op.
     """
+
     def write(line):
         print(line, file=file if file is not None else sys.stdout)
 

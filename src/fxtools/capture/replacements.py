@@ -17,6 +17,7 @@ per function; each replacement's docstring says where it differs from the origin
 would escape the trace: ``.data`` (read as ``detach()``, assignment refused) and
 ``requires_grad_(False)`` (eager's error on a non-leaf).
 """
+
 from __future__ import annotations
 
 import math
@@ -46,8 +47,9 @@ def cov(input, *, correction=1, fweights=None, aweights=None):
     of freedom warns while tracing when it is known then (no weights), and otherwise silently
     gives the same inf/nan result as PyTorch."""
     if input.dim() > 2:
-        raise RuntimeError("cov(): expected input to have two or fewer dimensions but got an input "
-                           f"with {input.dim()} dimensions")
+        raise RuntimeError(
+            f"cov(): expected input to have two or fewer dimensions but got an input with {input.dim()} dimensions"
+        )
     if input.dtype == torch.bool:
         raise RuntimeError("cov(): bool dtype is not supported for input")
     x = input if input.dim() == 2 else input.view(1, -1)
@@ -57,10 +59,12 @@ def cov(input, *, correction=1, fweights=None, aweights=None):
         if weights is None:
             continue
         if weights.dim() > 1 or not ok(weights) or weights.numel() != n:
-            raise RuntimeError(f"cov(): expected {name} to have one or fewer dimensions, "
-                               f"{'an integral' if name == 'fweights' else 'a floating point'} dtype and "
-                               f"{n} elements (one per observation), got shape {list(weights.shape)} "
-                               f"and dtype {weights.dtype}")
+            raise RuntimeError(
+                f"cov(): expected {name} to have one or fewer dimensions, "
+                f"{'an integral' if name == 'fweights' else 'a floating point'} dtype and "
+                f"{n} elements (one per observation), got shape {list(weights.shape)} "
+                f"and dtype {weights.dtype}"
+            )
         if n:
             _check(weights.min() >= 0, f"cov(): {name} cannot be negative")
         w = weights if w is None else w * weights
@@ -74,8 +78,10 @@ def cov(input, *, correction=1, fweights=None, aweights=None):
     if w is None:
         norm = n - correction
         if norm <= 0:
-            warnings.warn("cov(): degrees of freedom is <= 0. Correction should be strictly less than "
-                          "the number of observations.", stacklevel=2)
+            warnings.warn(
+                "cov(): degrees of freedom is <= 0. Correction should be strictly less than the number of observations.",
+                stacklevel=2,
+            )
             norm = 0
     else:
         if correction == 0:
@@ -99,8 +105,9 @@ def cov(input, *, correction=1, fweights=None, aweights=None):
 def corrcoef(input):
     """``torch.corrcoef``: PyTorch's definition over fxtools' ``cov``."""
     if input.dim() > 2:
-        raise RuntimeError("corrcoef(): expected input to have two or fewer dimensions but got an input "
-                           f"with {input.dim()} dimensions")
+        raise RuntimeError(
+            f"corrcoef(): expected input to have two or fewer dimensions but got an input with {input.dim()} dimensions"
+        )
     c = cov(input)
     if c.dim() == 0:
         return c / c
@@ -126,8 +133,7 @@ def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"
     if var.size() != input.size():
         if input.size()[:-1] == var.size():
             var = torch.unsqueeze(var, -1)
-        elif not (input.ndim == var.ndim
-                  and sum(y for x, y in zip(input.size(), var.size()) if x != y) == 1):
+        elif not (input.ndim == var.ndim and sum(y for x, y in zip(input.size(), var.size()) if x != y) == 1):
             raise ValueError("var is of incorrect size")
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(reduction + " is not valid")
@@ -216,7 +222,8 @@ def _set_data(tensor, value):
     raise FxtoolsError(
         f"assigning to .data (at {current_user_line()}) replaces a tensor's values without autograd "
         "seeing it, and fxtools cannot trace that. Compute a new tensor and use it instead "
-        "(`p = value`), or pass the new value as an argument.")
+        "(`p = value`), or pass the new value as an argument."
+    )
 
 
 def _requires_grad_(tensor, requires_grad=True):
@@ -258,7 +265,8 @@ def mark_not_requires_grad(tensor, where: str) -> None:
             f"requires_grad_(False) (at {where}) on a value computed from a differentiated input: eager "
             "PyTorch raises 'you can only change requires_grad flags of leaf variables'. If you want "
             "to use a computed variable in a subgraph that doesn't require differentiation use "
-            "var_no_grad = var.detach().")
+            "var_no_grad = var.detach()."
+        )
 
     def bwd(aux, ct):  # pragma: no cover - fwd always raises
         raise AssertionError("unreachable")
@@ -312,4 +320,5 @@ def check_no_writes(gm: fx.GraphModule) -> None:
                     f"{node.target} (at {user_line_of(node) or 'an unknown line of user code'}) writes into "
                     "the result of torch.narrow with a tensor start, which fxtools computes as a copy "
                     "(index_select), not a view: the write would not reach the narrowed tensor. Write "
-                    "with index_copy / index_put instead.")
+                    "with index_copy / index_put instead."
+                )

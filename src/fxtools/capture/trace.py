@@ -13,6 +13,7 @@ object, an unregistered dataclass, a set) is refused: its tensors would be baked
 and buffers) become attributes of the graph module that are the very same tensor objects, so
 in-place updates of buffers (BatchNorm's running statistics) happen exactly as in eager mode.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,10 +27,10 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 from torch.utils import _pytree as pytree
 
+from ..codegen.naming import arg_names, identifier, leaf_names
+from ..dynamic_shapes import CountsFromExamples
 from ..errors import DataDependentError, FxtoolsError, is_user_file, user_frame
 from .checkpoint import checkpoint_regions
-from ..dynamic_shapes import CountsFromExamples
-from ..codegen.naming import arg_names, identifier, leaf_names
 from .replacements import Replacing, check_no_writes
 
 
@@ -38,14 +39,14 @@ class Captured:
     """A traced function: its graph and how its pytree inputs and outputs flatten."""
 
     gm: fx.GraphModule
-    in_spec: pytree.TreeSpec   # of the tuple of positional arguments
+    in_spec: pytree.TreeSpec  # of the tuple of positional arguments
     out_spec: pytree.TreeSpec  # of the return value
-    leaves: list[Any]          # example argument leaves, in flattening order
-    names: list[str]           # one identifier per leaf
-    tensor_leaf: list[bool]    # which leaves are tensors (and so graph placeholders)
-    arg_of_leaf: list[int]     # index of the positional argument each leaf belongs to
+    leaves: list[Any]  # example argument leaves, in flattening order
+    names: list[str]  # one identifier per leaf
+    tensor_leaf: list[bool]  # which leaves are tensors (and so graph placeholders)
+    arg_of_leaf: list[int]  # index of the positional argument each leaf belongs to
     out_leaves: list[Any] = field(default_factory=list)  # example output leaves (FakeTensors or constants)
-    symbolic: Any = None       # sizes.Symbolic when sizes were marked dynamic (dynamic_shapes=)
+    symbolic: Any = None  # sizes.Symbolic when sizes were marked dynamic (dynamic_shapes=)
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -114,6 +115,7 @@ def _name_constants(gm: fx.GraphModule, names: dict[int, str]) -> None:
 @contextlib.contextmanager
 def _all_user_frames():
     """make_fx keeps only frames below a ``forward`` method in stack traces; keep every user frame."""
+
     def keep_user_frames(self, summary):
         return traceback.StackSummary.from_list([f for f in summary if is_user_file(f.filename)])
 
@@ -122,8 +124,6 @@ def _all_user_frames():
         yield
     finally:
         del PythonKeyTracer._filter_traceback_frames
-
-
 
 
 @contextlib.contextmanager
@@ -169,8 +169,12 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=Tru
         _allow_non_fake_inputs=True,
         record_stack_traces=record_stack_traces,
     )
-    with _all_user_frames() if record_stack_traces else contextlib.nullcontext(), _no_real_mutation(), \
-            tracing_kernels(), _use_lazy_graph_module(True):
+    with (
+        _all_user_frames() if record_stack_traces else contextlib.nullcontext(),
+        _no_real_mutation(),
+        tracing_kernels(),
+        _use_lazy_graph_module(True),
+    ):
         return tracer(*example_leaves)
 
 
@@ -180,8 +184,10 @@ def is_data_dependent(exc: BaseException) -> bool:
 
     # PendingUnbackedSymbolNotFound: a value read with .item() became an offset or size that
     # make_fx cannot bind (torch.narrow with a tensor start)
-    return isinstance(exc, (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException,
-                            PendingUnbackedSymbolNotFound))
+    return isinstance(
+        exc,
+        (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException, PendingUnbackedSymbolNotFound),
+    )
 
 
 def realize_constants(gm: fx.GraphModule) -> fx.GraphModule:
@@ -195,17 +201,18 @@ def realize_constants(gm: fx.GraphModule) -> fx.GraphModule:
             value = getattr(gm, node.target)
             if isinstance(value, torch._subclasses.FakeTensor):
                 if value.constant is None:
-                    raise FxtoolsError(f"a tensor constant of shape {list(value.shape)} was created while "
-                                       "tracing, and its value is unknown")
+                    raise FxtoolsError(
+                        f"a tensor constant of shape {list(value.shape)} was created while tracing, and its value is unknown"
+                    )
                 setattr(gm, node.target, value.constant)
     return gm
 
 
 def data_dependent_error(exc: BaseException, node=None) -> DataDependentError:
     """A DataDependentError for ``exc``, naming the user's line (of ``node`` when given)."""
-    from ..errors import user_line_of
-
     from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    from ..errors import user_line_of
 
     where = (user_line_of(node) if node is not None else None) or user_frame(exc.__traceback__)
     if isinstance(exc, DynamicOutputShapeException) and exc.args:
@@ -213,12 +220,14 @@ def data_dependent_error(exc: BaseException, node=None) -> DataDependentError:
             f"the output shape of {exc.args[0]} depends on the values of its inputs (at "
             f"{where or 'an unknown line of user code'}), and PyTorch gives it no symbolic shape "
             "that fxtools could trace. Compute it another way, or see the op's options for one with "
-            "static shapes (e.g. torch.linalg.lstsq(..., driver='gels')).")
+            "static shapes (e.g. torch.linalg.lstsq(..., driver='gels'))."
+        )
     what = f"the derivative of {node.target}" if node is not None else "Python control flow or a Python value"
     return DataDependentError(
         f"{what} depends on the value of a tensor (at {where or 'an unknown line of user code'}).\n"
         "fxtools traces one path through the program for the example's shapes; it cannot branch "
-        "on tensor data. Use torch.where / masking instead of `if`, or pass the value as a Python number.")
+        "on tensor data. Use torch.where / masking instead of `if`, or pass the value as a Python number."
+    )
 
 
 def _check_output_leaves(out) -> None:
@@ -234,7 +243,8 @@ def _check_output_leaves(out) -> None:
         raise FxtoolsError(
             f"{where} is a {type(leaf).__module__}.{type(leaf).__qualname__}, which fxtools cannot return "
             "from a graph: return tensors, Python numbers, or lists, tuples, dicts (any pytree) of "
-            "them (a model that returns a cache usually has a flag to turn it off, e.g. use_cache=False)")
+            "them (a model that returns a cache usually has a flag to turn it off, e.g. use_cache=False)"
+        )
 
 
 @contextlib.contextmanager
@@ -251,8 +261,11 @@ def _custom_autograd_functions(pre_dispatch=True):
     from .custom import capturing
     from .nested import no_nested_transforms
 
-    with checkpoint_regions(), capturing(record=pre_dispatch), \
-            (no_nested_transforms() if pre_dispatch else contextlib.nullcontext()):
+    with (
+        checkpoint_regions(),
+        capturing(record=pre_dispatch),
+        no_nested_transforms() if pre_dispatch else contextlib.nullcontext(),
+    ):
         yield
 
 
@@ -342,16 +355,21 @@ def _refuse_hidden_tensors(paths_leaves, top_names: list[str]) -> None:
         if isinstance(leaf, (set, frozenset)):
             how = "pass a list or tuple instead (a set has no order, so it is not a pytree)"
         elif isinstance(leaf, torch.nn.Module):
-            how = ("close over the module instead of passing it, or differentiate "
-                   "fxtools.functional(module), which takes its parameters as a dict")
+            how = (
+                "close over the module instead of passing it, or differentiate "
+                "fxtools.functional(module), which takes its parameters as a dict"
+            )
         else:
-            how = (f"register {kind.__qualname__} as a pytree (torch.utils._pytree.register_dataclass for a "
-                   "dataclass, torch.utils._pytree.register_pytree_node otherwise), or pass its tensors as "
-                   "arguments directly")
+            how = (
+                f"register {kind.__qualname__} as a pytree (torch.utils._pytree.register_dataclass for a "
+                "dataclass, torch.utils._pytree.register_pytree_node otherwise), or pass its tensors as "
+                "arguments directly"
+            )
         raise FxtoolsError(
             f"argument {where} is a {kind.__module__}.{kind.__qualname__} holding a tensor ({where}{inside}), "
             "and it is not a pytree: fxtools would bake that tensor into the code as a constant (later "
-            f"calls would ignore it, and it would get no gradient). To fix it, {how}.")
+            f"calls would ignore it, and it would get no gradient). To fix it, {how}."
+        )
 
 
 def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dynamic_shapes=None) -> Captured:
@@ -400,8 +418,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     _name_constants(gm, _module_tensor_names(f))
     gm.recompile()
     arg_of_leaf = [p[0].idx if p else 0 for p in paths]
-    return Captured(gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"],
-                    symbolic)
+    return Captured(gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"], symbolic)
 
 
 def check_supported(gm: fx.GraphModule) -> None:

@@ -5,6 +5,7 @@
 and prints the generated code with the shape of every value; ``--out`` writes it as a
 standalone module (``fxtools.save``), ``--check`` compares it with ``torch.autograd``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,18 +23,29 @@ import torch
 from torch.utils import _pytree as pytree
 
 _DTYPES = {
-    "f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "f64": torch.float64,
-    "c64": torch.complex64, "c128": torch.complex128,
-    "i8": torch.int8, "i16": torch.int16, "i32": torch.int32, "i64": torch.int64, "u8": torch.uint8,
-    "b8": torch.bool, "bool": torch.bool,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "f32": torch.float32,
+    "f64": torch.float64,
+    "c64": torch.complex64,
+    "c128": torch.complex128,
+    "i8": torch.int8,
+    "i16": torch.int16,
+    "i32": torch.int32,
+    "i64": torch.int64,
+    "u8": torch.uint8,
+    "b8": torch.bool,
+    "bool": torch.bool,
 }
 _TENSOR_SPEC = re.compile(r"^(?P<dtype>[a-z0-9]+)\[(?P<shape>[0-9,\s]*)\](?:%(?P<high>\d+))?$")
 INT_HIGH = 4  # integer tensors get values in [0, INT_HIGH) unless the spec says ``%N``
 
-ARG_HELP = ("an example input, NAME=SPEC or SPEC (by position). SPEC is a tensor DTYPE[SHAPE] "
-            "(f32[8,16], f64[], i64[8]; dtypes: " + ", ".join(_DTYPES) + "); float tensors are random "
-            f"normal, integer tensors random in [0, {INT_HIGH}) or [0, N) with DTYPE[SHAPE]%%N, bool "
-            "tensors random; anything else is a Python literal (n=5, scale=0.5, flag=True)")
+ARG_HELP = (
+    "an example input, NAME=SPEC or SPEC (by position). SPEC is a tensor DTYPE[SHAPE] "
+    "(f32[8,16], f64[], i64[8]; dtypes: " + ", ".join(_DTYPES) + "); float tensors are random "
+    f"normal, integer tensors random in [0, {INT_HIGH}) or [0, N) with DTYPE[SHAPE]%%N, bool "
+    "tensors random; anything else is a Python literal (n=5, scale=0.5, flag=True)"
+)
 
 
 class CliError(Exception):
@@ -54,6 +66,7 @@ def progress(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Example inputs from specs
 # ---------------------------------------------------------------------------------------------
+
 
 def parse_spec(spec: str, generator: torch.Generator):
     """A tensor (random, of the given dtype and shape) or a Python value from its text."""
@@ -76,8 +89,9 @@ def parse_spec(spec: str, generator: torch.Generator):
     try:
         return ast.literal_eval(spec)
     except (ValueError, SyntaxError):
-        raise CliError(f"cannot read the example input {spec!r}: expected DTYPE[SHAPE] such as f32[8,16] "
-                       "or a Python literal such as 5") from None
+        raise CliError(
+            f"cannot read the example input {spec!r}: expected DTYPE[SHAPE] such as f32[8,16] or a Python literal such as 5"
+        ) from None
 
 
 def _make(spec: str, make):
@@ -114,9 +128,10 @@ def build_args(fn, specs: list[str], generator) -> tuple:
     args = list(positional)
     for name in named:
         if name not in names:
-            raise CliError(f"--arg {name}: the function has no positional parameter {name!r} "
-                           f"(its parameters: {', '.join(names) or 'none'})")
-    for p in params[len(positional):]:
+            raise CliError(
+                f"--arg {name}: the function has no positional parameter {name!r} (its parameters: {', '.join(names) or 'none'})"
+            )
+    for p in params[len(positional) :]:
         if p.name in named:
             args.append(named.pop(p.name))
         elif p.default is not inspect.Parameter.empty:
@@ -128,7 +143,7 @@ def build_args(fn, specs: list[str], generator) -> tuple:
             if named:
                 raise CliError(f"missing --arg {p.name}=SPEC (the parameters are: {', '.join(names)})")
             break
-    missing = [p.name for p in params[len(args):] if p.default is inspect.Parameter.empty]
+    missing = [p.name for p in params[len(args) :] if p.default is inspect.Parameter.empty]
     if missing:
         raise CliError(f"missing --arg for {', '.join(missing)}")
     return tuple(args)
@@ -137,6 +152,7 @@ def build_args(fn, specs: list[str], generator) -> tuple:
 # ---------------------------------------------------------------------------------------------
 # Loading path/to/file.py:name
 # ---------------------------------------------------------------------------------------------
+
 
 def load_target(target: str):
     """The object ``name`` defined in ``file.py`` for ``file.py:name``."""
@@ -245,6 +261,7 @@ class Target:
 # Checks against autograd
 # ---------------------------------------------------------------------------------------------
 
+
 def _tolerances(args):
     dtypes = {v.dtype for v in pytree.tree_leaves(args) if isinstance(v, torch.Tensor) and v.is_floating_point()}
     if dtypes and dtypes <= {torch.float64}:
@@ -265,6 +282,7 @@ def reference_grads(fn, args, argnums: tuple, model=None, seed=0):
     """
     if model is not None:
         from ..functional import functional
+
         fn = functional(copy.deepcopy(model))
     args = list(args)
     leaves_of = {}
@@ -306,45 +324,61 @@ def check_grad(target: Target, gm, argnums) -> str:
 # Subcommands
 # ---------------------------------------------------------------------------------------------
 
+
 def _transform_parser(kind: str) -> argparse.ArgumentParser:
-    what = {"grad": "the gradient of a scalar-valued function or model loss",
-            "vjp": "the vector-Jacobian product (out, grads = forward(*args, grad_out))",
-            "jvp": "the Jacobian-vector product (out, out_tangent = forward(*args, *tangents))",
-            "split": "separate forward and backward graphs (forward(*leaves) -> (out, saved); "
-                     "backward(*saved, *cotangents) -> grads) and what the forward saves"}[kind]
+    what = {
+        "grad": "the gradient of a scalar-valued function or model loss",
+        "vjp": "the vector-Jacobian product (out, grads = forward(*args, grad_out))",
+        "jvp": "the Jacobian-vector product (out, out_tangent = forward(*args, *tangents))",
+        "split": "separate forward and backward graphs (forward(*leaves) -> (out, saved); "
+        "backward(*saved, *cotangents) -> grads) and what the forward saves",
+    }[kind]
     p = Parser(
         prog=f"fxtools {kind}",
         description=f"Print {what} as readable PyTorch code, with the shape of every value. "
-                    "TARGET is path/to/file.py:NAME where NAME is a function or an nn.Module class "
-                    "(instantiated with no arguments and differentiated with respect to its parameters; "
-                    "the --arg values are then the inputs of its forward).",
-        epilog=f"example: fxtools {kind} model.py:Net --arg x=f32[4,8] --arg y=i64[4]%%3 --out g.py --check")
+        "TARGET is path/to/file.py:NAME where NAME is a function or an nn.Module class "
+        "(instantiated with no arguments and differentiated with respect to its parameters; "
+        "the --arg values are then the inputs of its forward).",
+        epilog=f"example: fxtools {kind} model.py:Net --arg x=f32[4,8] --arg y=i64[4]%%3 --out g.py --check",
+    )
     p.set_defaults(policy=None)
     p.add_argument("target", metavar="TARGET", help="path/to/file.py:function_or_module")
     p.add_argument("--arg", action="append", default=[], metavar="[NAME=]SPEC", help=ARG_HELP)
     if kind == "grad":
-        p.add_argument("--argnums", default="0", help="for a function: the argument(s) to differentiate, "
-                       "e.g. 0 or 0,2 (default 0); a module is differentiated w.r.t. its parameters")
+        p.add_argument(
+            "--argnums",
+            default="0",
+            help="for a function: the argument(s) to differentiate, "
+            "e.g. 0 or 0,2 (default 0); a module is differentiated w.r.t. its parameters",
+        )
     if kind == "split":
-        p.add_argument("--policy", default="recompute_cheap",
-                       help="what to save: recompute_cheap (default), save_all or dots_saveable")
-    p.add_argument("--dtype", choices=[k for k, v in _DTYPES.items() if v.is_floating_point],
-                   help="cast the module's parameters and every floating-point --arg tensor to this dtype")
+        p.add_argument(
+            "--policy", default="recompute_cheap", help="what to save: recompute_cheap (default), save_all or dots_saveable"
+        )
+    p.add_argument(
+        "--dtype",
+        choices=[k for k, v in _DTYPES.items() if v.is_floating_point],
+        help="cast the module's parameters and every floating-point --arg tensor to this dtype",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random example inputs (default 0)")
     p.add_argument("--out", metavar="FILE.py", help="also write the code as a standalone module (imports only torch)")
-    p.add_argument("--svg", metavar="FILE.svg", help="also draw the graphs (forward, backward, recomputed, saved) "
-                   "as an SVG picture (needs pydot and Graphviz: pip install 'fxtools[draw]')")
+    p.add_argument(
+        "--svg",
+        metavar="FILE.svg",
+        help="also draw the graphs (forward, backward, recomputed, saved) "
+        "as an SVG picture (needs pydot and Graphviz: pip install 'fxtools[draw]')",
+    )
     p.add_argument("--check", action="store_true", help="compare with torch.autograd on the example inputs")
     p.add_argument("--quiet", action="store_true", help="do not print the code")
     return p
 
 
 def _run_transform(kind: str, argv) -> int:
-    from ..transforms.vjp import grad, vjp
-    from ..transforms.check import check_vjp
     from ..codegen.export import save
     from ..codegen.show import annotated_code
     from ..passes.simplify import count_compute_nodes
+    from ..transforms.check import check_vjp
+    from ..transforms.vjp import grad, vjp
 
     a = _transform_parser(kind).parse_args(argv)
     check_output_path(a.out, ".py", "--out")
@@ -363,13 +397,16 @@ def _run_transform(kind: str, argv) -> int:
         gm = vjp(target.fn, *target.args)
     elif kind == "jvp":
         from ..transforms.forward import jvp
+
         gm = jvp(target.fn, *target.args)
     else:
         from ..training.partition import split
+
         gm = split(target.fn, *target.args, policy=a.policy)
     elapsed = time.perf_counter() - start
-    nodes = (f"{count_compute_nodes(gm.forward)} + {count_compute_nodes(gm.backward)}" if kind == "split"
-             else count_compute_nodes(gm))
+    nodes = (
+        f"{count_compute_nodes(gm.forward)} + {count_compute_nodes(gm.backward)}" if kind == "split" else count_compute_nodes(gm)
+    )
     progress(f"done in {elapsed:.2f} s: {nodes} compute nodes")
     if not a.quiet:
         print(f"# fxtools {kind} of {a.target}: {target.kind}")
@@ -386,8 +423,10 @@ def _run_transform(kind: str, argv) -> int:
         progress(f"wrote {a.out}" + (" (+ .pt constants)" if os.path.exists(a.out[:-3] + ".pt") else ""))
     if a.svg:
         from ..codegen.draw import draw
-        draw(gm, a.svg, title=f"fxtools {kind} {os.path.basename(a.target)}"
-             + (f" (policy {a.policy})" if kind == "split" else ""))  # a DrawError is one line (cli.main)
+
+        draw(
+            gm, a.svg, title=f"fxtools {kind} {os.path.basename(a.target)}" + (f" (policy {a.policy})" if kind == "split" else "")
+        )  # a DrawError is one line (cli.main)
         progress(f"wrote {a.svg}")
     if a.check:
         progress("checking against torch.autograd ...")
@@ -413,10 +452,12 @@ def _run_transform(kind: str, argv) -> int:
 
 def _split_as_vjp(s):
     """``gm(*args, grad_out) -> (out, grads)`` computed by a split's forward and backward."""
+
     def run(*args_and_ct):
         *args, ct = args_and_ct
         out, saved = s.forward(*s.flatten(*args))
         return out, s.backward(*saved, *s.flatten_cotangent(ct))
+
     return run
 
 
@@ -425,18 +466,17 @@ def check_jvp(target: Target, gm, seed) -> str:
     from ..transforms.check import random_cotangent
 
     gen = torch.Generator().manual_seed(seed + 1)
-    tangents = pytree.tree_map(lambda v: torch.randn(v.shape, dtype=v.dtype, generator=gen) if _float(v) else None,
-                               target.args)
+    tangents = pytree.tree_map(lambda v: torch.randn(v.shape, dtype=v.dtype, generator=gen) if _float(v) else None, target.args)
     torch.manual_seed(seed)
     out, out_t = gm(*target.args, *tangents)
     ct = random_cotangent(out, gen)
-    jt = sum((c * o).sum() for c, o in zip(pytree.tree_leaves(ct), pytree.tree_leaves(out_t))
-             if c is not None and o is not None)
+    jt = sum((c * o).sum() for c, o in zip(pytree.tree_leaves(ct), pytree.tree_leaves(out_t)) if c is not None and o is not None)
     leaves, spec = pytree.tree_flatten(target.args)
     ref = [v.detach().clone().requires_grad_(True) if _float(v) else v for v in leaves]
     fn = target.fn
     if target.model is not None:
         from ..functional import functional
+
         fn = functional(copy.deepcopy(target.model))
     torch.manual_seed(seed)
     ref_out = fn(*pytree.tree_unflatten(ref, spec))
@@ -471,10 +511,11 @@ def show_command(argv) -> int:
     p = Parser(
         prog="fxtools show",
         description="Print generated code: a module written by fxtools.save / --out (FILE.py), or the "
-                    "tensors of a .pt file (the constants saved beside such a module) with their shapes. "
-                    "A .pt file is loaded with torch.load(..., weights_only=True): nothing in it can run code, "
-                    "so a GraphModule saved with torch.save is refused (write it with fxtools.save instead).",
-        epilog="example: fxtools show g.py")
+        "tensors of a .pt file (the constants saved beside such a module) with their shapes. "
+        "A .pt file is loaded with torch.load(..., weights_only=True): nothing in it can run code, "
+        "so a GraphModule saved with torch.save is refused (write it with fxtools.save instead).",
+        epilog="example: fxtools show g.py",
+    )
     p.add_argument("file", metavar="FILE", help="FILE.py (a module written by fxtools.save) or FILE.pt (tensors)")
     p.add_argument("--code-only", action="store_true", help="for FILE.py: leave out the docstring and constants")
     a = p.parse_args(argv)
@@ -485,8 +526,9 @@ def show_command(argv) -> int:
             text = fh.read()
         if a.code_only:
             from ..codegen.export import GUARDS_MARKER
+
             start = text.find("\ndef forward(")
-            text = text[start + 1:] if start >= 0 else text
+            text = text[start + 1 :] if start >= 0 else text
             text = text.split(GUARDS_MARKER)[0]
         print(text.rstrip())
         return 0
@@ -496,8 +538,10 @@ def show_command(argv) -> int:
         raise CliError(
             f"{a.file} is not a file of tensors that torch.load(..., weights_only=True) can read; fxtools "
             "never loads a pickle that could run code (a GraphModule saved with torch.save is one). "
-            "Write generated code with fxtools.save(gm, 'g.py') (or --out g.py) and run fxtools show g.py") from None
+            "Write generated code with fxtools.save(gm, 'g.py') (or --out g.py) and run fxtools show g.py"
+        ) from None
     from ..codegen.show import describe
+
     leaves = pytree.tree_flatten_with_path(obj)[0]
     for path, leaf in leaves:
         name = pytree.keystr(path) if path else "(the file)"
@@ -510,8 +554,10 @@ def bench_command(argv) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(here))), "benchmarks", "bench.py")
     if not os.path.isfile(path):
-        print("fxtools bench: error: benchmarks/bench.py not found; the benchmarks run from a source "
-              "checkout (pip install -e .)", file=sys.stderr)
+        print(
+            "fxtools bench: error: benchmarks/bench.py not found; the benchmarks run from a source checkout (pip install -e .)",
+            file=sys.stderr,
+        )
         return 2
     spec = importlib.util.spec_from_file_location("_fxtools_bench", path)
     module = importlib.util.module_from_spec(spec)

@@ -14,13 +14,14 @@ captures contain is classified by how fxtools differentiates it:
 ``op_db`` lives in ``torch.testing._internal`` and needs ``expecttest``; both are imported only
 when a report is made. Run it as ``fxtools ops``.
 """
+
 from __future__ import annotations
 
 import itertools
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -58,8 +59,9 @@ def _op_db(dtype=torch.float64):
     try:
         import expecttest  # noqa: F401 - op_db's module imports it
     except ImportError as exc:
-        raise SystemExit("the coverage report uses PyTorch's OpInfo database, which needs expecttest: "
-                         "pip install expecttest") from exc
+        raise SystemExit(
+            "the coverage report uses PyTorch's OpInfo database, which needs expecttest: pip install expecttest"
+        ) from exc
     from torch.testing._internal.common_methods_invocations import op_db
 
     if dtype.is_complex:
@@ -148,12 +150,13 @@ def _classify_graph(gm, category: dict) -> list[str]:
     return list(ops)
 
 
-def compute(n_samples: int = 3, progress: Callable[[int, int, str], None] | None = None,
-            dtype: torch.dtype = torch.float64) -> Coverage:
+def compute(
+    n_samples: int = 3, progress: Callable[[int, int, str], None] | None = None, dtype: torch.dtype = torch.float64
+) -> Coverage:
     """Classify every op the OpInfo samples call in ``dtype`` (see the module docstring)."""
     from .. import rules  # noqa: F401 - registers fxtools' own rules
-    from ..capture.trace import capture, check_supported
     from ..capture.functionalize import functionalize
+    from ..capture.trace import capture, check_supported
 
     cov = Coverage()
     opinfos = _op_db(dtype)
@@ -207,10 +210,15 @@ def main(argv=None) -> int:
         description="Capture the first samples of every differentiable OpInfo in PyTorch's op_db "
         "(float64 or complex128, CPU) and report, per ATen overload they call, how fxtools differentiates it: "
         "hand-written rule, declared non-differentiable, PyTorch decomposition, rule derived from "
-        "PyTorch's autograd formula, or failing. Needs expecttest (pip install expecttest).")
+        "PyTorch's autograd formula, or failing. Needs expecttest (pip install expecttest).",
+    )
     p.add_argument("--samples", type=int, default=3, help="samples per OpInfo (default: 3)")
-    p.add_argument("--dtype", choices=("f64", "c128"), default="f64",
-                   help="sample dtype: float64 (default) or complex128 (OpInfos whose backward supports it)")
+    p.add_argument(
+        "--dtype",
+        choices=("f64", "c128"),
+        default="f64",
+        help="sample dtype: float64 (default) or complex128 (OpInfos whose backward supports it)",
+    )
     p.add_argument("--counts", action="store_true", help="print only the counts, not the table")
     p.add_argument("--quiet", action="store_true", help="no progress indication on stderr")
     a = p.parse_args(argv)

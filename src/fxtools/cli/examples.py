@@ -13,6 +13,7 @@ Two kinds of example:
 ``EXAMPLES`` maps every example's name to a builder of ``(fn, example_args)``; ``example(name)``
 calls it.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,11 +26,21 @@ import torch.nn.functional as F
 from ..functional import functional
 
 __all__ = [
-    "sin_plus_x", "foo", "bar",
-    "MLP", "mlp", "SmallCNN", "small_cnn",
-    "GPTConfig", "GPT", "gpt_config", "gpt",
-    "parameters_of", "as_loss",
-    "EXAMPLES", "example",
+    "sin_plus_x",
+    "foo",
+    "bar",
+    "MLP",
+    "mlp",
+    "SmallCNN",
+    "small_cnn",
+    "GPTConfig",
+    "GPT",
+    "gpt_config",
+    "gpt",
+    "parameters_of",
+    "as_loss",
+    "EXAMPLES",
+    "example",
 ]
 
 
@@ -45,8 +56,10 @@ def _generator(seed):
 # Seed examples: small functions of one tensor.
 # --------------------------------------------------------------------------------------------
 
+
 def sin_plus_x(dtype=None, seed=0):
     """f(x) = sin(x) + x on a vector of 13 elements."""
+
     def f(x):
         return torch.sin(x) + x
 
@@ -56,6 +69,7 @@ def sin_plus_x(dtype=None, seed=0):
 
 def foo(dtype=None, seed=0):
     """f(x) = sin(trace(x)) * x on a 3x3 matrix."""
+
     def f(x):
         w = torch.trace(x)
         w = torch.sin(w)
@@ -67,6 +81,7 @@ def foo(dtype=None, seed=0):
 
 def bar(dtype=None, seed=0):
     """f(x) = x^T @ x (a Gram matrix) on a 5x2 matrix."""
+
     def f(x):
         return torch.transpose(x, 1, 0) @ x
 
@@ -77,6 +92,7 @@ def bar(dtype=None, seed=0):
 # --------------------------------------------------------------------------------------------
 # Models. Each forward returns a scalar loss.
 # --------------------------------------------------------------------------------------------
+
 
 class MLP(nn.Module):
     """Linear -> ReLU (or GELU) -> Linear, trained with cross-entropy."""
@@ -138,6 +154,7 @@ def small_cnn(batch=4, in_channels=3, size=8, n_classes=5, width=8, dtype=None, 
 # GPT: a nanoGPT-style decoder-only transformer.
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int = 50257
@@ -146,8 +163,8 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
-    bias: bool = True           # biases in the Linear layers and LayerNorms
-    attention: str = "sdpa"     # "sdpa": F.scaled_dot_product_attention; "explicit": softmax(q k^T) v
+    bias: bool = True  # biases in the Linear layers and LayerNorms
+    attention: str = "sdpa"  # "sdpa": F.scaled_dot_product_attention; "explicit": softmax(q k^T) v
 
 
 _GPT_SIZES = {
@@ -191,7 +208,8 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+                q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
             att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
@@ -233,13 +251,15 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
@@ -290,6 +310,7 @@ def gpt(size="tiny", attention="sdpa", batch=2, seq_len=None, dtype=None, seed=0
 # --------------------------------------------------------------------------------------------
 # Models as functions of their parameters.
 # --------------------------------------------------------------------------------------------
+
 
 def parameters_of(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters as a dict of plain (detached) tensors; tied weights appear once."""

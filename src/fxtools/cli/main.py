@@ -1,7 +1,7 @@
 """The ``fxtools`` command line: ``fxtools demo`` (more subcommands are added per feature)."""
+
 from __future__ import annotations
 
-import argparse
 import inspect
 import os
 import sys
@@ -31,11 +31,11 @@ def _autograd_param_grads(fn, args):
 
 
 def _demo_one(name: str, full: bool, out) -> bool:
-    from . import examples
-    from ..transforms.vjp import grad, vjp
-    from ..transforms.check import check_vjp
     from ..codegen.show import annotated_code
     from ..passes.simplify import count_compute_nodes
+    from ..transforms.check import check_vjp
+    from ..transforms.vjp import grad, vjp
+    from . import examples
 
     fn, args = examples.example(name, dtype=torch.float64)
     is_model = hasattr(fn, "__fxtools_module__")
@@ -70,11 +70,12 @@ def _demo_one(name: str, full: bool, out) -> bool:
 
 def demo(argv) -> int:
     from . import examples
-
     from .commands import Parser
 
-    p = Parser(prog="fxtools demo", description="Differentiate the built-in examples and "
-                                "print source, generated code and a check against torch.autograd.")
+    p = Parser(
+        prog="fxtools demo",
+        description="Differentiate the built-in examples and print source, generated code and a check against torch.autograd.",
+    )
     p.add_argument("names", nargs="*", help=f"examples to run (default: all of {', '.join(examples.EXAMPLES)})")
     p.add_argument("--full", action="store_true", help="print long generated code in full")
     a = p.parse_args(argv)
@@ -91,25 +92,25 @@ def ops(argv) -> int:
 
 COMMANDS = {"demo": demo, "ops": ops}
 
-from .commands import (bench_command, grad_command, jvp_command, show_command,  # noqa: E402
-                           split_command, vjp_command)
+from .commands import bench_command, grad_command, jvp_command, show_command, split_command, vjp_command  # noqa: E402
 
-COMMANDS.update(grad=grad_command, vjp=vjp_command, jvp=jvp_command, split=split_command,
-                show=show_command, bench=bench_command)
+COMMANDS.update(grad=grad_command, vjp=vjp_command, jvp=jvp_command, split=split_command, show=show_command, bench=bench_command)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: fxtools {" + ",".join(COMMANDS) + "} [--help]\n\n"
-              "  demo   differentiate the built-in examples and check them against torch.autograd\n"
-              "  grad   the gradient of FILE.py:NAME (a function or nn.Module) as code; --out writes a standalone module\n"
-              "  vjp    the vector-Jacobian product of FILE.py:NAME as code\n"
-              "  jvp    the Jacobian-vector product of FILE.py:NAME as code\n"
-              "  split  forward and backward graphs of FILE.py:NAME and what the forward saves\n"
-              "  show   print a module written by fxtools.save / --out, or the tensors of a .pt file\n"
-              "  bench  benchmarks against PyTorch (AOTAutograd, make_fx, eager autograd)\n"
-              "  ops    coverage: how each op of PyTorch's OpInfo samples is differentiated (rule, decomposition, derived)")
+        print(
+            "usage: fxtools {" + ",".join(COMMANDS) + "} [--help]\n\n"
+            "  demo   differentiate the built-in examples and check them against torch.autograd\n"
+            "  grad   the gradient of FILE.py:NAME (a function or nn.Module) as code; --out writes a standalone module\n"
+            "  vjp    the vector-Jacobian product of FILE.py:NAME as code\n"
+            "  jvp    the Jacobian-vector product of FILE.py:NAME as code\n"
+            "  split  forward and backward graphs of FILE.py:NAME and what the forward saves\n"
+            "  show   print a module written by fxtools.save / --out, or the tensors of a .pt file\n"
+            "  bench  benchmarks against PyTorch (AOTAutograd, make_fx, eager autograd)\n"
+            "  ops    coverage: how each op of PyTorch's OpInfo samples is differentiated (rule, decomposition, derived)"
+        )
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     try:
         return COMMANDS[argv[0]](argv[1:])
@@ -130,8 +131,8 @@ def user_error_message(exc: BaseException) -> str | None:
     under it while it is traced (named by the user's line; raised in fxtools' own code, it is a
     bug and keeps its traceback). ``FXTOOLS_TRACEBACK=1`` shows the traceback anyway.
     """
+    from ..errors import FXTOOLS_DIR, FxtoolsError, is_user_file
     from .commands import CliError, user_error
-    from ..errors import FxtoolsError, FXTOOLS_DIR, is_user_file
 
     if isinstance(exc, (CliError, FxtoolsError)):
         return " ".join(str(exc).split())

@@ -8,6 +8,7 @@ structures, so its code stands alone: no pytree specs, no flattening helpers.
 Dict keys and returned constants are user data: they reach the code only as plain built-in
 literals (``naming.plain_literal``), never through their own ``repr``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch.fx.graph_module import _copy_attr
 from torch.utils import _pytree as pytree
-from torch.utils._pytree import MappingKey, GetAttrKey, SequenceKey
+from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey
 
 from ..errors import FxtoolsError
 from .guards import GuardedGraphModule
@@ -35,11 +36,11 @@ def _leaf_getters(graph: fx.Graph, arg_nodes: list[fx.Node], paths):
     for path in paths:
         node = arg_nodes[path[0].idx]
         for depth, key in enumerate(path[1:], start=1):
-            ck = (path[0].idx, tuple(path[1:depth + 1]))
+            ck = (path[0].idx, tuple(path[1 : depth + 1]))
             if ck in cache:
                 node = cache[ck]
                 continue
-            where = f"the dict key of {arg_nodes[path[0].idx].target}{pytree.keystr(path[1:depth + 1])}"
+            where = f"the dict key of {arg_nodes[path[0].idx].target}{pytree.keystr(path[1 : depth + 1])}"
             if isinstance(key, MappingKey):
                 node = graph.call_function(operator.getitem, (node, plain_literal(key.key, where, key=True)))
             elif isinstance(key, SequenceKey):
@@ -63,6 +64,7 @@ def _returnable(graph: fx.Graph, value, where="the return value"):
     would print with ``repr`` although they are no literals (enum members) is built by ``dict``
     from its pairs, which fx prints element by element.
     """
+
     def rebuild(v, path):
         return _returnable(graph, v, where + path)
 
@@ -91,16 +93,25 @@ def _returnable(graph: fx.Graph, value, where="the return value"):
         fields = {f.name: rebuild(getattr(value, f.name), f".{f.name}") for f in dataclasses.fields(value) if f.init}
         bad = [f for f in fields if not is_plain_identifier(f)]
         if bad:
-            raise FxtoolsError(f"{where} is a {type(value).__qualname__} with a field named {bad[0]!r}, "
-                               "which fxtools cannot write as a keyword argument")
+            raise FxtoolsError(
+                f"{where} is a {type(value).__qualname__} with a field named {bad[0]!r}, "
+                "which fxtools cannot write as a keyword argument"
+            )
         return graph.call_function(type(value), (), fields)
     if isinstance(value, (slice, range, type(...), torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return value
     return plain_literal(value, where)
 
 
-def assemble(flat: fx.GraphModule, arg_names: list[str], args: tuple, tensor_leaf: list[bool],
-             leaf_names: list[str], build_output, extra_args=()) -> fx.GraphModule:
+def assemble(
+    flat: fx.GraphModule,
+    arg_names: list[str],
+    args: tuple,
+    tensor_leaf: list[bool],
+    leaf_names: list[str],
+    build_output,
+    extra_args=(),
+) -> fx.GraphModule:
     """Wrap ``flat`` (placeholders: tensor leaves of ``args`` then ``extra_args``' leaves).
 
     ``extra_args`` is a list of ``(name, example)`` appended to the signature (cotangents);

@@ -15,6 +15,7 @@ a GraphModule without it is drawn in one colour. The picture is laid out by Grap
 ``pydot`` (``pip install 'fxtools[draw]'``) and the ``dot`` program (``apt-get install
 graphviz``). The returned string is SVG text that notebooks display as a picture.
 """
+
 from __future__ import annotations
 
 import html
@@ -42,15 +43,35 @@ COLORS = {
     "output": ("#ffffff", "#333333"),
     "other": ("#d9ead3", "#6aa84f"),  # a GraphModule without part metadata
 }
-_LEGEND = {"forward": "forward", "backward": "backward", "recompute": "recomputed in the backward",
-           "saved": "saved for the backward"}
+_LEGEND = {
+    "forward": "forward",
+    "backward": "backward",
+    "recompute": "recomputed in the backward",
+    "saved": "saved for the backward",
+}
 _FONT = "Helvetica,Arial,sans-serif"
 
-_SYMBOLS = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
-            operator.floordiv: "//", operator.matmul: "@", operator.pow: "**", operator.neg: "-x",
-            operator.mod: "%", operator.lt: "<", operator.le: "<=", operator.gt: ">", operator.ge: ">=",
-            operator.eq: "==", operator.ne: "!=", operator.and_: "&", operator.or_: "|",
-            operator.invert: "~", operator.xor: "^"}
+_SYMBOLS = {
+    operator.add: "+",
+    operator.sub: "-",
+    operator.mul: "*",
+    operator.truediv: "/",
+    operator.floordiv: "//",
+    operator.matmul: "@",
+    operator.pow: "**",
+    operator.neg: "-x",
+    operator.mod: "%",
+    operator.lt: "<",
+    operator.le: "<=",
+    operator.gt: ">",
+    operator.ge: ">=",
+    operator.eq: "==",
+    operator.ne: "!=",
+    operator.and_: "&",
+    operator.or_: "|",
+    operator.invert: "~",
+    operator.xor: "^",
+}
 
 
 class DrawError(FxtoolsError):
@@ -68,15 +89,18 @@ def _pydot():
     try:
         import pydot
     except ImportError:
-        raise DrawError("fxtools.draw needs pydot and Graphviz: pip install 'fxtools[draw]' (or pip install "
-                        "pydot), and the dot program (apt-get install graphviz, brew install graphviz or "
-                        "conda install graphviz)") from None
+        raise DrawError(
+            "fxtools.draw needs pydot and Graphviz: pip install 'fxtools[draw]' (or pip install "
+            "pydot), and the dot program (apt-get install graphviz, brew install graphviz or "
+            "conda install graphviz)"
+        ) from None
     return pydot
 
 
 # ---------------------------------------------------------------------------------------------
 # Labels
 # ---------------------------------------------------------------------------------------------
+
 
 def op_name(node: fx.Node) -> str:
     """A short name for what ``node`` computes: ``linear``, ``*``, ``.view``, ``[2]``."""
@@ -115,6 +139,7 @@ def _node_label(node: fx.Node, part: str) -> str:
 # Building the Graphviz graph
 # ---------------------------------------------------------------------------------------------
 
+
 def _is_unpacking(node: fx.Node) -> bool:
     """A placeholder or an item extracted from one (``fc1_weight = params['fc1.weight']``)."""
     while node.op == "call_function" and node.target in (operator.getitem, getattr):
@@ -129,10 +154,18 @@ class _Picture:
 
     def __init__(self, title: str | None):
         self.pydot = _pydot()
-        self.dot = self.pydot.Dot(graph_type="digraph", rankdir="TB", nodesep="0.25", ranksep="0.35",
-                                  fontname=_FONT, label=html.escape(title or "").replace("\\", "\\\\"), labelloc="t")
-        self.dot.set_node_defaults(shape="box", style="rounded,filled", fontname=_FONT, fontsize="11",
-                                   margin="0.12,0.04", height="0.3")
+        self.dot = self.pydot.Dot(
+            graph_type="digraph",
+            rankdir="TB",
+            nodesep="0.25",
+            ranksep="0.35",
+            fontname=_FONT,
+            label=html.escape(title or "").replace("\\", "\\\\"),
+            labelloc="t",
+        )
+        self.dot.set_node_defaults(
+            shape="box", style="rounded,filled", fontname=_FONT, fontsize="11", margin="0.12,0.04", height="0.3"
+        )
         self.dot.set_edge_defaults(color="#555555", arrowsize="0.6")
         self.clusters = {}
         self.parts = set()
@@ -140,8 +173,9 @@ class _Picture:
     def cluster(self, name: str, label: str):
         if name not in self.clusters:
             fill = {"forward": "#f3f8fd", "backward": "#fef8f1", "saved": "#fffbea"}.get(name, "#ffffff")
-            sub = self.pydot.Cluster(name, label=label, style="rounded,filled", fillcolor=fill,
-                                     color="#cccccc", fontname=_FONT, fontsize="12")
+            sub = self.pydot.Cluster(
+                name, label=label, style="rounded,filled", fillcolor=fill, color="#cccccc", fontname=_FONT, fontsize="12"
+            )
             self.dot.add_subgraph(sub)
             self.clusters[name] = sub
         return self.clusters[name]
@@ -165,12 +199,14 @@ class _Picture:
         self.dot.add_edge(self.pydot.Edge(a, b, **attrs))
 
     def legend(self):
-        cells = "".join(f'<td bgcolor="{COLORS[p][0]}" border="1" color="{COLORS[p][1]}">'
-                        f"{html.escape(text)}</td>" for p, text in _LEGEND.items() if p in self.parts)
+        cells = "".join(
+            f'<td bgcolor="{COLORS[p][0]}" border="1" color="{COLORS[p][1]}">{html.escape(text)}</td>'
+            for p, text in _LEGEND.items()
+            if p in self.parts
+        )
         if cells:
             table = f'<<table border="0" cellspacing="4" cellpadding="4"><tr>{cells}</tr></table>>'
-            self.dot.add_node(self.pydot.Node("legend", shape="plaintext", style="", label=table,
-                                              fontsize="10", id="legend"))
+            self.dot.add_node(self.pydot.Node("legend", shape="plaintext", style="", label=table, fontsize="10", id="legend"))
 
 
 def _container(node: fx.Node) -> bool:
@@ -178,8 +214,9 @@ def _container(node: fx.Node) -> bool:
     val = node.meta.get("val")
     if val is not None:
         return not isinstance(val, torch.Tensor)
-    return all(u.op == "call_function" and u.target in (operator.getitem, getattr) and u.args[0] is node
-               for u in node.users)  # (an unused argument without a shape is a specialised Python value)
+    return all(
+        u.op == "call_function" and u.target in (operator.getitem, getattr) and u.args[0] is node for u in node.users
+    )  # (an unused argument without a shape is a specialised Python value)
 
 
 def _part_of(node: fx.Node, known: dict, marked: bool) -> str:
@@ -273,7 +310,7 @@ def _draw_split(pic: _Picture, s) -> None:
     fw_out = next(n for n in fw.graph.nodes if n.op == "output")
     out_value, saved_nodes = fw_out.args[0]
     bw_ph = [n for n in bw.graph.nodes if n.op == "placeholder"]
-    saved_ph = bw_ph[:len(s.saved)]
+    saved_ph = bw_ph[: len(s.saved)]
     total = f"{s.saved_bytes:,} B" if hasattr(s, "saved_bytes") else ""
     saved_cluster = pic.cluster("saved", f"saved: {len(s.saved)} tensors, {total} beyond the inputs")
 
@@ -321,8 +358,10 @@ def render_svg(dot) -> str:
     try:
         data = dot.create_svg()
     except FileNotFoundError:
-        raise DrawError("fxtools.draw needs Graphviz's dot program, which is not on PATH: apt-get install "
-                        "graphviz (Debian, Ubuntu), brew install graphviz (macOS) or conda install graphviz") from None
+        raise DrawError(
+            "fxtools.draw needs Graphviz's dot program, which is not on PATH: apt-get install "
+            "graphviz (Debian, Ubuntu), brew install graphviz (macOS) or conda install graphviz"
+        ) from None
     except AssertionError as exc:  # pydot reports dot's own failures this way
         raise DrawError(f"Graphviz failed: {exc}") from None
     return data.decode("utf-8")

@@ -15,6 +15,7 @@ The module's docstring documents the signature: argument names, the shape and dt
 tensor leaf, the structure of the result, and any fxtools metadata the GraphModule carries in
 ``gm.meta`` (such as a split into forward and backward and the tensors saved between them).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,9 +31,9 @@ import unicodedata
 import torch
 import torch.fx as fx
 
-from . import guards as _guards
 from ..errors import FxtoolsError
 from ..passes.inline import InlineError, inline_submodules
+from . import guards as _guards
 from .naming import identifier, is_plain_identifier, is_taken_name, plain_literal
 from .show import describe
 
@@ -77,8 +78,12 @@ def _import_line(name: str, obj) -> str:
     if isinstance(obj, (bool, int, float, complex, str)) or obj is None:
         return f"{name} = {_literal(obj)}"
     mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if (isinstance(mod, str) and all(map(is_plain_identifier, mod.split("."))) and is_plain_identifier(qual)
-            and is_plain_identifier(name)):
+    if (
+        isinstance(mod, str)
+        and all(map(is_plain_identifier, mod.split(".")))
+        and is_plain_identifier(qual)
+        and is_plain_identifier(name)
+    ):
         _check_importable(mod, name)
         try:
             found = getattr(__import__(mod, fromlist=[qual]), qual)
@@ -88,7 +93,8 @@ def _import_line(name: str, obj) -> str:
             return f"from {mod} import {qual}" + (f" as {name}" if qual != name else "")
     raise ExportError(
         f"the generated code calls {obj!r} (as {name!r}), which is not part of torch or the standard "
-        "library, so a standalone module cannot import it")
+        "library, so a standalone module cannot import it"
+    )
 
 
 def _check_importable(module: str, name: str) -> None:
@@ -96,10 +102,13 @@ def _check_importable(module: str, name: str) -> None:
     if top in ("torch", "math", "operator", "builtins", "functools", "itertools", "collections", "typing"):
         return
     import sys
+
     if top in getattr(sys, "stdlib_module_names", ()):
         return
-    raise ExportError(f"the generated code refers to module {module!r} (as {name!r}); a standalone "
-                      "module may only import torch and the standard library")
+    raise ExportError(
+        f"the generated code refers to module {module!r} (as {name!r}); a standalone "
+        "module may only import torch and the standard library"
+    )
 
 
 def _literal(v) -> str:
@@ -141,6 +150,7 @@ def _tensor_literal(t: torch.Tensor) -> str:
 # The docstring: signature, shapes, metadata
 # ---------------------------------------------------------------------------------------------
 
+
 def _leaf_descriptions(placeholder: fx.Node) -> list[str]:
     """``params['fc1.weight']: f32[8, 4]`` for every leaf the code extracts from ``placeholder``."""
     own = describe(placeholder.meta.get("val"))
@@ -149,8 +159,11 @@ def _leaf_descriptions(placeholder: fx.Node) -> list[str]:
     out = []
 
     def walk(node, text):
-        getters = [u for u in node.users if u.op == "call_function" and u.args and u.args[0] is node
-                   and u.target in (operator.getitem, getattr)]
+        getters = [
+            u
+            for u in node.users
+            if u.op == "call_function" and u.args and u.args[0] is node and u.target in (operator.getitem, getattr)
+        ]
         if not getters:
             desc = describe(node.meta.get("val"))
             if node is not placeholder and desc:
@@ -214,6 +227,7 @@ def _plain(v, depth=0) -> bool:
 # Code: annotate with shapes, keep FX's frees
 # ---------------------------------------------------------------------------------------------
 
+
 def _annotate(src: str, graph: fx.Graph) -> str:
     by_name = {n.name: n for n in graph.nodes}
     lines = []
@@ -268,6 +282,7 @@ class _Function:
                     values[flat] = value
                 node.target = ids[id(value)]
         from .render import check_code_data
+
         check_code_data(graph)  # no text from user data but identifiers and literals
         self.graph = graph
         code = graph.python_code(root_module=ns)
@@ -287,12 +302,15 @@ class _Function:
         m = re.search(rf"^def {self.fname}\(.*\):[^\n]*$", self.src, flags=re.M)
         if m is None:
             raise ExportError(f"unexpected code layout: no `def {self.fname}(...)` line")
-        self.src = self.src[:m.end()] + "\n" + line + self.src[m.end():]
+        self.src = self.src[: m.end()] + "\n" + line + self.src[m.end() :]
 
     def doc(self) -> list[str]:
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-        lines = [f"{self.fname}({', '.join(n.name for n in placeholders)})", "",
-                 "Arguments (tensor leaves, as the code indexes them):"]
+        lines = [
+            f"{self.fname}({', '.join(n.name for n in placeholders)})",
+            "",
+            "Arguments (tensor leaves, as the code indexes them):",
+        ]
         for ph in placeholders:
             lines += [f"    {d}" for d in _leaf_descriptions(ph)] or [f"    {ph.name}: (not a tensor)"]
         lines += ["", "Returns:", f"    {_result_description(self.graph)}"]
@@ -309,8 +327,7 @@ def _functions_of(obj):
     if all(hasattr(obj, a) for a in ("forward", "backward", "saved", "report")):  # fxtools.Split
         with contextlib.redirect_stdout(io.StringIO()):  # report() also prints
             report = str(obj.report())
-        notes = ["forward(*inputs) -> (out, saved); backward(*saved, *cotangents) -> grads", "",
-                 *report.rstrip().splitlines()]
+        notes = ["forward(*inputs) -> (out, saved); backward(*saved, *cotangents) -> grads", "", *report.rstrip().splitlines()]
         return [("forward", obj.forward), ("backward", obj.backward)], notes
     raise TypeError(f"save takes a GraphModule or an fxtools.split result, not {type(obj).__name__}")
 
@@ -328,8 +345,12 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
     if not path.endswith(".py"):
         raise ValueError(f"save writes a Python module; the path must end in .py, not {path!r}")
     pairs, notes = _functions_of(gm)
-    taken = {n.name for _, g in pairs for n in g.graph.nodes} | {"torch", "os", "math", "dataclasses"} \
-        | {f for f, _ in pairs} | set(_RUNTIME_NAMES)
+    taken = (
+        {n.name for _, g in pairs for n in g.graph.nodes}
+        | {"torch", "os", "math", "dataclasses"}
+        | {f for f, _ in pairs}
+        | set(_RUNTIME_NAMES)
+    )
     ns = _fresh_name("constants", taken)
     values, ids = {}, {}
     functions = [_Function(g, fname, ns, values, ids) for fname, g in pairs]
@@ -372,23 +393,26 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
     for fn in functions:
         doc += fn.doc() + [""]
     if guarded:
-        doc += [f"{', '.join(fn.fname for fn in guarded)} first check{'s' if len(guarded) == 1 else ''} "
-                "that the arguments are what the code was made for (structure, sizes, dtypes, devices, "
-                "Python values: the guards at the end of this file) and raise InputMismatch otherwise.", ""]
+        doc += [
+            f"{', '.join(fn.fname for fn in guarded)} first check{'s' if len(guarded) == 1 else ''} "
+            "that the arguments are what the code was made for (structure, sizes, dtypes, devices, "
+            "Python values: the guards at the end of this file) and raise InputMismatch otherwise.",
+            "",
+        ]
     if targets:
         doc += [f"Constants ({ns}.<name>): " + ", ".join(f"{t} {describe(values[t])}" for t in targets)]
         if stored:
             doc += [f"stored in {os.path.basename(path)[:-3]}.pt beside this file (torch.save)"]
         doc += [""]
-    doc += [f"Written {datetime.date.today().isoformat()} with torch {torch.__version__}; "
-            "needs only torch to run."]
+    doc += [f"Written {datetime.date.today().isoformat()} with torch {torch.__version__}; needs only torch to run."]
     doc_text = "\n".join(doc).replace('"""', "'''").replace("\\", "\\\\")
 
     parts = [f'"""{doc_text}\n"""', "\n".join(imports), ""]
     if stored:
         pt_name = os.path.basename(path)[:-3] + ".pt"
-        parts.append(f"_stored = torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "
-                     f"{pt_name!r}), weights_only=True)")
+        parts.append(
+            f"_stored = torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), {pt_name!r}), weights_only=True)"
+        )
         parts.append("")
     if values:
         parts += ["", f"class {ns}:", '    """The tensor constants the code reads (buffers are updated in place)."""']

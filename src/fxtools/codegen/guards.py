@@ -62,6 +62,7 @@ the same call.
 ``torch.utils._pytree.tree_flatten`` of the example (``fxtools.split``'s placeholder order), so
 checking and flattening are one walk. ``fxtools.compile`` picks its cached graphs with it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -78,8 +79,7 @@ from torch.utils import _pytree as pytree
 from ..errors import FxtoolsError
 from .naming import plain_literal
 
-__all__ = ["InputMismatch", "Sym", "Leaf", "Node", "Guards", "GuardedGraphModule", "build", "install",
-           "runtime_source", "render"]
+__all__ = ["InputMismatch", "Sym", "Leaf", "Node", "Guards", "GuardedGraphModule", "build", "install", "runtime_source", "render"]
 
 
 class InputMismatch(FxtoolsError, ValueError):
@@ -88,9 +88,11 @@ class InputMismatch(FxtoolsError, ValueError):
 
 # ---- runtime (begin): copied verbatim into modules written by fxtools.save; torch and dataclasses only ----
 
+
 @dataclasses.dataclass(frozen=True)
 class Sym:
     """A symbolic size: any value in [min, max] (max None: unbounded); equal wherever the name recurs."""
+
     name: str
     min: int = 0
     max: int | None = None
@@ -99,6 +101,7 @@ class Sym:
 @dataclasses.dataclass
 class Leaf:
     """What one leaf of the arguments must be (see the fxtools.codegen.guards docstring)."""
+
     path: str
     kind: str
     sizes: tuple = ()
@@ -112,6 +115,7 @@ class Leaf:
 @dataclasses.dataclass
 class Node:
     """A container the module indexes: kind "dict", "list", "tuple" or "attrs"."""
+
     path: str
     kind: str
     type_name: str
@@ -119,8 +123,7 @@ class Node:
     children: tuple
 
 
-_HOW = ("Its code is specialised to the arguments it was made for: generate the module again "
-        "with an example like this one")
+_HOW = "Its code is specialised to the arguments it was made for: generate the module again with an example like this one"
 
 
 def _desc(sizes, dtype=None, device=None):
@@ -163,8 +166,9 @@ def _snapshot(obj, depth=0):
 
 def _same(a, b):
     """Python values as the code saw them: same type, and floats bitwise (NaN == NaN, -0.0 != 0.0)."""
-    if type(a) is not type(b) and not (isinstance(a, float) and isinstance(b, float)
-                                       and not isinstance(a, bool) and not isinstance(b, bool)):
+    if type(a) is not type(b) and not (
+        isinstance(a, float) and isinstance(b, float) and not isinstance(a, bool) and not isinstance(b, bool)
+    ):
         return False
     if isinstance(a, float):
         return (a == b and repr(a) == repr(b)) or (a != a and b != b)  # repr: -0.0 is not 0.0
@@ -185,6 +189,7 @@ def _equal(a, b):
 @dataclasses.dataclass
 class Guards:
     """What a generated module accepts: one spec (Node or Leaf) per positional argument."""
+
     made_by: str
     names: tuple
     args: tuple
@@ -193,9 +198,11 @@ class Guards:
         """Raise InputMismatch unless ``args`` (a tuple) is what the module was made for;
         return the tensor leaves, in pytree flattening order."""
         if len(args) != len(self.args):
-            self.fail(f"it takes {len(self.args)} argument{'s' if len(self.args) != 1 else ''} "
-                      f"({', '.join(self.names)}), got {len(args)}",
-                      "Pass exactly the arguments it was made for.")
+            self.fail(
+                f"it takes {len(self.args)} argument{'s' if len(self.args) != 1 else ''} "
+                f"({', '.join(self.names)}), got {len(args)}",
+                "Pass exactly the arguments it was made for.",
+            )
         tensors, bound = [], {}
         for spec, value in zip(self.args, args):
             self._walk(spec, value, tensors, bound, layout)
@@ -206,50 +213,60 @@ class Guards:
 
     def _walk(self, spec, value, tensors, bound, layout):
         if type(spec) is Leaf:
-            if spec.kind == "tensor" or spec.kind == "optional" and value is not None:
+            if spec.kind == "tensor" or (spec.kind == "optional" and value is not None):
                 if not isinstance(value, torch.Tensor):
-                    self._leaf_fail(spec, f"{spec.path} is {_got(value)}, but the module was made for a tensor "
-                                          f"{_desc(spec.sizes, spec.dtype, spec.device)}")
+                    self._leaf_fail(
+                        spec,
+                        f"{spec.path} is {_got(value)}, but the module was made for a tensor "
+                        f"{_desc(spec.sizes, spec.dtype, spec.device)}",
+                    )
                 if value.shape != spec.sizes:
                     self._sizes(spec, value, bound)
                 if value.dtype != spec.dtype:
-                    self._leaf_fail(spec, f"{spec.path} has dtype {str(value.dtype).replace('torch.', '')}, but the "
-                                          f"module was made for {str(spec.dtype).replace('torch.', '')}",
-                                    f"Convert it with .to({spec.dtype}), or generate the module again with an "
-                                    "example of this dtype (dtypes are fixed in the generated code).")
-                if spec.device is not None and not (value.is_cpu if spec.device == "cpu" else
-                                                    value.device.type == spec.device):
-                    self._leaf_fail(spec, f"{spec.path} is on {value.device.type}, but the module was made for "
-                                          f"{spec.device} tensors",
-                                    f"Move it with .to('{spec.device}'), or generate the module again with an "
-                                    "example on this device.")
+                    self._leaf_fail(
+                        spec,
+                        f"{spec.path} has dtype {str(value.dtype).replace('torch.', '')}, but the "
+                        f"module was made for {str(spec.dtype).replace('torch.', '')}",
+                        f"Convert it with .to({spec.dtype}), or generate the module again with an "
+                        "example of this dtype (dtypes are fixed in the generated code).",
+                    )
+                if spec.device is not None and not (value.is_cpu if spec.device == "cpu" else value.device.type == spec.device):
+                    self._leaf_fail(
+                        spec,
+                        f"{spec.path} is on {value.device.type}, but the module was made for {spec.device} tensors",
+                        f"Move it with .to('{spec.device}'), or generate the module again with an example on this device.",
+                    )
                 if layout and spec.layout is not None:
                     self._layout(spec, value)
                 tensors.append(value)
             elif spec.kind == "scalar":
                 if not _same(value, spec.value):
-                    made = f"{spec.path} = {spec.value!r}" + (f" (a Python {type(spec.value).__name__})"
-                                                              if type(value) is not type(spec.value) else "")
-                    self.fail(f"{spec.path} is {_got(value)}, but the module was made with {made}, a value its "
-                              "code uses as a constant",
-                              f"Generate the module again with {spec.path} = {value!r} (or with a 0-dim tensor "
-                              "there, which makes the value an input of the generated code).")
+                    made = f"{spec.path} = {spec.value!r}" + (
+                        f" (a Python {type(spec.value).__name__})" if type(value) is not type(spec.value) else ""
+                    )
+                    self.fail(
+                        f"{spec.path} is {_got(value)}, but the module was made with {made}, a value its code uses as a constant",
+                        f"Generate the module again with {spec.path} = {value!r} (or with a 0-dim tensor "
+                        "there, which makes the value an input of the generated code).",
+                    )
             elif spec.kind == "none":
                 # a cotangent where the output carries no gradient (integer indices, ``ceil``) is
                 # ignored, as torch.func.vjp ignores it: None or a tensor
                 if value is not None and not (spec.role and isinstance(value, torch.Tensor)):
-                    self._leaf_fail(spec, f"{spec.path} must be None (the module was made with None there), "
-                                          f"got {_got(value)}")
+                    self._leaf_fail(spec, f"{spec.path} must be None (the module was made with None there), got {_got(value)}")
             elif spec.kind == "state":
                 if not _same(_snapshot(value), spec.value):
-                    self.fail(f"{spec.path} is a {type(value).__name__} whose attributes differ from those of the "
-                              f"example the module was made with ({spec.value!r}); its code uses them as constants")
+                    self.fail(
+                        f"{spec.path} is a {type(value).__name__} whose attributes differ from those of the "
+                        f"example the module was made with ({spec.value!r}); its code uses them as constants"
+                    )
             elif spec.kind == "type":
                 if type(value).__name__ != spec.value:
                     self.fail(f"{spec.path} is {_got(value)}, but the module was made for a {spec.value}")
             elif not _equal(value, spec.value):
-                self.fail(f"{spec.path} is {value!r}, but the module was made with {spec.value!r}, which its "
-                          "code is specialised to")
+                self.fail(
+                    f"{spec.path} is {value!r}, but the module was made with {spec.value!r}, which its code is specialised to"
+                )
             return
         kind = spec.kind
         if kind == "dict":
@@ -273,47 +290,65 @@ class Guards:
     def _sizes(self, spec, value, bound):
         shape = tuple(value.shape)
         if len(shape) != len(spec.sizes):
-            self._leaf_fail(spec, f"{spec.path} has {len(shape)} dimension{'s' if len(shape) != 1 else ''} "
-                                  f"(shape {_desc(shape)}), but the module was made for shape {_desc(spec.sizes)}")
+            self._leaf_fail(
+                spec,
+                f"{spec.path} has {len(shape)} dimension{'s' if len(shape) != 1 else ''} "
+                f"(shape {_desc(shape)}), but the module was made for shape {_desc(spec.sizes)}",
+            )
         for d, (got, want) in enumerate(zip(shape, spec.sizes)):
             if isinstance(want, Sym):
                 lo, hi = want.min, want.max
                 if got < lo or (hi is not None and got > hi):
-                    self.fail(f"{spec.path}.size({d}) is {got}, outside the range [{lo}, "
-                              f"{'inf' if hi is None else hi}] of the dynamic size {want.name} the module was made "
-                              "with", f"Generate the module again with a range that includes {got} "
-                              f"(torch.export.Dim({want.name!r}, min=..., max=...)).")
+                    self.fail(
+                        f"{spec.path}.size({d}) is {got}, outside the range [{lo}, "
+                        f"{'inf' if hi is None else hi}] of the dynamic size {want.name} the module was made "
+                        "with",
+                        f"Generate the module again with a range that includes {got} "
+                        f"(torch.export.Dim({want.name!r}, min=..., max=...)).",
+                    )
                 first = bound.setdefault(want.name, (got, spec.path, d))
                 if first[0] != got:
-                    self.fail(f"{spec.path}.size({d}) is {got}, but {first[1]}.size({first[2]}) is {first[0]}; "
-                              f"both are the dynamic size {want.name}, which must be equal in every argument "
-                              "where the module was made with it", "Pass arguments whose sizes agree.")
+                    self.fail(
+                        f"{spec.path}.size({d}) is {got}, but {first[1]}.size({first[2]}) is {first[0]}; "
+                        f"both are the dynamic size {want.name}, which must be equal in every argument "
+                        "where the module was made with it",
+                        "Pass arguments whose sizes agree.",
+                    )
             elif got != want:
-                self._leaf_fail(spec, f"{spec.path}.size({d}) is {got}, but the module was made for {want} "
-                                      f"({spec.path}: made for shape {_desc(spec.sizes)}, got {_desc(shape)})",
-                                f"Sizes are constants in the generated code: generate the module again with an "
-                                f"example of this shape, or make this size symbolic by marking it dynamic "
-                                f"(dynamic_shapes=, with torch.export.Dim) when generating the module.")
+                self._leaf_fail(
+                    spec,
+                    f"{spec.path}.size({d}) is {got}, but the module was made for {want} "
+                    f"({spec.path}: made for shape {_desc(spec.sizes)}, got {_desc(shape)})",
+                    "Sizes are constants in the generated code: generate the module again with an "
+                    "example of this shape, or make this size symbolic by marking it dynamic "
+                    "(dynamic_shapes=, with torch.export.Dim) when generating the module.",
+                )
 
     def _layout(self, spec, value):
         if spec.layout == "contiguous":
             if not value.is_contiguous() and not torch._C._functorch.is_batchedtensor(value):
-                self.fail(f"{spec.path} is not contiguous (strides {tuple(value.stride())}), but the module was "
-                          "made for a contiguous tensor and its code uses .view, which relies on the layout",
-                          f"Pass {spec.path}.contiguous(), or generate the module again with an example of this "
-                          "layout.")
+                self.fail(
+                    f"{spec.path} is not contiguous (strides {tuple(value.stride())}), but the module was "
+                    "made for a contiguous tensor and its code uses .view, which relies on the layout",
+                    f"Pass {spec.path}.contiguous(), or generate the module again with an example of this layout.",
+                )
         elif not torch._C._functorch.is_batchedtensor(value) and tuple(value.stride()) != tuple(spec.layout):
-            self.fail(f"{spec.path} has strides {tuple(value.stride())}, but the module was made for strides "
-                      f"{tuple(spec.layout)} and its code uses .view, which relies on the layout",
-                      "Generate the module again with an example of this layout.")
+            self.fail(
+                f"{spec.path} has strides {tuple(value.stride())}, but the module was made for strides "
+                f"{tuple(spec.layout)} and its code uses .view, which relies on the layout",
+                "Generate the module again with an example of this layout.",
+            )
 
     def _leaf_fail(self, spec, problem, fix=None):
         if spec.role:
-            self.fail(f"{problem}; it is {spec.role}, so it must have that value's shape and dtype "
-                      f"({_desc(spec.sizes, spec.dtype)})" if spec.kind == "tensor" else
-                      f"{problem}; it is {spec.role}",
-                      "Pass a value of that shape and dtype (cotangents and tangents are not broadcast, as in "
-                      "torch.autograd)." if spec.kind == "tensor" else "Pass None there.")
+            self.fail(
+                f"{problem}; it is {spec.role}, so it must have that value's shape and dtype ({_desc(spec.sizes, spec.dtype)})"
+                if spec.kind == "tensor"
+                else f"{problem}; it is {spec.role}",
+                "Pass a value of that shape and dtype (cotangents and tangents are not broadcast, as in torch.autograd)."
+                if spec.kind == "tensor"
+                else "Pass None there.",
+            )
         self.fail(problem, fix)
 
     def _node_fail(self, spec, value):
@@ -323,16 +358,21 @@ class Guards:
             if isinstance(value, dict):
                 missing = [k for k in spec.keys if k not in value]
                 extra = [k for k in value if k not in spec.keys]
-                got = "a dict" + (f" without {missing}" if missing else "") + \
-                      (" and" if missing and extra else "") + (f" with the extra keys {extra}" if extra else "")
+                got = (
+                    "a dict"
+                    + (f" without {missing}" if missing else "")
+                    + (" and" if missing and extra else "")
+                    + (f" with the extra keys {extra}" if extra else "")
+                )
         elif spec.kind in ("list", "tuple"):
             want = f"a {spec.kind} of {len(spec.children)} items"
             got = f"a {type(value).__name__} of {len(value)} items" if isinstance(value, (list, tuple)) else _got(value)
         else:
             want, got = f"a {spec.type_name}", _got(value)
-        self.fail(f"{spec.path} must be {want} (the structure the module was made for), got {got}",
-                  "Pass arguments with the structure of the example, or generate the module again with "
-                  "this structure.")
+        self.fail(
+            f"{spec.path} must be {want} (the structure the module was made for), got {got}",
+            "Pass arguments with the structure of the example, or generate the module again with this structure.",
+        )
 
     def leaves(self):
         """Every Leaf, in pytree flattening order."""
@@ -372,6 +412,7 @@ class Guards:
             lines.append(f"  {s.name}: any size in [{s.min}, {'inf' if s.max is None else s.max}]")
         return "\n".join(lines)
 
+
 # ---- runtime (end) ----
 
 
@@ -384,15 +425,14 @@ _LAYOUT_OPS = {"view", "_unsafe_view", "as_strided", "as_strided_", "as_strided_
 
 def uses_strides(*graphs) -> bool:
     """Whether code of these graphs relies on its inputs' strides (``.view``, ``as_strided``)."""
-    return any(_layout_op(node) for g in graphs
-               for node in (g.graph if isinstance(g, fx.GraphModule) else g).nodes)
+    return any(_layout_op(node) for g in graphs for node in (g.graph if isinstance(g, fx.GraphModule) else g).nodes)
 
 
 def stride_sensitive_paths(gm: fx.GraphModule, names) -> set:
     """Paths of the argument leaves whose strides the code relies on: those a ``.view`` (or
     ``as_strided``) in ``gm`` reads, directly or through other ops (a pointwise op keeps its
     input's strides). Placeholders are ``names``; leaves are read by ``[key]`` / ``.attr`` chains."""
-    ph = {n: name for n, name in zip((n for n in gm.graph.nodes if n.op == "placeholder"), names)}
+    ph = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), names))
     seen, stack = set(), []
     for node in gm.graph.nodes:
         if _layout_op(node) and node.args and isinstance(node.args[0], fx.Node):
@@ -407,7 +447,7 @@ def stride_sensitive_paths(gm: fx.GraphModule, names) -> set:
         keys, cur = [], node
         while cur.op == "call_function" and cur.target in (operator.getitem, getattr) and isinstance(cur.args[0], fx.Node):
             key = cur.args[1]
-            keys.append(pytree.GetAttrKey(key) if cur.target is getattr else pytree.MappingKey(key))
+            keys.append(pytree.GetAttrKey(str(key)) if cur.target is getattr else pytree.MappingKey(key))  # type: ignore[type-var]
             cur = cur.args[0]
         if cur in ph:
             paths.add(ph[cur] + pytree.keystr(tuple(reversed(keys))))
@@ -424,8 +464,9 @@ def _layout_op(node) -> bool:
 
 
 def _is_scalar(x) -> bool:
-    return isinstance(x, (bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,
-                          torch.layout)) or (isinstance(x, tuple) and all(map(_is_scalar, x)))
+    return isinstance(x, (bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format, torch.layout)) or (
+        isinstance(x, tuple) and all(map(_is_scalar, x))
+    )
 
 
 def _size_spec(n):
@@ -455,8 +496,7 @@ def _leaf_spec(value, path, layout, role):
         strided = wanted and value.layout == torch.strided
         # cotangents and tangents are traced contiguous (as callers make them)
         lay = None if not strided else "contiguous" if role or value.is_contiguous() else tuple(value.stride())
-        return Leaf(path, "tensor", tuple(_size_spec(n) for n in value.shape), value.dtype, value.device.type, lay,
-                    role=role)
+        return Leaf(path, "tensor", tuple(_size_spec(n) for n in value.shape), value.dtype, value.device.type, lay, role=role)
     if value is None:
         return Leaf(path, "none", role=role)
     if _is_scalar(value):
@@ -476,8 +516,12 @@ def _spec(value, path, layout, role):
     else:
         children, _ = handler.flatten_fn(value)
         keyed = [(pytree.SequenceKey(i), c) for i, c in enumerate(children)]
-    keys = [pytree.MappingKey(plain_literal(k.key, f"the key {k.key!r} of {path or 'an argument'}", key=True))
-            if isinstance(k, pytree.MappingKey) else k for k, _ in keyed]  # never a user repr in code
+    keys = [
+        pytree.MappingKey(plain_literal(k.key, f"the key {k.key!r} of {path or 'an argument'}", key=True))
+        if isinstance(k, pytree.MappingKey)
+        else k
+        for k, _ in keyed
+    ]  # never a user repr in code
     specs = tuple(_spec(c, path + pytree.keystr((k,)), layout, role) for k, (_, c) in zip(keys, keyed))
     name = type(value).__name__
     if isinstance(value, dict) and all(isinstance(k, pytree.MappingKey) for k in keys):
@@ -503,22 +547,26 @@ def build(made_by: str, names, args, *, layout=False, roles=None) -> Guards:
 
 def cotangent_role(out_name="out"):
     """Role texts for a cotangent argument ``grad_out`` shaped like the output ``out``."""
+
     def role(path):
-        rest = path[path.find("["):] if "[" in path else ""
+        rest = path[path.find("[") :] if "[" in path else ""
         return f"the cotangent of {out_name}{rest}"
+
     return role
 
 
 def tangent_role(arg_name):
     def role(path):
-        rest = path[path.find("["):] if "[" in path else ""
+        rest = path[path.find("[") :] if "[" in path else ""
         return f"the tangent of {arg_name}{rest}"
+
     return role
 
 
 # --------------------------------------------------------------------------------------------
 # The module class that checks them
 # --------------------------------------------------------------------------------------------
+
 
 class GuardedGraphModule(fx.GraphModule):
     """A GraphModule whose calls check ``self.guards`` first (``forward`` itself is unchecked)."""
@@ -582,14 +630,17 @@ def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None) -> Gua
 # Writing guards into a standalone module (fxtools.save)
 # --------------------------------------------------------------------------------------------
 
+
 def runtime_source() -> str:
     """The checking code, as written into standalone modules (after an InputMismatch class)."""
     text = inspect.getsource(sys.modules[__name__])
     start = text.index("# ---- runtime (begin)")
     start = text.index("\n", start) + 1
     end = text.index("# ---- runtime (end) ----")
-    return ("class InputMismatch(ValueError):\n"
-            '    """Arguments the module was not made for."""\n\n\n' + text[start:end].strip() + "\n")
+    return (
+        "class InputMismatch(ValueError):\n"
+        '    """Arguments the module was not made for."""\n\n\n' + text[start:end].strip() + "\n"
+    )
 
 
 def _literal(v) -> str:
@@ -620,6 +671,7 @@ def _literal(v) -> str:
 
 def render(guards: Guards, indent: str = "") -> str:
     """Python source that rebuilds ``guards`` with the runtime classes (for fxtools.save)."""
+
     def spec(s, ind):
         if type(s) is Leaf:
             kind, value = s.kind, s.value
@@ -631,12 +683,14 @@ def render(guards: Guards, indent: str = "") -> str:
             else:
                 value_text = _literal(value)
             fields = [repr(s.path), repr(kind)]
-            extra = [("sizes", _literal(tuple(s.sizes)) if s.sizes else None),
-                     ("dtype", str(s.dtype) if s.dtype is not None else None),
-                     ("device", repr(s.device) if s.device is not None else None),
-                     ("layout", repr(s.layout) if s.layout is not None else None),
-                     ("value", value_text if value is not None else None),
-                     ("role", repr(s.role) if s.role else None)]
+            extra = [
+                ("sizes", _literal(tuple(s.sizes)) if s.sizes else None),
+                ("dtype", str(s.dtype) if s.dtype is not None else None),
+                ("device", repr(s.device) if s.device is not None else None),
+                ("layout", repr(s.layout) if s.layout is not None else None),
+                ("value", value_text if value is not None else None),
+                ("role", repr(s.role) if s.role else None),
+            ]
             fields += [f"{k}={v}" for k, v in extra if v is not None]
             return f"{ind}Leaf({', '.join(fields)})"
         inner = ",\n".join(spec(c, ind + "    ") for c in s.children)
@@ -644,4 +698,4 @@ def render(guards: Guards, indent: str = "") -> str:
         return f"{head}\n{inner},\n{ind}))" if s.children else head + "))"
 
     args = ",\n".join(spec(a, indent + "    ") for a in guards.args)
-    return (f"Guards({guards.made_by!r}, {_literal(tuple(guards.names))}, (\n{args},\n{indent}))")
+    return f"Guards({guards.made_by!r}, {_literal(tuple(guards.names))}, (\n{args},\n{indent}))"

@@ -12,6 +12,7 @@ converted by ``plain_literal`` from subclasses and numpy scalars (never through 
 own ``repr``), or as an enum member ``Class.NAME`` whose name is an identifier. Anything else
 is refused with an ``FxtoolsError``.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -24,7 +25,7 @@ import re
 import reprlib
 import unicodedata
 
-from torch.utils._pytree import MappingKey, GetAttrKey, SequenceKey
+from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey
 
 from ..errors import FxtoolsError
 
@@ -56,8 +57,9 @@ def is_taken_name(name: str) -> bool:
 
 def is_plain_identifier(name) -> bool:
     """Whether ``name`` may be written into code as it is: an NFKC-normal identifier, not a keyword."""
-    return (type(name) is str and name.isidentifier() and not keyword.iskeyword(name)
-            and unicodedata.normalize("NFKC", name) == name)
+    return (
+        type(name) is str and name.isidentifier() and not keyword.iskeyword(name) and unicodedata.normalize("NFKC", name) == name
+    )
 
 
 def unique(names: list[str], taken=()) -> list[str]:
@@ -83,8 +85,9 @@ def _candidates(value):
     """Built-in values that ``value`` (a subclass instance or a numpy scalar) may stand for."""
     for base in (bool, int, float, complex, str):
         if isinstance(value, base):
-            yield {bool: bool, int: int.__int__, float: float.__float__, complex: complex.__complex__,
-                   str: str.__str__}[base](value)
+            yield {bool: bool, int: int.__int__, float: float.__float__, complex: complex.__complex__, str: str.__str__}[base](
+                value
+            )
             return
     if hasattr(type(value), "__index__"):
         try:
@@ -111,7 +114,8 @@ def plain_literal(value, where: str, *, key: bool = False):
         "cannot write into generated code: dict keys and constants must be str, int, float, bool, None "
         "(or equal to one, such as a numpy integer), tuples of them, or enum members"
         + (", and a key must equal itself to index a dict (nan does not)" if key else "")
-        + ". Use such values instead (for a key, e.g. str(key)).")
+        + ". Use such values instead (for a key, e.g. str(key))."
+    )
 
 
 _NOT_PLAIN = object()
@@ -165,7 +169,8 @@ def arg_names(f, n: int) -> list[str]:
     """Names of the first n positional parameters of f (falling back to arg0, arg1, ...)."""
     try:
         params = [
-            p for p in inspect.signature(f).parameters.values()
+            p
+            for p in inspect.signature(f).parameters.values()
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
         ]
     except (TypeError, ValueError):

@@ -9,6 +9,7 @@ behaviour on those arguments is the op itself; anything else keeps its ``torch.o
 Last, ``check_code_data`` makes sure the code holds no text from user data other than
 identifiers and plain built-in literals (see ``codegen/naming.py``).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -19,35 +20,65 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..errors import FxtoolsError
-from .naming import SHADOWS, is_plain_identifier, plain_literal, repr_safe
 from ..passes.simplify import is_input_leaf
+from .naming import SHADOWS, is_plain_identifier, plain_literal, repr_safe
 
 aten = torch.ops.aten
 
 _OPERATORS = {
-    aten.add.Tensor: operator.add, aten.sub.Tensor: operator.sub, aten.mul.Tensor: operator.mul,
-    aten.div.Tensor: operator.truediv, aten.matmul.default: operator.matmul,
-    aten.pow.Tensor_Scalar: operator.pow, aten.pow.Tensor_Tensor: operator.pow,
-    aten.neg.default: operator.neg, aten.eq.Tensor: operator.eq, aten.eq.Scalar: operator.eq,
-    aten.ne.Tensor: operator.ne, aten.ne.Scalar: operator.ne, aten.lt.Tensor: operator.lt,
-    aten.lt.Scalar: operator.lt, aten.le.Tensor: operator.le, aten.le.Scalar: operator.le,
-    aten.gt.Tensor: operator.gt, aten.gt.Scalar: operator.gt, aten.ge.Tensor: operator.ge,
-    aten.ge.Scalar: operator.ge, aten.bitwise_not.default: operator.invert,
-    aten.remainder.Tensor: operator.mod, aten.remainder.Scalar: operator.mod,
-    aten.__and__.Tensor: operator.and_, aten.__or__.Tensor: operator.or_, aten.__xor__.Tensor: operator.xor,
-    aten.bitwise_and.Tensor: operator.and_, aten.bitwise_or.Tensor: operator.or_,
+    aten.add.Tensor: operator.add,
+    aten.sub.Tensor: operator.sub,
+    aten.mul.Tensor: operator.mul,
+    aten.div.Tensor: operator.truediv,
+    aten.matmul.default: operator.matmul,
+    aten.pow.Tensor_Scalar: operator.pow,
+    aten.pow.Tensor_Tensor: operator.pow,
+    aten.neg.default: operator.neg,
+    aten.eq.Tensor: operator.eq,
+    aten.eq.Scalar: operator.eq,
+    aten.ne.Tensor: operator.ne,
+    aten.ne.Scalar: operator.ne,
+    aten.lt.Tensor: operator.lt,
+    aten.lt.Scalar: operator.lt,
+    aten.le.Tensor: operator.le,
+    aten.le.Scalar: operator.le,
+    aten.gt.Tensor: operator.gt,
+    aten.gt.Scalar: operator.gt,
+    aten.ge.Tensor: operator.ge,
+    aten.ge.Scalar: operator.ge,
+    aten.bitwise_not.default: operator.invert,
+    aten.remainder.Tensor: operator.mod,
+    aten.remainder.Scalar: operator.mod,
+    aten.__and__.Tensor: operator.and_,
+    aten.__or__.Tensor: operator.or_,
+    aten.__xor__.Tensor: operator.xor,
+    aten.bitwise_and.Tensor: operator.and_,
+    aten.bitwise_or.Tensor: operator.or_,
 }
 _SWAPPED = {aten.rsub.Scalar: operator.sub, aten.rsub.Tensor: operator.sub}  # rsub(x, c) is c - x
 _METHODS = {
-    aten.view.default: "view", aten.expand.default: "expand", aten.contiguous.default: "contiguous",
-    aten._unsafe_view.default: "reshape", aten.to.dtype: "to", aten._to_copy.default: "to",
-    aten.type_as.default: "type_as", aten.new_zeros.default: "new_zeros", aten.new_ones.default: "new_ones",
-    aten.new_full.default: "new_full", aten.new_empty.default: "new_empty", aten.expand_as.default: "expand_as",
-    aten.view_as.default: "view_as", aten.repeat.default: "repeat", aten.unflatten.int: "unflatten",
-    aten.split.Tensor: "split", aten.split_with_sizes.default: "split",
+    aten.view.default: "view",
+    aten.expand.default: "expand",
+    aten.contiguous.default: "contiguous",
+    aten._unsafe_view.default: "reshape",
+    aten.to.dtype: "to",
+    aten._to_copy.default: "to",
+    aten.type_as.default: "type_as",
+    aten.new_zeros.default: "new_zeros",
+    aten.new_ones.default: "new_ones",
+    aten.new_full.default: "new_full",
+    aten.new_empty.default: "new_empty",
+    aten.expand_as.default: "expand_as",
+    aten.view_as.default: "view_as",
+    aten.repeat.default: "repeat",
+    aten.unflatten.int: "unflatten",
+    aten.split.Tensor: "split",
+    aten.split_with_sizes.default: "split",
     aten._conj.default: "conj",  # the lazy conjugate that Tensor.conj() of a complex tensor is
     # sizes and values read back from tensors when they depend on the data (dynamic_shapes.py)
-    aten.sym_size.int: "size", aten.sym_numel.default: "numel", aten._local_scalar_dense.default: "item",
+    aten.sym_size.int: "size",
+    aten.sym_numel.default: "numel",
+    aten._local_scalar_dense.default: "item",
 }
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # at::Reduction as torch.nn.functional spells it
 _REORDERED = {  # aten op -> (public function, positions of the aten arguments in the call)
@@ -64,19 +95,29 @@ def _schema_args(op: torch._ops.OpOverload, args, kwargs):
     """Arguments as (name, value) pairs in schema order, dropping trailing ones equal to their default."""
     schema = op._schema.arguments
     pairs = [(a.name, v) for a, v in zip(schema, args)]
-    pairs += [(a.name, kwargs[a.name] if a.name in kwargs else a.default_value) for a in schema[len(args):]
-              if a.name in kwargs or a.name in _ENUM_DEFAULTS]
+    pairs += [
+        (a.name, kwargs[a.name] if a.name in kwargs else a.default_value)
+        for a in schema[len(args) :]
+        if a.name in kwargs or a.name in _ENUM_DEFAULTS
+    ]
     defaults = {a.name: a.default_value for a in schema if a.has_default_value()}
-    return [(n, v) for n, v in pairs if not (n in defaults and _equal(v, defaults[n]) and n not in _ENUM_DEFAULTS)
-            and not (n in _NOISE and any(v is x for x in _NOISE[n]))], schema
+    return [
+        (n, v)
+        for n, v in pairs
+        if not (n in defaults and _equal(v, defaults[n]) and n not in _ENUM_DEFAULTS)
+        and not (n in _NOISE and any(v is x for x in _NOISE[n]))
+    ], schema
 
 
 def _equal(v, d):
     if isinstance(v, fx.Node) or isinstance(d, fx.Node):
         return False
     try:
-        return type(v) is type(d) and v == d or (v is None and d is None) or (
-            isinstance(v, (int, float)) and isinstance(d, (int, float)) and not isinstance(v, bool) and v == d)
+        return (
+            (type(v) is type(d) and v == d)
+            or (v is None and d is None)
+            or (isinstance(v, (int, float)) and isinstance(d, (int, float)) and not isinstance(v, bool) and v == d)
+        )
     except Exception:  # noqa: BLE001
         return False
 
@@ -95,8 +136,10 @@ def public_alias(fn, namespace, name):
         return fn
     key = (module, name)
     if key not in _ALIASES:
+
         def alias(*args, **kwargs):
             return fn(*args, **kwargs)
+
         alias.__module__, alias.__name__, alias.__qualname__ = module, name, name
         _ALIASES[key] = alias
     return _ALIASES[key]
@@ -113,7 +156,7 @@ def _public_function(op: torch._ops.OpOverload):
         ns, attr = _RENAMED[name]
         return getattr(ns, attr), ns, attr
     candidates = [(ns, name) for ns in _NAMESPACES]
-    candidates = [(ns, name[len(prefix):]) for prefix, ns in _PREFIXED if name.startswith(prefix)] + candidates
+    candidates = [(ns, name[len(prefix) :]) for prefix, ns in _PREFIXED if name.startswith(prefix)] + candidates
     for ns, attr in candidates:
         fn = getattr(ns, attr, None)
         if fn is None or not callable(fn) or isinstance(fn, type):
@@ -196,8 +239,11 @@ def _python_call(target, params, pairs, schema):
         if default is not inspect.Parameter.empty and default is not None and value is not None:
             numeric = (int, float)
             same = type(value) is type(default) or (
-                isinstance(value, numeric) and isinstance(default, numeric)
-                and not isinstance(value, bool) and not isinstance(default, bool))
+                isinstance(value, numeric)
+                and isinstance(default, numeric)
+                and not isinstance(value, bool)
+                and not isinstance(default, bool)
+            )
             if not same:
                 return None
         kwargs[name] = value
@@ -206,8 +252,12 @@ def _python_call(target, params, pairs, schema):
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     for name in list(kwargs):
         # only parameters that may be passed by position (torch.meshgrid's indexing is keyword-only)
-        if (len(args) < len(order) and order[len(args)] == name and params[name].kind in positional
-                and params[order[0]].kind in positional):
+        if (
+            len(args) < len(order)
+            and order[len(args)] == name
+            and params[name].kind in positional
+            and params[order[0]].kind in positional
+        ):
             args.append(kwargs.pop(name))
         else:
             break
@@ -217,8 +267,9 @@ def _python_call(target, params, pairs, schema):
 def _none_in_optional_tensor_list(schema, pairs) -> bool:
     """Whether a ``Tensor?[]`` argument (``index``'s indices) holds a None: only the ATen op accepts it."""
     types = {a.name: str(a.type) for a in schema}
-    return any(types.get(n) == "List[Optional[Tensor]]" and isinstance(v, (list, tuple))
-               and any(i is None for i in v) for n, v in pairs)
+    return any(
+        types.get(n) == "List[Optional[Tensor]]" and isinstance(v, (list, tuple)) and any(i is None for i in v) for n, v in pairs
+    )
 
 
 def _split(kind, target, pairs, positional):
@@ -255,8 +306,15 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-_TORCH_CONSTANTS = (torch.dtype, torch.device, torch.layout, torch.memory_format, torch._ops.OpOverload,
-                    torch._ops.HigherOrderOperator, type(...))
+_TORCH_CONSTANTS = (
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch._ops.OpOverload,
+    torch._ops.HigherOrderOperator,
+    type(...),
+)
 
 
 def _code_value(value, where: str):
@@ -322,8 +380,9 @@ def _devices_from_inputs(gm: fx.GraphModule) -> None:
         if not isinstance(device, torch.device):
             continue
         if device not in found:
-            source = next((n for n in inputs if isinstance(n.meta.get("val"), torch.Tensor)
-                           and n.meta["val"].device == device), None)
+            source = next(
+                (n for n in inputs if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device == device), None
+            )
             if source is None:
                 found[device] = None
                 continue

@@ -6,6 +6,7 @@ as shape-only (``meta``) tensors in the attribute ``gm.fxtools_inputs`` (``remem
 which pickling keeps (and in ``gm.meta``, which ``copy.deepcopy`` keeps); ``propagate_shapes`` runs the graph on FakeTensors of those (or of any
 example arguments) to fill the metadata in again.
 """
+
 from __future__ import annotations
 
 import operator
@@ -18,9 +19,20 @@ from torch.utils import _pytree as pytree
 
 INPUTS_ATTR = "fxtools_inputs"
 
-_SHORT = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
-          torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-          torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128"}
+_SHORT = {
+    torch.float64: "f64",
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "b8",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
+}
 
 
 def describe(val) -> str | None:
@@ -46,8 +58,11 @@ def annotated_code(gm: fx.GraphModule) -> str:
             if desc:
                 line = f"{line.split(';  ')[0]}  # {desc}"
         elif line.lstrip().startswith("def forward"):
-            inputs = [f"{n.name}: {describe(n.meta.get('val'))}" for n in gm.graph.nodes
-                      if n.op == "placeholder" and describe(n.meta.get("val"))]
+            inputs = [
+                f"{n.name}: {describe(n.meta.get('val'))}"
+                for n in gm.graph.nodes
+                if n.op == "placeholder" and describe(n.meta.get("val"))
+            ]
             if inputs:
                 lines.append(line)
                 line = "    # " + ", ".join(inputs)
@@ -68,6 +83,7 @@ def show(gm: fx.GraphModule, file=None) -> None:
 # ---------------------------------------------------------------------------------------------
 # Shapes that survive torch.save
 # ---------------------------------------------------------------------------------------------
+
 
 def _example_of(node: fx.Node):
     """A shape-only stand-in for the value of ``node``, from its metadata and the items read from it."""

@@ -28,6 +28,7 @@ raises ``InputMismatch`` saying which. ``fxtools.compile(..., dynamic=True)`` ma
 > 1 of every input tensor (not the parameters) ``Dim.AUTO``, as ``torch.compile``'s automatic
 dynamic shapes do, and picks its splits by those guards.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -78,21 +79,26 @@ def _complete(arg, spec, where):
     if isinstance(arg, dict) and isinstance(spec, dict):
         unknown = set(spec) - set(arg)
         if unknown:
-            raise SymbolicSizeError(f"dynamic_shapes{where} names {sorted(map(str, unknown))}, which "
-                                    f"the argument{where} does not have (it has {sorted(map(str, arg))})")
+            raise SymbolicSizeError(
+                f"dynamic_shapes{where} names {sorted(map(str, unknown))}, which "
+                f"the argument{where} does not have (it has {sorted(map(str, arg))})"
+            )
         return type(arg)((k, _complete(v, spec.get(k), f"{where}[{k!r}]")) for k, v in arg.items())
     if isinstance(arg, (list, tuple)) and isinstance(spec, (list, tuple)) and not hasattr(arg, "_fields"):
         if len(spec) != len(arg):
-            raise SymbolicSizeError(f"dynamic_shapes{where} has {len(spec)} entries but the argument{where} "
-                                    f"has {len(arg)}")
+            raise SymbolicSizeError(f"dynamic_shapes{where} has {len(spec)} entries but the argument{where} has {len(arg)}")
         return type(arg)(_complete(a, s, f"{where}[{i}]") for i, (a, s) in enumerate(zip(arg, spec)))
     if not isinstance(arg, (dict, list, tuple)):
         if spec is not None:
-            raise SymbolicSizeError(f"dynamic_shapes{where} marks a {type(arg).__name__}; only tensor sizes "
-                                    "can be symbolic (Python numbers are specialised)")
+            raise SymbolicSizeError(
+                f"dynamic_shapes{where} marks a {type(arg).__name__}; only tensor sizes "
+                "can be symbolic (Python numbers are specialised)"
+            )
         return None
-    raise SymbolicSizeError(f"dynamic_shapes{where} is a {type(spec).__name__} but the argument{where} is a "
-                            f"{type(arg).__name__}: nest dynamic_shapes like the argument (or use None)")
+    raise SymbolicSizeError(
+        f"dynamic_shapes{where} is a {type(spec).__name__} but the argument{where} is a "
+        f"{type(arg).__name__}: nest dynamic_shapes like the argument (or use None)"
+    )
 
 
 def _by_name(f, args, dynamic_shapes) -> tuple[dict, inspect.Signature]:
@@ -103,16 +109,19 @@ def _by_name(f, args, dynamic_shapes) -> tuple[dict, inspect.Signature]:
     if isinstance(dynamic_shapes, dict):
         unknown = set(dynamic_shapes) - set(names)
         if unknown:
-            raise SymbolicSizeError(f"dynamic_shapes names {sorted(unknown)}, which are not arguments "
-                                    f"(the arguments are {names})")
+            raise SymbolicSizeError(
+                f"dynamic_shapes names {sorted(unknown)}, which are not arguments (the arguments are {names})"
+            )
         per_arg = [dynamic_shapes.get(n) for n in names]
     elif isinstance(dynamic_shapes, (list, tuple)):
         if len(dynamic_shapes) != len(args):
             raise SymbolicSizeError(f"dynamic_shapes has {len(dynamic_shapes)} entries for {len(args)} arguments")
         per_arg = list(dynamic_shapes)
     else:
-        raise SymbolicSizeError("dynamic_shapes must be a dict by argument name or a tuple by position, "
-                                f"as for torch.export.export (got a {type(dynamic_shapes).__name__})")
+        raise SymbolicSizeError(
+            "dynamic_shapes must be a dict by argument name or a tuple by position, "
+            f"as for torch.export.export (got a {type(dynamic_shapes).__name__})"
+        )
     specs = {n: _complete(a, s, f"[{n!r}]") for n, a, s in zip(names, args, per_arg)}
     params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
     return specs, inspect.Signature(params)
@@ -152,7 +161,7 @@ def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
     return pytree.tree_unflatten(merged, spec), sym
 
 
-def _dim_names(specs, fake_args, signature) -> dict:
+def _dim_names(specs, fake_args, signature) -> tuple[dict, dict]:
     """symbol -> the user's Dim name for each named marked size (``Dim.AUTO`` ones get none),
     and symbol -> the (min, max) that Dim declares."""
     from torch.export.dynamic_shapes import Dim
@@ -173,7 +182,8 @@ def _dim_names(specs, fake_args, signature) -> dict:
                         f"{name}{_path_text(t, arg)}.size({d}) is {size} in the example, but is marked dynamic "
                         f"({label}): torch treats sizes 0 and 1 as static while tracing (broadcasting depends "
                         "on them), as torch.export does. Give an example where this size is at least 2; the "
-                        "module then also serves sizes 0 and 1 within the Dim's range.")
+                        "module then also serves sizes 0 and 1 within the Dim's range."
+                    )
                 if isinstance(dim, Dim) and isinstance(size, torch.SymInt):
                     names.setdefault(size.node.expr, dim.__name__)
                     declared.setdefault(size.node.expr, (dim.min, dim.max))
@@ -201,8 +211,9 @@ def size_text(size) -> str:
     if names:
         import sympy
 
-        expr = expr.xreplace({env.replace(s): sympy.Symbol(n, integer=True, positive=True) for s, n in names.items()
-                              if env.replace(s).is_symbol})
+        expr = expr.xreplace(
+            {env.replace(s): sympy.Symbol(n, integer=True, positive=True) for s, n in names.items() if env.replace(s).is_symbol}
+        )
     return str(expr)
 
 
@@ -243,7 +254,8 @@ def check(sym: Symbolic | None, gm: fx.GraphModule) -> None:
             "have a particular value or to be in a narrower range than declared"
             + (":\n" + "\n".join(found) if found else ".")
             + "\nMark it static, widen or narrow its Dim as torch suggests below, use Dim.AUTO (static "
-            f"wherever the program needs it so), or change the program. torch.export's analysis:\n{exc}") from None
+            f"wherever the program needs it so), or change the program. torch.export's analysis:\n{exc}"
+        ) from None
     finally:
         sym.shape_env.frozen = False  # later passes (simplify) may still reason about sizes
 
@@ -268,8 +280,9 @@ def name_sizes(gm: fx.GraphModule, sym: Symbolic | None) -> None:
 
 
 def _is_size_read(node: fx.Node) -> bool:
-    return (node.op == "call_function" and node.target is torch.ops.aten.sym_size.int) or \
-        (node.op == "call_method" and node.target == "size")
+    return (node.op == "call_function" and node.target is torch.ops.aten.sym_size.int) or (
+        node.op == "call_method" and node.target == "size"
+    )
 
 
 def _range(expr, sym: Symbolic):
@@ -305,7 +318,8 @@ def concrete(cap, examples):
 
     def real(x):
         if isinstance(x, torch._subclasses.FakeTensor) and all(
-                not isinstance(s, torch.SymInt) or s.node.hint is not None for s in x.shape):
+            not isinstance(s, torch.SymInt) or s.node.hint is not None for s in x.shape
+        ):
             shape = [s.node.hint if isinstance(s, torch.SymInt) else s for s in x.shape]
             return torch.empty(shape, dtype=x.dtype)
         return x
@@ -337,8 +351,9 @@ def guard_symbolic(guards, cap, examples) -> None:
         val = value if isinstance(value, torch._subclasses.FakeTensor) else symbolic_of.get(id(value))
         if leaf.kind != "tensor" or val is None:
             continue
-        new = []
+        new: list[int | Sym] | None = []
         for d, expr in enumerate(_sizes(val, sym)):
+            assert new is not None
             if isinstance(expr, int):
                 new.append(expr)
                 continue
@@ -346,8 +361,9 @@ def guard_symbolic(guards, cap, examples) -> None:
                 new = None  # a derived size (2 * s0): the guards cannot say it; keep the static check
                 break
             if expr not in names:
-                names[expr] = next((n for s, n in sym.names.items() if sym.shape_env.replace(s) == expr),
-                                   f"{leaf.path}.size({d})")
+                names[expr] = next(
+                    (n for s, n in sym.names.items() if sym.shape_env.replace(s) == expr), f"{leaf.path}.size({d})"
+                )
             low, high = _range(expr, sym)
             new.append(Sym(names[expr], low, high))
         if new is not None and new != list(leaf.sizes):

@@ -7,6 +7,7 @@ traced through every layer down to torch functions. Forwards that branch on the 
 (BatchNorm checks ``input.dim()``) are traced with shape-only ``meta`` tensors when the graph
 knows the shapes of the call's inputs (``node.meta['val']`` or ``['tensor_meta']``).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -86,8 +87,10 @@ def _graph_of(sub: torch.nn.Module, node: fx.Node):
     except InlineError:
         raise
     except Exception as exc:
-        raise InlineError(f"node {node.name} calls submodule {node.target!r} ({type(sub).__name__}), whose "
-                          f"forward cannot be written as a graph of ops: {type(exc).__name__}: {exc}") from None
+        raise InlineError(
+            f"node {node.name} calls submodule {node.target!r} ({type(sub).__name__}), whose "
+            f"forward cannot be written as a graph of ops: {type(exc).__name__}: {exc}"
+        ) from None
     finally:
         with torch.no_grad():
             for k, b in sub.named_buffers():
@@ -134,8 +137,10 @@ def _inline_one(graph: fx.Graph, node: fx.Node, sub: torch.nn.Module, constants:
                 user.replace_all_uses_with(result[user.args[1]])
                 graph.erase_node(user)
             else:
-                raise InlineError(f"submodule {node.target!r} returns a {type(result).__name__} that "
-                                  f"{user.name} uses whole; only items of it can be inlined")
+                raise InlineError(
+                    f"submodule {node.target!r} returns a {type(result).__name__} that "
+                    f"{user.name} uses whole; only items of it can be inlined"
+                )
     elif node.users:
         raise InlineError(f"submodule {node.target!r} returns {result!r}, not a tensor")
     graph.erase_node(node)

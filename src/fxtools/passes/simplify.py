@@ -32,6 +32,7 @@ Rewrites that are exact: ``x * 1``, ``x / 1`` (also at NaN, inf, -0.0), ``x * -1
 fills (NaN and infinities included: the code says ``x * nan``) computed in the node's dtype op
 by op as PyTorch would, ``sum(x, all dims) -> sum(x)``.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,16 +46,36 @@ from ..dynamic_shapes import broadcasts_into, materialize, same_shape, shape_arg
 
 aten = torch.ops.aten
 
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
-          aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
-          aten.alias.default, aten.flatten.using_ints, aten.detach.default}
+_VIEWS = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.expand.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.unsqueeze.default,
+    aten.alias.default,
+    aten.flatten.using_ints,
+    aten.detach.default,
+}
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _CONVERSIONS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default}
-_CONSTANT_FILLS = {aten.ones_like.default: 1, aten.zeros_like.default: 0, aten.ones.default: 1,
-                   aten.zeros.default: 0, aten.new_ones.default: 1, aten.new_zeros.default: 0}
-_STATEFUL_NORMS = {aten.batch_norm.default, aten.instance_norm.default,
-                   aten._native_batch_norm_legit.default, aten.native_batch_norm.default,
-                   aten._native_batch_norm_legit_functional.default}
+_CONSTANT_FILLS = {
+    aten.ones_like.default: 1,
+    aten.zeros_like.default: 0,
+    aten.ones.default: 1,
+    aten.zeros.default: 0,
+    aten.new_ones.default: 1,
+    aten.new_zeros.default: 0,
+}
+_STATEFUL_NORMS = {
+    aten.batch_norm.default,
+    aten.instance_norm.default,
+    aten._native_batch_norm_legit.default,
+    aten.native_batch_norm.default,
+    aten._native_batch_norm_legit_functional.default,
+}
 
 
 def _val(x):
@@ -63,8 +84,9 @@ def _val(x):
 
 def _same_type(a, b) -> bool:
     va, vb = _val(a), _val(b)
-    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
-            and same_shape(va.shape, vb.shape) and va.dtype == vb.dtype)
+    return (
+        isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and same_shape(va.shape, vb.shape) and va.dtype == vb.dtype
+    )
 
 
 # constant_value's answers while identities() runs. A deep model's residual stream is a chain of
@@ -112,8 +134,7 @@ def _fill_value(node):
         return None if v is None else -v
     if t in _OPS and len(args) == 2 and not node.kwargs and _val(node).is_floating_point():
         a, b = (constant_value(x) if isinstance(x, fx.Node) else x for x in args)
-        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
-                and not isinstance(b, bool):
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and not isinstance(b, bool):
             dtype = _val(node).dtype
             if t is aten.div.Tensor and a not in (0, 1, -1) and not _exact_reciprocal(b, dtype):
                 return None  # CUDA computes fill / b as fill * (1 / b), rounded twice
@@ -124,8 +145,7 @@ def _fill_value(node):
 def _exact_reciprocal(b, dtype) -> bool:
     """``x / b`` equals ``x * (1 / b)`` for every ``x``: ``b`` is a power of two whose reciprocal
     is a normal number of ``dtype`` (CUDA divides by a number through its reciprocal)."""
-    if not dtype.is_floating_point or not _is_number(b) or b == 0 or not math.isfinite(b) \
-            or abs(math.frexp(b)[0]) != 0.5:
+    if not dtype.is_floating_point or not _is_number(b) or b == 0 or not math.isfinite(b) or abs(math.frexp(b)[0]) != 0.5:
         return False
     r = 1 / b
     info = torch.finfo(dtype)
@@ -175,15 +195,26 @@ _KEPT_META = ("stack_trace", "fxtools_part")
 
 
 # The tensor arithmetic that folds numbers, with the Python operator computing it.
-_OPS = {aten.add.Tensor: operator.add, aten.sub.Tensor: operator.sub, aten.mul.Tensor: operator.mul,
-        aten.div.Tensor: operator.truediv}
+_OPS = {
+    aten.add.Tensor: operator.add,
+    aten.sub.Tensor: operator.sub,
+    aten.mul.Tensor: operator.mul,
+    aten.div.Tensor: operator.truediv,
+}
 _BINARY = tuple(_OPS)
-_SCALAR_OVERLOADS = {aten.add.Scalar: aten.add.Tensor, aten.sub.Scalar: aten.sub.Tensor,
-                     aten.mul.Scalar: aten.mul.Tensor, aten.div.Scalar: aten.div.Tensor}
+_SCALAR_OVERLOADS = {
+    aten.add.Scalar: aten.add.Tensor,
+    aten.sub.Scalar: aten.sub.Tensor,
+    aten.mul.Scalar: aten.mul.Tensor,
+    aten.div.Scalar: aten.div.Tensor,
+}
 
 
-_FILL_LIKE = {aten.ones_like.default: aten.new_ones.default, aten.zeros_like.default: aten.new_zeros.default,
-              aten.full_like.default: aten.new_full.default}
+_FILL_LIKE = {
+    aten.ones_like.default: aten.new_ones.default,
+    aten.zeros_like.default: aten.new_zeros.default,
+    aten.full_like.default: aten.new_full.default,
+}
 
 
 # ``x.new_zeros(shape)`` reads only ``x``'s dtype and device: made from an input instead, it
@@ -196,14 +227,25 @@ def _only_shapes_a_fill(node) -> bool:
     value (``grad``'s seed ``ones_like(loss)``, when the loss itself is not returned)."""
     v = node.args[0]
     kwargs_ok = all(k == "pin_memory" and not x for k, x in node.kwargs.items())
-    return (kwargs_ok and isinstance(v, fx.Node) and v.op == "call_function" and set(v.users) == {node}
-            and not is_impure(v) and isinstance(_val(v), torch.Tensor) and _val(v).is_contiguous())
+    return (
+        kwargs_ok
+        and isinstance(v, fx.Node)
+        and v.op == "call_function"
+        and set(v.users) == {node}
+        and not is_impure(v)
+        and isinstance(_val(v), torch.Tensor)
+        and _val(v).is_contiguous()
+    )
 
 
 def is_input_leaf(n: fx.Node) -> bool:
     """A placeholder, or a leaf taken out of one (``params['fc1.weight']``)."""
-    return n.op == "placeholder" or (n.op == "call_function" and n.target is operator.getitem
-                                     and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")
+    return n.op == "placeholder" or (
+        n.op == "call_function"
+        and n.target is operator.getitem
+        and isinstance(n.args[0], fx.Node)
+        and n.args[0].op == "placeholder"
+    )
 
 
 def _input_like(graph, val):
@@ -226,11 +268,17 @@ def _scalar_of_dtype(node) -> bool:
     Divisions need an exact reciprocal (see ``_exact_reciprocal``)."""
     t, x = node.args
     dtype = _val(node).dtype
-    return (isinstance(x, fx.Node) and x.op == "call_function" and x.target is aten.scalar_tensor.default
-            and isinstance(_val(x), torch.Tensor) and _val(x).dtype == dtype
-            and isinstance(_val(t), torch.Tensor) and _val(t).dtype == dtype
-            and _is_number(x.args[0])
-            and (node.target is not aten.div.Tensor or _exact_reciprocal(x.args[0], dtype)))
+    return (
+        isinstance(x, fx.Node)
+        and x.op == "call_function"
+        and x.target is aten.scalar_tensor.default
+        and isinstance(_val(x), torch.Tensor)
+        and _val(x).dtype == dtype
+        and isinstance(_val(t), torch.Tensor)
+        and _val(t).dtype == dtype
+        and _is_number(x.args[0])
+        and (node.target is not aten.div.Tensor or _exact_reciprocal(x.args[0], dtype))
+    )
 
 
 def _rewrite(node: fx.Node, fake_mode):
@@ -276,12 +324,21 @@ def _rewrite(node: fx.Node, fake_mode):
     if t is aten.detach.default:
         return x  # generated code runs without autograd: detach only blocks gradients, already handled
     if t in _VIEWS or t in _CONVERSIONS or t is aten.contiguous.default:
-        if isinstance(x, fx.Node) and _same_type(x, node) and (t not in _CONVERSIONS or _same_device(x, node)) \
-                and (t is not aten.contiguous.default or _val(x).is_contiguous()):
+        if (
+            isinstance(x, fx.Node)
+            and _same_type(x, node)
+            and (t not in _CONVERSIONS or _same_device(x, node))
+            and (t is not aten.contiguous.default or _val(x).is_contiguous())
+        ):
             return x  # contiguous() of a transposed tensor is not a no-op: a later .view needs it
     if t in _RESHAPES and isinstance(x, fx.Node) and x.target in _RESHAPES:
-        return _new(node.graph, node, aten.reshape.default if aten.reshape.default in (t, x.target) else t,
-                    (x.args[0], shape_arg(node, _val(node))), fake_mode)
+        return _new(
+            node.graph,
+            node,
+            aten.reshape.default if aten.reshape.default in (t, x.target) else t,
+            (x.args[0], shape_arg(node, _val(node))),
+            fake_mode,
+        )
     if t is aten.transpose.int and isinstance(x, fx.Node) and x.target is aten.transpose.int:
         nd = _val(x).dim()
         if {a % nd for a in args[1:]} == {a % nd for a in x.args[1:]}:
@@ -358,9 +415,14 @@ def _unexpand_symbolic(node, fake_mode):
     for tensor, e in ((a, b), (b, a)):
         if e is a and node.target not in (aten.add.Tensor, aten.mul.Tensor):
             continue
-        if not (isinstance(e, fx.Node) and e.op == "call_function" and e.target is aten.expand.default
-                and isinstance(tensor, fx.Node) and _same_type(tensor, node)
-                and any(isinstance(n, fx.Node) for n in e.args[1])):
+        if not (
+            isinstance(e, fx.Node)
+            and e.op == "call_function"
+            and e.target is aten.expand.default
+            and isinstance(tensor, fx.Node)
+            and _same_type(tensor, node)
+            and any(isinstance(n, fx.Node) for n in e.args[1])
+        ):
             continue
         source = e.args[0]
         sv = _val(source)
@@ -470,7 +532,7 @@ def cse(gm: fx.GraphModule) -> bool:
 def _mutates(node: fx.Node) -> bool:
     t = node.target
     if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
-        return t._schema.is_mutable or t in _STATEFUL_NORMS and is_impure(node)
+        return t._schema.is_mutable or (t in _STATEFUL_NORMS and is_impure(node))
     return node.op == "call_method" and isinstance(t, str) and t.endswith("_")
 
 
@@ -502,7 +564,7 @@ def output_masks(gm: fx.GraphModule) -> bool:
         if not any(new) or new == [bool(m) for m in mask]:
             continue
         if i < len(node.args):
-            node.args = node.args[:i] + (new,) + node.args[i + 1:]
+            node.args = node.args[:i] + (new,) + node.args[i + 1 :]
         else:
             node.kwargs = {**node.kwargs, "output_mask": new}
         val = node.meta.get("val")
@@ -534,5 +596,8 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
 
 def count_compute_nodes(gm: fx.GraphModule) -> int:
     """Nodes doing work: calls other than getitem, getattr (``x.device``) and placeholder plumbing."""
-    return sum(1 for n in gm.graph.nodes
-               if n.op in ("call_function", "call_method", "call_module") and n.target not in (operator.getitem, getattr))
+    return sum(
+        1
+        for n in gm.graph.nodes
+        if n.op in ("call_function", "call_method", "call_module") and n.target not in (operator.getitem, getattr)
+    )

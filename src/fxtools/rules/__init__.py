@@ -12,6 +12,8 @@ whose backwards call PyTorch's fused backward kernels (see ``fxtools.rule_set``)
 An op with no rule here is covered by ``decompose`` (PyTorch's decomposition into ops that have
 rules) or, failing that, ``derived`` (PyTorch's own derivative formula, traced into code).
 """
+
 from . import linalg, nn, pointwise, reductions, shape  # noqa: F401
+
 # isort: split
 from . import fused  # noqa: F401,E402  (after the families: its rules fall back on theirs)

@@ -5,6 +5,7 @@ the trace of its decomposition (the op's CompositeImplicitAutograd definition, o
 ``torch._decomp``'s table), repeatedly, until every node has a rule. An op with neither gets a
 rule derived from PyTorch's own derivative formula (``rules/derived.py``).
 """
+
 from __future__ import annotations
 
 import operator
@@ -15,10 +16,10 @@ from torch._decomp import decomposition_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import registry
-from ..capture.trace import realize_constants
-from .derived import derived_rule
-from ..errors import FxtoolsError
 from ..capture.functionalize import functionalize
+from ..capture.trace import realize_constants
+from ..errors import FxtoolsError
+from .derived import derived_rule
 
 _MAX_ROUNDS = 20
 
@@ -44,16 +45,21 @@ def _is_float(x) -> bool:
 def _needs_work(node) -> bool:
     """An op with no rule for this call: none at all, or one written for real tensors only called
     with complex ones (PyTorch's decomposition or formula then gives autograd's convention)."""
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and registry.lookup_node(node) is None
-            and not registry.is_nondifferentiable(node.target) and "fxtools_rule" not in node.meta
-            and not _is_size(node.meta.get("val")))
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and registry.lookup_node(node) is None
+        and not registry.is_nondifferentiable(node.target)
+        and "fxtools_rule" not in node.meta
+        and not _is_size(node.meta.get("val"))
+    )
 
 
 def _is_size(val) -> bool:
     """A size (``aten.size``, ``sym_size`` under symbolic sizes): nothing to differentiate."""
     return isinstance(val, (int, torch.SymInt)) or (
-        isinstance(val, (list, tuple)) and bool(val) and all(isinstance(v, (int, torch.SymInt)) for v in val))
+        isinstance(val, (list, tuple)) and bool(val) and all(isinstance(v, (int, torch.SymInt)) for v in val)
+    )
 
 
 def _nondifferentiable_outputs(op, args, kwargs) -> list[int]:

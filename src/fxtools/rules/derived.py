@@ -5,6 +5,7 @@ For an op with no hand-written rule and no decomposition, fxtools traces
 resulting ATen graph becomes the op's backward, so generated code never calls autograd at run
 time.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -14,9 +15,9 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from ..capture.functionalize import functionalize
 from ..capture.trace import data_dependent_error, is_data_dependent, realize_constants
 from ..errors import FxtoolsError, MissingRuleError
-from ..capture.functionalize import functionalize
 from ..registry import Rule
 
 
@@ -43,6 +44,7 @@ def _differentiable(op, flat, spec, diff, out_float, fake_mode):
     """The float arguments autograd accepts as differentiable inputs of ``op`` (a fractional max
     pool's ``random_samples`` is refused) and the float outputs it differentiates (``lu_unpack``'s
     permutation matrix is not), found by running the op on FakeTensors under autograd."""
+
     def run(mask):
         full = [a.detach().requires_grad_(i in mask) if i in diff else a for i, a in enumerate(flat)]
         a, k = pytree.tree_unflatten(full, spec)
@@ -88,7 +90,7 @@ def derived_rule(node: fx.Node) -> Rule | None:
     no_gradient = [False]
 
     def backward(*tensors_and_cts):
-        tensors, cts = tensors_and_cts[: len(tensor_pos)], tensors_and_cts[len(tensor_pos):]
+        tensors, cts = tensors_and_cts[: len(tensor_pos)], tensors_and_cts[len(tensor_pos) :]
         full = list(flat)
         for i, t in zip(tensor_pos, tensors):
             full[i] = t.detach().requires_grad_(i in diff)
@@ -136,7 +138,8 @@ def derived_rule(node: fx.Node) -> Rule | None:
             f"PyTorch's derivative of {op} (called from {user_line_of(node) or 'an unknown line'}) gives "
             "no gradient to any input, though its outputs require grad: the call was probably "
             "specialised to inputs that do not require grad. Register a rule with "
-            "fxtools.register_vjp, or call a differentiable formulation of it.")
+            "fxtools.register_vjp, or call a differentiable formulation of it."
+        )
 
         def no_bwd(aux, ct):
             raise MissingRuleError(message)
@@ -157,8 +160,7 @@ def derived_rule(node: fx.Node) -> Rule | None:
         flat_now, _ = pytree.tree_flatten((a, k))
         cts = ct if isinstance(ct, tuple) else (ct,)
         cts = [cts[i] for i in out_float]
-        cts = [c if c is not None else torch.zeros(out_vals[j].shape, dtype=out_vals[j].dtype)
-               for c, j in zip(cts, out_float)]
+        cts = [c if c is not None else torch.zeros(out_vals[j].shape, dtype=out_vals[j].dtype) for c, j in zip(cts, out_float)]
         grads = bw(*[flat_now[i] for i in tensor_pos], *cts)
         per_flat = [None] * len(flat_now)
         for i, g in zip(diff, grads):

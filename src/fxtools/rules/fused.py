@@ -16,6 +16,7 @@ Second derivatives: ``fxtools.hvp`` and ``fxtools.hessian`` always use the reada
 made with this set can be differentiated again where PyTorch decomposes or differentiates the
 kernel (every kernel here except CPU flash attention's backward).
 """
+
 from __future__ import annotations
 
 import torch
@@ -60,14 +61,20 @@ def gelu(ct, out, x, approximate="none"):
 
 def _kernel_of_input(op, kernel):
     """The rule ``ct, x -> kernel(ct, x)`` (the activations whose kernel reads only the input)."""
+
     @fused(op)
     def rule(ct, out, x):
         return kernel(ct, x)
+
     rule.__name__ = rule.__qualname__ = op.__name__
 
 
-for _op, _kernel in ((aten.silu, aten.silu_backward), (aten.mish, aten.mish_backward),
-                     (aten.hardswish, aten.hardswish_backward), (aten.hardsigmoid, aten.hardsigmoid_backward)):
+for _op, _kernel in (
+    (aten.silu, aten.silu_backward),
+    (aten.mish, aten.mish_backward),
+    (aten.hardswish, aten.hardswish_backward),
+    (aten.hardsigmoid, aten.hardsigmoid_backward),
+):
     _kernel_of_input(_op, _kernel)
 
 
@@ -144,8 +151,7 @@ register_vjp(aten.layer_norm, nn.layer_norm_fwd, layer_norm_bwd, source=FUSED, r
 def native_layer_norm(ct, out, x, normalized_shape, weight, bias, eps):
     if ct[1] is not None or ct[2] is not None:  # cotangents of the statistics: second derivatives
         return nn.native_layer_norm(ct, out, x, normalized_shape, weight, bias, eps)
-    dx, dw, db = aten.native_layer_norm_backward(ct[0], x, normalized_shape, out[1], out[2], weight, bias,
-                                                 _mask(x, weight, bias))
+    dx, dw, db = aten.native_layer_norm_backward(ct[0], x, normalized_shape, out[1], out[2], weight, bias, _mask(x, weight, bias))
     return dx, None, dw, db
 
 
@@ -180,20 +186,50 @@ def _native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, trai
 @fused(aten.native_batch_norm)
 def native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
     training = training or running_mean is None
-    return _native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, training, eps, lambda: nn.native_batch_norm(
-        ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps))
+    return _native_batch_norm(
+        ct,
+        out,
+        x,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        training,
+        eps,
+        lambda: nn.native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps),
+    )
 
 
 @fused(aten._native_batch_norm_legit.default)
 def _native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
-    return _native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, training, eps, lambda: nn._native_batch_norm_legit(
-        ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps))
+    return _native_batch_norm(
+        ct,
+        out,
+        x,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        training,
+        eps,
+        lambda: nn._native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps),
+    )
 
 
 @fused(aten._native_batch_norm_legit.no_stats)
 def _native_batch_norm_legit_no_stats(ct, out, x, weight, bias, training, momentum, eps):
-    return _native_batch_norm(ct, out, x, weight, bias, None, None, True, eps, lambda: nn._native_batch_norm_legit_no_stats(
-        ct, out, x, weight, bias, training, momentum, eps))
+    return _native_batch_norm(
+        ct,
+        out,
+        x,
+        weight,
+        bias,
+        None,
+        None,
+        True,
+        eps,
+        lambda: nn._native_batch_norm_legit_no_stats(ct, out, x, weight, bias, training, momentum, eps),
+    )
 
 
 @fused(aten._native_batch_norm_legit_no_training)
@@ -217,9 +253,19 @@ def _convolution(ct, x, weight, bias, stride, padding, dilation, transposed, out
     if unbatched:
         x, ct = x.unsqueeze(0), ct.unsqueeze(0)
     lists = [nn._tuple(v, nd) for v in (stride, padding, dilation, output_padding)]
-    dx, dw, db = aten.convolution_backward(ct, x, weight, None if bias is None else list(bias.shape),
-                                           lists[0], lists[1], lists[2], transposed, lists[3], groups,
-                                           _mask(x, weight, bias))
+    dx, dw, db = aten.convolution_backward(
+        ct,
+        x,
+        weight,
+        None if bias is None else list(bias.shape),
+        lists[0],
+        lists[1],
+        lists[2],
+        transposed,
+        lists[3],
+        groups,
+        _mask(x, weight, bias),
+    )
     return (dx.squeeze(0) if unbatched else dx), dw, db
 
 
@@ -250,11 +296,10 @@ _MAX_POOL_BACKWARD = {2: aten.max_pool2d_with_indices_backward, 3: aten.max_pool
 
 def _max_pool_rule(op, nd):
     """Max pooling's forward keeps the argmax indices; the kernel routes cotangents through them."""
+
     def fwd(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-        out, indices = nn._MAX_POOL[nd](x, kernel_size, stride or None, padding, dilation, ceil_mode,
-                                        return_indices=True)
-        return out, (x, [nn._tuple(v, nd) for v in (kernel_size, stride or kernel_size, padding, dilation)],
-                     ceil_mode, indices)
+        out, indices = nn._MAX_POOL[nd](x, kernel_size, stride or None, padding, dilation, ceil_mode, return_indices=True)
+        return out, (x, [nn._tuple(v, nd) for v in (kernel_size, stride or kernel_size, padding, dilation)], ceil_mode, indices)
 
     def bwd(aux, ct):
         x, (kernel, stride, padding, dilation), ceil_mode, indices = aux
@@ -289,10 +334,17 @@ def adaptive_avg_pool2d(ct, out, x, output_size):
 
 def _flash_applies(q, k, v, attn_mask, dropout_p):
     """Whether CPU flash attention computes this call: no mask, no dropout, equal head counts."""
-    return (q.device.type == "cpu" and attn_mask is None and dropout_p == 0 and q.dim() == 4
-            and k.shape[:-1] == v.shape[:-1] and q.shape[:2] == k.shape[:2] and q.shape[-1] == v.shape[-1]
-            and q.dtype == k.dtype == v.dtype
-            and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16))
+    return (
+        q.device.type == "cpu"
+        and attn_mask is None
+        and dropout_p == 0
+        and q.dim() == 4
+        and k.shape[:-1] == v.shape[:-1]
+        and q.shape[:2] == k.shape[:2]
+        and q.shape[-1] == v.shape[-1]
+        and q.dtype == k.dtype == v.dtype
+        and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    )
 
 
 def sdpa_fwd(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
@@ -310,8 +362,7 @@ def sdpa_bwd(aux, ct):
     if kind == "readable":
         return nn.sdpa_bwd(aux, ct)
     q, k, v, out, lse, is_causal, scale = aux
-    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(ct, q, k, v, out, lse, 0.0, is_causal,
-                                                                           scale=scale)
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(ct, q, k, v, out, lse, 0.0, is_causal, scale=scale)
     return dq, dk, dv, None
 
 
@@ -322,8 +373,11 @@ register_vjp(aten.scaled_dot_product_attention, sdpa_fwd, sdpa_bwd, source=FUSED
 # losses
 
 
-_NLL = {2: (aten.nll_loss_forward, aten.nll_loss_backward), 1: (aten.nll_loss_forward, aten.nll_loss_backward),
-        4: (aten.nll_loss2d_forward, aten.nll_loss2d_backward)}
+_NLL = {
+    2: (aten.nll_loss_forward, aten.nll_loss_backward),
+    1: (aten.nll_loss_forward, aten.nll_loss_backward),
+    4: (aten.nll_loss2d_forward, aten.nll_loss2d_backward),
+}
 
 
 def cross_entropy_fwd(x, target, weight=None, reduction=MEAN, ignore_index=-100, label_smoothing=0.0):

@@ -11,6 +11,7 @@ convention themselves (``_H``, the conjugate transpose), as does the complex SVD
 and ``slogdet`` rules are written for real matrices: complex ones are differentiated by PyTorch's
 own formulas.
 """
+
 from __future__ import annotations
 
 import string
@@ -98,7 +99,6 @@ def outer(ct, out, a, b):
     return ct @ b, a @ ct
 
 
-
 @vjp_rule(aten.addmm)
 def addmm(ct, out, x, a, b, *, beta=1, alpha=1):
     g = _scale(ct, alpha)
@@ -151,6 +151,7 @@ def linear(ct, out, x, weight, bias=None):
 
 # ----------------------------------------------------------------------------------- einsum
 
+
 def _explicit(equation, shapes):
     """Operand and output subscripts of an einsum, with ``...`` spelled out in fresh letters."""
     equation = equation.replace(" ", "")
@@ -160,7 +161,7 @@ def _explicit(equation, shapes):
     fresh = [c for c in string.ascii_letters if c not in used]
     n_ell = max((len(s) - len(t.replace("...", "")) for t, s in zip(terms, shapes) if "..." in t), default=0)
     ell = "".join(fresh[:n_ell])
-    subs = [t.replace("...", ell[n_ell - (len(s) - len(t.replace("...", ""))):]) for t, s in zip(terms, shapes)]
+    subs = [t.replace("...", ell[n_ell - (len(s) - len(t.replace("...", ""))) :]) for t, s in zip(terms, shapes)]
     if arrow:
         out = rhs.replace("...", ell)
     else:
@@ -249,6 +250,7 @@ def linalg_cross(ct, out, a, b, dim=-1):
 
 # --------------------------------------------------------------------------- matrix functions
 
+
 def _batch_scalar(s):
     return s.unsqueeze(-1).unsqueeze(-1)
 
@@ -256,7 +258,6 @@ def _batch_scalar(s):
 @vjp_rule(aten.linalg_det)
 def linalg_det(ct, out, a):
     return _batch_scalar(ct * out) * _T(torch.linalg.inv(a))
-
 
 
 @vjp_rule(aten.logdet)
@@ -269,7 +270,6 @@ def linalg_slogdet(ct, out, a):
     return None if ct[1] is None else _batch_scalar(ct[1]) * _T(torch.linalg.inv(a))
 
 
-
 @vjp_rule(aten.linalg_inv)
 def linalg_inv(ct, out, a):
     return -_T(out) @ ct @ _T(out)
@@ -278,7 +278,6 @@ def linalg_inv(ct, out, a):
 @vjp_rule(aten.linalg_inv_ex)
 def linalg_inv_ex(ct, out, a, *, check_errors=False):
     return -_T(out[0]) @ ct[0] @ _T(out[0])
-
 
 
 @vjp_rule(aten.linalg_solve)
@@ -297,7 +296,6 @@ def linalg_solve_ex(ct, out, a, b, *, left=True, check_errors=False):
     return linalg_solve(ct[0], out[0], a, b, left=left)
 
 
-
 @vjp_rule(aten.linalg_solve_triangular)
 def linalg_solve_triangular(ct, out, a, b, *, upper, left=True, unitriangular=False):
     gb = torch.linalg.solve_triangular(_T(a), ct, upper=not upper, left=left, unitriangular=unitriangular)
@@ -312,8 +310,7 @@ def triangular_solve(ct, out, b, a, upper=True, transpose=False, unitriangular=F
     x = out[0]
     ga = None
     if gx is not None:
-        gb = torch.linalg.solve_triangular(a if transpose else _T(a), gx, upper=upper == transpose,
-                                           unitriangular=unitriangular)
+        gb = torch.linalg.solve_triangular(a if transpose else _T(a), gx, upper=upper == transpose, unitriangular=unitriangular)
         ga = -(x @ _T(gb) if transpose else gb @ _T(x))
         ga = ga.triu(int(unitriangular)) if upper else ga.tril(-int(unitriangular))
     else:
@@ -389,8 +386,10 @@ def det(ct, out, a):
     return linalg_det(ct, out, a)
 
 
-_SVD_PHASE_MESSAGE = ("svd: the loss depends on the phases of the complex singular vectors, so its "
-                      "derivative is not defined (autograd raises here too)")
+_SVD_PHASE_MESSAGE = (
+    "svd: the loss depends on the phases of the complex singular vectors, so its "
+    "derivative is not defined (autograd raises here too)"
+)
 
 
 @vjp_rule(aten._linalg_svd, complex="complex")
@@ -405,8 +404,10 @@ def _linalg_svd(ct, out, a, full_matrices=False, compute_uv=True, *, driver=None
     if gu is None and gvh is None:
         return u[..., :k] @ (gs.unsqueeze(-1) * vh[..., :k, :]) if m >= n else (u[..., :, :k] * gs.unsqueeze(-2)) @ vh[..., :k, :]
     if full_matrices and m != n:
-        raise NotImplementedError("the derivative of a non-square full_matrices=True SVD's singular vectors "
-                                  "is not defined (autograd refuses it too); use full_matrices=False")
+        raise NotImplementedError(
+            "the derivative of a non-square full_matrices=True SVD's singular vectors "
+            "is not defined (autograd refuses it too); use full_matrices=False"
+        )
 
     def skew(x):
         return x - _H(x)
@@ -416,8 +417,7 @@ def _linalg_svd(ct, out, a, full_matrices=False, compute_uv=True, *, driver=None
     # autograd's check, kept at run time: a loss that depends on the phases has no derivative
     im_u = 0 if uhgu is None else uhgu.diagonal(dim1=-2, dim2=-1).imag
     im_v = 0 if vhgv is None else vhgv.diagonal(dim1=-2, dim2=-1).imag
-    torch._assert_async(((im_u + im_v).abs() <= 1e-2 + 1e-2 * (im_v.abs() if vhgv is not None else 0)).all(),
-                        _SVD_PHASE_MESSAGE)
+    torch._assert_async(((im_u + im_v).abs() <= 1e-2 + 1e-2 * (im_v.abs() if vhgv is not None else 0)).all(), _SVD_PHASE_MESSAGE)
     s2 = s * s
     e = s2.unsqueeze(-2) - s2.unsqueeze(-1) + torch.eye(k, dtype=s.dtype, device=s.device)
     if uhgu is not None and vhgv is not None:

@@ -11,6 +11,7 @@ Conventions used below:
   tensors (``complex="real"``); their complex calls use PyTorch's decompositions (a complex
   convolution is three real ones) or formulas.
 """
+
 from __future__ import annotations
 
 import math
@@ -165,9 +166,16 @@ def _group_norm_grads(ct, x, weight, bias, groups, mean, rstd, ct_mean=None, ct_
     g = ct * weight.view(_channel_shape(x)) if weight is not None else ct
     dx = _normalized_grad(g.reshape(n, groups, -1), xhat, rstd, [-1])
     if ct_mean is not None or ct_rstd is not None:
-        dx = _add(dx, _stats_grad(None if ct_mean is None else ct_mean.reshape(n, groups, 1),
-                                  None if ct_rstd is None else ct_rstd.reshape(n, groups, 1),
-                                  xhat, rstd, xg.shape[-1]))
+        dx = _add(
+            dx,
+            _stats_grad(
+                None if ct_mean is None else ct_mean.reshape(n, groups, 1),
+                None if ct_rstd is None else ct_rstd.reshape(n, groups, 1),
+                xhat,
+                rstd,
+                xg.shape[-1],
+            ),
+        )
     others = [0] + list(range(2, x.dim()))
     dw = (ct * xhat.reshape(x.shape)).sum(others) if weight is not None else None
     db = ct.sum(others) if bias is not None else None
@@ -248,9 +256,16 @@ def _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, 
     if any(c is not None for c in stats):
         shape = _channel_shape(x)
         m, r = mean.view(shape), rstd.view(shape)
-        dx = _add(dx, _stats_grad(None if stats[0] is None else stats[0].view(shape),
-                                  None if stats[1] is None else stats[1].view(shape),
-                                  (x - m) * r, r, x.numel() // x.shape[1]))
+        dx = _add(
+            dx,
+            _stats_grad(
+                None if stats[0] is None else stats[0].view(shape),
+                None if stats[1] is None else stats[1].view(shape),
+                (x - m) * r,
+                r,
+                x.numel() // x.shape[1],
+            ),
+        )
     return dx, dw, db
 
 
@@ -287,13 +302,25 @@ def embedding(ct, out, weight, indices, padding_idx=-1, scale_grad_by_freq=False
     ct = ct.reshape(-1, weight.shape[-1])
     if scale_grad_by_freq:
         counts = torch.zeros(weight.shape[0], dtype=ct.dtype, device=ct.device).index_add(
-            0, flat, torch.ones_like(flat, dtype=ct.dtype))
+            0, flat, torch.ones_like(flat, dtype=ct.dtype)
+        )
         ct = ct / counts[flat].unsqueeze(-1)
     return torch.zeros_like(weight).index_add(0, flat, ct), None
 
 
-def embedding_bag(ct, out, weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
-                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+def embedding_bag(
+    ct,
+    out,
+    weight,
+    indices,
+    offsets,
+    scale_grad_by_freq=False,
+    mode=0,
+    sparse=False,
+    per_sample_weights=None,
+    include_last_offset=False,
+    padding_idx=-1,
+):
     """Bags of embeddings reduced by sum (mode 0), mean (1) or max (2); ``indices`` is 1-D."""
     ct = ct[0]
     if mode == 2:  # each output element came from one row, its argmax (empty bags: none)
@@ -313,7 +340,8 @@ def embedding_bag(ct, out, weight, indices, offsets, scale_grad_by_freq=False, m
         grad = grad * per_sample_weights.unsqueeze(-1)
     if scale_grad_by_freq:
         counts = torch.zeros(weight.shape[0], dtype=ct.dtype, device=ct.device).index_add(
-            0, indices, torch.ones_like(indices, dtype=ct.dtype))
+            0, indices, torch.ones_like(indices, dtype=ct.dtype)
+        )
         grad = grad / counts[indices].unsqueeze(-1)
     grads = [torch.zeros_like(weight).index_add(0, indices, grad), None, None, None, None, None, grad_psw]
     return tuple(grads)
@@ -352,8 +380,10 @@ def _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups, transpos
         dw = _CONV_WEIGHT[nd](ct, weight.shape, x_full, stride, padding, dilation, groups)
     else:
         kernel = weight.shape[2:]
-        extra = [n + 2 * p - (d * (k - 1) + 1) - (o - 1) * s
-                 for n, o, k, s, p, d in zip(x.shape[2:], ct.shape[2:], kernel, stride, padding, dilation)]
+        extra = [
+            n + 2 * p - (d * (k - 1) + 1) - (o - 1) * s
+            for n, o, k, s, p, d in zip(x.shape[2:], ct.shape[2:], kernel, stride, padding, dilation)
+        ]
         dx = _CONV_T[nd](ct, weight, None, stride, padding, extra, groups, dilation)
         dw = _CONV_WEIGHT[nd](x, weight.shape, ct, stride, padding, dilation, groups)
     db = ct.sum([0] + list(range(2, ct.dim()))) if bias is not None else None
@@ -372,8 +402,7 @@ def _conv_string_padding(ct, x, weight, bias, stride, padding, dilation, groups)
     if all(t % 2 == 0 for t in total):
         return _conv_grads(ct, x, weight, bias, stride, left, dilation, groups)
     extra = [n + t % 2 for n, t in zip(x.shape[-nd:], total)]
-    dx, dw, db = _conv_grads(ct, F.pad(x, _right_padding(x.shape[-nd:], extra)), weight, bias, stride, left,
-                             dilation, groups)
+    dx, dw, db = _conv_grads(ct, F.pad(x, _right_padding(x.shape[-nd:], extra)), weight, bias, stride, left, dilation, groups)
     return dx[(...,) + tuple(slice(0, n) for n in x.shape[-nd:])], dw, db
 
 
@@ -437,37 +466,43 @@ def _max_with_indices_rule(op, nd):
     max_pool_with_indices.__name__ = op.__name__
 
 
-for _nd, _op in ((1, aten.max_pool1d_with_indices), (2, aten.max_pool2d_with_indices),
-                 (3, aten.max_pool3d_with_indices), (1, aten.adaptive_max_pool1d),
-                 (2, aten.adaptive_max_pool2d), (3, aten.adaptive_max_pool3d)):
+for _nd, _op in (
+    (1, aten.max_pool1d_with_indices),
+    (2, aten.max_pool2d_with_indices),
+    (3, aten.max_pool3d_with_indices),
+    (1, aten.adaptive_max_pool1d),
+    (2, aten.adaptive_max_pool2d),
+    (3, aten.adaptive_max_pool3d),
+):
     _max_with_indices_rule(_op, _nd)
 
 
 @vjp_rule(aten.avg_pool1d)
 def avg_pool1d(ct, out, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True):
     k, s, p = _tuple(kernel_size, 1), _tuple(stride or kernel_size, 1), _tuple(padding, 1)
-    grad = torch.ops.aten.avg_pool2d_backward(ct.unsqueeze(-2), x.unsqueeze(-2), [1, *k], [1, *s], [0, *p],
-                                              ceil_mode, count_include_pad, None)
+    grad = torch.ops.aten.avg_pool2d_backward(
+        ct.unsqueeze(-2), x.unsqueeze(-2), [1, *k], [1, *s], [0, *p], ceil_mode, count_include_pad, None
+    )
     return grad.squeeze(-2)
 
 
 @vjp_rule(aten.avg_pool2d)
-def avg_pool2d(ct, out, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
-               divisor_override=None):
-    return torch.ops.aten.avg_pool2d_backward(ct, x, kernel_size, stride or kernel_size, padding, ceil_mode,
-                                              count_include_pad, divisor_override)
+def avg_pool2d(ct, out, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return torch.ops.aten.avg_pool2d_backward(
+        ct, x, kernel_size, stride or kernel_size, padding, ceil_mode, count_include_pad, divisor_override
+    )
 
 
 @vjp_rule(aten.avg_pool3d)
-def avg_pool3d(ct, out, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
-               divisor_override=None):
-    return torch.ops.aten.avg_pool3d_backward(ct, x, kernel_size, stride or kernel_size, padding, ceil_mode,
-                                              count_include_pad, divisor_override)
+def avg_pool3d(ct, out, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return torch.ops.aten.avg_pool3d_backward(
+        ct, x, kernel_size, stride or kernel_size, padding, ceil_mode, count_include_pad, divisor_override
+    )
 
 
 def _adaptive_avg_grad(ct, x, nd):
-    spatial = x.shape[x.dim() - nd:]
-    if all(n == 1 for n in ct.shape[ct.dim() - nd:]):  # global average pooling
+    spatial = x.shape[x.dim() - nd :]
+    if all(n == 1 for n in ct.shape[ct.dim() - nd :]):  # global average pooling
         return ct.expand(x.shape) / math.prod(spatial)
     if nd == 1:
         return torch.ops.aten._adaptive_avg_pool2d_backward(ct.unsqueeze(-2), x.unsqueeze(-2)).squeeze(-2)
@@ -484,8 +519,13 @@ def _adaptive_avg_rule(op, nd):
     vjp_rule(op)(adaptive_avg_pool)
 
 
-for _nd, _op in ((1, aten.adaptive_avg_pool1d), (2, aten.adaptive_avg_pool2d), (2, aten._adaptive_avg_pool2d),
-                 (3, aten.adaptive_avg_pool3d), (3, aten._adaptive_avg_pool3d)):
+for _nd, _op in (
+    (1, aten.adaptive_avg_pool1d),
+    (2, aten.adaptive_avg_pool2d),
+    (2, aten._adaptive_avg_pool2d),
+    (3, aten.adaptive_avg_pool3d),
+    (3, aten._adaptive_avg_pool3d),
+):
     _adaptive_avg_rule(_op, _nd)
 
 
@@ -521,16 +561,17 @@ def _upsample_rule(op, backward, nd, align_corners, nearest=False):
 
 
 for _op, _bw, _nd, _align, *_nearest in (
-        (aten.upsample_nearest1d, aten.upsample_nearest1d_backward, 1, False, True),
-        (aten.upsample_nearest2d, aten.upsample_nearest2d_backward, 2, False, True),
-        (aten.upsample_nearest3d, aten.upsample_nearest3d_backward, 3, False, True),
-        (aten._upsample_nearest_exact1d, aten._upsample_nearest_exact1d_backward, 1, False, True),
-        (aten._upsample_nearest_exact2d, aten._upsample_nearest_exact2d_backward, 2, False, True),
-        (aten._upsample_nearest_exact3d, aten._upsample_nearest_exact3d_backward, 3, False, True),
-        (aten.upsample_linear1d, aten.upsample_linear1d_backward, 1, True),
-        (aten.upsample_bilinear2d, aten.upsample_bilinear2d_backward, 2, True),
-        (aten.upsample_bicubic2d, aten.upsample_bicubic2d_backward, 2, True),
-        (aten.upsample_trilinear3d, aten.upsample_trilinear3d_backward, 3, True)):
+    (aten.upsample_nearest1d, aten.upsample_nearest1d_backward, 1, False, True),
+    (aten.upsample_nearest2d, aten.upsample_nearest2d_backward, 2, False, True),
+    (aten.upsample_nearest3d, aten.upsample_nearest3d_backward, 3, False, True),
+    (aten._upsample_nearest_exact1d, aten._upsample_nearest_exact1d_backward, 1, False, True),
+    (aten._upsample_nearest_exact2d, aten._upsample_nearest_exact2d_backward, 2, False, True),
+    (aten._upsample_nearest_exact3d, aten._upsample_nearest_exact3d_backward, 3, False, True),
+    (aten.upsample_linear1d, aten.upsample_linear1d_backward, 1, True),
+    (aten.upsample_bilinear2d, aten.upsample_bilinear2d_backward, 2, True),
+    (aten.upsample_bicubic2d, aten.upsample_bicubic2d_backward, 2, True),
+    (aten.upsample_trilinear3d, aten.upsample_trilinear3d_backward, 3, True),
+):
     _upsample_rule(_op, _bw, _nd, _align, *_nearest)
 
 
@@ -684,8 +725,7 @@ def sdpa_bwd(aux, ct):
     grad_mask = None
     if attn_mask is not None and attn_mask.is_floating_point():
         grad_mask = unbroadcast(grad_scores, attn_mask)
-    return (unbroadcast(grad_q, q), unbroadcast(_sum_heads(grad_k, k), k),
-            unbroadcast(_sum_heads(grad_v, v), v), grad_mask)
+    return (unbroadcast(grad_q, q), unbroadcast(_sum_heads(grad_k, k), k), unbroadcast(_sum_heads(grad_v, v), v), grad_mask)
 
 
 register_vjp(aten.scaled_dot_product_attention, sdpa_fwd, sdpa_bwd, source="hand-written", complex="real")
@@ -861,4 +901,6 @@ def linear_cross_entropy_chunked_bwd(aux, ct):
     return (gi * ct, grad_w, None, grad_b) + (None,) * 11
 
 
-register_vjp(_lce_chunked, linear_cross_entropy_chunked_fwd, linear_cross_entropy_chunked_bwd, source="hand-written", complex="real")
+register_vjp(
+    _lce_chunked, linear_cross_entropy_chunked_fwd, linear_cross_entropy_chunked_bwd, source="hand-written", complex="real"
+)

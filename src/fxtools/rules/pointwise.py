@@ -10,6 +10,7 @@ but those saying ``complex="convention"``) conjugated arguments, so ``mul``'s ``
 autograd's ``ct * y.conj()`` (see ``fxtools.registry``). ``abs``, ``sgn``, ``angle`` and
 ``conj_physical`` are not holomorphic and compute autograd's convention themselves.
 """
+
 from __future__ import annotations
 
 import cmath
@@ -54,6 +55,7 @@ def _drop(mask, ct):
 
 
 # Unary math.
+
 
 @vjp_rule(aten.sin)
 def sin(ct, out, x):
@@ -364,13 +366,34 @@ def float_power(ct, out, x, exponent):
 
 
 mark_nondifferentiable(
-    aten.sign, aten.floor, aten.ceil, aten.round, aten.trunc, aten.fix, aten.floor_divide, aten.signbit,
-    aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.isnan, aten.isinf, aten.isfinite,
-    aten.isposinf, aten.isneginf, aten.logical_and, aten.logical_or, aten.logical_not, aten.logical_xor,
+    aten.sign,
+    aten.floor,
+    aten.ceil,
+    aten.round,
+    aten.trunc,
+    aten.fix,
+    aten.floor_divide,
+    aten.signbit,
+    aten.eq,
+    aten.ne,
+    aten.lt,
+    aten.le,
+    aten.gt,
+    aten.ge,
+    aten.isnan,
+    aten.isinf,
+    aten.isfinite,
+    aten.isposinf,
+    aten.isneginf,
+    aten.logical_and,
+    aten.logical_or,
+    aten.logical_not,
+    aten.logical_xor,
 )
 
 
 # Arithmetic.
+
 
 @vjp_rule(aten.add)
 def add(ct, out, x, y, alpha=1):
@@ -389,8 +412,7 @@ def rsub(ct, out, x, y, alpha=1):
 
 @vjp_rule(aten.mul)
 def mul(ct, out, x, y):
-    return (unbroadcast(ct * y, x) if is_tensor(x) else None,
-            unbroadcast(ct * x, y) if is_tensor(y) else None)
+    return (unbroadcast(ct * y, x) if is_tensor(x) else None, unbroadcast(ct * x, y) if is_tensor(y) else None)
 
 
 @vjp_rule(aten.div)
@@ -500,6 +522,7 @@ def xlog1py(ct, out, x, y):
 
 # Selection: maximum, minimum, clamp, where.
 
+
 def _tie_split(ct, x, y, x_loses, y_loses):
     half = torch.where(x == y, ct / 2, ct)
     return unbroadcast(torch.where(x_loses, 0, half), x), unbroadcast(torch.where(y_loses, 0, half), y)
@@ -588,6 +611,7 @@ for _overload in ("ScalarSelf", "ScalarOther"):
 
 
 # Activations.
+
 
 @vjp_rule(aten.relu)
 def relu(ct, out, x):
@@ -722,12 +746,12 @@ def prelu(ct, out, x, weight):
 
 # Copies and conversions: the cotangent passes through, cast back to the input's dtype.
 
+
 def _identity(ct, out, x, *args, **kwargs):
     return ct
 
 
-for _op in (aten.clone, aten.alias, aten.lift_fresh_copy, aten.contiguous, aten.positive,
-            aten.resolve_conj, aten.resolve_neg):
+for _op in (aten.clone, aten.alias, aten.lift_fresh_copy, aten.contiguous, aten.positive, aten.resolve_conj, aten.resolve_neg):
     vjp_rule(_op)(_identity)
 
 
@@ -750,8 +774,25 @@ mark_nondifferentiable(aten.detach, aten.zeros_like, aten.ones_like, aten.empty_
 # Factories (no tensor input to differentiate) and runtime value checks.
 # Random draws carry no gradient in autograd either (``bernoulli(p)``, ``normal(mean, std)``); kept as
 # the ops eager PyTorch calls, they draw the same numbers as eager under the same seed.
-mark_nondifferentiable(aten.empty, aten.empty_strided, aten.zeros, aten.ones, aten.full, aten.arange,
-                       aten.scalar_tensor, aten.rand, aten.randn, aten.randint, aten.normal, aten.normal_functional,
-                       aten.rand_like, aten.randn_like, aten.randint_like, aten.bernoulli.default,
-                       aten.bernoulli.p, aten.poisson,
-                       aten._assert_async, aten.sym_constrain_range_for_size)
+mark_nondifferentiable(
+    aten.empty,
+    aten.empty_strided,
+    aten.zeros,
+    aten.ones,
+    aten.full,
+    aten.arange,
+    aten.scalar_tensor,
+    aten.rand,
+    aten.randn,
+    aten.randint,
+    aten.normal,
+    aten.normal_functional,
+    aten.rand_like,
+    aten.randn_like,
+    aten.randint_like,
+    aten.bernoulli.default,
+    aten.bernoulli.p,
+    aten.poisson,
+    aten._assert_async,
+    aten.sym_constrain_range_for_size,
+)

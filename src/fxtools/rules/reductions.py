@@ -10,6 +10,7 @@ Complex tensors: sums, means and products are holomorphic rules (``vjp_rule`` co
 arguments); variances and norms are real functions of complex tensors and compute autograd's
 convention themselves (``complex="convention"``: ``var``'s ``2 ct (x - mean) / dof``).
 """
+
 from __future__ import annotations
 
 import math
@@ -90,6 +91,7 @@ def add(*gs):
 
 # --- sums and means --------------------------------------------------------------------------
 
+
 @vjp_rule(aten.sum.default)
 def sum_(ct, out, x, dtype=None):
     return expand_as(ct, x)
@@ -128,6 +130,7 @@ def trace(ct, out, x):
 
 
 # --- products -------------------------------------------------------------------------------
+
 
 def _prod_grad(ct, out, x, dim, keepdim):
     """Product of the other elements: ``out / x``, except at zeros (correct for any number of them)."""
@@ -192,6 +195,7 @@ def logsumexp(ct, out, x, dim, keepdim=False):
 
 
 # --- max, min and friends -------------------------------------------------------------------
+
 
 @vjp_rule(aten.amax.default)
 def amax(ct, out, x, dim=(), keepdim=False):
@@ -283,6 +287,7 @@ def cummin(ct, out, x, dim):
 
 
 # --- variance and norms ---------------------------------------------------------------------
+
 
 def _var_grad(ct, x, dim, correction, keepdim, scale=2.0):
     """``scale * ct * (x - mean) / (n - correction)``: var's VJP (scale 2), or std's given ct / std."""

@@ -9,6 +9,7 @@ transposes already are autograd's convention for complex tensors (``complex="con
 nothing to conjugate); the two that multiply by argument values (``index_add``'s ``alpha``,
 ``scatter_reduce``'s products) are holomorphic rules.
 """
+
 from __future__ import annotations
 
 import torch
@@ -63,7 +64,7 @@ def _join(pieces, shapes, dim, like):
         run = [pieces[k] for k in present]
         g = run[0] if len(run) == 1 else torch.cat(run, dim)
         before = sum(s[dim] for s in shapes[: present[0]])
-        return _pad_dim(g, dim, before, sum(s[dim] for s in shapes[present[-1] + 1:]))
+        return _pad_dim(g, dim, before, sum(s[dim] for s in shapes[present[-1] + 1 :]))
     parts, missing = [], []
     for g, shape in zip(pieces, shapes):
         if g is None:
@@ -85,6 +86,7 @@ def _missing_block(like, shapes, dim):
 
 
 # ---- reshapes ------------------------------------------------------------------------------
+
 
 @vjp_rule(aten.view.default)
 def view(ct, out, x, shape):
@@ -128,6 +130,7 @@ def unsqueeze(ct, out, x, dim):
 
 # ---- permutations --------------------------------------------------------------------------
 
+
 @vjp_rule(aten.permute)
 def permute(ct, out, x, dims):
     n = x.dim()
@@ -165,6 +168,7 @@ def movedim(ct, out, x, source, destination):
 
 # ---- broadcasting --------------------------------------------------------------------------
 
+
 @vjp_rule(aten.expand)
 def expand(ct, out, x, size, implicit=False):
     return unbroadcast(ct, x)
@@ -181,6 +185,7 @@ def broadcast_to(ct, out, x, size):
 
 
 # ---- joining and splitting -----------------------------------------------------------------
+
 
 def _skipped_by_cat(t, out):
     return t.dim() == 1 and t.shape[0] == 0 and out.dim() != 1
@@ -231,6 +236,7 @@ def unbind(ct, out, x, dim=0):
 
 # ---- slicing ---------------------------------------------------------------------------------
 
+
 @vjp_rule(aten.narrow.default)
 def narrow(ct, out, x, dim, start, length):
     dim %= x.dim()
@@ -259,6 +265,7 @@ def select(ct, out, x, dim, index):
 
 # ---- indexing --------------------------------------------------------------------------------
 
+
 def _one_index(indices):
     """``(dim, index)`` when ``indices`` holds a single integer index tensor (and Nones), else None."""
     tensors = [(d, i) for d, i in enumerate(indices) if i is not None]
@@ -274,7 +281,7 @@ def index(ct, out, x, indices):
     one = _one_index(indices)
     if one is not None:  # x[:, i]: index_add, which needs the indices made non-negative
         d, i = one
-        g = _reshape(ct, [*x.shape[:d], i.numel(), *x.shape[d + 1:]])
+        g = _reshape(ct, [*x.shape[:d], i.numel(), *x.shape[d + 1 :]])
         return _zeros(x).index_add(d, i.reshape(-1) % x.shape[d], g), None
     return aten.index_put.default(_zeros(x), indices, ct, True), None
 
@@ -374,11 +381,11 @@ def _scatter_prod(ct, out, x, dim, index, src, include_self):
     nonzero_base = torch.where(base == 0, torch.ones_like(base), base)
     zeros = (base == 0).to(ct.dtype).scatter_add(dim, index, (src == 0).to(ct.dtype))
     prod_nonzero = nonzero_base.scatter_reduce(dim, index, nonzero_src, "prod")
-    g_x = torch.where(zeros == 0, ct * out / nonzero_base,
-                      torch.where((zeros == 1) & (base == 0), ct * prod_nonzero, 0))
+    g_x = torch.where(zeros == 0, ct * out / nonzero_base, torch.where((zeros == 1) & (base == 0), ct * prod_nonzero, 0))
     zeros_at, prod_at, out_at, ct_at = (t.gather(dim, index) for t in (zeros, prod_nonzero, out, ct))
-    g_src = torch.where(zeros_at == 0, ct_at * out_at / nonzero_src,
-                        torch.where((zeros_at == 1) & (src == 0), ct_at * prod_at, 0))
+    g_src = torch.where(
+        zeros_at == 0, ct_at * out_at / nonzero_src, torch.where((zeros_at == 1) & (src == 0), ct_at * prod_at, 0)
+    )
     if not include_self:
         g_x = g_x.scatter(dim, index, 0)
     return g_x, None, None, g_src
@@ -396,6 +403,7 @@ def masked_fill_tensor(ct, out, x, mask, value):
 
 
 # ---- diagonals and triangles ------------------------------------------------------------------
+
 
 @vjp_rule(aten.diagonal)
 def diagonal(ct, out, x, offset=0, dim1=0, dim2=1):
@@ -427,6 +435,7 @@ def triu(ct, out, x, diagonal=0):
 
 
 # ---- reorderings and repetitions -------------------------------------------------------------
+
 
 @vjp_rule(aten.flip)
 def flip(ct, out, x, dims):
@@ -477,6 +486,7 @@ def repeat_interleave_tensor(ct, out, x, repeats, dim=None, output_size=None):
 
 # ---- padding ---------------------------------------------------------------------------------
 
+
 def _crop(ct, pad):
     """The transpose of constant padding by ``pad`` (last dim first, as in ``F.pad``)."""
     if any(p < 0 for p in pad):
@@ -510,8 +520,7 @@ def constant_pad_nd(ct, out, x, pad, value=0):
 
 _PAD_BACKWARD = {
     "reflect": (aten.reflection_pad1d_backward, aten.reflection_pad2d_backward, aten.reflection_pad3d_backward),
-    "replicate": (aten.replication_pad1d_backward, aten.replication_pad2d_backward,
-                  aten.replication_pad3d_backward),
+    "replicate": (aten.replication_pad1d_backward, aten.replication_pad2d_backward, aten.replication_pad3d_backward),
 }
 
 
@@ -539,6 +548,7 @@ def unfold(ct, out, x, dimension, size, step):
 
 
 # ---- complex tensors as pairs of real ones ----------------------------------------------------
+
 
 @vjp_rule(aten.view_as_real)
 def view_as_real(ct, out, x):

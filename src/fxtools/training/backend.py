@@ -29,6 +29,7 @@ autograd does, which makes them faster and about half the size. ``rules="readabl
 graphs ``fxtools.grad`` prints, with every backward written out; ``rules=None`` uses the set of
 the enclosing ``fxtools.rule_set`` block.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -37,10 +38,9 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..codegen import sizes
-from ..functional import functional
 from ..codegen.guards import InputMismatch
 from ..codegen.naming import identifier
+from ..functional import functional
 from ..transforms.reverse import is_float
 from .partition import Split, split
 
@@ -51,8 +51,11 @@ def _apply_compiler(compiler, gm, example_inputs):
     if compiler is None:
         return gm
     try:
-        params = [p for p in inspect.signature(compiler).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+        params = [
+            p
+            for p in inspect.signature(compiler).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        ]
     except (TypeError, ValueError):
         params = []
     two = len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
@@ -120,8 +123,7 @@ class _Runners:
     accepts (its guards check the symbols' ranges); others get a new split.
     """
 
-    def __init__(self, fn, fw_compiler, bw_compiler, policy, rules="fused", dynamic_shapes=None, dynamic=False,
-                 skip_first=False):
+    def __init__(self, fn, fw_compiler, bw_compiler, policy, rules="fused", dynamic_shapes=None, dynamic=False, skip_first=False):
         self.fn, self.fw_compiler, self.bw_compiler, self.policy = fn, fw_compiler, bw_compiler, policy
         self.rules = rules
         self.dynamic_shapes, self.dynamic, self.skip_first = dynamic_shapes, dynamic, skip_first
@@ -144,8 +146,10 @@ class _Runners:
                 return None
             return {d: Dim.AUTO for d, n in enumerate(x.shape) if n > 1} or None
 
-        return tuple(None if i == 0 and self.skip_first else
-                     pytree.tree_map(mark, a, is_leaf=lambda x: isinstance(x, torch.Tensor)) for i, a in enumerate(args))
+        return tuple(
+            None if i == 0 and self.skip_first else pytree.tree_map(mark, a, is_leaf=lambda x: isinstance(x, torch.Tensor))
+            for i, a in enumerate(args)
+        )
 
     def __call__(self, args, training):
         """``(runner, tensor leaves)`` for ``args``."""
@@ -157,8 +161,7 @@ class _Runners:
                     return runner, runner.split.guards.check(args)
                 except InputMismatch:
                     continue
-        sp = split(self.fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules,
-                   dynamic_shapes=self._marks(args))
+        sp = split(self.fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules, dynamic_shapes=self._marks(args))
         leaves = sp.flatten(*args)
         runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler)
         self.entries.append((training, mask, runner))
@@ -214,12 +217,28 @@ def _requires_grad(args):
 class CompiledModule(torch.nn.Module):
     """``model`` whose forward and backward run fxtools' split graphs; ``.module`` is the original."""
 
-    def __init__(self, model: torch.nn.Module, fw_compiler=None, bw_compiler=None, policy="recompute_cheap",
-                 rules="fused", dynamic_shapes=None, dynamic=False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        fw_compiler=None,
+        bw_compiler=None,
+        policy="recompute_cheap",
+        rules="fused",
+        dynamic_shapes=None,
+        dynamic=False,
+    ):
         super().__init__()
         self.module = model
-        self._runners = _Runners(_accepting_keywords(functional(model)), fw_compiler, bw_compiler, policy, rules,
-                                 dynamic_shapes, dynamic, skip_first=True)
+        self._runners = _Runners(
+            _accepting_keywords(functional(model)),
+            fw_compiler,
+            bw_compiler,
+            policy,
+            rules,
+            dynamic_shapes,
+            dynamic,
+            skip_first=True,
+        )
 
     def _args(self, inputs, kwargs):
         params = dict(self.module.named_parameters())
@@ -241,11 +260,11 @@ class CompiledModule(torch.nn.Module):
 class CompiledFunction:
     """``fn`` whose calls run fxtools' split graphs inside an autograd.Function."""
 
-    def __init__(self, fn, fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused",
-                 dynamic_shapes=None, dynamic=False):
+    def __init__(
+        self, fn, fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused", dynamic_shapes=None, dynamic=False
+    ):
         self.fn = fn
-        self._runners = _Runners(_accepting_keywords(fn), fw_compiler, bw_compiler, policy, rules,
-                                 dynamic_shapes, dynamic)
+        self._runners = _Runners(_accepting_keywords(fn), fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic)
 
     def runner(self, *args, **kwargs) -> _Runner:
         return self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)[0]
@@ -276,6 +295,7 @@ pytree.register_pytree_node(
 
 def _accepting_keywords(fn):
     """``fn``, called with a trailing ``KeywordArguments`` as keyword arguments."""
+
     def call(*args):
         if args and isinstance(args[-1], KeywordArguments):
             return fn(*args[:-1], **args[-1])
@@ -288,15 +308,27 @@ def _accepting_keywords(fn):
 
 def _signature_with_keywords(fn):
     try:
-        params = [p for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+        params = [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        ]
     except (TypeError, ValueError):
         params = [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)]
     return inspect.Signature(params)
 
 
-def compile(model_or_fn, *example_args, example_kwargs=None, fw_compiler=None, bw_compiler=None,
-            policy="recompute_cheap", rules="fused", dynamic_shapes=None, dynamic=False):
+def compile(
+    model_or_fn,
+    *example_args,
+    example_kwargs=None,
+    fw_compiler=None,
+    bw_compiler=None,
+    policy="recompute_cheap",
+    rules="fused",
+    dynamic_shapes=None,
+    dynamic=False,
+):
     """A module or function whose forward and backward run fxtools' split graphs.
 
     It is called as the original, keyword arguments included (``compiled(**batch)`` for a Hugging
@@ -324,9 +356,11 @@ def compile(model_or_fn, *example_args, example_kwargs=None, fw_compiler=None, b
 # torch.compile backend
 # --------------------------------------------------------------------------------------------
 
+
 def _run_checkpoint_body(body, *args):
     """Stands for Dynamo's ``tag_activation_checkpoint``: a region ``split`` recomputes."""
     import torch.utils.checkpoint as cp
+
     return cp.checkpoint(body, *args, use_reentrant=False)
 
 
@@ -363,7 +397,7 @@ def _input_name(target: str) -> str:
     name = name.rstrip("_")
     for prefix in ("self_modules_", "self_parameters_", "self_buffers_"):
         if name.startswith(prefix):
-            name = name[len(prefix):]
+            name = name[len(prefix) :]
     for part in ("_modules_", "_parameters_", "_buffers_"):
         name = name.replace(part, "_")
     return name or "arg"
@@ -384,8 +418,7 @@ def _as_function(gm: fx.GraphModule):
     def fn(*args):
         return gm(*args)
 
-    fn.__signature__ = inspect.Signature(
-        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    fn.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
     fn.__name__ = fn.__qualname__ = "dynamo_graph"
     return fn
 
@@ -397,6 +430,7 @@ def backend(fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules=
     of ``fxtools.compile``. Each Dynamo graph is split as a function of its inputs (and of the
     parameters it holds, if any), and runs through an autograd.Function.
     """
+
     def fxtools_backend(gm: fx.GraphModule, example_inputs):
         gm = _inline_higher_order(gm)
         if any(True for _ in gm.parameters()):

@@ -34,11 +34,10 @@ For an ``nn.Module``, ``split(model, *inputs)`` splits ``fxtools.functional(mode
 The policy decides what is saved and what the backward recomputes (see ``fxtools.policies``).
 Regions of ``torch.utils.checkpoint`` in user code are recomputed in the backward.
 """
+
 from __future__ import annotations
 
 import collections
-import contextlib
-import itertools
 import operator
 import sys
 from dataclasses import dataclass
@@ -46,24 +45,23 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
-from . import policies
 from .. import registry
-from ..codegen import sizes
-from ..transforms.vjp import grads_structure, prepare
 from ..capture.checkpoint import checkpoint_regions
+from ..codegen import sizes
 from ..codegen.draw import PART_KEY
-from ..dynamic_shapes import upper_bound
-from ..errors import user_line_of
-from ..functional import functional
 from ..codegen.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
 from ..codegen.naming import arg_names
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
-from ..transforms.reverse import ReverseSpec, ancestors, reverse
+from ..dynamic_shapes import upper_bound
+from ..errors import user_line_of
+from ..functional import functional
 from ..passes.simplify import is_impure, simplify
+from ..transforms.reverse import ReverseSpec, ancestors, reverse
+from ..transforms.vjp import grads_structure, prepare
+from . import policies
 
 _INF = 1 << 62
 
@@ -71,6 +69,7 @@ _INF = 1 << 62
 # --------------------------------------------------------------------------------------------
 # Descriptions of inputs, saved values and cotangents
 # --------------------------------------------------------------------------------------------
+
 
 def nbytes(val) -> int:
     """Bytes of the memory a tensor spans (an expanded tensor counts once); for a size that
@@ -88,13 +87,13 @@ def nbytes(val) -> int:
 class TensorInfo:
     """One input, saved value or cotangent of a split."""
 
-    name: str            # the placeholder's name in the graph that takes it
+    name: str  # the placeholder's name in the graph that takes it
     shape: tuple
     dtype: torch.dtype
     bytes: int
-    kind: str            # "input", "cotangent", or for saved values "input" / "activation" / "output"
-    path: str | None = None   # pytree path in the arguments or the output (inputs, cotangents)
-    line: str | None = None   # "file:line: code" of the user call that produced it (saved values)
+    kind: str  # "input", "cotangent", or for saved values "input" / "activation" / "output"
+    path: str | None = None  # pytree path in the arguments or the output (inputs, cotangents)
+    line: str | None = None  # "file:line: code" of the user call that produced it (saved values)
     storage: str | None = None  # saved values: the saved value or input whose memory it is
 
     def __str__(self):
@@ -129,6 +128,7 @@ def _storage_root(node: fx.Node) -> fx.Node:
 # Deciding what to save
 # --------------------------------------------------------------------------------------------
 
+
 def _augment(head, to, cap, level, it, source, sink) -> int:
     """Push flow along one shortest augmenting path (iteratively: paths can be thousands of edges long)."""
     path, u = [], source
@@ -160,8 +160,12 @@ def _max_flow_min_cut(n: int, edges, source: int, sink: int):
     head = [[] for _ in range(n)]
     to, cap = [], []
     for u, v, c in edges:
-        head[u].append(len(to)); to.append(v); cap.append(c)
-        head[v].append(len(to)); to.append(u); cap.append(0)
+        head[u].append(len(to))
+        to.append(v)
+        cap.append(c)
+        head[v].append(len(to))
+        to.append(u)
+        cap.append(0)
     while True:
         level = [-1] * n
         level[source] = 0
@@ -212,7 +216,7 @@ class _Partition:
         # cotangent use in the trace; autograd computes those in the backward too.
         in_backward = False
         for n in self.nodes:
-            in_backward = in_backward or n in bw and n.op == "call_function"
+            in_backward = in_backward or (n in bw and n.op == "call_function")
             if n.op == "call_function":
                 n.meta["fxtools_phase"] = "backward" if in_backward else "forward"
         needed, seen = [], set()
@@ -248,8 +252,13 @@ class _Partition:
             r = policies.checkpoint_region(n) if n.op == "call_function" else None
             if r is None or n in self.bw:
                 continue
-            if n in fw_outs or any(u.op == "call_function" and u.meta.get("fxtools_phase") == "forward"
-                                   and u not in self.bw and policies.checkpoint_region(u) != r for u in n.users):
+            if n in fw_outs or any(
+                u.op == "call_function"
+                and u.meta.get("fxtools_phase") == "forward"
+                and u not in self.bw
+                and policies.checkpoint_region(u) != r
+                for u in n.users
+            ):
                 outs.add(n)
         return outs
 
@@ -261,8 +270,7 @@ class _Partition:
             return policies.RECOMPUTE
         if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             return self._forced(node.args[0])
-        if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)) \
-                and policies.can_recompute(node):
+        if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)) and policies.can_recompute(node):
             return policies.RECOMPUTE  # a size (``x.size(0)``): read again from a saved tensor
         if not policies.can_recompute(node):
             return policies.SAVE
@@ -322,8 +330,12 @@ class _Partition:
             forced = self._forced(n)
             val = n.meta.get("val")
             tensor = isinstance(val, torch.Tensor)
-            if (forced is None and n.target is not operator.getitem and not policies.is_cheap(n)
-                    and n.meta.get("fxtools_phase") != "backward"):
+            if (
+                forced is None
+                and n.target is not operator.getitem
+                and not policies.is_cheap(n)
+                and n.meta.get("fxtools_phase") != "backward"
+            ):
                 forced = policies.SAVE
             if n.op == "placeholder":
                 weight = 0
@@ -359,8 +371,11 @@ _ITEM_NAMES = {  # names of the results of multi-output ops, for the values a sp
     "_native_batch_norm_legit": ("out", "mean", "invstd"),
     "native_group_norm": ("out", "mean", "rstd"),
     "var_mean": ("var", "mean"),
-    "max": ("values", "indices"), "min": ("values", "indices"), "sort": ("values", "indices"),
-    "topk": ("values", "indices"), "native_dropout": ("out", "mask"),
+    "max": ("values", "indices"),
+    "min": ("values", "indices"),
+    "sort": ("values", "indices"),
+    "topk": ("values", "indices"),
+    "native_dropout": ("out", "mask"),
 }
 
 
@@ -407,20 +422,27 @@ def _install_guards(forward, backward, backward_boxed, args, top, part, signatur
     leaves = [p.meta["val"] for p in part.primals]
     saved_vals, ct_vals = [s.meta["val"] for s in part.saved], [c.meta["val"] for c in part.cts]
     names = [i.path or i.name for i in signature]
-    forward.guards = build("fxtools.split forward", names, sizes.concrete(cap, leaves),
-                           layout=stride_sensitive_paths(forward, names))
+    forward.guards = build(
+        "fxtools.split forward", names, sizes.concrete(cap, leaves), layout=stride_sensitive_paths(forward, names)
+    )
     saved = build("fxtools.split backward", [s.name for s in part.saved], sizes.concrete(cap, saved_vals))
-    cts = build("fxtools.split backward", [c.name for c in part.cts], sizes.concrete(cap, ct_vals),
-                layout=stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts]),
-                roles={i: (lambda path, what=info.path: f"the cotangent of {what}") for i, info in enumerate(cotangents)})
+    cts = build(
+        "fxtools.split backward",
+        [c.name for c in part.cts],
+        sizes.concrete(cap, ct_vals),
+        layout=stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts]),
+        roles={i: (lambda path, what=info.path: f"the cotangent of {what}") for i, info in enumerate(cotangents)},
+    )
     if cap is not None:  # symbolic sizes (codegen/sizes.py)
         sizes.guard_symbolic(forward.guards, cap, leaves)
         sizes.guard_symbolic(saved, cap, saved_vals)
         sizes.guard_symbolic(cts, cap, ct_vals)
     backward.guards = Guards("fxtools.split backward", saved.names + cts.names, saved.args + cts.args)
-    backward_boxed.guards = Guards("fxtools.split backward_boxed", ("args",),
-                                   (Node("args", "list", "list", tuple(range(len(backward.guards.args))),
-                                         backward.guards.args),))
+    backward_boxed.guards = Guards(
+        "fxtools.split backward_boxed",
+        ("args",),
+        (Node("args", "list", "list", tuple(range(len(backward.guards.args))), backward.guards.args),),
+    )
 
 
 def _keystr(path) -> str:
@@ -430,8 +452,7 @@ def _keystr(path) -> str:
 class Split:
     """A forward graph and a backward graph (see the module docstring for the calling conventions)."""
 
-    def __init__(self, forward, backward, backward_boxed, signature, saved, cotangents, policy,
-                 in_spec, out_spec, captured):
+    def __init__(self, forward, backward, backward_boxed, signature, saved, cotangents, policy, in_spec, out_spec, captured):
         self.forward: fx.GraphModule = forward
         self.backward: fx.GraphModule = backward
         self.backward_boxed: fx.GraphModule = backward_boxed
@@ -488,22 +509,27 @@ class Split:
 
     def report(self, file=None) -> str:
         """Print (and return) what the forward saves for the backward, like JAX's print_saved_residuals."""
-        lines = [f"fxtools.split (policy {policies.describe(self.policy)}): "
-                 f"{len(self.saved)} saved values, {self.saved_bytes:,} bytes beyond the inputs"]
+        lines = [
+            f"fxtools.split (policy {policies.describe(self.policy)}): "
+            f"{len(self.saved)} saved values, {self.saved_bytes:,} bytes beyond the inputs"
+        ]
         width = max((len(s.name) for s in self.saved), default=0)
         types = [str(s.dtype).replace("torch.", "") + str(list(s.shape)) for s in self.saved]
         twidth = max(map(len, types), default=0)
         for s, ty in zip(self.saved, types):
             share = f" (memory of {s.storage})" if s.storage != s.name else ""
-            lines.append(f"  {s.kind:<10} {s.name:<{width}}  {ty:<{twidth}} {s.bytes:>12,} B{share}"
-                         + (f"  {s.line}" if s.line else ""))
+            lines.append(
+                f"  {s.kind:<10} {s.name:<{width}}  {ty:<{twidth}} {s.bytes:>12,} B{share}" + (f"  {s.line}" if s.line else "")
+            )
         text = "\n".join(lines)
         print(text, file=file or sys.stdout)
         return text
 
     def __repr__(self):
-        return (f"Split({len(self.signature)} inputs, {len(self.saved)} saved ({self.saved_bytes:,} B), "
-                f"{len(self.cotangents)} cotangents, policy={policies.describe(self.policy)})")
+        return (
+            f"Split({len(self.signature)} inputs, {len(self.saved)} saved ({self.saved_bytes:,} B), "
+            f"{len(self.cotangents)} cotangents, policy={policies.describe(self.policy)})"
+        )
 
 
 def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dynamic_shapes=None) -> Split:
@@ -543,8 +569,9 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     part = _Partition(joint, sum(cap.tensor_leaf), n_out, policy)
 
     # forward: outputs, saved values, and side effects (buffer updates)
-    keep = ancestors([*part.fw_outs, *part.saved,
-                      *(n for n in part.nodes if n.op == "call_function" and n not in part.bw and is_impure(n))])
+    keep = ancestors(
+        [*part.fw_outs, *part.saved, *(n for n in part.nodes if n.op == "call_function" and n not in part.bw and is_impure(n))]
+    )
     fg = fx.Graph()
     env = {}
     for p in part.primals:
@@ -618,8 +645,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         info = _info(s, kind, line=user_line_of(s), storage=root.name)
         saved.append(info)
     _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap)
-    result = Split(forward, backward, backward_boxed, signature, saved, cotangents, policy,
-                   cap.in_spec, cap.out_spec, cap)
+    result = Split(forward, backward, backward_boxed, signature, saved, cotangents, policy, cap.in_spec, cap.out_spec, cap)
     # an input's layout matters where the forward, or the backward reading it as saved, views it
     fw_paths = stride_sensitive_paths(forward, [i.path or i.name for i in signature])
     bw_paths = stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts])

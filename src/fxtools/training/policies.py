@@ -28,6 +28,7 @@ Whatever the policy, random ops (dropout masks) and ops with side effects are ne
 (their values are saved), and the insides of ``torch.utils.checkpoint`` regions are always
 recomputed (their outputs, the region's boundary, follow the policy).
 """
+
 from __future__ import annotations
 
 import operator
@@ -44,22 +45,51 @@ SAVE, RECOMPUTE = "save", "recompute"
 BUILTIN = ("save_all", "recompute_cheap", "dots_saveable")
 
 _RESHAPING = {
-    aten.reshape.default, aten._unsafe_view.default, aten.contiguous.default, aten.clone.default,
-    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default,
-    aten.flatten.using_ints, aten.unflatten.int, aten.expand_as.default, aten.view_as.default,
-    aten.repeat.default, aten.cat.default, aten.stack.default, aten.constant_pad_nd.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.contiguous.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten.type_as.default,
+    aten.flatten.using_ints,
+    aten.unflatten.int,
+    aten.expand_as.default,
+    aten.view_as.default,
+    aten.repeat.default,
+    aten.cat.default,
+    aten.stack.default,
+    aten.constant_pad_nd.default,
 }
 # memory-bound like pointwise ops: one pass over the data (normalizations over the last dimension)
-_NORMALIZATIONS = {
-    aten.native_layer_norm.default, aten.layer_norm.default, aten.rms_norm.default,
-    aten._fused_rms_norm.default,
-} if hasattr(aten, "_fused_rms_norm") else {
-    aten.native_layer_norm.default, aten.layer_norm.default,
-}
+_NORMALIZATIONS = (
+    {
+        aten.native_layer_norm.default,
+        aten.layer_norm.default,
+        aten.rms_norm.default,
+        aten._fused_rms_norm.default,
+    }
+    if hasattr(aten, "_fused_rms_norm")
+    else {
+        aten.native_layer_norm.default,
+        aten.layer_norm.default,
+    }
+)
 _DOTS = {
-    aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default, aten.baddbmm.default,
-    aten.linear.default, aten.einsum.default, aten.convolution.default, aten.conv1d.default,
-    aten.conv2d.default, aten.conv3d.default, aten.scaled_dot_product_attention.default,
+    aten.mm.default,
+    aten.bmm.default,
+    aten.matmul.default,
+    aten.addmm.default,
+    aten.baddbmm.default,
+    aten.linear.default,
+    aten.einsum.default,
+    aten.convolution.default,
+    aten.conv1d.default,
+    aten.conv2d.default,
+    aten.conv3d.default,
+    aten.scaled_dot_product_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_efficient_attention.default,
 }
@@ -93,8 +123,9 @@ def is_factory(node: fx.Node) -> bool:
     name = t.overloadpacket.__name__
     if name in ("zeros_like", "ones_like", "full_like", "empty_like", "scalar_tensor"):
         return True
-    return (name in ("zeros", "ones", "full", "arange", "empty", "new_zeros", "new_ones", "new_full")
-            and not any(isinstance(a, fx.Node) and a.op != "get_attr" for a in node.args[1:]))
+    return name in ("zeros", "ones", "full", "arange", "empty", "new_zeros", "new_ones", "new_full") and not any(
+        isinstance(a, fx.Node) and a.op != "get_attr" for a in node.args[1:]
+    )
 
 
 def is_pointwise(node: fx.Node) -> bool:
@@ -105,8 +136,7 @@ def is_pointwise(node: fx.Node) -> bool:
 def is_cheap(node: fx.Node) -> bool:
     """Pointwise math, views, reshapes, constant fills and layer norms: recomputing them costs
     about one pass over memory."""
-    return (is_view(node) or is_pointwise(node) or is_factory(node) or _op(node) in _RESHAPING
-            or _op(node) in _NORMALIZATIONS)
+    return is_view(node) or is_pointwise(node) or is_factory(node) or _op(node) in _RESHAPING or _op(node) in _NORMALIZATIONS
 
 
 def is_dot(node: fx.Node) -> bool:
@@ -169,5 +199,6 @@ def resolve(policy):
         return dots_saveable, False
     if callable(policy):
         return policy, False
-    raise ValueError(f"policy must be one of {', '.join(map(repr, BUILTIN))} or a function "
-                     f"node -> 'save' | 'recompute', not {policy!r}")
+    raise ValueError(
+        f"policy must be one of {', '.join(map(repr, BUILTIN))} or a function node -> 'save' | 'recompute', not {policy!r}"
+    )

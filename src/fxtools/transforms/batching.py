@@ -18,6 +18,7 @@ Limits (errors, never wrong results): vmap cannot batch data-dependent Python co
 training mode updating its running statistics); such programs raise ``FxtoolsError`` naming the
 user's line and PyTorch's explanation.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -29,24 +30,29 @@ from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
 from ..capture import custom
-from ..codegen import sizes
-from .vjp import _names
-from ..codegen.assemble import assemble
-from ..capture.trace import capture, is_data_dependent, realize_constants
-from ..errors import FxtoolsError, user_frame
-from .forward import collapse_view_chains, tidy_names
 from ..capture.functionalize import functionalize
+from ..capture.trace import capture, is_data_dependent, realize_constants
+from ..codegen import sizes
+from ..codegen.assemble import assemble
 from ..codegen.guards import install
 from ..codegen.render import render
+from ..errors import FxtoolsError, user_frame
 from ..passes.simplify import simplify
+from .forward import collapse_view_chains, tidy_names
+from .vjp import _names
 
 __all__ = ["vmap"]
 
 
 aten = torch.ops.aten
-_INPLACE_VIEWS = {aten.squeeze_.dims: aten.squeeze.dims, aten.squeeze_.dim: aten.squeeze.dim,
-                  aten.squeeze_.default: aten.squeeze.default, aten.unsqueeze_.default: aten.unsqueeze.default,
-                  aten.transpose_.default: aten.transpose.int, aten.t_.default: aten.t.default}
+_INPLACE_VIEWS = {
+    aten.squeeze_.dims: aten.squeeze.dims,
+    aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.default: aten.squeeze.default,
+    aten.unsqueeze_.default: aten.unsqueeze.default,
+    aten.transpose_.default: aten.transpose.int,
+    aten.t_.default: aten.t.default,
+}
 
 
 def _out_of_place_views(gm: fx.GraphModule) -> None:
@@ -152,8 +158,10 @@ def trace_batched(fn, args, names_of=None, namer=None, made_by="fxtools.vmap", d
         if is_data_dependent(exc):
             raise
         where = user_frame(exc.__traceback__) or "an unknown line of user code"
-        raise FxtoolsError(f"fxtools.vmap cannot batch {getattr(f, '__name__', f)!s} (at {where}): "
-                           f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
+        raise FxtoolsError(
+            f"fxtools.vmap cannot batch {getattr(f, '__name__', f)!s} (at {where}): "
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        ) from exc
     gm = cap.gm
     if namer is not None:
         namer.apply(gm)

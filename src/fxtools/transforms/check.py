@@ -1,4 +1,5 @@
 """Check a generated VJP against PyTorch: ``check_vjp`` (autograd) and ``check_vjp_fd`` (finite differences)."""
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,7 @@ def _is_float(x):
 
 def random_cotangent(out, generator=None):
     """A random cotangent shaped like ``out``: normal noise at float leaves, None elsewhere."""
-    return pytree.tree_map(
-        lambda o: torch.randn(o.shape, dtype=o.dtype, generator=generator) if _is_float(o) else None, out)
+    return pytree.tree_map(lambda o: torch.randn(o.shape, dtype=o.dtype, generator=generator) if _is_float(o) else None, out)
 
 
 def _report(what, pairs, rtol, atol):
@@ -27,7 +27,9 @@ def _report(what, pairs, rtol, atol):
         if got is None and want is None:
             continue
         if got is None or want is None:
-            lines.append(f"  {name}: got {'None' if got is None else 'a tensor'}, expected {'None' if want is None else 'a tensor'}")
+            lines.append(
+                f"  {name}: got {'None' if got is None else 'a tensor'}, expected {'None' if want is None else 'a tensor'}"
+            )
             continue
         if got.shape != want.shape or got.dtype != want.dtype:
             lines.append(f"  {name}: got {got.dtype}{list(got.shape)}, expected {want.dtype}{list(want.shape)}")
@@ -106,19 +108,32 @@ def check_vjp(f, *args, gm=None, rtol=1e-7, atol=1e-9, seed=0):
     want_out = f(*ref_args)
     # Outputs autograd treats as constants (a norm's saved mean and rstd) get a zero cotangent,
     # so both sides differentiate the same function.
-    ct = pytree.tree_map(lambda o, c: torch.zeros_like(c) if isinstance(c, torch.Tensor) and not o.requires_grad else c,
-                         want_out, random_cotangent(want_out, gen))
+    ct = pytree.tree_map(
+        lambda o, c: torch.zeros_like(c) if isinstance(c, torch.Tensor) and not o.requires_grad else c,
+        want_out,
+        random_cotangent(want_out, gen),
+    )
     out_pairs = list(zip(pytree.tree_leaves(want_out), pytree.tree_leaves(ct)))
     diff_out = [(o, c) for o, c in out_pairs if _is_float(o) and o.requires_grad]
     inputs = [x for x, d in zip(ref_leaves, diff) if d]
-    want = torch.autograd.grad([o for o, _ in diff_out], inputs, [c for _, c in diff_out],
-                               allow_unused=True) if diff_out and inputs else [None] * len(inputs)
+    want = (
+        torch.autograd.grad([o for o, _ in diff_out], inputs, [c for _, c in diff_out], allow_unused=True)
+        if diff_out and inputs
+        else [None] * len(inputs)
+    )
     want = [torch.zeros_like(x) if w is None else w for w, x in zip(want, inputs)]
     torch.manual_seed(seed)
     got_out, got_grads = gm(*args, _cotangent_for(gm, len(args), ct))
-    _report("output", [(f"out{i}", g, w.detach() if isinstance(w, torch.Tensor) else w)
-                       for i, (g, w) in enumerate(zip(pytree.tree_leaves(got_out), pytree.tree_leaves(want_out)))
-                       if isinstance(w, torch.Tensor)], rtol, atol)
+    _report(
+        "output",
+        [
+            (f"out{i}", g, w.detach() if isinstance(w, torch.Tensor) else w)
+            for i, (g, w) in enumerate(zip(pytree.tree_leaves(got_out), pytree.tree_leaves(want_out)))
+            if isinstance(w, torch.Tensor)
+        ],
+        rtol,
+        atol,
+    )
     got = [g for g, d in zip(pytree.tree_leaves(got_grads, is_leaf=lambda v: v is None), diff) if d]
     _report("gradient", [(f"grad{i}", g, w) for i, (g, w) in enumerate(zip(got, want))], rtol, atol)
     return gm
@@ -153,13 +168,17 @@ def check_vjp_fd(f, *args, gm=None, eps=1e-6, rtol=1e-5, atol=1e-7, seed=0):
     # VJP's convention is autograd's: for the real loss L = <ct, f(x)>, the gradient of a complex
     # x = a + ib is dL/da + i dL/db (the conjugate Wirtinger derivative, times 2), so that
     # dL = <grad, dx>: the directional derivative along v is <grad, v>, real and imaginary parts alike.
-    fd = sum(_pair(c, (p - m) / (2 * eps)) for p, m, c in zip(
-        pytree.tree_leaves(plus), pytree.tree_leaves(minus), pytree.tree_leaves(ct)) if _is_float(p))
+    fd = sum(
+        _pair(c, (p - m) / (2 * eps))
+        for p, m, c in zip(pytree.tree_leaves(plus), pytree.tree_leaves(minus), pytree.tree_leaves(ct))
+        if _is_float(p)
+    )
     _, grads = gm(*args, _cotangent_for(gm, len(args), ct))
     g_leaves = pytree.tree_leaves(grads, is_leaf=lambda x: x is None)
     analytic = sum(_pair(g, d) for g, d in zip(g_leaves, v) if g is not None and d is not None)
     fd, analytic = torch.as_tensor(fd, dtype=torch.float64), torch.as_tensor(analytic, dtype=torch.float64)
     if not torch.allclose(analytic, fd, rtol=rtol, atol=atol):
-        raise VjpMismatch(f"finite-difference mismatch: <grads, v> = {analytic.item():.10g}, "
-                          f"<ct, central difference> = {fd.item():.10g}")
+        raise VjpMismatch(
+            f"finite-difference mismatch: <grads, v> = {analytic.item():.10g}, <ct, central difference> = {fd.item():.10g}"
+        )
     return gm

@@ -29,6 +29,7 @@ with one rounding (a fused multiply-add), so it differs from ``a + b * c`` in th
 about one input in four, and stays finite where ``b * c`` overflows. A clean-up is exact or not
 applied (``tests/test_transforms.py``).
 """
+
 from __future__ import annotations
 
 import operator
@@ -38,18 +39,18 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture import custom
-from ..codegen import sizes
-from .vjp import _names, prepare
-from ..codegen.assemble import assemble
-from ..capture.trace import Captured
-from ..rules.decompose import expand
-from ..errors import FxtoolsError
 from ..capture.functionalize import functionalize
+from ..capture.trace import Captured
+from ..codegen import sizes
+from ..codegen.assemble import assemble
 from ..codegen.guards import install, tangent_role
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
+from ..errors import FxtoolsError
+from ..passes.simplify import dce, fake_mode_of, has_generic_name, simplify
+from ..rules.decompose import expand
 from .reverse import ReverseSpec, is_float, reverse
-from ..passes.simplify import has_generic_name, fake_mode_of, dce, simplify
+from .vjp import _names, prepare
 
 aten = torch.ops.aten
 
@@ -73,7 +74,7 @@ def tangent_names(gm: fx.GraphModule) -> None:
         if node.op != "call_function" or not node.name.startswith("grad_"):
             continue
         if node.name.startswith("grad_grad_"):
-            node._rename("tangent_" + node.name[len("grad_grad_"):])
+            node._rename("tangent_" + node.name[len("grad_grad_") :])
         else:
             target = node.target
             base = getattr(getattr(target, "overloadpacket", target), "__name__", "v")
@@ -99,9 +100,17 @@ def transpose_vjp(vjp_gm: fx.GraphModule, n_in: int, n_out: int):
     return flat, [i - n_out for i in ct_index]
 
 
-_SHAPE_ONLY = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.dim,
-               aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.flatten.using_ints,
-               aten.unflatten.int}
+_SHAPE_ONLY = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.unsqueeze.default,
+    aten.flatten.using_ints,
+    aten.unflatten.int,
+}
 
 
 def collapse_view_chains(gm: fx.GraphModule) -> bool:
@@ -123,8 +132,13 @@ def collapse_view_chains(gm: fx.GraphModule) -> bool:
         if start is node.args[0] or not isinstance(start, fx.Node):
             continue
         a, b = start.meta.get("val"), node.meta.get("val")
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
-                and a.dtype == b.dtype and a.is_contiguous():
+        if (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and a.is_contiguous()
+        ):
             only_for_this = len(start.users) == 1 and has_generic_name(start)
             node.replace_all_uses_with(start)
             if only_for_this and not has_generic_name(node):
@@ -199,7 +213,7 @@ def jvp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
 
     # Rebuild: placeholders (x..., one tangent per float tensor leaf), outputs (out..., J t...).
     old_ph = [n for n in flat.graph.nodes if n.op == "placeholder"]
-    x_ph, u_ph, t_ph = old_ph[:n_x], old_ph[n_x:n_x + len(ct_index)], old_ph[n_x + len(ct_index):]
+    x_ph, u_ph, t_ph = old_ph[:n_x], old_ph[n_x : n_x + len(ct_index)], old_ph[n_x + len(ct_index) :]
     fake_mode = fake_mode_of(flat.graph)
     graph = fx.Graph()
     env = {}
@@ -224,7 +238,7 @@ def jvp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
     mapped = graph.graph_copy(flat.graph, env)
     mapped = list(mapped) if isinstance(mapped, (tuple, list)) else [mapped]
     outs = mapped[:n_out]
-    jt = mapped[n_out + n_x:]
+    jt = mapped[n_out + n_x :]
     out_tangents = []
     it = iter(jt)
     jt_of = {i: next(it) for i in ct_index}
@@ -250,16 +264,25 @@ def jvp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
 
     names = _names(f, args)
     tangent_examples = [
-        (f"tangent_{name}", pytree.tree_map(lambda v: v if is_float(v) else None, a))
-        for name, a in zip(names, args)]
+        (f"tangent_{name}", pytree.tree_map(lambda v: v if is_float(v) else None, a)) for name, a in zip(names, args)
+    ]
 
     def build(flat_results):
         out = pytree.tree_unflatten(flat_results[:n_out], cap.out_spec)
         tan = pytree.tree_unflatten(flat_results[n_out:], cap.out_spec)
         return out, tan
 
-    return finish(flat_gm, names, args, cap, build, tangent_examples, leaf_x_only=True, made_by="fxtools.jvp",
-                  roles={len(args) + i: tangent_role(n) for i, n in enumerate(names)})
+    return finish(
+        flat_gm,
+        names,
+        args,
+        cap,
+        build,
+        tangent_examples,
+        leaf_x_only=True,
+        made_by="fxtools.jvp",
+        roles={len(args) + i: tangent_role(n) for i, n in enumerate(names)},
+    )
 
 
 def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False, made_by="fxtools", roles=None) -> fx.GraphModule:

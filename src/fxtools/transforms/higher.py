@@ -14,17 +14,18 @@ transform returns an ordinary GraphModule of public PyTorch calls that fxtools c
   structure ``S``, ``H`` has structure ``S`` of ``S``, ``H[i][j]`` of shape
   ``shape_i + shape_j``.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .vjp import _argnums_tuple, _names, grads_structure, prepare
+from ..registry import rule_set
 from .batching import trace_batched, vmappable
 from .forward import finish
-from ..registry import rule_set
 from .reverse import ReverseSpec, is_float, reverse
+from .vjp import _argnums_tuple, _names, grads_structure, prepare
 
 __all__ = ["hvp", "hessian"]
 
@@ -60,16 +61,23 @@ def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     out_node = next(n for n in flat.graph.nodes if n.op == "output")
     results = list(out_node.args[0])
     out_node.args = (tuple(results[n_out:]),)
-    v_example = pytree.tree_unflatten(
-        [cap.out_leaves[i] if i in ct_index else None for i in range(n_out)], cap.out_spec)
+    v_example = pytree.tree_unflatten([cap.out_leaves[i] if i in ct_index else None for i in range(n_out)], cap.out_spec)
 
     def build(flat_results):
         hv = grads_structure(cap, args, flat_results, nums)
         return hv[0] if isinstance(argnums, int) else hv
 
     names = _names(f, args)
-    gm = finish(flat, names, args, cap, build, [("v", v_example)], made_by="fxtools.hvp",
-                roles={len(args): lambda path: "the vector v of the Hessian-vector product"})
+    gm = finish(
+        flat,
+        names,
+        args,
+        cap,
+        build,
+        [("v", v_example)],
+        made_by="fxtools.hvp",
+        roles={len(args): lambda path: "the vector v of the Hessian-vector product"},
+    )
     _name_results(gm)
     return gm
 
@@ -79,7 +87,7 @@ def _name_results(gm: fx.GraphModule) -> None:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     for node in pytree.tree_leaves(out.args[0]):
         if isinstance(node, fx.Node) and node.op != "placeholder" and node.name.startswith("grad_"):
-            node._rename("hvp_" + node.name[len("grad_"):])
+            node._rename("hvp_" + node.name[len("grad_") :])
     gm.recompile()
 
 
@@ -105,8 +113,7 @@ def hessian(f, *args, argnums=0) -> fx.GraphModule:
 
     def hessian_of(*a):
         eye = torch.eye(total, dtype=dtype)
-        basis = [eye[:, o:o + n].reshape(total, *x.shape) if is_float(x) else None
-                 for x, o, n in zip(leaves, offsets, sizes)]
+        basis = [eye[:, o : o + n].reshape(total, *x.shape) if is_float(x) else None for x, o, n in zip(leaves, offsets, sizes)]
         v = pytree.tree_unflatten(basis, spec)
         columns = torch.func.vmap(hv, in_dims=(None,) * len(a) + (0,))(*a, v)
         cols = pytree.tree_leaves(columns) if not isinstance(columns, torch.Tensor) else [columns]
@@ -122,12 +129,13 @@ def hessian(f, *args, argnums=0) -> fx.GraphModule:
                 if not is_float(xj):
                     row.append(None)
                     continue
-                block = ci[oj:oj + nj].reshape(nj, ni).transpose(0, 1)
+                block = ci[oj : oj + nj].reshape(nj, ni).transpose(0, 1)
                 row.append(block.reshape(*xi.shape, *xj.shape))
             rows.append(pytree.tree_unflatten(row, spec))
         return pytree.tree_unflatten(rows, spec)
 
     import inspect
+
     try:
         hessian_of.__signature__ = inspect.signature(f.forward if isinstance(f, torch.nn.Module) else f)
     except (TypeError, ValueError):

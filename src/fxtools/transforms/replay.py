@@ -15,6 +15,7 @@ Whatever cannot be keyed or replayed faithfully is simply called: arguments that
 FakeTensors of this trace or plain Python values, symbolic sizes, constants known to the tracer,
 calls that modify an argument in place or that read traced values they were not given.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,21 +24,32 @@ import types
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-from torch._subclasses.fake_impls import fast_detach
 from torch._dispatch.python import no_python_dispatcher
+from torch._subclasses.fake_impls import fast_detach
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
 
-_ATOMS = frozenset({int, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-                    torch.memory_format, types.EllipsisType})
+_ATOMS = frozenset({int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format, types.EllipsisType})
 # node.meta entries that creating a node sets (or, under ``preserve_node_meta``, takes from the op
 # being differentiated): the copy gets its own, not the recorded node's
-_CREATED = frozenset({"val", "stack_trace", "seq_nr", "nn_module_stack", "torch_fn",
-                      "eager_input_vals", "is_gradient_acc", "autograd_backward", "is_functional_regenerated",
-                      "unbacked_bindings", *fx.proxy._COPY_META_FIELDS})
+_CREATED = frozenset(
+    {
+        "val",
+        "stack_trace",
+        "seq_nr",
+        "nn_module_stack",
+        "torch_fn",
+        "eager_input_vals",
+        "is_gradient_acc",
+        "autograd_backward",
+        "is_functional_regenerated",
+        "unbacked_bindings",
+        *fx.proxy._COPY_META_FIELDS,
+    }
+)
 
 _enabled = True
 
@@ -72,9 +84,14 @@ def _atom_key(x):
 
 def _static(val) -> bool:
     """A FakeTensor whose metadata a fresh tensor can reproduce."""
-    return (type(val) is FakeTensor and val.layout is torch.strided and not val.is_neg() and not val.is_conj()
-            and all(type(s) is int for s in (*val.shape, *val.stride(), val.storage_offset()))
-            and val.untyped_storage().nbytes() % val.element_size() == 0)
+    return (
+        type(val) is FakeTensor
+        and val.layout is torch.strided
+        and not val.is_neg()
+        and not val.is_conj()
+        and all(type(s) is int for s in (*val.shape, *val.stride(), val.storage_offset()))
+        and val.untyped_storage().nbytes() % val.element_size() == 0
+    )
 
 
 def _tensor_key(t, tracer):
@@ -83,8 +100,7 @@ def _tensor_key(t, tracer):
     slot = proxy_tensor.get_proxy_slot(t, tracer, None)
     if slot is None or slot.constant is not None:  # not traced here, or a constant make_fx folds
         raise _Unkeyable
-    meta = (tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().nbytes(), t.dtype, t.device,
-            t.requires_grad)
+    meta = (tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().nbytes(), t.dtype, t.device, t.requires_grad)
     return meta, slot.proxy.node
 
 
@@ -128,16 +144,22 @@ def _fresh(val):
 
 
 def _same_meta(t, val) -> bool:
-    return (isinstance(val, torch.Tensor) and t.shape == val.shape and t.stride() == val.stride()
-            and t.dtype == val.dtype and t.device == val.device and t.storage_offset() == val.storage_offset())
+    return (
+        isinstance(val, torch.Tensor)
+        and t.shape == val.shape
+        and t.stride() == val.stride()
+        and t.dtype == val.dtype
+        and t.device == val.device
+        and t.storage_offset() == val.storage_offset()
+    )
 
 
 class _Recording:
     """The nodes one call added, and how its result is made of them."""
 
     def __init__(self, nodes, inputs, out_leaves, out_spec):
-        self.nodes = nodes            # recorded nodes, in graph order
-        self.inputs = inputs          # the argument nodes they read (by tensor index)
+        self.nodes = nodes  # recorded nodes, in graph order
+        self.inputs = inputs  # the argument nodes they read (by tensor index)
         self.out_leaves = out_leaves  # ("arg", i) | ("node", node) | ("value", v)
         self.out_spec = out_spec
 
@@ -157,7 +179,8 @@ class _Recording:
             elif not _static(val):
                 return None
             if node.target is operator.getitem and not (
-                    node.args[0] in recorded and isinstance(node.args[0].meta["val"], (tuple, list))):
+                node.args[0] in recorded and isinstance(node.args[0].meta["val"], (tuple, list))
+            ):
                 return None
         arg_of = {id(t): i for i, t in enumerate(tensors)}
         leaves, spec = pytree.tree_flatten(out)
@@ -168,9 +191,14 @@ class _Recording:
                     out_leaves.append(("arg", arg_of[id(x)]))
                     continue
                 slot = proxy_tensor.get_proxy_slot(x, tracer, None)
-                if (slot is None or slot.constant is not None or x.requires_grad or slot.proxy.node not in recorded
-                        or holder.setdefault(slot.proxy.node, id(x)) != id(x)
-                        or not _same_meta(x, slot.proxy.node.meta["val"])):
+                if (
+                    slot is None
+                    or slot.constant is not None
+                    or x.requires_grad
+                    or slot.proxy.node not in recorded
+                    or holder.setdefault(slot.proxy.node, id(x)) != id(x)
+                    or not _same_meta(x, slot.proxy.node.meta["val"])
+                ):
                     return None
                 out_leaves.append(("node", slot.proxy.node))
             else:
@@ -251,4 +279,3 @@ class Memo:
             unchanged = [t._version for t in tensors] == versions  # else it wrote into an argument
             self.recordings[key] = _Recording.make(added, nodes, tensors, out, tracer) if unchanged else None
         return out
-

@@ -12,6 +12,7 @@ This is seed 000's ``vjp_template``, traced with ``make_fx`` instead of ``symbol
 The template runs on FakeTensors under ``make_fx``, so the torch calls inside the rules are
 what the resulting graph contains. Cotangent nodes are named ``grad_<value>``.
 """
+
 from __future__ import annotations
 
 import operator
@@ -21,13 +22,12 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental import proxy_tensor
-from torch.utils import _pytree as pytree
 
 from .. import registry
-from ..registry import differentiable_nodes, is_float
 from ..capture.trace import Captured, data_dependent_error, is_data_dependent, trace_flat
 from ..dynamic_shapes import cotangent_example, dynamic_nodes, is_dynamic, symbolic_mode, tie
 from ..errors import MissingRuleError, user_line_of
+from ..registry import differentiable_nodes, is_float
 from .replay import Memo
 
 aten = torch.ops.aten
@@ -51,8 +51,11 @@ def missing_rule(node) -> MissingRuleError:
 
 
 def rule_for(node):
-    rule = (node.meta.get("fxtools_rule") or getattr(node.target, "fxtools_rule", None)  # custom.CustomCall
-            or registry.lookup(node.target))
+    rule = (
+        node.meta.get("fxtools_rule")
+        or getattr(node.target, "fxtools_rule", None)  # custom.CustomCall
+        or registry.lookup(node.target)
+    )
     if rule is None:
         raise missing_rule(node)
     if not registry.handles(rule, node) and "fxtools_rule" not in node.meta:
@@ -64,7 +67,8 @@ def rule_for(node):
             f"{user_line_of(node) or 'an unknown line'}): its VJP rule is written for {other} tensors only "
             "and PyTorch gives no decomposition or derivative formula for this call. Register a rule "
             "following autograd's convention for complex tensors with fxtools.register_vjp"
-            + (", or differentiate a real formulation (torch.view_as_real)." if kind == "complex" else "."))
+            + (", or differentiate a real formulation (torch.view_as_real)." if kind == "complex" else ".")
+        )
     return rule
 
 
@@ -98,8 +102,8 @@ class _Namer:
 class ReverseSpec:
     """What to differentiate: which captured placeholders, and how the output is seeded."""
 
-    wrt: list[bool]           # per captured placeholder
-    seed: str = "cotangent"   # "cotangent": one input per float output; "ones": scalar output
+    wrt: list[bool]  # per captured placeholder
+    seed: str = "cotangent"  # "cotangent": one input per float output; "ones": scalar output
 
 
 def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, list]:
@@ -130,7 +134,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
     dynamic = set(dynamic_nodes(cap.gm))  # data-dependent shapes (x[mask]): see dynamic_shapes.py
 
     def template(*flat):
-        inputs, cts = flat[: len(placeholders)], flat[len(placeholders):]
+        inputs, cts = flat[: len(placeholders)], flat[len(placeholders) :]
         env: dict[fx.Node, object] = dict(zip(placeholders, inputs))
         memo = Memo()  # repeated calls (identical layers) copy their first trace: see transforms/replay.py
         tape = []
@@ -187,7 +191,9 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
                 namer(c, f"grad_{node.name}")
             with fx_traceback.set_current_meta(node):
                 dargs = memo.call(rule.bwd, aux, c)
-            if not isinstance(dargs, (tuple, list)) or len(node.args) == 1 and isinstance(node.args[0], (list, tuple)) and not isinstance(dargs, tuple):
+            if not isinstance(dargs, (tuple, list)) or (
+                len(node.args) == 1 and isinstance(node.args[0], (list, tuple)) and not isinstance(dargs, tuple)
+            ):
                 dargs = (dargs,)
             for a, d in zip(node.args, dargs):
                 if isinstance(a, (list, tuple)):
@@ -224,7 +230,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
     ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, p in zip(ph, placeholders):
         node._rename(p.name)
-    for node, i in zip(ph[len(placeholders):], ct_index):
+    for node, i in zip(ph[len(placeholders) :], ct_index):
         src = out_nodes[i]
         node._rename(f"grad_{src.name}" if len(ct_index) > 1 else "grad_out")
     for node in gm.graph.nodes:  # the conjugated arguments of holomorphic rules (complex tensors)
@@ -261,8 +267,7 @@ def example_mode(vals):
     symbolic = symbolic_mode(vals)  # sizes marked dynamic: their symbols live in the capture's mode
     if symbolic is not None:
         return symbolic
-    return FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=ShapeEnv(),
-                          static_shapes=True)
+    return FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
 
 
 def _example(val, mode, keep_strides=False):

@@ -5,6 +5,7 @@ specialised to them), differentiates the trace source-to-source, simplifies the 
 renders it with public PyTorch names. What comes back is an ordinary ``torch.fx.GraphModule``
 whose calls first check that the arguments are what it was made for (``fxtools.codegen.guards``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,18 +13,18 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .. import rules  # noqa: F401  (registers fxtools' own rules)
-from ..codegen.assemble import assemble
-from ..capture.trace import Captured, capture, check_supported
-from ..codegen.draw import PART_KEY
-from ..rules.decompose import expand
-from ..codegen import sizes
 from ..capture.functionalize import functionalize
+from ..capture.trace import Captured, capture, check_supported
+from ..codegen import sizes
+from ..codegen.assemble import assemble
+from ..codegen.draw import PART_KEY
 from ..codegen.guards import OptionalTensor, cotangent_role, install
 from ..codegen.naming import arg_names
 from ..codegen.render import render
-from .reverse import ReverseSpec, ancestors, is_float, reverse
 from ..codegen.show import remember_inputs
 from ..passes.simplify import simplify
+from ..rules.decompose import expand
+from .reverse import ReverseSpec, ancestors, is_float, reverse
 
 
 def _argnums_tuple(argnums, nargs):
@@ -71,8 +72,7 @@ def _names(f, args):
 
 def mark_parts(flat_gm: fx.GraphModule, n_out: int) -> None:
     """Tag each op "forward" if an output value of ``f`` depends on it, else "backward" (for drawing)."""
-    outs = [o for o in next(n for n in flat_gm.graph.nodes if n.op == "output").args[0][:n_out]
-            if isinstance(o, fx.Node)]
+    outs = [o for o in next(n for n in flat_gm.graph.nodes if n.op == "output").args[0][:n_out] if isinstance(o, fx.Node)]
     forward = ancestors(outs)
     for node in flat_gm.graph.nodes:
         if node.op in ("call_function", "call_method", "get_attr"):
@@ -122,8 +122,7 @@ def vjp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
     cap.f = f
     flat_gm, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     n_out = len(cap.out_leaves)
-    ct_example = pytree.tree_unflatten(
-        [cap.out_leaves[i] if i in ct_index else None for i in range(n_out)], cap.out_spec)
+    ct_example = pytree.tree_unflatten([cap.out_leaves[i] if i in ct_index else None for i in range(n_out)], cap.out_spec)
 
     def build(flat):
         out = _output_structure(cap, flat[:n_out])
@@ -132,10 +131,9 @@ def vjp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
     # what grad_out may be: the output's shape at floating-point leaves (None too where no gradient
     # flows, as the code ignores it there), None elsewhere
     accepts = pytree.tree_unflatten(
-        [o if i in ct_index else OptionalTensor(o) if is_float(o) else None for i, o in enumerate(cap.out_leaves)],
-        cap.out_spec)
-    return _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)],
-                   guard_extra=[accepts])
+        [o if i in ct_index else OptionalTensor(o) if is_float(o) else None for i, o in enumerate(cap.out_leaves)], cap.out_spec
+    )
+    return _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)], guard_extra=[accepts])
 
 
 def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None):
@@ -146,7 +144,8 @@ def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None):
     if len(cap.out_leaves) != 1 or not outs or outs[0].numel() != 1 or not is_float(outs[0]):
         raise ValueError(
             "grad needs f to return a single floating-point tensor with one element "
-            f"(got {pytree.tree_unflatten(cap.out_leaves, cap.out_spec)!r}); use fxtools.vjp for other outputs")
+            f"(got {pytree.tree_unflatten(cap.out_leaves, cap.out_spec)!r}); use fxtools.vjp for other outputs"
+        )
     flat_gm, _, _ = reverse(cap, ReverseSpec(wrt, "ones"))
 
     def build(flat):
