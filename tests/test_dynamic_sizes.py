@@ -243,3 +243,25 @@ def test_vmap_over_a_dynamic_batch():
     for n in (2, 9, 40):
         x = torch.randn(n, 3, dtype=torch.float64)
         assert_tree_close(gm(w, x), torch.func.vmap(per_example_grad, in_dims=(None, 0))(w, x))
+
+
+def test_sizes_written_with_floor_division_and_views_of_symbolic_bases():
+    """Found by tests/test_fuzz_sizes.py: a reshape(-1, 12) of a symbolic size needs a floor
+    division in the backward's sizes; a fixed-size view of a symbolic base has a symbolic storage
+    (rule replay must not key on it)."""
+
+    def f(x, w):
+        return (x.flatten().reshape(-1, 12) * 2).sum() + (w.view(8) * w.view(8)).sum()
+
+    x, w = torch.randn(2, 4, 3, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    auto = ({0: Dim.AUTO, 1: Dim.AUTO, 2: Dim.AUTO}, {0: Dim.AUTO, 1: Dim.AUTO})
+    gm = fxtools.vjp(f, x, w, dynamic_shapes=auto)
+    assert "//" in gm.code
+    for shape in [(2, 4, 3), (3, 4, 2), (5, 6, 2)]:
+        x = torch.randn(shape, dtype=torch.float64)
+        ct = torch.tensor(1.5, dtype=torch.float64)
+        out, grads = gm(x, w, ct)
+        want = torch.func.vjp(f, x, w)[1](ct)
+        torch.testing.assert_close(out, f(x, w))
+        for g, r in zip(grads, want):
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)

@@ -226,6 +226,7 @@ def materialize(graph: fx.Graph, before: fx.Node, args, inputs_only=False):
 
     def build(expr, like):
         import sympy
+        from torch.utils._sympy.functions import FloorDiv, PythonMod
 
         if expr in found and isinstance(found[expr], fx.Node):
             return found[expr]
@@ -245,6 +246,12 @@ def materialize(graph: fx.Graph, before: fx.Node, args, inputs_only=False):
                     new = graph.call_function(op, (node, part))
                 new.meta["val"] = op(_val_of(node), _val_of(part))
                 node = new
+        elif isinstance(expr, (FloorDiv, PythonMod)):  # sizes of reshape(-1, 12) and the like
+            op = operator.floordiv if isinstance(expr, FloorDiv) else operator.mod
+            a, b = (build(e, like) for e in expr.args)
+            with graph.inserting_before(before):
+                node = graph.call_function(op, (a, b))
+            node.meta["val"] = op(_val_of(a), _val_of(b))
         else:
             raise _Unwritable(expr)
         found[expr] = node

@@ -90,8 +90,13 @@ def _static(val) -> bool:
         and not val.is_neg()
         and not val.is_conj()
         and all(type(s) is int for s in (*val.shape, *val.stride(), val.storage_offset()))
-        and val.untyped_storage().nbytes() % val.element_size() == 0
+        and _static_nbytes(val)
     )
+
+
+def _static_nbytes(val) -> bool:
+    nbytes = val.untyped_storage().nbytes()  # symbolic for a view of a symbolic-sized base
+    return type(nbytes) is int and nbytes % val.element_size() == 0
 
 
 def _tensor_key(t, tracer):
