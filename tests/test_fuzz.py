@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 import fxtools
 
-N = int(os.environ.get("FXTOOLS_FUZZ_N", "100"))
+N = int(os.environ.get("FXTOOLS_FUZZ_N", "300"))
 SEED = int(os.environ.get("FXTOOLS_FUZZ_SEED", "0"))
 ONLY = [int(i) for i in os.environ.get("FXTOOLS_FUZZ_ONLY", "").split(",") if i.strip()]
 GROUP = 50

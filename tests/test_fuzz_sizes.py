@@ -27,7 +27,7 @@ from torch.export import Dim
 
 import fxtools
 
-N = int(os.environ.get("FXTOOLS_FUZZ_SIZES_N", "150"))
+N = int(os.environ.get("FXTOOLS_FUZZ_SIZES_N", "300"))
 GROUP = 50
 SUBSTITUTION = {2: 5, 3: 7, 4: 6, 5: 9, 6: 8, 7: 11, 8: 10, 9: 13, 12: 14, 16: 17}
 
