@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
-import math
 import operator
 import os
 import re
@@ -34,7 +33,7 @@ import torch.fx as fx
 from ..errors import FxtoolsError
 from ..passes.inline import InlineError, inline_submodules
 from . import guards as _guards
-from .naming import identifier, is_plain_identifier, is_taken_name, plain_literal
+from .naming import identifier, is_plain_identifier, is_taken_name, literal, plain_literal
 from .show import describe
 
 __all__ = ["save", "ExportError", "EMBED_LIMIT"]
@@ -114,18 +113,7 @@ def _check_importable(module: str, name: str) -> None:
 def _literal(v) -> str:
     """Python source for a scalar, exact on reload (``float('inf')`` for infinities); a subclass
     of a built-in type is written as its built-in value, never with its own ``repr``."""
-    v = plain_literal(v, "a constant")
-    if isinstance(v, bool) or v is None:
-        return repr(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "float('nan')"
-        if math.isinf(v):
-            return "float('inf')" if v > 0 else "-float('inf')"
-        return repr(v)
-    if isinstance(v, complex):
-        return f"complex({_literal(v.real)}, {_literal(v.imag)})"
-    return repr(v)
+    return literal(plain_literal(v, "a constant"))
 
 
 def _tensor_literal(t: torch.Tensor) -> str:

@@ -68,7 +68,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import math
 import operator
 import sys
 
@@ -77,7 +76,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError
-from .naming import plain_literal
+from .naming import literal, plain_literal
 
 __all__ = ["InputMismatch", "Sym", "Leaf", "Node", "Guards", "GuardedGraphModule", "build", "install", "runtime_source", "render"]
 
@@ -644,26 +643,16 @@ def runtime_source() -> str:
 
 
 def _literal(v) -> str:
-    if isinstance(v, bool) or v is None:
-        return repr(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "float('nan')"
-        if math.isinf(v):
-            return "float('inf')" if v > 0 else "-float('inf')"
-        return repr(v)
-    if isinstance(v, complex):
-        return f"complex({_literal(v.real)}, {_literal(v.imag)})"
+    if v is None or type(v) in (bool, int, float, complex, str):  # exactly: a subclass's repr is user code
+        return literal(v)
+    if isinstance(v, tuple):
+        return "(" + ", ".join(map(_literal, v)) + ("," if len(v) == 1 else "") + ")"
     if isinstance(v, torch.dtype):
         return str(v)
     if isinstance(v, torch.device):
         return f"torch.device({str(v)!r})"
-    if isinstance(v, tuple):
-        return "(" + ", ".join(map(_literal, v)) + ("," if len(v) == 1 else "") + ")"
     if isinstance(v, Sym):
         return f"Sym({v.name!r}, {v.min!r}, {v.max!r})"
-    if type(v) in (int, str):  # exactly: a subclass's repr is user code
-        return repr(v)
     if isinstance(v, (torch.memory_format, torch.layout)):
         return str(v)
     raise TypeError(type(v))

@@ -121,6 +121,23 @@ def plain_literal(value, where: str, *, key: bool = False):
 _NOT_PLAIN = object()
 
 
+def literal(v) -> str:
+    """Python source for a plain value (what ``plain_literal`` returns), exact on reload:
+    infinities and NaN as ``float('inf')`` / ``float('nan')``, complex numbers by their parts,
+    tuples element by element."""
+    if isinstance(v, float):
+        if cmath.isnan(v):
+            return "float('nan')"
+        if cmath.isinf(v):
+            return "float('inf')" if v > 0 else "-float('inf')"
+        return repr(v)
+    if isinstance(v, complex):
+        return f"complex({literal(v.real)}, {literal(v.imag)})"
+    if type(v) is tuple:
+        return "(" + ", ".join(map(literal, v)) + ("," if len(v) == 1 else "") + ")"
+    return repr(v)
+
+
 def _self_equal(value) -> bool:
     if isinstance(value, tuple):
         return all(_self_equal(v) for v in value)
