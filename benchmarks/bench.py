@@ -76,6 +76,7 @@ def interleaved_median_times(fns, reps, warmup=2):
     times = [[] for _ in fns]
     for _ in range(reps):
         for f, acc in zip(fns, times):
+            gc.collect()
             start = time.perf_counter()
             f()
             acc.append(time.perf_counter() - start)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 import platform
 import statistics
@@ -28,6 +27,7 @@ import sys
 import time
 
 import torch
+from bench import interleaved_median_times  # benchmarks/bench.py, beside this file
 
 import fxtools
 from fxtools.cli import examples
@@ -37,21 +37,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def log(msg):
     print(f"[bench_guards {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def interleaved_median_times(fns, reps, warmup=2):
-    """Median time of each function, the functions called in turn ``reps`` times."""
-    for _ in range(warmup):
-        for f in fns:
-            f()
-    times = [[] for _ in fns]
-    for _ in range(reps):
-        for f, acc in zip(fns, times):
-            gc.collect()
-            start = time.perf_counter()
-            f()
-            acc.append(time.perf_counter() - start)
-    return tuple(statistics.median(t) for t in times)
 
 
 def median_time(fn, reps, inner=1):

@@ -32,13 +32,8 @@ from torch.utils import _pytree as pytree
 from ..capture import custom
 from ..capture.functionalize import functionalize
 from ..capture.trace import capture, is_data_dependent, realize_constants
-from ..codegen import sizes
-from ..codegen.assemble import assemble
-from ..codegen.guards import install
-from ..codegen.render import render
 from ..errors import FxtoolsError, user_frame
-from ..passes.simplify import simplify
-from .forward import collapse_view_chains, tidy_names
+from .forward import finish
 from .vjp import _names
 
 __all__ = ["vmap"]
@@ -173,16 +168,4 @@ def trace_batched(fn, args, names_of=None, namer=None, made_by="fxtools.vmap", d
     def build(flat):
         return pytree.tree_unflatten(flat, cap.out_spec)
 
-    out = assemble(gm, names, args, cap.tensor_leaf, cap.names, build)
-    simplify(out)
-    while collapse_view_chains(out):
-        simplify(out)
-    sizes.check(cap.symbolic, out)
-    tidy_names(out)
-    render(out)
-    sizes.name_sizes(out, cap.symbolic)
-    out.graph.lint()
-    out.recompile()
-    out = install(out, made_by, names, args)
-    sizes.guard_symbolic(out.guards, cap, args)
-    return out
+    return finish(gm, names, args, cap, build, [], made_by=made_by)
