@@ -472,9 +472,9 @@ def _identities(gm: fx.GraphModule, fake_mode) -> bool:
             only_for_this = isinstance(new, fx.Node) and set(new.users) == {node} and has_generic_name(new)
             node.replace_all_uses_with(new)
             if _made_since(start, node, new) or only_for_this:
-                name = node.name
+                name, generic = node.name, has_generic_name(node)
                 gm.graph.erase_node(node)
-                if name.startswith("grad_"):
+                if isinstance(new, fx.Node) and (name.startswith("grad_") or (not generic and has_generic_name(new))):
                     new.name = name  # the erased node's name: unique, and still reserved in the namespace
             changed = True
     return changed

@@ -24,7 +24,7 @@ from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..passes.simplify import simplify
 from ..rules.decompose import expand
-from .reverse import ReverseSpec, ancestors, is_float, reverse
+from .reverse import ReverseSpec, ancestors, is_float, reverse, single_cotangent_name
 
 
 def _argnums_tuple(argnums, nargs):
@@ -133,7 +133,9 @@ def vjp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
     accepts = pytree.tree_unflatten(
         [o if i in ct_index else OptionalTensor(o) if is_float(o) else None for i, o in enumerate(cap.out_leaves)], cap.out_spec
     )
-    return _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)], guard_extra=[accepts])
+    outs = [n for n in cap.gm.graph.output_node().args[0]]
+    ct_name = single_cotangent_name(outs[0]) if len(outs) == 1 else "grad_out"
+    return _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[(ct_name, ct_example)], guard_extra=[accepts])
 
 
 def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None):
