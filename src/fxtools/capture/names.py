@@ -31,9 +31,10 @@ import torch.fx as fx
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
-from ..codegen.naming import identifier, op_base, shortest_unique_suffixes
+from ..codegen.naming import identifier, op_base, part_name, shortest_unique_suffixes
 
 MODULE_OUT = "fxtools_module_out"  # node.meta key: path of the outermost module call returning the node's value
+INTERMEDIATE = "fxtools_intermediate"  # node.meta key: named after its statement's target and its op
 _FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$')
 _GENERIC_FUNCTIONS = frozenset({"forward", "__call__", "<lambda>", "<module>", "_call_impl", "_wrapped_call_impl"})
 
@@ -249,8 +250,9 @@ def name_values(gm: fx.GraphModule, f) -> None:
         for n in run:
             if n not in names and n.target is not operator.getitem:
                 names[n] = f"{base}_{op_base(n)}"
+                n.meta[INTERMEDIATE] = True
     for n in nodes:
         if n.target is operator.getitem and n not in names and n.args[0] in names:
-            names[n] = f"{names[n.args[0]]}_{n.args[1]}"
+            names[n] = f"{names[n.args[0]]}_{part_name(n.args[0].target, n.args[1])}"
     for n, name in names.items():
         n._rename(identifier(name))

@@ -268,3 +268,26 @@ def short_op(node) -> str:
     """A short name for a node's op, for the intermediate values named after it (``v_t``)."""
     base = op_base(node)
     return _SHORT_OPS.get(base, base)
+
+
+_PARTS = {  # what the outputs of multi-output ops are, where the schema does not name them
+    "native_layer_norm": ("out", "mean", "rstd"),
+    "native_batch_norm": ("out", "mean", "invstd"),
+    "_native_batch_norm_legit": ("out", "mean", "invstd"),
+    "_native_batch_norm_legit_functional": ("out", "mean", "invstd", "running_mean", "running_var"),
+    "_native_batch_norm_legit_no_training": ("out", "mean", "invstd"),
+    "native_group_norm": ("out", "mean", "rstd"),
+    "max_pool2d_with_indices": ("out", "indices"),
+    "max_pool3d_with_indices": ("out", "indices"),
+    "var_mean": ("var", "mean"),
+    "std_mean": ("std", "mean"),
+}
+
+
+def part_name(target, i: int) -> str:
+    """The name of output ``i`` of a multi-output op: ``rstd`` for ``native_layer_norm``'s third."""
+    schema = getattr(target, "_schema", None)
+    if schema is not None and i < len(schema.returns) and schema.returns[i].name:
+        return schema.returns[i].name
+    parts = _PARTS.get(getattr(getattr(target, "overloadpacket", target), "__name__", ""), ())
+    return parts[i] if i < len(parts) else str(i)

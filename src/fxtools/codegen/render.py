@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ..errors import FxtoolsError
 from ..passes.simplify import is_input_leaf
 from .naming import SHADOWS, is_plain_identifier, plain_literal, repr_safe
+from .pycode import use_readable_code
 
 aten = torch.ops.aten
 
@@ -188,10 +189,10 @@ def _call(op, args, kwargs):
         return "call_function", _SWAPPED[op], (args[1], args[0]), {}
     pairs, schema = _schema_args(op, args, kwargs)
     if op in _METHODS:
-        return _split("call_method", _METHODS[op], pairs, [a.name for a in schema if not a.kwarg_only])
+        return _split("call_method", _METHODS[op], pairs, _positional(schema))
     if _none_in_optional_tensor_list(schema, pairs):
         return None  # torch.index_put(x, [None, i], v) is rejected by the Python binding
-    positional = [a.name for a in schema if not a.kwarg_only]
+    positional = _positional(schema)
     name = op.overloadpacket.__name__
     if name.endswith("_") and not name.startswith("_") and schema and schema[0].is_write and hasattr(torch.Tensor, name):
         return _split("call_method", name, pairs, positional)  # a kept in-place update: buffer.add_(1)
@@ -256,6 +257,7 @@ def _python_call(target, params, pairs, schema):
             len(args) < len(order)
             and order[len(args)] == name
             and params[name].kind in positional
+            and params[name].default is inspect.Parameter.empty  # options by keyword, as in _split
             and params[order[0]].kind in positional
         ):
             args.append(kwargs.pop(name))
@@ -270,6 +272,13 @@ def _none_in_optional_tensor_list(schema, pairs) -> bool:
     return any(
         types.get(n) == "List[Optional[Tensor]]" and isinstance(v, (list, tuple)) and any(i is None for i in v) for n, v in pairs
     )
+
+
+def _positional(schema) -> list[str]:
+    """Arguments written by position: the schema's required ones. Those with a default (options
+    such as ``keepdim``, ``stride``, ``dim=0``) are written by keyword, so that every call of a
+    function reads in one style whichever defaults were dropped: ``torch.sum(x, [1], keepdim=True)``."""
+    return [a.name for a in schema if not a.kwarg_only and not a.has_default_value()]
 
 
 def _split(kind, target, pairs, positional):
@@ -303,6 +312,7 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
         else:
             node.target, node.args, node.kwargs = target, args, kwargs
     check_code_data(gm)
+    use_readable_code(gm.graph)
     return gm
 
 

@@ -25,7 +25,8 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental import proxy_tensor
 
 from .. import registry
-from ..codegen.naming import short_op
+from ..codegen.naming import part_name, short_op
+from ..capture.names import INTERMEDIATE
 from ..capture.trace import Captured, data_dependent_error, is_data_dependent, trace_flat
 from ..dynamic_shapes import cotangent_example, dynamic_nodes, is_dynamic, symbolic_mode, tie
 from ..errors import MissingRuleError, user_line_of
@@ -85,6 +86,7 @@ class _Namer:
     def __init__(self):
         self.names: dict[fx.Node, str] = {}
         self.owners: dict[fx.Node, str] = {}
+        self.weak: set[fx.Node] = set()
 
     @contextlib.contextmanager
     def owner(self, name: str):
@@ -101,7 +103,9 @@ class _Namer:
                     self.owners.setdefault(node, name)
                     node = node.next
 
-    def __call__(self, tensor, name: str) -> None:
+    def __call__(self, tensor, name: str, weak: bool = False, owner: str | None = None) -> None:
+        """Name the node holding ``tensor``; a ``weak`` name (an intermediate's) yields to a later one.
+        With ``owner``, only a node traced for it (a rule returning its argument names nothing)."""
         mode = proxy_tensor.get_innermost_proxy_mode()
         if mode is None or not isinstance(tensor, torch.Tensor):
             return
@@ -109,8 +113,14 @@ class _Namer:
             node = proxy_tensor.get_proxy_slot(tensor, mode.tracer).proxy.node
         except Exception:  # noqa: BLE001 - not a traced tensor: nothing to name
             return
-        if node.op == "call_function":
-            self.names.setdefault(node, name)
+        if owner is not None and self.owners.get(node) != owner:
+            return
+        if node.op == "call_function" and (node not in self.names or node in self.weak):
+            self.names[node] = name
+            if weak:
+                self.weak.add(node)
+            else:
+                self.weak.discard(node)
 
     def apply(self, graph: fx.Graph) -> None:
         for node, name in self.names.items():
@@ -122,7 +132,13 @@ class _Namer:
                 continue
             base = next((root[a] for a in node.all_input_nodes if a in root), self.owners[node])
             root[node] = base
-            node._rename(f"{base}_{short_op(node)}")
+            if node.target is operator.getitem and isinstance(node.args[1], int):
+                multi = node.args[0]  # one output of a multi-output op: named after its main one
+                first = next((u for u in multi.users if u in self.names and u.target is operator.getitem), None)
+                base = first.name if first is not None else base
+                node._rename(f"{base}_{part_name(multi.target, node.args[1])}")
+            else:
+                node._rename(f"{base}_{short_op(node)}")
 
 
 @dataclass
@@ -182,7 +198,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
                         rule = rule_for(node)
                         env[node], aux = memo.call(rule.fwd, *args, **kwargs)
                         tape.append((node, rule, aux))
-                namer(env[node], node.name)
+                namer(env[node], node.name, weak=INTERMEDIATE in node.meta, owner=node.name)
                 if node in dynamic:
                     tie(env[node], node.meta["val"])
             elif node.op not in ("placeholder", "output"):
