@@ -25,6 +25,7 @@ import contextlib
 import linecache
 import operator
 import re
+import traceback
 
 import torch
 import torch.fx as fx
@@ -32,6 +33,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
 from ..codegen.naming import identifier, op_base, part_name, shortest_unique_suffixes
+from ..errors import is_user_file
 
 MODULE_OUT = "fxtools_module_out"  # node.meta key: path of the outermost module call returning the node's value
 INTERMEDIATE = "fxtools_intermediate"  # node.meta key: named after its statement's target and its op
@@ -203,8 +205,16 @@ def _top_codes(f) -> set:
     return out
 
 
-def name_values(gm: fx.GraphModule, f) -> None:
-    """Rename ``gm``'s op nodes after the user's modules and variables (see the module docstring)."""
+def outer_frames() -> tuple:
+    """The user frames calling fxtools now: not part of the traced program (stripped from its stack traces)."""
+    return tuple((f.filename, f.lineno, f.name) for f in traceback.extract_stack() if is_user_file(f.filename))
+
+
+def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
+    """Rename ``gm``'s op nodes after the user's modules and variables (see the module docstring).
+
+    ``outer``: the frames that called fxtools (``outer_frames()``); a line there (``gm = fxtools.vmap(...)``)
+    names nothing the program computes."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     names: dict[fx.Node, str] = {}
     module_nodes = {n: n.meta[MODULE_OUT] for n in nodes if MODULE_OUT in n.meta}
@@ -216,6 +226,8 @@ def name_values(gm: fx.GraphModule, f) -> None:
     open_runs: list[tuple[tuple, list[fx.Node]]] = []
     for n in nodes:
         key = _frames(n.meta.get("stack_trace"))
+        if outer and key[: len(outer)] == outer:
+            key = key[len(outer) :]
         if not key:
             continue
         while open_runs and not (key[: len(open_runs[-1][0])] == open_runs[-1][0]):
@@ -228,7 +240,7 @@ def name_values(gm: fx.GraphModule, f) -> None:
             runs.append(run)
     for key, run in runs:
         targets = _targets(key[-1], top)
-        if not targets or targets[0] is None and len(targets) == 1:
+        if not targets or (targets[0] is None and len(targets) == 1):
             continue
         base = None
         if len(targets) == 1:

@@ -261,7 +261,7 @@ def shortest_unique_suffixes(paths: list[str]) -> dict[str, str]:
     return out
 
 
-_SHORT_OPS = {"transpose": "t", "mT": "t", "numpy_T": "t", "unsqueeze": "unsqueeze", "_to_copy": "to"}
+_SHORT_OPS = {"transpose": "t", "mT": "t", "numpy_T": "t", "to_copy": "to", "sym_size": "size", "sym_numel": "numel"}
 
 
 def short_op(node) -> str:

@@ -148,21 +148,32 @@ def _pep8_keywords(text: str) -> str:
     return text
 
 
-def _storage_key(val):
-    try:
-        return id(val.untyped_storage())
-    except Exception:  # noqa: BLE001 - no storage (symbolic, sparse, nested): the value is its own
-        return ("value", id(val))
-
-
 def _bytes(val) -> int:
     try:
-        return int(val.untyped_storage().nbytes())
+        return int(val.numel()) * val.element_size()
+    except Exception:  # noqa: BLE001 - a data-dependent size: unknown, counted as nothing
+        return 0
+
+
+def _storages(nodes) -> dict:
+    """node -> the node whose storage its value lives in: a view's is its input's (from the graph's
+    structure and each value's ``_is_view()``, so equal graphs give equal answers)."""
+    base: dict = {}
+    for n in nodes:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        inputs = [a for a in n.all_input_nodes if a in base or isinstance(a.meta.get("val"), (tuple, list))]
+        is_view = n.target is operator.getitem or n.op == "get_attr" or (_is_view(val) and inputs)
+        base[n] = base.get(inputs[0], inputs[0]) if is_view and inputs else n
+    return base
+
+
+def _is_view(val) -> bool:
+    try:
+        return bool(val._is_view())
     except Exception:  # noqa: BLE001
-        try:
-            return int(val.numel()) * val.element_size()
-        except Exception:  # noqa: BLE001 - a data-dependent size: unknown, counted as nothing
-            return 0
+        return False
 
 
 def _needed_frees(nodes, freed: dict[int, list[str]], by_name) -> dict[int, list[str]]:
@@ -170,18 +181,14 @@ def _needed_frees(nodes, freed: dict[int, list[str]], by_name) -> dict[int, list
     which the estimated peak memory would grow by more than ``SLACK_BYTES``."""
     end = len(nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    held = set()  # storages of arguments and constants: the caller keeps them
-    storage_of: dict[fx.Node, object] = {}
-    size: dict[object, int] = {}
-    for n in nodes:
-        val = n.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            continue
-        key = _storage_key(val)
-        storage_of[n] = key
-        if n.op in ("placeholder", "get_attr") or (n.op == "call_function" and n.target in (operator.getitem, getattr) and n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"):
-            held.add(key)
-        size[key] = max(size.get(key, 0), _bytes(val))
+    storage_of = _storages(nodes)
+    held = {n for n in storage_of.values() if n.op in ("placeholder", "get_attr") or n.target is getattr}
+    for n, b in storage_of.items():  # arguments unpacked from a pytree: the caller keeps them
+        if n.op == "call_function" and n.target is operator.getitem and any(a.op == "placeholder" for a in n.all_input_nodes):
+            held.add(b)
+    size: dict = {}
+    for n, b in storage_of.items():
+        size[b] = max(size.get(b, 0), _bytes(n.meta["val"]))
     free_at: dict[str, int] = {name: i for i, names in freed.items() for name in names}
     first: dict[object, int] = {}
     last: dict[object, int] = {}
@@ -195,7 +202,7 @@ def _needed_frees(nodes, freed: dict[int, list[str]], by_name) -> dict[int, list
         live[a : last[key] + 1] += size[key]
     peak = float(live.max()) if end else 0.0
     keep_storages = set()
-    for key in sorted(first, key=lambda k: size[k]):
+    for key in sorted(first, key=lambda k: (size[k], pos[k])):
         t = last[key]
         if t >= end:
             continue

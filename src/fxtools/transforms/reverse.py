@@ -277,11 +277,11 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
     for node, i in zip(ph[len(placeholders) :], ct_index):
         src = out_nodes[i]
         node._rename(f"grad_{src.name}" if len(ct_index) > 1 else single_cotangent_name(src))
-    namer.apply(gm.graph)
     for node in gm.graph.nodes:  # the conjugated arguments of holomorphic rules (complex tensors)
         if node.target is aten._conj.default and node.name.startswith("_conj"):
             node._rename(f"{node.args[0].name}_conj")
     _copy_constants(cap.gm, gm)
+    namer.apply(gm.graph)
     grad_index = [i for i, w in enumerate(spec.wrt) if w]
     return gm, ct_index, grad_index
 
