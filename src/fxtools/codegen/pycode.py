@@ -6,11 +6,12 @@ torch.fx's code generator is kept, with three changes made to the lines it write
 - one statement per multi-output op, ``ln_1, mean, rstd = torch.native_layer_norm(...)``, with
   ``_`` for parts nothing reads, rather than a tuple variable and one ``x[i]`` line per part;
 - frees where they matter. fx ends almost every line with ``;  x = None`` so that each tensor is
-  freed right after its last use. Here a value is freed (with a ``del`` line) only if keeping it
-  to the end of the function would raise the function's peak memory by more than ``SLACK_BYTES``,
-  estimated from the shapes recorded on the graph (views share their base's storage; arguments
-  and constants are held by the caller anyway). Values small enough, or dying when memory is
-  falling anyway, are simply left alone, which is what a person writing the code would do.
+  freed right after its last use. Here the smallest values, together at most ``SLACK_BYTES``
+  (from the shapes recorded on the graph; views share their base's storage; arguments and
+  constants are held by the caller anyway), and values whose storage lives to the end anyway (an
+  output's) are simply left alone, as a person writing the code would; every other value is freed
+  after its last use with a ``del`` line. The function's peak memory can so grow by at most
+  ``SLACK_BYTES`` over freeing everything, wherever its peak is.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import tokenize
 import torch
 import torch.fx as fx
 
-SLACK_BYTES = 64 * 1024  # how much more the code may hold at its peak than freeing everything at once would
+SLACK_BYTES = 64 * 1024  # at most this many bytes are kept alive longer than fx's frees would keep them
 _COUNTER = re.compile(r"^# COUNTER: (\d+)\n$")
 _FREE = re.compile(r"^;  (.*) = None\n$")
 
 
 class ReadableCodeGen(fx.graph.CodeGen):
-    """fx's code generator with PEP 8 keywords, unpacked multi-output ops and frees only where needed."""
+    """fx's code generator with PEP 8 keywords, unpacked multi-output ops and frees only where they matter."""
 
     def __init__(self, frees: bool = True):
         super().__init__()
@@ -177,8 +178,9 @@ def _is_view(val) -> bool:
 
 
 def _needed_frees(nodes, freed: dict[int, list[str]], by_name) -> dict[int, list[str]]:
-    """Of the frees fx would write (``freed``: node index -> names freed after it), those without
-    which the estimated peak memory would grow by more than ``SLACK_BYTES``."""
+    """Of the frees fx would write (``freed``: node index -> names freed after it), those the code
+    keeps: all but the ones of the smallest storages, together at most ``SLACK_BYTES``, and of
+    storages alive to the end anyway."""
     end = len(nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     storage_of = _storages(nodes)
@@ -197,17 +199,13 @@ def _needed_frees(nodes, freed: dict[int, list[str]], by_name) -> dict[int, list
             continue
         first[key] = min(first.get(key, end), pos[n])
         last[key] = max(last.get(key, 0), free_at.get(n.name, end))
-    live = torch.zeros(end + 1, dtype=torch.float64)
-    for key, a in first.items():
-        live[a : last[key] + 1] += size[key]
-    peak = float(live.max()) if end else 0.0
+    budget = SLACK_BYTES
     keep_storages = set()
     for key in sorted(first, key=lambda k: (size[k], pos[k])):
-        t = last[key]
-        if t >= end:
-            continue
-        if float(live[t + 1 :].max()) + size[key] <= peak + SLACK_BYTES:
-            live[t + 1 :] += size[key]
+        if last[key] >= end:
+            continue  # alive to the end anyway (an output's storage): its frees free nothing
+        if size[key] <= budget:
+            budget -= size[key]
         else:
             keep_storages.add(key)
     out = {}

@@ -25,9 +25,9 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental import proxy_tensor
 
 from .. import registry
-from ..codegen.naming import part_name, short_op
 from ..capture.names import INTERMEDIATE
 from ..capture.trace import Captured, data_dependent_error, is_data_dependent, trace_flat
+from ..codegen.naming import part_name, short_op
 from ..dynamic_shapes import cotangent_example, dynamic_nodes, is_dynamic, symbolic_mode, tie
 from ..errors import MissingRuleError, user_line_of
 from ..registry import differentiable_nodes, is_float
@@ -198,7 +198,9 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
                         rule = rule_for(node)
                         env[node], aux = memo.call(rule.fwd, *args, **kwargs)
                         tape.append((node, rule, aux))
-                namer(env[node], node.name, weak=INTERMEDIATE in node.meta, owner=node.name)
+                # a part of a multi-output op was traced with the op; any other value must be its rule's own
+                owner = None if node.target is operator.getitem else node.name
+                namer(env[node], node.name, weak=INTERMEDIATE in node.meta, owner=owner)
                 if node in dynamic:
                     tie(env[node], node.meta["val"])
             elif node.op not in ("placeholder", "output"):
