@@ -235,18 +235,19 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
         if open_runs and open_runs[-1][0] == key:
             open_runs[-1][1].append(n)
         else:
-            run: tuple[tuple, list[fx.Node]] = (key, [n])
-            open_runs.append(run)
-            runs.append(run)
+            new_run: tuple[tuple, list[fx.Node]] = (key, [n])
+            open_runs.append(new_run)
+            runs.append(new_run)
     for key, run in runs:
         targets = _targets(key[-1], top)
         if not targets or (targets[0] is None and len(targets) == 1):
             continue
         base = None
         if len(targets) == 1:
-            value = run[-1]
-            if value.target is operator.getitem and isinstance(value.args[0], fx.Node) and value.args[0] in run:
-                value = value.args[0]  # a multi-output op assigned whole (``out = torch.max(x, 1)``)
+            value: fx.Node = run[-1]
+            whole = value.args[0] if value.target is operator.getitem else None
+            if isinstance(whole, fx.Node) and whole in run:
+                value = whole  # a multi-output op assigned whole (``out = torch.max(x, 1)``)
             base = _return_name(key[-1], value, top) if targets[0] == "<return>" else targets[0]
             names.setdefault(value, base)
         else:
@@ -264,7 +265,8 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
                 names[n] = f"{base}_{op_base(n)}"
                 n.meta[INTERMEDIATE] = True
     for n in nodes:
-        if n.target is operator.getitem and n not in names and n.args[0] in names:
-            names[n] = f"{names[n.args[0]]}_{part_name(n.args[0].target, n.args[1])}"
+        whole = n.args[0] if n.target is operator.getitem else None
+        if isinstance(whole, fx.Node) and n not in names and whole in names and isinstance(n.args[1], int):
+            names[n] = f"{names[whole]}_{part_name(whole.target, n.args[1])}"
     for n, name in names.items():
         n._rename(identifier(name))

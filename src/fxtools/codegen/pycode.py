@@ -88,8 +88,8 @@ def _transform(body: list[str], nodes: list[fx.Node], frees: bool) -> list[str]:
                 parts = unpacked[node]
                 size = max(parts) + 1 if parts else 0
                 size = max(size, len(node.meta["val"]))
-                names = ", ".join(parts[k].name if k in parts else "_" for k in range(size))
-                text = f"{names} = " + text[len(node.name) + 3 :]
+                targets = ", ".join(parts[k].name if k in parts else "_" for k in range(size))
+                text = f"{targets} = " + text[len(node.name) + 3 :]
             if node.op in ("call_function", "call_method", "call_module"):
                 text = _pep8_keywords(text)
             out.append(pieces[0])
@@ -98,26 +98,26 @@ def _transform(body: list[str], nodes: list[fx.Node], frees: bool) -> list[str]:
                 out.append(pieces[-1])
             else:
                 out.extend(pieces[1:])
-        names = keep.get(i)
-        if names:
-            out.append(f"del {', '.join(names)}\n")
+        dels = keep.get(i)
+        if dels:
+            out.append(f"del {', '.join(dels)}\n")
     return out
 
 
 def _multi_output_nodes(nodes) -> dict[fx.Node, dict[int, fx.Node]]:
     """Ops returning several tensors whose every use is one ``x[i]`` per part: ``{op: {i: part}}``."""
-    found = {}
+    found: dict[fx.Node, dict[int, fx.Node]] = {}
     for node in nodes:
         if node.op not in ("call_function", "call_method") or not isinstance(node.meta.get("val"), (tuple, list)):
             continue
         users = list(node.users)
         if not users or any(u.op != "call_function" or u.target is not operator.getitem or u.kwargs for u in users):
             continue
-        parts = {}
+        parts: dict[int, fx.Node] = {}
         for u in users:
             k = u.args[1]
             if not isinstance(k, int) or k < 0 or k in parts:
-                parts = None
+                parts = {}
                 break
             parts[k] = u
         if parts and max(parts) < len(node.meta["val"]):

@@ -133,7 +133,7 @@ def vjp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
     accepts = pytree.tree_unflatten(
         [o if i in ct_index else OptionalTensor(o) if is_float(o) else None for i, o in enumerate(cap.out_leaves)], cap.out_spec
     )
-    outs = [n for n in cap.gm.graph.output_node().args[0]]
+    outs = list(cap.gm.graph.output_node().args[0])
     ct_name = single_cotangent_name(outs[0]) if len(outs) == 1 else "grad_out"
     return _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[(ct_name, ct_example)], guard_extra=[accepts])
 
