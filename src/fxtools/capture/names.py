@@ -66,23 +66,42 @@ def module_paths(f) -> dict[int, str]:
 
 
 @contextlib.contextmanager
-def recording_modules(paths: dict[int, str]):
-    """While tracing, mark each node a module call returns with the module's path (``MODULE_OUT``)."""
-    if not paths:
+def recording_modules(paths: dict[int, str] | None):
+    """While tracing, mark each node a module call returns with the module's path (``MODULE_OUT``).
+
+    ``paths`` (from ``module_paths``) names the modules the traced function is or holds; a module
+    called from another one's forward is named after the attribute holding it there (so modules
+    reached only through other functions are named too). ``None``: record nothing.
+    """
+    if paths is None:
         yield
         return
-    stack: list[int] = []
+    paths = dict(paths)
+    stack: list[tuple[torch.nn.Module, int]] = []
+    below: dict[int, dict[int, str]] = {}  # id(module) -> {id(submodule): relative path}
 
-    def graph():
-        mode = proxy_tensor.get_proxy_mode()
-        return None if mode is None else mode.tracer.graph
+    def path_of(module) -> str:
+        if id(module) not in paths:
+            parent = stack[-1][0] if stack else None
+            if parent is not None and id(parent) not in below:
+                below[id(parent)] = {id(m): k for k, m in parent.named_modules(remove_duplicate=False) if k}
+            name = below[id(parent)].get(id(module)) if parent is not None else None
+            if name is None:
+                paths[id(module)] = ""  # called from outside any module: a root
+            else:
+                parent_path = paths.get(id(parent), "")
+                paths[id(module)] = f"{parent_path}.{name}" if parent_path else name
+        return paths[id(module)]
 
     def pre(module, args):
-        g = graph()
-        stack.append(len(g.nodes) if g is not None else -1)
+        path_of(module)
+        mode = proxy_tensor.get_proxy_mode()
+        stack.append((module, len(mode.tracer.graph.nodes) if mode is not None else -1))
 
     def post(module, args, out):
-        start = stack.pop() if stack else -1
+        if not stack or stack[-1][0] is not module:
+            return
+        _, start = stack.pop()
         path = paths.get(id(module))
         mode = proxy_tensor.get_proxy_mode()
         if not path or mode is None or start < 0:

@@ -411,7 +411,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
             _custom_autograd_functions(pre_dispatch),
             _compiling(),
             _inference_mode_as_no_grad(),
-            recording_modules(module_paths(f) if record_stack_traces else {}),
+            recording_modules(module_paths(f) if record_stack_traces else None),
         ):
             gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch)
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
