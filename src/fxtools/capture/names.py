@@ -41,13 +41,24 @@ _FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$')
 _GENERIC_FUNCTIONS = frozenset({"forward", "__call__", "<lambda>", "<module>", "_call_impl", "_wrapped_call_impl"})
 
 
+def root_prefix(root, name: str) -> str:
+    """What a root module's child path starts with: nothing (``fc1``), or for numbered children
+    (an ``nn.Sequential``'s ``0``) the root's class name (``sequential_0``), as names cannot be numbers."""
+    if not name[:1].isdigit():
+        return ""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", type(root).__name__).lower()
+
+
 def module_paths(f) -> dict[int, str]:
     """id(module) -> its dotted path, for the modules ``f`` is or closes over (``model.h.0.attn``)."""
     paths: dict[int, str] = {}
 
     def add(module, prefix):
         for name, m in module.named_modules(remove_duplicate=False):
-            paths.setdefault(id(m), f"{prefix}.{name}" if prefix and name else name)  # a root is ""
+            first = prefix or root_prefix(module, name)
+            paths.setdefault(
+                id(m), (f"{first}.{name}" if first else name) if name else ""
+            )  # a root's own value keeps its statement's name
 
     module = f if isinstance(f, torch.nn.Module) else getattr(f, "__fxtools_module__", None)
     if module is not None:
@@ -89,7 +100,7 @@ def recording_modules(paths: dict[int, str] | None):
             if name is None:
                 paths[id(module)] = ""  # called from outside any module: a root
             else:
-                parent_path = paths.get(id(parent), "")
+                parent_path = paths.get(id(parent), "") or root_prefix(parent, name)
                 paths[id(module)] = f"{parent_path}.{name}" if parent_path else name
         return paths[id(module)]
 
