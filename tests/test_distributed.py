@@ -11,7 +11,7 @@ Run ``python tests/test_distributed.py`` to launch the workers by hand and print
 
 from __future__ import annotations
 
-import copy
+import functools
 import json
 import os
 import socket
@@ -42,6 +42,70 @@ CASES = {
 # --------------------------------------------------------------------------------------------
 # the worker (runs in each of the two processes)
 # --------------------------------------------------------------------------------------------
+
+
+class Probe:
+    """A forward compiler that counts fxtools' forward graphs and their runs, and measures the bytes
+    of the activations each run saves for the backward (each storage once, inputs excluded)."""
+
+    def __init__(self):
+        self.graphs = self.runs = 0
+        self.saved_bytes: list[int] = []
+
+    def __call__(self, gm):
+        self.graphs += 1
+
+        def run(*args):
+            self.runs += 1
+            out, saved = gm(*args)
+            inputs = {a.untyped_storage().data_ptr() for a in args if hasattr(a, "untyped_storage")}
+            seen, total = set(), 0
+            for t in saved:
+                ptr = t.untyped_storage().data_ptr() if hasattr(t, "untyped_storage") else None
+                if ptr is not None and ptr not in inputs and ptr not in seen:
+                    seen.add(ptr)
+                    total += t.untyped_storage().nbytes()
+            self.saved_bytes.append(total)
+            return out, saved
+
+        return run
+
+
+class Checkpointed(__import__("torch").nn.Module):
+    """``block`` run under ``torch.utils.checkpoint`` (non-reentrant)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        import torch.utils.checkpoint as cp
+
+        return cp.checkpoint(self.block, x, use_reentrant=False)
+
+
+def _memory_cases(shard_blocks, model_and_batch) -> dict:
+    """Saved activation bytes of fxtools' graphs in one process and under FSDP2 (this rank), for
+    two policies, with and without checkpointed blocks: declared (``Split.saved_bytes``) and
+    measured (what a training step's forward saved)."""
+    import fxtools
+
+    out = {}
+    for policy in ("save_all", "recompute_cheap"):
+        for checkpointed in (False, True):
+            row = {}
+            for where in ("one process", "fsdp2"):
+                model, inputs = model_and_batch()
+                if checkpointed:
+                    for i, block in enumerate(model.transformer.h):
+                        model.transformer.h[i] = Checkpointed(block)
+                probe = Probe()
+                target = shard_blocks(model, lambda b: b) if where == "fsdp2" else model
+                compiled = fxtools.compile(target, *inputs, policy=policy, fw_compiler=probe)
+                compiled(*inputs).backward()
+                row[where] = {"declared": compiled.split.saved_bytes, "measured": probe.saved_bytes[-1]}
+            out[f"{policy}{', checkpointed blocks' if checkpointed else ''}"] = row
+    return out
 
 
 def _worker(out_dir: str) -> None:
@@ -92,26 +156,27 @@ def _worker(out_dir: str) -> None:
             model.transformer.h[i] = fully_shard(make_block(block))
         return fully_shard(model)
 
-    def build(case, model, inputs):
-        """(module to train, its original parameters by name)."""
-        backend = fxtools.backend()
+    def build(case, model, inputs, probe):
+        """The module to train for ``case``; ``probe`` is the forward compiler of fxtools' graphs."""
+        backend = fxtools.backend(fw_compiler=probe)
+        compile = functools.partial(fxtools.compile, fw_compiler=probe)
         if case == "ddp(fxtools.compile(model))":
-            return DDP(fxtools.compile(model, *inputs))
+            return DDP(compile(model, *inputs))
         if case == "fxtools.compile(ddp(model))":
-            return fxtools.compile(DDP(model), *inputs)
+            return compile(DDP(model), *inputs)
         if case == "ddp(torch.compile(model, backend))":
             return DDP(torch.compile(model, backend=backend))
         if case == "torch.compile(ddp(model), backend)":
             return torch.compile(DDP(model), backend=backend)
         if case == "fully_shard(fxtools.compile(model))":
-            return fully_shard(fxtools.compile(model, *inputs))
+            return fully_shard(compile(model, *inputs))
         if case == "fully_shard(fxtools.compile(block)) per block":
             h = hidden(model, inputs)
-            return shard_blocks(model, lambda b: fxtools.compile(b, h))
+            return shard_blocks(model, lambda b: compile(b, h))
         if case == "fxtools.compile(fully_shard(model))":
-            return fxtools.compile(fully_shard(model), *inputs)
+            return compile(fully_shard(model), *inputs)
         if case == "fxtools.compile(model with fully_shard blocks)":
-            return fxtools.compile(shard_blocks(model), *inputs)
+            return compile(shard_blocks(model), *inputs)
         if case == "fully_shard(torch.compile(block, backend)) per block":
             return shard_blocks(model, lambda b: torch.compile(b, backend=backend))
         if case == "torch.compile(fully_shard(model), backend)":
@@ -127,7 +192,6 @@ def _worker(out_dir: str) -> None:
     reference["ddp"] = train(DDP(model), names_of(model), inputs)
     model, inputs = model_and_batch()
     reference["fsdp"] = train(shard_blocks(model), names_of(model), inputs)
-    results["reference"] = {"errors": [], "losses": [reference["ddp"][2], reference["fsdp"][2]], "seconds": 0}
     only = os.environ.get("FXTOOLS_DIST_ONLY")
     for case, ref in CASES.items():
         if only and case not in only.split(";"):
@@ -136,7 +200,8 @@ def _worker(out_dir: str) -> None:
         start = time.perf_counter()
         try:
             model, inputs = model_and_batch()
-            trained = build(case, model, inputs)
+            probe = Probe()
+            trained = build(case, model, inputs, probe)
             grads, params, losses = train(trained, names_of(model), inputs)
             want_grads, want_params, want_losses = reference[ref]
             errors = []
@@ -151,11 +216,33 @@ def _worker(out_dir: str) -> None:
                         torch.testing.assert_close(got[name], want[name], **TOL)
                     except AssertionError as e:
                         errors.append(f"{what} {name}: {str(e).splitlines()[-1]}")
-            results[case] = {"errors": errors, "losses": losses, "seconds": round(time.perf_counter() - start, 2)}
+            if probe.runs < STEPS:
+                errors.append(f"fxtools' forward graphs ran {probe.runs} times in {STEPS} steps")
+            results[case] = {
+                "errors": errors,
+                "losses": losses,
+                "graphs": probe.graphs,
+                "runs": probe.runs,
+                "seconds": round(time.perf_counter() - start, 2),
+            }
         except Exception as e:  # noqa: BLE001 - reported to the test
             import traceback
 
             results[case] = {"errors": [f"{type(e).__name__}: {e}", traceback.format_exc()[-3000:]], "seconds": None}
+    results["memory"] = _memory_cases(shard_blocks, model_and_batch)
+    results["refused"] = {}
+    for case in ("a hook on the model in DDP", "a hook on a sharded block"):
+        model, inputs = model_and_batch()
+        try:
+            if case == "a hook on the model in DDP":
+                model.register_forward_pre_hook(lambda module, args: None)
+                fxtools.compile(DDP(model), *inputs)
+            else:
+                model.transformer.h[1].register_forward_hook(lambda module, args, out: None)
+                fxtools.compile(shard_blocks(model), *inputs)
+            results["refused"][case] = "not refused"
+        except fxtools.FxtoolsError as e:
+            results["refused"][case] = str(e)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
@@ -188,7 +275,9 @@ def launch(out_dir: str, world_size: int = 2, extra_env: dict | None = None) -> 
     for rank in range(world_size):
         log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
         cmd = [sys.executable, __file__, "--worker", out_dir]
-        procs.append((subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=log), log))
+        procs.append(
+            (subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=log), log)
+        )
     deadline = time.monotonic() + TIMEOUT
     try:
         for proc, _ in procs:
@@ -208,9 +297,15 @@ def launch(out_dir: str, world_size: int = 2, extra_env: dict | None = None) -> 
     return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world_size)]
 
 
-def test_ddp_and_fsdp2_gradients_and_adamw_steps_equal_eager():
+def _run() -> list[dict]:
     with tempfile.TemporaryDirectory() as out_dir:
-        ranks = launch(out_dir)
+        return launch(out_dir)
+
+
+def test_ddp_and_fsdp2_gradients_adamw_steps_and_saved_activations_equal_eager():
+    """Every wrapping order trains as eager DDP / FSDP2 does; under FSDP2 each rank's graphs save
+    the activations one process would (policies and checkpointed blocks alike)."""
+    ranks = _run()
     problems = []
     for case in CASES:
         for rank, results in enumerate(ranks):
@@ -218,7 +313,21 @@ def test_ddp_and_fsdp2_gradients_and_adamw_steps_equal_eager():
             if got is None:
                 problems.append(f"{case} (rank {rank}): not run")
             elif got["errors"]:
-                problems.append(f"{case} (rank {rank}):\n  " + "\n  ".join(got["errors"][:6]))
+                problems.append(f"{case} (rank {rank}):\n  " + "\n  ".join(e[:3000] for e in got["errors"][:6]))
+    for rank, results in enumerate(ranks):
+        for case, message in results["refused"].items():
+            if "hooks of its own" not in message or "fully_shard(fxtools.compile(m))" not in message:
+                problems.append(f"{case} (rank {rank}): {message}")
+        memory = results["memory"]
+        for variant, row in memory.items():
+            if row["fsdp2"] != row["one process"]:
+                problems.append(
+                    f"saved activations, {variant} (rank {rank}): FSDP2 {row['fsdp2']} != one process {row['one process']}"
+                )
+        for policy in ("save_all", "recompute_cheap"):
+            plain, ckpt = memory[policy]["one process"], memory[f"{policy}, checkpointed blocks"]["one process"]
+            if not ckpt["measured"] < plain["measured"]:
+                problems.append(f"{policy} (rank {rank}): checkpointed blocks save {ckpt} bytes, not fewer than {plain}")
     assert not problems, "\n".join(problems)
 
 
@@ -226,9 +335,15 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         _worker(sys.argv[2])
     else:
-        with tempfile.TemporaryDirectory() as d:
-            start = time.perf_counter()
-            for rank, res in enumerate(launch(d)):
-                for case, r in res.items():
-                    print(f"rank {rank} {case}: {r['seconds']} s, {r.get('losses')}, {'ok' if not r['errors'] else r['errors'][:3]}")
-            print(f"{time.perf_counter() - start:.1f} s")
+        start = time.perf_counter()
+        for rank, res in enumerate(_run()):
+            for case, r in res.items():
+                if case == "refused":
+                    print(f"rank {rank} refused: {r}")
+                elif case == "memory":
+                    for variant, row in r.items():
+                        print(f"rank {rank} saved activations, {variant}: {row}")
+                else:
+                    status = "ok" if not r["errors"] else r["errors"][:3]
+                    print(f"rank {rank} {case}: {r['seconds']} s, {r.get('graphs')} graphs run {r.get('runs')} times, {status}")
+        print(f"{time.perf_counter() - start:.1f} s")

@@ -13,8 +13,8 @@ stay eager and run *around* that graph, exactly where they run in an eager step:
   mixed-precision casts, which the graph then contains), so the graph takes the unsharded
   parameters as inputs. Each call then goes through the wrappers for real: DDP's forward, then
   every FSDP2 module's forward hooks from the outermost in (all-gathers, the registration of the
-  backward hooks that reduce-scatter the gradients), and the graph runs where the innermost
-  forward would. All the sharded modules' parameters are therefore gathered for the whole graph
+  backward hooks that reduce-scatter the gradients; the inner modules' hooks get no inputs),
+  and the graph runs where the innermost forward would. All the sharded modules' parameters are therefore gathered for the whole graph
   at once; compile each block and shard it (``fully_shard(fxtools.compile(block, h))``) to
   gather them block by block instead.
 
@@ -28,7 +28,6 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from ..errors import FxtoolsError
@@ -56,7 +55,7 @@ def unwrapped(model: nn.Module) -> nn.Module:
     """``model`` without its DistributedDataParallel wrappers: the module fxtools captures."""
     ddp = _ddp_type()
     while ddp is not None and isinstance(model, ddp):
-        model = model.module
+        model = model.module  # type: ignore[assignment]
     return model
 
 
@@ -93,6 +92,8 @@ class Wrappers:
         resharded afterwards (as after a training step: an optimizer built next gets the sharded
         parameters)."""
         sharded = sharded_modules(self.inner)
+        if self.inner is not self.model:
+            self._chain(sharded)  # refuse hooks that would run twice now, not at the first step
         if not sharded:
             return fn(*args, **kwargs)
         with self._forwards(self._chain(sharded), fn):
@@ -110,15 +111,27 @@ class Wrappers:
 
     @contextlib.contextmanager
     def _forwards(self, chain: list[nn.Module], fn: Callable) -> Iterator[None]:
-        """Make each module's forward call the next one's ``__call__`` (its hooks), the last ``fn``."""
-        nexts = [*chain[1:], fn]
-        for module, then in zip(chain, nexts):
+        """Replace the forwards of ``chain``: the first one's calls the second module (its hooks, with
+        no arguments: only the first module's forward takes the inputs), and so on; the last one's
+        calls ``fn`` with the inputs the first one received."""
+        received: dict = {}
+
+        def first(*args, **kwargs):
+            received.update(args=args, kwargs=kwargs)
+            return chain[1]() if len(chain) > 1 else fn(*args, **kwargs)
+
+        def last():
+            return fn(*received["args"], **received["kwargs"])
+
+        forwards = [first, *(m.__call__ for m in chain[2:]), *([last] if len(chain) > 1 else [])]
+        for module in chain:
             if "forward" in module.__dict__:
                 raise FxtoolsError(
                     f"{type(module).__name__} has a forward of its own set on the instance; fxtools cannot run "
                     "the distributed wrappers around it"
                 )
-            module.__dict__["forward"] = then if not isinstance(then, nn.Module) else then.__call__
+        for module, forward in zip(chain, forwards):
+            module.__dict__["forward"] = forward
         self._swapped = chain
         try:
             yield
@@ -162,7 +175,7 @@ def _refuse_own_hooks(module: nn.Module) -> None:
     fsdp_hooks = set()
     fsdp = _fsdp_type()
     if fsdp is not None and isinstance(module, fsdp):
-        state = module._get_fsdp_state()
+        state = module._get_fsdp_state()  # type: ignore[operator]
         for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
             for h in getattr(handle, "handles", (handle,)):
                 fsdp_hooks.add(h.id)
