@@ -25,6 +25,7 @@ from .transforms.batching import vmap
 from .transforms.check import VjpMismatch, check_vjp, check_vjp_fd
 from .transforms.forward import jvp
 from .transforms.higher import hessian, hvp
+from .transforms.jacobians import jacfwd, jacrev, linearize
 from .transforms.vjp import grad, value_and_grad, vjp
 
 __all__ = [
@@ -36,6 +37,9 @@ __all__ = [
     "hvp",
     "hessian",
     "vmap",
+    "jacrev",
+    "jacfwd",
+    "linearize",
     "log",
     "show",
     "save",

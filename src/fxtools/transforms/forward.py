@@ -50,7 +50,7 @@ from ..errors import FxtoolsError
 from ..passes.simplify import dce, fake_mode_of, has_generic_name, simplify
 from ..rules.decompose import expand
 from .reverse import ReverseSpec, is_float, reverse
-from .vjp import _names, argnums_tuple, prepare
+from .vjp import OUT_EXAMPLE, _names, argnums_tuple, prepare
 
 aten = torch.ops.aten
 
@@ -277,7 +277,7 @@ def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
         tan = pytree.tree_unflatten(flat_results[n_out:], cap.out_spec)
         return out, tan
 
-    return finish(
+    gm = finish(
         flat_gm,
         names,
         args,
@@ -288,6 +288,8 @@ def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
         made_by="fxtools.jvp",
         roles={len(args) + i: tangent_role(names[a]) for i, a in enumerate(nums)},
     )
+    gm.meta[OUT_EXAMPLE] = pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec)
+    return gm
 
 
 def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False, made_by="fxtools", roles=None) -> fx.GraphModule:

@@ -130,6 +130,9 @@ def grads_structure(cap: Captured, args, grads_flat, argnums):
     return tuple(nested[a] for a in argnums)
 
 
+OUT_EXAMPLE = "fxtools_out_example"  # gm.meta key: f's output, with FakeTensors (shapes and dtypes)
+
+
 def _names(f, args):
     return arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
 
@@ -208,7 +211,9 @@ def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     accepts = split.main(
         [o if i in ct_index else OptionalTensor(o) if is_float(o) else None for i, o in enumerate(main_leaves)]
     )
-    return _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)], guard_extra=[accepts])
+    gm = _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)], guard_extra=[accepts])
+    gm.meta[OUT_EXAMPLE] = split.main(cap.out_leaves)
+    return gm
 
 
 def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None, has_aux=False):
