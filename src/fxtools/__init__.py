@@ -8,7 +8,7 @@ Every transform takes a function (or ``nn.Module``) and example arguments and re
     fxtools.show(gm)                # the code, with shapes
 """
 
-from .capture.custom import CustomFunctionError, custom_vjp
+from .capture.custom import CustomFunctionError, custom_jvp, custom_vjp
 from .capture.oplog import log
 from .codegen.draw import draw
 from .codegen.export import save
@@ -50,6 +50,7 @@ __all__ = [
     "mark_nondifferentiable",
     "rule_set",
     "custom_vjp",
+    "custom_jvp",
     "split",
     "Split",
     "compile",
