@@ -168,6 +168,8 @@ class _JvpKind(_Kind):
         leaves, spec = pytree.tree_flatten(primals)
         diff = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex())]
         out_leaves, out_spec = pytree.tree_flatten(out)
+        mode = proxy_tensor.get_proxy_mode()
+        before = set(mode.tracer.graph.nodes) if mode is not None else set()
         with torch.enable_grad():
             seeds = {i: torch.zeros_like(leaves[i]).requires_grad_(True) for i in diff}
             tangents = pytree.tree_unflatten([seeds.get(i) for i in range(len(leaves))], spec)
@@ -194,6 +196,8 @@ class _JvpKind(_Kind):
                 if pairs and inputs
                 else [None] * len(inputs)
             )
+        if mode is not None:
+            _drop_grad_mode_switches(mode.tracer.graph, before)  # enable_grad only served the transposition
         per_leaf: list = [None] * len(leaves)
         for i, g in zip(diff, grads):
             per_leaf[i] = g
@@ -354,12 +358,8 @@ class CustomCall:
             if c is None and materialize:
                 c = torch.zeros_like(leaves[i])
             cts[i] = c
-        mode = proxy_tensor.get_proxy_mode()
-        before = set(mode.tracer.graph.nodes) if mode is not None else set()
         with _not_capturing():
             grads = self.kind.bwd(state, out, cts)
-        if mode is not None:
-            _drop_grad_mode_switches(mode.tracer.graph, before)  # a custom_jvp's transposition enables grad
         return self._input_cotangents(grads)
 
     def _input_cotangents(self, grads):

@@ -131,7 +131,7 @@ _NO_COTANGENT = (
 
 def _cotangent_below(spec) -> bool:
     if isinstance(spec, Leaf):
-        return bool(spec.role) and "cotangent" in spec.role
+        return spec.role is not None and "cotangent" in spec.role
     return any(_cotangent_below(c) for c in spec.children)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -400,7 +401,8 @@ def _as_narrow(node: fx.Node) -> bool:
     which is that slice (``torch.ops.aten.slice.Tensor`` has no public spelling as a call)."""
     if node.target is not torch.ops.aten.slice.Tensor or node.kwargs:
         return False
-    x, dim, start, end, step = (*node.args, *(0, None, None, 1)[len(node.args) - 1 :])[:5]
+    parts: list[Any] = [*node.args, *(0, None, None, 1)[len(node.args) - 1 :]]
+    x, dim, start, end, step = parts[:5]
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
     if not isinstance(val, torch.Tensor) or step != 1 or not all(isinstance(v, int) for v in (dim, start or 0)):
         return False

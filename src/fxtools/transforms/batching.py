@@ -116,17 +116,17 @@ def vmap(f, *args, in_dims=0, out_dims=0, randomness="error", chunk_size=None, d
     batched = torch.func.vmap(
         namer or f, in_dims=_in_dims_for(in_dims, args), out_dims=out_dims, randomness=randomness, chunk_size=chunk_size
     )
-    chunks = n_chunks(in_dims, args, chunk_size) if randomness == "same" and chunk_size is not None else None
+    chunks = n_chunks(f, in_dims, args, chunk_size) if randomness == "same" and chunk_size is not None else None
     return trace_batched(
         batched, args, names_of=f, namer=namer, made_by="fxtools.vmap", dynamic_shapes=dynamic_shapes, same_draws=chunks
     )
 
 
-def n_chunks(in_dims, args, chunk_size) -> int:
+def n_chunks(f, in_dims, args, chunk_size) -> int:
     """How many chunks of ``chunk_size`` samples torch.func.vmap runs for these arguments."""
     from torch._functorch.vmap import _process_batched_inputs
 
-    batch_size = _process_batched_inputs(_in_dims_for(in_dims, args), args, "fxtools.vmap")[0]
+    batch_size = _process_batched_inputs(_in_dims_for(in_dims, args), args, f)[0]
     return -(-batch_size // chunk_size)
 
 

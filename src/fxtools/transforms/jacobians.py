@@ -25,6 +25,8 @@ are attributes of ``jvp_gm``, read as ``self.cos``; its code is only the linear 
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
@@ -63,7 +65,8 @@ def _basis(total: int, blocks, like: torch.Tensor):
     """The rows of ``eye(total)`` cut into one block per example tensor in ``blocks`` (None for
     non-tensors), each shaped ``[total, *shape]``: basis vectors of those tensors, batched."""
     eye = torch.eye(total, dtype=like.dtype, device=like.device)
-    out, offset = [], 0
+    out: list[torch.Tensor | None] = []
+    offset = 0
     for b in blocks:
         if not isinstance(b, torch.Tensor):
             out.append(None)
@@ -84,6 +87,13 @@ def _cut(batched: torch.Tensor, offset: int, n: int, total: int, shape, to: int 
     if to:
         batched = batched.movedim(0, to)
     return batched.reshape(shape)
+
+
+def _sign(fn, namer, n_args: int) -> None:
+    """Give ``fn`` the first ``n_args`` parameters of the module ``namer`` runs (the argument names
+    of the generated code)."""
+    signature = namer.__signature__
+    fn.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:n_args])
 
 
 def _single_dtype(leaves, name, what):
@@ -135,7 +145,7 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
             offset += n
         return pytree.tree_unflatten(per_out, out_spec)
 
-    jacobian.__signature__ = namer.__signature__.replace(parameters=list(namer.__signature__.parameters.values())[:n_args])
+    _sign(jacobian, namer, n_args)
     return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacrev")
 
 
@@ -181,7 +191,7 @@ def jacfwd(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
             per_out.append(per_arg[0] if isinstance(argnums, int) else per_arg)
         return pytree.tree_unflatten(per_out, out_spec)
 
-    jacobian.__signature__ = namer.__signature__.replace(parameters=list(namer.__signature__.parameters.values())[:n_args])
+    _sign(jacobian, namer, n_args)
     return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacfwd")
 
 
@@ -211,7 +221,7 @@ def linearize(f, *args) -> tuple[object, fx.GraphModule]:
     tangent_examples = [pytree.tree_map(lambda v: v if is_float(v) else None, a) for a in args]
     graph = full.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    primal_ph, tangent_ph = placeholders[: len(args)], placeholders[len(args) :]
+    tangent_ph = placeholders[len(args) :]
     tangent_dependent = set(tangent_ph)
     for node in graph.nodes:
         if node.op in ("call_function", "call_method") and any(a in tangent_dependent for a in node.all_input_nodes):
@@ -226,8 +236,10 @@ def linearize(f, *args) -> tuple[object, fx.GraphModule]:
                 values[n] = out
             return out
 
-    zero_tangents = [pytree.tree_map(lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v, t) for t in tangent_examples]
-    full.guards.check((*args, *zero_tangents))
+    zero_tangents = [
+        pytree.tree_map(lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v, t) for t in tangent_examples
+    ]
+    cast(Any, full).guards.check((*args, *zero_tangents))
     with torch.no_grad():  # the generated code runs without autograd, as every fxtools module
         out, _ = _Record(full).run(*args, *zero_tangents)
     out = _plain(out)
@@ -240,7 +252,7 @@ def linearize(f, *args) -> tuple[object, fx.GraphModule]:
         q.meta.update(p.meta)
         env[p] = q
 
-    def residual(n: fx.Node):
+    def residual(n: fx.Node) -> Any:
         if n in env:
             return env[n]
         value = values[n]
@@ -257,11 +269,11 @@ def linearize(f, *args) -> tuple[object, fx.GraphModule]:
     for node in graph.nodes:
         if node not in tangent_dependent or node.op == "placeholder":
             continue
-        copied = new.node_copy(node, lambda a: env[a] if a in tangent_dependent else residual(a))
+        copied = new.node_copy(node, lambda a: cast(fx.Node, env[a] if a in tangent_dependent else residual(a)))
         env[node] = copied
     output = next(n for n in graph.nodes if n.op == "output")
     _, tangent_out = output.args[0]
-    new.output(fx.node.map_arg(tangent_out, lambda a: env[a] if a in tangent_dependent else residual(a)))
+    new.output(fx.node.map_arg(tangent_out, lambda a: cast(fx.Node, env[a] if a in tangent_dependent else residual(a))))
     gm = fx.GraphModule(lin, new, class_name="Linearized")
     simplify(gm)
     render(gm)

@@ -69,6 +69,7 @@ class AuxSplit:
         return pytree.tree_unflatten(list(flat[: self.n_main]), self.main_spec)
 
     def aux(self, flat):
+        assert self.aux_spec is not None
         return pytree.tree_unflatten(list(flat[self.n_main :]), self.aux_spec)
 
 
@@ -208,9 +209,7 @@ def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
 
     # what grad_out may be: the output's shape at floating-point leaves (None too where no gradient
     # flows, as the code ignores it there), None elsewhere
-    accepts = split.main(
-        [o if i in ct_index else OptionalTensor(o) if is_float(o) else None for i, o in enumerate(main_leaves)]
-    )
+    accepts = split.main([o if i in ct_index else OptionalTensor(o) if is_float(o) else None for i, o in enumerate(main_leaves)])
     gm = _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)], guard_extra=[accepts])
     gm.meta[OUT_EXAMPLE] = split.main(cap.out_leaves)
     return gm
