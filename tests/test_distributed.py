@@ -267,7 +267,7 @@ def launch(out_dir: str, world_size: int = 2, extra_env: dict | None = None) -> 
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": str(world_size),
-        "GLOO_SOCKET_IFNAME": "lo",
+        "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",  # loopback only
         "OMP_NUM_THREADS": "1",
         **(extra_env or {}),
     }

@@ -25,6 +25,7 @@ so they are refused with an error naming the module.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +36,7 @@ from ..errors import FxtoolsError
 __all__ = ["Wrappers"]
 
 
+@functools.cache
 def _ddp_type() -> type | None:
     try:
         from torch.nn.parallel import DistributedDataParallel
@@ -43,6 +45,7 @@ def _ddp_type() -> type | None:
     return DistributedDataParallel
 
 
+@functools.cache
 def _fsdp_type() -> type | None:
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -59,6 +62,16 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
+@functools.cache
+def _module_states():
+    """torch.distributed's table of the modules holding a composable state (``fully_shard``'s)."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:  # pragma: no cover - builds without torch.distributed
+        return {}
+    return _module_state_mapping
+
+
 def sharded_modules(model: nn.Module) -> list[nn.Module]:
     """The FSDP2 (``fully_shard``) modules in ``model``, outermost first."""
     fsdp = _fsdp_type()
@@ -70,17 +83,26 @@ class Wrappers:
 
     ``call(fn, args, kwargs)`` runs ``fn(*args, **kwargs)`` inside them, as ``model(*args,
     **kwargs)`` would run its forward; ``capturing()`` is the context in which ``fn`` may trace the
-    unwrapped module. A model with no wrappers costs one ``modules()`` walk per call.
+    unwrapped module.
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.inner = unwrapped(model)
         self._swapped: list[nn.Module] = []
+        self._sharded: tuple[int, list[nn.Module]] = (0, [])
+
+    def sharded(self) -> list[nn.Module]:
+        """``sharded_modules(self.inner)``, walked again only when the number of modules with a
+        distributed state changed (a module sharded since): a call costs no walk of the model."""
+        count = len(_module_states())
+        if count != self._sharded[0]:
+            self._sharded = (count, sharded_modules(self.inner) if count else [])
+        return self._sharded[1]
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """``fn(*args, **kwargs)`` inside the wrappers, where the unwrapped module's forward runs."""
-        sharded = sharded_modules(self.inner)
+        sharded = self.sharded()
         if self.inner is self.model and not sharded:
             return fn(*args, **kwargs)
         with self._forwards(self._chain(sharded), fn):
@@ -91,7 +113,7 @@ class Wrappers:
         without running them: inside FSDP2's hooks only (to see the unsharded parameters), and
         resharded afterwards (as after a training step: an optimizer built next gets the sharded
         parameters)."""
-        sharded = sharded_modules(self.inner)
+        sharded = self.sharded()
         if self.inner is not self.model:
             self._chain(sharded)  # refuse hooks that would run twice now, not at the first step
         if not sharded:
@@ -144,7 +166,7 @@ class Wrappers:
     def capturing(self) -> Iterator[None]:
         """Inside ``call``: the modules' own forwards back, FSDP2's hooks quiet (only casts)."""
         swapped = {m: m.__dict__.pop("forward") for m in self._swapped if "forward" in m.__dict__}
-        states = _quiet_fsdp_states(sharded_modules(self.inner))
+        states = _quiet_fsdp_states(self.sharded())
         try:
             yield
         finally:
