@@ -231,12 +231,20 @@ def _worker(out_dir: str) -> None:
             results[case] = {"errors": [f"{type(e).__name__}: {e}", traceback.format_exc()[-3000:]], "seconds": None}
     results["memory"] = _memory_cases(shard_blocks, model_and_batch)
     results["refused"] = {}
-    for case in ("a hook on the model in DDP", "a hook on a sharded block"):
+    for case in ("a hook on the model in DDP", "a hook on a sharded block", "an in-place collective in the model"):
         model, inputs = model_and_batch()
         try:
             if case == "a hook on the model in DDP":
                 model.register_forward_pre_hook(lambda module, args: None)
                 fxtools.compile(DDP(model), *inputs)
+            elif case == "an in-place collective in the model":
+
+                def loss(w, x):
+                    y = x @ w
+                    dist.all_reduce(y)
+                    return y.sum()
+
+                fxtools.grad(loss, torch.randn(3, 3), torch.randn(2, 3))
             else:
                 model.transformer.h[1].register_forward_hook(lambda module, args, out: None)
                 fxtools.compile(shard_blocks(model), *inputs)
@@ -316,7 +324,11 @@ def test_ddp_and_fsdp2_gradients_adamw_steps_and_saved_activations_equal_eager()
                 problems.append(f"{case} (rank {rank}):\n  " + "\n  ".join(e[:3000] for e in got["errors"][:6]))
     for rank, results in enumerate(ranks):
         for case, message in results["refused"].items():
-            if "hooks of its own" not in message or "fully_shard(fxtools.compile(m))" not in message:
+            if case == "an in-place collective in the model":
+                expected = ["c10d::allreduce_", "dist.all_reduce(y)", "functional collectives"]
+            else:
+                expected = ["hooks of its own", "fully_shard(fxtools.compile(m))"]
+            if not all(e in message for e in expected):
                 problems.append(f"{case} (rank {rank}): {message}")
         memory = results["memory"]
         for variant, row in memory.items():
