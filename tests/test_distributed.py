@@ -34,6 +34,7 @@ CASES = {
     "fully_shard(fxtools.compile(block)) per block": "fsdp",
     "fxtools.compile(fully_shard(model))": "fsdp",
     "fxtools.compile(model with fully_shard blocks)": "fsdp",
+    "fully_shard(torch.compile(model, backend))": "fsdp",
     "fully_shard(torch.compile(block, backend)) per block": "fsdp",
     "torch.compile(fully_shard(model), backend)": "fsdp",
 }
@@ -177,6 +178,8 @@ def _worker(out_dir: str) -> None:
             return compile(fully_shard(model), *inputs)
         if case == "fxtools.compile(model with fully_shard blocks)":
             return compile(shard_blocks(model), *inputs)
+        if case == "fully_shard(torch.compile(model, backend))":
+            return fully_shard(torch.compile(model, backend=backend))
         if case == "fully_shard(torch.compile(block, backend)) per block":
             return shard_blocks(model, lambda b: torch.compile(b, backend=backend))
         if case == "torch.compile(fully_shard(model), backend)":
