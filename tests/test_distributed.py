@@ -4,7 +4,11 @@ One launch of two processes (gloo, loopback only) runs every case; each rank wri
 found to a JSON file and the test reads both. Every case trains a float64 GPT (the test suite's
 ``examples.gpt("tiny")``) for 5 AdamW steps and compares every parameter's gradient (of the
 first step) and every parameter after the 5 steps with the same run in eager DDP or FSDP2, at
-1e-10. Sharded gradients and parameters are compared whole (``DTensor.full_tensor()``).
+1e-10, and checks that fxtools' forward graphs ran at every step. Sharded gradients and
+parameters are compared whole (``DTensor.full_tensor()``). Each rank also measures the
+activations fxtools' graphs save under FSDP2 against one process (two policies, with and without
+``torch.utils.checkpoint`` blocks), and checks the errors for what fxtools refuses (hooks that
+would run twice, an in-place collective in a differentiated program).
 
 Run ``python tests/test_distributed.py`` to launch the workers by hand and print their results.
 """
@@ -20,11 +24,14 @@ import sys
 import tempfile
 import time
 
-TIMEOUT = 240  # seconds for the whole launch: a hang fails the test instead of blocking CI
+import torch
+import torch.nn as nn
+
+TIMEOUT = 300  # seconds for the whole launch: a hang fails the test instead of blocking CI
 STEPS = 5
 TOL = dict(rtol=1e-10, atol=1e-10)
 
-# case -> (what it wraps, the eager reference)
+# wrapping order -> the eager run it must equal
 CASES = {
     "ddp(fxtools.compile(model))": "ddp",
     "fxtools.compile(ddp(model))": "ddp",
@@ -72,7 +79,7 @@ class Probe:
         return run
 
 
-class Checkpointed(__import__("torch").nn.Module):
+class Checkpointed(nn.Module):
     """``block`` run under ``torch.utils.checkpoint`` (non-reentrant)."""
 
     def __init__(self, block):
@@ -112,7 +119,6 @@ def _memory_cases(shard_blocks, model_and_batch) -> dict:
 def _worker(out_dir: str) -> None:
     import datetime
 
-    import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -121,7 +127,7 @@ def _worker(out_dir: str) -> None:
     from fxtools.cli import examples
 
     torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT // 2))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT - 60))
     rank = dist.get_rank()
     results: dict = {}
 
