@@ -118,9 +118,15 @@ def test_small_values_are_not_freed_and_large_ones_are():
 
     small = fxtools.vjp(f, torch.randn(8)).code
     assert "del " not in small and " = None" not in small, small
-    big = fxtools.vjp(f, torch.randn(512, 512)).code  # 1 MiB per value
-    assert "del " in big and " = None" not in big, big
-    assert "del " not in annotated_code(fxtools.vjp(f, torch.randn(512, 512)))
+    x = torch.randn(1024, 1024)  # 4 MiB per value: a program whose every free counts
+    gm = fxtools.vjp(f, x)
+    assert "del " in gm.code and " = None" not in gm.code, gm.code
+    assert "del " not in annotated_code(gm)
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from bench_memory import peak_bytes
+
+    readable, everything = peak_bytes(gm, (x, torch.tensor(1.0)))
+    assert readable == everything, (readable, everything)
 
 
 def test_frees_keep_the_peak_memory_of_freeing_everything():

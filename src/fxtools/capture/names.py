@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
-from ..codegen.naming import identifier, op_base, part_name, shortest_unique_suffixes
+from ..codegen.naming import identifier, part_name, short_op, shortest_unique_suffixes
 from ..errors import is_user_file
 
 MODULE_OUT = "fxtools_module_out"  # node.meta key: path of the outermost module call returning the node's value
@@ -292,7 +292,7 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
             continue
         for n in run:
             if n not in names and n.target is not operator.getitem:
-                names[n] = f"{base}_{op_base(n)}"
+                names[n] = f"{base}_{short_op(n)}"
                 n.meta[INTERMEDIATE] = True
     for n in nodes:
         whole = n.args[0] if n.target is operator.getitem else None

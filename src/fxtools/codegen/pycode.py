@@ -10,8 +10,10 @@ torch.fx's code generator is kept, with three changes made to the lines it write
   (from the shapes recorded on the graph; views share their base's storage; arguments and
   constants are held by the caller anyway), and values whose storage lives to the end anyway (an
   output's) are simply left alone, as a person writing the code would; every other value is freed
-  after its last use with a ``del`` line. The function's peak memory can so grow by at most
-  ``SLACK_BYTES`` over freeing everything, wherever its peak is.
+  after its last use with a ``del`` line. Only small programs (values peaking under
+  ``SMALL_PROGRAM_BYTES``: examples, tests) keep small values so, and their peak memory can grow
+  by at most ``SLACK_BYTES``; larger ones free every value fx frees except those whose storage
+  lives to the end anyway, so their peak memory is exactly fx's.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.fx as fx
 
 SLACK_BYTES = 64 * 1024  # at most this many bytes are kept alive longer than fx's frees would keep them
+SMALL_PROGRAM_BYTES = 4 * 1024 * 1024  # ... and only by programs whose values peak below this
 _COUNTER = re.compile(r"^# COUNTER: (\d+)\n$")
 _FREE = re.compile(r"^;  (.*) = None\n$")
 
@@ -179,8 +182,8 @@ def _is_view(val) -> bool:
 
 def _needed_frees(nodes, freed: dict[int, list[str]], by_name) -> dict[int, list[str]]:
     """Of the frees fx would write (``freed``: node index -> names freed after it), those the code
-    keeps: all but the ones of the smallest storages, together at most ``SLACK_BYTES``, and of
-    storages alive to the end anyway."""
+    keeps: all but those of storages alive to the end anyway and, in small programs, of the
+    smallest storages, together at most ``SLACK_BYTES``."""
     end = len(nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     storage_of = _storages(nodes)
@@ -199,7 +202,12 @@ def _needed_frees(nodes, freed: dict[int, list[str]], by_name) -> dict[int, list
             continue
         first[key] = min(first.get(key, end), pos[n])
         last[key] = max(last.get(key, 0), free_at.get(n.name, end))
-    budget = SLACK_BYTES
+    events = sorted([(a, size[k]) for k, a in first.items()] + [(last[k] + 1, -size[k]) for k in first])
+    live = peak = 0
+    for _, b in events:
+        live += b
+        peak = max(peak, live)
+    budget = SLACK_BYTES if peak <= SMALL_PROGRAM_BYTES else 0
     keep_storages = set()
     for key in sorted(first, key=lambda k: (size[k], pos[k])):
         if last[key] >= end:
