@@ -140,3 +140,16 @@ def test_frees_keep_the_peak_memory_of_freeing_everything():
     assert "del " in gm.code
     readable, everything = peak_bytes(gm, args)
     assert readable <= everything + SLACK_BYTES, (readable, everything)
+
+
+def test_layer_norm_whose_statistics_nothing_reads_is_written_as_users_write_it():
+    model, inputs = examples.gpt(n_layer=1, dtype=torch.float64)
+    loss, args = examples.as_loss(model, inputs)
+    sp = fxtools.split(loss, *args, policy="recompute_cheap")  # the backward recomputes the statistics
+    assert "torch.nn.functional.layer_norm(" in sp.forward.code and "native_layer_norm" not in sp.forward.code
+    assert re.search(r"\w+, \w+_mean, \w+_rstd = torch\.native_layer_norm\(", sp.backward.code)
+    out, grads = sp.vjp(*args)
+    params = {k: v.clone().requires_grad_() for k, v in args[0].items()}
+    want = torch.autograd.grad(loss(params, *args[1:]), list(params.values()))
+    for got, w in zip(grads[0].values(), want):
+        torch.testing.assert_close(got, w, rtol=1e-10, atol=1e-12)

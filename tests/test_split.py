@@ -1,7 +1,6 @@
 """fxtools.split: forward and backward graphs with a stable signature (float64, against autograd)."""
 
 import io
-
 import re
 
 import pytest

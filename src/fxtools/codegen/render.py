@@ -147,7 +147,7 @@ def public_alias(fn, namespace, name):
     return _ALIASES[key]
 
 
-_RENAMED = {"cross_entropy_loss": (F, "cross_entropy"), "nll_loss_nd": (F, "nll_loss")}
+_RENAMED = {"cross_entropy_loss": (F, "cross_entropy"), "nll_loss_nd": (F, "nll_loss"), "layer_norm": (F, "layer_norm")}
 _PREFIXED = (("linalg_", torch.linalg), ("special_", torch.special), ("fft_", torch.fft))
 
 
@@ -299,6 +299,7 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
     The caller recompiles ``gm`` (once, after its last pass).
     """
     _devices_from_inputs(gm)
+    _layer_norms_without_statistics(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -424,6 +425,27 @@ def _as_narrow(node: fx.Node) -> bool:
     end = size if end is None else max(end + size, 0) if end < 0 else min(end, size)
     node.op, node.target, node.args = "call_method", "narrow", (x, dim, start, max(end - start, 0))
     return True
+
+
+def _layer_norms_without_statistics(gm: fx.GraphModule) -> None:
+    """``out, _, _ = torch.native_layer_norm(x, ...)`` -> ``out = F.layer_norm(x, ...)`` where nothing
+    reads the mean and reciprocal standard deviation: the same kernel (``aten.layer_norm`` calls
+    ``native_layer_norm``), written as users write it."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.native_layer_norm.default or node.kwargs:
+            continue
+        users = list(node.users)
+        if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0:
+            continue
+        part = users[0]
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(aten.layer_norm.default, tuple(node.args))
+        new.meta = {**part.meta}
+        part.replace_all_uses_with(new)
+        name = part.name
+        gm.graph.erase_node(part)
+        gm.graph.erase_node(node)
+        new.name = name  # the erased part's name: unique, and still reserved in the namespace
 
 
 def _as_subscript(node: fx.Node) -> bool:
