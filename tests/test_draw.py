@@ -53,8 +53,8 @@ def test_split_of_a_gpt_block_colours_forward_backward_recomputed_and_saved(tmp_
     assert "gelu" in ops and "native_layer_norm" in ops, ops
     for n in compute_nodes(s.backward):
         assert fills[f"backward.{n.name}"] == (rc if n.name in recomputed else bw), n
-        if n.name in recomputed:  # a recomputation is a copy of a forward op
-            assert f"forward.{n.name}" in fills
+        if n.name in recomputed and not isinstance(n.meta.get("val"), (tuple, list)):
+            assert f"forward.{n.name}" in fills  # a recomputation is a copy of a forward value
     # the saved tensors are boxes between the graphs, one per saved value, none drawn twice
     saved_ids = {k for k, v in fills.items() if v == saved}
     assert saved_ids == {f"saved.{info.name}" for info in s.saved}
