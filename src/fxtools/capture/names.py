@@ -34,9 +34,9 @@ from torch.utils import _pytree as pytree
 
 from ..codegen.naming import identifier, part_name, short_op, shortest_unique_suffixes
 from ..errors import is_user_file
+from ..passes.simplify import INTERMEDIATE
 
 MODULE_OUT = "fxtools_module_out"  # node.meta key: path of the outermost module call returning the node's value
-INTERMEDIATE = "fxtools_intermediate"  # node.meta key: named after its statement's target and its op
 _FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$')
 _GENERIC_FUNCTIONS = frozenset({"forward", "__call__", "<lambda>", "<module>", "_call_impl", "_wrapped_call_impl"})
 

@@ -472,12 +472,17 @@ def _identities(gm: fx.GraphModule, fake_mode) -> bool:
             only_for_this = isinstance(new, fx.Node) and set(new.users) == {node} and has_generic_name(new)
             node.replace_all_uses_with(new)
             if _made_since(start, node, new) or only_for_this:
-                name, op_only = node.name, _op_only_name(node)
+                name, op_only, helper = node.name, _op_only_name(node), INTERMEDIATE in node.meta
                 gm.graph.erase_node(node)
-                if isinstance(new, fx.Node) and (name.startswith("grad_") or (not op_only and has_generic_name(new))):
+                named = name.startswith("grad_") and not helper  # a cotangent, not a step computing one
+                step = not op_only and not (helper and name.startswith("grad_"))  # a forward step: scores_matmul
+                if isinstance(new, fx.Node) and (named or (step and has_generic_name(new))):
                     new.name = name  # the erased node's name: unique, and still reserved in the namespace
             changed = True
     return changed
+
+
+INTERMEDIATE = "fxtools_intermediate"  # node.meta key: a step named after the value it computes and its op
 
 
 def has_generic_name(node: fx.Node) -> bool:

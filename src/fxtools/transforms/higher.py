@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..registry import rule_set
-from .batching import trace_batched, vmappable
+from .batching import _NodeNamer, trace_batched, vmappable
 from .forward import finish
 from .reverse import ReverseSpec, is_float, reverse
 from .vjp import _argnums_tuple, _names, grads_structure, prepare
@@ -53,7 +53,9 @@ def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     # attention's backward has no derivative) and the second derivative should read as math.
     with rule_set("readable"):
         g = grad(f, *args, argnums=argnums, dynamic_shapes=dynamic_shapes)
-        cap, wrt = prepare(g, args, nums, dynamic_shapes)
+        namer = _NodeNamer(g, getattr(g, "guards", None))  # the second pass keeps the first's names
+        cap, wrt = prepare(namer, args, nums, dynamic_shapes)
+        namer.apply(cap.gm)
         cap.f = g
         flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     n_out = len(cap.out_leaves)

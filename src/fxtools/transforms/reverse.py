@@ -139,6 +139,7 @@ class _Namer:
                 node._rename(f"{base}_{part_name(multi.target, node.args[1])}")
             else:
                 node._rename(f"{base}_{short_op(node)}")
+            node.meta[INTERMEDIATE] = True
 
 
 @dataclass
