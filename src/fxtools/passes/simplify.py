@@ -475,7 +475,9 @@ def _identities(gm: fx.GraphModule, fake_mode) -> bool:
                 name, op_only, helper = node.name, _op_only_name(node), INTERMEDIATE in node.meta
                 gm.graph.erase_node(node)
                 named = name.startswith("grad_") and not helper  # a cotangent, not a step computing one
-                step = not op_only and not (helper and name.startswith("grad_"))  # a forward step: scores_matmul
+                # a step's name goes to what replaces it; a backward step's only to a backward value
+                backward = isinstance(new, fx.Node) and any(a.name.startswith("grad_") for a in new.all_input_nodes)
+                step = not op_only and (backward or not (helper and name.startswith("grad_")))
                 if isinstance(new, fx.Node) and (named or (step and has_generic_name(new))):
                     new.name = name  # the erased node's name: unique, and still reserved in the namespace
             changed = True
