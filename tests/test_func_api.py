@@ -235,6 +235,29 @@ def test_jacrev_chunk_size_matches_torch_func():
     assert gm.code.count("torch.eye(") == 1
 
 
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_jacobian_with_dropout_draws_once_as_torch_func(chunk_size):
+    """torch.func.jacrev runs the forward once (one dropout mask for every row); jacfwd needs
+    randomness="same" for that. The same numbers after the same seed, the generator left alike."""
+
+    def f(x):
+        return F.dropout(torch.tanh(x), 0.5, training=True) * x
+
+    x = torch.randn(5)
+    cases = [
+        (fxtools.jacrev(f, x, chunk_size=chunk_size), torch.func.jacrev(f, chunk_size=chunk_size)),
+        (fxtools.jacfwd(f, x, randomness="same", chunk_size=chunk_size), torch.func.jacfwd(f, randomness="same")),
+    ]
+    for ours, theirs in cases:
+        torch.manual_seed(3)
+        got, after = ours(x), torch.rand(2)
+        torch.manual_seed(3)
+        want, want_after = theirs(x), torch.rand(2)
+        close(got, want)
+        torch.testing.assert_close(after, want_after, rtol=0, atol=0)
+        assert ours.code.count("torch.bernoulli(") == 1
+
+
 def test_jacobian_refuses_integer_outputs():
     with pytest.raises(ValueError, match="floating-point"):
         fxtools.jacrev(lambda x: (x.sin(), x.argmax()), torch.randn(3))

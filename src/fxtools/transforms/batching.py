@@ -240,6 +240,9 @@ def trace_batched(
             hint = (
                 " Random ops (dropout) need randomness='different' (each sample draws its own numbers) "
                 "or randomness='same' (one draw for the whole batch), as in torch.func.vmap."
+                if made_by == "fxtools.vmap"
+                else f" {made_by} batches over its basis vectors, which must all see the same random numbers: "
+                "differentiate a function without random ops (a model in eval mode), or use fxtools.vjp / fxtools.jvp."
             )
         raise FxtoolsError(
             f"{made_by} cannot batch {describe(f)} ({'at ' if where and ':' in where else ''}{where or 'at an unknown line of user code'}): "

@@ -110,6 +110,7 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     ``O``), the differentiated argument's structure (int ``argnums``) or a tuple of them (tuple
     ``argnums``), with ``O + I``-shaped leaves for each input leaf of shape ``I``. Generated as
     the ``vjp`` code batched over all output elements at once (no loop over basis vectors).
+    Random ops (dropout) draw once, for every basis vector, as torch.func.jacrev's forward does.
     """
     check_vmap_options("error", chunk_size)
     args = tuple(args)
@@ -121,7 +122,9 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     namer = _NodeNamer(vmappable(vjp_gm), vjp_gm.guards)
     ct_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in out_leaves], out_spec)
     in_dims = (*(None,) * len(args), ct_dims)
-    mapped = torch.func.vmap(namer, in_dims=in_dims, chunk_size=chunk_size)
+    # randomness="same": one draw shared by every basis vector, as torch.func.jacrev's forward,
+    # which runs once before its vjp is batched (the same numbers after the same seed)
+    mapped = torch.func.vmap(namer, in_dims=in_dims, chunk_size=chunk_size, randomness="same")
     n_args = len(args)
 
     def jacobian(*a):
@@ -146,16 +149,18 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
         return pytree.tree_unflatten(per_out, out_spec)
 
     _sign(jacobian, namer, n_args)
-    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacrev")
+    chunks = -(-total // chunk_size) if chunk_size is not None else None
+    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacrev", same_draws=chunks)
 
 
-def jacfwd(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
+def jacfwd(f, *args, argnums=0, randomness="error", chunk_size=None) -> fx.GraphModule:
     """The Jacobian of ``f`` at example ``args`` by forward mode: ``gm(*args) -> jacobian``.
 
-    As ``torch.func.jacfwd(f, argnums)(*args)`` (the structure is ``jacrev``'s). Generated as
-    the ``jvp`` code batched over all input elements at once (no loop over basis vectors).
+    As ``torch.func.jacfwd(f, argnums, randomness=...)(*args)`` (the structure is ``jacrev``'s).
+    Generated as the ``jvp`` code batched over all input elements at once (no loop over basis
+    vectors); ``randomness`` as for ``vmap`` (``"same"``: one draw for every basis vector).
     """
-    check_vmap_options("error", chunk_size)
+    check_vmap_options(randomness, chunk_size)
     args = tuple(args)
     nums = argnums_tuple(argnums, len(args))
     differentiated = tuple(args[i] for i in nums)
@@ -167,7 +172,7 @@ def jacfwd(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     namer = _NodeNamer(vmappable(jvp_gm), jvp_gm.guards)
     tangent_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in in_leaves], in_spec)
     n_args = len(args)
-    mapped = torch.func.vmap(namer, in_dims=(*(None,) * n_args, *tangent_dims), chunk_size=chunk_size)
+    mapped = torch.func.vmap(namer, in_dims=(*(None,) * n_args, *tangent_dims), chunk_size=chunk_size, randomness=randomness)
     out_leaves, out_spec = _float_leaves(jvp_gm.meta[OUT_EXAMPLE], "output", "fxtools.jacfwd")
 
     def jacobian(*a):
@@ -192,7 +197,8 @@ def jacfwd(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
         return pytree.tree_unflatten(per_out, out_spec)
 
     _sign(jacobian, namer, n_args)
-    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacfwd")
+    chunks = -(-total // chunk_size) if chunk_size is not None and randomness == "same" else None
+    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacfwd", same_draws=chunks)
 
 
 def _plain(value):
