@@ -86,6 +86,16 @@ def test_vjp_has_aux_cotangent_mirrors_out_only(wx):
     refuses_other_shape(gm, W, X, torch.randn(5, 4))  # a cotangent of the wrong shape
 
 
+def test_jvp_has_aux_as_torch_func(wx):
+    W, X = wx
+    tw = torch.randn(4, 3)
+    gm = fxtools.jvp(loss_with_aux, W, X, argnums=0, has_aux=True)
+    out, tangent_out, aux = gm(W, X, tw)
+    ref = torch.func.jvp(lambda w: loss_with_aux(w, X), (W,), (tw,), has_aux=True)
+    close((out, tangent_out, aux), ref)
+    refuses_other_shape(gm, W, X, torch.randn(4, 4))
+
+
 def test_has_aux_needs_a_pair(wx):
     W, X = wx
     with pytest.raises(ValueError, match=r"has_aux=True\) needs f to return a pair"):

@@ -50,7 +50,7 @@ from ..errors import FxtoolsError
 from ..passes.simplify import dce, fake_mode_of, has_generic_name, simplify
 from ..rules.decompose import expand
 from .reverse import ReverseSpec, is_float, reverse
-from .vjp import OUT_EXAMPLE, _names, argnums_tuple, prepare
+from .vjp import OUT_EXAMPLE, AuxSplit, _names, argnums_tuple, prepare
 
 aten = torch.ops.aten
 
@@ -188,7 +188,7 @@ def _true_adjoints(gm: fx.GraphModule) -> None:
             node.args = tuple(args)
 
 
-def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
+def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The Jacobian-vector product of ``f`` at example ``args``, as readable PyTorch code.
 
     Returns a GraphModule ``gm`` with ``out, out_tangent = gm(*args, *tangents)``: there is one
@@ -198,7 +198,8 @@ def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
     ``None`` elsewhere. As ``torch.func.jvp(f, args, tangents)``.
 
     ``argnums`` (int or tuple, as on ``grad``): tangents only for those arguments, in that
-    order (the others are held constant): ``gm(*args, *tangents_of_argnums)``.
+    order (the others are held constant): ``gm(*args, *tangents_of_argnums)``. ``has_aux=True``:
+    ``f`` returns ``(out, aux)`` and ``out, out_tangent, aux = gm(...)``, as torch.func.jvp's.
     """
     if not isinstance(args, tuple):
         args = tuple(args)
@@ -206,8 +207,9 @@ def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
     if len(set(nums)) != len(nums):
         raise ValueError(f"argnums {argnums!r} names an argument twice")
     with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored: refuse it
-        cap, wrt = prepare(f, args, nums, dynamic_shapes)
+        cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by="fxtools.jvp")
     cap.f = f
+    split = AuxSplit(cap.out_spec, has_aux)
     _true_adjoints(cap.gm)
     vjp_flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     simplify(vjp_flat)
@@ -249,7 +251,7 @@ def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
     out_tangents = []
     it = iter(jt)
     jt_of = {i: next(it) for i in ct_index}
-    for i, o in enumerate(cap.out_leaves):
+    for i, o in enumerate(cap.out_leaves[: split.n_main]):  # aux gets no tangent
         if i in jt_of:
             out_tangents.append(jt_of[i])
         elif is_float(o):
@@ -273,9 +275,10 @@ def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
     tangent_examples = [(f"tangent_{names[a]}", pytree.tree_map(lambda v: v if is_float(v) else None, args[a])) for a in nums]
 
     def build(flat_results):
-        out = pytree.tree_unflatten(flat_results[:n_out], cap.out_spec)
-        tan = pytree.tree_unflatten(flat_results[n_out:], cap.out_spec)
-        return out, tan
+        tan = split.main(flat_results[n_out:])
+        if has_aux:
+            return split.main(flat_results[:n_out]), tan, split.aux(flat_results[:n_out])
+        return pytree.tree_unflatten(flat_results[:n_out], cap.out_spec), tan
 
     gm = finish(
         flat_gm,
@@ -288,7 +291,7 @@ def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
         made_by="fxtools.jvp",
         roles={len(args) + i: tangent_role(names[a]) for i, a in enumerate(nums)},
     )
-    gm.meta[OUT_EXAMPLE] = pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec)
+    gm.meta[OUT_EXAMPLE] = split.main(list(cap.out_leaves))
     return gm
 
 
