@@ -6,7 +6,7 @@ Jacobians, batched
 torch.func.vmap) over the rows of an identity matrix: one cotangent per output element, all in
 one batch, so the generated code is the VJP code with a leading batch dimension (a ``mm`` where
 the VJP has a ``mv``), not a Python loop over basis vectors. ``jacfwd`` maps the ``jvp`` module
-over the columns of the identity (one tangent per input element) the same way. The basis is
+over the identity's rows as tangents (one per input element) the same way. The basis is
 built in the code itself (``torch.eye`` on the inputs' device), cut into one block per output
 (jacrev) or input (jacfwd) leaf, and the results are cut and reshaped into torch.func's
 structure: for every output leaf, the argument's pytree (int ``argnums``) or a tuple of them
@@ -96,11 +96,12 @@ def _sign(fn, namer, n_args: int) -> None:
     fn.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:n_args])
 
 
-def _single_dtype(leaves, name, what):
-    dtypes = {v.dtype for v in leaves if isinstance(v, torch.Tensor)}
-    if not dtypes:
+def _first_tensor(leaves, name, what):
+    """The tensor whose dtype and device the basis takes (blocks of other dtypes are cast)."""
+    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+    if not tensors:
         raise ValueError(f"{name} needs at least one floating-point tensor among the {what}")
-    return next(v for v in leaves if isinstance(v, torch.Tensor))
+    return tensors[0]
 
 
 def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
@@ -117,7 +118,7 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     nums = argnums_tuple(argnums, len(args))
     vjp_gm = vjp(f, *args, argnums=argnums)
     out_leaves, out_spec = _float_leaves(vjp_gm.meta[OUT_EXAMPLE], "output", "fxtools.jacrev")
-    like = _single_dtype(out_leaves, "fxtools.jacrev", "outputs")
+    like = _first_tensor(out_leaves, "fxtools.jacrev", "outputs")
     total = sum(v.numel() for v in out_leaves if isinstance(v, torch.Tensor))
     namer = _NodeNamer(vmappable(vjp_gm), vjp_gm.guards)
     ct_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in out_leaves], out_spec)
@@ -166,7 +167,7 @@ def jacfwd(f, *args, argnums=0, randomness="error", chunk_size=None) -> fx.Graph
     differentiated = tuple(args[i] for i in nums)
     in_leaves, in_spec = _float_leaves(differentiated, "input", "fxtools.jacfwd")
     in_leaves = [v if isinstance(v, torch.Tensor) else None for v in in_leaves]
-    like = _single_dtype(in_leaves, "fxtools.jacfwd", "differentiated arguments")
+    like = _first_tensor(in_leaves, "fxtools.jacfwd", "differentiated arguments")
     total = sum(v.numel() for v in in_leaves if isinstance(v, torch.Tensor))
     jvp_gm = jvp(f, *args, argnums=nums)
     namer = _NodeNamer(vmappable(jvp_gm), jvp_gm.guards)
