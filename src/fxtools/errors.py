@@ -23,8 +23,11 @@ class DataDependentError(FxtoolsError):
     """Python control flow depended on the *value* of a tensor, which a trace cannot capture."""
 
 
+_EXAMPLES = os.path.join(FXTOOLS_DIR, "cli", "examples.py")  # the demo's programs are user code
+
+
 def is_user_file(filename: str) -> bool:
-    return not (
+    return filename == _EXAMPLES or not (
         filename.startswith(_TORCH_DIR)
         or filename.startswith(FXTOOLS_DIR)
         or filename.startswith("<")

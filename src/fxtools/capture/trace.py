@@ -31,6 +31,7 @@ from ..codegen.naming import arg_names, identifier, leaf_names
 from ..dynamic_shapes import CountsFromExamples
 from ..errors import DataDependentError, FxtoolsError, is_user_file, user_frame
 from .checkpoint import checkpoint_regions
+from .names import module_paths, name_values, outer_frames, recording_modules
 from .replacements import Replacing, check_no_writes
 
 
@@ -398,6 +399,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
         return out_leaves
 
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
+    outer = outer_frames()
     symbolic = None
     if dynamic_shapes is not None:
         from ..codegen.sizes import fake_arguments
@@ -405,7 +407,12 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
         fake_args, symbolic = fake_arguments(f, tuple(args), dynamic_shapes)
         tensors = [x for x in pytree.tree_leaves(fake_args) if isinstance(x, torch.Tensor)]
     try:
-        with _custom_autograd_functions(pre_dispatch), _compiling(), _inference_mode_as_no_grad():
+        with (
+            _custom_autograd_functions(pre_dispatch),
+            _compiling(),
+            _inference_mode_as_no_grad(),
+            recording_modules(module_paths(f) if record_stack_traces else None),
+        ):
             gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch)
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if is_data_dependent(exc):
@@ -416,6 +423,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     for node, name in zip(placeholders, [n for n, t in zip(names, is_tensor) if t]):
         node._rename(name)
     _name_constants(gm, _module_tensor_names(f))
+    name_values(gm, f, outer)
     gm.recompile()
     arg_of_leaf = [p[0].idx if p else 0 for p in paths]
     return Captured(gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"], symbolic)

@@ -52,11 +52,14 @@ def annotated_code(gm: fx.GraphModule) -> str:
     by_name = {n.name: n for n in gm.graph.nodes}
     lines = []
     for line in gm.code.strip("\n").splitlines():
-        m = re.match(r"\s+(\w+) = ", line)
-        if m and m.group(1) in by_name:
-            desc = describe(by_name[m.group(1)].meta.get("val"))
-            if desc:
-                line = f"{line.split(';  ')[0]}  # {desc}"
+        if re.match(r"\s+del \w", line):
+            continue  # freeing memory early is for running, not reading
+        m = re.match(r"\s+(\w+(?:, \w+)*) = ", line)
+        names = m.group(1).split(", ") if m else []
+        if names and any(n in by_name for n in names):
+            descs = [describe(by_name[n].meta.get("val")) if n in by_name else "-" for n in names]
+            if all(descs):
+                line = f"{line.split(';  ')[0]}  # {', '.join(d or '-' for d in descs)}"
         elif line.lstrip().startswith("def forward"):
             inputs = [
                 f"{n.name}: {describe(n.meta.get('val'))}"

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from ..capture import custom
 from ..capture.functionalize import functionalize
 from ..capture.trace import capture, is_data_dependent, realize_constants
+from ..codegen.naming import short_op
 from ..errors import FxtoolsError, user_frame
 from .forward import finish
 from .vjp import _names
@@ -207,6 +208,10 @@ class _NodeNamer(fx.Interpreter):
         out = super().run_node(n)
         if graph is not None and n.op in ("call_function", "call_method") and graph._root.prev is not last:
             self.names[graph._root.prev] = n.name
+            made = last.next
+            while made is not graph._root.prev:  # the batched op's helpers: after it and their op
+                self.names.setdefault(made, f"{n.name}_{short_op(made)}")
+                made = made.next
         return out
 
     def apply(self, gm: fx.GraphModule) -> None:

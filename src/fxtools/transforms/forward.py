@@ -44,6 +44,7 @@ from ..capture.trace import Captured
 from ..codegen import sizes
 from ..codegen.assemble import assemble
 from ..codegen.guards import install, tangent_role
+from ..codegen.naming import short_op
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..errors import FxtoolsError
@@ -68,17 +69,17 @@ def tangent_names(gm: fx.GraphModule) -> None:
     """``grad_grad_v`` (cotangent of a cotangent) is the tangent of ``v``: name it so.
 
     Other ``grad_`` names of the second pass are cotangents of backward intermediates, which
-    mean nothing to a reader of forward-mode code: they get their op's name back.
+    mean nothing to a reader of forward-mode code: they are named after their first input and op.
     """
     for node in gm.graph.nodes:
         if node.op != "call_function" or not node.name.startswith("grad_"):
             continue
         if node.name.startswith("grad_grad_"):
             node._rename("tangent_" + node.name[len("grad_grad_") :])
-        else:
-            target = node.target
-            base = getattr(getattr(target, "overloadpacket", target), "__name__", "v")
-            node._rename(base.lstrip("_"))
+        else:  # named after the value it is computed from (renamed already) and its op: tangent_x_mul
+            first = next((a for a in node.all_input_nodes if a.op != "get_attr"), None)
+            base = "tangent" if first is None or first.op == "placeholder" else first.name  # placeholders are renamed later
+            node._rename(f"{base}_{short_op(node)}")
 
 
 def transpose_vjp(vjp_gm: fx.GraphModule, n_in: int, n_out: int):
