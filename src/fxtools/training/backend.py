@@ -43,7 +43,7 @@ from ..codegen.naming import identifier
 from ..functional import functional
 from ..transforms.reverse import is_float
 from .aten import to_aten
-from .partition import Split, split
+from .partition import Split, fake_mode_of, split
 
 __all__ = ["compile", "backend", "CompiledModule"]
 
@@ -76,6 +76,24 @@ def _apply_compiler(compiler, gm, example_inputs):
         params = []
     two = len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
     return compiler(gm, example_inputs) if two else compiler(gm)
+
+
+def _compile(compiler, gm: fx.GraphModule, examples, sp: Split):
+    """``compiler(gm, example_inputs)`` as AOTAutograd calls it: the example inputs are FakeTensors
+    of a fake mode with a ShapeEnv, which a ``TracingContext`` holds (Inductor's FX graph cache
+    needs it). With symbolic sizes, the split's own fake values and mode."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if sp._cap.symbolic is None:
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        examples = [mode.from_tensor(x, static_shapes=True) for x in examples]
+    else:
+        examples = [p.meta["val"] for p in gm.graph.nodes if p.op == "placeholder"]
+        mode = fake_mode_of(examples)
+    with tracing(TracingContext(mode)):
+        return _apply_compiler(compiler, gm, examples)
 
 
 def _example(val):
@@ -113,12 +131,13 @@ class _Runner:
             self.fw, self.fw_aten = sp.forward.forward, False
         else:
             examples = [x.detach() for x in leaves] + list(self.aten.buffers)
-            self.fw, self.fw_aten = _apply_compiler(fw_compiler, self.aten.forward, examples), True
+            self.fw, self.fw_aten = _compile(fw_compiler, self.aten.forward, examples, sp), True
         if bw_compiler is None:
             self.bw, self.bw_aten = sp.backward_boxed.forward, False
         else:
             vals = [p.meta["val"] for p in self.aten.backward.graph.nodes if p.op == "placeholder"]
-            self.bw, self.bw_aten = _apply_compiler(bw_compiler, self.aten.backward, [_example(v) for v in vals]), True
+            examples = [_example(v) for v in vals] if sp._cap.symbolic is None else vals
+            self.bw, self.bw_aten = _compile(bw_compiler, self.aten.backward, examples, sp), True
             self.ct_strides = [_static_stride(v) for v in vals[len(sp.saved) :]]
         cap = sp._cap
         self.out_leaves = cap.out_leaves
