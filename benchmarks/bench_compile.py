@@ -155,8 +155,14 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results_compile.md"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    torch._inductor.config.fx_graph_cache = False  # compile times from scratch, for every variant alike
     sizes = [
-        ("small GPT (2 layers, width 128, 4x64 tokens)", dict(n_layer=2, n_head=4, n_embd=128, vocab_size=512, block_size=64), (4, 64), 30),
+        (
+            "small GPT (2 layers, width 128, 4x64 tokens)",
+            dict(n_layer=2, n_head=4, n_embd=128, vocab_size=512, block_size=64),
+            (4, 64),
+            30,
+        ),
     ]
     if not args.quick:
         b, t = args.gpt2_tokens

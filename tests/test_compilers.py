@@ -294,7 +294,9 @@ def test_edits_that_break_the_signature_are_refused():
         doubled = fw.graph.call_function(torch.stack, ([mean, mean],))
     mean.replace_all_uses_with(doubled, delete_user_cb=lambda u: u.op == "output")
     fw.recompile()
-    with pytest.raises(fxtools.FxtoolsError, match=r"the edited forward's out is torch.float32\[2\]; the split's is torch.float32\[\]"):
+    with pytest.raises(
+        fxtools.FxtoolsError, match=r"the edited forward's out is torch.float32\[2\]; the split's is torch.float32\[\]"
+    ):
         sp.edit(forward=fw)
     with pytest.raises(ValueError, match="made from a module"):
         fxtools.compile(lambda x: x, split=sp)

@@ -80,7 +80,7 @@ class Descriptor:
             return d.InputMutationAOTOutput(d.BufferAOTInput(self.target or self.name))
         if self.kind == "cotangent":
             return d.TangentAOTInput(d.PlainAOTOutput(index))
-        if self.kind in ("output", "saved") and self.kind != "user_input":
+        if self.kind in ("output", "saved"):
             return d.PlainAOTOutput(index)
         if self.kind == "gradient":
             return d.GradAOTOutput(d.PlainAOTInput(index))
@@ -286,7 +286,10 @@ def _to_aten(sp: Split, table) -> AtenSplit:
     fw_descs += [Descriptor("saved", s.name, None, s.name) for s in sp.saved]
     fw_descs += [Descriptor("mutated_buffer", fw_names[i], None, qualified[i - n_in]) for i, _ in mutations]
     _set_output(forward, outs + [v for _, v in mutations], fw_descs)
-    for p, desc in zip((n for n in forward.graph.nodes if n.op == "placeholder"), [*in_descs, *(Descriptor("buffer", fw_names[n_in + i], None, t) for i, t in enumerate(qualified))]):
+    for p, desc in zip(
+        (n for n in forward.graph.nodes if n.op == "placeholder"),
+        [*in_descs, *(Descriptor("buffer", fw_names[n_in + i], None, t) for i, t in enumerate(qualified))],
+    ):
         p.meta["desc"] = desc
     _finish(forward, "forward")
 
@@ -298,7 +301,9 @@ def _to_aten(sp: Split, table) -> AtenSplit:
         p.meta["desc"] = desc
     output = next(n for n in reversed(backward.graph.nodes) if n.op == "output")
     grads = list(output.args[0])
-    _set_output(backward, grads, [Descriptor("gradient", getattr(g, "name", "None"), d.path, d.name) for g, d in zip(grads, in_descs)])
+    _set_output(
+        backward, grads, [Descriptor("gradient", getattr(g, "name", "None"), d.path, d.name) for g, d in zip(grads, in_descs)]
+    )
     _finish(backward, "backward")
     return AtenSplit(forward, backward, lifted, buffers, [i - n_in for i, _ in mutations], n_out, len(sp.saved))
 

@@ -10,11 +10,16 @@ a callable (an ``nn.Module`` wrapping the original one, for a module) whose forw
 captures: each is differentiated by fxtools as a function of its inputs (parameters usually arrive
 as inputs; any the graph holds itself are treated as inputs too).
 
-Compilers receive the ``Split`` GraphModules and return a callable: ``compiler(gm)`` or
-``compiler(gm, example_inputs)`` (as for AOTAutograd). The forward is called as
-``fw(*tensor_leaves) -> (out, saved)``, the backward as ``bw(*saved, *cotangents)``. Without a
-backward compiler the backward runs boxed (``Split.backward_boxed``), freeing each saved
-activation after its last use.
+Compilers plug in as in AOTAutograd (``fw_compiler``, ``bw_compiler``, or ``compiler`` for both;
+``"inductor"`` stands for ``torch._inductor.compile_fx.compile_fx_inner``). Each gets the ATen form
+of its graph (``fxtools.to_aten``: functional ATen ops only, flat outputs, a descriptor on every
+placeholder and output) and FakeTensor example inputs under a ``TracingContext``, and returns a
+callable: ``compiler(gm)`` or ``compiler(gm, example_inputs)``. The ATen forward is called as
+``fw(*tensor_leaves, *buffers) -> (*outputs, *saved, *updated buffers)``, the backward as
+``bw(*saved, *cotangents) -> grads``; a result with ``_boxed_call`` (Inductor's) is called with one
+list it empties, so saved tensors are freed after their last use. Without a backward compiler the
+readable backward runs boxed (``Split.backward_boxed``), freeing each saved activation after its
+last use.
 
 Graphs are specialised to the arguments as every generated module is (``fxtools.codegen.guards``: structure,
 shapes, dtypes, device types, strides where the code relies on them, Python values), to
@@ -254,7 +259,9 @@ class _Runners:
         if self.fixed is not None:  # one given split (an edited one): its guards decide, nothing new is made
             leaves = self.fixed.guards.check(args)
             if not self.entries:
-                self.entries.append((training, None, _Runner(self.fixed, leaves, self.fw_compiler, self.bw_compiler, self.decompositions)))
+                self.entries.append(
+                    (training, None, _Runner(self.fixed, leaves, self.fw_compiler, self.bw_compiler, self.decompositions))
+                )
             return self.entries[0][2], leaves
         mask = _requires_grad(args)
         mask = None if mask is None else tuple(mask)

@@ -465,9 +465,7 @@ def _same_structure(what: str, got, want) -> None:
         if isinstance(w, torch.Tensor) != isinstance(g, torch.Tensor):
             raise FxtoolsError(f"{what}{path} is {type(g).__name__}; the split's is {type(w).__name__}")
         if isinstance(w, torch.Tensor) and (tuple(g.shape) != tuple(w.shape) or g.dtype != w.dtype):
-            raise FxtoolsError(
-                f"{what}{path} is {g.dtype}{list(g.shape)}; the split's is {w.dtype}{list(w.shape)}"
-            )
+            raise FxtoolsError(f"{what}{path} is {g.dtype}{list(g.shape)}; the split's is {w.dtype}{list(w.shape)}")
 
 
 def _as_guarded(gm: fx.GraphModule, class_name: str) -> GuardedGraphModule:
@@ -498,6 +496,10 @@ class Split:
         self.in_spec = in_spec
         self.out_spec = out_spec
         self._cap = captured
+        self.from_module = False  # made from an nn.Module: the first argument holds its parameters
+        self.leaf_paths: list = []  # pytree path of each tensor leaf of the arguments
+        self.out_is_tensor: list[bool] = []  # for each leaf of f's result
+        self.out_tensor_paths: list[str] = []  # "out[0]", ... for each tensor leaf of the result
 
     # -- calling helpers ---------------------------------------------------------------------
 
@@ -564,7 +566,9 @@ class Split:
         output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
         saved_nodes = output.args[0][1] if isinstance(output.args[0], (tuple, list)) and len(output.args[0]) == 2 else None
         if saved_nodes is None or len(saved_nodes) != len(saved) or not all(isinstance(n, fx.Node) for n in saved_nodes):
-            raise FxtoolsError("the edited forward's output must be (out, (saved node, ...)): return the saved values as a tuple of graph values")
+            raise FxtoolsError(
+                "the edited forward's output must be (out, (saved node, ...)): return the saved values as a tuple of graph values"
+            )
         if not all(isinstance(v, torch.Tensor) for v in saved):
             raise FxtoolsError("every saved value of the edited forward must be a tensor")
         bw_ph = [n for n in backward.graph.nodes if n.op == "placeholder"]
@@ -596,14 +600,25 @@ class Split:
         forward.guards = self.forward.guards
         saved_guards = build("fxtools.split backward", [i.name for i in infos], sizes.concrete(self._cap, list(saved)))
         ct_guards = build("fxtools.split backward", [c.name for c in self.cotangents], sizes.concrete(self._cap, cts))
-        backward.guards = Guards("fxtools.split backward", saved_guards.names + ct_guards.names, saved_guards.args + ct_guards.args)
+        backward.guards = Guards(
+            "fxtools.split backward", saved_guards.names + ct_guards.names, saved_guards.args + ct_guards.args
+        )
         backward_boxed.guards = Guards(
             "fxtools.split backward_boxed",
             ("args",),
             (Node("args", "list", "list", tuple(range(len(backward.guards.args))), backward.guards.args),),
         )
         result = Split(
-            forward, backward, backward_boxed, self.signature, infos, self.cotangents, self.policy, self.in_spec, self.out_spec, self._cap
+            forward,
+            backward,
+            backward_boxed,
+            self.signature,
+            infos,
+            self.cotangents,
+            self.policy,
+            self.in_spec,
+            self.out_spec,
+            self._cap,
         )
         for attr in ("guards", "_ct_index", "from_module", "leaf_paths", "out_is_tensor", "out_tensor_paths"):
             setattr(result, attr, getattr(self, attr))
