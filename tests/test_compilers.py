@@ -104,6 +104,18 @@ def test_aten_graphs_have_only_aten_ops_and_descriptors(rules):
     assert_same_parameters(model, eager, TOL64)
 
 
+def test_torch_compile_backend_describes_parameters():
+    torch._dynamo.reset()
+    graphs = []
+    model, inputs = examples.mlp()
+    compiled = torch.compile(model, backend=fxtools.backend(compiler=checking_compiler(graphs)))
+    compiled(*inputs).backward()
+    fw_in = [n.meta["desc"] for n in graphs[0].graph.nodes if n.op == "placeholder"]
+    params = {d.target for d in fw_in if d.kind == "parameter"}
+    assert params == {name for name, _ in model.named_parameters()}
+    assert sum(d.kind == "user_input" for d in fw_in) == len(inputs)
+
+
 def test_core_aten_decompositions():
     graphs = []
     model, inputs = examples.mlp()

@@ -236,8 +236,11 @@ class AtenSplit:
 
 def _input_descs(sp: Split) -> list[Descriptor]:
     descs = []
+    kinds = getattr(sp._cap.f, "__fxtools_input_kinds__", None)  # a Dynamo graph's: parameters by position
     for info, path in zip(sp.signature, sp.leaf_paths):
-        if sp.from_module and path and path[0].idx == 0 and len(path) == 2 and isinstance(path[1], pytree.MappingKey):
+        if kinds is not None and len(path) == 1 and kinds[path[0].idx][0] == "parameter":
+            descs.append(Descriptor("parameter", info.name, info.path, kinds[path[0].idx][1]))
+        elif sp.from_module and path and path[0].idx == 0 and len(path) == 2 and isinstance(path[1], pytree.MappingKey):
             descs.append(Descriptor("parameter", info.name, info.path, str(path[1].key)))
         else:
             descs.append(Descriptor("user_input", info.name, info.path))

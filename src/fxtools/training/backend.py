@@ -437,8 +437,9 @@ def _accepting_keywords(fn):
 
     call.__signature__ = _signature_with_keywords(fn)
     call.__name__ = getattr(fn, "__name__", "fn")
-    if hasattr(fn, "__fxtools_module__"):  # buffers and constants are named after the module's
-        call.__fxtools_module__ = fn.__fxtools_module__
+    for attr in ("__fxtools_module__", "__fxtools_input_kinds__"):  # for names and descriptors
+        if hasattr(fn, attr):
+            setattr(call, attr, getattr(fn, attr))
     return call
 
 
@@ -556,8 +557,25 @@ def _input_name(target: str) -> str:
     return name or "arg"
 
 
-def _as_function(gm: fx.GraphModule):
-    """``gm`` as a function whose parameters carry its placeholders' readable names."""
+def _qualified_name(target: str) -> str | None:
+    """``L_self_modules_fc1_parameters_weight_`` -> ``fc1.weight`` (Dynamo's name for ``self.fc1.weight``)."""
+    name = target[2:] if target.startswith(("L_", "G_")) else target
+    if not name.startswith("self_"):
+        return None
+    name = name[len("self_") :].rstrip("_")
+    for part in ("modules_", "parameters_", "buffers_"):
+        if name.startswith(part):
+            name = name[len(part) :]
+    for part in ("_modules_", "_parameters_", "_buffers_"):
+        name = name.replace(part, ".")
+    return name
+
+
+def _as_function(gm: fx.GraphModule, example_inputs=()):
+    """``gm`` as a function whose parameters carry its placeholders' readable names.
+
+    ``fn.__fxtools_input_kinds__`` says for each which are the module's parameters (Dynamo passes
+    them as inputs), with their qualified names, for the ATen form's descriptors."""
     targets = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     names, used = [], set()
     for t in targets:
@@ -573,6 +591,10 @@ def _as_function(gm: fx.GraphModule):
 
     fn.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
     fn.__name__ = fn.__qualname__ = "dynamo_graph"
+    fn.__fxtools_input_kinds__ = [
+        ("parameter", _qualified_name(str(t)) or n) if isinstance(x, torch.nn.Parameter) else ("user_input", None)
+        for t, n, x in zip(targets, names, example_inputs)
+    ]
     return fn
 
 
@@ -592,7 +614,9 @@ def backend(fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules=
         if any(True for _ in gm.parameters()):
             compiled = CompiledModule(gm, fw_compiler, bw_compiler, policy, rules, decompositions=decompositions)
         else:  # parameters arrive as inputs: differentiate the graph as a function of them
-            compiled = CompiledFunction(_as_function(gm), fw_compiler, bw_compiler, policy, rules, decompositions=decompositions)
+            compiled = CompiledFunction(
+                _as_function(gm, example_inputs), fw_compiler, bw_compiler, policy, rules, decompositions=decompositions
+            )
         with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
             compiled.runner(*example_inputs)
 
