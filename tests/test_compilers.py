@@ -261,6 +261,17 @@ def test_edited_graphs_round_trip(compiler):
         compiled(torch.randn(6, 5))  # the edited split's guards: no new split is made
 
 
+def test_edit_leaves_buffers_alone():
+    model, inputs = examples.small_cnn()
+    model.train()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    sp = fxtools.split(model, *inputs)
+    edited = sp.edit(forward=copy.deepcopy(sp.forward))  # checked in fake mode: no real update
+    for name, b in model.named_buffers():
+        torch.testing.assert_close(b, before[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    assert [s.name for s in edited.saved] == [s.name for s in sp.saved]
+
+
 @pytest.mark.usefixtures("float64")
 def test_edited_forward_may_save_other_values():
     """Save the pre-activation instead of tanh's output; the backward recomputes tanh from it."""

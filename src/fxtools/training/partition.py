@@ -454,6 +454,19 @@ def fake_mode_of(vals):
     return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
 
 
+class _FakeRun(fx.Interpreter):
+    """Runs a graph in fake mode, its tensor attributes (buffers) as fakes: an in-place update of a
+    buffer (BatchNorm's batch count) must not touch the real one."""
+
+    def __init__(self, gm, mode):
+        super().__init__(gm)
+        self.mode = mode
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        return self.mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
+
+
 def _same_structure(what: str, got, want) -> None:
     """Raise ``FxtoolsError`` unless ``got`` has ``want``'s pytree structure, tensor shapes and dtypes."""
     got_leaves, got_spec = pytree.tree_flatten(got)
@@ -557,8 +570,8 @@ class Split:
         vals = [p.meta["val"] for p in old_fw_ph]
         mode = fake_mode_of(vals)
         with mode:
-            want_out, want_saved = fx.Interpreter(self.forward).run(*vals)
-            got = fx.Interpreter(forward).run(*vals)
+            want_out, want_saved = _FakeRun(self.forward, mode).run(*vals)
+            got = _FakeRun(forward, mode).run(*vals)
         if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[1], (tuple, list))):
             raise FxtoolsError("the edited forward must return (out, saved) with saved a tuple of tensors")
         out, saved = got
@@ -579,8 +592,8 @@ class Split:
             )
         cts = [c.meta["val"] for c in [n for n in self.backward.graph.nodes if n.op == "placeholder"][len(self.saved) :]]
         with mode:
-            want_grads = fx.Interpreter(self.backward).run(*want_saved, *cts)
-            grads = fx.Interpreter(backward).run(*saved, *cts)
+            want_grads = _FakeRun(self.backward, mode).run(*want_saved, *cts)
+            grads = _FakeRun(backward, mode).run(*saved, *cts)
         _same_structure("the edited backward's gradients", grads, want_grads)
 
         forward = _as_guarded(forward, "SplitForward")
