@@ -148,7 +148,7 @@ def table(name, rows):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small size only, 5 repetitions")
+    parser.add_argument("--quick", action="store_true", help="small size only (5 repetitions unless --reps)")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--gpt2-tokens", type=int, nargs=2, default=(1, 128), metavar=("BATCH", "SEQ"))
@@ -177,7 +177,7 @@ def main(argv=None):
     for name, config, (batch, seq), reps in sizes:
         size = "tiny" if config else "gpt2"
         model, inputs = examples.gpt(size, batch=batch, seq_len=seq, **config)
-        rows = measure(name, model, inputs, 5 if args.quick else (args.reps or reps))
+        rows = measure(name, model, inputs, args.reps or (5 if args.quick else reps))
         text = table(name, rows)
         print(text + "\n", flush=True)
         out += [text, ""]
