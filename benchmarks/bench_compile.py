@@ -149,6 +149,7 @@ def table(name, rows):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small size only (5 repetitions unless --reps)")
+    parser.add_argument("--size", choices=("small", "gpt2", "both"), default="both")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--gpt2-tokens", type=int, nargs=2, default=(1, 128), metavar=("BATCH", "SEQ"))
