@@ -157,15 +157,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch._inductor.config.fx_graph_cache = False  # compile times from scratch, for every variant alike
-    sizes = [
-        (
-            "small GPT (2 layers, width 128, 4x64 tokens)",
-            dict(n_layer=2, n_head=4, n_embd=128, vocab_size=512, block_size=64),
-            (4, 64),
-            30,
-        ),
-    ]
-    if not args.quick:
+    sizes = []
+    if args.quick or args.size in ("small", "both"):
+        small = dict(n_layer=2, n_head=4, n_embd=128, vocab_size=512, block_size=64)
+        sizes.append(("small GPT (2 layers, width 128, 4x64 tokens)", small, (4, 64), 30))
+    if not args.quick and args.size in ("gpt2", "both"):
         b, t = args.gpt2_tokens
         sizes.append((f"GPT-2 size (124M parameters, {b}x{t} tokens)", dict(), (b, t), 5))
     out = [
