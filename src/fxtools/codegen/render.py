@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..errors import FxtoolsError
 from ..passes.simplify import is_input_leaf
+from ..passes.subgraphs import name_subgraph_inputs, subgraphs
 from .naming import SHADOWS, is_plain_identifier, plain_literal, repr_safe
 
 aten = torch.ops.aten
@@ -303,6 +304,10 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
         else:
             node.target, node.args, node.kwargs = target, args, kwargs
     check_code_data(gm)
+    name_subgraph_inputs(gm)
+    for sub in subgraphs(gm):  # control flow's functions
+        render(sub)
+        sub.recompile()
     return gm
 
 

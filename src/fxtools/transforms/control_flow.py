@@ -1,0 +1,223 @@
+"""Structured control flow: ``torch.cond`` and ``scan`` differentiated as themselves.
+
+Capture records each as one higher-order node whose functions are subgraphs (GraphModules held
+as attributes of the captured module, read by ``get_attr`` nodes). ``prepare`` treats every
+subgraph as a program of its own (functionalized, expanded, its own control flow prepared in
+turn), differentiates it with the reverse engine, and gives the node a rule whose forward and
+backward are again the same control flow, so the generated code keeps it:
+
+- ``cond(pred, true_fn, false_fn, operands)``: the forward is the ``cond``; the backward is
+  ``cond(pred, true_vjp, false_vjp, (*operands, *cotangents))``, each branch's VJP recomputing
+  its branch (what is saved: the predicate and the operands);
+- ``scan(step, init, xs, consts)``: the forward scan also returns each step's input carry,
+  stacked (what is saved per step); the backward is a reverse scan of the step's VJP, carrying
+  the carry's cotangent and the sum of the constants' cotangents, so the code does not grow with
+  the number of steps.
+
+``while_loop`` differentiates nothing here: one whose values carry no gradient just runs; one
+that would needs a rule and is refused naming the user's line (``rule_for``). Its number of
+steps is known only at run time, so its backward cannot be a scan over saved steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from ..capture.functionalize import functionalize
+from ..capture.trace import Captured, trace_flat
+from ..errors import FxtoolsError, user_line_of
+from ..registry import Rule, is_float
+from ..rules.decompose import expand
+from .reverse import ReverseSpec, _example, example_mode, reverse
+
+hop = torch.ops.higher_order
+
+__all__ = ["prepare", "is_control_flow"]
+
+
+def is_control_flow(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
+
+
+def _where(node) -> str:
+    return user_line_of(node) or "an unknown line of user code"
+
+
+def prepare(gm: fx.GraphModule, node: fx.Node | None = None) -> None:
+    """Prepare the subgraphs of every ``cond`` / ``scan`` in ``gm`` and give each node its rule.
+
+    ``node`` is the control-flow node ``gm`` is a subgraph of (its line names errors inside).
+    """
+    for n in list(gm.graph.nodes):
+        if not is_control_flow(n):
+            continue
+        if n.meta.get("stack_trace") is None and node is not None:
+            n.meta["stack_trace"] = node.meta.get("stack_trace")
+        make = _RULE_MAKERS.get(n.target)
+        if make is None:
+            continue
+        for sub in _subgraphs(gm, n):
+            _prepare_graph(sub, n)
+        n.meta["fxtools_rule"] = make(gm, n)
+
+
+def _subgraphs(gm, node) -> list[fx.GraphModule]:
+    return [getattr(gm, a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+
+
+def _prepare_graph(sub: fx.GraphModule, node: fx.Node) -> None:
+    for n in sub.graph.nodes:  # a subgraph's ops are traced without stack traces: they have the call's
+        if n.op == "call_function" and not n.meta.get("stack_trace"):
+            n.meta["stack_trace"] = node.meta.get("stack_trace")
+    functionalize(sub)
+    expand(sub)
+    prepare(sub, node)
+
+
+def _captured(sub: fx.GraphModule, node: fx.Node) -> Captured:
+    """A subgraph as the reverse engine's input: its placeholders are its (tensor) arguments."""
+    ph = [p for p in sub.graph.nodes if p.op == "placeholder"]
+    leaves = [p.meta.get("val") for p in ph]
+    for p, v in zip(ph, leaves):
+        if not isinstance(v, torch.Tensor):
+            raise FxtoolsError(
+                f"{node.target.name()} (at {_where(node)}) passes a {type(v).__name__} to its function; "
+                "fxtools differentiates control flow over tensors only: pass it as a 0-dim tensor, or close over it."
+            )
+    out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+    outs = [o.meta.get("val") if isinstance(o, fx.Node) else o for o in out]
+    _, in_spec = pytree.tree_flatten(tuple(leaves))
+    _, out_spec = pytree.tree_flatten(list(outs))
+    n = len(leaves)
+    return Captured(sub, in_spec, out_spec, leaves, [p.name for p in ph], [True] * n, list(range(n)), outs)
+
+
+def _trace(fn, vals) -> fx.GraphModule:
+    """``fn`` traced on FakeTensors like ``vals`` (a subgraph fxtools writes)."""
+    mode = example_mode(vals)
+    return trace_flat(fn, [_example(v, mode) for v in vals], record_stack_traces=False)
+
+
+def _fresh(outs, inputs):
+    """Outputs of a subgraph may alias neither its inputs nor each other (control flow's rule):
+    copy those that would."""
+    seen = list(inputs)
+    fresh = []
+    for o in outs:
+        if any(o is s for s in seen):
+            o = o.clone()
+        seen.append(o)
+        fresh.append(o)
+    return tuple(fresh)
+
+
+def _vjp_function(sub: fx.GraphModule, node: fx.Node):
+    """``fn(*inputs, *cts) -> grads``: the VJP of ``sub``, cotangents for its floating-point
+    outputs, gradients for its floating-point inputs (zeros where none flows)."""
+    cap = _captured(sub, node)
+    wrt = [is_float(v) for v in cap.leaves]
+    joint, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
+    n_in, n_out = len(cap.leaves), len(cap.out_leaves)
+    float_outs = [i for i, o in enumerate(cap.out_leaves) if is_float(o)]
+
+    def vjp_fn(*flat):
+        inputs, cts = flat[:n_in], flat[n_in:]
+        ct_of = dict(zip(float_outs, cts))
+        res = joint(*inputs, *(ct_of[i] for i in ct_index))
+        return _fresh(res[n_out:], flat)
+
+    return vjp_fn, cap
+
+
+def _fill(mask, values):
+    it = iter(values)
+    return [next(it) if m else None for m in mask]
+
+
+def _float_cts(ct, outs):
+    """The cotangents of the floating-point outputs, zeros where none came."""
+    if not isinstance(ct, (tuple, list)):
+        ct = (ct,)
+    return [c if c is not None else torch.zeros_like(o) for c, o in zip(ct, outs) if is_float(o)]
+
+
+def _cond_rule(gm, node) -> Rule:
+    """``cond``'s rule: the backward is a ``cond`` over the two branches' VJPs."""
+    _, true_n, false_n, _ = node.args
+    true_vjp, cap = _vjp_function(getattr(gm, true_n.target), node)
+    false_vjp, _ = _vjp_function(getattr(gm, false_n.target), node)
+    vals = [*cap.leaves, *(o for o in cap.out_leaves if is_float(o))]
+    true_bwd, false_bwd = _trace(true_vjp, vals), _trace(false_vjp, vals)
+
+    def fwd(pred, true_fn, false_fn, operands):
+        out = hop.cond(pred, true_fn, false_fn, operands)
+        return out, (pred, operands, out)
+
+    def bwd(aux, ct):
+        pred, operands, out = aux
+        grads = hop.cond(pred, true_bwd, false_bwd, (*operands, *_float_cts(ct, out)))
+        return None, None, None, _fill([is_float(o) for o in operands], grads)
+
+    return Rule(fwd, bwd, source="control flow")
+
+
+def _scan_rule(gm, node) -> Rule:
+    """``scan``'s rule: the forward also stacks each step's input carry; the backward is a
+    reverse scan of the step's VJP."""
+    step_n, init_n, xs_n, _ = node.args
+    step = getattr(gm, step_n.target)
+    n_c, n_x = len(init_n), len(xs_n)
+    step_vjp, cap = _vjp_function(step, node)
+    carry_v, x_v, const_v = cap.leaves[:n_c], cap.leaves[n_c : n_c + n_x], cap.leaves[n_c + n_x :]
+    y_v = cap.out_leaves[n_c:]
+    n_y = len(y_v)
+    fc, fx_, fa, fy = ([is_float(v) for v in vs] for vs in (carry_v, x_v, const_v, y_v))
+    nfc, nfa, nfy = sum(fc), sum(fa), sum(fy)
+
+    def step_saving_carry(*a):
+        return (*step(*a), *(c.clone() for c in a[:n_c]))
+
+    step_fwd = _trace(step_saving_carry, cap.leaves)
+
+    def step_bwd(*a):
+        ct_carry, acc = a[:nfc], a[nfc : nfc + nfa]
+        rest = a[nfc + nfa :]
+        carry, x, ct_y, consts = rest[:n_c], rest[n_c : n_c + n_x], rest[n_c + n_x : n_c + n_x + nfy], rest[n_c + n_x + nfy :]
+        grads = step_vjp(*carry, *x, *consts, *ct_carry, *ct_y)
+        g_carry, g_x, g_const = grads[:nfc], grads[nfc : nfc + sum(fx_)], grads[nfc + sum(fx_) :]
+        return _fresh((*g_carry, *(s + g for s, g in zip(acc, g_const)), *g_x), a)
+
+    bwd_vals = [
+        *(v for v, f in zip(carry_v, fc) if f),
+        *(v for v, f in zip(const_v, fa) if f),
+        *carry_v,
+        *x_v,
+        *(v for v, f in zip(y_v, fy) if f),
+        *const_v,
+    ]
+    step_back = _trace(step_bwd, bwd_vals)
+
+    def fwd(step_fn, init, xs, consts):
+        res = hop.scan(step_fwd, init, xs, consts)
+        value, carries = list(res[: n_c + n_y]), res[n_c + n_y :]
+        return value, (carries, init, xs, consts, value)
+
+    def bwd(aux, ct):
+        carries, init, xs, consts, value = aux
+        cts = _float_cts(ct, value)
+        ct_carry, ct_y = cts[:nfc], cts[nfc:]
+        zeros = [torch.zeros_like(a) for a, f in zip(consts, fa) if f]
+
+        def flip(t):
+            return torch.flip(t, [0])
+
+        res = hop.scan(step_back, [*ct_carry, *zeros], [*map(flip, carries), *map(flip, xs), *map(flip, ct_y)], consts)
+        g_init, g_consts, g_xs = res[:nfc], res[nfc : nfc + nfa], [flip(g) for g in res[nfc + nfa :]]
+        return None, _fill(fc, g_init), _fill(fx_, g_xs), _fill(fa, g_consts)
+
+    return Rule(fwd, bwd, source="control flow")
+
+
+_RULE_MAKERS = {hop.cond: _cond_rule, hop.scan: _scan_rule}
