@@ -13,7 +13,9 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["subgraphs", "drop_unused_subgraphs", "name_subgraph_inputs"]
+__all__ = ["NOTE_KEY", "subgraphs", "drop_unused_subgraphs", "name_subgraph_inputs"]
+
+NOTE_KEY = "fxtools_note"  # in node.meta: what a value holds, for Split.report (a scan's value at every step)
 
 
 def subgraphs(gm: fx.GraphModule) -> list[fx.GraphModule]:

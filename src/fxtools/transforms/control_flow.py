@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
 from ..capture.functionalize import functionalize
 from ..capture.trace import Captured, trace_flat
 from ..errors import FxtoolsError, user_line_of
+from ..passes.subgraphs import NOTE_KEY
 from ..registry import Rule, is_float
 from ..rules.decompose import expand
 from .reverse import ReverseSpec, _example, example_mode, reverse
@@ -131,6 +133,19 @@ def _vjp_function(sub: fx.GraphModule, node: fx.Node):
     return vjp_fn, cap
 
 
+def _label(tensor, name: str, note: str) -> None:
+    """Name the traced node holding ``tensor`` and say what it holds (``Split.report`` prints it)."""
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    if mode is None:
+        return
+    try:
+        node = proxy_tensor.get_proxy_slot(tensor, mode.tracer).proxy.node
+    except Exception:  # noqa: BLE001 - not a traced tensor: nothing to label
+        return
+    node._rename(name)
+    node.meta[NOTE_KEY] = note
+
+
 def _fill(mask, values):
     it = iter(values)
     return [next(it) if m else None for m in mask]
@@ -213,7 +228,17 @@ def _scan_rule(gm, node) -> Rule:
         def flip(t):
             return torch.flip(t, [0])
 
-        res = hop.scan(step_back, [*ct_carry, *zeros], [*map(flip, carries), *map(flip, xs), *map(flip, ct_y)], consts)
+        steps = []
+        for c in carries:
+            c = flip(c)
+            kind = str(c.dtype).replace("torch.", "") + str(list(c.shape[1:]))
+            _label(
+                c,
+                "carry_steps",
+                f"per step: {kind}, the carry entering each of the {c.shape[0]} steps of the scan, last step first",
+            )
+            steps.append(c)
+        res = hop.scan(step_back, [*ct_carry, *zeros], [*steps, *map(flip, xs), *map(flip, ct_y)], consts)
         g_init, g_consts, g_xs = res[:nfc], res[nfc : nfc + nfa], [flip(g) for g in res[nfc + nfa :]]
         return None, _fill(fc, g_init), _fill(fx_, g_xs), _fill(fa, g_consts)
 
