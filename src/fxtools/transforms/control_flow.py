@@ -103,12 +103,15 @@ def _trace(fn, vals) -> fx.GraphModule:
 
 
 def _fresh(outs, inputs):
-    """Outputs of a subgraph may alias neither its inputs nor each other (control flow's rule):
-    copy those that would."""
+    """Outputs of a subgraph may alias neither its inputs nor each other, and must have the same
+    layout whatever branch or step computed them (control flow's rules): copy those that would
+    not, contiguous (a gradient may come out as an expanded or transposed view)."""
     seen = list(inputs)
     fresh = []
     for o in outs:
-        if any(o is s for s in seen):
+        if not o.is_contiguous():
+            o = o.contiguous()
+        elif any(o is s for s in seen):
             o = o.clone()
         seen.append(o)
         fresh.append(o)
@@ -245,4 +248,18 @@ def _scan_rule(gm, node) -> Rule:
     return Rule(fwd, bwd, source="control flow")
 
 
-_RULE_MAKERS = {hop.cond: _cond_rule, hop.scan: _scan_rule}
+def _while_loop_rule(gm, node) -> Rule:
+    """``while_loop``: runs as it is where no gradient flows through it; refused where one would."""
+
+    def fwd(*args):
+        raise FxtoolsError(
+            f"fxtools cannot differentiate through the while_loop at {_where(node)}: its number of steps is "
+            "known only when it runs. When the number of steps is known, write the loop as a scan "
+            "(torch._higher_order_ops.scan(step, init, xs)), whose gradient fxtools writes as a reverse "
+            "scan; otherwise keep the loop's values out of the differentiated path (detach them)."
+        )
+
+    return Rule(fwd, fwd, source="control flow")
+
+
+_RULE_MAKERS = {hop.cond: _cond_rule, hop.scan: _scan_rule, hop.while_loop: _while_loop_rule}

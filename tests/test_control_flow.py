@@ -1,0 +1,285 @@
+"""Structured control flow (issue 15): torch.cond, scan and while_loop, kept structured.
+
+The oracle is torch.autograd in float64: of the same program where PyTorch differentiates it,
+of the unrolled loop / the branch taken otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import operator
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch._higher_order_ops.scan import scan
+from torch._higher_order_ops.while_loop import while_loop
+
+import fxtools
+from fxtools.codegen.export import GUARDS_MARKER
+from fxtools.errors import FxtoolsError
+
+TOL = dict(atol=1e-10, rtol=1e-10)
+cond_op, scan_op = torch.ops.higher_order.cond, torch.ops.higher_order.scan
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def _autograd(f, args, argnums):
+    args = [a.clone().requires_grad_(i in argnums) for i, a in enumerate(args)]
+    return torch.autograd.grad(f(*args), [args[i] for i in argnums])
+
+
+def _ops(gm, op) -> int:
+    """How many times ``op`` is called in ``gm``'s graph and in its subgraphs."""
+    count = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is op)
+    return count + sum(_ops(m, op) for m in gm.children() if isinstance(m, torch.fx.GraphModule))
+
+
+def _lines(gm) -> int:
+    return len(gm.code.splitlines()) + sum(_lines(m) for m in gm.children() if isinstance(m, torch.fx.GraphModule))
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.cond
+# ---------------------------------------------------------------------------------------------
+
+
+def _branchy(x, w):
+    def true_fn(x, w):
+        return torch.sin(x) @ w
+
+    def false_fn(x, w):
+        return torch.cos(x) * w.sum(0)
+
+    return torch.cond(x.sum() > 0, true_fn, false_fn, (x, w)).tanh().sum()
+
+
+def test_cond_grad_both_branches_one_module():
+    x, w = torch.randn(3, 3), torch.randn(3, 3)
+    gm = fxtools.grad(_branchy, x, w, argnums=(0, 1))
+    assert _ops(gm, cond_op) == 2  # the forward (its value feeds the backward of tanh) and the backward
+    for x in (x.abs(), -x.abs()):  # both predicate values, the same module
+        got = gm(x, w)
+        want = _autograd(_branchy, (x, w), (0, 1))
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, **TOL)
+
+
+def test_cond_backward_is_a_cond_over_readable_branch_backwards():
+    gm = fxtools.grad(lambda x: torch.cond(x.sum() > 0, torch.sin, torch.cos, (x,)).sum(), torch.randn(4))
+    conds = [n for n in gm.graph.nodes if n.target is cond_op]
+    assert len(conds) == 1  # the forward's value is not needed: only the backward cond remains
+    true_bwd, false_bwd = (getattr(gm, a.target) for a in conds[0].args[1:3])
+    assert "torch.cos(x)" in true_bwd.code and "torch.sin(x)" in false_bwd.code
+    assert "torch.ops.aten" not in true_bwd.code + false_bwd.code
+
+
+def test_cond_vjp_value_and_int_outputs():
+    def f(x):
+        a, n = torch.cond(x.sum() > 0, lambda x: (x.sin(), (x > 0).sum()), lambda x: (x.cos(), (x < 0).sum()), (x,))
+        return a * n
+
+    x = torch.randn(5)
+    gm = fxtools.vjp(f, x)
+    ct = torch.randn(5)
+    for x in (x.abs(), -x.abs()):
+        out, (g,) = gm(x, ct)
+        torch.testing.assert_close(out, f(x), **TOL)
+        # PyTorch's own cond backward refuses an integer output: the branch taken is the oracle
+        xr = x.clone().requires_grad_()
+        ref = xr.sin() * (xr > 0).sum() if x.sum() > 0 else xr.cos() * (xr < 0).sum()
+        torch.testing.assert_close(g, torch.autograd.grad(ref, xr, ct)[0], **TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# scan
+# ---------------------------------------------------------------------------------------------
+
+
+def _seed004_fn(a, w):
+    """Seed 004's function: a few layers."""
+    a = torch.sin(a)
+    a = a @ w
+    a = torch.cos(a)
+    a = a @ w
+    a = torch.sigmoid(a)
+    return a
+
+
+def _scanned(a0, xs, w):
+    def step(a, x):
+        a = _seed004_fn(a + x, w)
+        return a, a.sum()
+
+    last, ys = scan(step, a0, xs)
+    return last.sum() + (ys**2).sum()
+
+
+def _unrolled(a0, xs, w):
+    a, total = a0, 0
+    for x in xs:
+        a = _seed004_fn(a + x, w)
+        total = total + a.sum() ** 2
+    return a.sum() + total
+
+
+def _scan_args(steps):
+    torch.manual_seed(0)
+    return torch.randn(4, 4), torch.randn(steps, 4, 4) * 0.1, torch.randn(4, 4)
+
+
+def test_scan_seed004_100_steps_equals_unrolled_autograd():
+    args = _scan_args(100)
+    gm = fxtools.grad(_scanned, *args, argnums=(0, 1, 2))
+    for g, r in zip(gm(*args), _autograd(_unrolled, args, (0, 1, 2))):
+        torch.testing.assert_close(g, r, **TOL)
+    # the forward scan, and one reverse scan of the step's VJP
+    assert _ops(gm, scan_op) == 2
+
+
+def test_scan_code_does_not_grow_with_steps():
+    short = fxtools.grad(_scanned, *_scan_args(10), argnums=(0, 1, 2))
+    long = fxtools.grad(_scanned, *_scan_args(100), argnums=(0, 1, 2))
+    assert _lines(short) == _lines(long)
+    assert "for " not in long.code
+
+
+def test_scan_split_reports_what_is_saved_per_step():
+    args = _scan_args(12)
+    s = fxtools.split(_scanned, *args)
+    text = s.report(file=io.StringIO())
+    assert "per step: float64[4, 4]" in text and "12 steps" in text
+    per_step = [v for v in s.saved if v.note]
+    assert len(per_step) == 1 and per_step[0].shape == (12, 4, 4)
+    out, saved = s.forward(*args)
+    torch.testing.assert_close(out, _scanned(*args), **TOL)
+    grads = s.backward(*saved, torch.ones(()))
+    for g, r in zip(grads, _autograd(_unrolled, args, (0, 1, 2))):
+        torch.testing.assert_close(g, r, **TOL)
+
+
+def test_cond_inside_scan_step():
+    def f(h0, xs, w):
+        def step(h, x):
+            h2 = torch.cond(x.sum() > 0, lambda h, x: torch.tanh(h @ w + x), lambda h, x: torch.sin(h) * x, (h, x))
+            return h2, h2.sum()
+
+        h, ys = scan(step, h0, xs)
+        return h.sum() + (ys**2).sum()
+
+    def unrolled(h0, xs, w):
+        h, total = h0, 0
+        for x in xs:
+            h = torch.tanh(h @ w + x) if x.sum() > 0 else torch.sin(h) * x
+            total = total + h.sum() ** 2
+        return h.sum() + total
+
+    torch.manual_seed(1)
+    args = (torch.randn(3), torch.randn(8, 3), torch.randn(3, 3))
+    gm = fxtools.grad(f, *args, argnums=(0, 1, 2))
+    for g, r in zip(gm(*args), _autograd(unrolled, args, (0, 1, 2))):
+        torch.testing.assert_close(g, r, **TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# while_loop
+# ---------------------------------------------------------------------------------------------
+
+
+def test_while_loop_without_gradient_runs():
+    def f(x):
+        n, y = while_loop(lambda n, y: y.sum() < 10, lambda n, y: (n + 1, y * 2), (torch.tensor(0), x.detach().abs() + 0.1))
+        return (x * n).sum() + y.sum()
+
+    x = torch.randn(3)
+    gm = fxtools.grad(f, x)
+    torch.testing.assert_close(gm(x), _autograd(f, (x,), (0,))[0], **TOL)
+
+
+def test_while_loop_with_gradient_refused_naming_the_line():
+    def f(x, w):
+        n, y = while_loop(lambda n, y: n < 5, lambda n, y: (n + 1, torch.tanh(y @ w)), (torch.tensor(0), x))
+        return y.sum()
+
+    with pytest.raises(FxtoolsError, match=r"while_loop at .*test_control_flow.py:\d+: n, y = while_loop"):
+        fxtools.grad(f, torch.randn(3), torch.randn(3, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# compile and save
+# ---------------------------------------------------------------------------------------------
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h0, xs):
+        def step(h, x):
+            h = torch.tanh(self.lin(x) + h @ self.w)
+            return h, h.sum(-1)
+
+        h, ys = scan(step, h0, xs)
+        pick = torch.cond(xs.sum() > 0, lambda h: (h**2).sum(), lambda h: h.sin().sum(), (h,))
+        return pick + ys.sum()
+
+
+def test_compile_trains_a_module_with_scan_and_cond():
+    torch.manual_seed(0)
+    model, eager = _Recurrent(), _Recurrent()
+    eager.load_state_dict(model.state_dict())
+    h0, xs = torch.randn(3, 4), torch.randn(6, 3, 4)
+    compiled = fxtools.compile(model, h0, xs)
+    opt, opt_eager = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
+    for step in range(4):
+        h0, xs = torch.randn(3, 4), torch.randn(6, 3, 4).abs() * (1 if step % 2 else -1)  # both branches
+        losses = []
+        for o, run in ((opt, compiled), (opt_eager, eager)):
+            o.zero_grad()
+            loss = run(h0, xs)
+            loss.backward()
+            o.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], **TOL)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+def test_saved_module_keeps_control_flow_as_functions(tmp_path):
+    x, w = torch.randn(3, 3), torch.randn(3, 3)
+    gm = fxtools.grad(_branchy, x, w)
+    path = tmp_path / "g.py"
+    text = fxtools.save(gm, str(path))
+    assert "fxtools" not in text.split('"""')[2]  # imports only torch
+    functions = re.findall(r"^def (\w+)\(", text.split(GUARDS_MARKER)[0], flags=re.M)
+    assert len(functions) == 5 and functions[-1] == "forward"  # and the forward's and the backward's branches
+    spec = importlib.util.spec_from_file_location("g_saved", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for x in (x.abs(), -x.abs()):
+        torch.testing.assert_close(module.forward(x, w), _autograd(_branchy, (x, w), (0,))[0], **TOL)
+
+
+def test_save_title(tmp_path):
+    text = fxtools.save(fxtools.grad(lambda x: x.sin().sum(), torch.randn(3)), str(tmp_path / "g.py"), name="Sine")
+    assert text.startswith('"""Sine.')
+
+
+def test_subgraph_placeholders_named_after_operands():
+    gm = fxtools.grad(_branchy, torch.randn(3, 3), torch.randn(3, 3))
+    node = next(n for n in gm.graph.nodes if n.target is cond_op and n.users)
+    sub = getattr(gm, node.args[1].target)
+    names = [n.name for n in sub.graph.nodes if n.op == "placeholder"]
+    assert names[:2] == ["x", "w"]
+    assert operator.contains(sub.code, "def forward(self, x, w")
