@@ -64,10 +64,10 @@ def _branchy(x, w):
 
 
 def test_cond_grad_both_branches_one_module():
-    x, w = torch.randn(3, 3), torch.randn(3, 3)
-    gm = fxtools.grad(_branchy, x, w, argnums=(0, 1))
+    x0, w = torch.randn(3, 3), torch.randn(3, 3)
+    gm = fxtools.grad(_branchy, x0, w, argnums=(0, 1))
     assert _ops(gm, cond_op) == 2  # the forward (its value feeds the backward of tanh) and the backward
-    for x in (x.abs(), -x.abs()):  # both predicate values, the same module
+    for x in (x0.abs(), -x0.abs()):  # both predicate values, the same module
         got = gm(x, w)
         want = _autograd(_branchy, (x, w), (0, 1))
         for g, r in zip(got, want):
@@ -88,10 +88,10 @@ def test_cond_vjp_value_and_int_outputs():
         a, n = torch.cond(x.sum() > 0, lambda x: (x.sin(), (x > 0).sum()), lambda x: (x.cos(), (x < 0).sum()), (x,))
         return a * n
 
-    x = torch.randn(5)
-    gm = fxtools.vjp(f, x)
+    x0 = torch.randn(5)
+    gm = fxtools.vjp(f, x0)
     ct = torch.randn(5)
-    for x in (x.abs(), -x.abs()):
+    for x in (x0.abs(), -x0.abs()):
         out, (g,) = gm(x, ct)
         torch.testing.assert_close(out, f(x), **TOL)
         # PyTorch's own cond backward refuses an integer output: the branch taken is the oracle
@@ -257,8 +257,8 @@ def test_compile_trains_a_module_with_scan_and_cond():
 
 
 def test_saved_module_keeps_control_flow_as_functions(tmp_path):
-    x, w = torch.randn(3, 3), torch.randn(3, 3)
-    gm = fxtools.grad(_branchy, x, w)
+    x0, w = torch.randn(3, 3), torch.randn(3, 3)
+    gm = fxtools.grad(_branchy, x0, w)
     path = tmp_path / "g.py"
     text = fxtools.save(gm, str(path))
     assert "fxtools" not in text.split('"""')[2]  # imports only torch
@@ -267,7 +267,7 @@ def test_saved_module_keeps_control_flow_as_functions(tmp_path):
     spec = importlib.util.spec_from_file_location("g_saved", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for x in (x.abs(), -x.abs()):
+    for x in (x0.abs(), -x0.abs()):
         torch.testing.assert_close(module.forward(x, w), _autograd(_branchy, (x, w), (0,))[0], **TOL)
 
 

@@ -66,7 +66,7 @@ def prepare(gm: fx.GraphModule, node: fx.Node | None = None) -> None:
 
 
 def _subgraphs(gm, node) -> list[fx.GraphModule]:
-    return [getattr(gm, a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    return [getattr(gm, str(a.target)) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
 
 
 def _prepare_graph(sub: fx.GraphModule, node: fx.Node) -> None:
