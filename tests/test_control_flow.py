@@ -283,3 +283,51 @@ def test_subgraph_placeholders_named_after_operands():
     names = [n.name for n in sub.graph.nodes if n.op == "placeholder"]
     assert names[:2] == ["x", "w"]
     assert operator.contains(sub.code, "def forward(self, x, w")
+
+
+# ---------------------------------------------------------------------------------------------
+# forward mode and second order (through the transposed VJP: cond and scan again)
+# ---------------------------------------------------------------------------------------------
+
+
+def _branchy_taken(x, w):
+    """``_branchy`` with the branch chosen in Python (torch.func cannot differentiate torch.cond)."""
+    return (torch.sin(x) @ w if x.sum() > 0 else torch.cos(x) * w.sum(0)).tanh().sum()
+
+
+def _tanh_scan(h0, xs, w):
+    def step(h, x):
+        h = torch.tanh(h @ w + x)
+        return h, h.sum()
+
+    h, ys = scan(step, h0, xs)
+    return h.sum() + (ys**2).sum()
+
+
+def _tanh_unrolled(h0, xs, w):
+    h, total = h0, 0
+    for x in xs:
+        h = torch.tanh(h @ w + x)
+        total = total + h.sum() ** 2
+    return h.sum() + total
+
+
+@pytest.mark.parametrize("case", ["cond", "scan"])
+def test_jvp_and_hvp_through_control_flow(case):
+    torch.manual_seed(2)
+    if case == "cond":
+        x0, w = torch.randn(3, 3), torch.randn(3, 3)
+        f, oracle, points = _branchy, _branchy_taken, [(x0.abs(), w), (-x0.abs(), w)]
+    else:
+        f, oracle, points = _tanh_scan, _tanh_unrolled, [(torch.randn(3), torch.randn(5, 3), torch.randn(3, 3))]
+    nums = tuple(range(len(points[0])))
+    jvp = fxtools.jvp(f, *points[0])
+    hvp = fxtools.hvp(f, *points[0], argnums=nums)
+    for args in points:
+        t = tuple(torch.randn_like(a) for a in args)
+        out, tangent = jvp(*args, *t)
+        want = torch.func.jvp(oracle, args, t)
+        torch.testing.assert_close(out, want[0], **TOL)
+        torch.testing.assert_close(tangent, want[1], **TOL)
+        for g, r in zip(hvp(*args, t), torch.func.jvp(torch.func.grad(oracle, argnums=nums), args, t)[1]):
+            torch.testing.assert_close(g, r, **TOL)
