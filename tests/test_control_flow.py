@@ -205,13 +205,47 @@ def test_while_loop_without_gradient_runs():
     torch.testing.assert_close(gm(x), _autograd(f, (x,), (0,))[0], **TOL)
 
 
-def test_while_loop_with_gradient_refused_naming_the_line():
-    def f(x, w):
-        n, y = while_loop(lambda n, y: n < 5, lambda n, y: (n + 1, torch.tanh(y @ w)), (torch.tensor(0), x))
+def _loop(x, w, k):
+    n, y = while_loop(lambda n, y: n < k, lambda n, y: (n + 1, torch.tanh(y @ w)), (torch.tensor(0), x))
+    return (y**2).sum()
+
+
+def _loop_unrolled(x, w, k):
+    y = x
+    for _ in range(int(k)):
+        y = torch.tanh(y @ w)
+    return (y**2).sum()
+
+
+def test_while_loop_grad_one_module_for_every_number_of_steps():
+    x, w = torch.randn(3), torch.randn(3, 3)
+    gm = fxtools.grad(_loop, x, w, torch.tensor(4), argnums=(0, 1))
+    assert _ops(gm, torch.ops.higher_order.while_loop) == 1  # the backward is a loop
+    for k in (4, 1, 0, 9):  # no steps: the gradient of the identity
+        k = torch.tensor(k)
+        want = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+        want = torch.autograd.grad(_loop_unrolled(*want, k), want, allow_unused=True, materialize_grads=True)
+        for g, r in zip(gm(x, w, k), want):
+            torch.testing.assert_close(g, r, **TOL)
+
+
+def test_while_loop_split_reports_the_steps():
+    x, w = torch.randn(3), torch.randn(3, 3)
+    s = fxtools.split(_loop, x, w, torch.tensor(4))
+    assert "the carry entering each step of the while_loop" in s.report(file=io.StringIO())
+    out, saved = s.forward(x, w, torch.tensor(6))
+    grads = s.backward(*saved, torch.ones(()))
+    for g, r in zip(grads, _autograd(_loop_unrolled, (x, w, torch.tensor(6)), (0, 1))):
+        torch.testing.assert_close(g, r, **TOL)
+
+
+def test_while_loop_with_a_python_number_carry_refused_naming_the_line():
+    def f(x):
+        n, y = while_loop(lambda n, y: n < 3, lambda n, y: (n + 1, torch.tanh(y * 2)), (0, x))
         return y.sum()
 
-    with pytest.raises(FxtoolsError, match=r"while_loop at .*test_control_flow.py:\d+: n, y = while_loop"):
-        fxtools.grad(f, torch.randn(3), torch.randn(3, 3))
+    with pytest.raises(FxtoolsError, match=r"while_loop \(at .*test_control_flow.py:\d+: n, y = while_loop.*a Python number"):
+        fxtools.grad(f, torch.randn(3))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ backward are again the same control flow, so the generated code keeps it:
   the carry's cotangent and the sum of the constants' cotangents, so the code does not grow with
   the number of steps.
 
-``while_loop`` differentiates nothing here: one whose values carry no gradient just runs; one
-that would needs a rule and is refused naming the user's line (``rule_for``). Its number of
-steps is known only at run time, so its backward cannot be a scan over saved steps.
+- ``while_loop(cond_fn, body_fn, carried, consts)``: as PyTorch differentiates it, the forward
+  loop also counts its steps and stacks the carry entering each step (a size known only at run
+  time); the backward is a ``while_loop`` over the steps in reverse.
 """
 
 from __future__ import annotations
@@ -84,9 +84,10 @@ def _captured(sub: fx.GraphModule, node: fx.Node) -> Captured:
     leaves = [p.meta.get("val") for p in ph]
     for p, v in zip(ph, leaves):
         if not isinstance(v, torch.Tensor):
+            what = "a Python number" if isinstance(v, (int, float, torch.SymInt, torch.SymFloat)) else f"a {type(v).__name__}"
             raise FxtoolsError(
-                f"{node.target.name()} (at {_where(node)}) passes a {type(v).__name__} to its function; "
-                "fxtools differentiates control flow over tensors only: pass it as a 0-dim tensor, or close over it."
+                f"{node.target.name()} (at {_where(node)}) passes {what} to its function; fxtools differentiates "
+                "control flow over tensors only: pass it as a 0-dim tensor (torch.tensor(0)), or close over it."
             )
     out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
     outs = [o.meta.get("val") if isinstance(o, fx.Node) else o for o in out]
@@ -136,7 +137,7 @@ def _vjp_function(sub: fx.GraphModule, node: fx.Node):
     return vjp_fn, cap
 
 
-def _label(tensor, name: str, note: str) -> None:
+def _label(tensor, name: str, note: str | None) -> None:
     """Name the traced node holding ``tensor`` and say what it holds (``Split.report`` prints it)."""
     mode = proxy_tensor.get_innermost_proxy_mode()
     if mode is None:
@@ -146,7 +147,8 @@ def _label(tensor, name: str, note: str) -> None:
     except Exception:  # noqa: BLE001 - not a traced tensor: nothing to label
         return
     node._rename(name)
-    node.meta[NOTE_KEY] = note
+    if note:
+        node.meta[NOTE_KEY] = note
 
 
 def _fill(mask, values):
@@ -249,17 +251,71 @@ def _scan_rule(gm, node) -> Rule:
 
 
 def _while_loop_rule(gm, node) -> Rule:
-    """``while_loop``: runs as it is where no gradient flows through it; refused where one would."""
+    """``while_loop``'s rule, as PyTorch's (``while_loop_stack_output``): the forward loop also
+    counts its steps and stacks the carry entering each step; the backward is a ``while_loop``
+    over the steps in reverse, carrying the carry's cotangent and the sum of the constants'
+    cotangents. (Counting tells no steps from one: both stack one carry.)"""
+    cond_n, body_n, carried_n, _ = node.args
+    cond_gm, body = getattr(gm, cond_n.target), getattr(gm, body_n.target)
+    n_c = len(carried_n)
+    body_vjp, cap = _vjp_function(body, node)
+    carry_v, const_v = cap.leaves[:n_c], cap.leaves[n_c:]
+    fc, fa = [is_float(v) for v in carry_v], [is_float(v) for v in const_v]
+    nfc, nfa = sum(fc), sum(fa)
+    count_v = torch.zeros((), dtype=torch.int64)
 
-    def fwd(*args):
-        raise FxtoolsError(
-            f"fxtools cannot differentiate through the while_loop at {_where(node)}: its number of steps is "
-            "known only when it runs. When the number of steps is known, write the loop as a scan "
-            "(torch._higher_order_ops.scan(step, init, xs)), whose gradient fxtools writes as a reverse "
-            "scan; otherwise keep the loop's values out of the differentiated path (detach them)."
-        )
+    def counting_cond(n, *a):
+        return cond_gm(*a[:n_c], *a[2 * n_c :])
 
-    return Rule(fwd, fwd, source="control flow")
+    def counting_body(n, *a):
+        carry, consts = a[:n_c], a[2 * n_c :]
+        return (n + 1, *_fresh(body(*carry, *consts), a), *(c.clone() for c in carry))
+
+    count_vals = [count_v, *carry_v, *carry_v, *const_v]
+    count_cond, count_body = _trace(counting_cond, count_vals), _trace(counting_body, count_vals)
+
+    def back_cond(i, *a):
+        return i < a[nfc + nfa]
+
+    def back_body(i, *a):
+        ct_carry, acc, n = a[:nfc], a[nfc : nfc + nfa], a[nfc + nfa]
+        steps, consts = a[nfc + nfa + 1 : nfc + nfa + 1 + n_c], a[nfc + nfa + 1 + n_c :]
+        t = (n - 1 - i).reshape(1)
+        carry = [torch.index_select(s, 0, t).squeeze(0) for s in steps]
+        grads = body_vjp(*carry, *consts, *ct_carry)
+        return (i + 1, *_fresh((*grads[:nfc], *(s + g for s, g in zip(acc, grads[nfc:]))), a))
+
+    steps_v = [torch.empty((2, *v.shape), dtype=v.dtype, device=v.device) for v in carry_v]
+    back_vals = [
+        count_v,
+        *(v for v, f in zip(carry_v, fc) if f),
+        *(v for v, f in zip(const_v, fa) if f),
+        count_v,
+        *steps_v,
+        *const_v,
+    ]
+    back_cond_gm, back_body_gm = _trace(back_cond, back_vals), _trace(back_body, back_vals)
+
+    def fwd(cond_fn, body_fn, carried, consts):
+        n0 = torch.zeros((), dtype=torch.int64, device=carried[0].device)
+        stacked = hop.while_loop_stack_output(count_cond, count_body, (n0, *carried, *map(torch.zeros_like, carried)), consts)
+        torch._check(stacked[0].size(0) >= 1)
+        value = tuple(s[-1] for s in stacked[1 : 1 + n_c])
+        n = stacked[0][-1]
+        _label(n, "n_steps", None)
+        for s in stacked[1 + n_c :]:
+            kind = str(s.dtype).replace("torch.", "") + str(list(s.shape[1:]))
+            _label(s, "carry_steps", f"per step: {kind}, the carry entering each step of the while_loop")
+        return value, (n, stacked[1 + n_c :], consts, value)
+
+    def bwd(aux, ct):
+        n, steps, consts, value = aux
+        zeros = [torch.zeros_like(a) for a, f in zip(consts, fa) if f]
+        step = torch.zeros_like(n)
+        res = hop.while_loop(back_cond_gm, back_body_gm, (step, *_float_cts(ct, value), *zeros), (n, *steps, *consts))
+        return None, None, _fill(fc, res[1 : 1 + nfc]), _fill(fa, res[1 + nfc :])
+
+    return Rule(fwd, bwd, source="control flow")
 
 
 _RULE_MAKERS = {hop.cond: _cond_rule, hop.scan: _scan_rule, hop.while_loop: _while_loop_rule}
