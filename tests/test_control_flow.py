@@ -290,6 +290,30 @@ def test_compile_trains_a_module_with_scan_and_cond():
         torch.testing.assert_close(p, q, **TOL)
 
 
+class _Looping(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3) * 0.5)
+
+    def forward(self, x, k):
+        n, y = while_loop(lambda n, y: n < k, lambda n, y: (n + 1, torch.tanh(y @ self.w)), (torch.tensor(0), x))
+        return (y**2).sum()
+
+
+def test_compile_trains_a_module_with_while_loop():
+    # The oracle is the unrolled loop: torch 2.13's own while_loop backward differs from it here
+    # (closed-over parameter, two or more steps), so eager autograd of this module is not one.
+    torch.manual_seed(0)
+    model = _Looping()
+    x = torch.randn(3)
+    compiled = fxtools.compile(model, x, torch.tensor(2))
+    for k in (2, 5, 1):
+        model.w.grad = None
+        compiled(x, torch.tensor(k)).backward()
+        want = _autograd(_loop_unrolled, (x, model.w.detach(), torch.tensor(k)), (1,))[0]
+        torch.testing.assert_close(model.w.grad, want, **TOL)
+
+
 def test_saved_module_keeps_control_flow_as_functions(tmp_path):
     x0, w = torch.randn(3, 3), torch.randn(3, 3)
     gm = fxtools.grad(_branchy, x0, w)
