@@ -38,6 +38,7 @@ def drop_unused_subgraphs(gm: fx.GraphModule) -> None:
 
 
 _GENERIC = re.compile(r"arg\d+_\d+")
+_FLIP = re.compile(r"flip(_\d+)?")
 
 
 def name_subgraph_inputs(gm: fx.GraphModule) -> None:
@@ -53,6 +54,9 @@ def name_subgraph_inputs(gm: fx.GraphModule) -> None:
         if not fns:
             continue
         values = pytree.tree_leaves(node.args[fns[-1] + 1 :])
+        for v in values:  # a scan's backward reads its inputs reversed: ``xs_reversed``
+            if isinstance(v, fx.Node) and _FLIP.fullmatch(v.name) and isinstance(v.args[0], fx.Node):
+                v._rename(f"{v.args[0].name}_reversed")
         for i in fns:
             sub = getattr(gm, node.args[i].target)
             if not isinstance(sub, fx.GraphModule):
