@@ -167,6 +167,19 @@ def test_scan_split_reports_what_is_saved_per_step():
         torch.testing.assert_close(g, r, **TOL)
 
 
+def test_scan_one_module_for_every_number_of_steps():
+    steps = torch.export.Dim("steps", min=2, max=1000)
+    gm = fxtools.grad(_tanh_scan, *_tanh_args(5), argnums=(0, 1, 2), dynamic_shapes=(None, {0: steps}, None))
+    for n in (5, 17):
+        args = _tanh_args(n)
+        for g, r in zip(gm(*args), _autograd(_tanh_unrolled, args, (0, 1, 2))):
+            torch.testing.assert_close(g, r, **TOL)
+
+
+def _tanh_args(steps):
+    return torch.randn(3), torch.randn(steps, 3), torch.randn(3, 3)
+
+
 def test_cond_inside_scan_step():
     def f(h0, xs, w):
         def step(h, x):
