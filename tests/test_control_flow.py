@@ -81,6 +81,9 @@ def test_cond_backward_is_a_cond_over_readable_branch_backwards():
     true_bwd, false_bwd = (getattr(gm, a.target) for a in conds[0].args[1:3])
     assert "torch.cos(x)" in true_bwd.code and "torch.sin(x)" in false_bwd.code
     assert "torch.ops.aten" not in true_bwd.code + false_bwd.code
+    shown = io.StringIO()
+    fxtools.show(gm, file=shown)  # the branches follow the module's code, with shapes
+    assert f"# self.{conds[0].args[1].target}:" in shown.getvalue() and "torch.cos(x)  # f64[4]" in shown.getvalue()
 
 
 def test_cond_vjp_value_and_int_outputs():
