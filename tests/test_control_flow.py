@@ -79,6 +79,7 @@ def test_cond_backward_is_a_cond_over_readable_branch_backwards():
     conds = [n for n in gm.graph.nodes if n.target is cond_op]
     assert len(conds) == 1  # the forward's value is not needed: only the backward cond remains
     true_bwd, false_bwd = (getattr(gm, a.target) for a in conds[0].args[1:3])
+    assert [a.target for a in conds[0].args[1:3]] == ["true_branch_grad", "false_branch_grad"]
     assert "torch.cos(x)" in true_bwd.code and "torch.sin(x)" in false_bwd.code
     assert "torch.ops.aten" not in true_bwd.code + false_bwd.code
     shown = io.StringIO()

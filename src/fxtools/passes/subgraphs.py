@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["NOTE_KEY", "subgraphs", "drop_unused_subgraphs", "name_subgraph_inputs"]
+__all__ = ["GRAD_KEY", "NOTE_KEY", "subgraphs", "drop_unused_subgraphs", "name_subgraph_inputs"]
 
 NOTE_KEY = "fxtools_note"  # in node.meta: what a value holds, for Split.report (a scan's value at every step)
 
@@ -37,7 +37,15 @@ def drop_unused_subgraphs(gm: fx.GraphModule) -> None:
             delattr(gm, name)
 
 
+GRAD_KEY = "fxtools_grad_of_control_flow"  # in node.meta: a control-flow node computing a backward
 _GENERIC = re.compile(r"arg\d+_\d+")
+_TRACED = re.compile(r"(true|false|scan_combine|while_loop_cond|while_loop_body)_graph_\d+")
+_ROLES = {
+    "cond": ("true_branch", "false_branch"),
+    "scan": ("step",),
+    "while_loop": ("loop_cond", "loop_body"),
+    "while_loop_stack_output": ("loop_cond", "loop_body"),
+}
 _FLIP = re.compile(r"flip(_\d+)?")
 
 
@@ -57,6 +65,7 @@ def name_subgraph_inputs(gm: fx.GraphModule) -> None:
         for v in values:  # a scan's backward reads its inputs reversed: ``xs_reversed``
             if isinstance(v, fx.Node) and _FLIP.fullmatch(v.name) and isinstance(v.args[0], fx.Node):
                 v._rename(f"{v.args[0].name}_reversed")
+        _name_functions(gm, node, fns)
         for i in fns:
             sub = getattr(gm, node.args[i].target)
             if not isinstance(sub, fx.GraphModule):
@@ -68,3 +77,23 @@ def name_subgraph_inputs(gm: fx.GraphModule) -> None:
                 if isinstance(v, fx.Node) and _GENERIC.fullmatch(p.name):
                     p._rename(v.name)
                     p.target = p.name
+
+
+def _name_functions(gm: fx.GraphModule, node: fx.Node, fns: list[int]) -> None:
+    """Name the functions of a control-flow call by their role (``true_branch``, ``step``,
+    ``loop_body``; ``..._grad`` for a backward's) rather than as tracing did (``true_graph_1``)."""
+    roles = _ROLES.get(node.target.name())
+    if roles is None or len(roles) != len(fns):
+        return
+    for i, role in zip(fns, roles):
+        attr = node.args[i]
+        if not _TRACED.fullmatch(str(attr.target)) or len(attr.users) != 1:
+            continue
+        base = f"{role}_grad" if node.meta.get(GRAD_KEY) else role
+        name, k = base, 1
+        while hasattr(gm, name):
+            name, k = f"{base}_{k}", k + 1
+        setattr(gm, name, getattr(gm, str(attr.target)))
+        delattr(gm, str(attr.target))
+        attr.target = name
+        attr._rename(name)

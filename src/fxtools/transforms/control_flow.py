@@ -21,6 +21,8 @@ backward are again the same control flow, so the generated code keeps it:
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.fx.experimental import proxy_tensor
@@ -29,7 +31,7 @@ from torch.utils import _pytree as pytree
 from ..capture.functionalize import functionalize
 from ..capture.trace import Captured, trace_flat
 from ..errors import FxtoolsError, user_line_of
-from ..passes.subgraphs import NOTE_KEY
+from ..passes.subgraphs import GRAD_KEY, NOTE_KEY
 from ..registry import Rule, is_float
 from ..rules.decompose import expand
 from .reverse import ReverseSpec, _example, example_mode, reverse
@@ -151,6 +153,20 @@ def _label(tensor, name: str, note: str | None) -> None:
         node.meta[NOTE_KEY] = note
 
 
+def _mark_grad(results) -> None:
+    """Mark the control-flow node that computed ``results`` as a backward's (its functions are
+    then named ``true_branch_grad``, ``step_grad``, ...)."""
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    if mode is None or not results:
+        return
+    try:
+        node = proxy_tensor.get_proxy_slot(results[0], mode.tracer).proxy.node
+    except Exception:  # noqa: BLE001 - not a traced tensor
+        return
+    if node.target is operator.getitem:
+        node.args[0].meta[GRAD_KEY] = True
+
+
 def _fill(mask, values):
     it = iter(values)
     return [next(it) if m else None for m in mask]
@@ -178,6 +194,7 @@ def _cond_rule(gm, node) -> Rule:
     def bwd(aux, ct):
         pred, operands, out = aux
         grads = hop.cond(pred, true_bwd, false_bwd, (*operands, *_float_cts(ct, out)))
+        _mark_grad(grads)
         return None, None, None, _fill([is_float(o) for o in operands], grads)
 
     return Rule(fwd, bwd, source="control flow")
@@ -244,6 +261,7 @@ def _scan_rule(gm, node) -> Rule:
             )
             steps.append(c)
         res = hop.scan(step_back, [*ct_carry, *zeros], [*steps, *map(flip, xs), *map(flip, ct_y)], consts)
+        _mark_grad(res)
         g_init, g_consts, g_xs = res[:nfc], res[nfc : nfc + nfa], [flip(g) for g in res[nfc + nfa :]]
         return None, _fill(fc, g_init), _fill(fx_, g_xs), _fill(fa, g_consts)
 
@@ -313,6 +331,7 @@ def _while_loop_rule(gm, node) -> Rule:
         zeros = [torch.zeros_like(a) for a, f in zip(consts, fa) if f]
         step = torch.zeros_like(n)
         res = hop.while_loop(back_cond_gm, back_body_gm, (step, *_float_cts(ct, value), *zeros), (n, *steps, *consts))
+        _mark_grad(res)
         return None, None, _fill(fc, res[1 : 1 + nfc]), _fill(fa, res[1 + nfc :])
 
     return Rule(fwd, bwd, source="control flow")
