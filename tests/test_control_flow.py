@@ -256,6 +256,12 @@ def test_while_loop_split_reports_the_steps():
         torch.testing.assert_close(g, r, **TOL)
 
 
+def test_while_loop_second_order_refused_naming_the_line():
+    x, w = torch.randn(3), torch.randn(3, 3)
+    with pytest.raises(FxtoolsError, match=r"gradient of a while_loop again \(at .*test_control_flow.py:\d+: +fxtools.hvp"):
+        fxtools.hvp(lambda x, w: _loop(x, w, torch.tensor(3)), x, w, argnums=(0, 1))
+
+
 def test_while_loop_with_a_python_number_carry_refused_naming_the_line():
     def f(x):
         n, y = while_loop(lambda n, y: n < 3, lambda n, y: (n + 1, torch.tanh(y * 2)), (0, x))

@@ -337,4 +337,22 @@ def _while_loop_rule(gm, node) -> Rule:
     return Rule(fwd, bwd, source="control flow")
 
 
-_RULE_MAKERS = {hop.cond: _cond_rule, hop.scan: _scan_rule, hop.while_loop: _while_loop_rule}
+def _refused_rule(gm, node) -> Rule:
+    """A control-flow op fxtools does not differentiate: runs where no gradient flows through it."""
+
+    def refuse(*args):
+        raise FxtoolsError(
+            f"fxtools cannot differentiate the gradient of a while_loop again (at {_where(node)}): "
+            "hvp, hessian, or jvp of a gradient through a while_loop. When the number of steps is known, "
+            "write the loop as a scan (torch._higher_order_ops.scan), which fxtools differentiates to any order."
+        )
+
+    return Rule(refuse, refuse, source="control flow")
+
+
+_RULE_MAKERS = {
+    hop.cond: _cond_rule,
+    hop.scan: _scan_rule,
+    hop.while_loop: _while_loop_rule,
+    hop.while_loop_stack_output: _refused_rule,
+}
