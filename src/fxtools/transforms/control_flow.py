@@ -1,4 +1,4 @@
-"""Structured control flow: ``torch.cond`` and ``scan`` differentiated as themselves.
+"""Structured control flow: ``torch.cond``, ``scan`` and ``while_loop`` differentiated as themselves.
 
 Capture records each as one higher-order node whose functions are subgraphs (GraphModules held
 as attributes of the captured module, read by ``get_attr`` nodes). ``prepare`` treats every
@@ -12,11 +12,15 @@ backward are again the same control flow, so the generated code keeps it:
 - ``scan(step, init, xs, consts)``: the forward scan also returns each step's input carry,
   stacked (what is saved per step); the backward is a reverse scan of the step's VJP, carrying
   the carry's cotangent and the sum of the constants' cotangents, so the code does not grow with
-  the number of steps.
-
+  the number of steps;
 - ``while_loop(cond_fn, body_fn, carried, consts)``: as PyTorch differentiates it, the forward
   loop also counts its steps and stacks the carry entering each step (a size known only at run
-  time); the backward is a ``while_loop`` over the steps in reverse.
+  time); the backward is a ``while_loop`` over the steps in reverse. That backward is not
+  differentiated again (second order through a while_loop is refused, naming the line).
+
+Forward mode (``jvp``, by transposing the VJP) and second order differentiate the backward's
+``cond`` / ``scan`` in turn. A control-flow op without a rule here (``flex_attention``, say) is
+refused by ``check_supported``; one whose values carry no gradient just runs.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def _where(node) -> str:
 
 
 def prepare(gm: fx.GraphModule, node: fx.Node | None = None) -> None:
-    """Prepare the subgraphs of every ``cond`` / ``scan`` in ``gm`` and give each node its rule.
+    """Prepare the subgraphs of every ``cond`` / ``scan`` / ``while_loop`` in ``gm`` and give each node its rule.
 
     ``node`` is the control-flow node ``gm`` is a subgraph of (its line names errors inside).
     """
