@@ -184,6 +184,26 @@ def _tanh_args(steps):
     return torch.randn(3), torch.randn(steps, 3), torch.randn(3, 3)
 
 
+@pytest.mark.parametrize("policy", ["save_all", "dots_saveable", "recompute_cheap"])
+def test_split_policies_cond_feeding_scan(policy):
+    def f(x, w):
+        y = torch.cond(x.sum() > 0, lambda x, w: torch.sin(x) @ w, lambda x, w: torch.cos(x) * 2, (x, w))
+
+        def step(h, row):
+            h = torch.tanh(h @ w + row)
+            return h, h.sum()
+
+        h, ys = scan(step, y[0], y)
+        return h.sum() + ys.sum()
+
+    x0, w = torch.randn(3, 3), torch.randn(3, 3)
+    s = fxtools.split(f, x0, w, policy=policy)
+    for x in (x0.abs(), -x0.abs()):
+        out, saved = s.forward(x, w)
+        for g, r in zip(s.backward(*saved, torch.ones(())), _autograd(f, (x, w), (0, 1))):
+            torch.testing.assert_close(g, r, **TOL)
+
+
 def test_cond_inside_scan_step():
     def f(h0, xs, w):
         def step(h, x):

@@ -63,7 +63,7 @@ def name_subgraph_inputs(gm: fx.GraphModule) -> None:
             continue
         values = pytree.tree_leaves(node.args[fns[-1] + 1 :])
         for v in values:  # a scan's backward reads its inputs reversed: ``xs_reversed``
-            if isinstance(v, fx.Node) and _FLIP.fullmatch(v.name) and isinstance(v.args[0], fx.Node):
+            if isinstance(v, fx.Node) and v.op == "call_function" and _FLIP.fullmatch(v.name) and isinstance(v.args[0], fx.Node):
                 v._rename(f"{v.args[0].name}_reversed")
         _name_functions(gm, node, fns)
         for i in fns:
