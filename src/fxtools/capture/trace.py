@@ -430,11 +430,19 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
 
 
 def check_supported(gm: fx.GraphModule) -> None:
-    """Reject graph constructs fxtools cannot differentiate yet, naming the user's line."""
+    """Reject graph constructs fxtools cannot differentiate yet, naming the user's line.
+
+    A higher-order op (control flow) is supported once a transform gave it a rule
+    (``node.meta["fxtools_rule"]``, as ``transforms/control_flow.py`` does).
+    """
     from ..errors import user_line_of
 
     for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+        if (
+            node.op == "call_function"
+            and isinstance(node.target, torch._ops.HigherOrderOperator)
+            and "fxtools_rule" not in node.meta
+        ):
             where = user_line_of(node) or "unknown line"
             raise FxtoolsError(f"{node.target.name()} (from {where}) is not supported by fxtools yet")
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "c10d":

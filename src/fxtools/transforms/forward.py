@@ -50,6 +50,7 @@ from ..codegen.show import remember_inputs
 from ..errors import FxtoolsError
 from ..passes.simplify import dce, fake_mode_of, has_generic_name, simplify
 from ..rules.decompose import expand
+from . import control_flow
 from .reverse import ReverseSpec, is_float, reverse
 from .vjp import OUT_EXAMPLE, AuxSplit, _names, argnums_tuple, prepare
 
@@ -62,6 +63,7 @@ def _as_captured(gm: fx.GraphModule) -> Captured:
     """A flat ATen graph (from ``reverse``) as the ``Captured`` that ``reverse`` reads."""
     functionalize(gm)
     expand(gm)
+    control_flow.prepare(gm)  # the VJP's own cond / scan, differentiated again
     return Captured(gm, None, None, [], [], [], [])
 
 
