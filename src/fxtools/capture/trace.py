@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from ..codegen.naming import arg_names, identifier, leaf_names
 from ..dynamic_shapes import CountsFromExamples
-from ..errors import DataDependentError, FxtoolsError, is_user_file, user_frame
+from ..errors import DataDependentError, FxtoolsError, is_data_dependent, is_user_file, user_frame
 from .checkpoint import checkpoint_regions
 from .replacements import Replacing, check_no_writes
 
@@ -178,18 +178,6 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=Tru
         return tracer(*example_leaves)
 
 
-def is_data_dependent(exc: BaseException) -> bool:
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
-
-    # PendingUnbackedSymbolNotFound: a value read with .item() became an offset or size that
-    # make_fx cannot bind (torch.narrow with a tensor start)
-    return isinstance(
-        exc,
-        (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException, PendingUnbackedSymbolNotFound),
-    )
-
-
 def realize_constants(gm: fx.GraphModule) -> fx.GraphModule:
     """Replace FakeTensor attributes (constants made while tracing in fake mode) by their real values.
 
@@ -256,15 +244,18 @@ def _custom_autograd_functions(pre_dispatch=True):
     would otherwise run it under ``no_grad`` and its inputs would get no gradient. A
     ``torch.autograd.Function`` or ``fxtools.custom_vjp`` call becomes one node carrying its own
     backward as its rule (``capture/custom.py``); under ``fxtools.vmap`` (``pre_dispatch=False``) it just
-    runs. Nested ``torch.func`` transforms are refused with the user's line (``capture/nested.py``).
+    runs. Nested ``torch.func`` transforms are traced below functorch and replayed as plain ops
+    (``capture/nested.py``); ``flex_attention`` is traced as its dense math (``capture/flex_attention.py``).
     """
     from .custom import capturing
-    from .nested import no_nested_transforms
+    from .flex_attention import dense_flex_attention
+    from .nested import nested_transforms
 
     with (
         checkpoint_regions(),
         capturing(record=pre_dispatch),
-        no_nested_transforms() if pre_dispatch else contextlib.nullcontext(),
+        nested_transforms() if pre_dispatch else contextlib.nullcontext(),
+        dense_flex_attention() if pre_dispatch else contextlib.nullcontext(),
     ):
         yield
 
