@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError, current_user_line, is_data_dependent, user_frame
 from ..passes.views import collapse_view_chains
+from . import custom
 
 __all__ = ["NestedTransformError", "nested_transforms", "out_of_place_views", "run_below_functorch"]
 
@@ -134,7 +135,7 @@ def run_below_functorch(transform: str, fn, args: tuple):
 
     sub = _sub_tracer(parent)
     try:
-        with _tracing_below(), _outside_pre_dispatch(), sub._init_modes_from_parent(parent):
+        with _tracing_below(), custom.transform(custom.NESTED), _outside_pre_dispatch(), sub._init_modes_from_parent(parent):
             sub.fx_tracer.record_stack_traces = parent.fx_tracer.record_stack_traces
             inner = sub._trace_inner(flat_fn, *[x for x, t in zip(flat, is_tensor) if t])
     except FxtoolsError:
