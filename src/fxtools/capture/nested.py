@@ -60,18 +60,14 @@ def _tracing_below():
         _state.below -= 1
 
 
-def _refuse(transform: str):
-    @contextlib.contextmanager
-    def enter(*args, **kwargs):
-        raise NestedTransformError(
-            f"a torch.func {transform} transform (at {current_user_line()}) is nested inside the function fxtools "
-            "is differentiating, reached by a path fxtools cannot trace (it supports torch.func.vmap, grad, "
-            "grad_and_value, vjp, jvp, jacrev, jacfwd and hessian there). Write the computation with those, "
-            "or compose fxtools' own transforms instead, e.g. fxtools.vmap(fxtools.grad(f, ...), ...) or fxtools.hvp."
-        )
-        yield  # pragma: no cover
-
-    return enter
+def _refusal(transform: str) -> NestedTransformError:
+    return NestedTransformError(
+        f"a torch.func {transform} transform (at {current_user_line()}) is nested inside the function fxtools "
+        "is differentiating, reached by a path fxtools cannot trace (it supports torch.func.vmap, grad, "
+        "grad_and_value, vjp, jvp, jacrev, jacfwd and hessian there). Write the computation with those, "
+        "or compose fxtools' own transforms instead, e.g. fxtools.vmap(fxtools.grad(f, ...), ...), fxtools.jvp "
+        "or fxtools.hvp."
+    )
 
 
 @contextlib.contextmanager
@@ -259,6 +255,7 @@ def nested_transforms():
     import torch._functorch.apis as apis
     import torch._functorch.eager_transforms as eager
     import torch._functorch.vmap as vmap
+    import torch.autograd.forward_ad as forward_ad
 
     wrappers = [
         (apis, "vmap_impl", _vmap_impl),
@@ -270,6 +267,9 @@ def nested_transforms():
         (vmap, "vmap_increment_nesting", "vmap"),
         (eager, "grad_increment_nesting", "grad/vjp"),
         (eager, "jvp_increment_nesting", "jvp"),
+        # forward-mode AD levels: torch.func.linearize (whose own make_fx would trace a wrong
+        # graph) and torch.autograd.forward_ad used directly
+        (forward_ad, "enter_dual_level", "linearize/forward-mode AD"),
     ]
     saved = [(module, name, getattr(module, name)) for module, name, _ in [*wrappers, *levels]]
     for module, name, wrap in wrappers:
@@ -284,9 +284,9 @@ def nested_transforms():
 
 
 def _guarded_level(original, transform: str):
-    refuse = _refuse(transform)
-
     def enter(*args, **kwargs):
-        return original(*args, **kwargs) if _below() else refuse(*args, **kwargs)
+        if not _below():
+            raise _refusal(transform)
+        return original(*args, **kwargs)
 
     return enter
