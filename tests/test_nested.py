@@ -305,6 +305,8 @@ def test_flex_attention_alibi_score_mod_with_a_captured_tensor():
         return attention(q, k, v, bias=slopes[:, None, None] * distances()).pow(2).sum()
 
     check_flex(f, ref, qkv(), (0, 1, 2))
+    code = fxtools.grad(f, *qkv()).code
+    assert "_tensor_constant" not in code  # the captured tensor is named after the user's variable
 
 
 def test_flex_attention_gradient_of_a_learned_bias():

@@ -17,6 +17,7 @@ in-place updates of buffers (BatchNorm's running statistics) happen exactly as i
 from __future__ import annotations
 
 import contextlib
+import inspect
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +57,8 @@ class Captured:
 def _module_tensor_names(f) -> dict[int, str]:
     """id(tensor) -> identifier for the tensors ``f`` reads without taking them as arguments:
     the parameters and buffers of the module behind ``f``, and the tensors (or modules' tensors)
-    its code names as closure variables or globals (``w`` in ``lambda x: x @ w``)."""
+    its code names as closure variables or globals (``w`` in ``lambda x: x @ w``), also in the
+    functions it defines or calls by name (a ``score_mod`` reading a global ``bias``)."""
     names: dict[int, str] = {}
 
     def add_module(module, prefix=""):
@@ -66,15 +68,31 @@ def _module_tensor_names(f) -> dict[int, str]:
     module = f if isinstance(f, torch.nn.Module) else getattr(f, "__fxtools_module__", None)
     if module is not None:
         add_module(module)
-    code = getattr(f, "__code__", None)
-    if code is not None:
-        cells = dict(zip(code.co_freevars, (c.cell_contents for c in f.__closure__ or () if _has_contents(c))))
-        seen = {**{n: f.__globals__[n] for n in code.co_names if n in getattr(f, "__globals__", {})}, **cells}
+    seen_code: set[int] = set()
+
+    def add_code(code, globals_, cells, depth):
+        if id(code) in seen_code or depth > 2:
+            return
+        seen_code.add(id(code))
+        seen = {**{n: globals_[n] for n in code.co_names if n in globals_}, **cells}
         for name, value in seen.items():
             if isinstance(value, torch.Tensor):
                 names.setdefault(id(value), identifier(name))
             elif isinstance(value, torch.nn.Module):
                 add_module(value, name + ".")
+            elif inspect.isfunction(value):
+                add_function(value, depth + 1)
+        for const in code.co_consts:  # functions defined inside (lambdas), reading the same globals
+            if inspect.iscode(const):
+                add_code(const, globals_, {}, depth + 1)
+
+    def add_function(fn, depth):
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or () if _has_contents(c))))
+            add_code(code, getattr(fn, "__globals__", {}), cells, depth)
+
+    add_function(f, 0)
     return names
 
 
