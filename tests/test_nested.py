@@ -161,6 +161,40 @@ def test_grad_inside_through_jvp_and_split():
     close(split.backward(*saved, torch.ones(())), torch.func.grad(inner_jacrev, argnums=(0, 1))(x, w))
 
 
+class RowWise(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 4)
+        self.out = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(vmap(lambda r: torch.tanh(self.fc(r)))(x)).sum()
+
+
+def test_vmap_over_a_module_inside_its_forward():
+    """Parameters the vmapped function reads through the module get their gradients."""
+    torch.manual_seed(0)
+    model, x = RowWise(), torch.randn(5, 3)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    got = fxtools.grad(fxtools.functional(model), params, x)(params, x)
+    close(got, torch.func.grad(lambda p, x: torch.func.functional_call(model, p, (x,)))(params, x))
+
+
+def test_ensemble_of_stacked_parameters_is_one_batched_product():
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(3, 2) for _ in range(4)]
+    stacked, _ = torch.func.stack_module_state(models)
+    stacked = {k: v.detach() for k, v in stacked.items()}
+    x = torch.randn(5, 3)
+
+    def ensemble(params, x):
+        return vmap(lambda p: torch.func.functional_call(models[0], p, (x,)))(params).pow(2).sum()
+
+    gm = fxtools.grad(ensemble, stacked, x)
+    close(gm(stacked, x), torch.func.grad(ensemble)(stacked, x))
+    assert gm.code.count("bmm(") + gm.code.count(" @ ") == 2  # forward and weight gradient, no loop
+
+
 def test_no_functorch_state_leaks():
     """Capturing leaves no functorch level behind (a leaked vmap level breaks later random ops)."""
     x, w = examples()
