@@ -107,6 +107,25 @@ def test_vmap_inside_through_compile():
     close((xg.grad, wg.grad), torch.func.grad(per_row, argnums=(0, 1))(x, w))
 
 
+def transforms_everywhere(x, w):
+    y = vmap(lambda r: (r @ w).sin())(x * 2).sum()
+    g = torch.func.grad(lambda w: (x @ w).tanh().sum())(w)
+    j = torch.func.jvp(lambda w: (x @ w).tanh().sum(), (w,), (torch.ones_like(w),))[1]
+    return y + g.pow(2).sum() + j + nested_twice(x, w)
+
+
+def test_transforms_inside_through_the_torch_compile_backend():
+    """Dynamo writes each transform out as functorch's bookkeeping; fxtools traces it below functorch."""
+    x, w = examples()
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch._dynamo.reset()
+    loss = torch.compile(transforms_everywhere, backend=fxtools.backend())(xg, wg)
+    loss.backward()
+    close(loss, transforms_everywhere(x, w))
+    close((xg.grad, wg.grad), torch.func.grad(transforms_everywhere, argnums=(0, 1))(x, w))
+    assert torch._C._functorch.maybe_current_level() is None
+
+
 def inner_grad(x, w):
     return torch.func.grad(lambda w: (x @ w).tanh().sum())(w).pow(2).sum()
 

@@ -36,7 +36,7 @@ from ..errors import FxtoolsError, current_user_line, is_data_dependent, user_fr
 from ..passes.views import collapse_view_chains
 from . import custom
 
-__all__ = ["NestedTransformError", "nested_transforms", "out_of_place_views", "run_below_functorch"]
+__all__ = ["NestedTransformError", "functorch_regions", "nested_transforms", "out_of_place_views", "run_below_functorch"]
 
 
 class NestedTransformError(FxtoolsError):
@@ -110,13 +110,13 @@ def _sub_tracer(parent):
     )
 
 
-def run_below_functorch(transform: str, fn, args: tuple):
+def run_below_functorch(transform: str, fn, args: tuple, where: str | None = None):
     """``fn(*args)`` (which calls a torch.func transform), traced below functorch and replayed in
     the running trace as plain ATen ops; called directly when already below functorch."""
     parent = proxy_tensor._CURRENT_MAKE_FX_TRACER
     if _below() or parent is None or not parent.pre_dispatch:
         return fn(*args)
-    where = current_user_line()
+    where = where or current_user_line()
     flat, in_spec = pytree.tree_flatten(args)
     is_tensor = [isinstance(x, torch.Tensor) for x in flat]
     out_info = {}
@@ -290,3 +290,94 @@ def _guarded_level(original, transform: str):
         return original(*args, **kwargs)
 
     return enter
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamo's graphs (the torch.compile backend)
+
+_ENTER = {
+    "_vmap_increment_nesting": "vmap",
+    "_grad_increment_nesting": "grad",
+    "_jvp_increment_nesting": "jvp",
+    "_enter_dual_level": "jvp",
+    "_saved_tensors_hooks_disable": "grad",
+}
+_EXIT = {"_vmap_decrement_nesting", "_grad_decrement_nesting", "_jvp_decrement_nesting", "_exit_dual_level"}
+_EXIT_ALSO = {"_saved_tensors_hooks_enable"}
+
+
+def _functorch_name(node: fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    name = getattr(node.target, "__name__", None)
+    return name if name in _ENTER or name in _EXIT or name in _EXIT_ALSO or name == "lazy_load_decompositions" else None
+
+
+def functorch_regions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Each torch.func transform in a Dynamo graph as one call traced by ``run_below_functorch``.
+
+    Dynamo spells a transform out as functorch's own bookkeeping around the user's ops
+    (``_vmap_increment_nesting``, ``_add_batch_dim``, the ops, ``_remove_batch_dim``,
+    ``_vmap_decrement_nesting``), which means nothing above functorch. Every outermost such
+    region becomes a submodule run by ``run_functorch_region``: below functorch while fxtools
+    captures (batched ops, the backward's ops), as it is otherwise.
+    """
+    nodes = list(gm.graph.nodes)
+    regions, depth, start = [], 0, 0
+    for i, node in enumerate(nodes):
+        name = _functorch_name(node)
+        if name in _ENTER:
+            if depth == 0:
+                start = i
+                while start > 0 and _functorch_name(nodes[start - 1]) == "lazy_load_decompositions":
+                    start -= 1
+            depth += 1
+        elif name in _EXIT or (name in _EXIT_ALSO and depth > 0):
+            depth -= 1
+            if depth == 0:
+                end = i + 1
+                while end < len(nodes) and _functorch_name(nodes[end]) in _EXIT_ALSO:
+                    end += 1
+                regions.append(nodes[start:end])
+    for k, region in enumerate(regions):
+        _outline(gm, region, f"functorch_region_{k}")
+    if regions:
+        gm.recompile()
+    return gm
+
+
+def _outline(gm: fx.GraphModule, region: list[fx.Node], name: str) -> None:
+    from ..errors import user_line_of
+
+    inside = set(region)
+    inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
+    outputs = [n for n in region if any(u not in inside for u in n.users)]
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = graph.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in region:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(tuple(env[o] for o in outputs))
+    gm.add_submodule(name, fx.GraphModule(gm, graph))
+    kind = next(_ENTER[_functorch_name(n) or ""] for n in region if _functorch_name(n) in _ENTER)
+    where = next((w for w in map(user_line_of, region) if w), None)
+    with gm.graph.inserting_after(region[-1]):
+        body = gm.graph.get_attr(name)
+    with gm.graph.inserting_after(body):
+        call = gm.graph.call_function(run_functorch_region, (kind, where, body, *inputs))
+    call.meta["stack_trace"] = next((n.meta["stack_trace"] for n in region if n.meta.get("stack_trace")), None)
+    last = call
+    for i, o in enumerate(outputs):
+        with gm.graph.inserting_after(last):
+            last = gm.graph.call_function(operator.getitem, (call, i))
+        last.meta = dict(o.meta)
+        o.replace_all_uses_with(last)
+    for n in reversed(region):
+        gm.graph.erase_node(n)
+
+
+def run_functorch_region(kind: str, where: str | None, body: fx.GraphModule, *inputs):
+    """A region of functorch calls from a Dynamo graph (``functorch_regions``)."""
+    return run_below_functorch(kind, body, inputs, where)
