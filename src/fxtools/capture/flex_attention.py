@@ -62,17 +62,23 @@ def _dense(
 
 @contextlib.contextmanager
 def dense_flex_attention():
-    """While active, ``flex_attention`` calls run (and are traced as) their dense math."""
+    """While active, flex_attention ops run (and are traced as) their dense math: calls through
+    ``torch.nn.attention.flex_attention`` and the op itself (in Dynamo's graphs)."""
     try:
         import torch.nn.attention.flex_attention as api
+        from torch._higher_order_ops.flex_attention import FlexAttentionHOP
     except ImportError:  # pragma: no cover - a PyTorch without flex_attention
         yield
         return
-    saved = api.flex_attention_hop, api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+
+    def call(self, *args, **kwargs):
+        return _dense(*args, **kwargs)
+
+    saved = FlexAttentionHOP.__dict__["__call__"], api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
     # the debug flag makes the eager path call the op directly instead of torch.compile-ing it;
     # its results are then in base 2 (as the reference's are)
-    api.flex_attention_hop, api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = _dense, True
+    FlexAttentionHOP.__call__, api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = call, True
     try:
         yield
     finally:
-        api.flex_attention_hop, api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = saved
+        FlexAttentionHOP.__call__, api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = saved
