@@ -17,8 +17,13 @@ Caught at the points every public spelling goes through: ``vmap_impl`` (``torch.
 ``grad_and_value_impl`` (``grad``, ``grad_and_value``), ``_vjp_with_argnums`` (``vjp``,
 ``jacrev``) and ``_jvp_with_argnums`` (``jvp``). A functorch level entered any other way (say
 ``torch.func.linearize``) raises ``NestedTransformError`` naming the user's line, as does a
-transform whose inner trace fails (with functorch's reason). ``fxtools.vmap`` traces below
-functorch already and does not use this module.
+transform whose inner trace fails (with functorch's reason). A function with its own backward
+(``torch.autograd.Function``, ``fxtools.custom_vjp``) called inside such a transform is refused
+(``capture/custom.py``): the transform's ops would carry the forward's derivative, not its backward.
+
+Dynamo's graphs (the ``torch.compile`` backend) spell a transform out as functorch's level
+bookkeeping around the user's ops; ``functorch_regions`` makes each such region one call traced
+the same way. ``fxtools.vmap`` traces below functorch already and only shares ``out_of_place_views``.
 """
 
 from __future__ import annotations
