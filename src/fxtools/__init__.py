@@ -8,7 +8,7 @@ Every transform takes a function (or ``nn.Module``) and example arguments and re
     fxtools.show(gm)                # the code, with shapes
 """
 
-from .capture.custom import CustomFunctionError, custom_vjp
+from .capture.custom import CustomFunctionError, custom_jvp, custom_vjp
 from .capture.oplog import log
 from .codegen.draw import draw
 from .codegen.export import save
@@ -25,6 +25,7 @@ from .transforms.batching import vmap
 from .transforms.check import VjpMismatch, check_vjp, check_vjp_fd
 from .transforms.forward import jvp
 from .transforms.higher import hessian, hvp
+from .transforms.jacobians import jacfwd, jacrev, linearize
 from .transforms.vjp import grad, value_and_grad, vjp
 
 __all__ = [
@@ -36,6 +37,9 @@ __all__ = [
     "hvp",
     "hessian",
     "vmap",
+    "jacrev",
+    "jacfwd",
+    "linearize",
     "log",
     "show",
     "save",
@@ -46,6 +50,7 @@ __all__ = [
     "mark_nondifferentiable",
     "rule_set",
     "custom_vjp",
+    "custom_jvp",
     "split",
     "Split",
     "compile",

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import FxtoolsError, current_user_line
 from ..registry import Rule
 
-__all__ = ["custom_vjp", "CustomCall", "CustomFunctionError", "capturing", "transform"]
+__all__ = ["custom_vjp", "custom_jvp", "CustomCall", "CustomFunctionError", "capturing", "transform"]
 
 
 class CustomFunctionError(FxtoolsError):
@@ -137,6 +137,71 @@ class _VjpKind(_Kind):
     def bwd(self, state, out, cts):
         _, spec = pytree.tree_flatten(out)
         return self.fn.bwd(state, pytree.tree_unflatten(list(cts), spec))
+
+
+class _JvpKind(_Kind):
+    """A ``custom_jvp`` function: its VJP is the transpose of the user's (linear) tangent map.
+
+    The forward is the function itself; the backward differentiates ``t -> jvp(primals, t)[1]``,
+    which is linear in ``t``, at ``t = 0`` with the cotangent as seed: that is the tangent map's
+    transpose, as JAX derives reverse mode from a ``custom_jvp``. Traced, its torch calls become
+    the generated backward; ``fxtools.jvp``, which transposes the backward again, gets the
+    user's tangent map back.
+    """
+
+    def __init__(self, fn: custom_jvp, where: str):
+        self.fn, self.name, self.where = fn, fn.__name__, where
+
+    def primal(self, *args, **kwargs):
+        return self.fn.fun(*args, **kwargs)
+
+    def fwd(self, *args, **kwargs):
+        if kwargs:
+            raise CustomFunctionError(
+                f"custom_jvp function {self.name} (at {self.where}) was called with keyword arguments; "
+                "its jvp rule takes (primals, tangents) tuples of the positional arguments, so pass them positionally"
+            )
+        return self.fn.fun(*args), args
+
+    def bwd(self, state, out, cts):
+        primals = tuple(state)
+        leaves, spec = pytree.tree_flatten(primals)
+        diff = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex())]
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        mode = proxy_tensor.get_proxy_mode()
+        before = set(mode.tracer.graph.nodes) if mode is not None else set()
+        with torch.enable_grad():
+            seeds = {i: torch.zeros_like(leaves[i]).requires_grad_(True) for i in diff}
+            tangents = pytree.tree_unflatten([seeds.get(i) for i in range(len(leaves))], spec)
+            result = self.fn.jvp(primals, tangents)
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise CustomFunctionError(
+                    f"the jvp rule of custom_jvp function {self.name} (at {self.where}) must return "
+                    f"(primal_out, tangent_out), got {type(result).__name__}"
+                )
+            t_leaves, t_spec = pytree.tree_flatten(result[1])
+            if t_spec != out_spec:
+                raise CustomFunctionError(
+                    f"the jvp rule of custom_jvp function {self.name} (at {self.where}) returned a tangent "
+                    "whose structure differs from the function's output"
+                )
+            pairs = [
+                (t, c)
+                for t, c, o in zip(t_leaves, cts, out_leaves)
+                if isinstance(t, torch.Tensor) and t.requires_grad and c is not None and isinstance(o, torch.Tensor)
+            ]
+            inputs = [seeds[i] for i in diff]
+            grads = (
+                torch.autograd.grad([t for t, _ in pairs], inputs, [c for _, c in pairs], allow_unused=True)
+                if pairs and inputs
+                else [None] * len(inputs)
+            )
+        if mode is not None:
+            _drop_grad_mode_switches(mode.tracer.graph, before)  # enable_grad only served the transposition
+        per_leaf: list = [None] * len(leaves)
+        for i, g in zip(diff, grads):
+            per_leaf[i] = g
+        return pytree.tree_unflatten(per_leaf, spec)
 
 
 class _Ctx:
@@ -536,3 +601,41 @@ class custom_vjp:  # noqa: N801 - named like jax.custom_vjp
                 f"custom_vjp function {self.__name__} (at {current_user_line()}) has no rule: call .defvjp(fwd, bwd) first"
             )
         return _record(_VjpKind(self, current_user_line()), args, kwargs)
+
+
+class custom_jvp:  # noqa: N801 - named like jax.custom_jvp
+    """A function with a hand-written JVP, as ``jax.custom_jvp``::
+
+        @fxtools.custom_jvp
+        def softplus(x):
+            return torch.log1p(torch.exp(x))
+        @softplus.defjvp
+        def softplus_jvp(primals, tangents):
+            (x,), (t,) = primals, tangents
+            return softplus(x), t * torch.sigmoid(x)
+
+    ``jvp(primals, tangents)`` gets tuples of the positional arguments and their tangents
+    (``None`` for arguments that are not floating-point tensors) and returns ``(out,
+    tangent_out)``; the tangent must be linear in ``tangents``. ``fxtools.jvp`` uses it, and
+    reverse mode (``vjp``, ``grad``, ``split``, ``hvp``) uses its transpose, derived by
+    fxtools, so one rule serves both modes. Called eagerly (or under ``torch.autograd``) the
+    function just runs; under fxtools the value is the function's own output (JAX takes it from
+    the jvp rule; the two must agree).
+    """
+
+    def __init__(self, fun):
+        functools.update_wrapper(self, fun)
+        self.fun, self.jvp = fun, None
+
+    def defjvp(self, jvp):
+        self.jvp = jvp
+        return jvp
+
+    def __call__(self, *args, **kwargs):
+        if not (_STATE["capturing"] and _STATE["record"]):
+            return self.fun(*args, **kwargs)
+        if self.jvp is None:
+            raise CustomFunctionError(
+                f"custom_jvp function {self.__name__} (at {current_user_line()}) has no rule: call .defjvp(jvp) first"
+            )
+        return _record(_JvpKind(self, current_user_line()), args, kwargs)

@@ -438,3 +438,12 @@ def check_supported(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
             where = user_line_of(node) or "unknown line"
             raise FxtoolsError(f"{node.target.name()} (from {where}) is not supported by fxtools yet")
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "c10d":
+            where = user_line_of(node) or "unknown line"
+            raise FxtoolsError(
+                f"an in-place collective of torch.distributed ({node.target.name()}, at {where}) is in the program "
+                "fxtools differentiates; its effect on the gradients is not defined. For data parallelism, wrap the "
+                "compiled module with DistributedDataParallel or fully_shard (they run around fxtools' graphs); "
+                "inside a program, use the functional collectives (torch.distributed._functional_collectives), "
+                "whose results are values."
+            )

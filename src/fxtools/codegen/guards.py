@@ -122,6 +122,19 @@ class Node:
     children: tuple
 
 
+_NO_COTANGENT = (
+    "A cotangent may be None only for an output that carries no gradient. To differentiate some outputs "
+    "and return others as they are, make the others auxiliary data: fxtools.vjp(f, *args, has_aux=True) "
+    "with f returning (out, aux), then out, grads, aux = gm(*args, grad_out)."
+)
+
+
+def _cotangent_below(spec) -> bool:
+    if isinstance(spec, Leaf):
+        return spec.role is not None and "cotangent" in spec.role
+    return any(_cotangent_below(c) for c in spec.children)
+
+
 _HOW = "Its code is specialised to the arguments it was made for: generate the module again with an example like this one"
 
 
@@ -339,6 +352,8 @@ class Guards:
             )
 
     def _leaf_fail(self, spec, problem, fix=None):
+        if spec.role and problem.startswith(f"{spec.path} is None,") and "cotangent" in spec.role:
+            self.fail(f"{problem}; it is {spec.role}", _NO_COTANGENT)
         if spec.role:
             self.fail(
                 f"{problem}; it is {spec.role}, so it must have that value's shape and dtype ({_desc(spec.sizes, spec.dtype)})"
@@ -368,10 +383,10 @@ class Guards:
             got = f"a {type(value).__name__} of {len(value)} items" if isinstance(value, (list, tuple)) else _got(value)
         else:
             want, got = f"a {spec.type_name}", _got(value)
-        self.fail(
-            f"{spec.path} must be {want} (the structure the module was made for), got {got}",
-            "Pass arguments with the structure of the example, or generate the module again with this structure.",
-        )
+        fix = "Pass arguments with the structure of the example, or generate the module again with this structure."
+        if value is None and _cotangent_below(spec):
+            fix = _NO_COTANGENT
+        self.fail(f"{spec.path} must be {want} (the structure the module was made for), got {got}", fix)
 
     def leaves(self):
         """Every Leaf, in pytree flattening order."""

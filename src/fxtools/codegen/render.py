@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -292,7 +293,7 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        if _as_subscript(node):
+        if _as_subscript(node) or _as_narrow(node):
             continue
         spelled = _call(node.target, node.args, node.kwargs)
         if spelled is None:
@@ -393,6 +394,26 @@ def _devices_from_inputs(gm: fx.GraphModule) -> None:
                 found[device].meta["fxtools_part"] = node.meta["fxtools_part"]
         if found[device] is not None:
             node.kwargs = {**node.kwargs, "device": found[device]}
+
+
+def _as_narrow(node: fx.Node) -> bool:
+    """``aten.slice(x, dim, start, end)`` (step 1, static sizes) -> ``x.narrow(dim, start, length)``,
+    which is that slice (``torch.ops.aten.slice.Tensor`` has no public spelling as a call)."""
+    if node.target is not torch.ops.aten.slice.Tensor or node.kwargs:
+        return False
+    parts: list[Any] = [*node.args, *(0, None, None, 1)[len(node.args) - 1 :]]
+    x, dim, start, end, step = parts[:5]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or step != 1 or not all(isinstance(v, int) for v in (dim, start or 0)):
+        return False
+    size = val.shape[dim]
+    if not isinstance(size, int) or not (end is None or isinstance(end, int)):
+        return False
+    start = start or 0
+    start = max(start + size, 0) if start < 0 else min(start, size)
+    end = size if end is None else max(end + size, 0) if end < 0 else min(end, size)
+    node.op, node.target, node.args = "call_method", "narrow", (x, dim, start, max(end - start, 0))
+    return True
 
 
 def _as_subscript(node: fx.Node) -> bool:

@@ -32,6 +32,7 @@ the enclosing ``fxtools.rule_set`` block.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -43,6 +44,7 @@ from ..codegen.guards import InputMismatch
 from ..codegen.naming import identifier
 from ..functional import functional
 from ..transforms.reverse import is_float
+from .distributed import Wrappers
 from .partition import Split, split
 
 __all__ = ["compile", "backend", "CompiledModule"]
@@ -124,10 +126,22 @@ class _Runners:
     accepts (its guards check the symbols' ranges); others get a new split.
     """
 
-    def __init__(self, fn, fw_compiler, bw_compiler, policy, rules="fused", dynamic_shapes=None, dynamic=False, skip_first=False):
+    def __init__(
+        self,
+        fn,
+        fw_compiler,
+        bw_compiler,
+        policy,
+        rules="fused",
+        dynamic_shapes=None,
+        dynamic=False,
+        skip_first=False,
+        capturing=contextlib.nullcontext,
+    ):
         self.fn, self.fw_compiler, self.bw_compiler, self.policy = fn, fw_compiler, bw_compiler, policy
         self.rules = rules
         self.dynamic_shapes, self.dynamic, self.skip_first = dynamic_shapes, dynamic, skip_first
+        self.capturing = capturing  # the context in which ``fn`` is traced
         self.entries: list = []  # (training, requires_grad mask, runner)
 
     def _marks(self, args):
@@ -162,7 +176,8 @@ class _Runners:
                     return runner, runner.split.guards.check(args)
                 except InputMismatch:
                     continue
-        sp = split(self.fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules, dynamic_shapes=self._marks(args))
+        with self.capturing():
+            sp = split(self.fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules, dynamic_shapes=self._marks(args))
         leaves = sp.flatten(*args)
         runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler)
         self.entries.append((training, mask, runner))
@@ -216,7 +231,11 @@ def _requires_grad(args):
 
 
 class CompiledModule(torch.nn.Module):
-    """``model`` whose forward and backward run fxtools' split graphs; ``.module`` is the original."""
+    """``model`` whose forward and backward run fxtools' split graphs; ``.module`` is the original.
+
+    A DistributedDataParallel ``model``, or one holding FSDP2 (``fully_shard``) modules, is
+    captured without its wrappers, which run around the graphs (``training/distributed.py``).
+    """
 
     def __init__(
         self,
@@ -230,8 +249,9 @@ class CompiledModule(torch.nn.Module):
     ):
         super().__init__()
         self.module = model
+        self._wrappers = Wrappers(model)
         self._runners = _Runners(
-            _accepting_keywords(functional(model)),
+            _accepting_keywords(functional(self._wrappers.inner)),
             fw_compiler,
             bw_compiler,
             policy,
@@ -239,23 +259,30 @@ class CompiledModule(torch.nn.Module):
             dynamic_shapes,
             dynamic,
             skip_first=True,
+            capturing=self._wrappers.capturing,
         )
 
     def _args(self, inputs, kwargs):
-        params = dict(self.module.named_parameters())
+        params = dict(self._wrappers.inner.named_parameters())
         return (params, *inputs, KeywordArguments(kwargs)) if kwargs else (params, *inputs)
 
+    def _runner_and_leaves(self, *inputs, **kwargs):
+        return self._runners(self._args(inputs, kwargs), self._wrappers.inner.training)
+
     def runner(self, *inputs, **kwargs) -> _Runner:
-        return self._runners(self._args(inputs, kwargs), self.module.training)[0]
+        return self._wrappers.prepare(lambda *a, **k: self._runner_and_leaves(*a, **k)[0], inputs, kwargs)
 
     @property
     def split(self) -> Split:
         """The split of the most recent compilation."""
         return self._runners.latest
 
-    def forward(self, *inputs, **kwargs):
-        runner, leaves = self._runners(self._args(inputs, kwargs), self.module.training)
+    def _run(self, *inputs, **kwargs):
+        runner, leaves = self._runner_and_leaves(*inputs, **kwargs)
         return runner(leaves)
+
+    def forward(self, *inputs, **kwargs):
+        return self._wrappers.call(self._run, inputs, kwargs)
 
 
 class CompiledFunction:

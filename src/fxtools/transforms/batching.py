@@ -37,7 +37,7 @@ from ..errors import FxtoolsError, user_frame
 from .forward import finish
 from .vjp import _names
 
-__all__ = ["vmap"]
+__all__ = ["vmap", "trace_batched", "check_vmap_options", "describe", "n_chunks", "share_draws"]
 
 
 def vmappable(f):
@@ -71,19 +71,92 @@ def _in_dims_for(in_dims, args):
     return in_dims
 
 
-def vmap(f, *args, in_dims=0, out_dims=0, dynamic_shapes=None) -> fx.GraphModule:
+_RANDOMNESS = ("error", "different", "same")
+
+
+def vmap(f, *args, in_dims=0, out_dims=0, randomness="error", chunk_size=None, dynamic_shapes=None) -> fx.GraphModule:
     """``f`` mapped over a batch dimension of its arguments, as one batched GraphModule.
 
-    As ``torch.func.vmap(f, in_dims, out_dims)``: ``args`` are example arguments *with* their
-    batch dimension (at ``in_dims``; ``None`` for an unbatched argument, which may be any
-    pytree); ``gm(*args)`` returns ``f``'s outputs stacked along ``out_dims``. Shapes (including
-    the batch size) are specialised to the example.
+    As ``torch.func.vmap(f, in_dims, out_dims, randomness, chunk_size)``: ``args`` are example
+    arguments *with* their batch dimension (at ``in_dims``; ``None`` for an unbatched argument,
+    which may be any pytree); ``gm(*args)`` returns ``f``'s outputs stacked along ``out_dims``.
+    Shapes (including the batch size) are specialised to the example.
+
+    ``randomness`` says what random ops in ``f`` (dropout) draw: ``"error"`` refuses them,
+    ``"different"`` draws for each sample separately, ``"same"`` draws once for the whole batch;
+    the generated code draws exactly what ``torch.func.vmap`` draws with that flag, from the
+    generator's state when it runs (the same numbers after the same ``torch.manual_seed``).
+    ``chunk_size``: the batch is computed ``chunk_size`` samples at a time (one block of code per
+    chunk, the chunks concatenated), as torch.func does to bound memory.
     """
     if not isinstance(args, tuple):
         args = tuple(args)
+    check_vmap_options(randomness, chunk_size)
     namer = _NodeNamer(vmappable(f), getattr(f, "guards", None)) if isinstance(f, fx.GraphModule) else None
-    batched = torch.func.vmap(namer or f, in_dims=_in_dims_for(in_dims, args), out_dims=out_dims)
-    return trace_batched(batched, args, names_of=f, namer=namer, made_by="fxtools.vmap", dynamic_shapes=dynamic_shapes)
+    batched = torch.func.vmap(
+        namer or f, in_dims=_in_dims_for(in_dims, args), out_dims=out_dims, randomness=randomness, chunk_size=chunk_size
+    )
+    chunks = n_chunks(f, in_dims, args, chunk_size) if randomness == "same" and chunk_size is not None else None
+    return trace_batched(
+        batched, args, names_of=f, namer=namer, made_by="fxtools.vmap", dynamic_shapes=dynamic_shapes, same_draws=chunks
+    )
+
+
+def n_chunks(f, in_dims, args, chunk_size) -> int:
+    """How many chunks of ``chunk_size`` samples torch.func.vmap runs for these arguments."""
+    from torch._functorch.vmap import _process_batched_inputs
+
+    batch_size = _process_batched_inputs(_in_dims_for(in_dims, args), args, f)[0]
+    return -(-batch_size // chunk_size)
+
+
+def _is_random(node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def share_draws(gm: fx.GraphModule, chunks: int) -> None:
+    """``randomness="same"`` with ``chunk_size``: torch.func.vmap resets the generator before
+    each chunk, so every chunk draws the numbers the first one drew. The trace has one draw per
+    chunk instead: the k-th draw of every chunk becomes the first chunk's k-th draw (one draw,
+    leaving the generator where torch.func leaves it)."""
+    draws = [n for n in gm.graph.nodes if n.op == "call_function" and _is_random(n)]
+    if chunks <= 1 or not draws:
+        return
+    per_chunk = len(draws) // chunks
+    same = len(draws) % chunks == 0 and all(
+        d.target is draws[i % per_chunk].target
+        and getattr(d.meta.get("val"), "shape", None) == getattr(draws[i % per_chunk].meta.get("val"), "shape", None)
+        for i, d in enumerate(draws)
+    )
+    if not same:
+        raise FxtoolsError(
+            "fxtools.vmap cannot reproduce randomness='same' with chunk_size here: the chunks do not draw "
+            "the same random numbers in the same order. Use chunk_size=None (one chunk), or randomness='different'"
+        )
+    for i, d in enumerate(draws[per_chunk:], start=per_chunk):
+        d.replace_all_uses_with(draws[i % per_chunk])
+        gm.graph.erase_node(d)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def check_vmap_options(randomness, chunk_size) -> None:
+    if randomness not in _RANDOMNESS:
+        raise ValueError(f"randomness must be one of {', '.join(map(repr, _RANDOMNESS))}, got {randomness!r}")
+    if chunk_size is not None and not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0):
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+
+
+def describe(f) -> str:
+    """How messages name the function being transformed: its name, or what made a generated module
+    (never its code, which ``str`` of a GraphModule would give)."""
+    guards = getattr(f, "guards", None)
+    if isinstance(f, fx.GraphModule):
+        return f"the {guards.made_by} module" if guards is not None else f"the GraphModule {type(f).__name__}"
+    if isinstance(f, torch.nn.Module):
+        return type(f).__name__
+    return getattr(f, "__name__", None) or type(f).__name__
 
 
 class _NodeNamer(fx.Interpreter):
@@ -97,6 +170,7 @@ class _NodeNamer(fx.Interpreter):
     def __init__(self, gm, guards=None):
         super().__init__(gm)
         self.names: dict[fx.Node, str] = {}
+        self.current: fx.Node | None = None  # the node being run, for error messages
         self.guards = guards  # of the module batched: each example must be what it was made for
         self.__signature__ = inspect.signature(gm.forward)  # argument names for the batched code
 
@@ -109,6 +183,7 @@ class _NodeNamer(fx.Interpreter):
         mode = proxy_tensor.get_innermost_proxy_mode()
         graph = mode.tracer.graph if mode is not None else None
         last = graph._root.prev if graph is not None else None
+        self.current = n
         out = super().run_node(n)
         if graph is not None and n.op in ("call_function", "call_method") and graph._root.prev is not last:
             self.names[graph._root.prev] = n.name
@@ -121,8 +196,12 @@ class _NodeNamer(fx.Interpreter):
                 node._rename(name)
 
 
-def trace_batched(fn, args, names_of=None, namer=None, made_by="fxtools.vmap", dynamic_shapes=None) -> fx.GraphModule:
-    """Trace ``fn`` (which may call torch.func transforms) into a readable GraphModule."""
+def trace_batched(
+    fn, args, names_of=None, namer=None, made_by="fxtools.vmap", dynamic_shapes=None, same_draws=None
+) -> fx.GraphModule:
+    """Trace ``fn`` (which may call torch.func transforms) into a readable GraphModule.
+
+    ``same_draws``: the number of chunks of a ``randomness="same"`` vmap (see ``share_draws``)."""
     f = fn if names_of is None else names_of
     try:
         with custom.transform("fxtools.vmap"):  # custom functions just run their forward
@@ -132,10 +211,19 @@ def trace_batched(fn, args, names_of=None, namer=None, made_by="fxtools.vmap", d
     except Exception as exc:  # noqa: BLE001 - re-raised naming the user's line
         if is_data_dependent(exc):
             raise
-        where = user_frame(exc.__traceback__) or "an unknown line of user code"
+        where = user_frame(exc.__traceback__)
+        if where is None and namer is not None and namer.current is not None:
+            where = f"where it computes {namer.current.name}"
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        hint = ""
+        if "randomness" in message:
+            hint = (
+                " Random ops (dropout) need randomness='different' (each sample draws its own numbers) "
+                "or randomness='same' (one draw for the whole batch), as in torch.func.vmap."
+            )
         raise FxtoolsError(
-            f"fxtools.vmap cannot batch {getattr(f, '__name__', f)!s} (at {where}): "
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            f"{made_by} cannot batch {describe(f)} ({'at ' if where and ':' in where else ''}{where or 'at an unknown line of user code'}): "
+            f"{type(exc).__name__}: {message}.{hint}"
         ) from exc
     gm = cap.gm
     if namer is not None:
@@ -143,6 +231,8 @@ def trace_batched(fn, args, names_of=None, namer=None, made_by="fxtools.vmap", d
     realize_constants(gm)
     out_of_place_views(gm)
     functionalize(gm)
+    if same_draws is not None:
+        share_draws(gm, same_draws)
     names = _names(f, args)
 
     def build(flat):

@@ -51,7 +51,7 @@ from ..passes.simplify import dce, fake_mode_of, simplify
 from ..passes.views import collapse_view_chains
 from ..rules.decompose import expand
 from .reverse import ReverseSpec, is_float, reverse
-from .vjp import _names, prepare
+from .vjp import OUT_EXAMPLE, _names, argnums_tuple, prepare
 
 aten = torch.ops.aten
 
@@ -140,7 +140,7 @@ def _true_adjoints(gm: fx.GraphModule) -> None:
             node.args = tuple(args)
 
 
-def jvp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
+def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
     """The Jacobian-vector product of ``f`` at example ``args``, as readable PyTorch code.
 
     Returns a GraphModule ``gm`` with ``out, out_tangent = gm(*args, *tangents)``: there is one
@@ -148,17 +148,24 @@ def jvp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
     leaves that are not floating-point tensors, such as class indices); ``out`` is ``f(*args)``
     and ``out_tangent`` has its structure, holding ``J @ tangents`` at floating-point leaves and
     ``None`` elsewhere. As ``torch.func.jvp(f, args, tangents)``.
+
+    ``argnums`` (int or tuple, as on ``grad``): tangents only for those arguments, in that
+    order (the others are held constant): ``gm(*args, *tangents_of_argnums)``.
     """
     if not isinstance(args, tuple):
         args = tuple(args)
-    argnums = tuple(range(len(args)))
+    nums = tuple(range(len(args))) if argnums is None else argnums_tuple(argnums, len(args))
+    if len(set(nums)) != len(nums):
+        raise ValueError(f"argnums {argnums!r} names an argument twice")
     with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored: refuse it
-        cap, wrt = prepare(f, args, argnums, dynamic_shapes)
+        cap, wrt = prepare(f, args, nums, dynamic_shapes)
     cap.f = f
     _true_adjoints(cap.gm)
     vjp_flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     simplify(vjp_flat)
     x_vals = [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t]
+    x_arg = [a for a, t in zip(cap.arg_of_leaf, cap.tensor_leaf) if t]
+    wrt_x = [i for i, w in enumerate(wrt) if w]  # the tensor leaves with a gradient output, in order
     n_x, n_out = len(x_vals), len(cap.out_leaves)
     flat, tangent_of = transpose_vjp(vjp_flat, n_x, n_out)
     tangent_names(flat)
@@ -175,14 +182,14 @@ def jvp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
         q.meta["val"] = p.meta.get("val")
         env[p] = q
         new_x.append(q)
-    float_x = [i for i, v in enumerate(x_vals) if is_float(v)]
+    float_x = [i for a in nums for i, v in enumerate(x_vals) if x_arg[i] == a and is_float(v)]
     t_new = {}
     for i in float_x:
         q = graph.placeholder(f"tangent_{x_ph[i].name}")
         q.meta["val"] = x_ph[i].meta.get("val")
         t_new[i] = q
     for k, p in enumerate(t_ph):
-        env[p] = t_new[tangent_of[k]]
+        env[p] = t_new[wrt_x[tangent_of[k]]]
     for p in u_ph:
         # J t does not depend on u (the VJP is linear in it); anything left reading u is dead
         # or multiplied away, and zero is as good a value as any.
@@ -190,7 +197,7 @@ def jvp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
     mapped = graph.graph_copy(flat.graph, env)
     mapped = list(mapped) if isinstance(mapped, (tuple, list)) else [mapped]
     outs = mapped[:n_out]
-    jt = mapped[n_out + n_x :]
+    jt = mapped[n_out + len(wrt_x) :]
     out_tangents = []
     it = iter(jt)
     jt_of = {i: next(it) for i in ct_index}
@@ -215,16 +222,14 @@ def jvp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
             raise FxtoolsError("internal error: the JVP depends on the cotangent of the VJP")
 
     names = _names(f, args)
-    tangent_examples = [
-        (f"tangent_{name}", pytree.tree_map(lambda v: v if is_float(v) else None, a)) for name, a in zip(names, args)
-    ]
+    tangent_examples = [(f"tangent_{names[a]}", pytree.tree_map(lambda v: v if is_float(v) else None, args[a])) for a in nums]
 
     def build(flat_results):
         out = pytree.tree_unflatten(flat_results[:n_out], cap.out_spec)
         tan = pytree.tree_unflatten(flat_results[n_out:], cap.out_spec)
         return out, tan
 
-    return finish(
+    gm = finish(
         flat_gm,
         names,
         args,
@@ -233,8 +238,10 @@ def jvp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
         tangent_examples,
         leaf_x_only=True,
         made_by="fxtools.jvp",
-        roles={len(args) + i: tangent_role(n) for i, n in enumerate(names)},
+        roles={len(args) + i: tangent_role(names[a]) for i, a in enumerate(nums)},
     )
+    gm.meta[OUT_EXAMPLE] = pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec)
+    return gm
 
 
 def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False, made_by="fxtools", roles=None) -> fx.GraphModule:

@@ -27,25 +27,90 @@ from ..rules.decompose import expand
 from .reverse import ReverseSpec, ancestors, is_float, reverse
 
 
-def _argnums_tuple(argnums, nargs):
+def argnums_tuple(argnums, nargs):
+    """``argnums`` (an int or a tuple of ints, negative counting from the end) as a tuple of indices."""
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums or not all(isinstance(a, int) for a in nums):
+        raise ValueError(f"argnums must be an int or a non-empty tuple of ints, got {argnums!r}")
     for a in nums:
         if not -nargs <= a < nargs:
             raise ValueError(f"argnums {a} is out of range for a function of {nargs} positional arguments")
     return tuple(a % nargs for a in nums)
 
 
-def prepare(f, args, argnums, dynamic_shapes=None):
+_argnums_tuple = argnums_tuple  # the name higher.py imports
+
+
+def prepare(f, args, argnums, dynamic_shapes=None, has_aux=False, made_by="fxtools"):
     if not isinstance(args, tuple):
         args = tuple(args)
     cap = capture(f, args, dynamic_shapes=dynamic_shapes)
     sizes.check(cap.symbolic, cap.gm)  # the program itself specialised a marked size
     check_supported(cap.gm)
+    if has_aux:
+        stop_aux_gradients(cap, made_by)
     functionalize(cap.gm)
     expand(cap.gm)
     nums = set(argnums)
     wrt = [cap.arg_of_leaf[i] in nums for i, t in enumerate(cap.tensor_leaf) if t]
     return cap, wrt
+
+
+class AuxSplit:
+    """How a ``has_aux`` function's flat outputs divide: ``out`` leaves first, then ``aux``'s."""
+
+    def __init__(self, out_spec, has_aux: bool):
+        self.has_aux = has_aux
+        self.main_spec = out_spec.child(0) if has_aux else out_spec
+        self.aux_spec = out_spec.child(1) if has_aux else None
+        self.n_main = self.main_spec.num_leaves
+
+    def main(self, flat):
+        return pytree.tree_unflatten(list(flat[: self.n_main]), self.main_spec)
+
+    def aux(self, flat):
+        assert self.aux_spec is not None
+        return pytree.tree_unflatten(list(flat[self.n_main :]), self.aux_spec)
+
+
+def stop_aux_gradients(cap: Captured, made_by: str) -> None:
+    """For ``has_aux=True``: check that ``f`` returns a pair ``(out, aux)`` and stop gradients at
+    ``aux``'s tensors (as torch.func does: aux carries no cotangent), by reading them through
+    ``detach`` (which the generated code does not show: it runs without autograd)."""
+    spec = cap.out_spec
+    if spec.type is not tuple or spec.num_children != 2:
+        got = pytree.tree_unflatten([_describe_leaf(v) for v in cap.out_leaves], spec)
+        raise ValueError(
+            f"{made_by}(..., has_aux=True) needs f to return a pair (output, aux), got {got!r}; "
+            "return a tuple of two items, the second being the auxiliary data (any pytree)"
+        )
+    n_main = spec.child(0).num_leaves
+    output = next(n for n in cap.gm.graph.nodes if n.op == "output")
+    leaves = list(output.args[0])
+    for i in range(n_main, len(leaves)):
+        node = leaves[i]
+        if isinstance(node, fx.Node) and is_float(node.meta.get("val")):
+            with cap.gm.graph.inserting_before(output):
+                detached = cap.gm.graph.call_function(torch.ops.aten.detach.default, (node,))
+            detached.meta.update(node.meta)
+            leaves[i] = detached
+    output.args = (leaves,)
+    cap.gm.recompile()
+
+
+class _Shown:
+    def __init__(self, text):
+        self.text = text
+
+    def __repr__(self):
+        return self.text
+
+
+def _describe_leaf(v):
+    """A tensor leaf as ``float32[3, 4]`` in messages about an output's structure."""
+    if isinstance(v, torch.Tensor):
+        return _Shown(f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}")
+    return v
 
 
 def grads_structure(cap: Captured, args, grads_flat, argnums):
@@ -64,6 +129,9 @@ def grads_structure(cap: Captured, args, grads_flat, argnums):
     del tensor_leaves
     nested = pytree.tree_unflatten(per_leaf, cap.in_spec)
     return tuple(nested[a] for a in argnums)
+
+
+OUT_EXAMPLE = "fxtools_out_example"  # gm.meta key: f's output, with FakeTensors (shapes and dtypes)
 
 
 def _names(f, args):
@@ -105,7 +173,7 @@ def _output_structure(cap, out_flat):
     return pytree.tree_unflatten(out_flat, cap.out_spec)
 
 
-def vjp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
+def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The vector-Jacobian product of ``f`` at example ``args``, as readable PyTorch code.
 
     Returns a GraphModule ``gm`` with ``out, grads = gm(*args, grad_out)``: ``out`` is
@@ -114,57 +182,82 @@ def vjp(f, *args, dynamic_shapes=None) -> fx.GraphModule:
     per positional argument, each with that argument's pytree structure, holding
     ``J^T grad_out`` for floating-point tensor leaves and ``None`` for every other leaf.
 
+    ``argnums`` (int or tuple, as on ``grad``) differentiates only those arguments: ``grads`` is
+    then that argument's gradient (int) or a tuple of them (tuple). ``has_aux=True``: ``f``
+    returns ``(out, aux)``, ``aux`` any pytree that carries no gradient (torch.func's
+    convention); ``out, grads, aux = gm(*args, grad_out)``, ``grad_out`` mirroring ``out`` alone.
+
     ``dynamic_shapes`` (here and in every transform; torch.export's format, see ``fxtools.codegen.sizes``)
     keeps the marked sizes symbolic: the module then serves every size in their range.
     """
-    argnums = tuple(range(len(args)))
-    cap, wrt = prepare(f, args, argnums, dynamic_shapes)
+    nums = tuple(range(len(args))) if argnums is None else argnums_tuple(argnums, len(args))
+    cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by="fxtools.vjp")
     cap.f = f
     flat_gm, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     n_out = len(cap.out_leaves)
-    ct_example = pytree.tree_unflatten([cap.out_leaves[i] if i in ct_index else None for i in range(n_out)], cap.out_spec)
+    split = AuxSplit(cap.out_spec, has_aux)
+    main_leaves = cap.out_leaves[: split.n_main]
+    ct_example = split.main([main_leaves[i] if i in ct_index else None for i in range(split.n_main)])
 
     def build(flat):
-        out = _output_structure(cap, flat[:n_out])
-        return out, grads_structure(cap, args, flat[n_out:], argnums)
+        grads = grads_structure(cap, args, flat[n_out:], nums)
+        if isinstance(argnums, int):
+            grads = grads[0]
+        if has_aux:
+            return split.main(flat[:n_out]), grads, split.aux(flat[:n_out])
+        return _output_structure(cap, flat[:n_out]), grads
 
     # what grad_out may be: the output's shape at floating-point leaves (None too where no gradient
     # flows, as the code ignores it there), None elsewhere
-    accepts = pytree.tree_unflatten(
-        [o if i in ct_index else OptionalTensor(o) if is_float(o) else None for i, o in enumerate(cap.out_leaves)], cap.out_spec
-    )
-    return _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)], guard_extra=[accepts])
+    accepts = split.main([o if i in ct_index else OptionalTensor(o) if is_float(o) else None for i, o in enumerate(main_leaves)])
+    gm = _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)], guard_extra=[accepts])
+    gm.meta[OUT_EXAMPLE] = split.main(cap.out_leaves)
+    return gm
 
 
-def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None):
-    nums = _argnums_tuple(argnums, len(args))
-    cap, wrt = prepare(f, args, nums, dynamic_shapes)
+def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None, has_aux=False):
+    made_by = "fxtools.value_and_grad" if with_value else "fxtools.grad"
+    nums = argnums_tuple(argnums, len(args))
+    cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by=made_by)
     cap.f = f
-    outs = [o for o in cap.out_leaves if isinstance(o, torch.Tensor)]
-    if len(cap.out_leaves) != 1 or not outs or outs[0].numel() != 1 or not is_float(outs[0]):
+    split = AuxSplit(cap.out_spec, has_aux)
+    main = cap.out_leaves[: split.n_main]
+    outs = [o for o in main if isinstance(o, torch.Tensor)]
+    if len(main) != 1 or not outs or outs[0].numel() != 1 or not is_float(outs[0]):
+        got = split.main([_describe_leaf(v) for v in main])
         raise ValueError(
             "grad needs f to return a single floating-point tensor with one element "
-            f"(got {pytree.tree_unflatten(cap.out_leaves, cap.out_spec)!r}); use fxtools.vjp for other outputs"
+            + ("(and its auxiliary data: has_aux=True) " if has_aux else "")
+            + f"(got {got!r}); use fxtools.vjp for other outputs"
+            + ("" if has_aux else ", or has_aux=True if f returns (loss, aux)")
         )
     flat_gm, _, _ = reverse(cap, ReverseSpec(wrt, "ones"))
+    n_out = len(cap.out_leaves)
 
     def build(flat):
-        grads = grads_structure(cap, args, flat[1:], nums)
+        grads = grads_structure(cap, args, flat[n_out:], nums)
         grads = grads[0] if isinstance(argnums, int) else grads
-        return (_output_structure(cap, flat[:1]), grads) if with_value else grads
+        value = split.main(flat[:n_out])
+        if has_aux:
+            aux = split.aux(flat[:n_out])
+            return ((value, aux), grads) if with_value else (grads, aux)
+        return (value, grads) if with_value else grads
 
-    return _finish(cap, flat_gm, args, build, "fxtools.value_and_grad" if with_value else "fxtools.grad")
+    return _finish(cap, flat_gm, args, build, made_by)
 
 
-def grad(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
+def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The gradient of scalar-valued ``f`` at example ``args``: ``gm(*args) -> grads``.
 
     As ``torch.func.grad``: ``argnums`` (int or tuple) picks the arguments differentiated;
     for an int the result has that argument's structure, for a tuple it is a tuple of those.
+    ``has_aux=True``: ``f`` returns ``(loss, aux)`` and ``gm(*args) -> (grads, aux)``.
     """
-    return _grad_gm(f, args, argnums, with_value=False, dynamic_shapes=dynamic_shapes)
+    return _grad_gm(f, args, argnums, with_value=False, dynamic_shapes=dynamic_shapes, has_aux=has_aux)
 
 
-def value_and_grad(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
-    """Like ``grad``, but ``gm(*args) -> (value, grads)``."""
-    return _grad_gm(f, args, argnums, with_value=True, dynamic_shapes=dynamic_shapes)
+def value_and_grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
+    """Like ``grad``, but ``gm(*args) -> (value, grads)``; with ``has_aux=True``,
+    ``gm(*args) -> ((value, aux), grads)``, as ``jax.value_and_grad`` (``torch.func.grad_and_value``
+    returns the same two items the other way round)."""
+    return _grad_gm(f, args, argnums, with_value=True, dynamic_shapes=dynamic_shapes, has_aux=has_aux)

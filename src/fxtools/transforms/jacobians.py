@@ -1,0 +1,290 @@
+"""``jacrev``, ``jacfwd`` and ``linearize``: torch.func's Jacobian transforms as generated code.
+
+Jacobians, batched
+------------------
+``jacrev(f, *args)`` is the ``vjp`` module of ``f`` mapped (``fxtools.vmap``'s tracing below
+torch.func.vmap) over the rows of an identity matrix: one cotangent per output element, all in
+one batch, so the generated code is the VJP code with a leading batch dimension (a ``mm`` where
+the VJP has a ``mv``), not a Python loop over basis vectors. ``jacfwd`` maps the ``jvp`` module
+over the columns of the identity (one tangent per input element) the same way. The basis is
+built in the code itself (``torch.eye`` on the inputs' device), cut into one block per output
+(jacrev) or input (jacfwd) leaf, and the results are cut and reshaped into torch.func's
+structure: for every output leaf, the argument's pytree (int ``argnums``) or a tuple of them
+(tuple ``argnums``), with leaves of shape ``out.shape + in.shape``.
+
+``chunk_size`` bounds memory as in torch.func: the batch is processed that many basis vectors
+at a time (one block of code per chunk).
+
+Linearize
+---------
+``linearize(f, *args)`` computes ``f(*args)`` once and returns ``(out, jvp_gm)``, as
+``torch.func.linearize``: ``jvp_gm(*tangents)`` is the ``jvp`` code with everything that does not
+depend on the tangents already computed. Those values (the residuals: ``cos(x)`` for ``sin``)
+are attributes of ``jvp_gm``, read as ``self.cos``; its code is only the linear map.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from ..codegen.guards import install, tangent_role
+from ..codegen.render import render
+from ..codegen.show import remember_inputs
+from ..passes.simplify import simplify
+from .batching import _NodeNamer, check_vmap_options, trace_batched, vmappable
+from .forward import jvp
+from .reverse import is_float
+from .vjp import OUT_EXAMPLE, _names, argnums_tuple, vjp
+
+__all__ = ["jacrev", "jacfwd", "linearize"]
+
+
+def _describe(path, v) -> str:
+    what = f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" if isinstance(v, torch.Tensor) else repr(v)
+    return f"{path} ({what})"
+
+
+def _float_leaves(tree, what, name):
+    """The leaves of ``tree``; every tensor leaf must be floating point (complex: torch.func's
+    Jacobians are of real functions)."""
+    paths_leaves, spec = pytree.tree_flatten_with_path(tree)
+    for path, v in paths_leaves:
+        if isinstance(v, torch.Tensor) and not (v.is_floating_point() and not v.is_complex()):
+            raise ValueError(
+                f"{name} needs real floating-point {what}, but {_describe(what + pytree.keystr(path), v)} is not; "
+                f"return (or differentiate) only floating-point tensors, as for torch.func.{name.split('.')[-1]}"
+            )
+    return [v for _, v in paths_leaves], spec
+
+
+def _basis(total: int, blocks, like: torch.Tensor):
+    """The rows of ``eye(total)`` cut into one block per example tensor in ``blocks`` (None for
+    non-tensors), each shaped ``[total, *shape]``: basis vectors of those tensors, batched."""
+    eye = torch.eye(total, dtype=like.dtype, device=like.device)
+    out: list[torch.Tensor | None] = []
+    offset = 0
+    for b in blocks:
+        if not isinstance(b, torch.Tensor):
+            out.append(None)
+            continue
+        n = b.numel()
+        piece = eye[:, offset : offset + n] if (offset, n) != (0, total) else eye
+        piece = piece if piece.dtype == b.dtype else piece.to(b.dtype)
+        out.append(piece.reshape(total, *b.shape))
+        offset += n
+    return out
+
+
+def _cut(batched: torch.Tensor, offset: int, n: int, total: int, shape, to: int = 0):
+    """The block ``offset:offset+n`` of ``batched`` along its first (batch) dimension, moved to
+    dimension ``to`` and shaped ``shape``."""
+    if (offset, n) != (0, total):
+        batched = batched.narrow(0, offset, n)
+    if to:
+        batched = batched.movedim(0, to)
+    return batched.reshape(shape)
+
+
+def _sign(fn, namer, n_args: int) -> None:
+    """Give ``fn`` the first ``n_args`` parameters of the module ``namer`` runs (the argument names
+    of the generated code)."""
+    signature = namer.__signature__
+    fn.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:n_args])
+
+
+def _single_dtype(leaves, name, what):
+    dtypes = {v.dtype for v in leaves if isinstance(v, torch.Tensor)}
+    if not dtypes:
+        raise ValueError(f"{name} needs at least one floating-point tensor among the {what}")
+    return next(v for v in leaves if isinstance(v, torch.Tensor))
+
+
+def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
+    """The Jacobian of ``f`` at example ``args`` by reverse mode: ``gm(*args) -> jacobian``.
+
+    As ``torch.func.jacrev(f, argnums, chunk_size=...)(*args)``: for each output leaf (of shape
+    ``O``), the differentiated argument's structure (int ``argnums``) or a tuple of them (tuple
+    ``argnums``), with ``O + I``-shaped leaves for each input leaf of shape ``I``. Generated as
+    the ``vjp`` code batched over all output elements at once (no loop over basis vectors).
+    """
+    check_vmap_options("error", chunk_size)
+    args = tuple(args)
+    nums = argnums_tuple(argnums, len(args))
+    vjp_gm = vjp(f, *args, argnums=argnums)
+    out_leaves, out_spec = _float_leaves(vjp_gm.meta[OUT_EXAMPLE], "output", "fxtools.jacrev")
+    like = _single_dtype(out_leaves, "fxtools.jacrev", "outputs")
+    total = sum(v.numel() for v in out_leaves if isinstance(v, torch.Tensor))
+    namer = _NodeNamer(vmappable(vjp_gm), vjp_gm.guards)
+    ct_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in out_leaves], out_spec)
+    in_dims = (*(None,) * len(args), ct_dims)
+    mapped = torch.func.vmap(namer, in_dims=in_dims, chunk_size=chunk_size)
+    n_args = len(args)
+
+    def jacobian(*a):
+        basis = _basis(total, out_leaves, like)
+        ct = pytree.tree_unflatten(basis, out_spec)
+        _, grads = mapped(*a[:n_args], ct)
+        grad_leaves, grad_spec = pytree.tree_flatten(grads, is_leaf=lambda x: x is None)
+        in_leaves = pytree.tree_leaves(tuple(a[i] for i in nums), is_leaf=lambda x: x is None)
+        per_out = []
+        offset = 0
+        for o in out_leaves:
+            if not isinstance(o, torch.Tensor):
+                per_out.append(None)
+                continue
+            n = o.numel()
+            blocks = [
+                _cut(g, offset, n, total, (*o.shape, *x.shape)) if isinstance(g, torch.Tensor) else None
+                for g, x in zip(grad_leaves, in_leaves)
+            ]
+            per_out.append(pytree.tree_unflatten(blocks, grad_spec))
+            offset += n
+        return pytree.tree_unflatten(per_out, out_spec)
+
+    _sign(jacobian, namer, n_args)
+    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacrev")
+
+
+def jacfwd(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
+    """The Jacobian of ``f`` at example ``args`` by forward mode: ``gm(*args) -> jacobian``.
+
+    As ``torch.func.jacfwd(f, argnums)(*args)`` (the structure is ``jacrev``'s). Generated as
+    the ``jvp`` code batched over all input elements at once (no loop over basis vectors).
+    """
+    check_vmap_options("error", chunk_size)
+    args = tuple(args)
+    nums = argnums_tuple(argnums, len(args))
+    differentiated = tuple(args[i] for i in nums)
+    in_leaves, in_spec = _float_leaves(differentiated, "input", "fxtools.jacfwd")
+    in_leaves = [v if isinstance(v, torch.Tensor) else None for v in in_leaves]
+    like = _single_dtype(in_leaves, "fxtools.jacfwd", "differentiated arguments")
+    total = sum(v.numel() for v in in_leaves if isinstance(v, torch.Tensor))
+    jvp_gm = jvp(f, *args, argnums=nums)
+    namer = _NodeNamer(vmappable(jvp_gm), jvp_gm.guards)
+    tangent_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in in_leaves], in_spec)
+    n_args = len(args)
+    mapped = torch.func.vmap(namer, in_dims=(*(None,) * n_args, *tangent_dims), chunk_size=chunk_size)
+    out_leaves, out_spec = _float_leaves(jvp_gm.meta[OUT_EXAMPLE], "output", "fxtools.jacfwd")
+
+    def jacobian(*a):
+        basis = _basis(total, in_leaves, like)
+        tangents = pytree.tree_unflatten(basis, in_spec)
+        _, out_tangent = mapped(*a[:n_args], *tangents)
+        tangent_leaves = pytree.tree_leaves(out_tangent, is_leaf=lambda x: x is None)
+        per_out = []
+        for o, t in zip(out_leaves, tangent_leaves):
+            if not isinstance(o, torch.Tensor):
+                per_out.append(None)
+                continue
+            blocks, offset = [], 0
+            for x in in_leaves:
+                if not isinstance(x, torch.Tensor):
+                    blocks.append(None)
+                    continue
+                blocks.append(_cut(t, offset, x.numel(), total, (*o.shape, *x.shape), o.dim()))
+                offset += x.numel()
+            per_arg = pytree.tree_unflatten(blocks, in_spec)
+            per_out.append(per_arg[0] if isinstance(argnums, int) else per_arg)
+        return pytree.tree_unflatten(per_out, out_spec)
+
+    _sign(jacobian, namer, n_args)
+    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacfwd")
+
+
+def _plain(value):
+    """fx's immutable dicts and lists (what an Interpreter returns) as the dicts and lists the
+    module's own code returns."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(type(value), "_fields"):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def linearize(f, *args) -> tuple[object, fx.GraphModule]:
+    """``f(*args)`` and its linear map at ``args``: ``out, jvp_gm = linearize(f, *args)``.
+
+    As ``torch.func.linearize``: ``jvp_gm(*tangents)`` (one tangent per positional argument, with
+    its structure; ``None`` at non-float leaves) returns ``J @ tangents`` with ``out``'s
+    structure. ``f`` runs once, here; ``jvp_gm``'s code is the tangent part of ``fxtools.jvp``'s,
+    reading what it needs of the point (the residuals) from attributes set now.
+    """
+    args = tuple(args)
+    full = jvp(f, *args)
+    names = _names(f, args)
+    tangent_examples = [pytree.tree_map(lambda v: v if is_float(v) else None, a) for a in args]
+    graph = full.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    tangent_ph = placeholders[len(args) :]
+    tangent_dependent = set(tangent_ph)
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method") and any(a in tangent_dependent for a in node.all_input_nodes):
+            tangent_dependent.add(node)
+
+    values: dict[fx.Node, object] = {}
+
+    class _Record(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n not in tangent_dependent:
+                values[n] = out
+            return out
+
+    zero_tangents = [
+        pytree.tree_map(lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v, t) for t in tangent_examples
+    ]
+    cast(Any, full).guards.check((*args, *zero_tangents))
+    with torch.no_grad():  # the generated code runs without autograd, as every fxtools module
+        out, _ = _Record(full).run(*args, *zero_tangents)
+    out = _plain(out)
+
+    new = fx.Graph()
+    env: dict[fx.Node, object] = {}
+    lin = torch.nn.Module()
+    for p in tangent_ph:
+        q = new.placeholder(p.name)
+        q.meta.update(p.meta)
+        env[p] = q
+
+    def residual(n: fx.Node) -> Any:
+        if n in env:
+            return env[n]
+        value = values[n]
+        if isinstance(value, torch.Tensor):
+            name = n.name
+            lin.register_buffer(name, value)
+            node = new.get_attr(name)
+            node.meta.update(n.meta)
+            env[n] = node
+        else:
+            env[n] = value
+        return env[n]
+
+    for node in graph.nodes:
+        if node not in tangent_dependent or node.op == "placeholder":
+            continue
+        copied = new.node_copy(node, lambda a: cast(fx.Node, env[a] if a in tangent_dependent else residual(a)))
+        env[node] = copied
+    output = next(n for n in graph.nodes if n.op == "output")
+    _, tangent_out = output.args[0]
+    new.output(fx.node.map_arg(tangent_out, lambda a: cast(fx.Node, env[a] if a in tangent_dependent else residual(a))))
+    gm = fx.GraphModule(lin, new, class_name="Linearized")
+    simplify(gm)
+    render(gm)
+    gm.graph.lint()
+    gm.recompile()
+    tangent_names = [p.name for p in tangent_ph]
+    gm = install(
+        gm,
+        "fxtools.linearize",
+        tangent_names,
+        tangent_examples,
+        roles={i: tangent_role(n) for i, n in enumerate(names)},
+    )
+    return out, remember_inputs(gm)
