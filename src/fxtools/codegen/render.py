@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..errors import FxtoolsError
 from ..passes.simplify import is_input_leaf
+from ..passes.subgraphs import name_subgraph_inputs, subgraphs
 from .naming import SHADOWS, is_plain_identifier, plain_literal, repr_safe
 from .pycode import use_readable_code
 
@@ -315,6 +316,10 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
             node.target, node.args, node.kwargs = target, args, kwargs
     check_code_data(gm)
     use_readable_code(gm.graph)
+    name_subgraph_inputs(gm)
+    for sub in subgraphs(gm):  # control flow's functions
+        render(sub)
+        sub.recompile()
     return gm
 
 

@@ -78,9 +78,20 @@ def annotated_code(gm: fx.GraphModule) -> str:
 def show(gm: fx.GraphModule, file=None) -> None:
     """Print ``gm``'s code with the shape and dtype of each value as a trailing comment.
 
-    The ``x = None`` bookkeeping that FX adds to free memory is left out for reading.
+    The ``x = None`` bookkeeping that FX adds to free memory is left out for reading. The
+    functions of control flow (``torch.cond``'s branches, ``scan``'s step: ``self.<name>``)
+    follow, each under a ``# self.<name>:`` line.
     """
-    print(annotated_code(gm), file=file or sys.stdout)
+    print(annotated_code(gm) + _subgraph_code(gm), file=file or sys.stdout)
+
+
+def _subgraph_code(gm: fx.GraphModule, prefix: str = "self.") -> str:
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    text = ""
+    for name, sub in gm.named_children():
+        if isinstance(sub, fx.GraphModule) and name in read:
+            text += f"\n# {prefix}{name}:\n" + annotated_code(sub) + _subgraph_code(sub, f"{prefix}{name}.")
+    return text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 
 from ..dynamic_shapes import broadcasts_into, materialize, same_shape, shape_arg, sizes_from_inputs
+from .subgraphs import drop_unused_subgraphs, subgraphs
 
 aten = torch.ops.aten
 
@@ -604,6 +605,9 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users:
             gm.graph.erase_node(node)
+    drop_unused_subgraphs(gm)
+    for sub in subgraphs(gm):  # control flow's functions
+        simplify(sub)
     gm.graph.lint()
     return gm
 

@@ -24,6 +24,7 @@ from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..passes.simplify import simplify
 from ..rules.decompose import expand
+from . import control_flow
 from .reverse import ReverseSpec, ancestors, is_float, reverse, single_cotangent_name
 
 
@@ -46,11 +47,12 @@ def prepare(f, args, argnums, dynamic_shapes=None, has_aux=False, made_by="fxtoo
         args = tuple(args)
     cap = capture(f, args, dynamic_shapes=dynamic_shapes)
     sizes.check(cap.symbolic, cap.gm)  # the program itself specialised a marked size
-    check_supported(cap.gm)
     if has_aux:
         stop_aux_gradients(cap, made_by)
     functionalize(cap.gm)
     expand(cap.gm)
+    control_flow.prepare(cap.gm)
+    check_supported(cap.gm)
     nums = set(argnums)
     wrt = [cap.arg_of_leaf[i] in nums for i, t in enumerate(cap.tensor_leaf) if t]
     return cap, wrt
