@@ -54,7 +54,7 @@ def annotated_code(gm: fx.GraphModule) -> str:
     for line in gm.code.strip("\n").splitlines():
         if re.match(r"\s+del \w", line):
             continue  # freeing memory early is for running, not reading
-        m = re.match(r"\s+(\w+(?:, \w+)*) = ", line)
+        m = re.match(r"\s+\(?(\w+(?:, \w+)*),?\)? = ", line)
         names = m.group(1).split(", ") if m else []
         if names and any(n in by_name for n in names):
             descs = [describe(by_name[n].meta.get("val")) if n in by_name else "-" for n in names]
