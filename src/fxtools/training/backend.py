@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..capture.nested import functorch_regions
 from ..codegen.guards import InputMismatch
 from ..codegen.naming import identifier
 from ..functional import functional
@@ -627,7 +628,7 @@ def backend(fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules=
     bw_compiler = compiler if bw_compiler is None else bw_compiler
 
     def fxtools_backend(gm: fx.GraphModule, example_inputs):
-        gm = _inline_higher_order(gm)
+        gm = functorch_regions(_inline_higher_order(gm))
         if any(True for _ in gm.parameters()):
             compiled = CompiledModule(gm, fw_compiler, bw_compiler, policy, rules, decompositions=decompositions)
         else:  # parameters arrive as inputs: differentiate the graph as a function of them

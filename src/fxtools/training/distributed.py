@@ -14,9 +14,9 @@ stay eager and run *around* that graph, exactly where they run in an eager step:
   parameters as inputs. Each call then goes through the wrappers for real: DDP's forward, then
   every FSDP2 module's forward hooks from the outermost in (all-gathers, the registration of the
   backward hooks that reduce-scatter the gradients; the inner modules' hooks get no inputs),
-  and the graph runs where the innermost forward would. All the sharded modules' parameters are therefore gathered for the whole graph
-  at once; compile each block and shard it (``fully_shard(fxtools.compile(block, h))``) to
-  gather them block by block instead.
+  and the graph runs where the innermost forward would. All the sharded modules' parameters
+  are therefore gathered for the whole graph at once; compile each block and shard it
+  (``fully_shard(fxtools.compile(block, h))``) to gather them block by block instead.
 
 Hooks of one's own on these modules would run twice (traced into the graph, and around it),
 so they are refused with an error naming the module.
@@ -149,8 +149,9 @@ class Wrappers:
         for module in chain:
             if "forward" in module.__dict__:
                 raise FxtoolsError(
-                    f"{type(module).__name__} has a forward of its own set on the instance; fxtools cannot run "
-                    "the distributed wrappers around it"
+                    f"{type(module).__name__} has a forward set on the instance (module.forward = ...), and fxtools "
+                    "runs the distributed wrappers around its graph by setting that attribute itself: define forward "
+                    "in the module's class instead"
                 )
         for module, forward in zip(chain, forwards):
             module.__dict__["forward"] = forward
@@ -187,8 +188,9 @@ def _quiet_fsdp_states(modules: list[nn.Module]) -> list[tuple[Any, Any]]:
     out = []
     for module in modules:
         state = module._get_fsdp_state()  # type: ignore[operator]
-        out.append((state, state._training_state))
-        state._training_state = TrainingState.PRE_BACKWARD
+        if all(state is not s for s, _ in out):  # fully_shard([a, b]): one state for two modules
+            out.append((state, state._training_state))
+            state._training_state = TrainingState.PRE_BACKWARD
     return out
 
 

@@ -59,6 +59,7 @@ from ..dynamic_shapes import upper_bound
 from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
 from ..passes.simplify import is_impure, simplify
+from ..passes.subgraphs import NOTE_KEY
 from ..transforms.reverse import ReverseSpec, ancestors, reverse
 from ..transforms.vjp import grads_structure, prepare
 from . import policies
@@ -95,6 +96,7 @@ class TensorInfo:
     path: str | None = None  # pytree path in the arguments or the output (inputs, cotangents)
     line: str | None = None  # "file:line: code" of the user call that produced it (saved values)
     storage: str | None = None  # saved values: the saved value or input whose memory it is
+    note: str | None = None  # saved values: what it holds when not obvious (a scan's value at every step)
 
     def __str__(self):
         dt = str(self.dtype).replace("torch.", "")
@@ -667,6 +669,8 @@ class Split:
             lines.append(
                 f"  {s.kind:<10} {s.name:<{width}}  {ty:<{twidth}} {s.bytes:>12,} B{share}" + (f"  {s.line}" if s.line else "")
             )
+            if s.note:
+                lines.append(f"  {'':<10} {'':<{width}}  {s.note}")
         text = "\n".join(lines)
         print(text, file=file or sys.stdout)
         return text
@@ -790,6 +794,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         kind = "input" if root in primal_set else "output" if s in fw_out_nodes else "activation"
         storage_bytes[root.name] = max(storage_bytes.get(root.name, 0), nbytes(root.meta.get("val")), nbytes(s.meta.get("val")))
         info = _info(s, kind, line=user_line_of(s), storage=root.name)
+        info.note = s.meta.get(NOTE_KEY)
         saved.append(info)
     _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap)
     result = Split(forward, backward, backward_boxed, signature, saved, cotangents, policy, cap.in_spec, cap.out_spec, cap)
