@@ -92,6 +92,8 @@ def _transform(body: list[str], nodes: list[fx.Node], frees: bool) -> list[str]:
                 size = max(parts) + 1 if parts else 0
                 size = max(size, len(node.meta["val"]))
                 targets = ", ".join(parts[k].name if k in parts else "_" for k in range(size))
+                if size == 1:  # a one-element tuple (a cond with one output, a split into one chunk)
+                    targets = f"({targets},)"
                 text = f"{targets} = " + text[len(node.name) + 3 :]
             if node.op in ("call_function", "call_method", "call_module"):
                 text = _pep8_keywords(text)
