@@ -432,3 +432,16 @@ def test_jvp_and_hvp_through_control_flow(case):
         torch.testing.assert_close(tangent, want[1], **TOL)
         for g, r in zip(hvp(*args, t), torch.func.jvp(torch.func.grad(oracle, argnums=nums), args, t)[1]):
             torch.testing.assert_close(g, r, **TOL)
+
+
+def test_one_element_tuple_results_print_as_one_element_unpacking():
+    """A one-output cond and a split into one chunk return a one-element tuple / list: the code
+    unpacks it with ``(y,) = ...`` (it once bound the tuple itself to ``y``)."""
+    gm = fxtools.grad(lambda x: torch.split(x, 4)[0].sin().sum(), torch.randn(3))
+    x = torch.randn(3)
+    torch.testing.assert_close(gm(x), torch.cos(x), **TOL)
+    gm = fxtools.vjp(lambda x: torch.cond(x.sum() > 0, torch.sin, torch.cos, (x,)), torch.randn(4))
+    assert ",) = torch.ops.higher_order.cond(" in gm.code
+    for x in (torch.rand(4), -torch.rand(4)):
+        out, (g,) = gm(x, torch.ones(4))
+        torch.testing.assert_close(out, torch.sin(x) if x.sum() > 0 else torch.cos(x), **TOL)

@@ -62,10 +62,13 @@ class Probe:
 
     def __call__(self, gm):
         self.graphs += 1
+        # compilers get fxtools.to_aten's forward: flat outputs, each described in the output's meta
+        kinds = [d.kind for d in next(n for n in gm.graph.nodes if n.op == "output").meta["desc"]]
 
         def run(*args):
             self.runs += 1
-            out, saved = gm(*args)
+            flat = gm(*args)
+            saved = [t for t, kind in zip(flat, kinds) if kind == "saved"]
             inputs = {a.untyped_storage().data_ptr() for a in args if hasattr(a, "untyped_storage")}
             seen, total = set(), 0
             for t in saved:
@@ -74,7 +77,7 @@ class Probe:
                     seen.add(ptr)
                     total += t.untyped_storage().nbytes()
             self.saved_bytes.append(total)
-            return out, saved
+            return flat
 
         return run
 

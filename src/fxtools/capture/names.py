@@ -105,12 +105,14 @@ def recording_modules(paths: dict[int, str] | None):
         return paths[id(module)]
 
     def pre(module, args):
+        if torch.compiler.is_dynamo_compiling():  # a module called in control flow's function (scan's step)
+            return
         path_of(module)
         mode = proxy_tensor.get_proxy_mode()
         stack.append((module, len(mode.tracer.graph.nodes) if mode is not None else -1))
 
     def post(module, args, out):
-        if not stack or stack[-1][0] is not module:
+        if torch.compiler.is_dynamo_compiling() or not stack or stack[-1][0] is not module:
             return
         _, start = stack.pop()
         path = paths.get(id(module))

@@ -19,6 +19,7 @@ torch.fx's code generator is kept, with three changes made to the lines it write
 from __future__ import annotations
 
 import io
+import math
 import operator
 import re
 import tokenize
@@ -92,7 +93,8 @@ def _transform(body: list[str], nodes: list[fx.Node], frees: bool) -> list[str]:
                 size = max(parts) + 1 if parts else 0
                 size = max(size, len(node.meta["val"]))
                 targets = ", ".join(parts[k].name if k in parts else "_" for k in range(size))
-                targets = f"({targets},)" if size == 1 else targets  # a one-element tuple unpacked
+                if size == 1:  # a one-element tuple (a cond with one output, a split into one chunk)
+                    targets = f"({targets},)"
                 text = f"{targets} = " + text[len(node.name) + 3 :]
             if node.op in ("call_function", "call_method", "call_module"):
                 text = _pep8_keywords(text)
@@ -154,10 +156,19 @@ def _pep8_keywords(text: str) -> str:
 
 
 def _bytes(val) -> int:
+    """Bytes of ``val``, read without guarding on a symbolic size (``int(numel)`` would specialise a
+    size marked dynamic to its example): its largest value, or, unbounded, a size large enough that
+    the value is freed as fx frees it."""
+    return math.prod(_largest(s) for s in val.shape) * val.element_size()
+
+
+def _largest(size) -> int:
+    if not isinstance(size, torch.SymInt):
+        return int(size)
     try:
-        return int(val.numel()) * val.element_size()
-    except Exception:  # noqa: BLE001 - a data-dependent size: unknown, counted as nothing
-        return 0
+        return int(size.node.shape_env.bound_sympy(size.node.expr).upper)
+    except Exception:  # noqa: BLE001 - unbounded, or an expression the shape environment cannot bound
+        return SMALL_PROGRAM_BYTES
 
 
 def _storages(nodes) -> dict:
