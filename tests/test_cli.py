@@ -73,10 +73,10 @@ def test_check_and_show(model_dir, capsys, monkeypatch):
         == 0
     )
     out = capsys.readouterr().out
-    assert "def forward(self, table, idx, n, grad_out):" in out and "check against torch.autograd: ok" in out
+    assert "def forward(self, table, idx, n, grad_loss):" in out and "check against torch.autograd: ok" in out
     assert main(["show", "v.py"]) == 0
     shown = capsys.readouterr().out
-    assert "def forward(table, idx, n, grad_out):" in shown and "table: f64[10, 4]" in shown
+    assert "def forward(table, idx, n, grad_loss):" in shown and "table: f64[10, 4]" in shown
     assert main(["grad", "model.py:embed", "--arg", "f32[10,4]", "--arg", "i64[3]%10", "--arg", "2.0", "--check", "--quiet"]) == 0
 
 

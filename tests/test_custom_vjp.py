@@ -619,20 +619,3 @@ def test_gradient_of_the_wrong_shape_is_a_clear_error_and_broadcast_ones_are_sum
     scale.defvjp(lambda x, w: (x * w, (x, w)), lambda res, g: (g * res[1], g[:, :2]))
     with pytest.raises(fxtools.CustomFunctionError, match=r"scale .*shape \[4, 2\] for an input of shape \[3\]"):
         fxtools.grad(lambda x, w: scale(x, w).sum(), x, w, argnums=1)
-
-
-@pytest.mark.parametrize("transform", ["vmap", "grad", "jvp"])
-def test_nested_torch_func_transform_is_a_clear_error(transform):
-    def f(x, w):
-        if transform == "vmap":
-            return torch.func.vmap(lambda r: (r @ w).sin())(x).sum()
-        if transform == "grad":
-            return torch.func.grad(lambda w: (x @ w).tanh().sum())(w).pow(2).sum()
-        return torch.func.jvp(lambda w: (x @ w).tanh().sum(), (w,), (torch.ones_like(w),))[1]
-
-    x, w = torch.randn(4, 3), torch.randn(3, 2)
-    with pytest.raises(
-        fxtools.FxtoolsError, match=rf"torch.func {transform}.*test_custom_vjp.py:{line_of(f, 'torch.func.' + transform)}"
-    ):
-        fxtools.grad(f, x, w, argnums=(0, 1))
-    fxtools.vmap(lambda x: torch.func.vmap(torch.sin)(x), torch.randn(2, 3))  # fxtools.vmap traces below functorch

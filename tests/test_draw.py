@@ -49,11 +49,12 @@ def test_split_of_a_gpt_block_colours_forward_backward_recomputed_and_saved(tmp_
     for n in compute_nodes(s.forward):
         assert fills[f"forward.{n.name}"] == fw, n
     recomputed = {n.name for n in compute_nodes(s.backward) if n.meta["fxtools_part"] == "recompute"}
-    assert "gelu" in recomputed and any(name.startswith("native_layer_norm") for name in recomputed)
+    ops = {getattr(n.target, "__name__", str(n.target)) for n in compute_nodes(s.backward) if n.name in recomputed}
+    assert "gelu" in ops and "native_layer_norm" in ops, ops
     for n in compute_nodes(s.backward):
         assert fills[f"backward.{n.name}"] == (rc if n.name in recomputed else bw), n
-        if n.name in recomputed:  # a recomputation is a copy of a forward op
-            assert f"forward.{n.name}" in fills
+        if n.name in recomputed and not isinstance(n.meta.get("val"), (tuple, list)):
+            assert f"forward.{n.name}" in fills  # a recomputation is a copy of a forward value
     # the saved tensors are boxes between the graphs, one per saved value, none drawn twice
     saved_ids = {k for k, v in fills.items() if v == saved}
     assert saved_ids == {f"saved.{info.name}" for info in s.saved}
@@ -83,7 +84,7 @@ def test_grad_graph_module_is_coloured_forward_and_backward():
     fills = nodes_of(svg)
     fw, bw = COLORS["forward"][0], COLORS["backward"][0]
     names = {n.name: fills[f"gm.{n.name}"] for n in compute_nodes(gm) if not _is_unpacking(n)}
-    assert {"linear", "relu", "linear_1"} <= {k for k, v in names.items() if v == fw}
+    assert {"fc1", "act", "fc2"} <= {k for k, v in names.items() if v == fw}  # named after the modules
     assert "cross_entropy_loss" not in names  # grad does not return the loss: its seed is x.new_ones([])
     assert all(v == bw for k, v in names.items() if k.startswith("grad_"))
     assert set(names.values()) == {fw, bw}
@@ -95,9 +96,9 @@ def test_grad_graph_module_is_coloured_forward_and_backward():
 def test_vjp_labels_are_name_op_and_shape():
     gm = fxtools.vjp(lambda x: torch.sin(x) + x, torch.randn(3, 2))
     svg = draw(gm)
-    assert "sin" in svg and "add = +" in svg and "grad_x = +" in svg and "f32[3, 2]" in svg
+    assert "out_sin = sin" in svg and "out = +" in svg and "grad_x = +" in svg and "f32[3, 2]" in svg
     fills = nodes_of(svg)
-    assert fills["gm.cos"] == COLORS["backward"][0]  # autograd computes it in the backward too
+    assert fills["gm.x_cos"] == COLORS["backward"][0]  # autograd computes it in the backward too
     assert fills["gm.grad_out"] == COLORS["input"][0]
 
 
@@ -123,8 +124,8 @@ def test_cli_svg(model_dir, capsys, monkeypatch):
     monkeypatch.chdir(model_dir)
     assert main(["split", "model.py:Net", "--arg", "x=f32[4,8]", "--quiet", "--svg", "s.svg"]) == 0
     fills = nodes_of((model_dir / "s.svg").read_text())
-    assert fills["backward.gelu"] == COLORS["recompute"][0] and fills["forward.gelu"] == COLORS["forward"][0]
+    assert fills["backward.h_gelu"] == COLORS["recompute"][0] and fills["forward.h_gelu"] == COLORS["forward"][0]
     assert "wrote s.svg" in capsys.readouterr().err
     assert main(["grad", "model.py:Net", "--arg", "x=f32[4,8]", "--quiet", "--svg", "g.svg"]) == 0
     fills = nodes_of((model_dir / "g.svg").read_text())
-    assert fills["gm.linear"] == COLORS["forward"][0] and fills["gm.grad_fc1_weight"] == COLORS["backward"][0]
+    assert fills["gm.fc1"] == COLORS["forward"][0] and fills["gm.grad_fc1_weight"] == COLORS["backward"][0]

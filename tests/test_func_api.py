@@ -86,6 +86,16 @@ def test_vjp_has_aux_cotangent_mirrors_out_only(wx):
     refuses_other_shape(gm, W, X, torch.randn(5, 4))  # a cotangent of the wrong shape
 
 
+def test_jvp_has_aux_as_torch_func(wx):
+    W, X = wx
+    tw = torch.randn(4, 3)
+    gm = fxtools.jvp(loss_with_aux, W, X, argnums=0, has_aux=True)
+    out, tangent_out, aux = gm(W, X, tw)
+    ref = torch.func.jvp(lambda w: loss_with_aux(w, X), (W,), (tw,), has_aux=True)
+    close((out, tangent_out, aux), ref)
+    refuses_other_shape(gm, W, X, torch.randn(4, 4))
+
+
 def test_has_aux_needs_a_pair(wx):
     W, X = wx
     with pytest.raises(ValueError, match=r"has_aux=True\) needs f to return a pair"):
@@ -233,6 +243,29 @@ def test_jacrev_chunk_size_matches_torch_func():
     gm = fxtools.jacrev(f, x, chunk_size=4)
     close(gm(x), torch.func.jacrev(f, chunk_size=4)(x))
     assert gm.code.count("torch.eye(") == 1
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_jacobian_with_dropout_draws_once_as_torch_func(chunk_size):
+    """torch.func.jacrev runs the forward once (one dropout mask for every row); jacfwd needs
+    randomness="same" for that. The same numbers after the same seed, the generator left alike."""
+
+    def f(x):
+        return F.dropout(torch.tanh(x), 0.5, training=True) * x
+
+    x = torch.randn(5)
+    cases = [
+        (fxtools.jacrev(f, x, chunk_size=chunk_size), torch.func.jacrev(f, chunk_size=chunk_size)),
+        (fxtools.jacfwd(f, x, randomness="same", chunk_size=chunk_size), torch.func.jacfwd(f, randomness="same")),
+    ]
+    for ours, theirs in cases:
+        torch.manual_seed(3)
+        got, after = ours(x), torch.rand(2)
+        torch.manual_seed(3)
+        want, want_after = theirs(x), torch.rand(2)
+        close(got, want)
+        torch.testing.assert_close(after, want_after, rtol=0, atol=0)
+        assert ours.code.count("torch.bernoulli(") == 1
 
 
 def test_jacobian_refuses_integer_outputs():

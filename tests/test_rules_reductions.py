@@ -208,7 +208,7 @@ def test_grad_of_sum_is_expanded_ones():
 
 def test_vjp_of_sum_is_one_expand():
     gm, code = _code(lambda x: x.sum(), _x())
-    assert "grad_x = grad_out.expand([3, 4])" in code, code
+    assert "grad_x = grad_loss.expand([3, 4])" in code, code
 
 
 def test_mean_over_dim_is_one_division_one_unsqueeze_one_expand():
@@ -244,7 +244,7 @@ def test_max_dim_scatters_to_index():
 
 def test_sort_gradient_is_one_scatter():
     gm, code = _code(lambda x: x.sort(1)[0], _x())
-    after = code.split("sort[1]", 1)[1]
+    after = code.split("torch.sort(", 1)[1]
     assert after.count("torch.") == 2, code  # zeros_like, scatter
 
 
@@ -261,8 +261,8 @@ def test_var_backward_is_centered_input_times_scaled_cotangent():
 
 def test_norm_backward_is_input_times_scaled_cotangent():
     _, code = _code(lambda x: x.norm(dim=1), _x())
-    body = code.split("torch.linalg.vector_norm(x, dim = [1])", 1)[1]
-    assert "grad_x = x * unsqueeze" in body, code
+    body = code.split("torch.linalg.vector_norm(x, dim=[1])", 1)[1]
+    assert "grad_x = x * " in body and body.count("torch.unsqueeze(") == 1, code
     assert "torch.ops" not in body
 
 

@@ -63,7 +63,7 @@ def test_per_sample_gradients_keep_the_names_of_the_gradient_code():
     per_sample = fxtools.vmap(g, params, xs, ys, in_dims=(None, 0, 0))
     code = per_sample.code
     assert "def forward(self, params, x, y)" in code
-    for name in ("grad_tanh", "grad_linear", "grad_params_0_weight", "grad_params_2_weight"):
+    for name in ("grad_model_1", "grad_model_0", "grad_params_0_weight", "grad_params_2_weight"):
         assert f"{name} = " in code, name
     want = torch.func.vmap(torch.func.grad(_mse(model)), in_dims=(None, 0, 0))(params, xs, ys)
     got = per_sample(params, xs, ys)

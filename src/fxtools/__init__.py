@@ -19,6 +19,7 @@ from .errors import DataDependentError, FxtoolsError, MissingRuleError
 from .functional import functional
 from .registry import mark_nondifferentiable, register_vjp, rule_set
 from .training import policies  # noqa: F401 - fxtools.policies, as documented
+from .training.aten import AtenSplit, Descriptor, to_aten
 from .training.backend import backend, compile  # noqa: A004 - fxtools.compile, like torch.compile
 from .training.partition import Split, split
 from .transforms.batching import vmap
@@ -55,6 +56,9 @@ __all__ = [
     "Split",
     "compile",
     "backend",
+    "to_aten",
+    "AtenSplit",
+    "Descriptor",
     "FxtoolsError",
     "MissingRuleError",
     "DataDependentError",

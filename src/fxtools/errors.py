@@ -23,8 +23,24 @@ class DataDependentError(FxtoolsError):
     """Python control flow depended on the *value* of a tensor, which a trace cannot capture."""
 
 
+_EXAMPLES = os.path.join(FXTOOLS_DIR, "cli", "examples.py")  # the demo's programs are user code
+
+
+def is_data_dependent(exc: BaseException) -> bool:
+    """Whether ``exc`` is PyTorch saying a trace needed the value of a tensor."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
+
+    # PendingUnbackedSymbolNotFound: a value read with .item() became an offset or size that
+    # make_fx cannot bind (torch.narrow with a tensor start)
+    return isinstance(
+        exc,
+        (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException, PendingUnbackedSymbolNotFound),
+    )
+
+
 def is_user_file(filename: str) -> bool:
-    return not (
+    return filename == _EXAMPLES or not (
         filename.startswith(_TORCH_DIR)
         or filename.startswith(FXTOOLS_DIR)
         or filename.startswith("<")

@@ -510,12 +510,36 @@ def _record(kind: _Kind, args, kwargs):
     return pytree.tree_unflatten(result, out_spec)
 
 
+NESTED = "torch.func"  # the transform name while a nested torch.func transform is traced (capture/nested.py)
+
+
+def _forward_is_its_derivative(cls) -> bool:
+    """Functions whose backward is just the derivative of their forward: PyTorch's own
+    ``ModIndex`` (``bias[h]`` inside a flex_attention ``score_mod``)."""
+    return cls.__module__ == "torch._dynamo._trace_wrapped_higher_order_op" and cls.__name__ == "ModIndex"
+
+
+def _nested_error(what: str, where: str) -> CustomFunctionError:
+    return CustomFunctionError(
+        f"{what} (at {where}) has its own backward and is called inside a torch.func transform "
+        "(vmap, grad, ...) inside the function fxtools differentiates. fxtools traces such a "
+        "transform op by op and would differentiate the forward's ops, not the backward; call the "
+        "function outside the transform (a batched call, or fxtools.vmap of fxtools.grad)"
+    )
+
+
 def _function_apply(cls, original, args, kwargs):
     """``Function.apply`` while fxtools captures."""
     kind = _FunctionKind(cls, current_user_line())
     base = torch.autograd.Function
     if not _STATE["capturing"]:
         return original.__get__(None, cls)(*args, **kwargs)
+    if _STATE["transform"] == NESTED:
+        if not _forward_is_its_derivative(cls):
+            raise _nested_error(f"the torch.autograd.Function {kind.name}", kind.where)
+        args, kwargs = kind.bind(args, kwargs)
+        with _not_capturing():
+            return kind.primal(*args, **kwargs)
     if _STATE["transform"] == "fxtools.vmap" or not _STATE["record"]:
         if cls.vmap is not base.vmap:
             raise CustomFunctionError(
@@ -570,6 +594,8 @@ class custom_vjp:  # noqa: N801 - named like jax.custom_vjp
     def __call__(self, *args, **kwargs):
         if not (_STATE["capturing"] and _STATE["record"]):
             return self.fun(*args, **kwargs)
+        if _STATE["transform"] == NESTED:
+            raise _nested_error(f"custom_vjp function {self.__name__}", current_user_line())
         if self.fwd is None:
             raise CustomFunctionError(
                 f"custom_vjp function {self.__name__} (at {current_user_line()}) has no rule: call .defvjp(fwd, bwd) first"

@@ -1,55 +1,388 @@
-"""Refuse ``torch.func`` transforms (vmap, grad, jvp, jacrev, ...) inside differentiated code.
+"""``torch.func`` transforms (vmap, grad, vjp, jvp, jacrev, jacfwd, hessian) inside captured code.
 
-fxtools captures at PyTorch's pre-dispatch level, above functorch. A transform nested in the
-function fails there with an obscure functorch error (vmap) or, worse, traces to a wrong graph
-(``torch.func.grad`` comes out as zeros). While capturing, entering any functorch level raises
-``NestedTransformError`` naming the user's line instead, before functorch changes any state.
-``fxtools.vmap`` traces below functorch on purpose and does not use this guard.
+fxtools captures at PyTorch's pre-dispatch level, which sits above functorch: a transform nested
+in the function would only show its unbatched inner values there (or, for ``torch.func.grad``,
+trace to a wrong graph). So while capturing, each call of a transform is traced on its own,
+*below* functorch (``make_fx`` without pre-dispatch, sharing the outer trace's FakeTensor mode),
+the way ``fxtools.vmap`` batches: what is recorded is what functorch runs, i.e. batched ops for
+``vmap`` (one ``mm`` on the whole batch, not a loop) and the backward's ATen ops for ``grad``.
+That graph is then replayed op by op on the outer trace's values, so the captured program holds
+ordinary ATen ops that every later stage (rules, ``jvp``, ``split``, ``compile``) differentiates
+like any others. Tensors the transformed function closes over (values computed earlier in the
+function, parameters) come out of the inner trace as constants; replayed, they are the outer
+values themselves, so gradients flow through them.
+
+Caught at the points every public spelling goes through: ``vmap_impl`` (``torch.vmap``,
+``torch.func.vmap``, the vmaps inside ``jacrev``/``jacfwd`` and ``flex_attention``),
+``grad_and_value_impl`` (``grad``, ``grad_and_value``), ``_vjp_with_argnums`` (``vjp``,
+``jacrev``) and ``_jvp_with_argnums`` (``jvp``). A functorch level entered any other way (say
+``torch.func.linearize``) raises ``NestedTransformError`` naming the user's line, as does a
+transform whose inner trace fails (with functorch's reason). A function with its own backward
+(``torch.autograd.Function``, ``fxtools.custom_vjp``) called inside such a transform is refused
+(``capture/custom.py``): the transform's ops would carry the forward's derivative, not its backward.
+
+Dynamo's graphs (the ``torch.compile`` backend) spell a transform out as functorch's level
+bookkeeping around the user's ops; ``functorch_regions`` makes each such region one call traced
+the same way. ``fxtools.vmap`` traces below functorch already and only shares ``out_of_place_views``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
+import threading
 
-from ..errors import FxtoolsError, current_user_line
+import torch
+import torch.fx as fx
+from torch.fx.experimental import proxy_tensor
+from torch.utils import _pytree as pytree
 
-__all__ = ["NestedTransformError", "no_nested_transforms"]
+from ..errors import FxtoolsError, current_user_line, is_data_dependent, user_frame
+from ..passes.views import collapse_view_chains
+from . import custom
+
+__all__ = ["NestedTransformError", "functorch_regions", "nested_transforms", "out_of_place_views", "run_below_functorch"]
 
 
 class NestedTransformError(FxtoolsError):
-    """A ``torch.func`` transform inside a function fxtools differentiates."""
+    """A ``torch.func`` transform inside a function fxtools differentiates that it cannot trace."""
 
 
-def _refuse(transform: str):
-    @contextlib.contextmanager
-    def enter(*args, **kwargs):
-        raise NestedTransformError(
-            f"a torch.func {transform} transform (at {current_user_line()}) is nested inside the function fxtools "
-            "is differentiating, which fxtools cannot trace. Write the batched computation directly "
-            "(batched ops, torch.einsum), or compose fxtools' own transforms instead, e.g. "
-            "fxtools.vmap(fxtools.grad(f, ...), ...) or fxtools.hvp."
-        )
-        yield  # pragma: no cover
+_state = threading.local()
 
-    return enter
+
+def _below() -> bool:
+    """Whether the running code is already traced below functorch (inside a transform's trace)."""
+    return getattr(_state, "below", 0) > 0
 
 
 @contextlib.contextmanager
-def no_nested_transforms():
-    """While active, functorch's vmap / grad (vjp, jacrev) / jvp (jacfwd) levels raise instead."""
+def _tracing_below():
+    _state.below = getattr(_state, "below", 0) + 1
+    try:
+        yield
+    finally:
+        _state.below -= 1
+
+
+def _refusal(transform: str) -> NestedTransformError:
+    return NestedTransformError(
+        f"a torch.func {transform} transform (at {current_user_line()}) is nested inside the function fxtools "
+        "is differentiating, reached by a path fxtools cannot trace (it supports torch.func.vmap, grad, "
+        "grad_and_value, vjp, jvp, jacrev, jacfwd and hessian there). Write the computation with those, "
+        "or compose fxtools' own transforms instead, e.g. fxtools.vmap(fxtools.grad(f, ...), ...), fxtools.jvp "
+        "or fxtools.hvp."
+    )
+
+
+@contextlib.contextmanager
+def _outside_pre_dispatch():
+    """Hide the outer trace's pre-dispatch modes while a transform is traced below functorch:
+    they would record functorch's own bookkeeping (``_vmap_increment_nesting``, grad mode
+    switches, the inner ops' views) into the outer graph."""
+    from torch._ops import _get_dispatch_mode_pre_dispatch, _set_mode_pre_dispatch, unset_mode_pre_dispatch
+
+    key = torch._C._TorchDispatchModeKey.PROXY
+    proxy = unset_mode_pre_dispatch(key) if _get_dispatch_mode_pre_dispatch(key) is not None else None
+    stack = torch.overrides._get_current_function_mode_stack()
+    kept = [m for m in stack if not isinstance(m, proxy_tensor.PreDispatchTorchFunctionMode)]
+    _set_function_modes(stack, kept)
+    try:
+        yield
+    finally:
+        _set_function_modes(kept, stack)
+        if proxy is not None:
+            _set_mode_pre_dispatch(proxy)
+
+
+def _set_function_modes(current: list, new: list) -> None:
+    for _ in current:
+        torch._C._pop_torch_function_stack()
+    for mode in new:
+        torch._C._push_on_torch_function_stack(mode)
+
+
+def _sub_tracer(parent):
+    return proxy_tensor._MakefxTracer(
+        parent.decomposition_table,
+        "fake",
+        parent._allow_non_fake_inputs,
+        False,  # below functorch: batched and backward ops, not the transform's inner view
+        parent.record_module_stack,
+        parent._allow_fake_constant,
+        parent._error_on_data_dependent_ops,
+        parent_tracer=parent,
+    )
+
+
+def run_below_functorch(transform: str, fn, args: tuple, where: str | None = None):
+    """``fn(*args)`` (which calls a torch.func transform), traced below functorch and replayed in
+    the running trace as plain ATen ops; called directly when already below functorch."""
+    parent = proxy_tensor._CURRENT_MAKE_FX_TRACER
+    if _below() or parent is None or not parent.pre_dispatch:
+        return fn(*args)
+    where = where or current_user_line()
+    flat, in_spec = pytree.tree_flatten(args)
+    is_tensor = [isinstance(x, torch.Tensor) for x in flat]
+    out_info = {}
+
+    def flat_fn(*tensors):
+        it = iter(tensors)
+        full = [next(it) if t else x for x, t in zip(flat, is_tensor)]
+        out = fn(*pytree.tree_unflatten(full, in_spec))
+        leaves, out_info["spec"] = pytree.tree_flatten(out)
+        out_info["leaves"] = leaves
+        return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+    sub = _sub_tracer(parent)
+    try:
+        with _tracing_below(), custom.transform(custom.NESTED), _outside_pre_dispatch(), sub._init_modes_from_parent(parent):
+            sub.fx_tracer.record_stack_traces = parent.fx_tracer.record_stack_traces
+            inner = sub._trace_inner(flat_fn, *[x for x, t in zip(flat, is_tensor) if t])
+    except FxtoolsError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised naming the user's line
+        if is_data_dependent(exc):
+            raise
+        inside = user_frame(exc.__traceback__)
+        inside = f" (inside it, at {inside})" if inside and inside != where else ""
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise NestedTransformError(
+            f"fxtools cannot trace the torch.func {transform} at {where}{inside}: {type(exc).__name__}: {reason}"
+        ) from exc
+    out_of_place_views(inner)
+    while collapse_view_chains(inner):
+        pass
+    inner.graph.eliminate_dead_code()
+    results = iter(_replay(inner, [x for x, t in zip(flat, is_tensor) if t]))
+    leaves = [next(results) if isinstance(x, torch.Tensor) else x for x in out_info["leaves"]]
+    return pytree.tree_unflatten(leaves, out_info["spec"])
+
+
+def _replay(inner: fx.GraphModule, tensors: list) -> list:
+    """Run ``inner``'s ops in the running (outer) trace; its nodes keep the inner user lines."""
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    graph = mode.tracer.graph if mode is not None else None
+
+    class Replay(fx.Interpreter):
+        def run_node(self, n):
+            last = graph._root.prev if graph is not None else None
+            out = super().run_node(n)
+            trace = n.meta.get("stack_trace")
+            if graph is not None and trace and n.op == "call_function" and n.target is not operator.getitem:
+                node = graph._root.prev
+                while node is not last and node.op != "root":
+                    node.meta["stack_trace"] = trace
+                    node = node.prev
+            return out
+
+    return list(Replay(inner).run(*tensors))
+
+
+aten = torch.ops.aten
+_INPLACE_VIEWS = {
+    aten.squeeze_.dims: aten.squeeze.dims,
+    aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.default: aten.squeeze.default,
+    aten.unsqueeze_.default: aten.unsqueeze.default,
+    aten.transpose_.default: aten.transpose.int,
+    aten.t_.default: aten.t.default,
+}
+
+
+def out_of_place_views(gm: fx.GraphModule) -> None:
+    """vmap's batching rules reshape their own fresh results in place (``mm(...)._unsafe_view(...)
+    .squeeze_(1)``); when nothing else reads the tensor, that is the out-of-place view."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _INPLACE_VIEWS:
+            src = node.args[0]
+            if isinstance(src, fx.Node) and len(src.users) == 1 and src.op == "call_function":
+                node.target = _INPLACE_VIEWS[node.target]
+
+
+def _vmap_impl(original):
+    def vmap_impl(func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs):
+        def call(args, kwargs):
+            return original(func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs)
+
+        return run_below_functorch("vmap", call, (args, kwargs))
+
+    return vmap_impl
+
+
+def _grad_and_value_impl(original):
+    def grad_and_value_impl(func, argnums, has_aux, args, kwargs):
+        def call(args, kwargs):
+            return original(func, argnums, has_aux, args, kwargs)
+
+        return run_below_functorch("grad", call, (args, kwargs))
+
+    return grad_and_value_impl
+
+
+def _vjp_with_argnums(original):
+    def vjp_with_argnums(func, *primals, argnums=None, has_aux=False):
+        if _below() or proxy_tensor._CURRENT_MAKE_FX_TRACER is None:
+            return original(func, *primals, argnums=argnums, has_aux=has_aux)
+
+        def forward(primals):
+            result = original(func, *primals, argnums=argnums, has_aux=has_aux)
+            return (result[0], result[2]) if has_aux else result[0]
+
+        # the vjp function runs the forward again in its own trace: the two copies are one after
+        # common-subexpression elimination
+        def vjp_fn(*cotangents, **kwargs):
+            def backward(primals, cotangents):
+                return original(func, *primals, argnums=argnums, has_aux=has_aux)[1](*cotangents, **kwargs)
+
+            return run_below_functorch("vjp", backward, (primals, cotangents))
+
+        result = run_below_functorch("vjp", forward, (primals,))
+        return (result[0], vjp_fn, result[1]) if has_aux else (result, vjp_fn)
+
+    return vjp_with_argnums
+
+
+def _jvp_with_argnums(original):
+    def jvp_with_argnums(func, primals, tangents, argnums=None, *, strict=False, has_aux=False):
+        def call(primals, tangents):
+            return original(func, primals, tangents, argnums, strict=strict, has_aux=has_aux)
+
+        return run_below_functorch("jvp", call, (primals, tangents))
+
+    return jvp_with_argnums
+
+
+@contextlib.contextmanager
+def nested_transforms():
+    """While active, torch.func transforms are traced below functorch and replayed (see the module
+    docstring); functorch levels entered any other way raise ``NestedTransformError``."""
+    import torch._functorch.apis as apis
     import torch._functorch.eager_transforms as eager
     import torch._functorch.vmap as vmap
+    import torch.autograd.forward_ad as forward_ad
 
-    patches = [
+    wrappers = [
+        (apis, "vmap_impl", _vmap_impl),
+        (eager, "grad_and_value_impl", _grad_and_value_impl),
+        (eager, "_vjp_with_argnums", _vjp_with_argnums),
+        (eager, "_jvp_with_argnums", _jvp_with_argnums),
+    ]
+    levels = [
         (vmap, "vmap_increment_nesting", "vmap"),
         (eager, "grad_increment_nesting", "grad/vjp"),
         (eager, "jvp_increment_nesting", "jvp"),
+        # forward-mode AD levels: torch.func.linearize (whose own make_fx would trace a wrong
+        # graph) and torch.autograd.forward_ad used directly
+        (forward_ad, "enter_dual_level", "linearize/forward-mode AD"),
     ]
-    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
-    for module, name, transform in patches:
-        setattr(module, name, _refuse(transform))
+    saved = [(module, name, getattr(module, name)) for module, name, _ in [*wrappers, *levels]]
+    for module, name, wrap in wrappers:
+        setattr(module, name, wrap(getattr(module, name)))
+    for module, name, transform in levels:
+        setattr(module, name, _guarded_level(getattr(module, name), transform))
     try:
         yield
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
+
+
+def _guarded_level(original, transform: str):
+    def enter(*args, **kwargs):
+        if not _below():
+            raise _refusal(transform)
+        return original(*args, **kwargs)
+
+    return enter
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamo's graphs (the torch.compile backend)
+
+_ENTER = {
+    "_vmap_increment_nesting": "vmap",
+    "_grad_increment_nesting": "grad",
+    "_jvp_increment_nesting": "jvp",
+    "_enter_dual_level": "jvp",
+    "_saved_tensors_hooks_disable": "grad",
+}
+_EXIT = {"_vmap_decrement_nesting", "_grad_decrement_nesting", "_jvp_decrement_nesting", "_exit_dual_level"}
+_EXIT_ALSO = {"_saved_tensors_hooks_enable"}
+
+
+def _functorch_name(node: fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    name = getattr(node.target, "__name__", None)
+    return name if name in _ENTER or name in _EXIT or name in _EXIT_ALSO or name == "lazy_load_decompositions" else None
+
+
+def functorch_regions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Each torch.func transform in a Dynamo graph as one call traced by ``run_below_functorch``.
+
+    Dynamo spells a transform out as functorch's own bookkeeping around the user's ops
+    (``_vmap_increment_nesting``, ``_add_batch_dim``, the ops, ``_remove_batch_dim``,
+    ``_vmap_decrement_nesting``), which means nothing above functorch. Every outermost such
+    region becomes a submodule run by ``run_functorch_region``: below functorch while fxtools
+    captures (batched ops, the backward's ops), as it is otherwise.
+    """
+    nodes = list(gm.graph.nodes)
+    regions, depth, start = [], 0, 0
+    for i, node in enumerate(nodes):
+        name = _functorch_name(node)
+        if name in _ENTER:
+            if depth == 0:
+                start = i
+                while start > 0 and _functorch_name(nodes[start - 1]) == "lazy_load_decompositions":
+                    start -= 1
+            depth += 1
+        elif name in _EXIT or (name in _EXIT_ALSO and depth > 0):
+            depth -= 1
+            if depth == 0:
+                end = i + 1
+                while end < len(nodes) and _functorch_name(nodes[end]) in _EXIT_ALSO:
+                    end += 1
+                regions.append(nodes[start:end])
+    for k, region in enumerate(regions):
+        _outline(gm, region, f"functorch_region_{k}")
+    if regions:
+        gm.recompile()
+    return gm
+
+
+def _outline(gm: fx.GraphModule, region: list[fx.Node], name: str) -> None:
+    from ..errors import user_line_of
+
+    inside = set(region)
+    inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
+    outputs = [n for n in region if any(u not in inside for u in n.users)]
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = graph.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in region:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(tuple(env[o] for o in outputs))
+    gm.add_submodule(name, fx.GraphModule(gm, graph))
+    kind = next(_ENTER[_functorch_name(n) or ""] for n in region if _functorch_name(n) in _ENTER)
+    where = next((w for w in map(user_line_of, region) if w), None)
+    with gm.graph.inserting_after(region[-1]):
+        body = gm.graph.get_attr(name)
+    with gm.graph.inserting_after(body):
+        call = gm.graph.call_function(run_functorch_region, (kind, where, body, *inputs))
+    call.meta["stack_trace"] = next((n.meta["stack_trace"] for n in region if n.meta.get("stack_trace")), None)
+    last = call
+    for i, o in enumerate(outputs):
+        with gm.graph.inserting_after(last):
+            last = gm.graph.call_function(operator.getitem, (call, i))
+        last.meta = dict(o.meta)
+        o.replace_all_uses_with(last)
+    for n in reversed(region):
+        gm.graph.erase_node(n)
+
+
+def run_functorch_region(kind: str, where: str | None, body: fx.GraphModule, *inputs):
+    """A region of functorch calls from a Dynamo graph (``functorch_regions``)."""
+    return run_below_functorch(kind, body, inputs, where)

@@ -17,6 +17,7 @@ in-place updates of buffers (BatchNorm's running statistics) happen exactly as i
 from __future__ import annotations
 
 import contextlib
+import inspect
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +30,9 @@ from torch.utils import _pytree as pytree
 
 from ..codegen.naming import arg_names, identifier, leaf_names
 from ..dynamic_shapes import CountsFromExamples
-from ..errors import DataDependentError, FxtoolsError, is_user_file, user_frame
+from ..errors import DataDependentError, FxtoolsError, is_data_dependent, is_user_file, user_frame
 from .checkpoint import checkpoint_regions
+from .names import module_paths, name_values, outer_frames, recording_modules
 from .replacements import Replacing, check_no_writes
 
 
@@ -56,7 +58,8 @@ class Captured:
 def _module_tensor_names(f) -> dict[int, str]:
     """id(tensor) -> identifier for the tensors ``f`` reads without taking them as arguments:
     the parameters and buffers of the module behind ``f``, and the tensors (or modules' tensors)
-    its code names as closure variables or globals (``w`` in ``lambda x: x @ w``)."""
+    its code names as closure variables or globals (``w`` in ``lambda x: x @ w``), also in the
+    functions it defines or calls by name (a ``score_mod`` reading a global ``bias``)."""
     names: dict[int, str] = {}
 
     def add_module(module, prefix=""):
@@ -66,15 +69,31 @@ def _module_tensor_names(f) -> dict[int, str]:
     module = f if isinstance(f, torch.nn.Module) else getattr(f, "__fxtools_module__", None)
     if module is not None:
         add_module(module)
-    code = getattr(f, "__code__", None)
-    if code is not None:
-        cells = dict(zip(code.co_freevars, (c.cell_contents for c in f.__closure__ or () if _has_contents(c))))
-        seen = {**{n: f.__globals__[n] for n in code.co_names if n in getattr(f, "__globals__", {})}, **cells}
+    seen_code: set[int] = set()
+
+    def add_code(code, globals_, cells, depth):
+        if id(code) in seen_code or depth > 2:
+            return
+        seen_code.add(id(code))
+        seen = {**{n: globals_[n] for n in code.co_names if n in globals_}, **cells}
         for name, value in seen.items():
             if isinstance(value, torch.Tensor):
                 names.setdefault(id(value), identifier(name))
             elif isinstance(value, torch.nn.Module):
                 add_module(value, name + ".")
+            elif inspect.isfunction(value):
+                add_function(value, depth + 1)
+        for const in code.co_consts:  # functions defined inside (lambdas), reading the same globals
+            if inspect.iscode(const):
+                add_code(const, globals_, {}, depth + 1)
+
+    def add_function(fn, depth):
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or () if _has_contents(c))))
+            add_code(code, getattr(fn, "__globals__", {}), cells, depth)
+
+    add_function(f, 0)
     return names
 
 
@@ -178,18 +197,6 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=Tru
         return tracer(*example_leaves)
 
 
-def is_data_dependent(exc: BaseException) -> bool:
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
-
-    # PendingUnbackedSymbolNotFound: a value read with .item() became an offset or size that
-    # make_fx cannot bind (torch.narrow with a tensor start)
-    return isinstance(
-        exc,
-        (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException, PendingUnbackedSymbolNotFound),
-    )
-
-
 def realize_constants(gm: fx.GraphModule) -> fx.GraphModule:
     """Replace FakeTensor attributes (constants made while tracing in fake mode) by their real values.
 
@@ -256,15 +263,18 @@ def _custom_autograd_functions(pre_dispatch=True):
     would otherwise run it under ``no_grad`` and its inputs would get no gradient. A
     ``torch.autograd.Function`` or ``fxtools.custom_vjp`` call becomes one node carrying its own
     backward as its rule (``capture/custom.py``); under ``fxtools.vmap`` (``pre_dispatch=False``) it just
-    runs. Nested ``torch.func`` transforms are refused with the user's line (``capture/nested.py``).
+    runs. Nested ``torch.func`` transforms are traced below functorch and replayed as plain ops
+    (``capture/nested.py``); ``flex_attention`` is traced as its dense math (``capture/flex_attention.py``).
     """
     from .custom import capturing
-    from .nested import no_nested_transforms
+    from .flex_attention import dense_flex_attention
+    from .nested import nested_transforms
 
     with (
         checkpoint_regions(),
         capturing(record=pre_dispatch),
-        no_nested_transforms() if pre_dispatch else contextlib.nullcontext(),
+        nested_transforms() if pre_dispatch else contextlib.nullcontext(),
+        dense_flex_attention() if pre_dispatch else contextlib.nullcontext(),
     ):
         yield
 
@@ -398,6 +408,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
         return out_leaves
 
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
+    outer = outer_frames()
     symbolic = None
     if dynamic_shapes is not None:
         from ..codegen.sizes import fake_arguments
@@ -405,7 +416,12 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
         fake_args, symbolic = fake_arguments(f, tuple(args), dynamic_shapes)
         tensors = [x for x in pytree.tree_leaves(fake_args) if isinstance(x, torch.Tensor)]
     try:
-        with _custom_autograd_functions(pre_dispatch), _compiling(), _inference_mode_as_no_grad():
+        with (
+            _custom_autograd_functions(pre_dispatch),
+            _compiling(),
+            _inference_mode_as_no_grad(),
+            recording_modules(module_paths(f) if record_stack_traces else None),
+        ):
             gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch)
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if is_data_dependent(exc):
@@ -416,17 +432,26 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     for node, name in zip(placeholders, [n for n, t in zip(names, is_tensor) if t]):
         node._rename(name)
     _name_constants(gm, _module_tensor_names(f))
+    name_values(gm, f, outer)
     gm.recompile()
     arg_of_leaf = [p[0].idx if p else 0 for p in paths]
     return Captured(gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"], symbolic)
 
 
 def check_supported(gm: fx.GraphModule) -> None:
-    """Reject graph constructs fxtools cannot differentiate yet, naming the user's line."""
+    """Reject graph constructs fxtools cannot differentiate yet, naming the user's line.
+
+    A higher-order op (control flow) is supported once a transform gave it a rule
+    (``node.meta["fxtools_rule"]``, as ``transforms/control_flow.py`` does).
+    """
     from ..errors import user_line_of
 
     for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+        if (
+            node.op == "call_function"
+            and isinstance(node.target, torch._ops.HigherOrderOperator)
+            and "fxtools_rule" not in node.meta
+        ):
             where = user_line_of(node) or "unknown line"
             raise FxtoolsError(f"{node.target.name()} (from {where}) is not supported by fxtools yet")
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "c10d":

@@ -258,9 +258,14 @@ class _Function:
             inlined = inline_submodules(graph, gm)
         except InlineError as exc:
             raise ExportError(str(exc)) from None
+        self.subfunctions: list[_Function] = []  # control flow's functions (cond's branches, scan's step)
         for node in graph.nodes:
             if node.op == "get_attr":
                 value = inlined[node] if node in inlined else _get_attr(gm, node.target)
+                if isinstance(value, fx.GraphModule) and id(value) not in ids:
+                    flat = _fresh_name(identifier(node.target), set(values) | set(ids.values()) | {ns, "forward", "backward"})
+                    ids[id(value)] = flat
+                    self.subfunctions.append(_Function(value, flat, ns, values, ids))
                 if id(value) not in ids:
                     base = re.sub(r"\W", "_", unicodedata.normalize("NFKC", node.target))
                     if base.startswith("__") or not base.isidentifier():  # no name mangling in the class body
@@ -308,6 +313,14 @@ class _Function:
         return lines
 
 
+def _subfunctions(functions: list[_Function]) -> list[_Function]:
+    """The functions of control flow the ``functions`` call, innermost first."""
+    found: list[_Function] = []
+    for fn in functions:
+        found += _subfunctions(fn.subfunctions) + fn.subfunctions
+    return found
+
+
 def _functions_of(obj):
     """``[(name, GraphModule)]`` and extra docstring lines for a GraphModule or an ``fxtools.split``."""
     if isinstance(obj, fx.GraphModule):
@@ -342,11 +355,12 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
     ns = _fresh_name("constants", taken)
     values, ids = {}, {}
     functions = [_Function(g, fname, ns, values, ids) for fname, g in pairs]
+    subfunctions = _subfunctions(functions)
     guarded = [fn for fn in functions if fn.guards is not None]
     for fn in guarded:
-        name = _fresh_name(f"{fn.fname}_accepts", taken | {ns})
-        taken.add(name)
-        fn.check_first(name)
+        accepts = _fresh_name(f"{fn.fname}_accepts", taken | {ns})
+        taken.add(accepts)
+        fn.check_first(accepts)
 
     # constants read by get_attr nodes
     targets = list(values)
@@ -402,17 +416,20 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
             f"_stored = torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), {pt_name!r}), weights_only=True)"
         )
         parts.append("")
-    if values:
-        parts += ["", f"class {ns}:", '    """The tensor constants the code reads (buffers are updated in place)."""']
+    if values or subfunctions:
+        what = "tensor constants the code reads (buffers are updated in place)" if values else "functions of control flow"
+        parts += ["", f"class {ns}:", f'    """The {what}."""']
         for target, value in values.items():
             rhs = f"_stored[{target!r}]" if target in stored else _tensor_literal(value)
             parts.append(f"    {target} = {rhs}")
         if stored:
             parts.append("\n\ndel _stored")
         parts.append("")
-    for fn in functions:
+    for fn in [*subfunctions, *functions]:
         parts.append("")
         parts.append(_annotate(fn.src, fn.graph))
+    if subfunctions:  # the code reads control flow's functions as it reads constants
+        parts += ["", ""] + [f"{ns}.{fn.fname} = {fn.fname}" for fn in subfunctions]
     if guarded:
         parts += ["", GUARDS_MARKER, "", "", _guards.runtime_source(), ""]
         for fn in guarded:

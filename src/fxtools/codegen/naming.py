@@ -235,3 +235,59 @@ def leaf_names(paths, top_names: list[str]) -> list[str]:
         used.add(name)
         names.append(name)
     return names
+
+
+def op_base(node) -> str:
+    """The name of a node's op without overload or counter: ``matmul`` for ``aten.matmul.default``."""
+    target = node.target
+    name = getattr(getattr(target, "overloadpacket", target), "__name__", None) or re.sub(r"_\d+$", "", node.name)
+    return name.strip("_") or "v"
+
+
+def shortest_unique_suffixes(paths: list[str]) -> dict[str, str]:
+    """Each dotted module path's shortest suffix no other path ends with, as an identifier:
+    ``h.3.attn.c_proj`` -> ``attn_c_proj`` beside ``h.3.mlp.c_proj``; a suffix starting with a
+    list index takes its list's name too (``h_3``, never ``3``)."""
+    parts = {p: p.split(".") for p in paths}
+    out = {}
+    for p, ps in parts.items():
+        for k in range(1, len(ps) + 1):
+            if k < len(ps) and ps[-k][:1].isdigit():
+                continue
+            suffix = ps[-k:]
+            if not any(q != p and qs[-k:] == suffix for q, qs in parts.items()):
+                break
+        out[p] = identifier("_".join(ps[-k:]))
+    return out
+
+
+_SHORT_OPS = {"transpose": "t", "mT": "t", "numpy_T": "t", "to_copy": "to", "sym_size": "size", "sym_numel": "numel"}
+
+
+def short_op(node) -> str:
+    """A short name for a node's op, for the intermediate values named after it (``v_t``)."""
+    base = op_base(node)
+    return _SHORT_OPS.get(base, base)
+
+
+_PARTS = {  # what the outputs of multi-output ops are, where the schema does not name them
+    "native_layer_norm": ("out", "mean", "rstd"),
+    "native_batch_norm": ("out", "mean", "invstd"),
+    "_native_batch_norm_legit": ("out", "mean", "invstd"),
+    "_native_batch_norm_legit_functional": ("out", "mean", "invstd", "running_mean", "running_var"),
+    "_native_batch_norm_legit_no_training": ("out", "mean", "invstd"),
+    "native_group_norm": ("out", "mean", "rstd"),
+    "max_pool2d_with_indices": ("out", "indices"),
+    "max_pool3d_with_indices": ("out", "indices"),
+    "var_mean": ("var", "mean"),
+    "std_mean": ("std", "mean"),
+}
+
+
+def part_name(target, i: int) -> str:
+    """The name of output ``i`` of a multi-output op: ``rstd`` for ``native_layer_norm``'s third."""
+    schema = getattr(target, "_schema", None)
+    if schema is not None and i < len(schema.returns) and schema.returns[i].name:
+        return schema.returns[i].name
+    parts = _PARTS.get(getattr(getattr(target, "overloadpacket", target), "__name__", ""), ())
+    return parts[i] if i < len(parts) else str(i)

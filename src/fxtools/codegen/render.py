@@ -22,7 +22,9 @@ import torch.nn.functional as F
 
 from ..errors import FxtoolsError
 from ..passes.simplify import is_input_leaf
+from ..passes.subgraphs import name_subgraph_inputs, subgraphs
 from .naming import SHADOWS, is_plain_identifier, plain_literal, repr_safe
+from .pycode import use_readable_code
 
 aten = torch.ops.aten
 
@@ -146,7 +148,7 @@ def public_alias(fn, namespace, name):
     return _ALIASES[key]
 
 
-_RENAMED = {"cross_entropy_loss": (F, "cross_entropy"), "nll_loss_nd": (F, "nll_loss")}
+_RENAMED = {"cross_entropy_loss": (F, "cross_entropy"), "nll_loss_nd": (F, "nll_loss"), "layer_norm": (F, "layer_norm")}
 _PREFIXED = (("linalg_", torch.linalg), ("special_", torch.special), ("fft_", torch.fft))
 
 
@@ -189,10 +191,10 @@ def _call(op, args, kwargs):
         return "call_function", _SWAPPED[op], (args[1], args[0]), {}
     pairs, schema = _schema_args(op, args, kwargs)
     if op in _METHODS:
-        return _split("call_method", _METHODS[op], pairs, [a.name for a in schema if not a.kwarg_only])
+        return _split("call_method", _METHODS[op], pairs, _positional(schema))
     if _none_in_optional_tensor_list(schema, pairs):
         return None  # torch.index_put(x, [None, i], v) is rejected by the Python binding
-    positional = [a.name for a in schema if not a.kwarg_only]
+    positional = _positional(schema)
     name = op.overloadpacket.__name__
     if name.endswith("_") and not name.startswith("_") and schema and schema[0].is_write and hasattr(torch.Tensor, name):
         return _split("call_method", name, pairs, positional)  # a kept in-place update: buffer.add_(1)
@@ -257,6 +259,7 @@ def _python_call(target, params, pairs, schema):
             len(args) < len(order)
             and order[len(args)] == name
             and params[name].kind in positional
+            and params[name].default is inspect.Parameter.empty  # options by keyword, as in _split
             and params[order[0]].kind in positional
         ):
             args.append(kwargs.pop(name))
@@ -271,6 +274,13 @@ def _none_in_optional_tensor_list(schema, pairs) -> bool:
     return any(
         types.get(n) == "List[Optional[Tensor]]" and isinstance(v, (list, tuple)) and any(i is None for i in v) for n, v in pairs
     )
+
+
+def _positional(schema) -> list[str]:
+    """Arguments written by position: the schema's required ones. Those with a default (options
+    such as ``keepdim``, ``stride``, ``dim=0``) are written by keyword, so that every call of a
+    function reads in one style whichever defaults were dropped: ``torch.sum(x, [1], keepdim=True)``."""
+    return [a.name for a in schema if not a.kwarg_only and not a.has_default_value()]
 
 
 def _split(kind, target, pairs, positional):
@@ -290,6 +300,7 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
     The caller recompiles ``gm`` (once, after its last pass).
     """
     _devices_from_inputs(gm)
+    _layer_norms_without_statistics(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -304,6 +315,11 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
         else:
             node.target, node.args, node.kwargs = target, args, kwargs
     check_code_data(gm)
+    use_readable_code(gm.graph)
+    name_subgraph_inputs(gm)
+    for sub in subgraphs(gm):  # control flow's functions
+        render(sub)
+        sub.recompile()
     return gm
 
 
@@ -414,6 +430,27 @@ def _as_narrow(node: fx.Node) -> bool:
     end = size if end is None else max(end + size, 0) if end < 0 else min(end, size)
     node.op, node.target, node.args = "call_method", "narrow", (x, dim, start, max(end - start, 0))
     return True
+
+
+def _layer_norms_without_statistics(gm: fx.GraphModule) -> None:
+    """``out, _, _ = torch.native_layer_norm(x, ...)`` -> ``out = F.layer_norm(x, ...)`` where nothing
+    reads the mean and reciprocal standard deviation: the same kernel (``aten.layer_norm`` calls
+    ``native_layer_norm``), written as users write it."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.native_layer_norm.default or node.kwargs:
+            continue
+        users = list(node.users)
+        if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0:
+            continue
+        part = users[0]
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(aten.layer_norm.default, tuple(node.args))
+        new.meta = {**part.meta}
+        part.replace_all_uses_with(new)
+        name = part.name
+        gm.graph.erase_node(part)
+        gm.graph.erase_node(node)
+        new.name = name  # the erased part's name: unique, and still reserved in the namespace
 
 
 def _as_subscript(node: fx.Node) -> bool:

@@ -52,11 +52,14 @@ def annotated_code(gm: fx.GraphModule) -> str:
     by_name = {n.name: n for n in gm.graph.nodes}
     lines = []
     for line in gm.code.strip("\n").splitlines():
-        m = re.match(r"\s+(\w+) = ", line)
-        if m and m.group(1) in by_name:
-            desc = describe(by_name[m.group(1)].meta.get("val"))
-            if desc:
-                line = f"{line.split(';  ')[0]}  # {desc}"
+        if re.match(r"\s+del \w", line):
+            continue  # freeing memory early is for running, not reading
+        m = re.match(r"\s+(\w+(?:, \w+)*) = ", line)
+        names = m.group(1).split(", ") if m else []
+        if names and any(n in by_name for n in names):
+            descs = [describe(by_name[n].meta.get("val")) if n in by_name else "-" for n in names]
+            if all(descs):
+                line = f"{line.split(';  ')[0]}  # {', '.join(d or '-' for d in descs)}"
         elif line.lstrip().startswith("def forward"):
             inputs = [
                 f"{n.name}: {describe(n.meta.get('val'))}"
@@ -75,9 +78,20 @@ def annotated_code(gm: fx.GraphModule) -> str:
 def show(gm: fx.GraphModule, file=None) -> None:
     """Print ``gm``'s code with the shape and dtype of each value as a trailing comment.
 
-    The ``x = None`` bookkeeping that FX adds to free memory is left out for reading.
+    The ``x = None`` bookkeeping that FX adds to free memory is left out for reading. The
+    functions of control flow (``torch.cond``'s branches, ``scan``'s step: ``self.<name>``)
+    follow, each under a ``# self.<name>:`` line.
     """
-    print(annotated_code(gm), file=file or sys.stdout)
+    print(annotated_code(gm) + _subgraph_code(gm), file=file or sys.stdout)
+
+
+def _subgraph_code(gm: fx.GraphModule, prefix: str = "self.") -> str:
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    text = ""
+    for name, sub in gm.named_children():
+        if isinstance(sub, fx.GraphModule) and name in read:
+            text += f"\n# {prefix}{name}:\n" + annotated_code(sub) + _subgraph_code(sub, f"{prefix}{name}.")
+    return text
 
 
 # ---------------------------------------------------------------------------------------------

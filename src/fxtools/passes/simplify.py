@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 
 from ..dynamic_shapes import broadcasts_into, materialize, same_shape, shape_arg, sizes_from_inputs
+from .subgraphs import drop_unused_subgraphs, subgraphs
 
 aten = torch.ops.aten
 
@@ -472,23 +473,30 @@ def _identities(gm: fx.GraphModule, fake_mode) -> bool:
             only_for_this = isinstance(new, fx.Node) and set(new.users) == {node} and has_generic_name(new)
             node.replace_all_uses_with(new)
             if _made_since(start, node, new) or only_for_this:
-                name = node.name
+                name, op_only = node.name, _op_only_name(node)
                 gm.graph.erase_node(node)
-                if name.startswith("grad_"):
+                if isinstance(new, fx.Node) and (name.startswith("grad_") or (not op_only and has_generic_name(new))):
                     new.name = name  # the erased node's name: unique, and still reserved in the namespace
             changed = True
     return changed
 
 
 def has_generic_name(node: fx.Node) -> bool:
-    """The node is named only after its op (``mm_2``): a better name may replace it.
+    """The node is named after its op (``mm_2``, or an intermediate ``scores_mm``): a better name may replace it.
 
     Only a value computed for the one node it replaces takes that node's name: a forward value
     that the backward happens to reuse keeps its own.
     """
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    return re.fullmatch(rf"{re.escape(node.target.overloadpacket.__name__.rstrip('_'))}_*(_\d+)?", node.name) is not None
+    op = re.escape(node.target.overloadpacket.__name__.strip("_"))
+    return re.fullmatch(rf"(\w+_)?_*{op}_*(_\d+)?", node.name) is not None
+
+
+def _op_only_name(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and (
+        re.fullmatch(rf"_*{re.escape(node.target.overloadpacket.__name__.strip('_'))}_*(_\d+)?", node.name) is not None
+    )
 
 
 def _hashable(x):
@@ -590,6 +598,9 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users:
             gm.graph.erase_node(node)
+    drop_unused_subgraphs(gm)
+    for sub in subgraphs(gm):  # control flow's functions
+        simplify(sub)
     gm.graph.lint()
     return gm
 

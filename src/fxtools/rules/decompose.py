@@ -17,7 +17,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import registry
 from ..capture.functionalize import functionalize
+from ..capture.names import INTERMEDIATE
 from ..capture.trace import realize_constants
+from ..codegen.naming import short_op
 from ..errors import FxtoolsError
 from .derived import derived_rule
 
@@ -117,6 +119,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
     flat_nodes, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
     env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], [flat_nodes[i] for i in tensor_pos]))
     trace = node.meta.get("stack_trace")
+    made: list[fx.Node] = []
     with gm.graph.inserting_before(node):
         for sn in sub.graph.nodes:
             if sn.op == "placeholder":
@@ -132,6 +135,9 @@ def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
                 break
             new = gm.graph.node_copy(sn, env.__getitem__)
             new.meta = dict(sn.meta)
+            new._rename(f"{node.name}_{short_op(new)}")  # the steps of the user's value (see capture/names.py)
+            new.meta[INTERMEDIATE] = True
+            made.append(new)
             if trace:
                 new.meta["stack_trace"] = trace
             if "custom" in node.meta:  # markers such as fxtools.split's checkpoint regions
@@ -149,13 +155,21 @@ def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
     if isinstance(node.meta.get("val"), (tuple, list)):
         if len(result) != len(node.meta["val"]) or any(isinstance(v, (tuple, list)) for v in node.meta["val"]):
             raise NotImplementedError(f"cannot inline the decomposition of {node.target}")
+        named = {}
         for user in list(node.users):
             if user.target is operator.getitem:
                 user.replace_all_uses_with(result[user.args[1]])
+                named[result[user.args[1]]] = (user.name, user.meta.get(INTERMEDIATE))
                 gm.graph.erase_node(user)
     else:
         node.replace_all_uses_with(result[0])
+        named = {result[0]: (node.name, node.meta.get(INTERMEDIATE))}
     gm.graph.erase_node(node)
+    for value, (name, weak) in named.items():  # the decomposition's result is the user's value
+        if value in made:
+            value.name = name  # the erased node's name: unique, and still reserved in the namespace
+            if not weak:
+                value.meta.pop(INTERMEDIATE, None)
     return True
 
 

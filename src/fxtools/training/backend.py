@@ -10,11 +10,16 @@ a callable (an ``nn.Module`` wrapping the original one, for a module) whose forw
 captures: each is differentiated by fxtools as a function of its inputs (parameters usually arrive
 as inputs; any the graph holds itself are treated as inputs too).
 
-Compilers receive the ``Split`` GraphModules and return a callable: ``compiler(gm)`` or
-``compiler(gm, example_inputs)`` (as for AOTAutograd). The forward is called as
-``fw(*tensor_leaves) -> (out, saved)``, the backward as ``bw(*saved, *cotangents)``. Without a
-backward compiler the backward runs boxed (``Split.backward_boxed``), freeing each saved
-activation after its last use.
+Compilers plug in as in AOTAutograd (``fw_compiler``, ``bw_compiler``, or ``compiler`` for both;
+``"inductor"`` stands for ``torch._inductor.compile_fx.compile_fx_inner``). Each gets the ATen form
+of its graph (``fxtools.to_aten``: functional ATen ops only, flat outputs, a descriptor on every
+placeholder and output) and FakeTensor example inputs under a ``TracingContext``, and returns a
+callable: ``compiler(gm)`` or ``compiler(gm, example_inputs)``. The ATen forward is called as
+``fw(*tensor_leaves, *buffers) -> (*outputs, *saved, *updated buffers)``, the backward as
+``bw(*saved, *cotangents) -> grads``; a result with ``_boxed_call`` (Inductor's) is called with one
+list it empties, so saved tensors are freed after their last use. Without a backward compiler the
+readable backward runs boxed (``Split.backward_boxed``), freeing each saved activation after its
+last use.
 
 Graphs are specialised to the arguments as every generated module is (``fxtools.codegen.guards``: structure,
 shapes, dtypes, device types, strides where the code relies on them, Python values), to
@@ -39,14 +44,31 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..capture.nested import functorch_regions
 from ..codegen.guards import InputMismatch
 from ..codegen.naming import identifier
 from ..functional import functional
 from ..transforms.reverse import is_float
+from .aten import to_aten
 from .distributed import Wrappers
-from .partition import Split, split
+from .partition import Split, fake_mode_of, split
 
 __all__ = ["compile", "backend", "CompiledModule"]
+
+
+def _resolve_compiler(compiler):
+    """A compiler function; ``"inductor"`` is ``torch._inductor.compile_fx.compile_fx_inner``."""
+    if compiler == "inductor":
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        return compile_fx_inner
+    if isinstance(compiler, str):
+        raise ValueError(f'unknown compiler {compiler!r}: pass "inductor" or a function (gm, example_inputs) -> callable')
+    return compiler
+
+
+def _is_inductor(compiler) -> bool:
+    return compiler is not None and (getattr(compiler, "__module__", None) or "").startswith("torch._inductor")
 
 
 def _apply_compiler(compiler, gm, example_inputs):
@@ -64,22 +86,67 @@ def _apply_compiler(compiler, gm, example_inputs):
     return compiler(gm, example_inputs) if two else compiler(gm)
 
 
-def _zeros_like_meta(info):
-    return torch.zeros(info.shape, dtype=info.dtype)
+def _compile(compiler, gm: fx.GraphModule, examples, sp: Split):
+    """``compiler(gm, example_inputs)`` as AOTAutograd calls it: the example inputs are FakeTensors
+    of a fake mode with a ShapeEnv, which a ``TracingContext`` holds (Inductor's FX graph cache
+    needs it). With symbolic sizes, the split's own fake values and mode."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if sp._cap.symbolic is None:
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        examples = [mode.from_tensor(x, static_shapes=True) for x in examples]
+    else:
+        examples = [p.meta["val"] for p in gm.graph.nodes if p.op == "placeholder"]
+        mode = fake_mode_of(examples)
+    with tracing(TracingContext(mode)):
+        return _apply_compiler(compiler, gm, examples)
+
+
+def _example(val):
+    """A real tensor like ``val`` (a traced value): its size, strides, dtype and device, zeros."""
+    return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device).zero_()
+
+
+def _call(fn, args: list):
+    """Call a compiled graph: boxed (``fn(args)``, the callee empties the list) when it says so,
+    as AOTAutograd calls compilers' results, else ``fn(*args)``."""
+    if getattr(fn, "_boxed_call", False):
+        return fn(args)
+    return fn(*args)
 
 
 class _Runner:
-    """A split with its compiled graphs, and how to call them from an autograd.Function."""
+    """A split with its compiled graphs, and how to call them from an autograd.Function.
 
-    def __init__(self, sp: Split, leaves, fw_compiler, bw_compiler):
+    Without compilers it runs the readable graphs (the backward boxed, freeing each saved value
+    after its last use). A compiler gets the ATen form (``training/aten.py``) of its graph and
+    example inputs, as AOTAutograd's compilers do; the results are called boxed if they say so
+    (``_boxed_call``, as Inductor's are).
+    """
+
+    def __init__(self, sp: Split, leaves, fw_compiler, bw_compiler, decompositions=None):
         self.split = sp
+        fw_compiler, bw_compiler = _resolve_compiler(fw_compiler), _resolve_compiler(bw_compiler)
+        self.aten = None
+        if fw_compiler is not None or bw_compiler is not None:
+            if decompositions is None and (_is_inductor(fw_compiler) or _is_inductor(bw_compiler)):
+                decompositions = "inductor"
+            self.aten = to_aten(sp, decompositions)
         # the graphs' own guards are skipped (``.forward``): _Runners chose this split by sp.guards
-        self.fw = _apply_compiler(fw_compiler, sp.forward, leaves) if fw_compiler else sp.forward.forward
-        if bw_compiler is None:
-            self.bw, self.boxed = sp.backward_boxed.forward, True
+        if fw_compiler is None:
+            self.fw, self.fw_aten = sp.forward.forward, False
         else:
-            examples = [_zeros_like_meta(s) for s in sp.saved] + [_zeros_like_meta(c) for c in sp.cotangents]
-            self.bw, self.boxed = _apply_compiler(bw_compiler, sp.backward, examples), False
+            examples = [x.detach() for x in leaves] + list(self.aten.buffers)
+            self.fw, self.fw_aten = _compile(fw_compiler, self.aten.forward, examples, sp), True
+        if bw_compiler is None:
+            self.bw, self.bw_aten = sp.backward_boxed.forward, False
+        else:
+            vals = [p.meta["val"] for p in self.aten.backward.graph.nodes if p.op == "placeholder"]
+            examples = [_example(v) for v in vals] if sp._cap.symbolic is None else vals
+            self.bw, self.bw_aten = _compile(bw_compiler, self.aten.backward, examples, sp), True
+            self.ct_strides = [_static_stride(v) for v in vals[len(sp.saved) :]]
         cap = sp._cap
         self.out_leaves = cap.out_leaves
         self.out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
@@ -90,17 +157,27 @@ class _Runner:
         self.via_ctx = [p or o for p, o in zip(sp._saved_is_primal, sp._saved_is_output)]
 
     def run_forward(self, leaves):
-        out, saved = self.fw(*leaves)
-        return pytree.tree_leaves(out), list(saved)
+        if not self.fw_aten:
+            out, saved = self.fw(*leaves)
+            return pytree.tree_leaves(out), list(saved)
+        a = self.aten
+        flat = list(_call(self.fw, [*leaves, *a.buffers]))
+        n, m = a.n_outputs, a.n_outputs + a.n_saved
+        with torch.no_grad():
+            for i, new in zip(a.mutated, flat[m:]):
+                a.buffers[i].copy_(new)
+        it = iter(flat[:n])
+        return [next(it) if t else o for t, o in zip(self.out_is_tensor, self.out_leaves)], flat[n:m]
 
     def run_backward(self, saved: list, cts: list):
-        if self.boxed:
+        if not self.bw_aten:
             args = saved + cts
             saved.clear()
-            grads = self.bw(args)
-        else:
-            grads = self.bw(*saved, *cts)
-        return self.split.flat_grads(grads)
+            return self.split.flat_grads(self.bw(args))
+        cts = [_restrided(c, s) for c, s in zip(cts, self.ct_strides)]
+        args = saved + cts
+        saved.clear()
+        return list(_call(self.bw, args))
 
     def __call__(self, leaves):
         """Run on the tensor leaves of arguments the split's guards accepted."""
@@ -112,6 +189,21 @@ class _Runner:
         it = iter(outs)
         full = [next(it) if t else o for t, o in zip(self.out_is_tensor, self.out_leaves)]
         return pytree.tree_unflatten(full, self.split.out_spec)
+
+
+def _static_stride(val):
+    try:
+        return tuple(int(s) for s in val.stride())
+    except (TypeError, ValueError, RuntimeError):
+        return None  # symbolic: the compiled graph takes any layout it was made for
+
+
+def _restrided(t, stride):
+    """``t`` with the strides the compiled backward was made for (autograd may hand a cotangent
+    in another layout, e.g. expanded from a scalar)."""
+    if stride is None or t.stride() == stride:
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 class _Runners:
@@ -136,9 +228,11 @@ class _Runners:
         dynamic=False,
         skip_first=False,
         capturing=contextlib.nullcontext,
+        decompositions=None,
+        split=None,
     ):
         self.fn, self.fw_compiler, self.bw_compiler, self.policy = fn, fw_compiler, bw_compiler, policy
-        self.rules = rules
+        self.rules, self.decompositions, self.fixed = rules, decompositions, split
         self.dynamic_shapes, self.dynamic, self.skip_first = dynamic_shapes, dynamic, skip_first
         self.capturing = capturing  # the context in which ``fn`` is traced
         self.entries: list = []  # (training, requires_grad mask, runner)
@@ -167,6 +261,13 @@ class _Runners:
 
     def __call__(self, args, training):
         """``(runner, tensor leaves)`` for ``args``."""
+        if self.fixed is not None:  # one given split (an edited one): its guards decide, nothing new is made
+            leaves = self.fixed.guards.check(args)
+            if not self.entries:
+                self.entries.append(
+                    (training, None, _Runner(self.fixed, leaves, self.fw_compiler, self.bw_compiler, self.decompositions))
+                )
+            return self.entries[0][2], leaves
         mask = _requires_grad(args)
         mask = None if mask is None else tuple(mask)
         for t, m, runner in self.entries:
@@ -177,8 +278,9 @@ class _Runners:
                     continue
         with self.capturing():
             sp = split(self.fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules, dynamic_shapes=self._marks(args))
+        sp.from_module = self.skip_first  # a module's: its parameters come first, by name
         leaves = sp.flatten(*args)
-        runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler)
+        runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler, self.decompositions)
         self.entries.append((training, mask, runner))
         return runner, leaves
 
@@ -245,6 +347,8 @@ class CompiledModule(torch.nn.Module):
         rules="fused",
         dynamic_shapes=None,
         dynamic=False,
+        decompositions=None,
+        split=None,
     ):
         super().__init__()
         self.module = model
@@ -259,6 +363,8 @@ class CompiledModule(torch.nn.Module):
             dynamic,
             skip_first=True,
             capturing=self._wrappers.capturing,
+            decompositions=decompositions,
+            split=split,
         )
 
     def _args(self, inputs, kwargs):
@@ -288,10 +394,29 @@ class CompiledFunction:
     """``fn`` whose calls run fxtools' split graphs inside an autograd.Function."""
 
     def __init__(
-        self, fn, fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused", dynamic_shapes=None, dynamic=False
+        self,
+        fn,
+        fw_compiler=None,
+        bw_compiler=None,
+        policy="recompute_cheap",
+        rules="fused",
+        dynamic_shapes=None,
+        dynamic=False,
+        decompositions=None,
+        split=None,
     ):
         self.fn = fn
-        self._runners = _Runners(_accepting_keywords(fn), fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic)
+        self._runners = _Runners(
+            _accepting_keywords(fn),
+            fw_compiler,
+            bw_compiler,
+            policy,
+            rules,
+            dynamic_shapes,
+            dynamic,
+            decompositions=decompositions,
+            split=split,
+        )
 
     def runner(self, *args, **kwargs) -> _Runner:
         return self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)[0]
@@ -330,6 +455,9 @@ def _accepting_keywords(fn):
 
     call.__signature__ = _signature_with_keywords(fn)
     call.__name__ = getattr(fn, "__name__", "fn")
+    for attr in ("__fxtools_module__", "__fxtools_input_kinds__"):  # for names and descriptors
+        if hasattr(fn, attr):
+            setattr(call, attr, getattr(fn, attr))
     return call
 
 
@@ -355,6 +483,9 @@ def compile(
     rules="fused",
     dynamic_shapes=None,
     dynamic=False,
+    compiler=None,
+    decompositions=None,
+    split=None,
 ):
     """A module or function whose forward and backward run fxtools' split graphs.
 
@@ -369,11 +500,25 @@ def compile(
     as ``torch.compile``'s automatic dynamic shapes do: a size the program specialises (a
     feature size matching a weight) silently stays static; the batch and sequence sizes of
     token ids and targets stay symbolic.
+
+    Compilers (``fw_compiler``, ``bw_compiler``; ``compiler`` for both; ``"inductor"`` for
+    ``torch._inductor.compile_fx.compile_fx_inner``) get the ATen form of the graphs
+    (``fxtools.to_aten``), traced with ``decompositions`` (``None``: Inductor's table for Inductor's
+    compilers, none otherwise; ``"core"`` for Core ATen; or a table).
+
+    ``split``: run this split (``Split.edit`` makes one from edited graphs) instead of making
+    splits; calls its guards refuse raise ``InputMismatch``.
     """
+    fw_compiler = compiler if fw_compiler is None else fw_compiler
+    bw_compiler = compiler if bw_compiler is None else bw_compiler
+    options = dict(decompositions=decompositions, split=split)
+    if split is not None and split.from_module != isinstance(model_or_fn, torch.nn.Module):
+        made = "a module" if split.from_module else "a function"
+        raise ValueError(f"the split was made from {made}; pass the {made[2:]} it was made from")
     if isinstance(model_or_fn, torch.nn.Module):
-        compiled = CompiledModule(model_or_fn, fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic)
+        compiled = CompiledModule(model_or_fn, fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic, **options)
     else:
-        compiled = CompiledFunction(model_or_fn, fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic)
+        compiled = CompiledFunction(model_or_fn, fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic, **options)
     if example_args or example_kwargs:
         compiled.runner(*example_args, **(example_kwargs or {}))
     return compiled
@@ -430,8 +575,25 @@ def _input_name(target: str) -> str:
     return name or "arg"
 
 
-def _as_function(gm: fx.GraphModule):
-    """``gm`` as a function whose parameters carry its placeholders' readable names."""
+def _qualified_name(target: str) -> str | None:
+    """``L_self_modules_fc1_parameters_weight_`` -> ``fc1.weight`` (Dynamo's name for ``self.fc1.weight``)."""
+    name = target[2:] if target.startswith(("L_", "G_")) else target
+    if not name.startswith("self_"):
+        return None
+    name = name[len("self_") :].rstrip("_")
+    for part in ("modules_", "parameters_", "buffers_"):
+        if name.startswith(part):
+            name = name[len(part) :]
+    for part in ("_modules_", "_parameters_", "_buffers_"):
+        name = name.replace(part, ".")
+    return name
+
+
+def _as_function(gm: fx.GraphModule, example_inputs=()):
+    """``gm`` as a function whose parameters carry its placeholders' readable names.
+
+    ``fn.__fxtools_input_kinds__`` says for each which are the module's parameters (Dynamo passes
+    them as inputs), with their qualified names, for the ATen form's descriptors."""
     targets = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     names, used = [], set()
     for t in targets:
@@ -447,23 +609,32 @@ def _as_function(gm: fx.GraphModule):
 
     fn.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
     fn.__name__ = fn.__qualname__ = "dynamo_graph"
+    fn.__fxtools_input_kinds__ = [
+        ("parameter", _qualified_name(str(t)) or n) if isinstance(x, torch.nn.Parameter) else ("user_input", None)
+        for t, n, x in zip(targets, names, example_inputs)
+    ]
     return fn
 
 
-def backend(fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused"):
+def backend(fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused", compiler=None, decompositions=None):
     """A ``torch.compile`` backend differentiating Dynamo's graphs with fxtools.
 
-    ``torch.compile(model, backend=fxtools.backend())``; the compilers, policy and rules are those
-    of ``fxtools.compile``. Each Dynamo graph is split as a function of its inputs (and of the
-    parameters it holds, if any), and runs through an autograd.Function.
+    ``torch.compile(model, backend=fxtools.backend())``; the compilers (``compiler="inductor"``
+    for both), decompositions, policy and rules are those of ``fxtools.compile``. Each Dynamo graph
+    is split as a function of its inputs (and of the parameters it holds, if any), and runs
+    through an autograd.Function.
     """
+    fw_compiler = compiler if fw_compiler is None else fw_compiler
+    bw_compiler = compiler if bw_compiler is None else bw_compiler
 
     def fxtools_backend(gm: fx.GraphModule, example_inputs):
-        gm = _inline_higher_order(gm)
+        gm = functorch_regions(_inline_higher_order(gm))
         if any(True for _ in gm.parameters()):
-            compiled = CompiledModule(gm, fw_compiler, bw_compiler, policy, rules)
+            compiled = CompiledModule(gm, fw_compiler, bw_compiler, policy, rules, decompositions=decompositions)
         else:  # parameters arrive as inputs: differentiate the graph as a function of them
-            compiled = CompiledFunction(_as_function(gm), fw_compiler, bw_compiler, policy, rules)
+            compiled = CompiledFunction(
+                _as_function(gm, example_inputs), fw_compiler, bw_compiler, policy, rules, decompositions=decompositions
+            )
         with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
             compiled.runner(*example_inputs)
 

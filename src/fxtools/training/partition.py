@@ -56,9 +56,10 @@ from ..codegen.naming import arg_names
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..dynamic_shapes import upper_bound
-from ..errors import user_line_of
+from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
 from ..passes.simplify import is_impure, simplify
+from ..passes.subgraphs import NOTE_KEY
 from ..transforms.reverse import ReverseSpec, ancestors, reverse
 from ..transforms.vjp import grads_structure, prepare
 from . import policies
@@ -95,6 +96,7 @@ class TensorInfo:
     path: str | None = None  # pytree path in the arguments or the output (inputs, cotangents)
     line: str | None = None  # "file:line: code" of the user call that produced it (saved values)
     storage: str | None = None  # saved values: the saved value or input whose memory it is
+    note: str | None = None  # saved values: what it holds when not obvious (a scan's value at every step)
 
     def __str__(self):
         dt = str(self.dtype).replace("torch.", "")
@@ -445,6 +447,52 @@ def _install_guards(forward, backward, backward_boxed, args, top, part, signatur
     )
 
 
+def fake_mode_of(vals):
+    """The fake mode of traced values (a new one if they have none)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = detect_fake_mode(vals)
+    return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
+
+
+class _FakeRun(fx.Interpreter):
+    """Runs a graph in fake mode, its tensor attributes (buffers) as fakes: an in-place update of a
+    buffer (BatchNorm's batch count) must not touch the real one."""
+
+    def __init__(self, gm, mode):
+        super().__init__(gm)
+        self.mode = mode
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        return self.mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
+
+
+def _same_structure(what: str, got, want) -> None:
+    """Raise ``FxtoolsError`` unless ``got`` has ``want``'s pytree structure, tensor shapes and dtypes."""
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    want_leaves, want_spec = pytree.tree_flatten(want)
+    if got_spec != want_spec:
+        raise FxtoolsError(f"{what} has structure {got_spec}; the split's has {want_spec}")
+    paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(want)[0]]
+    for path, g, w in zip(paths, got_leaves, want_leaves):
+        if isinstance(w, torch.Tensor) != isinstance(g, torch.Tensor):
+            raise FxtoolsError(f"{what}{path} is {type(g).__name__}; the split's is {type(w).__name__}")
+        if isinstance(w, torch.Tensor) and (tuple(g.shape) != tuple(w.shape) or g.dtype != w.dtype):
+            raise FxtoolsError(f"{what}{path} is {g.dtype}{list(g.shape)}; the split's is {w.dtype}{list(w.shape)}")
+
+
+def _as_guarded(gm: fx.GraphModule, class_name: str) -> GuardedGraphModule:
+    """``gm`` (an edited graph) as a new GuardedGraphModule: its code is generated afresh."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    new = GuardedGraphModule(gm, graph, class_name=class_name)
+    new.graph.set_codegen(gm.graph._codegen)
+    new.recompile()
+    return new
+
+
 def _keystr(path) -> str:
     return pytree.keystr(path) if path else ""
 
@@ -463,6 +511,10 @@ class Split:
         self.in_spec = in_spec
         self.out_spec = out_spec
         self._cap = captured
+        self.from_module = False  # made from an nn.Module: the first argument holds its parameters
+        self.leaf_paths: list = []  # pytree path of each tensor leaf of the arguments
+        self.out_is_tensor: list[bool] = []  # for each leaf of f's result
+        self.out_tensor_paths: list[str] = []  # "out[0]", ... for each tensor leaf of the result
 
     # -- calling helpers ---------------------------------------------------------------------
 
@@ -495,6 +547,102 @@ class Split:
             cts = self.flatten_cotangent(grad_out)
         return out, self.backward_boxed([*saved, *cts])
 
+    # -- edited graphs -----------------------------------------------------------------------
+
+    def edit(self, forward: fx.GraphModule | None = None, backward: fx.GraphModule | None = None) -> Split:
+        """A split running edited graphs (``forward`` / ``backward``; ``None`` keeps this split's).
+
+        Within the documented signature anything may change: the ops, what is saved (how many
+        values, which), prints. The edited pair is checked on this split's example values, in fake
+        mode (a ``print`` in it runs once there): the forward takes one argument per input and
+        returns ``(out, saved)`` with ``out`` shaped as before and ``saved`` a tuple of tensors;
+        the backward takes ``(*saved, *cotangents)`` and returns gradients with the structure,
+        shapes and dtypes of before. Anything else raises ``FxtoolsError`` saying what differs.
+        Run it with ``fxtools.compile(model_or_fn, split=edited)``.
+        """
+        forward = self.forward if forward is None else forward
+        backward = self.backward if backward is None else backward
+        fw_ph = [n for n in forward.graph.nodes if n.op == "placeholder"]
+        old_fw_ph = [n for n in self.forward.graph.nodes if n.op == "placeholder"]
+        if len(fw_ph) != len(self.signature):
+            raise FxtoolsError(
+                f"the edited forward takes {len(fw_ph)} arguments; the split's forward takes {len(self.signature)}: "
+                f"{', '.join(i.name for i in self.signature)}. Keep one placeholder per input."
+            )
+        vals = [p.meta["val"] for p in old_fw_ph]
+        mode = fake_mode_of(vals)
+        with mode:
+            want_out, want_saved = _FakeRun(self.forward, mode).run(*vals)
+            got = _FakeRun(forward, mode).run(*vals)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[1], (tuple, list))):
+            raise FxtoolsError("the edited forward must return (out, saved) with saved a tuple of tensors")
+        out, saved = got
+        _same_structure("the edited forward's out", out, want_out)
+        output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
+        saved_nodes = output.args[0][1] if isinstance(output.args[0], (tuple, list)) and len(output.args[0]) == 2 else None
+        if saved_nodes is None or len(saved_nodes) != len(saved) or not all(isinstance(n, fx.Node) for n in saved_nodes):
+            raise FxtoolsError(
+                "the edited forward's output must be (out, (saved node, ...)): return the saved values as a tuple of graph values"
+            )
+        if not all(isinstance(v, torch.Tensor) for v in saved):
+            raise FxtoolsError("every saved value of the edited forward must be a tensor")
+        bw_ph = [n for n in backward.graph.nodes if n.op == "placeholder"]
+        if len(bw_ph) != len(saved) + len(self.cotangents):
+            raise FxtoolsError(
+                f"the edited backward takes {len(bw_ph)} arguments; the forward saves {len(saved)} values and there are "
+                f"{len(self.cotangents)} cotangents ({', '.join(c.name for c in self.cotangents)}): it must take (*saved, *cotangents)"
+            )
+        cts = [c.meta["val"] for c in [n for n in self.backward.graph.nodes if n.op == "placeholder"][len(self.saved) :]]
+        with mode:
+            want_grads = _FakeRun(self.backward, mode).run(*want_saved, *cts)
+            grads = _FakeRun(backward, mode).run(*saved, *cts)
+        _same_structure("the edited backward's gradients", grads, want_grads)
+
+        forward = _as_guarded(forward, "SplitForward")
+        backward = _as_guarded(backward, "SplitBackward")
+        boxed_graph = fx.Graph()
+        boxed_graph.output(boxed_graph.graph_copy(backward.graph, {}))
+        boxed_graph.set_codegen(_BoxedCodeGen())
+        backward_boxed = GuardedGraphModule(backward, boxed_graph, class_name="SplitBackwardBoxed")
+        fw_set = set(fw_ph)
+        out_nodes = {n for n in pytree.tree_leaves(output.args[0][0]) if isinstance(n, fx.Node)}
+        infos, storage_bytes = [], {}
+        for node, p, v in zip(saved_nodes, bw_ph, saved):
+            root = _storage_root(node)
+            kind = "input" if root in fw_set else "output" if node in out_nodes else "activation"
+            storage_bytes[p.name] = nbytes(v)
+            infos.append(TensorInfo(p.name, tuple(v.shape), v.dtype, nbytes(v), kind, None, user_line_of(node), p.name))
+        forward.guards = self.forward.guards
+        saved_guards = build("fxtools.split backward", [i.name for i in infos], sizes.concrete(self._cap, list(saved)))
+        ct_guards = build("fxtools.split backward", [c.name for c in self.cotangents], sizes.concrete(self._cap, cts))
+        backward.guards = Guards(
+            "fxtools.split backward", saved_guards.names + ct_guards.names, saved_guards.args + ct_guards.args
+        )
+        backward_boxed.guards = Guards(
+            "fxtools.split backward_boxed",
+            ("args",),
+            (Node("args", "list", "list", tuple(range(len(backward.guards.args))), backward.guards.args),),
+        )
+        result = Split(
+            forward,
+            backward,
+            backward_boxed,
+            self.signature,
+            infos,
+            self.cotangents,
+            self.policy,
+            self.in_spec,
+            self.out_spec,
+            self._cap,
+        )
+        for attr in ("guards", "_ct_index", "from_module", "leaf_paths", "out_is_tensor", "out_tensor_paths"):
+            setattr(result, attr, getattr(self, attr))
+        result._storage_bytes = storage_bytes
+        result._saved_kinds = [i.kind for i in infos]
+        result._saved_is_primal = [n in fw_set for n in saved_nodes]
+        result._saved_is_output = [n in out_nodes for n in saved_nodes]
+        return result
+
     # -- reporting ---------------------------------------------------------------------------
 
     @property
@@ -521,6 +669,8 @@ class Split:
             lines.append(
                 f"  {s.kind:<10} {s.name:<{width}}  {ty:<{twidth}} {s.bytes:>12,} B{share}" + (f"  {s.line}" if s.line else "")
             )
+            if s.note:
+                lines.append(f"  {'':<10} {'':<{width}}  {s.note}")
         text = "\n".join(lines)
         print(text, file=file or sys.stdout)
         return text
@@ -546,7 +696,8 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         with registry.rule_set(rules):
             return split(f, *args, policy=policy, grad_leaves=grad_leaves, dynamic_shapes=dynamic_shapes)
     policies.resolve(policy)  # validate early
-    if isinstance(f, torch.nn.Module):
+    from_module = isinstance(f, torch.nn.Module)
+    if from_module:
         args = (dict(f.named_parameters()), *args)
         if isinstance(dynamic_shapes, (tuple, list)):
             dynamic_shapes = (None, *dynamic_shapes)
@@ -643,6 +794,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         kind = "input" if root in primal_set else "output" if s in fw_out_nodes else "activation"
         storage_bytes[root.name] = max(storage_bytes.get(root.name, 0), nbytes(root.meta.get("val")), nbytes(s.meta.get("val")))
         info = _info(s, kind, line=user_line_of(s), storage=root.name)
+        info.note = s.meta.get(NOTE_KEY)
         saved.append(info)
     _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap)
     result = Split(forward, backward, backward_boxed, signature, saved, cotangents, policy, cap.in_spec, cap.out_spec, cap)
@@ -653,6 +805,10 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     result.guards = build("fxtools.split", top, args, layout=strided)
     sizes.guard_symbolic(result.guards, cap, args)
     result._ct_index = ct_index
+    result.from_module = from_module
+    result.leaf_paths = tensor_paths
+    result.out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
+    result.out_tensor_paths = ["out" + _keystr(p) for p, t in zip(out_paths, result.out_is_tensor) if t]
     result._storage_bytes = storage_bytes
     result._saved_kinds = [s.kind for s in saved]
     result._saved_is_primal = [s in primal_set for s in part.saved]

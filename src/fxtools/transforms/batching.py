@@ -31,33 +31,14 @@ from torch.utils import _pytree as pytree
 
 from ..capture import custom
 from ..capture.functionalize import functionalize
+from ..capture.nested import out_of_place_views
 from ..capture.trace import capture, is_data_dependent, realize_constants
+from ..codegen.naming import short_op
 from ..errors import FxtoolsError, user_frame
 from .forward import finish
 from .vjp import _names
 
 __all__ = ["vmap", "trace_batched", "check_vmap_options", "describe", "n_chunks", "share_draws"]
-
-
-aten = torch.ops.aten
-_INPLACE_VIEWS = {
-    aten.squeeze_.dims: aten.squeeze.dims,
-    aten.squeeze_.dim: aten.squeeze.dim,
-    aten.squeeze_.default: aten.squeeze.default,
-    aten.unsqueeze_.default: aten.unsqueeze.default,
-    aten.transpose_.default: aten.transpose.int,
-    aten.t_.default: aten.t.default,
-}
-
-
-def _out_of_place_views(gm: fx.GraphModule) -> None:
-    """vmap's batching rules reshape their own fresh results in place (``mm(...)._unsafe_view(...)
-    .squeeze_(1)``); when nothing else reads the tensor, that is the out-of-place view."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _INPLACE_VIEWS:
-            src = node.args[0]
-            if isinstance(src, fx.Node) and len(src.users) == 1 and src.op == "call_function":
-                node.target = _INPLACE_VIEWS[node.target]
 
 
 def vmappable(f):
@@ -207,6 +188,10 @@ class _NodeNamer(fx.Interpreter):
         out = super().run_node(n)
         if graph is not None and n.op in ("call_function", "call_method") and graph._root.prev is not last:
             self.names[graph._root.prev] = n.name
+            made = last.next
+            while made is not graph._root.prev:  # the batched op's helpers: after it and their op
+                self.names.setdefault(made, f"{n.name}_{short_op(made)}")
+                made = made.next
         return out
 
     def apply(self, gm: fx.GraphModule) -> None:
@@ -240,6 +225,9 @@ def trace_batched(
             hint = (
                 " Random ops (dropout) need randomness='different' (each sample draws its own numbers) "
                 "or randomness='same' (one draw for the whole batch), as in torch.func.vmap."
+                if made_by == "fxtools.vmap"
+                else f" {made_by} batches over its basis vectors, which must all see the same random numbers: "
+                "differentiate a function without random ops (a model in eval mode), or use fxtools.vjp / fxtools.jvp."
             )
         raise FxtoolsError(
             f"{made_by} cannot batch {describe(f)} ({'at ' if where and ':' in where else ''}{where or 'at an unknown line of user code'}): "
@@ -249,7 +237,7 @@ def trace_batched(
     if namer is not None:
         namer.apply(gm)
     realize_constants(gm)
-    _out_of_place_views(gm)
+    out_of_place_views(gm)
     functionalize(gm)
     if same_draws is not None:
         share_draws(gm, same_draws)

@@ -44,13 +44,16 @@ from ..capture.trace import Captured
 from ..codegen import sizes
 from ..codegen.assemble import assemble
 from ..codegen.guards import install, tangent_role
+from ..codegen.naming import short_op
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..errors import FxtoolsError
-from ..passes.simplify import dce, fake_mode_of, has_generic_name, simplify
+from ..passes.simplify import dce, fake_mode_of, simplify
+from ..passes.views import collapse_view_chains
 from ..rules.decompose import expand
+from . import control_flow
 from .reverse import ReverseSpec, is_float, reverse
-from .vjp import OUT_EXAMPLE, _names, argnums_tuple, prepare
+from .vjp import OUT_EXAMPLE, AuxSplit, _names, argnums_tuple, prepare
 
 aten = torch.ops.aten
 
@@ -61,6 +64,7 @@ def _as_captured(gm: fx.GraphModule) -> Captured:
     """A flat ATen graph (from ``reverse``) as the ``Captured`` that ``reverse`` reads."""
     functionalize(gm)
     expand(gm)
+    control_flow.prepare(gm)  # the VJP's own cond / scan, differentiated again
     return Captured(gm, None, None, [], [], [], [])
 
 
@@ -68,17 +72,17 @@ def tangent_names(gm: fx.GraphModule) -> None:
     """``grad_grad_v`` (cotangent of a cotangent) is the tangent of ``v``: name it so.
 
     Other ``grad_`` names of the second pass are cotangents of backward intermediates, which
-    mean nothing to a reader of forward-mode code: they get their op's name back.
+    mean nothing to a reader of forward-mode code: they are named after their first input and op.
     """
     for node in gm.graph.nodes:
         if node.op != "call_function" or not node.name.startswith("grad_"):
             continue
         if node.name.startswith("grad_grad_"):
             node._rename("tangent_" + node.name[len("grad_grad_") :])
-        else:
-            target = node.target
-            base = getattr(getattr(target, "overloadpacket", target), "__name__", "v")
-            node._rename(base.lstrip("_"))
+        else:  # named after the value it is computed from (renamed already) and its op: tangent_x_mul
+            first = next((a for a in node.all_input_nodes if a.op != "get_attr"), None)
+            base = "tangent" if first is None or first.op == "placeholder" else first.name  # placeholders are renamed later
+            node._rename(f"{base}_{short_op(node)}")
 
 
 def transpose_vjp(vjp_gm: fx.GraphModule, n_in: int, n_out: int):
@@ -98,55 +102,6 @@ def transpose_vjp(vjp_gm: fx.GraphModule, n_in: int, n_out: int):
         if i < n_out:
             raise FxtoolsError("internal error: a primal output depends on the cotangent")
     return flat, [i - n_out for i in ct_index]
-
-
-_SHAPE_ONLY = {
-    aten.view.default,
-    aten.reshape.default,
-    aten._unsafe_view.default,
-    aten.squeeze.dim,
-    aten.squeeze.dims,
-    aten.squeeze.default,
-    aten.unsqueeze.default,
-    aten.flatten.using_ints,
-    aten.unflatten.int,
-}
-
-
-def collapse_view_chains(gm: fx.GraphModule) -> bool:
-    """A chain of reshapes/squeezes/unsqueezes that ends in its start's shape is its start."""
-    changed = False
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is aten.slice.Tensor and node.users:
-            x = node.args[0]
-            a, b = (x.meta.get("val") if isinstance(x, fx.Node) else None), node.meta.get("val")
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
-                node.replace_all_uses_with(x)  # a slice of the whole dimension
-                changed = True
-                continue
-        if node.op != "call_function" or node.target not in _SHAPE_ONLY or not node.users:
-            continue
-        start = node
-        while isinstance(start, fx.Node) and start.op == "call_function" and start.target in _SHAPE_ONLY:
-            start = start.args[0]
-        if start is node.args[0] or not isinstance(start, fx.Node):
-            continue
-        a, b = start.meta.get("val"), node.meta.get("val")
-        if (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-            and a.is_contiguous()
-        ):
-            only_for_this = len(start.users) == 1 and has_generic_name(start)
-            node.replace_all_uses_with(start)
-            if only_for_this and not has_generic_name(node):
-                name = node.name
-                gm.graph.erase_node(node)
-                start.name = name  # the erased node's name: unique, and still reserved
-            changed = True
-    return changed
 
 
 def tidy_names(gm: fx.GraphModule) -> None:
@@ -188,7 +143,7 @@ def _true_adjoints(gm: fx.GraphModule) -> None:
             node.args = tuple(args)
 
 
-def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
+def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The Jacobian-vector product of ``f`` at example ``args``, as readable PyTorch code.
 
     Returns a GraphModule ``gm`` with ``out, out_tangent = gm(*args, *tangents)``: there is one
@@ -198,7 +153,8 @@ def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
     ``None`` elsewhere. As ``torch.func.jvp(f, args, tangents)``.
 
     ``argnums`` (int or tuple, as on ``grad``): tangents only for those arguments, in that
-    order (the others are held constant): ``gm(*args, *tangents_of_argnums)``.
+    order (the others are held constant): ``gm(*args, *tangents_of_argnums)``. ``has_aux=True``:
+    ``f`` returns ``(out, aux)`` and ``out, out_tangent, aux = gm(...)``, as torch.func.jvp's.
     """
     if not isinstance(args, tuple):
         args = tuple(args)
@@ -206,8 +162,9 @@ def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
     if len(set(nums)) != len(nums):
         raise ValueError(f"argnums {argnums!r} names an argument twice")
     with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored: refuse it
-        cap, wrt = prepare(f, args, nums, dynamic_shapes)
+        cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by="fxtools.jvp")
     cap.f = f
+    split = AuxSplit(cap.out_spec, has_aux)
     _true_adjoints(cap.gm)
     vjp_flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
     simplify(vjp_flat)
@@ -249,7 +206,7 @@ def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
     out_tangents = []
     it = iter(jt)
     jt_of = {i: next(it) for i in ct_index}
-    for i, o in enumerate(cap.out_leaves):
+    for i, o in enumerate(cap.out_leaves[: split.n_main]):  # aux gets no tangent
         if i in jt_of:
             out_tangents.append(jt_of[i])
         elif is_float(o):
@@ -273,9 +230,10 @@ def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
     tangent_examples = [(f"tangent_{names[a]}", pytree.tree_map(lambda v: v if is_float(v) else None, args[a])) for a in nums]
 
     def build(flat_results):
-        out = pytree.tree_unflatten(flat_results[:n_out], cap.out_spec)
-        tan = pytree.tree_unflatten(flat_results[n_out:], cap.out_spec)
-        return out, tan
+        tan = split.main(flat_results[n_out:])
+        if has_aux:
+            return split.main(flat_results[:n_out]), tan, split.aux(flat_results[:n_out])
+        return pytree.tree_unflatten(flat_results[:n_out], cap.out_spec), tan
 
     gm = finish(
         flat_gm,
@@ -288,7 +246,7 @@ def jvp(f, *args, argnums=None, dynamic_shapes=None) -> fx.GraphModule:
         made_by="fxtools.jvp",
         roles={len(args) + i: tangent_role(names[a]) for i, a in enumerate(nums)},
     )
-    gm.meta[OUT_EXAMPLE] = pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec)
+    gm.meta[OUT_EXAMPLE] = split.main(list(cap.out_leaves))
     return gm
 
 

@@ -6,7 +6,7 @@ Jacobians, batched
 torch.func.vmap) over the rows of an identity matrix: one cotangent per output element, all in
 one batch, so the generated code is the VJP code with a leading batch dimension (a ``mm`` where
 the VJP has a ``mv``), not a Python loop over basis vectors. ``jacfwd`` maps the ``jvp`` module
-over the columns of the identity (one tangent per input element) the same way. The basis is
+over the identity's rows as tangents (one per input element) the same way. The basis is
 built in the code itself (``torch.eye`` on the inputs' device), cut into one block per output
 (jacrev) or input (jacfwd) leaf, and the results are cut and reshaped into torch.func's
 structure: for every output leaf, the argument's pytree (int ``argnums``) or a tuple of them
@@ -96,11 +96,12 @@ def _sign(fn, namer, n_args: int) -> None:
     fn.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:n_args])
 
 
-def _single_dtype(leaves, name, what):
-    dtypes = {v.dtype for v in leaves if isinstance(v, torch.Tensor)}
-    if not dtypes:
+def _first_tensor(leaves, name, what):
+    """The tensor whose dtype and device the basis takes (blocks of other dtypes are cast)."""
+    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+    if not tensors:
         raise ValueError(f"{name} needs at least one floating-point tensor among the {what}")
-    return next(v for v in leaves if isinstance(v, torch.Tensor))
+    return tensors[0]
 
 
 def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
@@ -110,18 +111,21 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     ``O``), the differentiated argument's structure (int ``argnums``) or a tuple of them (tuple
     ``argnums``), with ``O + I``-shaped leaves for each input leaf of shape ``I``. Generated as
     the ``vjp`` code batched over all output elements at once (no loop over basis vectors).
+    Random ops (dropout) draw once, for every basis vector, as torch.func.jacrev's forward does.
     """
     check_vmap_options("error", chunk_size)
     args = tuple(args)
     nums = argnums_tuple(argnums, len(args))
     vjp_gm = vjp(f, *args, argnums=argnums)
     out_leaves, out_spec = _float_leaves(vjp_gm.meta[OUT_EXAMPLE], "output", "fxtools.jacrev")
-    like = _single_dtype(out_leaves, "fxtools.jacrev", "outputs")
+    like = _first_tensor(out_leaves, "fxtools.jacrev", "outputs")
     total = sum(v.numel() for v in out_leaves if isinstance(v, torch.Tensor))
     namer = _NodeNamer(vmappable(vjp_gm), vjp_gm.guards)
     ct_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in out_leaves], out_spec)
     in_dims = (*(None,) * len(args), ct_dims)
-    mapped = torch.func.vmap(namer, in_dims=in_dims, chunk_size=chunk_size)
+    # randomness="same": one draw shared by every basis vector, as torch.func.jacrev's forward,
+    # which runs once before its vjp is batched (the same numbers after the same seed)
+    mapped = torch.func.vmap(namer, in_dims=in_dims, chunk_size=chunk_size, randomness="same")
     n_args = len(args)
 
     def jacobian(*a):
@@ -146,28 +150,30 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
         return pytree.tree_unflatten(per_out, out_spec)
 
     _sign(jacobian, namer, n_args)
-    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacrev")
+    chunks = -(-total // chunk_size) if chunk_size is not None else None
+    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacrev", same_draws=chunks)
 
 
-def jacfwd(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
+def jacfwd(f, *args, argnums=0, randomness="error", chunk_size=None) -> fx.GraphModule:
     """The Jacobian of ``f`` at example ``args`` by forward mode: ``gm(*args) -> jacobian``.
 
-    As ``torch.func.jacfwd(f, argnums)(*args)`` (the structure is ``jacrev``'s). Generated as
-    the ``jvp`` code batched over all input elements at once (no loop over basis vectors).
+    As ``torch.func.jacfwd(f, argnums, randomness=...)(*args)`` (the structure is ``jacrev``'s).
+    Generated as the ``jvp`` code batched over all input elements at once (no loop over basis
+    vectors); ``randomness`` as for ``vmap`` (``"same"``: one draw for every basis vector).
     """
-    check_vmap_options("error", chunk_size)
+    check_vmap_options(randomness, chunk_size)
     args = tuple(args)
     nums = argnums_tuple(argnums, len(args))
     differentiated = tuple(args[i] for i in nums)
     in_leaves, in_spec = _float_leaves(differentiated, "input", "fxtools.jacfwd")
     in_leaves = [v if isinstance(v, torch.Tensor) else None for v in in_leaves]
-    like = _single_dtype(in_leaves, "fxtools.jacfwd", "differentiated arguments")
+    like = _first_tensor(in_leaves, "fxtools.jacfwd", "differentiated arguments")
     total = sum(v.numel() for v in in_leaves if isinstance(v, torch.Tensor))
     jvp_gm = jvp(f, *args, argnums=nums)
     namer = _NodeNamer(vmappable(jvp_gm), jvp_gm.guards)
     tangent_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in in_leaves], in_spec)
     n_args = len(args)
-    mapped = torch.func.vmap(namer, in_dims=(*(None,) * n_args, *tangent_dims), chunk_size=chunk_size)
+    mapped = torch.func.vmap(namer, in_dims=(*(None,) * n_args, *tangent_dims), chunk_size=chunk_size, randomness=randomness)
     out_leaves, out_spec = _float_leaves(jvp_gm.meta[OUT_EXAMPLE], "output", "fxtools.jacfwd")
 
     def jacobian(*a):
@@ -192,7 +198,8 @@ def jacfwd(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
         return pytree.tree_unflatten(per_out, out_spec)
 
     _sign(jacobian, namer, n_args)
-    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacfwd")
+    chunks = -(-total // chunk_size) if chunk_size is not None and randomness == "same" else None
+    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacfwd", same_draws=chunks)
 
 
 def _plain(value):

@@ -15,6 +15,7 @@ what the resulting graph contains. Cotangent nodes are named ``grad_<value>``.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 
@@ -24,7 +25,9 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental import proxy_tensor
 
 from .. import registry
+from ..capture.names import INTERMEDIATE
 from ..capture.trace import Captured, data_dependent_error, is_data_dependent, trace_flat
+from ..codegen.naming import part_name, short_op
 from ..dynamic_shapes import cotangent_example, dynamic_nodes, is_dynamic, symbolic_mode, tie
 from ..errors import MissingRuleError, user_line_of
 from ..registry import differentiable_nodes, is_float
@@ -77,12 +80,32 @@ def _getitem_users(node) -> dict:
 
 
 class _Namer:
-    """Names the traced nodes holding given tensors (e.g. ``grad_linear``) once tracing ends."""
+    """Names the traced nodes holding given tensors (``scores``, ``grad_scores``) once tracing ends,
+    and the other nodes a rule makes after the value it belongs to and their op (``grad_scores_sum``)."""
 
     def __init__(self):
         self.names: dict[fx.Node, str] = {}
+        self.owners: dict[fx.Node, str] = {}
+        self.weak: set[fx.Node] = set()
 
-    def __call__(self, tensor, name: str) -> None:
+    @contextlib.contextmanager
+    def owner(self, name: str):
+        """Nodes traced inside the block belong to ``name``."""
+        mode = proxy_tensor.get_innermost_proxy_mode()
+        graph = mode.tracer.graph if mode is not None else None
+        last = graph._root.prev if graph is not None else None
+        try:
+            yield
+        finally:
+            if graph is not None:
+                node = last.next
+                while node is not graph._root:
+                    self.owners.setdefault(node, name)
+                    node = node.next
+
+    def __call__(self, tensor, name: str, weak: bool = False, owner: str | None = None) -> None:
+        """Name the node holding ``tensor``; a ``weak`` name (an intermediate's) yields to a later one.
+        With ``owner``, only a node traced for it (a rule returning its argument names nothing)."""
         mode = proxy_tensor.get_innermost_proxy_mode()
         if mode is None or not isinstance(tensor, torch.Tensor):
             return
@@ -90,12 +113,32 @@ class _Namer:
             node = proxy_tensor.get_proxy_slot(tensor, mode.tracer).proxy.node
         except Exception:  # noqa: BLE001 - not a traced tensor: nothing to name
             return
-        if node.op == "call_function":
-            self.names.setdefault(node, name)
+        if owner is not None and self.owners.get(node) != owner:
+            return
+        if node.op == "call_function" and (node not in self.names or node in self.weak):
+            self.names[node] = name
+            if weak:
+                self.weak.add(node)
+            else:
+                self.weak.discard(node)
 
-    def apply(self) -> None:
+    def apply(self, graph: fx.Graph) -> None:
         for node, name in self.names.items():
             node._rename(name)
+        root: dict[fx.Node, str] = {}  # the named value each intermediate derives from
+        for node in graph.nodes:
+            if node.op != "call_function" or node in self.names or node not in self.owners:
+                root[node] = node.name
+                continue
+            base = next((root[a] for a in node.all_input_nodes if a in root), self.owners[node])
+            root[node] = base
+            if node.target is operator.getitem and isinstance(node.args[1], int):
+                multi = node.args[0]  # one output of a multi-output op: named after its main one
+                first = next((u for u in multi.users if u in self.names and u.target is operator.getitem), None)
+                base = first.name if first is not None else base
+                node._rename(f"{base}_{part_name(multi.target, node.args[1])}")
+            else:
+                node._rename(f"{base}_{short_op(node)}")
 
 
 @dataclass
@@ -148,13 +191,16 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
                     continue
                 # With ``fx.traceback.preserve_node_meta()`` on (fxtools.split), the traced nodes
                 # inherit the op's stack trace and markers; otherwise this is a no-op.
-                with fx_traceback.set_current_meta(node):
+                with fx_traceback.set_current_meta(node), namer.owner(node.name):
                     if node.target is operator.getitem or node not in need:
                         env[node] = memo.call(node.target, *args, **kwargs)
                     else:
                         rule = rule_for(node)
                         env[node], aux = memo.call(rule.fwd, *args, **kwargs)
                         tape.append((node, rule, aux))
+                # a part of a multi-output op was traced with the op; any other value must be its rule's own
+                owner = None if node.target is operator.getitem else node.name
+                namer(env[node], node.name, weak=INTERMEDIATE in node.meta, owner=owner)
                 if node in dynamic:
                     tie(env[node], node.meta["val"])
             elif node.op not in ("placeholder", "output"):
@@ -189,19 +235,20 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
                 if c is None:
                     continue
                 namer(c, f"grad_{node.name}")
-            with fx_traceback.set_current_meta(node):
-                dargs = memo.call(rule.bwd, aux, c)
-            if not isinstance(dargs, (tuple, list)) or (
-                len(node.args) == 1 and isinstance(node.args[0], (list, tuple)) and not isinstance(dargs, tuple)
-            ):
-                dargs = (dargs,)
-            for a, d in zip(node.args, dargs):
-                if isinstance(a, (list, tuple)):
-                    for ai, di in zip(a, d if d is not None else [None] * len(a)):
-                        if isinstance(ai, fx.Node):
-                            add(ai, di)
-                elif isinstance(a, fx.Node):
-                    add(a, d)
+            with namer.owner(f"grad_{node.name}"):
+                with fx_traceback.set_current_meta(node):
+                    dargs = memo.call(rule.bwd, aux, c)
+                if not isinstance(dargs, (tuple, list)) or (
+                    len(node.args) == 1 and isinstance(node.args[0], (list, tuple)) and not isinstance(dargs, tuple)
+                ):
+                    dargs = (dargs,)
+                for a, d in zip(node.args, dargs):
+                    if isinstance(a, (list, tuple)):
+                        for ai, di in zip(a, d if d is not None else [None] * len(a)):
+                            if isinstance(ai, fx.Node):
+                                add(ai, di)
+                    elif isinstance(a, fx.Node):
+                        add(a, d)
 
         outs = [env[o] if isinstance(o, fx.Node) else o for o in out_nodes]
         grads = []
@@ -226,19 +273,25 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
         if is_data_dependent(exc):
             raise data_dependent_error(exc, current[0]) from exc
         raise
-    namer.apply()
     ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, p in zip(ph, placeholders):
+    for node, p in zip(ph, placeholders):  # arguments first: values never take their names
         node._rename(p.name)
     for node, i in zip(ph[len(placeholders) :], ct_index):
         src = out_nodes[i]
-        node._rename(f"grad_{src.name}" if len(ct_index) > 1 else "grad_out")
+        node._rename(f"grad_{src.name}" if len(ct_index) > 1 else single_cotangent_name(src))
     for node in gm.graph.nodes:  # the conjugated arguments of holomorphic rules (complex tensors)
         if node.target is aten._conj.default and node.name.startswith("_conj"):
             node._rename(f"{node.args[0].name}_conj")
     _copy_constants(cap.gm, gm)
+    namer.apply(gm.graph)
     grad_index = [i for i, w in enumerate(spec.wrt) if w]
     return gm, ct_index, grad_index
+
+
+def single_cotangent_name(out: fx.Node) -> str:
+    """The argument holding the cotangent of a function's one output: ``grad_out``, or ``grad_loss``
+    when the user's code computes a scalar loss (its ``out`` may then be a value of its own)."""
+    return "grad_loss" if isinstance(out, fx.Node) and out.name == "loss" else "grad_out"
 
 
 def ancestors(nodes) -> set[fx.Node]:

@@ -24,7 +24,8 @@ from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..passes.simplify import simplify
 from ..rules.decompose import expand
-from .reverse import ReverseSpec, ancestors, is_float, reverse
+from . import control_flow
+from .reverse import ReverseSpec, ancestors, is_float, reverse, single_cotangent_name
 
 
 def argnums_tuple(argnums, nargs):
@@ -46,11 +47,12 @@ def prepare(f, args, argnums, dynamic_shapes=None, has_aux=False, made_by="fxtoo
         args = tuple(args)
     cap = capture(f, args, dynamic_shapes=dynamic_shapes)
     sizes.check(cap.symbolic, cap.gm)  # the program itself specialised a marked size
-    check_supported(cap.gm)
     if has_aux:
         stop_aux_gradients(cap, made_by)
     functionalize(cap.gm)
     expand(cap.gm)
+    control_flow.prepare(cap.gm)
+    check_supported(cap.gm)
     nums = set(argnums)
     wrt = [cap.arg_of_leaf[i] in nums for i, t in enumerate(cap.tensor_leaf) if t]
     return cap, wrt
@@ -210,7 +212,9 @@ def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     # what grad_out may be: the output's shape at floating-point leaves (None too where no gradient
     # flows, as the code ignores it there), None elsewhere
     accepts = split.main([o if i in ct_index else OptionalTensor(o) if is_float(o) else None for i, o in enumerate(main_leaves)])
-    gm = _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[("grad_out", ct_example)], guard_extra=[accepts])
+    outs = list(cap.gm.graph.output_node().args[0])[: split.n_main]
+    ct_name = single_cotangent_name(outs[0]) if len(outs) == 1 else "grad_out"
+    gm = _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[(ct_name, ct_example)], guard_extra=[accepts])
     gm.meta[OUT_EXAMPLE] = split.main(cap.out_leaves)
     return gm
 

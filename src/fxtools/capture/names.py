@@ -1,0 +1,302 @@
+"""Name a captured graph's values after the user's variables and modules.
+
+Captured nodes are named by make_fx after their ops (``div``, ``softmax``, ``linear_5``). This
+module renames them, in order of preference:
+
+1. a value a module call returns, after the module: the shortest unique suffix of its path
+   (``attn_c_proj``, ``h_3_ln_1``, ``fc1``); a value leaving nested modules at once takes the
+   outermost one's name (a block's last add is ``h_3``);
+2. the value a statement of user code assigns, after its target (``scores = q @ k.T / 8``
+   names the division ``scores``; ``q, k, v = x.split(...)`` names the parts); a returned value
+   after its function (or ``loss`` for a scalar returned by the differentiated function itself,
+   else ``out``);
+3. other values of a statement (its intermediates) after the target and their op
+   (``scores_matmul``).
+
+Statements are found from each node's stack trace: the innermost user frame's line, parsed with
+``ast`` (a statement may span lines). Names are identifiers from the user's source, passed
+through ``naming.identifier`` like every name; they never change what the code computes.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import linecache
+import operator
+import re
+import traceback
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental import proxy_tensor
+from torch.utils import _pytree as pytree
+
+from ..codegen.naming import identifier, part_name, short_op, shortest_unique_suffixes
+from ..errors import is_user_file
+
+MODULE_OUT = "fxtools_module_out"  # node.meta key: path of the outermost module call returning the node's value
+INTERMEDIATE = "fxtools_intermediate"  # node.meta key: named after its statement's target and its op
+_FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$')
+_GENERIC_FUNCTIONS = frozenset({"forward", "__call__", "<lambda>", "<module>", "_call_impl", "_wrapped_call_impl"})
+
+
+def root_prefix(root, name: str) -> str:
+    """What a root module's child path starts with: nothing (``fc1``), or for numbered children
+    (an ``nn.Sequential``'s ``0``) the root's class name (``sequential_0``), as names cannot be numbers."""
+    if not name[:1].isdigit():
+        return ""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", type(root).__name__).lower()
+
+
+def module_paths(f) -> dict[int, str]:
+    """id(module) -> its dotted path, for the modules ``f`` is or closes over (``model.h.0.attn``)."""
+    paths: dict[int, str] = {}
+
+    def add(module, prefix):
+        for name, m in module.named_modules(remove_duplicate=False):
+            first = prefix or root_prefix(module, name)
+            paths.setdefault(
+                id(m), (f"{first}.{name}" if first else name) if name else ""
+            )  # a root's own value keeps its statement's name
+
+    module = f if isinstance(f, torch.nn.Module) else getattr(f, "__fxtools_module__", None)
+    if module is not None:
+        add(module, "")
+    code = getattr(f, "__code__", None)
+    if code is not None:
+        cells = {}
+        for name, cell in zip(code.co_freevars, f.__closure__ or ()):
+            with contextlib.suppress(ValueError):
+                cells[name] = cell.cell_contents
+        seen = {**{n: f.__globals__[n] for n in code.co_names if n in getattr(f, "__globals__", {})}, **cells}
+        for name, value in seen.items():
+            if isinstance(value, torch.nn.Module):
+                add(value, name)
+    return paths
+
+
+@contextlib.contextmanager
+def recording_modules(paths: dict[int, str] | None):
+    """While tracing, mark each node a module call returns with the module's path (``MODULE_OUT``).
+
+    ``paths`` (from ``module_paths``) names the modules the traced function is or holds; a module
+    called from another one's forward is named after the attribute holding it there (so modules
+    reached only through other functions are named too). ``None``: record nothing.
+    """
+    if paths is None:
+        yield
+        return
+    paths = dict(paths)
+    stack: list[tuple[torch.nn.Module, int]] = []
+    below: dict[int, dict[int, str]] = {}  # id(module) -> {id(submodule): relative path}
+
+    def path_of(module) -> str:
+        if id(module) not in paths:
+            parent = stack[-1][0] if stack else None
+            if parent is not None and id(parent) not in below:
+                below[id(parent)] = {id(m): k for k, m in parent.named_modules(remove_duplicate=False) if k}
+            name = below[id(parent)].get(id(module)) if parent is not None else None
+            if name is None:
+                paths[id(module)] = ""  # called from outside any module: a root
+            else:
+                parent_path = paths.get(id(parent), "") or root_prefix(parent, name)
+                paths[id(module)] = f"{parent_path}.{name}" if parent_path else name
+        return paths[id(module)]
+
+    def pre(module, args):
+        path_of(module)
+        mode = proxy_tensor.get_proxy_mode()
+        stack.append((module, len(mode.tracer.graph.nodes) if mode is not None else -1))
+
+    def post(module, args, out):
+        if not stack or stack[-1][0] is not module:
+            return
+        _, start = stack.pop()
+        path = paths.get(id(module))
+        mode = proxy_tensor.get_proxy_mode()
+        if not path or mode is None or start < 0:
+            return
+        made = len(mode.tracer.graph.nodes) - start
+        for leaf in pytree.tree_leaves(out):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            try:
+                node = proxy_tensor.get_proxy_slot(leaf, mode.tracer).proxy.node
+            except Exception:  # noqa: BLE001 - not a traced tensor
+                return
+            if node.op == "call_function" and _among_last(mode.tracer.graph, node, made):
+                node.meta[MODULE_OUT] = path  # outer modules' hooks run later: the outermost wins
+            return  # the first tensor a module returns is its value
+
+    hooks = [
+        torch.nn.modules.module.register_module_forward_pre_hook(pre),
+        torch.nn.modules.module.register_module_forward_hook(post),
+    ]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _among_last(graph: fx.Graph, node: fx.Node, count: int) -> bool:
+    """Whether ``node`` is one of the last ``count`` nodes of ``graph`` (made during a module call)."""
+    cur = graph._root.prev
+    for _ in range(count):
+        if cur is node:
+            return True
+        if cur is graph._root:
+            return False
+        cur = cur.prev
+    return False
+
+
+def _frames(stack_trace) -> tuple:
+    """(filename, line, function) of each frame of a node's recorded stack trace, outermost first."""
+    out = []
+    for line in (stack_trace or "").splitlines():
+        m = _FRAME.match(line)
+        if m:
+            out.append((m.group(1), int(m.group(2)), m.group(3)))
+    return tuple(out)
+
+
+_STATEMENTS: dict[str, dict[int, ast.stmt]] = {}
+
+
+def _statement(filename: str, line: int) -> ast.stmt | None:
+    """The innermost statement of ``filename`` holding ``line`` (parsed once per file)."""
+    if filename not in _STATEMENTS:
+        index: dict[int, ast.stmt] = {}
+        try:
+            tree = ast.parse("".join(linecache.getlines(filename)))
+        except (SyntaxError, ValueError, MemoryError):
+            tree = None
+        if tree is not None:
+            stmts = [n for n in ast.walk(tree) if isinstance(n, ast.stmt)]
+            for s in sorted(stmts, key=lambda s: -((s.end_lineno or s.lineno) - s.lineno)):
+                for i in range(s.lineno, (s.end_lineno or s.lineno) + 1):
+                    index[i] = s  # smaller statements, set later, win
+        if len(_STATEMENTS) > 256:
+            _STATEMENTS.clear()
+        _STATEMENTS[filename] = index
+    return _STATEMENTS[filename].get(line)
+
+
+def _target_names(target) -> list | None:
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, ast.Attribute):
+        return [target.attr]
+    if isinstance(target, ast.Starred):
+        return _target_names(target.value)
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [(_target_names(t) or [None])[0] if not isinstance(t, (ast.Tuple, ast.List)) else None for t in target.elts]
+    return None
+
+
+def _targets(frame, top_codes) -> list | None:
+    """Names the statement of ``frame`` assigns (a list, one per tuple element), ``[None]`` if none."""
+    filename, line, function = frame
+    if function == "<lambda>":
+        return ["<return>"]
+    if function.startswith("<"):  # comprehensions, generator expressions
+        return None
+    stmt = _statement(filename, line)
+    if isinstance(stmt, ast.Assign):
+        return _target_names(stmt.targets[-1])
+    if isinstance(stmt, (ast.AugAssign, ast.AnnAssign)) and getattr(stmt, "value", None) is not None:
+        return _target_names(stmt.target)
+    if isinstance(stmt, ast.Return):
+        return ["<return>"]
+    return None
+
+
+def _return_name(frame, node, top_codes) -> str:
+    filename, _, function = frame
+    if (filename, function) in top_codes or function == "<lambda>":
+        val = node.meta.get("val")
+        scalar = isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point()
+        return "loss" if scalar else "out"
+    return "out" if function in _GENERIC_FUNCTIONS else function
+
+
+def _top_codes(f) -> set:
+    """(filename, function name) of the differentiated function itself."""
+    out = set()
+    for fn in (f, getattr(f, "forward", None), getattr(getattr(f, "__fxtools_module__", None), "forward", None)):
+        fn = getattr(fn, "__func__", fn)
+        while hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            out.add((code.co_filename, code.co_name))
+    return out
+
+
+def outer_frames() -> tuple:
+    """The user frames calling fxtools now: not part of the traced program (stripped from its stack traces)."""
+    return tuple((f.filename, f.lineno, f.name) for f in traceback.extract_stack() if is_user_file(f.filename))
+
+
+def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
+    """Rename ``gm``'s op nodes after the user's modules and variables (see the module docstring).
+
+    ``outer``: the frames that called fxtools (``outer_frames()``); a line there (``gm = fxtools.vmap(...)``)
+    names nothing the program computes."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    names: dict[fx.Node, str] = {}
+    module_nodes = {n: n.meta[MODULE_OUT] for n in nodes if MODULE_OUT in n.meta}
+    short = shortest_unique_suffixes(sorted(set(module_nodes.values())))
+    for n, path in module_nodes.items():
+        names[n] = short[path]
+    top = _top_codes(f)
+    runs: list[tuple[tuple, list[fx.Node]]] = []
+    open_runs: list[tuple[tuple, list[fx.Node]]] = []
+    for n in nodes:
+        key = _frames(n.meta.get("stack_trace"))
+        if outer and key[: len(outer)] == outer:
+            key = key[len(outer) :]
+        if not key:
+            continue
+        while open_runs and not (key[: len(open_runs[-1][0])] == open_runs[-1][0]):
+            open_runs.pop()
+        if open_runs and open_runs[-1][0] == key:
+            open_runs[-1][1].append(n)
+        else:
+            new_run: tuple[tuple, list[fx.Node]] = (key, [n])
+            open_runs.append(new_run)
+            runs.append(new_run)
+    for key, run in runs:
+        targets = _targets(key[-1], top)
+        if not targets or (targets[0] is None and len(targets) == 1):
+            continue
+        base = None
+        if len(targets) == 1:
+            value: fx.Node = run[-1]
+            whole = value.args[0] if value.target is operator.getitem else None
+            if isinstance(whole, fx.Node) and whole in run:
+                value = whole  # a multi-output op assigned whole (``out = torch.max(x, 1)``)
+            base = _return_name(key[-1], value, top) if targets[0] == "<return>" else targets[0]
+            names.setdefault(value, base)
+        else:
+            multi = [m for m in run if isinstance(m.meta.get("val"), (tuple, list)) and len(m.meta["val"]) == len(targets)]
+            if multi:
+                m = multi[-1]
+                for u in m.users:
+                    if u.target is operator.getitem and isinstance(u.args[1], int) and targets[u.args[1]]:
+                        names.setdefault(u, targets[u.args[1]])
+            base = next((t for t in targets if t), None)
+        if base is None:
+            continue
+        for n in run:
+            if n not in names and n.target is not operator.getitem:
+                names[n] = f"{base}_{short_op(n)}"
+                n.meta[INTERMEDIATE] = True
+    for n in nodes:
+        whole = n.args[0] if n.target is operator.getitem else None
+        if isinstance(whole, fx.Node) and n not in names and whole in names and isinstance(n.args[1], int):
+            names[n] = f"{names[whole]}_{part_name(whole.target, n.args[1])}"
+    for n, name in names.items():
+        n._rename(identifier(name))

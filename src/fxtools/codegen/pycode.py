@@ -1,0 +1,224 @@
+"""How a graph prints as Python: what ``gm.code`` looks like.
+
+torch.fx's code generator is kept, with three changes made to the lines it writes:
+
+- keyword arguments as PEP 8 writes them: ``stride=[1, 1]``, not ``stride = [1, 1]``;
+- one statement per multi-output op, ``ln_1, mean, rstd = torch.native_layer_norm(...)``, with
+  ``_`` for parts nothing reads, rather than a tuple variable and one ``x[i]`` line per part;
+- frees where they matter. fx ends almost every line with ``;  x = None`` so that each tensor is
+  freed right after its last use. Here the smallest values, together at most ``SLACK_BYTES``
+  (from the shapes recorded on the graph; views share their base's storage; arguments and
+  constants are held by the caller anyway), and values whose storage lives to the end anyway (an
+  output's) are simply left alone, as a person writing the code would; every other value is freed
+  after its last use with a ``del`` line. Only small programs (values peaking under
+  ``SMALL_PROGRAM_BYTES``: examples, tests) keep small values so, and their peak memory can grow
+  by at most ``SLACK_BYTES``; larger ones free every value fx frees except those whose storage
+  lives to the end anyway, so their peak memory is exactly fx's.
+"""
+
+from __future__ import annotations
+
+import io
+import operator
+import re
+import tokenize
+
+import torch
+import torch.fx as fx
+
+SLACK_BYTES = 64 * 1024  # at most this many bytes are kept alive longer than fx's frees would keep them
+SMALL_PROGRAM_BYTES = 4 * 1024 * 1024  # ... and only by programs whose values peak below this
+_COUNTER = re.compile(r"^# COUNTER: (\d+)\n$")
+_FREE = re.compile(r"^;  (.*) = None\n$")
+
+
+class ReadableCodeGen(fx.graph.CodeGen):
+    """fx's code generator with PEP 8 keywords, unpacked multi-output ops and frees only where they matter."""
+
+    def __init__(self, frees: bool = True):
+        super().__init__()
+        self.frees = frees
+
+    def _gen_python_code(self, nodes, root_module, namespace, **kwargs):
+        node_list = list(nodes)
+        self._body_transformer = lambda body: _transform(body, node_list, self.frees)
+        try:
+            return super()._gen_python_code(nodes, root_module, namespace, **kwargs)
+        finally:
+            self._body_transformer = None
+
+
+def use_readable_code(graph: fx.Graph) -> None:
+    """Print ``graph`` with ``ReadableCodeGen`` (unless it has a calling convention of its own)."""
+    if type(graph._codegen) is fx.graph.CodeGen:
+        graph.set_codegen(ReadableCodeGen())
+
+
+def _transform(body: list[str], nodes: list[fx.Node], frees: bool) -> list[str]:
+    chunks: list[tuple[int | None, list[str]]] = [(None, [])]
+    for piece in body:
+        m = _COUNTER.match(piece)
+        if m:
+            chunks.append((int(m.group(1)), [piece]))
+        else:
+            chunks[-1][1].append(piece)
+    unpacked = _multi_output_nodes(nodes)
+    parts_of = {g: m for m, parts in unpacked.items() for g in parts.values()}
+    freed: dict[int, list[str]] = {}
+    for i, pieces in chunks:
+        if i is None or nodes[i].op == "placeholder" or len(pieces) < 2:
+            continue
+        m = _FREE.match(pieces[-1])
+        if m:
+            freed[i] = [n for n in m.group(1).split(" = ") if n]
+            pieces[-1] = "\n"
+    by_name = {n.name: n for n in nodes}
+    for names in freed.values():
+        names[:] = [n for n in names if not (n in by_name and by_name[n] in unpacked)]  # the tuple variable is gone
+    keep = _needed_frees(nodes, freed, by_name) if frees else {}
+    out = []
+    for i, pieces in chunks:
+        if i is None:
+            out.extend(pieces)
+            continue
+        node = nodes[i]
+        if node in parts_of:
+            out.append(pieces[0])
+            out.append(pieces[-1] if pieces[-1] != "\n" else "")
+        else:
+            text = "".join(pieces[1:-1]) if len(pieces) > 2 else ""
+            if node in unpacked and text.startswith(f"{node.name} = "):
+                parts = unpacked[node]
+                size = max(parts) + 1 if parts else 0
+                size = max(size, len(node.meta["val"]))
+                targets = ", ".join(parts[k].name if k in parts else "_" for k in range(size))
+                text = f"{targets} = " + text[len(node.name) + 3 :]
+            if node.op in ("call_function", "call_method", "call_module"):
+                text = _pep8_keywords(text)
+            out.append(pieces[0])
+            if len(pieces) > 2:
+                out.append(text)
+                out.append(pieces[-1])
+            else:
+                out.extend(pieces[1:])
+        dels = keep.get(i)
+        if dels:
+            out.append(f"del {', '.join(dels)}\n")
+    return out
+
+
+def _multi_output_nodes(nodes) -> dict[fx.Node, dict[int, fx.Node]]:
+    """Ops returning several tensors whose every use is one ``x[i]`` per part: ``{op: {i: part}}``."""
+    found: dict[fx.Node, dict[int, fx.Node]] = {}
+    for node in nodes:
+        if node.op not in ("call_function", "call_method") or not isinstance(node.meta.get("val"), (tuple, list)):
+            continue
+        users = list(node.users)
+        if not users or any(u.op != "call_function" or u.target is not operator.getitem or u.kwargs for u in users):
+            continue
+        parts: dict[int, fx.Node] = {}
+        for u in users:
+            k = u.args[1]
+            if not isinstance(k, int) or k < 0 or k in parts:
+                parts = {}
+                break
+            parts[k] = u
+        if parts and max(parts) < len(node.meta["val"]):
+            found[node] = parts
+    return found
+
+
+def _pep8_keywords(text: str) -> str:
+    """``f(x, dim = 1)`` -> ``f(x, dim=1)``: the ``=`` of keyword arguments, found with ``tokenize``
+    (so text inside string literals is never touched)."""
+    if " = " not in text or "\n" in text.rstrip("\n"):
+        return text
+    cut = []
+    depth = 0
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.OP:
+                if tok.string in "([{":
+                    depth += 1
+                elif tok.string in ")]}":
+                    depth -= 1
+                elif tok.string == "=" and depth > 0:
+                    cut.append(tok.start[1])
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return text
+    for col in reversed(cut):
+        if text[col - 1 : col] == " " and text[col + 1 : col + 2] == " ":
+            text = text[: col - 1] + "=" + text[col + 2 :]
+    return text
+
+
+def _bytes(val) -> int:
+    try:
+        return int(val.numel()) * val.element_size()
+    except Exception:  # noqa: BLE001 - a data-dependent size: unknown, counted as nothing
+        return 0
+
+
+def _storages(nodes) -> dict:
+    """node -> the node whose storage its value lives in: a view's is its input's (from the graph's
+    structure and each value's ``_is_view()``, so equal graphs give equal answers)."""
+    base: dict = {}
+    for n in nodes:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        inputs = [a for a in n.all_input_nodes if a in base or isinstance(a.meta.get("val"), (tuple, list))]
+        is_view = n.target is operator.getitem or n.op == "get_attr" or (_is_view(val) and inputs)
+        base[n] = base.get(inputs[0], inputs[0]) if is_view and inputs else n
+    return base
+
+
+def _is_view(val) -> bool:
+    try:
+        return bool(val._is_view())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _needed_frees(nodes, freed: dict[int, list[str]], by_name) -> dict[int, list[str]]:
+    """Of the frees fx would write (``freed``: node index -> names freed after it), those the code
+    keeps: all but those of storages alive to the end anyway and, in small programs, of the
+    smallest storages, together at most ``SLACK_BYTES``."""
+    end = len(nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    storage_of = _storages(nodes)
+    held = {n for n in storage_of.values() if n.op in ("placeholder", "get_attr") or n.target is getattr}
+    for n, b in storage_of.items():  # arguments unpacked from a pytree: the caller keeps them
+        if n.op == "call_function" and n.target is operator.getitem and any(a.op == "placeholder" for a in n.all_input_nodes):
+            held.add(b)
+    size: dict = {}
+    for n, b in storage_of.items():
+        size[b] = max(size.get(b, 0), _bytes(n.meta["val"]))
+    free_at: dict[str, int] = {name: i for i, names in freed.items() for name in names}
+    first: dict[object, int] = {}
+    last: dict[object, int] = {}
+    for n, key in storage_of.items():
+        if key in held:
+            continue
+        first[key] = min(first.get(key, end), pos[n])
+        last[key] = max(last.get(key, 0), free_at.get(n.name, end))
+    events = sorted([(a, size[k]) for k, a in first.items()] + [(last[k] + 1, -size[k]) for k in first])
+    live = peak = 0
+    for _, b in events:
+        live += b
+        peak = max(peak, live)
+    budget = SLACK_BYTES if peak <= SMALL_PROGRAM_BYTES else 0
+    keep_storages = set()
+    for key in sorted(first, key=lambda k: (size[k], pos[k])):
+        if last[key] >= end:
+            continue  # alive to the end anyway (an output's storage): its frees free nothing
+        if size[key] <= budget:
+            budget -= size[key]
+        else:
+            keep_storages.add(key)
+    out = {}
+    for i, names in freed.items():
+        kept = [nm for nm in names if nm in by_name and storage_of.get(by_name[nm]) in keep_storages]
+        if kept:
+            out[i] = kept
+    return out

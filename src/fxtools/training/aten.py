@@ -1,0 +1,326 @@
+"""The ATen form of a split: the graphs compilers take (Inductor, XLA-style lowerings).
+
+``to_aten(split)`` re-traces ``Split.forward`` and ``Split.backward`` (the readable graphs) with
+``make_fx`` below autograd, functionalized, through an ``fx.Interpreter`` that makes each readable
+node the current node (``torch.fx.traceback.set_current_meta``, as AOTAutograd does): every ATen
+node it records carries its readable node's ``stack_trace`` (the user's line), ``nn_module_stack``
+when the readable node has one, ``from_node``, and ``meta['val']``. ``decompositions`` lowers
+further while tracing: ``"core"`` for PyTorch's Core ATen table
+(``torch._decomp.core_aten_decompositions``), ``"inductor"`` for Inductor's, or a table.
+
+The two graphs keep the readable ones' placeholders, in order and by name, and return flat tuples
+(compilers want flat outputs):
+
+- ``forward(*inputs, *buffers) -> (*outputs, *saved, *mutated buffers)``: the tensor leaves of the
+  arguments, then the module's buffers the forward reads (lifted from ``get_attr``, by attribute
+  name: a functional graph cannot update them in place); it returns the tensor leaves of ``f``'s
+  result, the saved values, then the new values of the buffers it updates (BatchNorm's running
+  statistics), which the caller copies back, as AOTAutograd's input mutations.
+- ``backward(*saved, *cotangents) -> grads``: one gradient per tensor leaf of the arguments (forward
+  placeholder order), ``None`` where there is none.
+
+Every placeholder has ``node.meta['desc']`` and the output node ``meta['desc']`` (one per output):
+a ``Descriptor`` with ``kind`` (``"user_input"``, ``"parameter"``, ``"buffer"``, ``"saved"``,
+``"cotangent"``, ``"output"``, ``"gradient"``, ``"mutated_buffer"``), the readable ``name``, the
+pytree ``path`` in the arguments or the result, and ``target``: a parameter's or buffer's
+qualified name, the forward node a saved value holds, the output a cotangent belongs to, the input
+a gradient is for. ``Descriptor.aot()`` gives the nearest AOTAutograd descriptor
+(``torch._functorch._aot_autograd.descriptors``).
+
+The only nodes that are not ``OpOverload`` calls are ``operator.getitem`` of a multi-output op's
+results, as in AOTAutograd's graphs. A ``print`` or other Python call inserted into a readable
+graph runs once, while tracing; the ATen form holds only the ATen ops.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch.utils import _pytree as pytree
+
+from ..errors import FxtoolsError
+from .partition import Split, fake_mode_of
+
+__all__ = ["Descriptor", "AtenSplit", "to_aten", "decomposition_table", "KINDS"]
+
+KINDS = ("user_input", "parameter", "buffer", "saved", "cotangent", "output", "gradient", "mutated_buffer")
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """What one placeholder or output of an ATen graph is (see the module docstring)."""
+
+    kind: str
+    name: str
+    path: str | None = None
+    target: str | None = None
+
+    def __str__(self):
+        where = f" {self.path}" if self.path else ""
+        of = f" ({self.target})" if self.target else ""
+        return f"{self.kind} {self.name}{where}{of}"
+
+    def aot(self, index: int = 0):
+        """The nearest AOTAutograd descriptor; ``index`` is the position in the flat calling convention.
+
+        Saved values have none in AOTAutograd (they are plain outputs of its forward): they get
+        ``PlainAOTOutput`` / ``PlainAOTInput`` at their position.
+        """
+        from torch._functorch._aot_autograd import descriptors as d
+
+        if self.kind == "parameter":
+            return d.ParamAOTInput(self.target or self.name)
+        if self.kind == "buffer":
+            return d.BufferAOTInput(self.target or self.name)
+        if self.kind == "mutated_buffer":
+            return d.InputMutationAOTOutput(d.BufferAOTInput(self.target or self.name))
+        if self.kind == "cotangent":
+            return d.TangentAOTInput(d.PlainAOTOutput(index))
+        if self.kind in ("output", "saved"):
+            return d.PlainAOTOutput(index)
+        if self.kind == "gradient":
+            return d.GradAOTOutput(d.PlainAOTInput(index))
+        return d.PlainAOTInput(index)
+
+
+def decomposition_table(decompositions):
+    """``None``, ``"core"`` (Core ATen), ``"inductor"`` (Inductor's table) or a table, as a dict.
+
+    ``native_batch_norm`` is always decomposed: it updates the running statistics without saying
+    so in its schema, so functionalization would miss the update; its decomposition makes it
+    explicit (``_native_batch_norm_legit_functional`` and new values for the buffers).
+    """
+    table = dict(torch._decomp.get_decompositions([torch.ops.aten.native_batch_norm]))
+    if decompositions is None:
+        return table
+    if decompositions == "core":
+        return {**table, **torch._decomp.core_aten_decompositions()}
+    if decompositions == "inductor":
+        from torch._inductor.decomposition import select_decomp_table
+
+        return {**table, **select_decomp_table()}
+    if isinstance(decompositions, dict):
+        return {**table, **decompositions}
+    raise ValueError(f'decompositions must be None, "core", "inductor" or a dict of decompositions, got {decompositions!r}')
+
+
+class _CurrentNode(fx.Interpreter):
+    """Runs a readable graph with each node as the current node (its meta goes to the ATen nodes
+    it becomes); ``get_attr`` of a lifted buffer reads the traced input instead."""
+
+    def __init__(self, gm, lifted):
+        super().__init__(gm)
+        self.lifted = lifted
+
+    def run_node(self, n):
+        with fx_traceback.set_current_meta(n):
+            return super().run_node(n)
+
+    def get_attr(self, target, args, kwargs):
+        if target in self.lifted:
+            return self.lifted[target]
+        return super().get_attr(target, args, kwargs)
+
+
+def _retrace(gm: fx.GraphModule, vals, names, lifted_names, table, flatten) -> fx.GraphModule:
+    """``gm`` traced again to functional ATen on ``vals`` (its placeholders' values, then the
+    lifted buffers'), with ``names`` for the placeholders."""
+    from torch.func import functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    n_args = len(vals) - len(lifted_names)
+
+    def run(*args):
+        interp = _CurrentNode(gm, dict(zip(lifted_names, args[n_args:])))
+        return flatten(interp.run(*args[:n_args]))
+
+    mode = fake_mode_of(vals)
+    with fx_traceback.preserve_node_meta(), mode:
+        traced = make_fx(functionalize(run, remove="mutations"), decomposition_table=table, tracing_mode="real")(*vals)
+    return _renamed(traced, names)
+
+
+def _renamed(traced: fx.GraphModule, names) -> fx.GraphModule:
+    """A copy of ``traced`` whose placeholders are named ``names`` (other nodes yield the name)."""
+    graph = fx.Graph()
+    env = {}
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    for p, name in zip(placeholders, names):
+        env[p] = graph.placeholder(name)
+        env[p].meta = dict(p.meta)
+    for n in traced.graph.nodes:
+        if n.op != "placeholder":
+            env[n] = graph.node_copy(n, env.__getitem__)
+    return fx.GraphModule(traced, graph, class_name=traced.__class__.__name__)
+
+
+def _input_mutations(gm: fx.GraphModule) -> list[tuple[int, fx.Node]]:
+    """Remove the ``copy_`` of new values into inputs that functionalization leaves at the end:
+    ``(input position, new value)`` for each."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = []
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0] in placeholders:
+            found.append((placeholders.index(n.args[0]), n.args[1]))
+            n.replace_all_uses_with(n.args[1])
+            gm.graph.erase_node(n)
+    return found
+
+
+def _check_functional(gm: fx.GraphModule, which: str) -> None:
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is operator.getitem:
+            continue
+        if not isinstance(n.target, torch._ops.OpOverload):
+            raise FxtoolsError(f"the ATen {which} holds {n.target} ({n.format_node()}), which is not an ATen op")
+        if n.target._schema.is_mutable:
+            raise FxtoolsError(f"the ATen {which} still mutates a value: {n.format_node()}")
+
+
+def _set_output(gm: fx.GraphModule, values: list, descs: list) -> None:
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    output.args = (tuple(values),)
+    output.meta["desc"] = list(descs)
+
+
+class AtenSplit:
+    """The ATen forward and backward of a ``Split`` (see the module docstring).
+
+    ``inputs`` / ``outputs`` of each graph: ``forward_inputs``, ``forward_outputs``,
+    ``backward_inputs``, ``backward_outputs`` (lists of ``Descriptor``, as in ``meta['desc']``).
+    ``buffers``: the tensors the forward takes after the inputs (read from the split's forward
+    module at call time); ``mutated``: for each buffer the forward updates, its position in
+    ``buffers``; ``n_outputs`` / ``n_saved``: how the forward's result divides.
+    """
+
+    def __init__(self, forward, backward, buffer_names, buffers, mutated, n_outputs, n_saved):
+        self.forward: fx.GraphModule = forward
+        self.backward: fx.GraphModule = backward
+        self.buffer_names: list[str] = buffer_names
+        self.buffers: list[torch.Tensor] = buffers
+        self.mutated: list[int] = mutated
+        self.n_outputs = n_outputs
+        self.n_saved = n_saved
+
+    @staticmethod
+    def _descs(gm):
+        return [n.meta["desc"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+    @property
+    def forward_inputs(self) -> list[Descriptor]:
+        return self._descs(self.forward)
+
+    @property
+    def backward_inputs(self) -> list[Descriptor]:
+        return self._descs(self.backward)
+
+    @property
+    def forward_outputs(self) -> list[Descriptor]:
+        return next(n for n in self.forward.graph.nodes if n.op == "output").meta["desc"]
+
+    @property
+    def backward_outputs(self) -> list[Descriptor]:
+        return next(n for n in self.backward.graph.nodes if n.op == "output").meta["desc"]
+
+    def __repr__(self):
+        fw = sum(n.op == "call_function" for n in self.forward.graph.nodes)
+        bw = sum(n.op == "call_function" for n in self.backward.graph.nodes)
+        return f"AtenSplit(forward: {fw} ops, backward: {bw} ops, {len(self.buffers)} buffers, {len(self.mutated)} updated)"
+
+
+def _input_descs(sp: Split) -> list[Descriptor]:
+    descs = []
+    kinds = getattr(sp._cap.f, "__fxtools_input_kinds__", None)  # a Dynamo graph's: parameters by position
+    for info, path in zip(sp.signature, sp.leaf_paths):
+        if kinds is not None and len(path) == 1 and kinds[path[0].idx][0] == "parameter":
+            descs.append(Descriptor("parameter", info.name, info.path, kinds[path[0].idx][1]))
+        elif sp.from_module and path and path[0].idx == 0 and len(path) == 2 and isinstance(path[1], pytree.MappingKey):
+            descs.append(Descriptor("parameter", info.name, info.path, str(path[1].key)))
+        else:
+            descs.append(Descriptor("user_input", info.name, info.path))
+    return descs
+
+
+def to_aten(sp: Split, decompositions=None) -> AtenSplit:
+    """The ATen forward and backward of ``sp`` (see the module docstring), made once per table."""
+    key = decompositions if isinstance(decompositions, (str, type(None))) else id(decompositions)
+    cache = sp.__dict__.setdefault("_aten", {})
+    if key not in cache:
+        cache[key] = _to_aten(sp, decomposition_table(decompositions))
+    return cache[key]
+
+
+def _to_aten(sp: Split, table) -> AtenSplit:
+    fw, bw = sp.forward, sp.backward
+    fw_ph = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    lifted = [n.target for n in fw.graph.nodes if n.op == "get_attr" and isinstance(getattr(fw, n.target, None), torch.Tensor)]
+    lifted = list(dict.fromkeys(lifted))
+    buffers = [getattr(fw, t) for t in lifted]
+    module = getattr(sp._cap.f, "__fxtools_module__", None)
+    fqn = {id(b): name for name, b in module.named_buffers()} if module is not None else {}
+    qualified = [fqn.get(id(b), t) for b, t in zip(buffers, lifted)]
+    mode = fake_mode_of([p.meta.get("val") for p in fw_ph])
+    fake_buffers = [mode.from_tensor(b, static_shapes=True) for b in buffers]
+    out_is_tensor = sp.out_is_tensor
+
+    def flatten_forward(result):
+        out, saved = result
+        return [o for o, t in zip(pytree.tree_leaves(out), out_is_tensor) if t] + list(saved)
+
+    in_descs = _input_descs(sp)
+    fw_names = [p.name for p in fw_ph] + [_buffer_name(t, fw_ph) for t in lifted]
+    forward = _retrace(fw, [p.meta["val"] for p in fw_ph] + fake_buffers, fw_names, lifted, table, flatten_forward)
+    mutations = _input_mutations(forward)
+    n_in = len(fw_ph)
+    if any(i < n_in for i, _ in mutations):
+        names = ", ".join(fw_names[i] for i, _ in mutations if i < n_in)
+        raise FxtoolsError(f"the forward updates its input(s) {names} in place, which the ATen form cannot express")
+    output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
+    outs = list(output.args[0])
+    out_paths = sp.out_tensor_paths
+    n_out = len(out_paths)
+    fw_descs = [Descriptor("output", getattr(o, "name", "None"), p) for o, p in zip(outs[:n_out], out_paths)]
+    fw_descs += [Descriptor("saved", s.name, None, s.name) for s in sp.saved]
+    fw_descs += [Descriptor("mutated_buffer", fw_names[i], None, qualified[i - n_in]) for i, _ in mutations]
+    _set_output(forward, outs + [v for _, v in mutations], fw_descs)
+    for p, desc in zip(
+        (n for n in forward.graph.nodes if n.op == "placeholder"),
+        [*in_descs, *(Descriptor("buffer", fw_names[n_in + i], None, t) for i, t in enumerate(qualified))],
+    ):
+        p.meta["desc"] = desc
+    _finish(forward, "forward")
+
+    bw_ph = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    backward = _retrace(bw, [p.meta["val"] for p in bw_ph], [p.name for p in bw_ph], [], table, sp.flat_grads)
+    bw_in = [Descriptor("saved", s.name, None, s.name) for s in sp.saved]
+    bw_in += [Descriptor("cotangent", c.name, c.path, c.path) for c in sp.cotangents]
+    for p, desc in zip((n for n in backward.graph.nodes if n.op == "placeholder"), bw_in):
+        p.meta["desc"] = desc
+    output = next(n for n in reversed(backward.graph.nodes) if n.op == "output")
+    grads = list(output.args[0])
+    _set_output(
+        backward, grads, [Descriptor("gradient", getattr(g, "name", "None"), d.path, d.name) for g, d in zip(grads, in_descs)]
+    )
+    _finish(backward, "backward")
+    return AtenSplit(forward, backward, lifted, buffers, [i - n_in for i, _ in mutations], n_out, len(sp.saved))
+
+
+def _buffer_name(target: str, placeholders) -> str:
+    taken = {p.name for p in placeholders}
+    name, i = target.replace(".", "_"), 1
+    while name in taken:
+        name, i = f"{target.replace('.', '_')}_{i}", i + 1
+    return name
+
+
+def _finish(gm: fx.GraphModule, which: str) -> None:
+    gm.graph.eliminate_dead_code()
+    _check_functional(gm, which)
+    gm.graph.lint()
+    gm.recompile()

@@ -1,0 +1,362 @@
+"""Structured control flow: ``torch.cond``, ``scan`` and ``while_loop`` differentiated as themselves.
+
+Capture records each as one higher-order node whose functions are subgraphs (GraphModules held
+as attributes of the captured module, read by ``get_attr`` nodes). ``prepare`` treats every
+subgraph as a program of its own (functionalized, expanded, its own control flow prepared in
+turn), differentiates it with the reverse engine, and gives the node a rule whose forward and
+backward are again the same control flow, so the generated code keeps it:
+
+- ``cond(pred, true_fn, false_fn, operands)``: the forward is the ``cond``; the backward is
+  ``cond(pred, true_vjp, false_vjp, (*operands, *cotangents))``, each branch's VJP recomputing
+  its branch (what is saved: the predicate and the operands);
+- ``scan(step, init, xs, consts)``: the forward scan also returns each step's input carry,
+  stacked (what is saved per step); the backward is a reverse scan of the step's VJP, carrying
+  the carry's cotangent and the sum of the constants' cotangents, so the code does not grow with
+  the number of steps;
+- ``while_loop(cond_fn, body_fn, carried, consts)``: as PyTorch differentiates it, the forward
+  loop also counts its steps and stacks the carry entering each step (a size known only at run
+  time); the backward is a ``while_loop`` over the steps in reverse. That backward is not
+  differentiated again (second order through a while_loop is refused, naming the line).
+
+Forward mode (``jvp``, by transposing the VJP) and second order differentiate the backward's
+``cond`` / ``scan`` in turn. A control-flow op without a rule here (``flex_attention``, say) is
+refused by ``check_supported``; one whose values carry no gradient just runs.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental import proxy_tensor
+from torch.utils import _pytree as pytree
+
+from ..capture.functionalize import functionalize
+from ..capture.trace import Captured, trace_flat
+from ..errors import FxtoolsError, user_line_of
+from ..passes.subgraphs import GRAD_KEY, NOTE_KEY
+from ..registry import Rule, is_float
+from ..rules.decompose import expand
+from .reverse import ReverseSpec, _example, example_mode, reverse
+
+hop = torch.ops.higher_order
+
+__all__ = ["prepare", "is_control_flow"]
+
+
+def is_control_flow(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
+
+
+def _where(node) -> str:
+    return user_line_of(node) or "an unknown line of user code"
+
+
+def prepare(gm: fx.GraphModule, node: fx.Node | None = None) -> None:
+    """Prepare the subgraphs of every ``cond`` / ``scan`` / ``while_loop`` in ``gm`` and give each node its rule.
+
+    ``node`` is the control-flow node ``gm`` is a subgraph of (its line names errors inside).
+    """
+    for n in list(gm.graph.nodes):
+        if not is_control_flow(n):
+            continue
+        if n.meta.get("stack_trace") is None and node is not None:
+            n.meta["stack_trace"] = node.meta.get("stack_trace")
+        make = _RULE_MAKERS.get(n.target)
+        if make is None:
+            continue
+        for sub in _subgraphs(gm, n):
+            _prepare_graph(sub, n)
+        n.meta["fxtools_rule"] = make(gm, n)
+
+
+def _subgraphs(gm, node) -> list[fx.GraphModule]:
+    return [getattr(gm, str(a.target)) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+
+
+def _prepare_graph(sub: fx.GraphModule, node: fx.Node) -> None:
+    for n in sub.graph.nodes:  # a subgraph's ops are traced without stack traces: they have the call's
+        if n.op == "call_function" and not n.meta.get("stack_trace"):
+            n.meta["stack_trace"] = node.meta.get("stack_trace")
+    functionalize(sub)
+    expand(sub)
+    prepare(sub, node)
+
+
+def _captured(sub: fx.GraphModule, node: fx.Node) -> Captured:
+    """A subgraph as the reverse engine's input: its placeholders are its (tensor) arguments."""
+    ph = [p for p in sub.graph.nodes if p.op == "placeholder"]
+    leaves = [p.meta.get("val") for p in ph]
+    for p, v in zip(ph, leaves):
+        if not isinstance(v, torch.Tensor):
+            what = "a Python number" if isinstance(v, (int, float, torch.SymInt, torch.SymFloat)) else f"a {type(v).__name__}"
+            raise FxtoolsError(
+                f"{node.target.name()} (at {_where(node)}) passes {what} to its function; fxtools differentiates "
+                "control flow over tensors only: pass it as a 0-dim tensor (torch.tensor(0)), or close over it."
+            )
+    out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+    outs = [o.meta.get("val") if isinstance(o, fx.Node) else o for o in out]
+    _, in_spec = pytree.tree_flatten(tuple(leaves))
+    _, out_spec = pytree.tree_flatten(list(outs))
+    n = len(leaves)
+    return Captured(sub, in_spec, out_spec, leaves, [p.name for p in ph], [True] * n, list(range(n)), outs)
+
+
+def _trace(fn, vals) -> fx.GraphModule:
+    """``fn`` traced on FakeTensors like ``vals`` (a subgraph fxtools writes)."""
+    mode = example_mode(vals)
+    return trace_flat(fn, [_example(v, mode) for v in vals], record_stack_traces=False)
+
+
+def _fresh(outs, inputs):
+    """Outputs of a subgraph may alias neither its inputs nor each other, and must have the same
+    layout whatever branch or step computed them (control flow's rules): copy those that would
+    not, contiguous (a gradient may come out as an expanded or transposed view)."""
+    seen = list(inputs)
+    fresh = []
+    for o in outs:
+        if not o.is_contiguous():
+            o = o.contiguous()
+        elif any(o is s for s in seen):
+            o = o.clone()
+        seen.append(o)
+        fresh.append(o)
+    return tuple(fresh)
+
+
+def _vjp_function(sub: fx.GraphModule, node: fx.Node):
+    """``fn(*inputs, *cts) -> grads``: the VJP of ``sub``, cotangents for its floating-point
+    outputs, gradients for its floating-point inputs (zeros where none flows)."""
+    cap = _captured(sub, node)
+    wrt = [is_float(v) for v in cap.leaves]
+    joint, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
+    n_in, n_out = len(cap.leaves), len(cap.out_leaves)
+    float_outs = [i for i, o in enumerate(cap.out_leaves) if is_float(o)]
+
+    def vjp_fn(*flat):
+        inputs, cts = flat[:n_in], flat[n_in:]
+        ct_of = dict(zip(float_outs, cts))
+        res = joint(*inputs, *(ct_of[i] for i in ct_index))
+        return _fresh(res[n_out:], flat)
+
+    return vjp_fn, cap
+
+
+def _label(tensor, name: str, note: str | None) -> None:
+    """Name the traced node holding ``tensor`` and say what it holds (``Split.report`` prints it)."""
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    if mode is None:
+        return
+    try:
+        node = proxy_tensor.get_proxy_slot(tensor, mode.tracer).proxy.node
+    except Exception:  # noqa: BLE001 - not a traced tensor: nothing to label
+        return
+    node._rename(name)
+    if note:
+        node.meta[NOTE_KEY] = note
+
+
+def _mark_grad(results) -> None:
+    """Mark the control-flow node that computed ``results`` as a backward's (its functions are
+    then named ``true_branch_grad``, ``step_grad``, ...)."""
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    if mode is None or not results:
+        return
+    try:
+        node = proxy_tensor.get_proxy_slot(results[0], mode.tracer).proxy.node
+    except Exception:  # noqa: BLE001 - not a traced tensor
+        return
+    if node.target is operator.getitem:
+        node.args[0].meta[GRAD_KEY] = True
+
+
+def _fill(mask, values):
+    it = iter(values)
+    return [next(it) if m else None for m in mask]
+
+
+def _float_cts(ct, outs):
+    """The cotangents of the floating-point outputs, zeros where none came."""
+    if not isinstance(ct, (tuple, list)):
+        ct = (ct,)
+    return [c if c is not None else torch.zeros_like(o) for c, o in zip(ct, outs) if is_float(o)]
+
+
+def _cond_rule(gm, node) -> Rule:
+    """``cond``'s rule: the backward is a ``cond`` over the two branches' VJPs."""
+    _, true_n, false_n, _ = node.args
+    true_vjp, cap = _vjp_function(getattr(gm, true_n.target), node)
+    false_vjp, _ = _vjp_function(getattr(gm, false_n.target), node)
+    vals = [*cap.leaves, *(o for o in cap.out_leaves if is_float(o))]
+    true_bwd, false_bwd = _trace(true_vjp, vals), _trace(false_vjp, vals)
+
+    def fwd(pred, true_fn, false_fn, operands):
+        out = hop.cond(pred, true_fn, false_fn, operands)
+        return out, (pred, operands, out)
+
+    def bwd(aux, ct):
+        pred, operands, out = aux
+        grads = hop.cond(pred, true_bwd, false_bwd, (*operands, *_float_cts(ct, out)))
+        _mark_grad(grads)
+        return None, None, None, _fill([is_float(o) for o in operands], grads)
+
+    return Rule(fwd, bwd, source="control flow")
+
+
+def _scan_rule(gm, node) -> Rule:
+    """``scan``'s rule: the forward also stacks each step's input carry; the backward is a
+    reverse scan of the step's VJP."""
+    step_n, init_n, xs_n, _ = node.args
+    step = getattr(gm, step_n.target)
+    n_c, n_x = len(init_n), len(xs_n)
+    step_vjp, cap = _vjp_function(step, node)
+    carry_v, x_v, const_v = cap.leaves[:n_c], cap.leaves[n_c : n_c + n_x], cap.leaves[n_c + n_x :]
+    y_v = cap.out_leaves[n_c:]
+    n_y = len(y_v)
+    fc, fx_, fa, fy = ([is_float(v) for v in vs] for vs in (carry_v, x_v, const_v, y_v))
+    nfc, nfa, nfy = sum(fc), sum(fa), sum(fy)
+
+    def step_saving_carry(*a):
+        return (*step(*a), *(c.clone() for c in a[:n_c]))
+
+    step_fwd = _trace(step_saving_carry, cap.leaves)
+
+    def step_bwd(*a):
+        ct_carry, acc = a[:nfc], a[nfc : nfc + nfa]
+        rest = a[nfc + nfa :]
+        carry, x, ct_y, consts = rest[:n_c], rest[n_c : n_c + n_x], rest[n_c + n_x : n_c + n_x + nfy], rest[n_c + n_x + nfy :]
+        grads = step_vjp(*carry, *x, *consts, *ct_carry, *ct_y)
+        g_carry, g_x, g_const = grads[:nfc], grads[nfc : nfc + sum(fx_)], grads[nfc + sum(fx_) :]
+        return _fresh((*g_carry, *(s + g for s, g in zip(acc, g_const)), *g_x), a)
+
+    bwd_vals = [
+        *(v for v, f in zip(carry_v, fc) if f),
+        *(v for v, f in zip(const_v, fa) if f),
+        *carry_v,
+        *x_v,
+        *(v for v, f in zip(y_v, fy) if f),
+        *const_v,
+    ]
+    step_back = _trace(step_bwd, bwd_vals)
+
+    def fwd(step_fn, init, xs, consts):
+        res = hop.scan(step_fwd, init, xs, consts)
+        value, carries = list(res[: n_c + n_y]), res[n_c + n_y :]
+        return value, (carries, init, xs, consts, value)
+
+    def bwd(aux, ct):
+        carries, init, xs, consts, value = aux
+        cts = _float_cts(ct, value)
+        ct_carry, ct_y = cts[:nfc], cts[nfc:]
+        zeros = [torch.zeros_like(a) for a, f in zip(consts, fa) if f]
+
+        def flip(t):
+            return torch.flip(t, [0])
+
+        steps = []
+        for c in carries:
+            c = flip(c)
+            kind = str(c.dtype).replace("torch.", "") + str(list(c.shape[1:]))
+            _label(
+                c,
+                "carry_steps",
+                f"per step: {kind}, the carry entering each of the {c.shape[0]} steps of the scan, last step first",
+            )
+            steps.append(c)
+        res = hop.scan(step_back, [*ct_carry, *zeros], [*steps, *map(flip, xs), *map(flip, ct_y)], consts)
+        _mark_grad(res)
+        g_init, g_consts, g_xs = res[:nfc], res[nfc : nfc + nfa], [flip(g) for g in res[nfc + nfa :]]
+        return None, _fill(fc, g_init), _fill(fx_, g_xs), _fill(fa, g_consts)
+
+    return Rule(fwd, bwd, source="control flow")
+
+
+def _while_loop_rule(gm, node) -> Rule:
+    """``while_loop``'s rule, as PyTorch's (``while_loop_stack_output``): the forward loop also
+    counts its steps and stacks the carry entering each step; the backward is a ``while_loop``
+    over the steps in reverse, carrying the carry's cotangent and the sum of the constants'
+    cotangents. (Counting tells no steps from one: both stack one carry.)"""
+    cond_n, body_n, carried_n, _ = node.args
+    cond_gm, body = getattr(gm, cond_n.target), getattr(gm, body_n.target)
+    n_c = len(carried_n)
+    body_vjp, cap = _vjp_function(body, node)
+    carry_v, const_v = cap.leaves[:n_c], cap.leaves[n_c:]
+    fc, fa = [is_float(v) for v in carry_v], [is_float(v) for v in const_v]
+    nfc, nfa = sum(fc), sum(fa)
+    count_v = torch.zeros((), dtype=torch.int64)
+
+    def counting_cond(n, *a):
+        return cond_gm(*a[:n_c], *a[2 * n_c :])
+
+    def counting_body(n, *a):
+        carry, consts = a[:n_c], a[2 * n_c :]
+        return (n + 1, *_fresh(body(*carry, *consts), a), *(c.clone() for c in carry))
+
+    count_vals = [count_v, *carry_v, *carry_v, *const_v]
+    count_cond, count_body = _trace(counting_cond, count_vals), _trace(counting_body, count_vals)
+
+    def back_cond(i, *a):
+        return i < a[nfc + nfa]
+
+    def back_body(i, *a):
+        ct_carry, acc, n = a[:nfc], a[nfc : nfc + nfa], a[nfc + nfa]
+        steps, consts = a[nfc + nfa + 1 : nfc + nfa + 1 + n_c], a[nfc + nfa + 1 + n_c :]
+        t = (n - 1 - i).reshape(1)
+        carry = [torch.index_select(s, 0, t).squeeze(0) for s in steps]
+        grads = body_vjp(*carry, *consts, *ct_carry)
+        return (i + 1, *_fresh((*grads[:nfc], *(s + g for s, g in zip(acc, grads[nfc:]))), a))
+
+    steps_v = [torch.empty((2, *v.shape), dtype=v.dtype, device=v.device) for v in carry_v]
+    back_vals = [
+        count_v,
+        *(v for v, f in zip(carry_v, fc) if f),
+        *(v for v, f in zip(const_v, fa) if f),
+        count_v,
+        *steps_v,
+        *const_v,
+    ]
+    back_cond_gm, back_body_gm = _trace(back_cond, back_vals), _trace(back_body, back_vals)
+
+    def fwd(cond_fn, body_fn, carried, consts):
+        n0 = torch.zeros((), dtype=torch.int64, device=carried[0].device)
+        stacked = hop.while_loop_stack_output(count_cond, count_body, (n0, *carried, *map(torch.zeros_like, carried)), consts)
+        torch._check(stacked[0].size(0) >= 1)
+        value = tuple(s[-1] for s in stacked[1 : 1 + n_c])
+        n = stacked[0][-1]
+        _label(n, "n_steps", None)
+        for s in stacked[1 + n_c :]:
+            kind = str(s.dtype).replace("torch.", "") + str(list(s.shape[1:]))
+            _label(s, "carry_steps", f"per step: {kind}, the carry entering each step of the while_loop")
+        return value, (n, stacked[1 + n_c :], consts, value)
+
+    def bwd(aux, ct):
+        n, steps, consts, value = aux
+        zeros = [torch.zeros_like(a) for a, f in zip(consts, fa) if f]
+        step = torch.zeros_like(n)
+        res = hop.while_loop(back_cond_gm, back_body_gm, (step, *_float_cts(ct, value), *zeros), (n, *steps, *consts))
+        _mark_grad(res)
+        return None, None, _fill(fc, res[1 : 1 + nfc]), _fill(fa, res[1 + nfc :])
+
+    return Rule(fwd, bwd, source="control flow")
+
+
+def _refused_rule(gm, node) -> Rule:
+    """A control-flow op fxtools does not differentiate: runs where no gradient flows through it."""
+
+    def refuse(*args):
+        raise FxtoolsError(
+            f"fxtools cannot differentiate the gradient of a while_loop again (at {_where(node)}): "
+            "hvp, hessian, or jvp of a gradient through a while_loop. When the number of steps is known, "
+            "write the loop as a scan (torch._higher_order_ops.scan), which fxtools differentiates to any order."
+        )
+
+    return Rule(refuse, refuse, source="control flow")
+
+
+_RULE_MAKERS = {
+    hop.cond: _cond_rule,
+    hop.scan: _scan_rule,
+    hop.while_loop: _while_loop_rule,
+    hop.while_loop_stack_output: _refused_rule,
+}
