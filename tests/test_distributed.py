@@ -15,7 +15,6 @@ Run ``python tests/test_distributed.py`` to launch the workers by hand and print
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import socket
@@ -53,33 +52,46 @@ CASES = {
 
 
 class Probe:
-    """A forward compiler that counts fxtools' forward graphs and their runs, and measures the bytes
-    of the activations each run saves for the backward (each storage once, inputs excluded)."""
+    """Counts the forward runs of fxtools' graphs (and the graphs run) while active, and measures
+    the bytes of the activations the last run saved for the backward (each storage once, the
+    inputs' excluded). It watches ``_Runner.run_forward``, which every ``fxtools.compile`` and
+    ``fxtools.backend`` graph runs through, so the graphs run as without it (no compiler)."""
 
     def __init__(self):
-        self.graphs = self.runs = 0
-        self.saved_bytes: list[int] = []
+        self.runners: set[int] = set()
+        self.runs = self.saved_bytes = 0
 
-    def __call__(self, gm):
-        self.graphs += 1
-        # compilers get fxtools.to_aten's forward: flat outputs, each described in the output's meta
-        kinds = [d.kind for d in next(n for n in gm.graph.nodes if n.op == "output").meta["desc"]]
+    @property
+    def graphs(self) -> int:
+        return len(self.runners)
 
-        def run(*args):
-            self.runs += 1
-            flat = gm(*args)
-            saved = [t for t, kind in zip(flat, kinds) if kind == "saved"]
-            inputs = {a.untyped_storage().data_ptr() for a in args if hasattr(a, "untyped_storage")}
+    def __enter__(self):
+        from fxtools.training.backend import _Runner
+
+        self._original = original = _Runner.run_forward
+        probe = self
+
+        def run_forward(runner, leaves):
+            outs, saved = original(runner, leaves)
+            probe.runners.add(id(runner))
+            probe.runs += 1
+            inputs = {x.untyped_storage().data_ptr() for x in leaves if isinstance(x, torch.Tensor)}
             seen, total = set(), 0
             for t in saved:
-                ptr = t.untyped_storage().data_ptr() if hasattr(t, "untyped_storage") else None
-                if ptr is not None and ptr not in inputs and ptr not in seen:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in inputs and ptr not in seen:
                     seen.add(ptr)
                     total += t.untyped_storage().nbytes()
-            self.saved_bytes.append(total)
-            return flat
+            probe.saved_bytes = total
+            return outs, saved
 
-        return run
+        _Runner.run_forward = run_forward
+        return self
+
+    def __exit__(self, *exc):
+        from fxtools.training.backend import _Runner
+
+        _Runner.run_forward = self._original
 
 
 class Checkpointed(nn.Module):
@@ -110,11 +122,11 @@ def _memory_cases(shard_blocks, model_and_batch) -> dict:
                 if checkpointed:
                     for i, block in enumerate(model.transformer.h):
                         model.transformer.h[i] = Checkpointed(block)
-                probe = Probe()
                 target = shard_blocks(model, lambda b: b) if where == "fsdp2" else model
-                compiled = fxtools.compile(target, *inputs, policy=policy, fw_compiler=probe)
-                compiled(*inputs).backward()
-                row[where] = {"declared": compiled.split.saved_bytes, "measured": probe.saved_bytes[-1]}
+                compiled = fxtools.compile(target, *inputs, policy=policy)
+                with Probe() as probe:
+                    compiled(*inputs).backward()
+                row[where] = {"declared": compiled.split.saved_bytes, "measured": probe.saved_bytes}
             out[f"{policy}{', checkpointed blocks' if checkpointed else ''}"] = row
     return out
 
@@ -166,10 +178,10 @@ def _worker(out_dir: str) -> None:
             model.transformer.h[i] = fully_shard(make_block(block))
         return fully_shard(model)
 
-    def build(case, model, inputs, probe):
-        """The module to train for ``case``; ``probe`` is the forward compiler of fxtools' graphs."""
-        backend = fxtools.backend(fw_compiler=probe)
-        compile = functools.partial(fxtools.compile, fw_compiler=probe)
+    def build(case, model, inputs):
+        """The module to train for ``case``."""
+        backend = fxtools.backend()
+        compile = fxtools.compile
         if case == "ddp(fxtools.compile(model))":
             return DDP(compile(model, *inputs))
         if case == "fxtools.compile(ddp(model))":
@@ -212,9 +224,9 @@ def _worker(out_dir: str) -> None:
         start = time.perf_counter()
         try:
             model, inputs = model_and_batch()
-            probe = Probe()
-            trained = build(case, model, inputs, probe)
-            grads, params, losses = train(trained, names_of(model), inputs)
+            trained = build(case, model, inputs)
+            with Probe() as probe:
+                grads, params, losses = train(trained, names_of(model), inputs)
             want_grads, want_params, want_losses = reference[ref]
             errors = []
             if sorted(grads) != sorted(want_grads):

@@ -428,6 +428,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
             raise data_dependent_error(exc) from exc
         raise
     check_no_writes(gm)
+    check_no_collectives(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, [n for n, t in zip(names, is_tensor) if t]):
         node._rename(name)
@@ -454,6 +455,14 @@ def check_supported(gm: fx.GraphModule) -> None:
         ):
             where = user_line_of(node) or "unknown line"
             raise FxtoolsError(f"{node.target.name()} (from {where}) is not supported by fxtools yet")
+
+
+def check_no_collectives(gm: fx.GraphModule) -> None:
+    """Refuse the in-place collectives of ``torch.distributed`` (``c10d`` ops): autograd does not
+    define their effect on gradients, and data parallelism belongs around fxtools' graphs."""
+    from ..errors import user_line_of
+
+    for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "c10d":
             where = user_line_of(node) or "unknown line"
             raise FxtoolsError(
