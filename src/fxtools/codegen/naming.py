@@ -281,6 +281,7 @@ _PARTS = {  # what the outputs of multi-output ops are, where the schema does no
     "max_pool3d_with_indices": ("out", "indices"),
     "var_mean": ("var", "mean"),
     "std_mean": ("std", "mean"),
+    "native_dropout": ("out", "mask"),
 }
 
 

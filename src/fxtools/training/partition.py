@@ -52,7 +52,7 @@ from ..capture.checkpoint import checkpoint_regions
 from ..codegen import sizes
 from ..codegen.draw import PART_KEY
 from ..codegen.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
-from ..codegen.naming import arg_names
+from ..codegen.naming import arg_names, part_name
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..dynamic_shapes import upper_bound
@@ -366,20 +366,6 @@ class _Partition:
 # Building the two graphs
 # --------------------------------------------------------------------------------------------
 
-_ITEM_NAMES = {  # names of the results of multi-output ops, for the values a split saves
-    "native_layer_norm": ("out", "mean", "rstd"),
-    "native_batch_norm": ("out", "mean", "invstd"),
-    "_native_batch_norm_legit_functional": ("out", "mean", "invstd", "running_mean", "running_var"),
-    "_native_batch_norm_legit": ("out", "mean", "invstd"),
-    "native_group_norm": ("out", "mean", "rstd"),
-    "var_mean": ("var", "mean"),
-    "max": ("values", "indices"),
-    "min": ("values", "indices"),
-    "sort": ("values", "indices"),
-    "topk": ("values", "indices"),
-    "native_dropout": ("out", "mask"),
-}
-
 
 def _name_items(gm: fx.GraphModule) -> None:
     """``getitem_7 = native_layer_norm_1[2]`` becomes ``native_layer_norm_1_rstd``; ``split[0]``, ``split_0``."""
@@ -389,10 +375,7 @@ def _name_items(gm: fx.GraphModule) -> None:
         parent, i = node.args
         if not isinstance(parent, fx.Node) or parent.op != "call_function" or not isinstance(i, int):
             continue
-        packet = getattr(getattr(parent.target, "overloadpacket", None), "__name__", None)
-        labels = _ITEM_NAMES.get(packet)
-        label = labels[i] if labels and i < len(labels) else str(i)
-        node._rename(f"{parent.name}_{label}")
+        node._rename(f"{parent.name}_{part_name(parent.target, i)}")
 
 
 class _BoxedCodeGen(fx.graph.CodeGen):
