@@ -28,7 +28,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
     s = fxtools.split(MLP(), x, y, policy="recompute_cheap")
-    s.report()
+    print(s.report())
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "split_mlp.svg")
     fxtools.draw(s, path, title='fxtools.split(MLP(), x, y, policy="recompute_cheap")')
     print("wrote", path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 
 import torch
 
@@ -21,6 +22,7 @@ def functional(model: torch.nn.Module):
     """
 
     def f(params, *inputs, **kwargs):
+        check_params(model, params)
         return torch.func.functional_call(model, params, inputs, kwargs, strict=False)
 
     try:
@@ -33,3 +35,14 @@ def functional(model: torch.nn.Module):
     f.__doc__ = f"{type(model).__name__}.forward as a function of its parameters."
     f.__fxtools_module__ = model
     return f
+
+
+def check_params(model: torch.nn.Module, params) -> None:
+    """Refuse ``params`` that are not a name -> tensor mapping (``model.parameters()``, a list of
+    tensors): the names say which parameter each tensor replaces."""
+    if not isinstance(params, Mapping):
+        kind = "a generator" if inspect.isgenerator(params) else f"a {type(params).__name__}"
+        raise TypeError(
+            f"fxtools.functional({type(model).__name__}) takes params as a dict of parameter names to tensors, "
+            f"got {kind}: pass dict(model.named_parameters()) (model.parameters() gives the tensors without their names)"
+        )

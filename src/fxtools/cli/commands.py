@@ -339,7 +339,7 @@ def _transform_parser(kind: str) -> argparse.ArgumentParser:
         "TARGET is path/to/file.py:NAME where NAME is a function or an nn.Module class "
         "(instantiated with no arguments and differentiated with respect to its parameters; "
         "the --arg values are then the inputs of its forward).",
-        epilog=f"example: fxtools {kind} model.py:Net --arg x=f32[4,8] --arg y=i64[4]%%3 --out g.py --check",
+        epilog=f"example: fxtools {kind} model.py:Net --arg x=f32[4,8] --arg y=i64[4]%3 --out g.py --check",  # not %-formatted
     )
     p.set_defaults(policy=None)
     p.add_argument("target", metavar="TARGET", help="path/to/file.py:function_or_module")
@@ -373,6 +373,18 @@ def _transform_parser(kind: str) -> argparse.ArgumentParser:
     return p
 
 
+def parse_transform_args(kind: str, argv):
+    """The parsed arguments of ``fxtools KIND``; ``model.py Net`` (TARGET in two words) is answered
+    with the one-word form ``model.py:Net``."""
+    p = _transform_parser(kind)
+    a, extra = p.parse_known_args(argv)
+    if extra and a.target.endswith(".py") and extra[0].isidentifier():
+        raise CliError(f"TARGET is one word, FILE.py:NAME: write {a.target}:{extra[0]} (not {a.target} {extra[0]})")
+    if extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    return a
+
+
 def _run_transform(kind: str, argv) -> int:
     from ..codegen.export import save
     from ..codegen.show import annotated_code
@@ -380,7 +392,7 @@ def _run_transform(kind: str, argv) -> int:
     from ..transforms.check import check_vjp
     from ..transforms.vjp import grad, vjp
 
-    a = _transform_parser(kind).parse_args(argv)
+    a = parse_transform_args(kind, argv)
     check_output_path(a.out, ".py", "--out")
     check_output_path(a.svg, ".svg", "--svg")
     progress(f"loading {a.target}")

@@ -114,6 +114,9 @@ def main(argv=None) -> int:
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     try:
         return COMMANDS[argv[0]](argv[1:])
+    except BrokenPipeError:  # `fxtools show g.py | head`: the reader has gone, as with any Unix tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # 128 + SIGPIPE, what a shell reports for a command ended by a closed pipe
     except Exception as exc:  # noqa: BLE001 - user errors become one line; fxtools' own bugs keep their traceback
         message = user_error_message(exc)
         if message is None or os.environ.get("FXTOOLS_TRACEBACK"):

@@ -18,9 +18,7 @@ tensor leaf, the structure of the result, and any fxtools metadata the GraphModu
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import io
 import operator
 import os
 import re
@@ -326,8 +324,7 @@ def _functions_of(obj):
     if isinstance(obj, fx.GraphModule):
         return [("forward", obj)], []
     if all(hasattr(obj, a) for a in ("forward", "backward", "saved", "report")):  # fxtools.Split
-        with contextlib.redirect_stdout(io.StringIO()):  # report() also prints
-            report = str(obj.report())
+        report = str(obj.report())
         notes = ["forward(*inputs) -> (out, saved); backward(*saved, *cotangents) -> grads", "", *report.rstrip().splitlines()]
         return [("forward", obj.forward), ("backward", obj.backward)], notes
     raise TypeError(f"save takes a GraphModule or an fxtools.split result, not {type(obj).__name__}")

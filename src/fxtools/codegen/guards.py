@@ -213,7 +213,8 @@ class Guards:
             self.fail(
                 f"it takes {len(self.args)} argument{'s' if len(self.args) != 1 else ''} "
                 f"({', '.join(self.names)}), got {len(args)}",
-                "Pass exactly the arguments it was made for.",
+                f"Call it with exactly the arguments it was made for, gm({', '.join(self.names)}): the "
+                "function's own, then the cotangents or tangents, if any.",
             )
         tensors, bound = [], {}
         for spec, value in zip(self.args, args):
@@ -582,8 +583,48 @@ def tangent_role(arg_name):
 # --------------------------------------------------------------------------------------------
 
 
+# what each transform's module returns, and the arguments it takes after the function's own
+_RESULTS = {
+    "fxtools.vjp": ("out, grads", ["grad_out"]),
+    "fxtools.grad": ("grads", []),
+    "fxtools.value_and_grad": ("value, grads", []),
+    "fxtools.jvp": ("out, tangent_out", ["tangent_x"]),
+    "fxtools.hvp": ("hvp", ["v"]),
+    "fxtools.linearize": ("tangent_out", []),
+    "fxtools.split": ("out, saved", []),
+}
+
+
+def module_call(made_by: str, names) -> str:
+    """How a module ``made_by`` makes is called, as code: ``out, grads = gm(x, grad_out)`` (``names``
+    its arguments, or the function's alone, in which case the transform's own are added)."""
+    result, extra = _RESULTS.get(made_by, ("result", []))
+    args = list(names) + ([] if len(names) > 1 or not extra or extra[0] in names else extra)
+    return f"{result} = gm({', '.join(args)})"
+
+
 class GuardedGraphModule(fx.GraphModule):
-    """A GraphModule whose calls check ``self.guards`` first (``forward`` itself is unchecked)."""
+    """A GraphModule whose calls check ``self.guards`` first (``forward`` itself is unchecked).
+
+    Its repr says what made it and how it is called (the class fx generates is named after the
+    user's function, often ``<lambda>``), and unpacking it (``out, fn = fxtools.vjp(f, x)``, the
+    torch.func habit) says how to call it instead.
+    """
+
+    def __repr__(self):
+        guards = self.__dict__.get("guards")
+        if guards is None:
+            return super().__repr__()
+        return f"<{guards.made_by} module: {module_call(guards.made_by, guards.names)}; gm.code is its code, gm.guards what it accepts>"
+
+    def __iter__(self):
+        guards = self.__dict__.get("guards")
+        made_by = guards.made_by if guards is not None else "an fxtools"
+        call = module_call(made_by, guards.names) if guards is not None else "gm(*args)"
+        raise TypeError(
+            f"{made_by} returns one module, not a pair such as torch.func.vjp's (out, vjp_fn): call it, {call} "
+            "(its arguments are the function's, then the cotangents or tangents, if any)"
+        )
 
     def __call__(self, *args, **kwargs):
         guards = self.__dict__.get("guards")

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import operator
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +59,7 @@ from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
 from ..passes.simplify import is_impure, simplify
 from ..passes.subgraphs import NOTE_KEY
+from ..transforms.calling import transform
 from ..transforms.reverse import ReverseSpec, ancestors, reverse
 from ..transforms.vjp import grads_structure, prepare
 from . import policies
@@ -480,6 +480,13 @@ def _keystr(path) -> str:
     return pytree.keystr(path) if path else ""
 
 
+class Report(str):
+    """Text shown as itself at a prompt (its repr is the text, not a quoted string)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
 class Split:
     """A forward graph and a backward graph (see the module docstring for the calling conventions)."""
 
@@ -638,8 +645,13 @@ class Split:
                 total += self._storage_bytes[s.storage]
         return total
 
-    def report(self, file=None) -> str:
-        """Print (and return) what the forward saves for the backward, like JAX's print_saved_residuals."""
+    def report(self, file=None) -> Report:
+        """What the forward saves for the backward, like JAX's print_saved_residuals.
+
+        Returns the text as a ``Report``, a ``str`` whose repr is the text itself: at a prompt
+        ``sp.report()`` shows it once, readably; in a script, ``print(sp.report())``. With
+        ``file`` (an open text file, ``sys.stdout``) it is also written there.
+        """
         lines = [
             f"fxtools.split (policy {policies.describe(self.policy)}): "
             f"{len(self.saved)} saved values, {self.saved_bytes:,} bytes beyond the inputs"
@@ -654,8 +666,9 @@ class Split:
             )
             if s.note:
                 lines.append(f"  {'':<10} {'':<{width}}  {s.note}")
-        text = "\n".join(lines)
-        print(text, file=file or sys.stdout)
+        text = Report("\n".join(lines))
+        if file is not None:
+            print(text, file=file)
         return text
 
     def __repr__(self):
@@ -665,6 +678,7 @@ class Split:
         )
 
 
+@transform("fxtools.split")
 def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dynamic_shapes=None) -> Split:
     """Forward and backward graphs of ``f`` at ``args`` (see the module docstring).
 

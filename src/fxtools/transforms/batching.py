@@ -35,6 +35,7 @@ from ..capture.nested import out_of_place_views
 from ..capture.trace import capture, is_data_dependent, realize_constants
 from ..codegen.naming import short_op
 from ..errors import FxtoolsError, user_frame
+from .calling import transform
 from .forward import finish
 from .vjp import _names
 
@@ -75,6 +76,7 @@ def _in_dims_for(in_dims, args):
 _RANDOMNESS = ("error", "different", "same")
 
 
+@transform("fxtools.vmap")
 def vmap(f, *args, in_dims=0, out_dims=0, randomness="error", chunk_size=None, dynamic_shapes=None) -> fx.GraphModule:
     """``f`` mapped over a batch dimension of its arguments, as one batched GraphModule.
 

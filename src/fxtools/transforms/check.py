@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
+from ..codegen.naming import arg_names
 from ..errors import FxtoolsError
+from .calling import transform
 
 
 class VjpMismatch(FxtoolsError, AssertionError):
@@ -90,15 +92,20 @@ def _cotangent_for(gm, n_args, ct):
     return pytree.tree_unflatten([None if k == "none" else c for k, c in zip(kinds, leaves)], spec)
 
 
-def check_vjp(f, *args, gm=None, rtol=1e-7, atol=1e-9, seed=0):
+@transform("fxtools.check_vjp")
+def check_vjp(f, *args, gm=None, rtol=None, atol=None, seed=0):
     """Compare ``fxtools.vjp(f, *args)`` with ``torch.autograd`` on a random cotangent.
 
-    Raises ``VjpMismatch`` naming every output or gradient leaf that differs; returns the
-    GraphModule checked. Use float64 arguments for tight tolerances.
+    Raises ``VjpMismatch`` naming every output or gradient leaf that differs by its path
+    (``out[0]``, ``params['fc1.weight']``); returns the GraphModule checked. The tolerances
+    default to the arguments' floating-point dtype (``tolerances``), as the CLI's ``--check``.
     """
     from .vjp import vjp
 
+    tol = tolerances(args)
+    rtol, atol = tol["rtol"] if rtol is None else rtol, tol["atol"] if atol is None else atol
     gm = gm if gm is not None else vjp(f, *args)
+    names = arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
     gen = torch.Generator().manual_seed(seed)
     leaves, spec = pytree.tree_flatten(args)
     diff = _autograd_differentiable(f, leaves, spec, seed)
@@ -124,19 +131,37 @@ def check_vjp(f, *args, gm=None, rtol=1e-7, atol=1e-9, seed=0):
     want = [torch.zeros_like(x) if w is None else w for w, x in zip(want, inputs)]
     torch.manual_seed(seed)
     got_out, got_grads = gm(*args, _cotangent_for(gm, len(args), ct))
+    out_paths = [_path("out", p) for p, _ in pytree.tree_flatten_with_path(want_out)[0]]
     _report(
         "output",
         [
-            (f"out{i}", g, w.detach() if isinstance(w, torch.Tensor) else w)
-            for i, (g, w) in enumerate(zip(pytree.tree_leaves(got_out), pytree.tree_leaves(want_out)))
+            (path, g, w.detach() if isinstance(w, torch.Tensor) else w)
+            for path, g, w in zip(out_paths, pytree.tree_leaves(got_out), pytree.tree_leaves(want_out))
             if isinstance(w, torch.Tensor)
         ],
         rtol,
         atol,
     )
+    arg_paths = [names[p[0].idx] + pytree.keystr(p[1:]) for p, _ in pytree.tree_flatten_with_path(args)[0]]
     got = [g for g, d in zip(pytree.tree_leaves(got_grads, is_leaf=lambda v: v is None), diff) if d]
-    _report("gradient", [(f"grad{i}", g, w) for i, (g, w) in enumerate(zip(got, want))], rtol, atol)
+    paths = [f"gradient of {p}" for p, d in zip(arg_paths, diff) if d]
+    _report("gradient", list(zip(paths, got, want)), rtol, atol)
     return gm
+
+
+def _path(root: str, path) -> str:
+    return root + pytree.keystr(path)
+
+
+def tolerances(args) -> dict:
+    """Default rtol and atol for comparing derivatives at ``args``, by their floating-point dtypes:
+    float64 / complex128 tight, float32 / complex64 looser, float16 / bfloat16 loosest."""
+    dtypes = {v.dtype for v in pytree.tree_leaves(args) if _is_float(v)}
+    if dtypes & {torch.float16, torch.bfloat16}:
+        return dict(rtol=2e-2, atol=2e-2)
+    if dtypes and dtypes <= {torch.float64, torch.complex128}:
+        return dict(rtol=1e-7, atol=1e-9)
+    return dict(rtol=1e-4, atol=1e-5)
 
 
 def _pair(a, b):
@@ -144,6 +169,7 @@ def _pair(a, b):
     return torch.real(a.conj() * b).sum() if a.is_complex() or b.is_complex() else (a * b).sum()
 
 
+@transform("fxtools.check_vjp_fd")
 def check_vjp_fd(f, *args, gm=None, eps=1e-6, rtol=1e-5, atol=1e-7, seed=0):
     """Check ``<grads, v>`` against central differences ``<ct, (f(x+eps v) - f(x-eps v)) / 2 eps>``.
 

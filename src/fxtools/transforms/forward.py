@@ -52,6 +52,7 @@ from ..passes.simplify import dce, fake_mode_of, simplify
 from ..passes.views import collapse_view_chains
 from ..rules.decompose import expand
 from . import control_flow
+from .calling import transform
 from .reverse import ReverseSpec, is_float, reverse
 from .vjp import OUT_EXAMPLE, AuxSplit, _names, argnums_tuple, prepare
 
@@ -143,6 +144,7 @@ def _true_adjoints(gm: fx.GraphModule) -> None:
             node.args = tuple(args)
 
 
+@transform("fxtools.jvp")
 def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The Jacobian-vector product of ``f`` at example ``args``, as readable PyTorch code.
 

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from ..registry import rule_set
 from .batching import _NodeNamer, trace_batched, vmappable
+from .calling import transform
 from .forward import finish
 from .reverse import ReverseSpec, is_float, reverse
 from .vjp import _argnums_tuple, _names, grads_structure, prepare
@@ -34,6 +35,7 @@ def _differentiated(args, argnums):
     return args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
 
 
+@transform("fxtools.hvp")
 def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     """The Hessian-vector product of scalar ``f``: ``gm(*args, v) -> H @ v``.
 
@@ -93,6 +95,7 @@ def _name_results(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+@transform("fxtools.hessian")
 def hessian(f, *args, argnums=0) -> fx.GraphModule:
     """The Hessian of scalar ``f`` with respect to ``args[argnums]``: ``gm(*args) -> H``.
 

@@ -36,6 +36,7 @@ from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..passes.simplify import simplify
 from .batching import _NodeNamer, check_vmap_options, trace_batched, vmappable
+from .calling import transform
 from .forward import jvp
 from .reverse import is_float
 from .vjp import OUT_EXAMPLE, _names, argnums_tuple, vjp
@@ -104,6 +105,7 @@ def _first_tensor(leaves, name, what):
     return tensors[0]
 
 
+@transform("fxtools.jacrev")
 def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     """The Jacobian of ``f`` at example ``args`` by reverse mode: ``gm(*args) -> jacobian``.
 
@@ -154,6 +156,7 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacrev", same_draws=chunks)
 
 
+@transform("fxtools.jacfwd")
 def jacfwd(f, *args, argnums=0, randomness="error", chunk_size=None) -> fx.GraphModule:
     """The Jacobian of ``f`` at example ``args`` by forward mode: ``gm(*args) -> jacobian``.
 
@@ -214,6 +217,7 @@ def _plain(value):
     return value
 
 
+@transform("fxtools.linearize")
 def linearize(f, *args) -> tuple[object, fx.GraphModule]:
     """``f(*args)`` and its linear map at ``args``: ``out, jvp_gm = linearize(f, *args)``.
 

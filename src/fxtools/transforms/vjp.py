@@ -25,6 +25,7 @@ from ..codegen.show import remember_inputs
 from ..passes.simplify import simplify
 from ..rules.decompose import expand
 from . import control_flow
+from .calling import transform
 from .reverse import ReverseSpec, ancestors, is_float, reverse, single_cotangent_name
 
 
@@ -175,6 +176,7 @@ def _output_structure(cap, out_flat):
     return pytree.tree_unflatten(out_flat, cap.out_spec)
 
 
+@transform("fxtools.vjp")
 def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The vector-Jacobian product of ``f`` at example ``args``, as readable PyTorch code.
 
@@ -250,6 +252,7 @@ def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None, has_aux=False):
     return _finish(cap, flat_gm, args, build, made_by)
 
 
+@transform("fxtools.grad")
 def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The gradient of scalar-valued ``f`` at example ``args``: ``gm(*args) -> grads``.
 
@@ -260,6 +263,7 @@ def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None) -> fx.GraphMod
     return _grad_gm(f, args, argnums, with_value=False, dynamic_shapes=dynamic_shapes, has_aux=has_aux)
 
 
+@transform("fxtools.value_and_grad")
 def value_and_grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """Like ``grad``, but ``gm(*args) -> (value, grads)``; with ``has_aux=True``,
     ``gm(*args) -> ((value, aux), grads)``, as ``jax.value_and_grad`` (``torch.func.grad_and_value``

@@ -1,0 +1,120 @@
+"""How the public transforms are called, checked in one place before any tracing.
+
+torch.func's transforms take a function and return a function (``torch.func.grad(f)(x)``);
+fxtools' take the function *and example inputs* and return a module built from them
+(``fxtools.grad(f, x)``, then ``gm(x)``). Habits from torch.func and JAX otherwise end in errors
+from deep inside the trace (``'Tensor' object is not callable``). ``transform(name)`` decorates
+every entry point (``vjp``, ``grad``, ``jvp``, ``vmap``, ``split``, ...) with one check of the
+clear misuses, each answered with the fxtools call that works. Anything else passes through
+unchanged: keyword arguments and modules the transform itself accepts are not second-guessed.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+import torch
+
+from ..codegen.guards import module_call
+from ..errors import FxtoolsError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# torch.func's / JAX's keyword names, with fxtools' (which are torch.func's where they differ from JAX's)
+KEYWORD_NAMES = {"argnum": "argnums", "in_axes": "in_dims", "out_axes": "out_dims", "aux": "has_aux"}
+
+# transforms of a scalar loss: given an nn.Module, a user may mean its parameters (as the CLI does)
+LOSS_TRANSFORMS = {"fxtools.grad", "fxtools.value_and_grad", "fxtools.hvp", "fxtools.hessian"}
+
+
+class CallError(FxtoolsError, TypeError):
+    """A transform called the torch.func way (or with its arguments swapped): says the fxtools call."""
+
+
+def transform(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorate the public transform ``name`` (``"fxtools.grad"``), called ``fn(f, *args, **options)``,
+    so that its calls are checked by ``check_call`` first."""
+
+    def wrap(fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+            check_call(name, fn, args, kwargs)
+            return fn(*args, **kwargs)
+
+        return checked
+
+    return wrap
+
+
+def check_call(name: str, fn, args: tuple, kwargs: dict) -> None:
+    """Raise ``CallError`` for the torch.func and JAX habits that do not work with fxtools."""
+    usage = f"{name}(f, *example_args)"
+    if not args:
+        raise CallError(f"{name} needs the function and its example inputs: {usage}")
+    f, examples = args[0], args[1:]
+    if not callable(f):
+        swapped = any(callable(a) and not isinstance(a, torch.Tensor) for a in examples)
+        raise CallError(
+            f"{name}'s first argument is the function to differentiate, got {_kind(f)}"
+            + ("; the arguments look swapped" if swapped else "")
+            + f": call {usage}, e.g. {name}(f, x)"
+        )
+    _check_keywords(name, fn, f, kwargs)
+    if not examples and _required_positional(f):
+        raise CallError(
+            f"{name}(f) needs example inputs: fxtools builds the code from them (their shapes, dtypes and "
+            f"structure), so call gm = {name}(f, x), then {module_call(name, ['x'])}; "
+            "torch.func takes the inputs later, fxtools when it builds the module"
+        )
+    for i, a in enumerate(examples):
+        if isinstance(a, (types.GeneratorType, map, filter)):
+            raise CallError(
+                f"{name}: example argument {i} is a generator (such as model.parameters()); fxtools needs the "
+                "tensors themselves, keyed by name to be readable: pass dict(model.named_parameters()) "
+                "to fxtools.functional(model)'s params"
+            )
+    if name in LOSS_TRANSFORMS and isinstance(f, torch.nn.Module):
+        raise CallError(
+            f"{name}({type(f).__name__}(...), ...) is ambiguous: for the gradient with respect to the model's "
+            f"parameters (what the fxtools CLI computes), call {name}(fxtools.functional(model), "
+            "dict(model.named_parameters()), *inputs); with respect to the inputs, pass model.forward"
+        )
+
+
+def _check_keywords(name: str, fn, f, kwargs: dict) -> None:
+    """A keyword named as torch.func or JAX names it (``argnum``, ``in_axes``) gets fxtools' name,
+    unless the transform or ``f`` itself takes a keyword of that name."""
+    accepted = set(inspect.signature(fn).parameters)
+    for key in kwargs:
+        if key in KEYWORD_NAMES and key not in accepted and not _takes_keyword(f, key):
+            better = KEYWORD_NAMES[key]
+            has = f" (as in torch.func): {name}(f, *args, {better}=...)" if better in accepted else ""
+            raise CallError(f"{name} got an unexpected keyword argument {key!r}; fxtools calls it {better!r}{has}")
+
+
+def _takes_keyword(f, key: str) -> bool:
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == key or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _required_positional(f) -> bool:
+    """Whether ``f`` has a positional parameter without a default (False if it cannot be inspected)."""
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
+
+
+def _kind(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a Tensor of shape {list(value.shape)}"
+    return f"a {type(value).__name__}"
