@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Quick start, main job: install (if needed) and run `fxtools demo` on the built-in examples.
+# Quick start, main job: install fxtools and its runtime dependency (torch) if needed, then run
+# `fxtools demo` on the built-in examples. Uses the active environment, else .venv (scripts/setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-.venv/bin/fxtools demo "$@"
+PY=$(bash scripts/setup.sh)
+"$PY" -m fxtools demo "$@"

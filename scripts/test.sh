@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Quick start, tests: install (if needed) and run the whole test suite.
+# The test suite: install fxtools with its test dependencies if needed (the active environment, else
+# .venv: scripts/setup.sh), then run pytest on two workers (pytest-xdist). Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-# two workers (pytest-xdist): the suite takes about 5 minutes on 2 cores instead of about 10
-.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 "$@"
+PY=$(bash scripts/setup.sh test)
+"$PY" -m pytest -q -p no:cacheprovider -n 2 "$@"

@@ -5,6 +5,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
+from conftest import needs_graphviz
 
 import fxtools
 from fxtools.cli import examples
@@ -39,6 +40,7 @@ def gpt_block():
     return block, torch.randn(2, 8, 16)
 
 
+@needs_graphviz
 def test_split_of_a_gpt_block_colours_forward_backward_recomputed_and_saved(tmp_path):
     block, x = gpt_block()
     s = fxtools.split(block, x, policy="recompute_cheap")
@@ -62,6 +64,7 @@ def test_split_of_a_gpt_block_colours_forward_backward_recomputed_and_saved(tmp_
     assert fills["backward.grad_out"] == COLORS["input"][0]
 
 
+@needs_graphviz
 def test_saving_everything_recomputes_less_and_the_picture_says_so():
     model, inputs = examples.mlp(activation="gelu")
     pictures = {}
@@ -75,6 +78,7 @@ def test_saving_everything_recomputes_less_and_the_picture_says_so():
     assert pictures["save_all"][1] > pictures["recompute_cheap"][1]
 
 
+@needs_graphviz
 def test_grad_graph_module_is_coloured_forward_and_backward():
     model, inputs = examples.mlp()
     loss, args = examples.as_loss(model, inputs)
@@ -93,6 +97,7 @@ def test_grad_graph_module_is_coloured_forward_and_backward():
     assert "grad of an MLP" in svg
 
 
+@needs_graphviz
 def test_vjp_labels_are_name_op_and_shape():
     gm = fxtools.vjp(lambda x: torch.sin(x) + x, torch.randn(3, 2))
     svg = draw(gm)
@@ -102,6 +107,7 @@ def test_vjp_labels_are_name_op_and_shape():
     assert fills["gm.grad_out"] == COLORS["input"][0]
 
 
+@needs_graphviz
 def test_other_graph_modules_are_drawn_in_one_colour():
     gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU()))
     fills = nodes_of(draw(gm))
@@ -120,6 +126,7 @@ def test_missing_dependencies_say_what_to_install(monkeypatch, tmp_path):
         draw(3)
 
 
+@needs_graphviz
 def test_cli_svg(model_dir, capsys, monkeypatch):
     monkeypatch.chdir(model_dir)
     assert main(["split", "model.py:Net", "--arg", "x=f32[4,8]", "--quiet", "--svg", "s.svg"]) == 0

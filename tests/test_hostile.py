@@ -17,6 +17,7 @@ import torch
 import torch as T
 import torch.fx as fx
 import torch.nn as nn
+from conftest import needs_graphviz
 from isolated import run_isolated
 
 import fxtools
@@ -329,6 +330,7 @@ def test_enum_keys_of_returned_dicts():
     torch.testing.assert_close(gx, x.cos() - x.sin())
 
 
+@needs_graphviz
 def test_draw_title_with_quotes_and_a_trailing_backslash(tmp_path):
     """Text in a picture is escaped: a title ending in a backslash used to end Graphviz's string early."""
     import shutil
