@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/setup.sh docs)
-"$PY" -m mkdocs build --strict "$@"
+NO_MKDOCS_2_WARNING=1 "$PY" -m mkdocs build --strict "$@"  # (the variable quiets a banner about a future MkDocs)
