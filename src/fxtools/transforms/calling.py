@@ -65,7 +65,7 @@ def check_call(name: str, fn, args: tuple, kwargs: dict) -> None:
             + f": call {usage}, e.g. {name}(f, x)"
         )
     _check_keywords(name, fn, f, kwargs)
-    if not examples and _required_positional(f):
+    if not examples and _required_positional(f, kwargs):
         raise CallError(
             f"{name}(f) needs example inputs: fxtools builds the code from them (their shapes, dtypes and "
             f"structure), so call gm = {name}(f, x), then {module_call(name, ['x'])}; "
@@ -105,13 +105,16 @@ def _takes_keyword(f, key: str) -> bool:
     return any(p.name == key or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def _required_positional(f) -> bool:
-    """Whether ``f`` has a positional parameter without a default (False if it cannot be inspected)."""
+def _required_positional(f, kwargs: dict) -> bool:
+    """Whether ``f`` has a positional parameter without a default that no keyword of the call
+    names (a transform may pass its keywords on to ``f``); False if ``f`` cannot be inspected."""
     try:
         params = inspect.signature(f).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
+    return any(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty and p.name not in kwargs for p in params
+    )
 
 
 def _kind(value) -> str:
