@@ -174,3 +174,12 @@ def test_cli_output_into_a_closed_pipe_ends_quietly(tmp_path):
     err = proc.stderr.read().decode()
     proc.wait(timeout=600)
     assert err == "", err
+
+
+def test_functional_still_takes_dicts_of_parameters_and_buffers():
+    """As torch.func.functional_call: a tuple of mappings (parameters, buffers) is not refused."""
+    model = nn.BatchNorm1d(3).eval()
+    x = torch.randn(4, 3)
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    got = fxtools.functional(model)((params, buffers), x)
+    torch.testing.assert_close(got, model(x))

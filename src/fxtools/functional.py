@@ -39,8 +39,10 @@ def functional(model: torch.nn.Module):
 
 def check_params(model: torch.nn.Module, params) -> None:
     """Refuse ``params`` that are not a name -> tensor mapping (``model.parameters()``, a list of
-    tensors): the names say which parameter each tensor replaces."""
-    if not isinstance(params, Mapping):
+    tensors): the names say which parameter each tensor replaces. A sequence of mappings (as
+    ``torch.func.functional_call`` takes: parameters, buffers) is accepted."""
+    mappings = isinstance(params, (list, tuple)) and bool(params) and all(isinstance(p, Mapping) for p in params)
+    if not isinstance(params, Mapping) and not mappings:
         kind = "a generator" if inspect.isgenerator(params) else f"a {type(params).__name__}"
         raise TypeError(
             f"fxtools.functional({type(model).__name__}) takes params as a dict of parameter names to tensors, "
