@@ -284,7 +284,7 @@ def _poly_eval(coeffs, y):
             continue
         term = powers[i] if abs(c) == 1 else abs(c) * powers[i]
         if out is None:
-            out = term if c > 0 else -term
+            out = term if c > 0 else (-term if c == -1 else c * powers[i])
         else:
             out = out + term if c > 0 else out - term
     return out
@@ -837,3 +837,95 @@ def _logsumexp_rule(op, args, kwargs):
     if not keepdim:
         lse = call(aten.squeeze.dims, lse, dims)
     return _with_value(lse, op(x.value, *args[1:], **kwargs))
+
+
+def _dims_of(dims, ndim):
+    if dims is None:
+        return list(range(ndim))
+    return [dims] if isinstance(dims, int) else list(dims) or list(range(ndim))
+
+
+def _moments(x, dims, correction):
+    """``(var, mean)`` over ``dims`` (kept), written with the rules of their parts."""
+    v = x.value
+    n = math.prod(v.shape[d] for d in dims)
+    mean = call(aten.mean.dim, x, dims, True)
+    dev = call(aten.sub.Tensor, x, mean)
+    sq = call(aten.sum.dim_IntList, call(aten.mul.Tensor, dev, dev), dims, True)
+    return call(aten.div.Tensor, sq, max(n - correction, 0)), mean
+
+
+def _correction(args, kwargs, unbiased_pos=None):
+    if "correction" in kwargs and kwargs["correction"] is not None:
+        return kwargs["correction"]
+    if "unbiased" in kwargs:
+        return 1 if kwargs["unbiased"] else 0
+    return 1
+
+
+@taylor_rule(aten.var, aten.std, aten.var_mean, aten.std_mean)
+def _variance(op, args, kwargs):
+    """Variance (and standard deviation, and their means) as the mean of squared deviations."""
+    x = args[0]
+    dims = _dims_of(args[1] if len(args) > 1 and not isinstance(args[1], bool) else kwargs.get("dim"), x.value.dim())
+    keepdim = kwargs.get("keepdim", False)
+    var, mean = _moments(x, dims, _correction(args, kwargs))
+    packet = op.overloadpacket
+    first = call(aten.sqrt.default, var) if packet in (aten.std, aten.std_mean) else var
+    if not keepdim:
+        first = call(aten.squeeze.dims, first, dims)
+        mean = call(aten.squeeze.dims, mean, dims)
+    out = op(x.value, *args[1:], **kwargs)
+    if packet in (aten.var_mean, aten.std_mean):
+        return [_with_value(first, out[0]), _with_value(mean, out[1])]
+    return _with_value(first, out)
+
+
+@taylor_rule(aten.linalg_vector_norm)
+def _vector_norm(op, args, kwargs):
+    """``(sum |x|^p)^(1/p)``: ``sqrt(sum x * x)`` for p = 2, the largest ``|x|`` for p = inf."""
+    x = args[0]
+    p = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dims = _dims_of(args[2] if len(args) > 2 else kwargs.get("dim"), x.value.dim())
+    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    out = op(x.value, *args[1:], **kwargs)
+    if p == 2:
+        norm = call(aten.sqrt.default, call(aten.sum.dim_IntList, call(aten.mul.Tensor, x, x), dims, keepdim))
+    elif p in (math.inf, -math.inf):
+        norm = call(aten.amax if p > 0 else aten.amin, call(aten.abs.default, x), dims, keepdim)
+    elif p == 1:
+        norm = call(aten.sum.dim_IntList, call(aten.abs.default, x), dims, keepdim)
+    elif p > 0:
+        powered = call(aten.pow.Tensor_Scalar, call(aten.abs.default, x), p)
+        norm = call(aten.pow.Tensor_Scalar, call(aten.sum.dim_IntList, powered, dims, keepdim), 1 / p)
+    else:
+        raise NotImplementedError(f"vector norm of order {p}")
+    return _with_value(norm, out)
+
+
+_MAX_PROD = 16
+
+
+@taylor_rule(aten.prod)
+def _prod(op, args, kwargs):
+    """The product of ``n`` factors, by Leibniz's rule one factor at a time (``n`` up to 16)."""
+    x = args[0]
+    v = x.value
+    if len(args) > 1:
+        dim, keepdim = args[1], args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    else:
+        x, dim, keepdim = call(aten.reshape.default, x, [-1]), 0, False
+    n = value_of(x).shape[dim]
+    if n > _MAX_PROD:
+        raise NotImplementedError(
+            f"prod of {n} factors: Taylor mode multiplies them one at a time up to {_MAX_PROD}; write exp(sum(log(x))) for positive x"
+        )
+    out = op(v, *args[1:], **kwargs)
+    if n == 0:
+        return out
+    acc = call(aten.select.int, x, dim, 0)
+    for i in range(1, n):
+        acc = call(aten.mul.Tensor, acc, call(aten.select.int, x, dim, i))
+    if keepdim:
+        acc = call(aten.unsqueeze.default, acc, dim)
+    return _with_value(acc, out)
