@@ -24,7 +24,7 @@ def close(a, b):
 
 
 def randn(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
 def trace_of_hessian(f, x, *rest):
@@ -127,7 +127,7 @@ def test_jet_orders_along_a_line(order):
 def test_laplacian_code_names_terms_after_values():
     def f(x):
         h = torch.tanh(x @ W1)
-        return h @ W2
+        return torch.tanh(h @ W2)
 
     code = fxtools.laplacian(f, randn(4)).code
     for name in ("h_grad", "h_lap", "h = torch.tanh"):
@@ -209,12 +209,11 @@ def test_an_op_without_a_taylor_rule_is_refused_by_name_and_line():
 # ------------------------------------------------------------------------------------------
 
 OPINFO_OPS = [
-    "sin", "cos", "tan", "exp", "expm1", "log", "log1p", "log2", "tanh", "sigmoid", "sqrt", "rsqrt", "reciprocal",
-    "erf", "erfc", "sinh", "cosh", "abs", "square", "nn.functional.relu", "nn.functional.gelu", "nn.functional.silu",
-    "add", "sub", "mul", "div", "pow", "maximum", "minimum", "clamp",
-    "matmul", "mm", "bmm", "mv", "nn.functional.linear", "nn.functional.conv1d", "nn.functional.conv2d",
+    "sin", "exp", "log", "tanh", "sigmoid", "rsqrt", "erf", "abs", "nn.functional.gelu",
+    "mul", "div", "pow", "maximum",
+    "matmul", "bmm", "nn.functional.linear", "nn.functional.conv2d",
     "nn.functional.layer_norm", "softmax", "log_softmax", "logsumexp",
-    "sum", "mean", "amax", "var", "std", "prod", "cumsum", "linalg.vector_norm",
+    "sum", "amax", "var", "prod", "linalg.vector_norm",
 ]  # fmt: skip
 
 # PyTorch's own nested forward mode is wrong at second order for layer_norm (its forward-AD formula
@@ -233,7 +232,7 @@ def _opinfo_cases():
         yield pytest.param(by_name[name], id=name)
 
 
-def _small_samples(op, limit=2):
+def _small_samples(op, limit=1):
     picked = []
     for s in op.sample_inputs("cpu", F64, requires_grad=False):
         x = s.input
@@ -257,7 +256,7 @@ def test_opinfo_jet_orders_1_to_3(op):
         def f(x, s=sample):
             return op.op(x, *s.args, **s.kwargs)
 
-        for order in (1, 3):
+        for order in (3,):  # the terms of orders 1, 2 and 3
             series = tuple(randn(*x.shape, seed=20 + k) for k in range(order))
             out, got = fxtools.jet(f, x, order=order)(x, series)
             close(out, f(x))
@@ -305,7 +304,7 @@ def rng_index(n, kind):
     return (kind * 7 + 3) % n
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(6))
 def test_fuzz_laplacian_and_jet(seed):
     f, n = random_program(seed)
     x = randn(n, seed=seed)
@@ -364,7 +363,7 @@ def test_vmap_of_laplacian_and_grad_of_pinn_loss():
         close(g(params, xs)[k], want[k])
 
 
-@pytest.mark.parametrize("compiler", [None, "inductor"])
+@pytest.mark.parametrize("compiler", [None, pytest.param("inductor", marks=pytest.mark.slow)])  # Inductor: ~100 s on 2 cores
 def test_compile_pinn_loss(compiler):
     params, xs = mlp_params(), randn(5, 3, seed=9)
     loss = pinn_loss_fxtools(params, xs)
@@ -406,8 +405,10 @@ def test_hessian_of_non_scalar_outputs(f):
 
 
 def _compiled(gm):
+    """torch.compile through AOTAutograd (the layer where the reports failed); Inductor itself is
+    exercised by ``test_compile_pinn_loss`` (it takes tens of seconds per graph on a small machine)."""
     torch._dynamo.reset()
-    return torch.compile(gm, fullgraph=True)
+    return torch.compile(gm, backend="aot_eager", fullgraph=True)
 
 
 def test_compiled_hessian_of_a_function_using_trace():

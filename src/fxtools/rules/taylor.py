@@ -323,9 +323,14 @@ def _is_one(p) -> bool:
 
 
 def power(p):
-    """The tower of ``x ** p``: ``p (p-1) ... (p-n+1) x ** (p-n)``."""
+    """The tower of ``x ** p`` (``p`` a number or a constant tensor): ``p (p-1) ... (p-n+1) x ** (p-n)``."""
 
     def tower(x, y, n):
+        if isinstance(p, torch.Tensor):
+            coef = [p]
+            for k in range(2, n + 1):
+                coef.append(coef[-1] * (p - (k - 1)))
+            return [c * torch.pow(x, p - k) for k, c in enumerate(coef, 1)]
         out = []
         c = 1.0
         for k in range(1, n + 1):
@@ -644,8 +649,6 @@ def _div(op, args, kwargs):
 def _pow(op, args, kwargs):
     x, p = args[0], args[1]
     if not is_taylor(p):
-        if isinstance(p, torch.Tensor):
-            raise NotImplementedError("pow with a tensor exponent held constant")
         value = op(x.value, p)
         return pointwise(x, lambda n: power(p)(x.value, value, n), value)
     if not is_taylor(x):  # base ** p = exp(p log base)
@@ -877,8 +880,15 @@ def _variance(op, args, kwargs):
         mean = call(aten.squeeze.dims, mean, dims)
     out = op(x.value, *args[1:], **kwargs)
     if packet in (aten.var_mean, aten.std_mean):
-        return [_with_value(first, out[0]), _with_value(mean, out[1])]
-    return _with_value(first, out)
+        return [_shaped(first, out[0]), _shaped(mean, out[1])]
+    return _shaped(first, out)
+
+
+def _shaped(t, value):
+    """``t`` with ``value`` as its value, its terms reshaped to it (a 0-dimensional input's moments)."""
+    if tuple(t.value.shape) != tuple(value.shape):
+        t = t.map(lambda u: u.reshape(value.shape))
+    return _with_value(t, value)
 
 
 @taylor_rule(aten.linalg_vector_norm)
