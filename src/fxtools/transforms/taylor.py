@@ -121,7 +121,7 @@ def _name_terms(namer, value, name, weak):
         namer(value, name, weak=weak)
 
 
-def _trace(cap, x_index, seed, extras, outputs_of, made_by):
+def _trace(cap, x_index, seed, extras, extra_names, outputs_of, made_by):
     """The flat graph ``(captured inputs..., extras...) -> (outputs..., their terms...)``.
 
     ``seed(x, *extras)`` makes the differentiated input's Taylor value; ``outputs_of(value, i)``
@@ -164,8 +164,9 @@ def _trace(cap, x_index, seed, extras, outputs_of, made_by):
     examples = [_example(p.meta["val"], mode, keep_strides=True) for p in placeholders]
     more = [_example(v, mode) for v in extras]
     gm = trace_flat(template, [*examples, *more], record_stack_traces=False, pre_dispatch=False)
-    for node, p in zip([n for n in gm.graph.nodes if n.op == "placeholder"], placeholders):
-        node._rename(p.name)
+    names = [p.name for p in placeholders] + list(extra_names)
+    for node, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], names):
+        node._rename(name)
     _copy_constants(cap.gm, gm)
     namer.apply(gm.graph)
     out_of_place_views(gm)  # the batched ops' in-place squeeze_ (traced below torch.func)
@@ -236,7 +237,7 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
         v = rules.value_of(r)
         return [_zeros_for(v)] if is_float(v) else []
 
-    flat = _trace(cap, x_index, seed, extras, outputs_of, made_by)
+    flat = _trace(cap, x_index, seed, extras, ["sigma"] * len(extras), outputs_of, made_by)
     laps = [i for i, o in enumerate(cap.out_leaves) if is_float(o)]
     n_out = len(cap.out_leaves)
 
@@ -296,7 +297,7 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
         v = rules.value_of(r)
         return [_zeros_for(v) for _ in range(order)] if is_float(v) else []
 
-    flat = _trace(cap, x_index, seed, list(series_example), outputs_of, made_by)
+    flat = _trace(cap, x_index, seed, list(series_example), [f"series_{k}" for k in range(order)], outputs_of, made_by)
     n_out = len(cap.out_leaves)
     floats = [is_float(o) for o in cap.out_leaves]
 
