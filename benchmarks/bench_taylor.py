@@ -97,7 +97,11 @@ def run(dims, dtypes, repeat):
         for d in dims:
             f = make_mlp(d, dtype)
             xs = torch.randn(BATCH, d, dtype=dtype)
-            methods = {"fxtools": fxtools_laplacian(f, xs), "trace of hessian": trace_of_hessian(f), "vmap of hvp": vmap_of_hvp(f)}
+            methods = {
+                "fxtools": fxtools_laplacian(f, xs),
+                "trace of hessian": trace_of_hessian(f),
+                "vmap of hvp": vmap_of_hvp(f),
+            }
             ref = methods["trace of hessian"](xs)
             got = methods["fxtools"](xs)
             tol = 1e-10 if dtype == torch.float64 else 1e-3
@@ -134,8 +138,10 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1)
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
-    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, {opts.threads} thread(s), batch {BATCH}, width {WIDTH}, median of {opts.repeat}")
+    print(
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, {platform.processor() or platform.machine()}, "
+        f"torch {torch.__version__}, {opts.threads} thread(s), batch {BATCH}, width {WIDTH}, median of {opts.repeat}"
+    )
     print(HEADER)
     run(opts.dims, [getattr(torch, name) for name in opts.dtypes], opts.repeat)
 

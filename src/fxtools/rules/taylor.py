@@ -34,11 +34,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch.utils import _pytree as pytree
+
+from .decompose import _decompositions, _inline
 
 aten = torch.ops.aten
 
-__all__ = ["Jet", "Collapsed", "is_taylor", "value_of", "apply", "lookup", "has_rule", "RULES"]
+__all__ = ["Jet", "Collapsed", "is_taylor", "value_of", "apply", "lookup", "has_rule", "expand", "RULES"]
 
 
 class Jet:
@@ -209,6 +212,7 @@ def _both(op, c, x, y):
 
 def _partitions(k: int, n: int):
     """Multiplicities ``m[j]`` (j = 1..k) with ``sum m = n`` and ``sum j * m[j] = k``."""
+
     def rec(j, left_k, left_n):
         if left_n == 0:
             if left_k == 0:
@@ -489,20 +493,87 @@ def _only_first(op, args, kwargs):
 
 
 LINEAR = [
-    aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.transpose, aten.t, aten.expand,
-    aten.unsqueeze, aten.squeeze, aten.sum, aten.mean, aten.neg, aten.clone, aten.alias, aten.slice,
-    aten.select, aten.index_select, aten.narrow, aten.flip, aten.roll, aten.repeat, aten.cumsum,
-    aten.diagonal, aten.gather, aten.unfold, aten._to_copy, aten.contiguous, aten.trace, aten.tril,
-    aten.triu, aten.diag, aten.diag_embed, aten.flatten, aten.movedim, aten.split, aten.split_with_sizes,
-    aten.unbind, aten.chunk, aten.index, aten.as_strided, aten.expand_as, aten.view_as, aten.reshape_as,
-    aten.lift_fresh_copy, aten.avg_pool1d, aten.avg_pool2d, aten.avg_pool3d, aten.adaptive_avg_pool1d,
-    aten.adaptive_avg_pool2d, aten._adaptive_avg_pool2d, aten.pixel_shuffle, aten.pixel_unshuffle,
-    aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_bilinear2d, aten.im2col, aten.col2im,
-    aten.conj, aten.real, aten.alias_copy, aten.view_copy, aten.permute_copy, aten.squeeze_copy,
-    aten.unsqueeze_copy, aten.expand_copy, aten.t_copy, aten.transpose_copy, aten.slice_copy,
-    aten.select_copy, aten.diagonal_copy, aten.unfold_copy, aten.unbind_copy, aten.split_copy,
-    aten.cumulative_trapezoid, aten.trapezoid, aten.channel_shuffle, aten.reflection_pad1d,
-    aten.reflection_pad2d, aten.replication_pad1d, aten.replication_pad2d, aten.nansum,
+    aten.view,
+    aten._unsafe_view,
+    aten.reshape,
+    aten.permute,
+    aten.transpose,
+    aten.t,
+    aten.expand,
+    aten.unsqueeze,
+    aten.squeeze,
+    aten.sum,
+    aten.mean,
+    aten.neg,
+    aten.clone,
+    aten.alias,
+    aten.slice,
+    aten.select,
+    aten.index_select,
+    aten.narrow,
+    aten.flip,
+    aten.roll,
+    aten.repeat,
+    aten.cumsum,
+    aten.diagonal,
+    aten.gather,
+    aten.unfold,
+    aten._to_copy,
+    aten.contiguous,
+    aten.trace,
+    aten.tril,
+    aten.triu,
+    aten.diag,
+    aten.diag_embed,
+    aten.flatten,
+    aten.movedim,
+    aten.split,
+    aten.split_with_sizes,
+    aten.unbind,
+    aten.chunk,
+    aten.index,
+    aten.as_strided,
+    aten.expand_as,
+    aten.view_as,
+    aten.reshape_as,
+    aten.lift_fresh_copy,
+    aten.avg_pool1d,
+    aten.avg_pool2d,
+    aten.avg_pool3d,
+    aten.adaptive_avg_pool1d,
+    aten.adaptive_avg_pool2d,
+    aten._adaptive_avg_pool2d,
+    aten.pixel_shuffle,
+    aten.pixel_unshuffle,
+    aten.upsample_nearest1d,
+    aten.upsample_nearest2d,
+    aten.upsample_bilinear2d,
+    aten.im2col,
+    aten.col2im,
+    aten.conj,
+    aten.real,
+    aten.alias_copy,
+    aten.view_copy,
+    aten.permute_copy,
+    aten.squeeze_copy,
+    aten.unsqueeze_copy,
+    aten.expand_copy,
+    aten.t_copy,
+    aten.transpose_copy,
+    aten.slice_copy,
+    aten.select_copy,
+    aten.diagonal_copy,
+    aten.unfold_copy,
+    aten.unbind_copy,
+    aten.split_copy,
+    aten.cumulative_trapezoid,
+    aten.trapezoid,
+    aten.channel_shuffle,
+    aten.reflection_pad1d,
+    aten.reflection_pad2d,
+    aten.replication_pad1d,
+    aten.replication_pad2d,
+    aten.nansum,
 ]
 for _op in LINEAR:
     RULES[_op] = _only_first
@@ -939,3 +1010,14 @@ def _prod(op, args, kwargs):
     if keepdim:
         acc = call(aten.unsqueeze.default, acc, dim)
     return _with_value(acc, out)
+
+
+def expand(gm: fx.GraphModule, ruleless: Callable[[], list]) -> list:
+    """Replace the nodes ``ruleless()`` lists (ops the Taylor terms reach without a rule) by PyTorch's
+    decompositions, round after round; returns those left (no decomposition applies)."""
+    for _ in range(20):
+        todo = ruleless()
+        if not todo or not any([any(_inline(gm, n, d) for d in _decompositions(n.target)) for n in todo]):
+            break
+    gm.recompile()
+    return ruleless()

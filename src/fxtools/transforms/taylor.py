@@ -35,7 +35,6 @@ from ..capture.trace import trace_flat
 from ..errors import FxtoolsError, MissingRuleError, user_line_of
 from ..registry import differentiable_nodes, is_float
 from ..rules import taylor as rules
-from ..rules.decompose import _decompositions, _inline
 from .forward import finish
 from .reverse import _copy_constants, _example, _Namer, ancestors, example_mode
 from .vjp import OUT_EXAMPLE, _names, argnums_tuple, prepare
@@ -79,20 +78,14 @@ def _lacks_rule(node) -> bool:
 def _decompose_ruleless(gm: fx.GraphModule, x_node: fx.Node, made_by: str) -> None:
     """Ops the Taylor terms reach that have no Taylor rule: PyTorch's decompositions, until none is left;
     an op with neither is refused, with the user's line."""
-    for _ in range(20):
-        todo = [n for n in _needed(gm, x_node) if _lacks_rule(n)]
-        if not todo:
-            break
-        if not any([any(_inline(gm, n, d) for d in _decompositions(n.target)) for n in todo]):
-            break
-    for node in _needed(gm, x_node):
-        if _lacks_rule(node):
-            raise MissingRuleError(
-                f"{made_by}: no Taylor rule for {node.target} (called from {user_line_of(node) or 'an unknown line'}), "
-                "and PyTorch gives no decomposition of it into ops with rules. Rewrite that line with "
-                "elementary ops, or add a rule to fxtools/rules/taylor.py."
-            )
-    gm.recompile()
+    left = rules.expand(gm, lambda: [n for n in _needed(gm, x_node) if _lacks_rule(n)])
+    if left:
+        node = left[0]
+        raise MissingRuleError(
+            f"{made_by}: no Taylor rule for {node.target} (called from {user_line_of(node) or 'an unknown line'}), "
+            "and PyTorch gives no decomposition of it into ops with rules. Rewrite that line with "
+            "elementary ops, or add a rule to fxtools/rules/taylor.py."
+        )
 
 
 def _run(node, args, kwargs, made_by):
