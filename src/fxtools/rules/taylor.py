@@ -75,9 +75,6 @@ class Collapsed:
         return Collapsed(fn(self.value), torch.vmap(fn)(self.grad), None if self.lap is None else fn(self.lap))
 
 
-Taylor = Jet | Collapsed
-
-
 def is_taylor(x) -> bool:
     return isinstance(x, (Jet, Collapsed))
 
@@ -929,12 +926,14 @@ def _moments(x, dims, correction):
     return call(aten.div.Tensor, sq, max(n - correction, 0)), mean
 
 
-def _correction(args, kwargs, unbiased_pos=None):
-    if "correction" in kwargs and kwargs["correction"] is not None:
-        return kwargs["correction"]
-    if "unbiased" in kwargs:
-        return 1 if kwargs["unbiased"] else 0
-    return 1
+def _correction_keepdim(args, kwargs):
+    """``(correction, keepdim)`` of a variance call: keywords (``.correction``) or positions (``.dim``)."""
+    if len(args) > 2:  # var.dim(x, dim, unbiased, keepdim)
+        return (1 if args[2] else 0), (args[3] if len(args) > 3 else kwargs.get("keepdim", False))
+    correction = kwargs.get("correction")
+    if correction is None:
+        correction = 1 if kwargs.get("unbiased", True) else 0
+    return correction, kwargs.get("keepdim", False)
 
 
 @taylor_rule(aten.var, aten.std, aten.var_mean, aten.std_mean)
@@ -942,8 +941,8 @@ def _variance(op, args, kwargs):
     """Variance (and standard deviation, and their means) as the mean of squared deviations."""
     x = args[0]
     dims = _dims_of(args[1] if len(args) > 1 and not isinstance(args[1], bool) else kwargs.get("dim"), x.value.dim())
-    keepdim = kwargs.get("keepdim", False)
-    var, mean = _moments(x, dims, _correction(args, kwargs))
+    correction, keepdim = _correction_keepdim(args, kwargs)
+    var, mean = _moments(x, dims, correction)
     packet = op.overloadpacket
     first = call(aten.sqrt.default, var) if packet in (aten.std, aten.std_mean) else var
     if not keepdim:

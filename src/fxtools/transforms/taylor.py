@@ -30,6 +30,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture.functionalize import functionalize
+from ..capture.names import INTERMEDIATE
 from ..capture.nested import out_of_place_views
 from ..capture.trace import trace_flat
 from ..errors import FxtoolsError, MissingRuleError, user_line_of
@@ -146,7 +147,7 @@ def _trace(cap, x_index, seed, extras, extra_names, outputs_of, made_by):
                         env[node] = _run(node, args, kwargs, made_by)
                     else:
                         env[node] = node.target(*rules.value_of(list(args)), **{k: rules.value_of(v) for k, v in kwargs.items()})
-                _name_terms(namer, env[node], node.name, "fxtools_intermediate" in node.meta)
+                _name_terms(namer, env[node], node.name, INTERMEDIATE in node.meta)
         results = [env[o] if isinstance(o, fx.Node) else o for o in out_nodes]
         terms = []
         for i, r in enumerate(results):
