@@ -124,9 +124,11 @@ def linear(op, args, kwargs, pos: int = 0):
 
 def _map_multi(x, fn):
     """``x.map(fn)``, for an ``fn`` returning a tensor or a list of them (``split``, ``unbind``)."""
-    out = fn(x.value)
+    out = fn(x.value)  # computed once: a second, identical call would take the value's name away in CSE
     if isinstance(out, torch.Tensor):
-        return x.map(fn)
+        if isinstance(x, Jet):
+            return Jet([out] + [None if t is None else fn(t) for t in x.terms[1:]])
+        return Collapsed(out, torch.vmap(fn)(x.grad), None if x.lap is None else fn(x.lap))
     if isinstance(x, Jet):
         terms = [out] + [None if t is None else fn(t) for t in x.terms[1:]]
         return [Jet([t[i] if t is not None else None for t in terms]) for i in range(len(out))]
