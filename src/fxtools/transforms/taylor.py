@@ -165,7 +165,44 @@ def _trace(cap, x_index, seed, extras, extra_names, outputs_of, made_by):
     namer.apply(gm.graph)
     out_of_place_views(gm)  # the batched ops' in-place squeeze_ (traced below torch.func)
     functionalize(gm)
+    _fold_identity_products(gm)
     return gm
+
+
+_ORDER_KEEPING = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.clone.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+}
+
+
+def _fold_identity_products(gm: fx.GraphModule) -> None:
+    """``torch.mm(eye, w)`` -> ``w``: the first linear layer's first-order terms along the standard
+    basis are its weight's rows, not a product with the identity (saves a ``D x D x width`` product)."""
+
+    def is_eye(a, n):  # eye(n), reshaped by ops that keep the order of elements
+        while isinstance(a, fx.Node) and a.target in _ORDER_KEEPING and a.meta["val"].numel() == n * n:
+            a = a.args[0]
+        return isinstance(a, fx.Node) and a.target is aten.eye.default and list(a.args) == [n]
+
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.mm.default:
+            continue
+        a, b = node.args
+        va, vb, out = a.meta.get("val"), b.meta.get("val"), node.meta.get("val")
+        if va is None or vb is None or out is None or va.dtype != vb.dtype:
+            continue
+        if is_eye(a, vb.shape[0]) and out.shape == vb.shape:
+            node.replace_all_uses_with(b)
+        elif is_eye(b, va.shape[1]) and out.shape == va.shape:
+            node.replace_all_uses_with(a)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
 
 
 def _zeros_for(value):
