@@ -418,7 +418,46 @@ def _erf(sign):
     return tower
 
 
+def _from_derivative(g):
+    """The tower of an ``f`` whose derivative ``g(x)`` is written with ruled ops (``atan``: ``1 / (1 + x**2)``):
+    ``f^(k+1)`` is the ``k``-th term of ``g``'s jet along ``x + t``."""
+
+    def tower(x, y, n):
+        if n == 1:
+            return [g(x)]
+        return list(g(Jet([x, torch.ones_like(x)] + [None] * (n - 2))).terms)
+
+    return tower
+
+
+def _one_plus_square(sign_one, sign_square):
+    """``sign_one + sign_square * u**2``, for the derivatives of the inverse trigonometric functions."""
+
+    def of(u):
+        square = call(aten.mul.Tensor, u, u)
+        if sign_square < 0:
+            return call(aten.rsub.Scalar, square, sign_one)
+        return call(aten.add.Tensor, square, sign_one)
+
+    return of
+
+
+def _then(op, inner, scale=1):
+    def of(u):
+        out = call(op, inner(u))
+        return call(aten.mul.Tensor, out, scale) if scale != 1 else out
+
+    return of
+
+
 TOWERS: dict[Any, Callable] = {
+    aten.atan: _from_derivative(_then(aten.reciprocal.default, _one_plus_square(1, 1))),
+    aten.asin: _from_derivative(_then(aten.rsqrt.default, _one_plus_square(1, -1))),
+    aten.acos: _from_derivative(_then(aten.rsqrt.default, _one_plus_square(1, -1), -1)),
+    aten.atanh: _from_derivative(_then(aten.reciprocal.default, _one_plus_square(1, -1))),
+    aten.asinh: _from_derivative(_then(aten.rsqrt.default, _one_plus_square(1, 1))),
+    aten.acosh: _from_derivative(_then(aten.rsqrt.default, _one_plus_square(-1, 1))),
+    aten.exp2: lambda x, y, n: [y * math.log(2.0) ** k for k in range(1, n + 1)],
     aten.exp: output_ode([0, 1]),
     aten.tanh: output_ode([1, 0, -1]),
     aten.sigmoid: output_ode([0, 1, -1]),
