@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..capture.trace import capture
 from ..registry import rule_set
 from .batching import _NodeNamer, trace_batched, vmappable
 from .calling import transform
@@ -95,9 +96,26 @@ def _name_results(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _scalar_output(f, args) -> bool:
+    """Whether ``f`` returns one 0-dimensional floating-point tensor (a capture on FakeTensors)."""
+    out = capture(f, args).out_leaves
+    return len(out) == 1 and is_float(out[0]) and out[0].dim() == 0
+
+
+def _jacfwd_of_jacrev(f, args, argnums) -> fx.GraphModule:
+    """The Hessian of any ``f`` as ``torch.func.hessian`` defines it: ``jacfwd(jacrev(f))``, for each
+    output leaf of shape ``O`` and input leaves of shapes ``I``, ``J``: ``O + I + J``."""
+    from .jacobians import jacfwd, jacrev
+
+    return jacfwd(jacrev(f, *args, argnums=argnums), *args, argnums=argnums)
+
+
 @transform("fxtools.hessian")
 def hessian(f, *args, argnums=0) -> fx.GraphModule:
-    """The Hessian of scalar ``f`` with respect to ``args[argnums]``: ``gm(*args) -> H``.
+    """The Hessian of ``f`` with respect to ``args[argnums]``: ``gm(*args) -> H``.
+
+    A function returning anything but one 0-dimensional tensor gets ``jacfwd(jacrev(f))``'s
+    structure, as torch.func.hessian: ``out.shape + shape + shape`` per output leaf.
 
     As ``torch.func.hessian(f, argnums)``: for a tensor argument of shape ``S``, ``H`` has shape
     ``S + S``; for a pytree argument, ``H[i][j]`` (nested as the argument) has shape
@@ -105,6 +123,8 @@ def hessian(f, *args, argnums=0) -> fx.GraphModule:
     """
     if not isinstance(args, tuple):
         args = tuple(args)
+    if not _scalar_output(f, args):
+        return _jacfwd_of_jacrev(f, args, argnums)
     hv = vmappable(hvp(f, *args, argnums=argnums))
     diff = _differentiated(args, argnums)
     leaves, spec = pytree.tree_flatten(diff)

@@ -1,0 +1,150 @@
+"""The Laplacian of an MLP: fxtools' collapsed Taylor mode against torch.func.
+
+For an MLP ``D -> 128 -> 128 -> 1`` with two tanh layers and a batch of 32 inputs, the Laplacian of
+the output with respect to each input (``D`` = 16, 64, 256, 1024), in float64 and float32:
+
+- ``fxtools``: ``fxtools.vmap(fxtools.laplacian(f, x))`` over the batch (one generated module,
+  made once, not timed);
+- ``trace of hessian``: ``torch.func.vmap`` over the batch of ``torch.func.hessian(f)(x).trace()``;
+- ``vmap of hvp``: ``torch.func.vmap`` over the batch of the sum over the basis vectors ``e_i`` of
+  ``e_i . H e_i``, with ``H e_i`` by ``jvp`` of ``grad`` batched over the basis (``torch.func.vmap``).
+
+One process, one thread (``--threads``), the median of ``--repeat`` calls after a warm-up; peak
+memory is the largest amount of memory the CPU allocator holds during one call (``torch.profiler``
+with ``profile_memory=True``). Every fxtools result is checked against the trace of the Hessian.
+Run: ``python benchmarks/bench_taylor.py [--dims 16 64] [--dtypes float64] [--repeat 7]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/src")  # this checkout's fxtools, when run as a script
+
+import fxtools  # noqa: E402
+
+WIDTH, BATCH = 128, 32
+
+
+def make_mlp(d: int, dtype):
+    torch.manual_seed(0)
+    params = {
+        "w0": torch.randn(d, WIDTH, dtype=dtype) / d**0.5,
+        "b0": torch.randn(WIDTH, dtype=dtype) * 0.1,
+        "w1": torch.randn(WIDTH, WIDTH, dtype=dtype) / WIDTH**0.5,
+        "b1": torch.randn(WIDTH, dtype=dtype) * 0.1,
+        "w2": torch.randn(WIDTH, dtype=dtype) / WIDTH**0.5,
+    }
+
+    def f(x):
+        h = torch.tanh(x @ params["w0"] + params["b0"])
+        h = torch.tanh(h @ params["w1"] + params["b1"])
+        return h @ params["w2"]
+
+    return f
+
+
+def trace_of_hessian(f):
+    return torch.func.vmap(lambda x: torch.func.hessian(f)(x).trace())
+
+
+def vmap_of_hvp(f):
+    def lap(x):
+        basis = torch.eye(x.numel(), dtype=x.dtype)
+        hvp = torch.func.vmap(lambda v: torch.func.jvp(torch.func.grad(f), (x,), (v,))[1])(basis)
+        return (hvp * basis).sum()
+
+    return torch.func.vmap(lap)
+
+
+def fxtools_laplacian(f, xs):
+    lap = fxtools.laplacian(f, xs[0])
+    batched = fxtools.vmap(lap, xs)
+    return lambda x: batched(x)[1]
+
+
+def median_seconds(fn, x, repeat: int) -> float:
+    fn(x)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def peak_bytes(fn, x) -> int:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(x)
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def run(dims, dtypes, repeat):
+    rows = []
+    for dtype in dtypes:
+        for d in dims:
+            f = make_mlp(d, dtype)
+            xs = torch.randn(BATCH, d, dtype=dtype)
+            methods = {
+                "fxtools": fxtools_laplacian(f, xs),
+                "trace of hessian": trace_of_hessian(f),
+                "vmap of hvp": vmap_of_hvp(f),
+            }
+            ref = methods["trace of hessian"](xs)
+            got = methods["fxtools"](xs)
+            tol = 1e-10 if dtype == torch.float64 else 1e-3
+            err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+            assert err < tol, f"fxtools' Laplacian differs from torch.func's by {err:.3g} (D={d}, {dtype})"
+            times = {name: median_seconds(fn, xs, repeat) for name, fn in methods.items()}
+            peaks = {name: peak_bytes(fn, xs) for name, fn in methods.items()}
+            rows.append((str(dtype).removeprefix("torch."), d, times, peaks))
+            print(_row(rows[-1]), flush=True)
+    return rows
+
+
+HEADER = (
+    "| dtype | D | fxtools ms | trace of hessian ms | vmap of hvp ms | fxtools / trace | fxtools / hvp "
+    "| fxtools MB | trace MB | hvp MB |\n|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _row(row) -> str:
+    dtype, d, t, p = row
+    mb = {k: v / 2**20 for k, v in p.items()}
+    return (
+        f"| {dtype} | {d} | {t['fxtools'] * 1e3:.2f} | {t['trace of hessian'] * 1e3:.2f} | {t['vmap of hvp'] * 1e3:.2f} "
+        f"| {t['fxtools'] / t['trace of hessian']:.2f}x | {t['fxtools'] / t['vmap of hvp']:.2f}x "
+        f"| {mb['fxtools']:.1f} | {mb['trace of hessian']:.1f} | {mb['vmap of hvp']:.1f} |"
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    opts = parser.parse_args(argv)
+    torch.set_num_threads(opts.threads)
+    print(
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, {platform.processor() or platform.machine()}, "
+        f"torch {torch.__version__}, {opts.threads} thread(s), batch {BATCH}, width {WIDTH}, median of {opts.repeat}"
+    )
+    print(HEADER)
+    run(opts.dims, [getattr(torch, name) for name in opts.dtypes], opts.repeat)
+
+
+if __name__ == "__main__":
+    main()
