@@ -28,7 +28,8 @@ R = TypeVar("R")
 # torch.func's / JAX's keyword names, with fxtools' (which are torch.func's where they differ from JAX's)
 KEYWORD_NAMES = {"argnum": "argnums", "in_axes": "in_dims", "out_axes": "out_dims", "aux": "has_aux"}
 
-# transforms of a scalar loss: given an nn.Module, a user may mean its parameters (as the CLI does)
+# transforms of a scalar loss: given an nn.Module with parameters, a user may mean them (as the CLI does);
+# a module without parameters (a generated GraphModule) is a function of its inputs alone
 LOSS_TRANSFORMS = {"fxtools.grad", "fxtools.value_and_grad", "fxtools.hvp", "fxtools.hessian"}
 
 
@@ -78,7 +79,7 @@ def check_call(name: str, fn, args: tuple, kwargs: dict) -> None:
                 "tensors themselves, keyed by name to be readable: pass dict(model.named_parameters()) "
                 "to fxtools.functional(model)'s params"
             )
-    if name in LOSS_TRANSFORMS and isinstance(f, torch.nn.Module):
+    if name in LOSS_TRANSFORMS and isinstance(f, torch.nn.Module) and any(True for _ in f.parameters()):
         raise CallError(
             f"{name}({type(f).__name__}(...), ...) is ambiguous: for the gradient with respect to the model's "
             f"parameters (what the fxtools CLI computes), call {name}(fxtools.functional(model), "
