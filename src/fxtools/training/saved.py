@@ -1,0 +1,321 @@
+"""What a compiled module's forward keeps for its backward, and how that backward is differentiated.
+
+``fxtools.compile`` and ``fxtools.backend`` run a split's forward and backward inside one
+``torch.autograd.Function`` (``backend._SplitFunction``); this module is its memory and its
+second order.
+
+- **Saved values** (``SavedValues``): every tensor the forward saves goes through
+  ``ctx.save_for_backward``, so PyTorch's saved-tensor hooks (``torch.autograd.graph.save_on_cpu``,
+  ``saved_tensors_hooks``, memory tools) see each one, as they see eager autograd's. The backward
+  unpacks them once, releases the node's references unless the graph is retained, and hands the
+  list to the boxed backward, which frees each value after its last use. Non-tensor values stay
+  plain attributes.
+- **Offload** (``TensorInfo.offload``, set by a policy): such a value is copied to CPU memory after
+  the forward (pinned memory and a side stream on CUDA, the device taken from the tensor) and
+  copied back to its device, with its strides, before the backward uses it.
+- **Double backward** (``Replay``): a backward run with ``create_graph=True`` does not use the
+  saved values: it runs the split's readable forward again on the inputs, with autograd
+  recording, then the readable backward on what that forward saved, so the gradients are plain
+  PyTorch functions of the inputs and cotangents, differentiable to any order (compiled graphs are
+  never differentiated). The replay reads what the forward read: the inputs (refused if modified
+  in place since), the module's buffers as they were before the forward (the forward's own updates,
+  BatchNorm's running statistics, are snapshotted and not repeated), and the random-number
+  generators' states (dropout draws the same masks). A forward a compiler made that draws random
+  numbers cannot be replayed draw for draw: such a double backward raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils import checkpoint as _checkpoint
+
+from ..errors import FxtoolsError, user_line_of
+from . import policies
+
+__all__ = ["SavedValues", "Replay", "to_host", "to_device"]
+
+
+# --------------------------------------------------------------------------------------------
+# Offload: a saved tensor in CPU memory between the forward and the backward
+# --------------------------------------------------------------------------------------------
+
+
+def _offloaded(info) -> bool:
+    """Whether the policy chose to offload this saved value (``TensorInfo.offload``)."""
+    return getattr(info, "offload", False)
+
+
+@functools.cache
+def _side_stream(device: torch.device):
+    """The stream offload copies run on, one per CUDA device (so they overlap the computation)."""
+    return torch.cuda.Stream(device)
+
+
+@dataclass
+class _Place:
+    """Where an offloaded tensor came from: its device, shape and strides."""
+
+    device: torch.device
+    shape: torch.Size
+    stride: tuple
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with each broadcast (stride-0) dimension cut to size 1: the memory it spans, once."""
+    index = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for n, st in zip(t.shape, t.stride()))
+    return t[index]
+
+
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, _Place]:
+    """A copy of ``t`` in CPU memory (broadcast dimensions once), and where it came from.
+
+    On CUDA the copy goes to pinned memory on a side stream, after the work that made ``t``;
+    ``t``'s memory is not reused before the copy is done (``record_stream``). Elsewhere a plain
+    copy (on the CPU a no-op device-wise, kept so the path runs everywhere)."""
+    place, base = _Place(t.device, t.shape, t.stride()), _compact(t)
+    if t.device.type != "cuda":
+        return base.to("cpu", copy=True), place
+    stream = _side_stream(t.device)
+    stream.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(stream):
+        host = torch.empty_like(base, device="cpu", pin_memory=True)
+        host.copy_(base, non_blocking=True)
+    t.record_stream(stream)
+    return host, place
+
+
+def to_device(host: torch.Tensor, place: _Place) -> torch.Tensor:
+    """``host`` back on ``place.device`` with ``place``'s shape and strides (``to_host``'s inverse).
+
+    On CUDA the copy runs on the side stream (after the copy out) and the current stream waits
+    for it."""
+    if place.device.type != "cuda":
+        back = host.to(place.device)
+    else:
+        stream, current = _side_stream(place.device), torch.cuda.current_stream(place.device)
+        with torch.cuda.stream(stream):
+            back = host.to(place.device, non_blocking=True)
+        current.wait_stream(stream)
+        back.record_stream(current)
+    back = back.expand(place.shape)
+    if back.stride() == place.stride:
+        return back
+    try:  # the original layout, where it can be written (not an overlapping one)
+        return torch.empty_strided(place.shape, place.stride, dtype=back.dtype, device=back.device).copy_(back)
+    except RuntimeError:
+        return back
+
+
+# --------------------------------------------------------------------------------------------
+# Saved values through ctx.save_for_backward
+# --------------------------------------------------------------------------------------------
+
+
+class SavedValues:
+    """How a split's saved values travel from its forward to its backward (the module docstring).
+
+    ``infos``: the split's ``Split.saved`` (one per saved value, in order)."""
+
+    def __init__(self, infos):
+        self.offload = [_offloaded(i) for i in infos]
+
+    def pack(self, ctx, saved: list) -> None:
+        """In the forward: offload what the policy says, then save every tensor through ``ctx``."""
+        places = [None] * len(saved)
+        for i, (value, off) in enumerate(zip(saved, self.offload)):
+            if off and isinstance(value, torch.Tensor):
+                saved[i], places[i] = to_host(value)
+        if any(p is not None and p.device.type == "cuda" for p in places) and _hooks_active():
+            torch.cuda.synchronize()  # a hook may read the host copies now: let them land first
+        ctx.save_for_backward(*[v for v in saved if isinstance(v, torch.Tensor)])
+        ctx.fxtools_plain = [None if isinstance(v, torch.Tensor) else v for v in saved]
+        ctx.fxtools_is_tensor = [isinstance(v, torch.Tensor) for v in saved]
+        ctx.fxtools_places = places
+        saved.clear()
+
+    def unpack(self, ctx) -> list:
+        """In the backward: the saved values, offloaded ones back on their devices. Unless the
+        graph is retained, ``ctx`` lets go of them, so the caller's list holds the only references."""
+        tensors = iter(ctx.saved_tensors)
+        values = [next(tensors) if t else v for t, v in zip(ctx.fxtools_is_tensor, ctx.fxtools_plain)]
+        del tensors
+        for i, place in enumerate(ctx.fxtools_places):
+            if place is not None:
+                values[i] = to_device(values[i], place)
+        release(ctx)
+        return values
+
+
+def _hooks_active() -> bool:
+    """Whether saved-tensor hooks (``saved_tensors_hooks``, ``save_on_cpu``) are in effect."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def graph_kept() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph``, ``create_graph``)."""
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def release(ctx) -> None:
+    """Unless the running backward keeps the graph, drop what ``ctx`` holds for a backward."""
+    if not graph_kept():
+        ctx.maybe_clear_saved_tensors()
+        ctx.fxtools_plain = ctx.fxtools_record = None
+
+
+# --------------------------------------------------------------------------------------------
+# Double backward: the readable graphs replayed with autograd recording
+# --------------------------------------------------------------------------------------------
+
+
+def _written_root(node: fx.Node) -> fx.Node:
+    """The graph value whose memory ``node`` is (through views)."""
+    while node.op == "call_function" and policies.is_view(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _writes(gm: fx.GraphModule) -> set[fx.Node]:
+    """The get_attr and placeholder nodes whose memory an op of ``gm`` writes (buffer updates)."""
+    out = set()
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        for arg, value in zip(target._schema.arguments, [*node.args, *node.kwargs.values()]):
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
+                root = _written_root(value)
+                if root.op in ("get_attr", "placeholder"):
+                    out.add(root)
+    return out
+
+
+@dataclass
+class _Record:
+    """What a forward read, kept for a replay: the inputs and their versions, snapshots of the
+    attributes the forward writes, versions of those it only reads, the generators' states."""
+
+    leaves: list
+    versions: list
+    snapshots: dict
+    attr_versions: dict
+    rng: tuple | None
+
+
+class Replay:
+    """The differentiable backward of a split (the module docstring): ``record`` before each
+    forward that may be differentiated, ``vjp`` in a backward with ``create_graph=True``.
+
+    ``compiled_forward``: the forward that runs is a compiler's (its random draws are its own)."""
+
+    def __init__(self, sp, compiled_forward: bool):
+        self.split = sp
+        fw = sp.forward
+        written = _writes(fw)
+        self.writes_input = [n.name for n in written if n.op == "placeholder"]
+        attrs = {n.target for n in fw.graph.nodes if n.op == "get_attr" and isinstance(_attr(fw, n.target), torch.Tensor)}
+        self.snapshot = sorted(n.target for n in written if n.op == "get_attr")
+        self.read_only = sorted(attrs - set(self.snapshot))
+        self.random = [n for n in fw.graph.nodes if policies.is_random(n)]
+        self.compiled_forward = compiled_forward
+
+    def record(self, leaves) -> _Record:
+        """Before the forward: what a replay will need."""
+        fw = self.split.forward
+        versions = [x._version if isinstance(x, torch.Tensor) else None for x in leaves]
+        snapshots = {t: _attr(fw, t).clone() for t in self.snapshot}
+        attr_versions = {t: _attr(fw, t)._version for t in self.read_only}
+        rng = None
+        if self.random:
+            devices, states = _checkpoint.get_device_states(*leaves)
+            rng = (torch.get_rng_state(), devices, states, _device_type(leaves))
+        return _Record(list(leaves), versions, snapshots, attr_versions, rng)
+
+    def vjp(self, record: _Record | None, cts: list) -> list:
+        """The gradients for ``cts``, recorded by autograd as functions of the inputs and ``cts``."""
+        self._check(record)
+        assert record is not None
+        attrs = {t: v.clone() for t, v in record.snapshots.items()}
+        with _rng_restored(record.rng), torch.enable_grad():
+            _, saved = _ReplayForward(self.split.forward, attrs).run(*record.leaves)
+            grads = self.split.backward.forward(*saved, *cts)
+        return self.split.flat_grads(grads)
+
+    def _check(self, record: _Record | None) -> None:
+        """Refuse a replay that would not compute what the forward computed."""
+        what = "double backward (create_graph=True) through fxtools.compile"
+        if record is None:
+            raise FxtoolsError(
+                f"{what}: the forward ran without recording its inputs (no input required grad, or the graph was "
+                "freed by an earlier backward): call backward with retain_graph=True or create_graph=True the first time"
+            )
+        if self.writes_input:
+            raise FxtoolsError(f"{what}: the program writes its input(s) {', '.join(self.writes_input)} in place; "
+                               "a replay of its forward would read the new values: write to a copy instead")
+        if self.random and self.compiled_forward:
+            lines = sorted({user_line_of(n) or n.name for n in self.random})
+            raise FxtoolsError(
+                f"{what}: the forward, made by fw_compiler, draws random numbers ({'; '.join(lines)}) and its draws "
+                "cannot be replayed; compile without fw_compiler (fxtools replays its readable forward's draws exactly) "
+                "or make the program deterministic (model.eval(), dropout p=0)"
+            )
+        self._check_versions(record)
+
+    def _check_versions(self, record: _Record) -> None:
+        names = [i.path or i.name for i in self.split.signature]
+        for name, x, v in zip(names, record.leaves, record.versions):
+            if isinstance(x, torch.Tensor) and x._version != v:
+                raise FxtoolsError(
+                    f"double backward through fxtools.compile: the input {name} was modified in place after the "
+                    "forward, which the differentiable backward replays: modify a copy, or backward before modifying"
+                )
+        fw = self.split.forward
+        for target, v in record.attr_versions.items():
+            if _attr(fw, target)._version != v:
+                raise FxtoolsError(
+                    f"double backward through fxtools.compile: the tensor {target} (a buffer or constant the forward "
+                    "reads) was modified in place after the forward, which the differentiable backward replays"
+                )
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _device_type(leaves) -> str:
+    return next((x.device.type for x in leaves if isinstance(x, torch.Tensor) and x.device.type != "cpu"), "cuda")
+
+
+@contextlib.contextmanager
+def _rng_restored(rng):
+    """The generators as they were before the forward (``None``: untouched), restored afterwards."""
+    if rng is None:
+        yield
+        return
+    cpu, devices, states, device_type = rng
+    with torch.random.fork_rng(devices=devices, device_type=device_type):
+        torch.set_rng_state(cpu)
+        if devices:
+            _checkpoint.set_device_states(devices, states, device_type=device_type)
+        yield
+
+
+class _ReplayForward(fx.Interpreter):
+    """The forward graph, run with some attributes replaced (snapshots of the buffers it writes)."""
+
+    def __init__(self, gm: fx.GraphModule, attrs: dict):
+        super().__init__(gm)
+        self.attrs = attrs
+
+    def get_attr(self, target, args, kwargs):
+        if target in self.attrs:
+            return self.attrs[target]
+        return super().get_attr(target, args, kwargs)
