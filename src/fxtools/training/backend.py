@@ -299,8 +299,9 @@ class _SplitFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: _Runner, *leaves):
         ctx.runner = runner
-        ctx.fxtools_record = runner.replay.record(leaves)
+        ctx.fxtools_record = record = runner.replay.record(leaves)
         outs, saved = runner.run_forward(leaves)
+        runner.replay.finish(record)
         runner.saved.pack(ctx, saved)
         tensors = [o for o in outs if isinstance(o, torch.Tensor)]
         non_diff = [o for o in tensors if not is_float(o)]

@@ -35,7 +35,7 @@ import torch.fx as fx
 from torch.utils import checkpoint as _checkpoint
 
 from ..errors import FxtoolsError, user_line_of
-from . import policies
+from ..passes.subgraphs import subgraphs
 
 __all__ = ["SavedValues", "Replay", "to_host", "to_device"]
 
@@ -126,7 +126,7 @@ class SavedValues:
 
     def pack(self, ctx, saved: list) -> None:
         """In the forward: offload what the policy says, then save every tensor through ``ctx``."""
-        places = [None] * len(saved)
+        places: list[_Place | None] = [None] * len(saved)
         for i, (value, off) in enumerate(zip(saved, self.offload)):
             if off and isinstance(value, torch.Tensor):
                 saved[i], places[i] = to_host(value)
@@ -173,92 +173,125 @@ def release(ctx) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _written_root(node: fx.Node) -> fx.Node:
-    """The graph value whose memory ``node`` is (through views)."""
-    while node.op == "call_function" and policies.is_view(node) and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
+def _random_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``gm`` and its subgraphs that draw random numbers (by the ATen op they were
+    traced from)."""
+    found = []
+    for g in (gm, *subgraphs(gm)):
+        for node in g.graph.nodes:
+            op = node.meta.get("original_aten")
+            if node.op in ("call_function", "call_method") and isinstance(op, torch._ops.OpOverload):
+                if torch.Tag.nondeterministic_seeded in op.tags:
+                    found.append(node)
+    return found
 
 
-def _writes(gm: fx.GraphModule) -> set[fx.Node]:
-    """The get_attr and placeholder nodes whose memory an op of ``gm`` writes (buffer updates)."""
-    out = set()
-    for node in gm.graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-            continue
-        for arg, value in zip(target._schema.arguments, [*node.args, *node.kwargs.values()]):
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
-                root = _written_root(value)
-                if root.op in ("get_attr", "placeholder"):
-                    out.add(root)
-    return out
+def _rng_state(leaves) -> tuple:
+    """The default generators' states: the CPU's, and those of the devices of ``leaves``."""
+    devices, states = _checkpoint.get_device_states(*leaves)
+    return torch.get_rng_state(), devices, states, _device_type(leaves)
+
+
+def _same_rng(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and a[1] == b[1] and all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
 
 
 @dataclass
 class _Record:
-    """What a forward read, kept for a replay: the inputs and their versions, snapshots of the
-    attributes the forward writes, versions of those it only reads, the generators' states."""
+    """What a forward read, kept for a replay: the inputs and their versions, copies of the
+    tensors the forward writes as they were before it, versions of the attributes it reads, the
+    generators' states before it, and whether it drew from them."""
 
     leaves: list
     versions: list
-    snapshots: dict
+    snapshots: dict  # leaf position or attribute name -> copy from before the forward
     attr_versions: dict
-    rng: tuple | None
+    rng: tuple
+    drew: bool = False
+    writes_grad_input: tuple = ()  # inputs requiring grad that the forward wrote
 
 
 class Replay:
     """The differentiable backward of a split (the module docstring): ``record`` before each
-    forward that may be differentiated, ``vjp`` in a backward with ``create_graph=True``.
+    forward that may be differentiated and ``finish`` after it; ``vjp`` in a backward with
+    ``create_graph=True``.
 
-    ``compiled_forward``: the forward that runs is a compiler's (its random draws are its own)."""
+    What the forward writes (buffer updates, such as BatchNorm's statistics, as attributes or as
+    inputs) is learnt from the version counters at its first run, for which every tensor it could
+    write is copied first; later runs copy only what it writes. ``compiled_forward``: the forward
+    that runs is a compiler's (its random draws are its own)."""
 
     def __init__(self, sp, compiled_forward: bool):
         self.split = sp
         fw = sp.forward
-        written = _writes(fw)
-        self.writes_input = [n.name for n in written if n.op == "placeholder"]
-        attrs = {n.target for n in fw.graph.nodes if n.op == "get_attr" and isinstance(_attr(fw, n.target), torch.Tensor)}
-        self.snapshot = sorted(n.target for n in written if n.op == "get_attr")
-        self.read_only = sorted(attrs - set(self.snapshot))
-        self.random = [n for n in fw.graph.nodes if policies.is_random(n)]
+        self.attrs = sorted(
+            {n.target for n in fw.graph.nodes if n.op == "get_attr" and isinstance(_attr(fw, n.target), torch.Tensor)}
+        )
+        self.random = _random_nodes(fw)
         self.compiled_forward = compiled_forward
+        self.written: set | None = None  # leaf positions and attribute names the forward writes
 
     def record(self, leaves) -> _Record:
         """Before the forward: what a replay will need."""
         fw = self.split.forward
+        candidates = self.written
+        if candidates is None:
+            candidates = {i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and not x.requires_grad}
+            candidates |= set(self.attrs)
+        snapshots = {k: (_attr(fw, k) if isinstance(k, str) else leaves[k]).clone() for k in candidates}
         versions = [x._version if isinstance(x, torch.Tensor) else None for x in leaves]
-        snapshots = {t: _attr(fw, t).clone() for t in self.snapshot}
-        attr_versions = {t: _attr(fw, t)._version for t in self.read_only}
-        rng = None
-        if self.random:
-            devices, states = _checkpoint.get_device_states(*leaves)
-            rng = (torch.get_rng_state(), devices, states, _device_type(leaves))
-        return _Record(list(leaves), versions, snapshots, attr_versions, rng)
+        attr_versions = {t: _attr(fw, t)._version for t in self.attrs}
+        return _Record(list(leaves), versions, snapshots, attr_versions, _rng_state(leaves))
+
+    def finish(self, record: _Record) -> None:
+        """After the forward: what it wrote (kept as copies from before it) and whether it drew."""
+        fw = self.split.forward
+        written = {t for t, v in record.attr_versions.items() if _attr(fw, t)._version != v}
+        written |= {i for i, (x, v) in enumerate(zip(record.leaves, record.versions)) if v is not None and x._version != v}
+        if self.written is None:
+            self.written = written
+        record.writes_grad_input = tuple(i for i in written if isinstance(i, int) and record.leaves[i].requires_grad)
+        record.snapshots = {k: v for k, v in record.snapshots.items() if k in written}
+        for k in written - record.snapshots.keys():  # not copied: a replay must not read it
+            record.snapshots[k] = None
+        for t in written:
+            if isinstance(t, str):
+                del record.attr_versions[t]
+            else:
+                record.versions[t] = None
+        record.drew = not _same_rng(record.rng, _rng_state(record.leaves))
 
     def vjp(self, record: _Record | None, cts: list) -> list:
         """The gradients for ``cts``, recorded by autograd as functions of the inputs and ``cts``."""
         self._check(record)
         assert record is not None
-        attrs = {t: v.clone() for t, v in record.snapshots.items()}
+        copies = {k: v.clone() for k, v in record.snapshots.items()}
+        leaves = [copies.get(i, x) for i, x in enumerate(record.leaves)]
+        attrs = {k: v for k, v in copies.items() if isinstance(k, str)}
         with _rng_restored(record.rng), torch.enable_grad():
-            _, saved = _ReplayForward(self.split.forward, attrs).run(*record.leaves)
+            _, saved = _ReplayForward(self.split.forward, attrs).run(*leaves)
             grads = self.split.backward.forward(*saved, *cts)
         return self.split.flat_grads(grads)
+
+    def _names(self, keys) -> str:
+        return ", ".join(k if isinstance(k, str) else self.split.signature[k].path or self.split.signature[k].name for k in keys)
 
     def _check(self, record: _Record | None) -> None:
         """Refuse a replay that would not compute what the forward computed."""
         what = "double backward (create_graph=True) through fxtools.compile"
         if record is None:
             raise FxtoolsError(
-                f"{what}: the forward ran without recording its inputs (no input required grad, or the graph was "
-                "freed by an earlier backward): call backward with retain_graph=True or create_graph=True the first time"
+                f"{what}: this graph was freed by an earlier backward; pass retain_graph=True (or create_graph=True) "
+                "to the earlier one"
             )
-        if self.writes_input:
-            raise FxtoolsError(f"{what}: the program writes its input(s) {', '.join(self.writes_input)} in place; "
-                               "a replay of its forward would read the new values: write to a copy instead")
-        if self.random and self.compiled_forward:
-            lines = sorted({user_line_of(n) or n.name for n in self.random})
+        if record.writes_grad_input or any(v is None for v in record.snapshots.values()):
+            written = [*record.writes_grad_input, *(k for k, v in record.snapshots.items() if v is None)]
+            raise FxtoolsError(
+                f"{what}: the forward writes {self._names(written)} in place, and its backward replays the forward from "
+                "the values before: write to a copy in the program instead"
+            )
+        if (self.random or record.drew) and self.compiled_forward:
+            lines = sorted({user_line_of(n) or n.name for n in self.random}) or ["a random op"]
             raise FxtoolsError(
                 f"{what}: the forward, made by fw_compiler, draws random numbers ({'; '.join(lines)}) and its draws "
                 "cannot be replayed; compile without fw_compiler (fxtools replays its readable forward's draws exactly) "
@@ -267,20 +300,15 @@ class Replay:
         self._check_versions(record)
 
     def _check_versions(self, record: _Record) -> None:
-        names = [i.path or i.name for i in self.split.signature]
-        for name, x, v in zip(names, record.leaves, record.versions):
-            if isinstance(x, torch.Tensor) and x._version != v:
-                raise FxtoolsError(
-                    f"double backward through fxtools.compile: the input {name} was modified in place after the "
-                    "forward, which the differentiable backward replays: modify a copy, or backward before modifying"
-                )
+        """Refuse inputs and attributes modified in place since the forward (as autograd does)."""
+        changed = [i for i, (x, v) in enumerate(zip(record.leaves, record.versions)) if v is not None and x._version != v]
         fw = self.split.forward
-        for target, v in record.attr_versions.items():
-            if _attr(fw, target)._version != v:
-                raise FxtoolsError(
-                    f"double backward through fxtools.compile: the tensor {target} (a buffer or constant the forward "
-                    "reads) was modified in place after the forward, which the differentiable backward replays"
-                )
+        changed += [t for t, v in record.attr_versions.items() if _attr(fw, t)._version != v]
+        if changed:
+            raise FxtoolsError(
+                f"double backward through fxtools.compile: {self._names(changed)} modified in place after the forward, "
+                "which the differentiable backward replays: modify a copy, or run the backward first"
+            )
 
 
 def _attr(gm: fx.GraphModule, target: str):
@@ -296,10 +324,7 @@ def _device_type(leaves) -> str:
 
 @contextlib.contextmanager
 def _rng_restored(rng):
-    """The generators as they were before the forward (``None``: untouched), restored afterwards."""
-    if rng is None:
-        yield
-        return
+    """The generators as they were before the forward, restored afterwards."""
     cpu, devices, states, device_type = rng
     with torch.random.fork_rng(devices=devices, device_type=device_type):
         torch.set_rng_state(cpu)
