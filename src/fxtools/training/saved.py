@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ import torch.fx as fx
 from torch.utils import checkpoint as _checkpoint
 
 from ..errors import FxtoolsError, user_line_of
+from ..passes.simplify import written_args
 from ..passes.subgraphs import subgraphs
 
 __all__ = ["SavedValues", "Replay", "to_host", "to_device"]
@@ -186,6 +188,42 @@ def _random_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return found
 
 
+def _written_root(node: fx.Node) -> fx.Node:
+    """The graph value whose memory ``node`` is (through views)."""
+    while node.op in ("call_function", "call_method") and isinstance(node.args[0], fx.Node):
+        op = node.meta.get("original_aten")
+        if node.target is operator.getitem or not isinstance(op, torch._ops.OpOverload) or not _is_view(op):
+            break
+        node = node.args[0]
+    return node
+
+
+def _is_view(op: torch._ops.OpOverload) -> bool:
+    returns = op._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def _static_writes(gm: fx.GraphModule) -> set:
+    """The placeholder positions and attribute names whose memory an op of ``gm`` writes, by the
+    ATen op each node was traced from (``written_args``: BatchNorm's statistics too, which its
+    kernel writes without bumping their version counters)."""
+    positions = {p: i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    out: set = set()
+    for node in gm.graph.nodes:
+        op = node.meta.get("original_aten")
+        if node.op not in ("call_function", "call_method") or node.target is operator.getitem:
+            continue
+        if not isinstance(op, torch._ops.OpOverload):
+            continue
+        for value in written_args(op, node.args, node.kwargs):
+            root = _written_root(value) if isinstance(value, fx.Node) else None
+            if root is not None and root.op == "get_attr":
+                out.add(root.target)
+            elif root is not None and root.op == "placeholder":
+                out.add(positions[root])
+    return out
+
+
 def _rng_state(leaves) -> tuple:
     """The default generators' states: the CPU's, and those of the devices of ``leaves``."""
     devices, states = _checkpoint.get_device_states(*leaves)
@@ -217,8 +255,8 @@ class Replay:
     ``create_graph=True``.
 
     What the forward writes (buffer updates, such as BatchNorm's statistics, as attributes or as
-    inputs) is learnt from the version counters at its first run, for which every tensor it could
-    write is copied first; later runs copy only what it writes. ``compiled_forward``: the forward
+    inputs) is read from the schemas of its ops, and from the version counters at its first run,
+    for which every tensor it could write is copied first; later runs copy only what it writes. ``compiled_forward``: the forward
     that runs is a compiler's (its random draws are its own)."""
 
     def __init__(self, sp, compiled_forward: bool):
@@ -229,14 +267,15 @@ class Replay:
         )
         self.random = _random_nodes(fw)
         self.compiled_forward = compiled_forward
-        self.written: set | None = None  # leaf positions and attribute names the forward writes
+        self.written = _static_writes(fw)  # leaf positions and attribute names the forward writes
+        self.learnt = False  # whether a run has shown what else it writes (by version counters)
 
     def record(self, leaves) -> _Record:
         """Before the forward: what a replay will need."""
         fw = self.split.forward
-        candidates = self.written
-        if candidates is None:
-            candidates = {i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and not x.requires_grad}
+        candidates = set(self.written)
+        if not self.learnt:
+            candidates |= {i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and not x.requires_grad}
             candidates |= set(self.attrs)
         snapshots = {k: (_attr(fw, k) if isinstance(k, str) else leaves[k]).clone() for k in candidates}
         versions = [x._version if isinstance(x, torch.Tensor) else None for x in leaves]
@@ -248,8 +287,8 @@ class Replay:
         fw = self.split.forward
         written = {t for t, v in record.attr_versions.items() if _attr(fw, t)._version != v}
         written |= {i for i, (x, v) in enumerate(zip(record.leaves, record.versions)) if v is not None and x._version != v}
-        if self.written is None:
-            self.written = written
+        written |= self.written
+        self.written, self.learnt = written, True
         record.writes_grad_input = tuple(i for i in written if isinstance(i, int) and record.leaves[i].requires_grad)
         record.snapshots = {k: v for k, v in record.snapshots.items() if k in written}
         for k in written - record.snapshots.keys():  # not copied: a replay must not read it
