@@ -154,7 +154,7 @@ class _Runner:
         tensor_positions = [i for i, t in enumerate(self.out_is_tensor) if t]
         self.ct_positions = [tensor_positions.index(i) for i in sp._ct_index]
         self.saved = SavedValues(sp.saved)
-        self.replay = Replay(sp, compiled_forward=self.fw_aten)
+        self.replay = Replay(sp, compiled_forward=self.aten.forward if self.fw_aten else None)
 
     def run_forward(self, leaves):
         if not self.fw_aten:

@@ -175,14 +175,13 @@ def release(ctx) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _random_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    """The nodes of ``gm`` and its subgraphs that draw random numbers (by the ATen op they were
-    traced from)."""
-    found = []
-    for g in (gm, *subgraphs(gm)):
+def _random_nodes(gm: fx.GraphModule | None) -> list[fx.Node]:
+    """The nodes of an ATen graph (a compiler's input) and its subgraphs that draw random numbers."""
+    found: list[fx.Node] = []
+    for g in (gm, *subgraphs(gm)) if gm is not None else ():
         for node in g.graph.nodes:
-            op = node.meta.get("original_aten")
-            if node.op in ("call_function", "call_method") and isinstance(op, torch._ops.OpOverload):
+            op = node.target if isinstance(node.target, torch._ops.OpOverload) else node.meta.get("original_aten")
+            if node.op == "call_function" and isinstance(op, torch._ops.OpOverload):
                 if torch.Tag.nondeterministic_seeded in op.tags:
                     found.append(node)
     return found
@@ -256,17 +255,19 @@ class Replay:
 
     What the forward writes (buffer updates, such as BatchNorm's statistics, as attributes or as
     inputs) is read from the schemas of its ops, and from the version counters at its first run,
-    for which every tensor it could write is copied first; later runs copy only what it writes. ``compiled_forward``: the forward
-    that runs is a compiler's (its random draws are its own)."""
+    for which every tensor it could write is copied first; later runs copy only what it writes.
 
-    def __init__(self, sp, compiled_forward: bool):
+    ``compiled_forward``: the ATen graph a forward compiler got (``None``: the readable forward
+    runs). Its random draws are the compiled code's own: a replay of one that draws is refused."""
+
+    def __init__(self, sp, compiled_forward: fx.GraphModule | None):
         self.split = sp
         fw = sp.forward
         self.attrs = sorted(
             {n.target for n in fw.graph.nodes if n.op == "get_attr" and isinstance(_attr(fw, n.target), torch.Tensor)}
         )
-        self.random = _random_nodes(fw)
-        self.compiled_forward = compiled_forward
+        self.random = _random_nodes(compiled_forward)
+        self.compiled_forward = compiled_forward is not None
         self.written = _static_writes(fw)  # leaf positions and attribute names the forward writes
         self.learnt = False  # whether a run has shown what else it writes (by version counters)
 
