@@ -78,7 +78,7 @@ def packed_by_hooks(step):
 def test_hooks_see_every_saved_value(how):
     """Every value the forward saves reaches the pack hook (as in eager), and the gradients under
     ``save_on_cpu`` are exact."""
-    model, (x, targets) = examples.gpt("tiny", attention="explicit", dtype=torch.float64)
+    model, (x, targets) = examples.gpt("tiny", attention="explicit", n_layer=1, dtype=torch.float64)
     eager = copy.deepcopy(model)
     c = compiled(model, how)
     c(x, targets).backward()  # compile outside the hooks
@@ -190,7 +190,7 @@ def test_offload_round_trip_keeps_values_and_layout(make):
 def test_offload_every_saved_value_is_exact(monkeypatch):
     """A split whose saved values are all marked offload: each goes through the CPU copy and back,
     the hooks see the copies, and the gradients equal eager's."""
-    model, (x, targets) = examples.gpt("tiny", attention="explicit", dtype=torch.float64)
+    model, (x, targets) = examples.gpt("tiny", attention="explicit", n_layer=1, dtype=torch.float64)
     eager = copy.deepcopy(model)
     sp = fxtools.split(model, x, targets, rules="fused")
     for info in sp.saved:
