@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.utils import checkpoint as _checkpoint
 
 from ..errors import FxtoolsError, user_line_of
 from ..passes.simplify import written_args
@@ -224,13 +223,13 @@ def _static_writes(gm: fx.GraphModule) -> set:
 
 
 def _rng_state(leaves) -> tuple:
-    """The default generators' states: the CPU's, and those of the devices of ``leaves``."""
-    devices, states = _checkpoint.get_device_states(*leaves)
-    return torch.get_rng_state(), devices, states, _device_type(leaves)
+    """The default generators' states: the CPU's, and those of the accelerators ``leaves`` are on."""
+    devices = sorted({x.device for x in leaves if isinstance(x, torch.Tensor) and not x.is_cpu}, key=str)
+    return torch.get_rng_state(), [(d, torch.get_device_module(d.type).get_rng_state(d)) for d in devices]
 
 
 def _same_rng(a: tuple, b: tuple) -> bool:
-    return torch.equal(a[0], b[0]) and a[1] == b[1] and all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for (_, x), (_, y) in zip(a[1], b[1]))
 
 
 @dataclass
@@ -358,18 +357,17 @@ def _attr(gm: fx.GraphModule, target: str):
     return obj
 
 
-def _device_type(leaves) -> str:
-    return next((x.device.type for x in leaves if isinstance(x, torch.Tensor) and x.device.type != "cpu"), "cuda")
-
-
 @contextlib.contextmanager
 def _rng_restored(rng):
-    """The generators as they were before the forward, restored afterwards."""
-    cpu, devices, states, device_type = rng
-    with torch.random.fork_rng(devices=devices, device_type=device_type):
+    """The generators as they were before the forward (``_rng_state``), restored afterwards."""
+    cpu, states = rng
+    with contextlib.ExitStack() as stack:
+        for device_type in sorted({d.type for d, _ in states}) or ["cuda"]:
+            indices = [d.index for d, _ in states if d.type == device_type]
+            stack.enter_context(torch.random.fork_rng(devices=indices, device_type=device_type))
         torch.set_rng_state(cpu)
-        if devices:
-            _checkpoint.set_device_states(devices, states, device_type=device_type)
+        for device, state in states:
+            torch.get_device_module(device.type).set_rng_state(state, device)
         yield
 
 
