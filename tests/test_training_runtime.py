@@ -308,8 +308,8 @@ def test_double_backward_replays_dropout_draws():
 
 
 def test_double_backward_refuses_what_it_cannot_replay():
-    """A compiled forward that draws random numbers, an input modified in place since the forward,
-    a graph freed by an earlier backward: a clear error, never a number."""
+    """A compiled forward that draws random numbers, a function with its own backward, an input
+    modified in place since the forward: a clear error, never a number."""
     torch.manual_seed(0)
     model, x = DropoutNet().double(), torch.randn(5, 6)
     c = fxtools.compile(model, x, fw_compiler=identity_compiler)
@@ -317,6 +317,22 @@ def test_double_backward_refuses_what_it_cannot_replay():
         gradient_penalty(c, (x,), list(model.parameters()))
     model.eval()
     gradient_penalty(c, (x,), list(model.parameters()))  # no dropout: fine
+
+    class StraightThrough(torch.autograd.Function):  # its backward is not its forward's derivative
+        @staticmethod
+        def forward(ctx, t):
+            return t.round()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    ste = fxtools.compile(lambda t: (StraightThrough.apply(3 * t) * t.sin()).sum(), x)
+    xs = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(ste(xs), xs)  # first order: fine
+    torch.testing.assert_close(g, 3 * xs.sin() + (3 * xs).round() * xs.cos())
+    with pytest.raises(fxtools.FxtoolsError, match="function with its own backward"):
+        torch.autograd.grad(ste(xs), xs, create_graph=True)
 
     xg = x.clone().requires_grad_()
     y = fxtools.compile(model.train(), xg)(xg).sum()

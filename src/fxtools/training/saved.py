@@ -222,6 +222,19 @@ def _static_writes(gm: fx.GraphModule) -> set:
     return out
 
 
+def _custom_calls(gm: fx.GraphModule) -> list[str]:
+    """The user lines of the calls of functions with their own backward (``torch.autograd.Function``,
+    ``fxtools.custom_vjp``) in a captured graph and its subgraphs."""
+    return sorted(
+        {
+            user_line_of(n) or str(n.meta["fxtools_custom"])
+            for g in (gm, *subgraphs(gm))
+            for n in g.graph.nodes
+            if n.meta.get("fxtools_custom")
+        }
+    )
+
+
 def _rng_state(leaves) -> tuple:
     """The default generators' states: the CPU's, and those of the accelerators ``leaves`` are on."""
     devices = sorted({x.device for x in leaves if isinstance(x, torch.Tensor) and not x.is_cpu}, key=str)
@@ -266,6 +279,7 @@ class Replay:
             {n.target for n in fw.graph.nodes if n.op == "get_attr" and isinstance(_attr(fw, n.target), torch.Tensor)}
         )
         self.random = _random_nodes(compiled_forward)
+        self.custom = _custom_calls(sp._cap.gm)
         self.compiled_forward = compiled_forward is not None
         self.written = _static_writes(fw)  # leaf positions and attribute names the forward writes
         self.learnt = False  # whether a run has shown what else it writes (by version counters)
@@ -322,6 +336,13 @@ class Replay:
             raise FxtoolsError(
                 f"{what}: this graph was freed by an earlier backward; pass retain_graph=True (or create_graph=True) "
                 "to the earlier one"
+            )
+        if self.custom:
+            raise FxtoolsError(
+                f"{what}: the program calls a function with its own backward ({'; '.join(self.custom)}); the "
+                "differentiable backward replays the forward with autograd, which would differentiate that function's "
+                "forward ops instead of its backward: differentiate twice with fxtools.hvp or fxtools.grad, which "
+                "differentiate the function's backward, or run this model eagerly"
             )
         if record.writes_grad_input or any(v is None for v in record.snapshots.values()):
             written = [*record.writes_grad_input, *(k for k, v in record.snapshots.items() if v is None)]
