@@ -281,6 +281,27 @@ def test_third_order_through_hessian_vector_products():
         torch.testing.assert_close(got, want, **TOL)
 
 
+def test_double_backward_keeps_detach_and_no_grad():
+    """Values the program detaches (``.detach()``, ``torch.no_grad()``) are constants to every
+    order, as in eager autograd (the split graphs themselves no longer mark them)."""
+
+    def f(x, w):
+        with torch.no_grad():
+            s = (x * w).sum()
+        d = x.detach() * 2
+        return ((x * s).sin() * d * w).sum()
+
+    x, w = torch.randn(5), torch.randn(5)
+    c = fxtools.compile(f, x, w)
+    results = []
+    for fn in (f, c):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        g = torch.autograd.grad(fn(xr, wr), (xr, wr), create_graph=True)
+        results.append([*g, *torch.autograd.grad(sum((t * t).sum() for t in g), (xr, wr))])
+    for got, want in zip(*reversed(results)):
+        torch.testing.assert_close(got, want, **TOL)
+
+
 class DropoutNet(nn.Module):
     def __init__(self):
         super().__init__()

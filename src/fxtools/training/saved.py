@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError, user_line_of
 from ..passes.simplify import written_args
@@ -179,17 +180,22 @@ def _random_nodes(gm: fx.GraphModule | None) -> list[fx.Node]:
     found: list[fx.Node] = []
     for g in (gm, *subgraphs(gm)) if gm is not None else ():
         for node in g.graph.nodes:
-            op = node.target if isinstance(node.target, torch._ops.OpOverload) else node.meta.get("original_aten")
+            op = _aten_op(node)
             if node.op == "call_function" and isinstance(op, torch._ops.OpOverload):
                 if torch.Tag.nondeterministic_seeded in op.tags:
                     found.append(node)
     return found
 
 
+def _aten_op(node: fx.Node):
+    """The ATen op a node calls, or was traced from (rendered graphs call public functions)."""
+    return node.target if isinstance(node.target, torch._ops.OpOverload) else node.meta.get("original_aten")
+
+
 def _written_root(node: fx.Node) -> fx.Node:
     """The graph value whose memory ``node`` is (through views)."""
     while node.op in ("call_function", "call_method") and isinstance(node.args[0], fx.Node):
-        op = node.meta.get("original_aten")
+        op = _aten_op(node)
         if node.target is operator.getitem or not isinstance(op, torch._ops.OpOverload) or not _is_view(op):
             break
         node = node.args[0]
@@ -208,7 +214,7 @@ def _static_writes(gm: fx.GraphModule) -> set:
     positions = {p: i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     out: set = set()
     for node in gm.graph.nodes:
-        op = node.meta.get("original_aten")
+        op = _aten_op(node)
         if node.op not in ("call_function", "call_method") or node.target is operator.getitem:
             continue
         if not isinstance(op, torch._ops.OpOverload):
@@ -274,7 +280,7 @@ class Replay:
 
     def __init__(self, sp, compiled_forward: fx.GraphModule | None):
         self.split = sp
-        fw = sp.forward
+        self.program = fw = sp._cap.gm  # the captured program: the user's ops, detach and custom calls kept
         self.attrs = sorted(
             {n.target for n in fw.graph.nodes if n.op == "get_attr" and isinstance(_attr(fw, n.target), torch.Tensor)}
         )
@@ -286,7 +292,7 @@ class Replay:
 
     def record(self, leaves) -> _Record:
         """Before the forward: what a replay will need."""
-        fw = self.split.forward
+        fw = self.program
         candidates = set(self.written)
         if not self.learnt:
             candidates |= {i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and not x.requires_grad}
@@ -298,7 +304,7 @@ class Replay:
 
     def finish(self, record: _Record) -> None:
         """After the forward: what it wrote (kept as copies from before it) and whether it drew."""
-        fw = self.split.forward
+        fw = self.program
         written = {t for t, v in record.attr_versions.items() if _attr(fw, t)._version != v}
         written |= {i for i, (x, v) in enumerate(zip(record.leaves, record.versions)) if v is not None and x._version != v}
         written |= self.written
@@ -315,16 +321,26 @@ class Replay:
         record.drew = not _same_rng(record.rng, _rng_state(record.leaves))
 
     def vjp(self, record: _Record | None, cts: list) -> list:
-        """The gradients for ``cts``, recorded by autograd as functions of the inputs and ``cts``."""
+        """The gradients for ``cts``, recorded by autograd as functions of the inputs and ``cts``:
+        autograd's backward of the captured program, replayed on the inputs."""
         self._check(record)
         assert record is not None
         copies = {k: v.clone() for k, v in record.snapshots.items()}
         leaves = [copies.get(i, x) for i, x in enumerate(record.leaves)]
         attrs = {k: v for k, v in copies.items() if isinstance(k, str)}
+        wrt = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
         with _rng_restored(record.rng), torch.enable_grad():
-            _, saved = _ReplayForward(self.split.forward, attrs).run(*leaves)
-            grads = self.split.backward.forward(*saved, *cts)
-        return self.split.flat_grads(grads)
+            for i in wrt:  # one alias per position: an input passed twice gets a gradient per position
+                leaves[i] = leaves[i].view_as(leaves[i])
+            outs = pytree.tree_leaves(_ReplayForward(self.program, attrs).run(*leaves))
+            pairs = [(outs[i], ct) for i, ct in zip(self.split._ct_index, cts) if outs[i].requires_grad]
+            grads = torch.autograd.grad(
+                [y for y, _ in pairs], [leaves[i] for i in wrt], [ct for _, ct in pairs], create_graph=True, allow_unused=True
+            )
+        flat: list = [None] * len(leaves)
+        for i, g in zip(wrt, grads):
+            flat[i] = g
+        return flat
 
     def _names(self, keys) -> str:
         return ", ".join(k if isinstance(k, str) else self.split.signature[k].path or self.split.signature[k].name for k in keys)
@@ -362,7 +378,7 @@ class Replay:
     def _check_versions(self, record: _Record) -> None:
         """Refuse inputs and attributes modified in place since the forward (as autograd does)."""
         changed = [i for i, (x, v) in enumerate(zip(record.leaves, record.versions)) if v is not None and x._version != v]
-        fw = self.split.forward
+        fw = self.program
         changed += [t for t, v in record.attr_versions.items() if _attr(fw, t)._version != v]
         if changed:
             raise FxtoolsError(
