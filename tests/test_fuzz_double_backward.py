@@ -2,9 +2,7 @@
 
 Each program of ``tests/fuzz_programs.py`` is compiled (even indices without a compiler, odd ones
 with a compiler function, so the ATen graphs run and the double backward must not differentiate
-them) and called on inputs that require grad. Where the default fused rules use a PyTorch backward
-kernel PyTorch cannot differentiate (``mish_backward``: its error is the refusal), the program is
-compiled again with ``rules="readable"``, which must be exact. With random weights ``w`` on its float outputs and
+them) and called on inputs that require grad. With random weights ``w`` on its float outputs and
 ``v`` on its float inputs, the first-order gradients ``g = grad(sum(w * out), inputs,
 create_graph=True)`` and then ``grad(sum(v * g) + sum(g ** 2), inputs)`` (second derivatives,
 through the compiled module's backward) must equal eager autograd's at 1e-9; where eager
@@ -62,25 +60,17 @@ def compiled(p, i, **options):
 
 
 def check_double_backward(i, p) -> str | None:
-    """None if exact; what happened instead if a refusal was right (eager refuses too) or a fused
-    backward kernel PyTorch cannot differentiate was used (then readable rules must be exact)."""
+    """None if exact; what happened if eager autograd refuses (then fxtools must refuse too)."""
     try:
         want = second_order(p.fn, p, i)
     except RuntimeError as exc:  # eager cannot: fxtools must refuse as well
         with pytest.raises((RuntimeError, fxtools.FxtoolsError)):
             second_order(compiled(p, i), p, i)
         return f"eager raises {str(exc).splitlines()[0][:80]}"
-    note = None
-    try:
-        got = second_order(compiled(p, i), p, i)
-    except RuntimeError as exc:
-        if "is not implemented" not in str(exc):
-            raise
-        note = str(exc).splitlines()[0]  # e.g. mish_backward: PyTorch's error, then readable rules
-        got = second_order(compiled(p, i, rules="readable"), p, i)
+    got = second_order(compiled(p, i), p, i)
     close(got[0], want[0], "first-order gradients")
     close(got[1], want[1], "second-order gradients")
-    return note
+    return None
 
 
 def groups():
@@ -115,4 +105,4 @@ def test_fuzz_double_backward(chunk):
         lines.append(f"\nfirst failure, {p}")
         lines.append("".join(traceback.format_exception(exc))[-3000:])
         pytest.fail("\n".join(lines), pytrace=False)
-    assert len(notes) <= len(chunk) // 5, f"too many programs not compared on fused rules: {notes}"
+    assert len(notes) <= len(chunk) // 5, f"too many programs eager autograd refuses: {notes}"

@@ -14,14 +14,17 @@ second order.
   the forward (pinned memory and a side stream on CUDA, the device taken from the tensor) and
   copied back to its device, with its strides, before the backward uses it.
 - **Double backward** (``Replay``): a backward run with ``create_graph=True`` does not use the
-  saved values: it runs the split's readable forward again on the inputs, with autograd
-  recording, then the readable backward on what that forward saved, so the gradients are plain
-  PyTorch functions of the inputs and cotangents, differentiable to any order (compiled graphs are
-  never differentiated). The replay reads what the forward read: the inputs (refused if modified
-  in place since), the module's buffers as they were before the forward (the forward's own updates,
-  BatchNorm's running statistics, are snapshotted and not repeated), and the random-number
-  generators' states (dropout draws the same masks). A forward a compiler made that draws random
-  numbers cannot be replayed draw for draw: such a double backward raises.
+  saved values: it runs the captured program (``Split._cap.gm``: the user's ATen ops, with their
+  ``detach`` and ``no_grad`` regions) again on the inputs with autograd recording, and takes
+  autograd's gradient of it, so the gradients are PyTorch functions of the inputs and cotangents,
+  differentiable to any order as eager code is (compiled graphs are never differentiated). The
+  replay reads what the forward read: the inputs (refused if modified in place since), the
+  module's buffers as they were before the forward (the forward's own updates, BatchNorm's running
+  statistics, are copied first and not repeated), and the random-number generators' states
+  (dropout draws the same masks). What it cannot replay exactly raises ``FxtoolsError``: a forward
+  a compiler made whose graph draws random numbers, a function with its own backward
+  (``torch.autograd.Function``, ``fxtools.custom_vjp``), a forward writing an input that requires
+  grad.
 """
 
 from __future__ import annotations
