@@ -21,7 +21,7 @@ list it empties, so saved tensors are freed after their last use. Without a back
 readable backward runs boxed (``Split.backward_boxed``), freeing each saved activation after its
 last use. Saved values go through ``ctx.save_for_backward`` (PyTorch's saved-tensor hooks see
 them), a policy may offload them to CPU memory, and a backward with ``create_graph=True`` runs the
-readable graphs again with autograd recording, so it can be differentiated (``training/saved.py``).
+captured program again with autograd recording, so it can be differentiated (``training/saved.py``).
 
 Graphs are specialised to the arguments as every generated module is (``fxtools.codegen.guards``: structure,
 shapes, dtypes, device types, strides where the code relies on them, Python values), to

@@ -174,7 +174,7 @@ def release(ctx) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Double backward: the readable graphs replayed with autograd recording
+# Double backward: the captured program replayed with autograd recording
 # --------------------------------------------------------------------------------------------
 
 
@@ -373,7 +373,7 @@ class Replay:
             lines = sorted({user_line_of(n) or n.name for n in self.random}) or ["a random op"]
             raise FxtoolsError(
                 f"{what}: the forward, made by fw_compiler, draws random numbers ({'; '.join(lines)}) and its draws "
-                "cannot be replayed; compile without fw_compiler (fxtools replays its readable forward's draws exactly) "
+                "cannot be replayed; compile without fw_compiler (fxtools replays the draws of its own forward exactly) "
                 "or make the program deterministic (model.eval(), dropout p=0)"
             )
         self._check_versions(record)
