@@ -544,6 +544,18 @@ def cse(gm: fx.GraphModule) -> bool:
     return changed
 
 
+def written_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
+    """The arguments a call of ``op`` writes: those its schema marks ``(a!)``, and in training the
+    running statistics of a batch or instance norm (their kernels update them unannounced).
+    ``op`` may be a copy (from a node's copied ``meta``): it is matched by name."""
+    names = [a.name for a in op._schema.arguments]
+    bound = {**dict(zip(names, args)), **kwargs}
+    written = [bound.get(a.name) for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if str(op) in {str(o) for o in _STATEFUL_NORMS} and bound.get(names[5]):  # training / use_input_stats
+        written += [bound.get(names[3]), bound.get(names[4])]  # running_mean, running_var
+    return [w for w in written if w is not None]
+
+
 def _mutates(node: fx.Node) -> bool:
     t = node.target
     if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):

@@ -19,7 +19,9 @@ callable: ``compiler(gm)`` or ``compiler(gm, example_inputs)``. The ATen forward
 ``bw(*saved, *cotangents) -> grads``; a result with ``_boxed_call`` (Inductor's) is called with one
 list it empties, so saved tensors are freed after their last use. Without a backward compiler the
 readable backward runs boxed (``Split.backward_boxed``), freeing each saved activation after its
-last use.
+last use. Saved values go through ``ctx.save_for_backward`` (PyTorch's saved-tensor hooks see
+them), a policy may offload them to CPU memory, and a backward with ``create_graph=True`` runs the
+captured program again with autograd recording, so it can be differentiated (``training/saved.py``).
 
 Graphs are specialised to the arguments as every generated module is (``fxtools.codegen.guards``: structure,
 shapes, dtypes, device types, strides where the code relies on them, Python values), to
@@ -52,6 +54,7 @@ from ..transforms.reverse import is_float
 from .aten import to_aten
 from .distributed import Wrappers
 from .partition import Split, fake_mode_of, split
+from .saved import Replay, SavedValues, release
 
 __all__ = ["compile", "backend", "CompiledModule"]
 
@@ -152,9 +155,8 @@ class _Runner:
         self.out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
         tensor_positions = [i for i, t in enumerate(self.out_is_tensor) if t]
         self.ct_positions = [tensor_positions.index(i) for i in sp._ct_index]
-        # inputs and outputs are saved through ctx.save_for_backward; activations in a list the
-        # backward empties
-        self.via_ctx = [p or o for p, o in zip(sp._saved_is_primal, sp._saved_is_output)]
+        self.saved = SavedValues(sp.saved)
+        self.replay = Replay(sp, compiled_forward=self.aten.forward if self.fw_aten else None)
 
     def run_forward(self, leaves):
         if not self.fw_aten:
@@ -293,13 +295,17 @@ class _Runners:
 
 
 class _SplitFunction(torch.autograd.Function):
+    """A split's forward and backward as one autograd node (``training/saved.py``: what it saves,
+    offloads, and how its backward is differentiated when ``create_graph=True``)."""
+
     @staticmethod
     def forward(ctx, runner: _Runner, *leaves):
-        outs, saved = runner.run_forward(leaves)
-        tensors = [o for o in outs if isinstance(o, torch.Tensor)]
         ctx.runner = runner
-        ctx.save_for_backward(*[s for s, c in zip(saved, runner.via_ctx) if c])
-        ctx.fxtools_saved = [s for s, c in zip(saved, runner.via_ctx) if not c]
+        ctx.fxtools_record = record = runner.replay.record(leaves)
+        outs, saved = runner.run_forward(leaves)
+        runner.replay.finish(record)
+        runner.saved.pack(ctx, saved)
+        tensors = [o for o in outs if isinstance(o, torch.Tensor)]
         non_diff = [o for o in tensors if not is_float(o)]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
@@ -308,13 +314,14 @@ class _SplitFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         runner = ctx.runner
-        kept, plain = iter(ctx.saved_tensors), iter(ctx.fxtools_saved)
-        saved = [next(kept) if c else next(plain) for c in runner.via_ctx]
-        ctx.fxtools_saved = None
         cts = [grad_outs[i] for i in runner.ct_positions]
-        del plain
-        grads = runner.run_backward(saved, cts)
-        return (None, *grads)
+        del grad_outs
+        if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate
+            grads = runner.replay.vjp(ctx.fxtools_record, cts)
+            release(ctx)
+            return (None, *grads)
+        saved = runner.saved.unpack(ctx)
+        return (None, *runner.run_backward(saved, cts))
 
 
 def _requires_grad(args):
