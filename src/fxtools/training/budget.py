@@ -79,12 +79,13 @@ def _flops(node: fx.Node) -> int:
 
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
     vals = [v for v in fx.node.map_aggregate((args, kwargs), lambda v: v) if isinstance(v, torch.Tensor)]
-    if not vals:
+    target = node.target
+    if not vals or not callable(target):
         return 0
     counter = flop_counter.FlopCounterMode(display=False)
     try:
         with fake_mode_of(vals), counter:
-            node.target(*args, **kwargs)
+            target(*args, **kwargs)
     except Exception:  # an op fake mode cannot run here (a higher-order op's bodies): count its elements only
         return 0
     flops = counter.get_total_flops()
@@ -212,7 +213,7 @@ class Problem:
 def limit_bytes(spec, save_all_bytes: int) -> int:
     """The budget in bytes: a fraction of ``save_all``'s bytes, or bytes."""
     if isinstance(spec, float):
-        return int(math.floor(spec * save_all_bytes + 1e-9))
+        return math.floor(spec * save_all_bytes + 1e-9)
     return int(spec)
 
 
