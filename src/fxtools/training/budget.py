@@ -13,27 +13,34 @@ joint graph's min-cut structure (the one ``recompute_cheap`` uses):
   counts them (matrix products, convolutions, attention; run on the node's FakeTensor values)
   plus one per output element for every op (pointwise math, reductions, norms: one pass over
   memory). Views, items of multi-output ops and constants cost nothing.
+- **small problems, exactly.** With at most ``EXACT_LIMIT`` values free to be saved or not,
+  every choice is enumerated: the frontier is exact, and a budget gets the least recompute.
 - **the solver.** For a weight ``w``, minimising ``bytes + w * cost`` is one minimum cut
   (``save`` edges carry bytes, ``recompute`` edges carry cost). Sweeping ``w`` (bisection on the
   slopes) gives every point of the lower convex hull of the bytes/recompute frontier, exactly;
-  the cuts are nested, so along the hull saved bytes grow as recompute falls. A byte budget takes
-  the hull point with the most bytes that fit. That point is optimal whenever the budget falls on
-  a hull point; between two hull points ``(b0, c0)`` and ``(b1, c1)`` with ``b0 <= B < b1`` its
-  cost ``c0`` exceeds the optimum by at most ``c0 - c1``, and the optimum is at least the
-  Lagrangian bound ``c0 - (B - b0) (c0 - c1) / (b1 - b0)`` (``Choice.lower_bound``, in the report).
-- **monotone by construction.** The hull points are ordered (bytes up, cost down) and a budget
-  picks the last that fits: a smaller budget never saves more bytes and never recomputes less.
-- **infeasible budgets.** Below the hull's first point (every recomputable value recomputed)
+  the cuts are nested, so along the hull saved bytes grow as recompute falls. On each hull edge
+  every minimum cut at that weight lies on the edge; a fixed walk through them (strongly
+  connected components of the residual graph, Picard-Queyranne) adds points between the
+  vertices. A byte budget takes the point with the most bytes that fit. Every such point is
+  optimal for its own bytes; for a budget ``B`` between hull vertices ``(b0, c0)`` and
+  ``(b1, c1)`` (``b0 <= B < b1``) its cost exceeds the optimum by at most ``c0 - c1``, and no
+  saved set within ``B`` recomputes less than the Lagrangian bound
+  ``c0 - (B - b0) (c0 - c1) / (b1 - b0)`` (``Choice.lower_bound``, printed by the report).
+- **monotone by construction.** The points are ordered (bytes up, cost down) and a budget picks
+  the last that fits: a smaller budget never saves more bytes and never recomputes less; the
+  same holds for the exact frontier.
+- **infeasible budgets.** Below the frontier's first point (every recomputable value recomputed)
   no split fits: ``FxtoolsError`` says the minimum, in bytes and as a fraction.
 
 The predicted peak memory (``predicted_peak``) is liveness over the two graphs: the inputs and
 the forward's outputs are held by the caller, every other value lives from the op that makes it
 to its last use (views share their base's storage), saved values until their last use in the
-backward. ``budget(peak=p)`` takes, among the hull points, the cheapest whose predicted peak fits.
+backward. ``budget(peak=p)`` takes, among the frontier's points, the cheapest whose predicted peak fits.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import operator
 from dataclasses import dataclass, field
@@ -66,6 +73,7 @@ class Choice:
     lower_bound: float | None  # no saved set within the budget recomputes less than this (byte budgets)
     save_all_bytes: int
     frontier: list[Point]
+    method: str  # "exact" (every saved set enumerated) or "hull" (minimum cuts on the convex hull)
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,13 +128,16 @@ def recompute_cost(node: fx.Node) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+EXACT_LIMIT = 12  # enumerate every saved set when at most this many values are free to save or not
+
+
 class Problem:
     """The save/recompute choice of a ``_Partition`` as a family of minimum cuts."""
 
-    def __init__(self, part):
+    def __init__(self, part, exact_limit: int = EXACT_LIMIT):
         from .partition import _storage_root, nbytes
 
-        self.part = part
+        self.part, self.exact_limit, self.method = part, exact_limit, ""
         cand, stack = set(), list(part.needed)
         while stack:
             v = stack.pop()
@@ -148,12 +159,11 @@ class Problem:
         self.total_bytes = sum(self.size.values())
         self.total_cost = sum(self.cost.values())
 
-    def solve(self, wb: int, wc: int) -> Point:
-        """The saved set minimising ``wb * bytes + wc * cost`` (ties: the least recomputed)."""
-        from .partition import _max_flow_min_cut
-
+    def _edges(self, wb: int, wc: int):
+        """The cut graph for ``wb * bytes + wc * cost``: vertex ``2i`` is candidate ``i`` computed,
+        ``2i + 1`` it available; the sink side of a cut recomputes or saves."""
         inf = (wb * self.total_bytes + wc * self.total_cost + 1) * 4
-        source, sink = 2 * len(self.cand), 2 * len(self.cand) + 1
+        source = 2 * len(self.cand)
         edges = []
         for n, i in self.index.items():
             edges.append((2 * i, 2 * i + 1, wb * self.size[n] if self.can_save[n] else inf))
@@ -163,11 +173,21 @@ class Problem:
                     edges.append((2 * self.index[a] + 1, 2 * i, inf))
         for n in self.part.needed:
             if n in self.index:
-                edges.append((2 * self.index[n] + 1, sink, inf))
-        reach = _max_flow_min_cut(2 * len(self.cand) + 2, edges, source, sink, inf=inf)
-        saved = frozenset(n for n, i in self.index.items() if 2 * i not in reach and 2 * i + 1 in reach)
-        recomputed = frozenset(n for n, i in self.index.items() if 2 * i in reach)
+                edges.append((2 * self.index[n] + 1, source + 1, inf))
+        return edges, inf
+
+    def _point(self, sink_side) -> Point:
+        saved = frozenset(n for n, i in self.index.items() if 2 * i not in sink_side and 2 * i + 1 in sink_side)
+        recomputed = frozenset(n for n, i in self.index.items() if 2 * i in sink_side)
         return Point(self.saved_bytes(saved), sum(self.cost[n] for n in recomputed), saved, recomputed)
+
+    def solve(self, wb: int, wc: int) -> Point:
+        """The saved set minimising ``wb * bytes + wc * cost`` (ties: the least recomputed)."""
+        from .partition import _max_flow_min_cut
+
+        edges, inf = self._edges(wb, wc)
+        n = 2 * len(self.cand) + 2
+        return self._point(_max_flow_min_cut(n, edges, n - 2, n - 1, inf=inf))
 
     def saved_bytes(self, saved) -> int:
         """Bytes of the storages ``saved`` holds beyond the inputs (each storage once), as ``Split.saved_bytes``."""
@@ -180,15 +200,73 @@ class Problem:
                 roots[r] = max(roots.get(r, 0), nbytes(r.meta.get("val")), nbytes(s.meta.get("val")))
         return sum(roots.values())
 
-    def frontier(self) -> list[Point]:
-        """Every point of the lower convex hull of (bytes, recompute cost), bytes ascending."""
-        if not hasattr(self, "_frontier"):
+    def hull(self) -> list[Point]:
+        """The vertices of the lower convex hull of (bytes, recompute cost), bytes ascending."""
+        if not hasattr(self, "_hull"):
             least_bytes = self.solve(self.total_cost + 1, 1)
             least_cost = self.solve(1, self.total_bytes + 1)
             inner = self._between(least_bytes, least_cost) if least_cost.bytes > least_bytes.bytes else []
             points = [least_bytes, *inner, least_cost]
-            self._frontier = [p for k, p in enumerate(points) if k == 0 or p.bytes > points[k - 1].bytes]
+            self._hull = [p for k, p in enumerate(points) if k == 0 or p.bytes > points[k - 1].bytes]
+        return self._hull
+
+    def frontier(self) -> list[Point]:
+        """The points a budget chooses from, bytes ascending and cost descending. With at most
+        ``exact_limit`` free choices, every saved set (``exact_points``): the true frontier.
+        Otherwise the hull's vertices and, on each hull edge, the minimum cuts met on one fixed
+        walk from one end to the other (``_edge_points``): all on the hull, so each is optimal
+        for its own bytes."""
+        if not hasattr(self, "_frontier"):
+            points = self.exact_points()
+            self.method = "exact" if points is not None else "hull"
+            if points is None:
+                hull = self.hull()
+                points = list(hull)
+                for lo, hi in zip(hull, hull[1:]):
+                    points += self._edge_points(lo, hi)
+            points.sort(key=lambda p: (p.bytes, p.cost))
+            stair: list[Point] = []
+            for p in points:
+                if not stair or p.cost < stair[-1].cost:
+                    stair.append(p)
+            self._frontier = stair
         return self._frontier
+
+    def exact_points(self) -> list[Point] | None:
+        """Every feasible saved set, by enumerating the free choices (None when there are more
+        than ``exact_limit``): each subset of the saveable values is offered, the backward then
+        recomputes what it needs and is not offered, and what it reads is saved."""
+        free = [n for n in self.cand if self.can_save[n] and not self.must_save[n] and n.op != "placeholder"]
+        if len(free) > self.exact_limit:
+            return None
+        fixed = {n for n in self.cand if n.op == "placeholder" or (self.must_save[n] and self.can_save[n])}
+        points = []
+        for mask in range(1 << len(free)):
+            offered = fixed | {n for k, n in enumerate(free) if mask >> k & 1}
+            p = self._closure(offered)
+            if p is not None:
+                points.append(p)
+        return points
+
+    def _closure(self, offered) -> Point | None:
+        """The saved set when the forward offers ``offered``: None if something needed can be neither."""
+        saved, recomputed = set(), set()
+        stack = [n for n in self.part.needed if n in self.index]
+        while stack:
+            v = stack.pop()
+            if v in saved or v in recomputed:
+                continue
+            if v in offered:
+                saved.add(v)
+            elif self.must_save[v]:
+                return None
+            else:
+                recomputed.add(v)
+                stack.extend(a for a in v.all_input_nodes if a in self.index)
+        if any(not self.can_save[v] and v.op != "placeholder" for v in saved):
+            return None
+        saved_f, rec_f = frozenset(saved), frozenset(recomputed)
+        return Point(self.saved_bytes(saved_f), sum(self.cost[n] for n in rec_f), saved_f, rec_f)
 
     def _between(self, a: Point, b: Point) -> list[Point]:
         """Hull points strictly between ``a`` (fewer bytes) and ``b`` (less cost)."""
@@ -204,6 +282,92 @@ class Problem:
                 todo += [(lo, p), (p, hi)]
         return sorted(out, key=lambda p: p.bytes)
 
+    def _edge_points(self, lo: Point, hi: Point) -> list[Point]:
+        """Minimum cuts at the weight of the hull edge ``lo``-``hi``: every such cut's sink side
+        lies between the least and the largest, and is closed under residual predecessors
+        (Picard-Queyranne). Starting from the largest (most recompute), strongly connected
+        components of the residual graph leave it one at a time, earliest in the program first
+        among those whose successors have left: each step is a cut on the edge."""
+        from .partition import _max_flow
+
+        edges, inf = self._edges(lo.cost - hi.cost, hi.bytes - lo.bytes)
+        n = 2 * len(self.cand) + 2
+        head, to, cap = _max_flow(n, edges, n - 2, n - 1, inf)
+        t_min = _residual_reach(head, to, cap, n - 1, backward=True)
+        s_min = _residual_reach(head, to, cap, n - 2, backward=False)
+        middle = {v for v in range(n) if v not in t_min and v not in s_min}
+        succ = {v: {to[e] for e in head[v] if cap[e] > 0 and to[e] in middle} for v in middle}
+        comps, comp_of = _components(sorted(middle), succ)
+        out_deg = [len({comp_of[u] for v in c for u in succ[v]} - {k}) for k, c in enumerate(comps)]
+        preds: list[set] = [set() for _ in comps]
+        for k, c in enumerate(comps):
+            for u in {comp_of[u] for v in c for u in succ[v]} - {k}:
+                preds[u].add(k)
+        ready = [(min(c), k) for k, c in enumerate(comps) if out_deg[k] == 0]
+        heapq.heapify(ready)
+        sink_side, points = t_min | middle, []
+        while ready:
+            _, k = heapq.heappop(ready)
+            sink_side -= comps[k]
+            points.append(self._point(sink_side))
+            for p in preds[k]:
+                out_deg[p] -= 1
+                if out_deg[p] == 0:
+                    heapq.heappush(ready, (min(comps[p]), p))
+        return points
+
+
+def _residual_reach(head, to, cap, start: int, backward: bool) -> set:
+    """Vertices reachable from ``start`` in the residual graph (``backward``: that reach ``start``)."""
+    seen, stack = {start}, [start]
+    while stack:
+        v = stack.pop()
+        for e in head[v]:
+            u = to[e]
+            if u not in seen and (cap[e ^ 1] if backward else cap[e]) > 0:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def _components(vertices, succ) -> tuple[list[set], dict]:
+    """Strongly connected components (Kosaraju, iterative) of the graph ``succ`` on ``vertices``."""
+    order, seen = [], set()
+    for s in vertices:
+        if s in seen:
+            continue
+        seen.add(s)
+        stack = [(s, iter(succ[s]))]
+        while stack:
+            v, it = stack[-1]
+            u = next(it, None)
+            if u is None:
+                stack.pop()
+                order.append(v)
+            elif u not in seen:
+                seen.add(u)
+                stack.append((u, iter(succ[u])))
+    pred: dict = {v: [] for v in vertices}
+    for v in vertices:
+        for u in succ[v]:
+            pred[u].append(v)
+    comps: list[set] = []
+    comp_of: dict = {}
+    for s in reversed(order):
+        if s in comp_of:
+            continue
+        comp, stack = set(), [s]
+        comp_of[s] = len(comps)
+        while stack:
+            v = stack.pop()
+            comp.add(v)
+            for u in pred[v]:
+                if u not in comp_of:
+                    comp_of[u] = len(comps)
+                    stack.append(u)
+        comps.append(comp)
+    return comps, comp_of
+
 
 # --------------------------------------------------------------------------------------------
 # Choosing a point
@@ -217,9 +381,10 @@ def limit_bytes(spec, save_all_bytes: int) -> int:
     return int(spec)
 
 
-def choose_bytes(points: list[Point], limit: int, save_all_bytes: int) -> tuple[Point, float]:
-    """The hull point with the most bytes within ``limit``, and the Lagrangian lower bound."""
-    fits = [k for k, p in enumerate(points) if p.bytes <= limit]
+def choose_bytes(points: list[Point], hull: list[Point] | None, limit: int, save_all_bytes: int) -> tuple[Point, float]:
+    """The frontier point with the most bytes within ``limit``, and the Lagrangian lower bound
+    on the recompute of any saved set within ``limit`` (from the hull edge ``limit`` falls on)."""
+    fits = [p for p in points if p.bytes <= limit]
     if not fits:
         least = points[0].bytes
         frac = least / save_all_bytes if save_all_bytes else float("inf")
@@ -228,12 +393,13 @@ def choose_bytes(points: list[Point], limit: int, save_all_bytes: int) -> tuple[
             f"({frac:.3f} of save_all's {save_all_bytes:,}) with everything recomputable recomputed "
             "(random ops and side effects are always saved). Raise the budget to at least that."
         )
-    k = fits[-1]
-    p = points[k]
-    if k + 1 == len(points):
-        return p, float(p.cost)
-    q = points[k + 1]
-    return p, p.cost - (limit - p.bytes) * (p.cost - q.cost) / (q.bytes - p.bytes)
+    if hull is None:  # the frontier is exact
+        return fits[-1], float(fits[-1].cost)
+    k = max(k for k, p in enumerate(hull) if p.bytes <= limit)
+    if k + 1 == len(hull):
+        return fits[-1], float(hull[k].cost)
+    p, q = hull[k], hull[k + 1]
+    return fits[-1], p.cost - (limit - p.bytes) * (p.cost - q.cost) / (q.bytes - p.bytes)
 
 
 def choose_peak(points: list[Point], peaks: list[int], limit: int) -> Point:
@@ -311,9 +477,9 @@ def predicted_peak(part, saved, recomputed) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def draw_frontier(rows, hull: list[Point], path, title: str = "") -> None:
+def draw_frontier(rows, frontier: list[Point], path, title: str = "") -> None:
     """Draw saved bytes (x) against recompute cost (y): one marker per budget in ``rows``
-    (``(budget, bytes, cost)``) and the hull as a line. ``.png`` needs matplotlib (the ``bench``
+    (``(budget, bytes, cost)``) and the solver's frontier as a staircase. ``.png`` needs matplotlib (the ``bench``
     extra); ``.svg`` is written by matplotlib when installed, else by hand."""
     path = str(path)
     try:
@@ -327,10 +493,10 @@ def draw_frontier(rows, hull: list[Point], path, title: str = "") -> None:
                 f"drawing {path} needs matplotlib (pip install 'fxtools[bench]'); a .svg path needs nothing"
             ) from None
         with open(path, "w") as f:
-            f.write(_svg(rows, hull, title))
+            f.write(_svg(rows, frontier, title))
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p.bytes / 2**20 for p in hull], [p.cost for p in hull], "-", color="0.6", label="convex hull")
+    ax.step([p.bytes / 2**20 for p in frontier], [p.cost for p in frontier], "-", where="post", color="0.6", label="frontier")
     ax.plot([r[1] / 2**20 for r in rows], [r[2] for r in rows], "o", label="budget(b)")
     ax.set_xlabel("saved MiB")
     ax.set_ylabel("estimated recompute (FLOPs + elements)")
@@ -341,11 +507,11 @@ def draw_frontier(rows, hull: list[Point], path, title: str = "") -> None:
     plt.close(fig)
 
 
-def _svg(rows, hull: list[Point], title: str) -> str:
-    """A small SVG line chart: hull as a polyline, budgets as dots, axes labelled with their ranges."""
+def _svg(rows, frontier: list[Point], title: str) -> str:
+    """A small SVG chart: the frontier as a staircase, budgets as dots, axes labelled with their ranges."""
     w, h, m = 520, 340, 60
-    xs = [p.bytes for p in hull] + [r[1] for r in rows]
-    ys = [p.cost for p in hull] + [r[2] for r in rows]
+    xs = [p.bytes for p in frontier] + [r[1] for r in rows]
+    ys = [p.cost for p in frontier] + [r[2] for r in rows]
     x0, x1 = min(xs), max(xs) or 1
     y0, y1 = min(ys), max(ys) or 1
 
@@ -354,7 +520,8 @@ def _svg(rows, hull: list[Point], title: str) -> str:
         fy_ = h - m - (h - 2 * m) * ((y - y0) / (y1 - y0) if y1 > y0 else 0.5)
         return f"{fx_:.1f},{fy_:.1f}"
 
-    line = " ".join(px(p.bytes, p.cost) for p in hull)
+    steps = [(p.bytes, q.cost) for p, q in zip(frontier, frontier[:1] + frontier[:-1])]
+    line = " ".join(px(b, c) for pair in zip(steps, ((p.bytes, p.cost) for p in frontier)) for b, c in pair)
     dots = "".join(
         f'<circle cx="{px(b, c).split(",")[0]}" cy="{px(b, c).split(",")[1]}" r="4" fill="#1f77b4"/>' for _, b, c in rows
     )
@@ -370,3 +537,37 @@ def _svg(rows, hull: list[Point], title: str) -> str:
         f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" text-anchor="middle" {text}>'
         f"recompute ({y0:.3g} to {y1:.3g})</text></svg>\n"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Measured peak memory
+# --------------------------------------------------------------------------------------------
+
+
+def measure_peak(split, *args) -> int:
+    """Measured peak bytes of ``split.forward`` then ``split.backward_boxed`` (cotangents of ones)
+    on CPU tensors, as ``predicted_peak`` counts them: the inputs' storages plus the peak of what
+    the CPU allocator holds during the call (``torch.profiler`` with ``profile_memory=True``:
+    every allocation and free, summed in time order). Includes what ops allocate inside
+    themselves, which the prediction does not see."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flat = split.flatten(*args)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in flat}
+
+    def run():
+        out, saved = split.forward(*flat)
+        leaves = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        box = [*saved, *(torch.ones_like(leaves[i]) for i in split._ct_index)]
+        del saved
+        return out, split.backward_boxed(box)
+
+    with torch.no_grad():  # parameters that require grad would make autograd keep every value
+        run()  # warm up: first calls allocate caches
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run()
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return sum(storages.values()) + peak

@@ -160,8 +160,24 @@ def _augment(head, to, cap, level, it, source, sink) -> int:
 
 
 def _max_flow_min_cut(n: int, edges, source: int, sink: int, inf: int = _INF):
-    """Dinic's algorithm; returns the vertices that can still reach ``sink`` in the residual graph
+    """The vertices that can still reach ``sink`` in the residual graph of a maximum flow
     (``inf``: the capacity meaning "never cut")."""
+    head, to, cap = _max_flow(n, edges, source, sink, inf)
+    reach = {sink}
+    queue = collections.deque([sink])
+    while queue:
+        v = queue.popleft()
+        for e in head[v]:  # residual edge u -> v exists when the reverse slot e^1 has capacity
+            u = to[e]
+            if u not in reach and cap[e ^ 1] > 0:
+                reach.add(u)
+                queue.append(u)
+    return reach
+
+
+def _max_flow(n: int, edges, source: int, sink: int, inf: int = _INF):
+    """Dinic's algorithm: the residual graph ``(head, to, cap)`` of a maximum flow (edge ``e``
+    goes to ``to[e]``, its reverse is ``e ^ 1``)."""
     head = [[] for _ in range(n)]
     to, cap = [], []
     for u, v, c in edges:
@@ -190,16 +206,7 @@ def _max_flow_min_cut(n: int, edges, source: int, sink: int, inf: int = _INF):
                 break
             if f >= inf:
                 raise RuntimeError("fxtools.split: no finite cut (a value can be neither saved nor recomputed)")
-    reach = {sink}
-    queue = collections.deque([sink])
-    while queue:
-        v = queue.popleft()
-        for e in head[v]:  # residual edge u -> v exists when the reverse slot e^1 has capacity
-            u = to[e]
-            if u not in reach and cap[e ^ 1] > 0:
-                reach.add(u)
-                queue.append(u)
-    return reach
+    return head, to, cap
 
 
 class _Partition:
@@ -337,8 +344,9 @@ class _Partition:
             point, lower, limit = budget.choose_peak(points, peaks, spec.peak), None, None
         else:
             limit = budget.limit_bytes(spec.limit, save_all_bytes)
-            point, lower = budget.choose_bytes(points, limit, save_all_bytes)
-        self.choice = budget.Choice(limit, spec.peak, point, lower, save_all_bytes, points)
+            hull = problem.hull() if problem.method == "hull" else None
+            point, lower = budget.choose_bytes(points, hull, limit, save_all_bytes)
+        self.choice = budget.Choice(limit, spec.peak, point, lower, save_all_bytes, points, problem.method)
         recomputed = set(point.recomputed)
         recomputed |= {a for n in recomputed for a in n.all_input_nodes if a.op == "get_attr"}
         recomputed |= {n for n in self.needed if n.op == "get_attr"}
@@ -751,17 +759,18 @@ class Split:
 
         part = self._joint()
         problem = budget.Problem(part)
-        hull = problem.frontier()
+        points = problem.frontier()
+        hull = problem.hull() if problem.method == "hull" else None
         save_all_bytes = problem.saved_bytes(part._by_rule(policies.save_all)[0])
         budgets = [k / 20 for k in range(1, 21)] if budgets is None else budgets
         rows = []
         for b in budgets:
             limit = budget.limit_bytes(b, save_all_bytes)
-            if limit >= hull[0].bytes:
-                point, _ = budget.choose_bytes(hull, limit, save_all_bytes)
+            if limit >= points[0].bytes:
+                point, _ = budget.choose_bytes(points, hull, limit, save_all_bytes)
                 rows.append((limit, point.bytes, point.cost))
         if path is not None:
-            budget.draw_frontier(rows, hull, path, title=f"saved bytes against recompute ({len(rows)} budgets)")
+            budget.draw_frontier(rows, points, path, title=f"saved bytes against recompute ({len(rows)} budgets)")
         return rows
 
     def report(self, file=None) -> str:
@@ -787,7 +796,7 @@ class Split:
             )
             lines.append(
                 f"  budget: {target} (save_all saves {choice.save_all_bytes:,} B); chose {choice.point.bytes:,} B, "
-                f"recompute {choice.point.cost:,}{bound}; frontier of {len(choice.frontier)} points (Split.frontier draws it)"
+                f"recompute {choice.point.cost:,}{bound}; {choice.method} frontier of {len(choice.frontier)} points (Split.frontier draws it)"
             )
         width = max((len(s.name) for s in self.saved), default=0)
         types = [str(s.dtype).replace("torch.", "") + str(list(s.shape)) for s in self.saved]
