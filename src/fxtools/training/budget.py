@@ -41,6 +41,7 @@ backward. ``budget(peak=p)`` takes, among the frontier's points, the cheapest wh
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -222,7 +223,7 @@ class Problem:
             if points is None:
                 hull = self.hull()
                 points = list(hull)
-                for lo, hi in zip(hull, hull[1:]):
+                for lo, hi in itertools.pairwise(hull):
                     points += self._edge_points(lo, hi)
             points.sort(key=lambda p: (p.bytes, p.cost))
             stair: list[Point] = []
