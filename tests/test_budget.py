@@ -6,6 +6,7 @@ predicted peak against the CPU allocator's.
 """
 
 import io
+import itertools
 import random
 
 import pytest
@@ -178,7 +179,7 @@ def test_sweep_is_monotone_and_each_split_is_what_the_frontier_says():
     sp = fxtools.split(f, *args, policy=policies.budget(1.0))
     rows = sp.frontier([k / 40 for k in range(1, 41)])
     assert len(rows) > 5
-    for (b0, s0, c0), (b1, s1, c1) in zip(rows, rows[1:]):
+    for (b0, s0, c0), (b1, s1, c1) in itertools.pairwise(rows):
         assert b0 < b1 and s0 <= s1 and c0 >= c1
     assert all(s <= b for b, s, _ in rows)
     assert len({s for _, s, _ in rows}) > 3  # the sweep really moves
