@@ -239,7 +239,7 @@ def test_peak_budget_fits_and_is_monotone():
     f, args = _mlp(2, 5, 12, batch=16)
     sp = fxtools.split(f, *args, policy="save_all")
     problem = budget.Problem(sp._partition)
-    peaks = sorted({budget.predicted_peak(sp._partition, p.saved, p.recomputed) for p in problem.frontier()})
+    peaks = sorted({peak for _, peak in problem.peak_candidates()})
     last = float("inf")
     for peak in (peaks[0], peaks[len(peaks) // 2], peaks[-1]):
         one = fxtools.split(f, *args, policy=policies.budget(peak=peak))

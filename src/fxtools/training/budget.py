@@ -35,7 +35,10 @@ joint graph's min-cut structure (the one ``recompute_cheap`` uses):
 The predicted peak memory (``predicted_peak``) is liveness over the two graphs: the inputs and
 the forward's outputs are held by the caller, every other value lives from the op that makes it
 to its last use (views share their base's storage), saved values until their last use in the
-backward. ``budget(peak=p)`` takes, among the frontier's points, the cheapest whose predicted peak fits.
+backward. ``budget(peak=p)`` lowers the peak of each of the frontier's points by saving, greedily,
+values it recomputes (``Problem.peak_candidates``: the peak is not a function of the saved bytes;
+a block's saved output lets the backward recompute the block late) and takes the cheapest whose
+predicted peak fits; the candidates do not depend on ``p``, so a larger peak never recomputes more.
 """
 
 from __future__ import annotations
@@ -139,6 +142,7 @@ class Problem:
         from .partition import _storage_root, nbytes
 
         self.part, self.exact_limit, self.method = part, exact_limit, ""
+        self.memo = _Memo()
         cand, stack = set(), list(part.needed)
         while stack:
             v = stack.pop()
@@ -180,7 +184,14 @@ class Problem:
     def _point(self, sink_side) -> Point:
         saved = frozenset(n for n, i in self.index.items() if 2 * i not in sink_side and 2 * i + 1 in sink_side)
         recomputed = frozenset(n for n, i in self.index.items() if 2 * i in sink_side)
-        return Point(self.saved_bytes(saved), sum(self.cost[n] for n in recomputed), saved, recomputed)
+        return self._make(saved, recomputed)
+
+    def _make(self, saved: frozenset, recomputed: frozenset) -> Point:
+        """The point, its recomputed set completed with the constants (``get_attr``) the backward reads."""
+        consts = {a for n in recomputed for a in n.all_input_nodes if a.op == "get_attr"}
+        consts |= {n for n in self.part.needed if n.op == "get_attr"}
+        cost = sum(self.cost[n] for n in recomputed)
+        return Point(self.saved_bytes(saved), cost, saved, recomputed | consts)
 
     def solve(self, wb: int, wc: int) -> Point:
         """The saved set minimising ``wb * bytes + wc * cost`` (ties: the least recomputed)."""
@@ -266,8 +277,39 @@ class Problem:
                 stack.extend(a for a in v.all_input_nodes if a in self.index)
         if any(not self.can_save[v] and v.op != "placeholder" for v in saved):
             return None
-        saved_f, rec_f = frozenset(saved), frozenset(recomputed)
-        return Point(self.saved_bytes(saved_f), sum(self.cost[n] for n in rec_f), saved_f, rec_f)
+        return self._make(frozenset(saved), frozenset(recomputed))
+
+    def lower_peak(self, point: Point, rounds: int = 6) -> tuple[Point, int]:
+        """``point`` with values it recomputes saved instead, greedily, while that lowers the
+        predicted peak (saving a block's output lets the backward recompute the block late, just
+        before its gradient, instead of with everything after it). Each round saves the first
+        value, in program order, among the smaller half of the recomputed tensors, that lowers
+        the peak. Recompute never grows."""
+        fixed = {n for n in self.cand if n.op == "placeholder" or (self.must_save[n] and self.can_save[n])}
+        peak = predicted_peak(self.part, point.saved, point.recomputed, self.memo)
+        for _ in range(rounds):
+            options = [
+                v
+                for v in point.recomputed
+                if v in self.index and self.can_save[v] and isinstance(v.meta.get("val"), torch.Tensor)
+            ]
+            small = sorted(self.size[v] for v in options)[len(options) // 2] if options else 0
+            for v in sorted((v for v in options if self.size[v] <= small), key=self.index.__getitem__):
+                q = self._closure(fixed | point.saved | {v})
+                if q is not None and (qp := predicted_peak(self.part, q.saved, q.recomputed, self.memo)) < peak:
+                    point, peak = q, qp
+                    break
+            else:
+                break
+        return point, peak
+
+    def peak_candidates(self, spread: int = 4) -> list[tuple[Point, int]]:
+        """Points for a peak budget, with their predicted peaks: every frontier point as it is, and
+        ``spread`` of them (evenly spaced, the least-bytes one first) after ``lower_peak``."""
+        points = self.frontier()
+        out = [(p, predicted_peak(self.part, p.saved, p.recomputed, self.memo)) for p in points]
+        picks = sorted({round(k * (len(points) - 1) / max(spread - 1, 1)) for k in range(spread)})
+        return out + [self.lower_peak(points[k]) for k in picks]
 
     def _between(self, a: Point, b: Point) -> list[Point]:
         """Hull points strictly between ``a`` (fewer bytes) and ``b`` (less cost)."""
@@ -404,7 +446,7 @@ def choose_bytes(points: list[Point], hull: list[Point] | None, limit: int, save
 
 
 def choose_peak(points: list[Point], peaks: list[int], limit: int) -> Point:
-    """The cheapest hull point whose predicted peak fits ``limit``."""
+    """The cheapest point whose predicted peak fits ``limit``."""
     fits = [p for p, pk in zip(points, peaks) if pk <= limit]
     if not fits:
         raise FxtoolsError(
@@ -419,25 +461,46 @@ def choose_peak(points: list[Point], peaks: list[int], limit: int) -> Point:
 # --------------------------------------------------------------------------------------------
 
 
-def liveness_peak(order, start, held) -> int:
+class _Memo:
+    """Each node's storage root and bytes, computed once (liveness runs many times on one graph)."""
+
+    def __init__(self):
+        self.roots: dict = {}
+        self.sizes: dict = {}
+
+    def root(self, n: fx.Node) -> fx.Node:
+        from .partition import _storage_root
+
+        if n not in self.roots:
+            self.roots[n] = _storage_root(n)
+        return self.roots[n]
+
+    def size(self, n: fx.Node) -> int:
+        from .partition import nbytes
+
+        if n not in self.sizes:
+            self.sizes[n] = nbytes(n.meta.get("val"))
+        return self.sizes[n]
+
+
+def liveness_peak(order, start, held, memo: _Memo | None = None) -> int:
     """Peak bytes while running ``order`` (nodes): ``start`` values exist before, ``held`` values
     (and their storages) are never freed; every other storage is freed after its last use."""
-    from .partition import _storage_root, nbytes
-
-    root = {}
+    memo = memo or _Memo()
+    root = memo.root
     last = {}
     for i, n in enumerate(order):
-        for a in (n, *n.all_input_nodes):
-            r = root.setdefault(a, _storage_root(a))
-            last[r] = i
-    held_roots = {_storage_root(h) for h in held if isinstance(h, fx.Node)}
+        last[root(n)] = i
+        for a in n.all_input_nodes:
+            last[root(a)] = i
+    held_roots = {root(h) for h in held if isinstance(h, fx.Node)}
     live, size = 0, {}
 
     def touch(v):
         nonlocal live
-        r = root.setdefault(v, _storage_root(v))
+        r = root(v)
         if r not in size:
-            size[r] = max(nbytes(r.meta.get("val")), nbytes(v.meta.get("val")))
+            size[r] = max(memo.size(r), memo.size(v))
             live += size[r]
 
     for v in start:
@@ -451,7 +514,7 @@ def liveness_peak(order, start, held) -> int:
         if r not in held_roots:
             frees.setdefault(i, []).append(r)
     for i, n in enumerate(order):
-        if isinstance(n.meta.get("val"), torch.Tensor):
+        if memo.size(n) or isinstance(n.meta.get("val"), torch.Tensor):
             touch(n)
         peak = max(peak, live)
         for r in frees.get(i, ()):
@@ -459,17 +522,18 @@ def liveness_peak(order, start, held) -> int:
     return peak
 
 
-def predicted_peak(part, saved, recomputed) -> int:
+def predicted_peak(part, saved, recomputed, memo: _Memo | None = None) -> int:
     """Peak bytes of running the forward, then the backward (``backward_boxed``), on ``part``."""
     from .partition import backward_nodes, forward_nodes
 
+    memo = memo or _Memo()
     primals = list(part.primals)
     outs = [o for o in part.fw_outs if isinstance(o, fx.Node)]
     fw = forward_nodes(part, saved)
-    fw_peak = liveness_peak(fw, primals, [*primals, *outs, *saved])
+    fw_peak = liveness_peak(fw, primals, [*primals, *outs, *saved], memo)
     bw = backward_nodes(part, saved, recomputed)
     grads = [g for g in part.grads if isinstance(g, fx.Node)]
-    bw_peak = liveness_peak(bw, [*primals, *outs, *saved, *part.cts], [*primals, *outs, *grads])
+    bw_peak = liveness_peak(bw, [*primals, *outs, *saved, *part.cts], [*primals, *outs, *grads], memo)
     return max(fw_peak, bw_peak)
 
 

@@ -340,17 +340,15 @@ class _Partition:
         save_all_saved, _ = self._by_rule(policies.save_all)
         save_all_bytes = problem.saved_bytes(save_all_saved)
         if spec.peak is not None:
-            peaks = [budget.predicted_peak(self, p.saved, p.recomputed) for p in points]
-            point, lower, limit = budget.choose_peak(points, peaks, spec.peak), None, None
+            lowered = problem.peak_candidates()
+            candidates, peaks = [p for p, _ in lowered], [pk for _, pk in lowered]
+            point, lower, limit = budget.choose_peak(candidates, peaks, spec.peak), None, None
         else:
             limit = budget.limit_bytes(spec.limit, save_all_bytes)
             hull = problem.hull() if problem.method == "hull" else None
             point, lower = budget.choose_bytes(points, hull, limit, save_all_bytes)
         self.choice = budget.Choice(limit, spec.peak, point, lower, save_all_bytes, points, problem.method)
-        recomputed = set(point.recomputed)
-        recomputed |= {a for n in recomputed for a in n.all_input_nodes if a.op == "get_attr"}
-        recomputed |= {n for n in self.needed if n.op == "get_attr"}
-        return set(point.saved), recomputed
+        return set(point.saved), set(point.recomputed)
 
     def _min_cut(self):
         # candidates: forward-side ancestors of what the backward needs
