@@ -310,7 +310,7 @@ class _Partition:
                 else:
                     c = fn(node)
                     if c not in (policies.SAVE, policies.RECOMPUTE, policies.OFFLOAD):
-                        raise ValueError(f"a split policy must return 'save', 'recompute' or 'offload', got {c!r} for {node}")
+                        raise ValueError(f"a split policy must return 'save' or 'recompute' (or 'offload'), got {c!r} for {node}")
                     cache[node] = c
             return cache[node]
 
