@@ -298,3 +298,18 @@ def test_budget_arguments():
         policies.budget(0.5, peak=10)
     assert policies.budget(0.5) == policies.budget(0.5) and hash(policies.budget(3)) == hash(policies.budget(3))
     assert policies.describe(policies.budget(peak=5)) == "budget(peak=5)"
+
+
+@pytest.mark.usefixtures("float64")
+def test_compile_trains_with_a_budget():
+    """``fxtools.compile`` takes a budget like any policy: gradients as eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 1))
+    inputs = (torch.randn(5, 6),)
+    compiled = fxtools.compile(model, *inputs, policy=policies.budget(0.3))
+    compiled(*inputs).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(*inputs).sum().backward()
+    for g, p in zip(got, model.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, **TOL)
