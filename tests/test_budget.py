@@ -130,10 +130,12 @@ def test_every_budget_gives_exact_gradients_within_its_bytes(name):
         text = sp.report(file=io.StringIO())
         assert f"chose {sp.saved_bytes:,} B" in text and "predicted peak" in text
     assert least is not None
+    if name == "scan":  # a scan's capture is slow: one budget is enough
+        return
     sp = fxtools.split(f, *args, policy=policies.budget(least))  # the least is reachable, in bytes
     assert sp.saved_bytes == least
     _check_grads(sp, f, args)
-    if least > 0 and name != "scan":
+    if least > 0:
         with pytest.raises(FxtoolsError, match=f"the least any split can save, {least:,} bytes"):
             fxtools.split(f, *args, policy=policies.budget(least - 1))
 
