@@ -12,7 +12,8 @@ joint graph's min-cut structure (the one ``recompute_cheap`` uses):
 - **the cost model.** A node's recompute cost is its FLOPs as ``torch.utils.flop_counter``
   counts them (matrix products, convolutions, attention; run on the node's FakeTensor values)
   plus one per output element for every op (pointwise math, reductions, norms: one pass over
-  memory). Views, items of multi-output ops and constants cost nothing.
+  memory). Views, items of multi-output ops and constants cost nothing; a higher-order op costs
+  its bodies' costs (a ``scan``'s times its steps).
 - **small problems, exactly.** With at most ``EXACT_LIMIT`` values free to be saved or not,
   every choice is enumerated: the frontier is exact, and a budget gets the least recompute.
 - **the solver.** For a weight ``w``, minimising ``bytes + w * cost`` is one minimum cut
@@ -52,6 +53,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.utils import flop_counter
+from torch.utils._pytree import tree_leaves as pytree_leaves
 
 from ..errors import FxtoolsError
 from . import policies
@@ -118,12 +120,34 @@ def _elements(val) -> int:
     return total
 
 
+def _body_cost(node: fx.Node) -> int:
+    """A higher-order op's cost (``scan``, ``cond``): its bodies' costs, a scan's times its steps."""
+    owner = node.graph.owning_module
+    names = [str(a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    bodies = [b for b in (getattr(owner, name, None) for name in names) if isinstance(b, fx.GraphModule)]
+    if not bodies:
+        return 0
+    total = max(sum((recompute_cost(n) for n in b.graph.nodes), 0) for b in bodies)
+    if node.target is torch.ops.higher_order.scan:
+        xs = [a.meta.get("val") for a in pytree_leaves(node.args[2]) if isinstance(a, fx.Node)]
+        steps = [v.shape[0] for v in xs if isinstance(v, torch.Tensor) and v.dim()]
+        if steps:
+            try:
+                total *= int(steps[0])
+            except (TypeError, ValueError, RuntimeError):  # a symbolic number of steps
+                pass
+    return total
+
+
 def recompute_cost(node: fx.Node) -> int:
-    """Estimated cost of computing ``node`` again: FLOPs (flop_counter) plus one per output element."""
+    """Estimated cost of computing ``node`` again: FLOPs (flop_counter) plus one per output element;
+    a higher-order op (``scan``) counts its bodies (a scan's times its steps)."""
     if node.op != "call_function" or policies.is_view(node) or policies.is_factory(node):
         return 0
     if node.target is operator.getitem:
         return 0
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return _body_cost(node) + _elements(node.meta.get("val"))
     return _flops(node) + _elements(node.meta.get("val"))
 
 
