@@ -1,7 +1,18 @@
 """Peak memory of generated code: frees only where they matter (``fxtools.codegen.pycode``)
 against torch.fx's default of freeing every value after its last use.
 
-Run ``python benchmarks/bench_memory.py`` (``--quick``: a 2-layer GPT). The model is the ``gpt``
+Run ``python benchmarks/bench_memory.py`` (``--quick``: a 2-layer GPT).
+
+``--budgets`` measures memory budgets instead, on a small GPT (2 layers, width 128, 4 heads,
+vocabulary 512, 4 x 64 tokens, float32): eager PyTorch; ``torch.compile`` (backend
+``aot_eager_decomp_partition``, and Inductor with ``--inductor``) with
+``torch._functorch.config.activation_memory_budget`` at 1.0, 0.5, 0.2 and 0.05; and
+``fxtools.split(policy=fxtools.policies.budget(b))`` at the same budgets, run without a compiler.
+For each: the bytes saved for the backward beyond parameters and inputs (eager and torch.compile:
+what ``torch.autograd.graph.saved_tensors_hooks`` sees, each storage once; fxtools: the split's
+``saved_bytes``), fxtools' predicted peak, the measured peak of one forward + backward (the
+profiler's CPU allocations plus the parameters and inputs), and the median step time. ``--svg``
+draws fxtools' frontier. The model is the ``gpt``
 example at the size ``bench.py`` calls "GPT-2 124M" (12 layers, width 768, vocabulary 50257,
 batch 1 x 64 tokens, float32); the module is its ``fxtools.grad`` (forward and backward in one
 function). The same graph is run with the code fxtools writes and with fx's own code generator
@@ -47,10 +58,158 @@ def peak_bytes(gm: fx.GraphModule, args) -> tuple[int, int]:
     return _peak_of_call(gm.forward, args), _peak_of_call(plain.forward, args)
 
 
+# --------------------------------------------------------------------------------------------
+# memory budgets
+# --------------------------------------------------------------------------------------------
+
+BUDGETS = (1.0, 0.5, 0.2, 0.05)
+
+
+def _storage_bytes(tensors) -> dict[int, int]:
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def _autograd_step(model, inputs):
+    """Forward + backward under autograd; returns the bytes the saved-tensor hooks saw beyond the parameters and inputs."""
+    owned = _storage_bytes([*model.parameters(), *inputs])
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in owned:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(*inputs)
+    loss.backward()
+    return sum(seen.values())
+
+
+def _allocated_peak(fn) -> int:
+    """Peak bytes the CPU allocator holds during ``fn()`` (``torch.profiler``, every allocation and free in order)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def _median_time(fn, reps) -> float:
+    import time
+
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def _clear_grads(model) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _measure_autograd(model, inputs, reps):
+    base = sum(_storage_bytes([*model.parameters(), *inputs]).values())
+    saved = _autograd_step(model, inputs)  # also warms up (compiles)
+    _clear_grads(model)  # freed before the profile: the gradients are allocated during the step
+    peak = base + _allocated_peak(lambda: _autograd_step(model, inputs))
+
+    def step():
+        _clear_grads(model)
+        _autograd_step(model, inputs)
+
+    return saved, peak, _median_time(step, reps)
+
+
+def _measure_fxtools(model, inputs, policy, reps, svg=None):
+    import fxtools
+    from fxtools.training import budget
+
+    sp = fxtools.split(model, *inputs, policy=policy)
+    if svg:
+        sp.frontier([k / 40 for k in range(1, 41)], path=svg)
+    params = dict(model.named_parameters())
+    flat = sp.flatten(params, *inputs)
+
+    def step():
+        with torch.no_grad():
+            out, saved = sp.forward(*flat)
+            box = [*saved, torch.ones_like(out)]
+            del saved
+            sp.backward_boxed(box)
+
+    peak = budget.measure_peak(sp, params, *inputs)
+    return sp, peak, _median_time(step, reps)
+
+
+def budgets_table(opts) -> str:
+    """The memory-budget table (Markdown) for a small GPT."""
+    import torch._functorch.config as functorch_config
+
+    from fxtools.cli.examples import gpt
+
+    torch.set_num_threads(1)
+    model, inputs = gpt("gpt2", batch=4, seq_len=64, n_layer=2, n_head=4, n_embd=128, vocab_size=512, block_size=64)
+    reps = opts.reps
+    rows = []
+    eager = _measure_autograd(model, inputs, reps)
+    rows.append(("eager", "-", *eager, None))
+    backends = ["aot_eager_decomp_partition"] + (["inductor"] if opts.inductor else [])
+    for backend in backends:
+        for b in BUDGETS:
+            torch._dynamo.reset()
+            with functorch_config.patch(activation_memory_budget=b):
+                compiled = torch.compile(model, backend=backend)
+                rows.append((f"torch.compile {backend}", b, *_measure_autograd(compiled, inputs, reps), None))
+    torch._dynamo.reset()
+    import fxtools
+
+    for b in BUDGETS:
+        policy = fxtools.policies.budget(b)
+        sp, peak, t = _measure_fxtools(model, inputs, policy, reps, svg=opts.svg if b == 1.0 else None)
+        rows.append(("fxtools budget(b)", b, sp.saved_bytes, peak, t, sp.predicted_peak))
+    from fxtools.training import budget
+
+    first = fxtools.split(model, *inputs, policy=fxtools.policies.budget(1.0))
+    least = min(peak for _, peak in budget.Problem(first._partition).peak_candidates())
+    for b, target in [(r[1], r[3]) for r in rows if r[0] == "torch.compile aot_eager_decomp_partition"]:
+        label = f"fxtools budget(peak=) at torch.compile {b}'s peak"
+        if target < least:
+            target, label = least, f"fxtools budget(peak=least possible), for torch.compile {b}"
+        sp, peak, t = _measure_fxtools(model, inputs, fxtools.policies.budget(peak=target), reps)
+        rows.append((label, f"{target / 1e6:.2f} MB", sp.saved_bytes, peak, t, sp.predicted_peak))
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"small GPT (2 layers, width 128, 4 heads, vocabulary 512, 4x64 tokens, float32), {platform.machine()}, "
+        f"{platform.processor() or '?'}, 1 thread, torch {torch.__version__}, {when}",
+        "",
+        "| run | budget | saved MB | saved / eager | predicted peak MB | measured peak MB | step ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, b, saved, peak, t, predicted in rows:
+        pred = "-" if predicted is None else f"{predicted / 1e6:.2f}"
+        lines.append(
+            f"| {name} | {b} | {saved / 1e6:.2f} | {saved / rows[0][2]:.2f}x | {pred} | {peak / 1e6:.2f} | {t * 1e3:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 2-layer GPT instead of GPT-2 124M")
+    parser.add_argument("--budgets", action="store_true", help="the memory-budget table (small GPT) instead")
+    parser.add_argument("--inductor", action="store_true", help="with --budgets: torch.compile with Inductor too")
+    parser.add_argument("--reps", type=int, default=20, help="with --budgets: steps timed per row")
+    parser.add_argument("--svg", default=None, help="with --budgets: draw fxtools' frontier to this path")
     opts = parser.parse_args(argv)
+    if opts.budgets:
+        print(budgets_table(opts))
+        return
     import fxtools
     from fxtools.cli.examples import as_loss, gpt
 

@@ -97,12 +97,14 @@ class TensorInfo:
     line: str | None = None  # "file:line: code" of the user call that produced it (saved values)
     storage: str | None = None  # saved values: the saved value or input whose memory it is
     note: str | None = None  # saved values: what it holds when not obvious (a scan's value at every step)
+    offload: bool = False  # saved values: the policy asked to keep it in CPU memory until the backward
 
     def __str__(self):
         dt = str(self.dtype).replace("torch.", "")
         where = f"  {self.path}" if self.path else ""
         line = f"  <- {self.line}" if self.line else ""
-        return f"{self.name}: {dt}{list(self.shape)} ({self.bytes} B, {self.kind}){where}{line}"
+        off = ", offload" if self.offload else ""
+        return f"{self.name}: {dt}{list(self.shape)} ({self.bytes} B, {self.kind}{off}){where}{line}"
 
 
 def _info(node: fx.Node, kind: str, path=None, line=None, storage=None) -> TensorInfo:
@@ -157,8 +159,25 @@ def _augment(head, to, cap, level, it, source, sink) -> int:
             it[u] += 1
 
 
-def _max_flow_min_cut(n: int, edges, source: int, sink: int):
-    """Dinic's algorithm; returns the vertices that can still reach ``sink`` in the residual graph."""
+def _max_flow_min_cut(n: int, edges, source: int, sink: int, inf: int = _INF):
+    """The vertices that can still reach ``sink`` in the residual graph of a maximum flow
+    (``inf``: the capacity meaning "never cut")."""
+    head, to, cap = _max_flow(n, edges, source, sink, inf)
+    reach = {sink}
+    queue = collections.deque([sink])
+    while queue:
+        v = queue.popleft()
+        for e in head[v]:  # residual edge u -> v exists when the reverse slot e^1 has capacity
+            u = to[e]
+            if u not in reach and cap[e ^ 1] > 0:
+                reach.add(u)
+                queue.append(u)
+    return reach
+
+
+def _max_flow(n: int, edges, source: int, sink: int, inf: int = _INF):
+    """Dinic's algorithm: the residual graph ``(head, to, cap)`` of a maximum flow (edge ``e``
+    goes to ``to[e]``, its reverse is ``e ^ 1``)."""
     head = [[] for _ in range(n)]
     to, cap = [], []
     for u, v, c in edges:
@@ -185,18 +204,9 @@ def _max_flow_min_cut(n: int, edges, source: int, sink: int):
             f = _augment(head, to, cap, level, it, source, sink)
             if not f:
                 break
-            if f >= _INF:
+            if f >= inf:
                 raise RuntimeError("fxtools.split: no finite cut (a value can be neither saved nor recomputed)")
-    reach = {sink}
-    queue = collections.deque([sink])
-    while queue:
-        v = queue.popleft()
-        for e in head[v]:  # residual edge u -> v exists when the reverse slot e^1 has capacity
-            u = to[e]
-            if u not in reach and cap[e ^ 1] > 0:
-                reach.add(u)
-                queue.append(u)
-    return reach
+    return head, to, cap
 
 
 class _Partition:
@@ -236,8 +246,12 @@ class _Partition:
             need(g)
         self.needed = needed
         self.region_outputs = self._region_outputs()
+        self.offload: set = set()
+        self.choice = None  # what a budget chose (``budget.Choice``)
         fn, min_cut = policies.resolve(policy)
-        if min_cut:
+        if isinstance(policy, policies.Budget):
+            self.saved, self.recomputed = self._by_budget(policy)
+        elif min_cut:
             self.saved, self.recomputed = self._min_cut()
         else:
             self.saved, self.recomputed = self._by_rule(fn)
@@ -295,8 +309,8 @@ class _Partition:
                     cache[node] = choice(node.args[0])
                 else:
                     c = fn(node)
-                    if c not in (policies.SAVE, policies.RECOMPUTE):
-                        raise ValueError(f"a split policy must return 'save' or 'recompute', got {c!r} for {node}")
+                    if c not in (policies.SAVE, policies.RECOMPUTE, policies.OFFLOAD):
+                        raise ValueError(f"a split policy must return 'save' or 'recompute' (or 'offload'), got {c!r} for {node}")
                     cache[node] = c
             return cache[node]
 
@@ -308,12 +322,33 @@ class _Partition:
             c = choice(v)
             if not isinstance(v.meta.get("val"), torch.Tensor) and v.op != "placeholder":
                 c = policies.RECOMPUTE  # a tuple of results is reached only through an item recomputed
-            if c == policies.SAVE:
+            if c in (policies.SAVE, policies.OFFLOAD):
                 saved.add(v)
+                if c == policies.OFFLOAD and v.op != "placeholder":
+                    self.offload.add(v)
             else:
                 recomputed.add(v)
                 stack.extend(a for a in v.all_input_nodes if a not in self.bw)
         return saved, recomputed
+
+    def _by_budget(self, spec):
+        """The least estimated recompute within a byte or peak budget (``fxtools.training.budget``)."""
+        from . import budget
+
+        problem = budget.Problem(self)
+        points = problem.frontier()
+        save_all_saved, _ = self._by_rule(policies.save_all)
+        save_all_bytes = problem.saved_bytes(save_all_saved)
+        if spec.peak is not None:
+            lowered = problem.peak_candidates()
+            candidates, peaks = [p for p, _ in lowered], [pk for _, pk in lowered]
+            point, lower, limit = budget.choose_peak(candidates, peaks, spec.peak), None, None
+        else:
+            limit = budget.limit_bytes(spec.limit, save_all_bytes)
+            hull = problem.hull() if problem.method == "hull" else None
+            point, lower = budget.choose_bytes(points, hull, limit, save_all_bytes)
+        self.choice = budget.Choice(limit, spec.peak, point, lower, save_all_bytes, points, problem.method)
+        return set(point.saved), set(point.recomputed)
 
     def _min_cut(self):
         # candidates: forward-side ancestors of what the backward needs
@@ -360,6 +395,46 @@ class _Partition:
         recomputed |= {a for n in recomputed for a in n.all_input_nodes if a.op == "get_attr"}
         recomputed |= {n for n in self.needed if n.op == "get_attr"}
         return saved, recomputed
+
+
+def forward_nodes(part: _Partition, saved) -> list[fx.Node]:
+    """The joint graph's nodes the forward computes, in order: those the outputs, the saved
+    values and the side effects (buffer updates) depend on."""
+    effects = (n for n in part.nodes if n.op == "call_function" and n not in part.bw and is_impure(n))
+    keep = ancestors([*part.fw_outs, *saved, *effects])
+    return [n for n in part.nodes if n in keep and n.op in ("call_function", "get_attr")]
+
+
+def backward_nodes(part: _Partition, saved, recomputed) -> list[fx.Node]:
+    """The joint graph's nodes the backward computes, in order: the backward's own ops, each
+    recomputed value placed just before its first use."""
+    done, order = {*saved, *part.cts}, []
+
+    def emit(node):
+        todo = [node]
+        while todo:
+            v = todo[-1]
+            if v in done:
+                todo.pop()
+                continue
+            missing = [a for a in v.all_input_nodes if a not in done]
+            if missing:
+                for a in missing:
+                    if a not in recomputed and a not in part.bw:
+                        raise AssertionError(f"fxtools.split: {a} is neither saved nor recomputed")
+                todo.extend(missing)
+                continue
+            done.add(v)
+            order.append(v)
+            todo.pop()
+
+    for n in part.nodes:
+        if n in part.bw and n.op == "call_function":
+            emit(n)
+    for g in part.grads:
+        if isinstance(g, fx.Node):
+            emit(g)
+    return order
 
 
 # --------------------------------------------------------------------------------------------
@@ -505,6 +580,7 @@ class Split:
         self.leaf_paths: list = []  # pytree path of each tensor leaf of the arguments
         self.out_is_tensor: list[bool] = []  # for each leaf of f's result
         self.out_tensor_paths: list[str] = []  # "out[0]", ... for each tensor leaf of the result
+        self._partition: _Partition | None = None  # the joint graph's partition (None for an edited split)
 
     # -- calling helpers ---------------------------------------------------------------------
 
@@ -645,8 +721,66 @@ class Split:
                 total += self._storage_bytes[s.storage]
         return total
 
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of the saved values the policy marked ``"offload"`` (each storage once)."""
+        storages = {s.storage for s in self.saved if s.offload and s.kind != "input"}
+        return sum(self._storage_bytes[k] for k in storages)
+
+    def _joint(self) -> _Partition:
+        if self._partition is None:
+            raise FxtoolsError(
+                "an edited split has no joint graph: costs, peaks and frontiers are those of the split it came from"
+            )
+        return self._partition
+
+    @property
+    def budget_choice(self):
+        """What ``policies.budget`` chose (``fxtools.training.budget.Choice``), or None for other policies."""
+        return self._partition.choice if self._partition is not None else None
+
+    @property
+    def recompute_cost(self) -> int:
+        """Estimated cost of what the backward recomputes (``fxtools.training.budget.recompute_cost``)."""
+        from . import budget
+
+        part = self._joint()
+        return sum(budget.recompute_cost(n) for n in backward_nodes(part, part.saved, part.recomputed) if n not in part.bw)
+
+    @property
+    def predicted_peak(self) -> int:
+        """Predicted peak bytes of the forward then ``backward_boxed`` (inputs included; liveness)."""
+        from . import budget
+
+        part = self._joint()
+        return budget.predicted_peak(part, part.saved, part.recomputed)
+
+    def frontier(self, budgets=None, path=None) -> list[tuple[int, int, int]]:
+        """``(budget bytes, saved bytes, recompute cost)`` of ``policies.budget(b)`` for each ``b``
+        in ``budgets`` (default: 20 fractions of ``save_all``'s bytes, 0.05 to 1); budgets below
+        the least possible are left out. With ``path`` (``.svg``, or ``.png`` with matplotlib),
+        draws the points and the convex hull the solver walks."""
+        from . import budget
+
+        part = self._joint()
+        problem = budget.Problem(part)
+        points = problem.frontier()
+        hull = problem.hull() if problem.method == "hull" else None
+        save_all_bytes = problem.saved_bytes(part._by_rule(policies.save_all)[0])
+        budgets = [k / 20 for k in range(1, 21)] if budgets is None else budgets
+        rows = []
+        for b in budgets:
+            limit = budget.limit_bytes(b, save_all_bytes)
+            if limit >= points[0].bytes:
+                point, _ = budget.choose_bytes(points, hull, limit, save_all_bytes)
+                rows.append((limit, point.bytes, point.cost))
+        if path is not None:
+            budget.draw_frontier(rows, points, path, title=f"saved bytes against recompute ({len(rows)} budgets)")
+        return rows
+
     def report(self, file=None) -> Report:
-        """What the forward saves for the backward, like JAX's print_saved_residuals.
+        """What the forward saves for the backward, like JAX's print_saved_residuals, with the
+        estimated recompute cost, the predicted peak memory and, for a budget, what it chose.
 
         Returns the text as a ``Report``, a ``str`` whose repr is the text itself: at a prompt
         ``sp.report()`` shows it once, readably; in a script, ``print(sp.report())``. With
@@ -655,12 +789,31 @@ class Split:
         lines = [
             f"fxtools.split (policy {policies.describe(self.policy)}): "
             f"{len(self.saved)} saved values, {self.saved_bytes:,} bytes beyond the inputs"
+            + (f" ({self.offloaded_bytes:,} offloaded)" if any(s.offload for s in self.saved) else "")
         ]
+        if self._partition is not None:
+            lines.append(
+                f"  estimated recompute cost {self.recompute_cost:,} (FLOPs + elements); "
+                f"predicted peak {self.predicted_peak:,} bytes (forward + backward, inputs included)"
+            )
+        choice = self.budget_choice
+        if choice is not None:
+            target = f"peak <= {choice.peak_limit:,} B" if choice.limit is None else f"saved <= {choice.limit:,} B"
+            bound = (
+                ""
+                if choice.lower_bound is None
+                else f", no split within the budget recomputes less than {choice.lower_bound:,.0f}"
+            )
+            lines.append(
+                f"  budget: {target} (save_all saves {choice.save_all_bytes:,} B); chose {choice.point.bytes:,} B, "
+                f"recompute {choice.point.cost:,}{bound}; {choice.method} frontier of {len(choice.frontier)} points (Split.frontier draws it)"
+            )
         width = max((len(s.name) for s in self.saved), default=0)
         types = [str(s.dtype).replace("torch.", "") + str(list(s.shape)) for s in self.saved]
         twidth = max(map(len, types), default=0)
         for s, ty in zip(self.saved, types):
             share = f" (memory of {s.storage})" if s.storage != s.name else ""
+            share += " (offload)" if s.offload else ""
             lines.append(
                 f"  {s.kind:<10} {s.name:<{width}}  {ty:<{twidth}} {s.bytes:>12,} B{share}" + (f"  {s.line}" if s.line else "")
             )
@@ -717,17 +870,15 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     part = _Partition(joint, sum(cap.tensor_leaf), n_out, policy)
 
     # forward: outputs, saved values, and side effects (buffer updates)
-    keep = ancestors(
-        [*part.fw_outs, *part.saved, *(n for n in part.nodes if n.op == "call_function" and n not in part.bw and is_impure(n))]
-    )
+    fw_order = forward_nodes(part, part.saved)
+    keep = set(fw_order)
     fg = fx.Graph()
     env = {}
     for p in part.primals:
         env[p] = _copy_meta(fg.placeholder(p.name), p)
-    for n in part.nodes:
-        if n in keep and n.op in ("call_function", "get_attr"):
-            env[n] = fg.node_copy(n, env.__getitem__)
-            env[n].meta[PART_KEY] = "forward"
+    for n in fw_order:
+        env[n] = fg.node_copy(n, env.__getitem__)
+        env[n].meta[PART_KEY] = "forward"
     out_struct = pytree.tree_unflatten([env[o] if isinstance(o, fx.Node) else o for o in part.fw_outs], cap.out_spec)
     fg.output((out_struct, tuple(env[s] for s in part.saved)))
     forward = _finish(GuardedGraphModule(joint, fg, class_name="SplitForward"), cap.symbolic)
@@ -739,32 +890,12 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         benv[s] = _copy_meta(bg.placeholder(s.name), s)
     for c in part.cts:
         benv[c] = _copy_meta(bg.placeholder(c.name), c)
-
-    def emit(node):
-        todo = [node]
-        while todo:
-            v = todo[-1]
-            if v in benv:
-                todo.pop()
-                continue
-            missing = [a for a in v.all_input_nodes if a not in benv]
-            if missing:
-                for a in missing:
-                    if a not in part.recomputed and a not in part.bw:
-                        raise AssertionError(f"fxtools.split: {a} is neither saved nor recomputed")
-                todo.extend(missing)
-                continue
-            benv[v] = bg.node_copy(v, benv.__getitem__)
-            benv[v].meta[PART_KEY] = "recompute" if v in keep else "backward"  # computed in both graphs
-            todo.pop()
-        return benv[node]
-
-    for n in part.nodes:
-        if n in part.bw and n.op == "call_function":
-            emit(n)
+    for v in backward_nodes(part, part.saved, part.recomputed):
+        benv[v] = bg.node_copy(v, benv.__getitem__)
+        benv[v].meta[PART_KEY] = "recompute" if v in keep else "backward"  # computed in both graphs
     it = iter(part.grads)
     grads_flat = [next(it) if w else None for w in wrt]  # one per tensor leaf
-    grads_flat = [emit(g) if isinstance(g, fx.Node) else g for g in grads_flat]
+    grads_flat = [benv[g] if isinstance(g, fx.Node) else g for g in grads_flat]
     bg.output(grads_structure(cap, args, grads_flat, argnums))
     backward = _finish(GuardedGraphModule(joint, bg, class_name="SplitBackward"), cap.symbolic)
     boxed_graph = fx.Graph()
@@ -792,6 +923,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         storage_bytes[root.name] = max(storage_bytes.get(root.name, 0), nbytes(root.meta.get("val")), nbytes(s.meta.get("val")))
         info = _info(s, kind, line=user_line_of(s), storage=root.name)
         info.note = s.meta.get(NOTE_KEY)
+        info.offload = s in part.offload
         saved.append(info)
     _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap)
     result = Split(forward, backward, backward_boxed, signature, saved, cotangents, policy, cap.in_spec, cap.out_spec, cap)
@@ -807,6 +939,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     result.out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
     result.out_tensor_paths = ["out" + _keystr(p) for p, t in zip(out_paths, result.out_is_tensor) if t]
     result._storage_bytes = storage_bytes
+    result._partition = part
     result._saved_kinds = [s.kind for s in saved]
     result._saved_is_primal = [s in primal_set for s in part.saved]
     result._saved_is_output = [s in fw_out_nodes for s in part.saved]

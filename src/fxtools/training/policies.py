@@ -17,11 +17,17 @@ from other saved values. A policy makes that choice:
 ``"dots_saveable"``
     Save only the outputs of matrix products, convolutions and attention (as JAX's
     ``checkpoint_policies.dots_saveable``); recompute everything else.
-a function ``policy(node) -> "save" | "recompute"``
+``budget(b)`` / ``budget(peak=p)``
+    The least estimated recompute whose saved bytes fit ``b`` (a float in (0, 1]: that fraction of
+    ``save_all``'s saved bytes; an int: bytes), or whose predicted peak memory of forward plus
+    backward fits ``p`` bytes; see ``fxtools.training.budget`` for the solver and its guarantees.
+a function ``policy(node) -> "save" | "recompute" | "offload"``
     Decides per node of the joint graph (an ATen ``torch.fx.Node`` with ``node.meta['val']``,
     ``node.meta.get('stack_trace')`` and ``node.target``), like JAX checkpoint policies: a value
     marked ``"save"`` is saved if the backward needs it, one marked ``"recompute"`` is computed
-    again in the backward from what is saved. Helpers: ``save_only(*ops)``, ``is_cheap``,
+    again in the backward from what is saved; ``"offload"`` saves it and marks it
+    (``TensorInfo.offload``) for ``fxtools.compile`` to keep in CPU memory until the backward
+    (the plain ``Split.forward`` / ``backward`` leave it where it is). Helpers: ``save_only(*ops)``, ``is_cheap``,
     ``is_dot``, ``is_view``.
 
 Whatever the policy, random ops (dropout masks) and ops with side effects are never recomputed
@@ -41,7 +47,7 @@ from ..passes.simplify import is_impure
 
 aten = torch.ops.aten
 
-SAVE, RECOMPUTE = "save", "recompute"
+SAVE, RECOMPUTE, OFFLOAD = "save", "recompute", "offload"
 BUILTIN = ("save_all", "recompute_cheap", "dots_saveable")
 
 _RESHAPING = {
@@ -99,9 +105,31 @@ def _op(node: fx.Node):
     return node.target if node.op == "call_function" else None
 
 
+def _argument(node: fx.Node, name: str):
+    """The value ``node`` passes for the schema argument ``name`` (its default if omitted), or None."""
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == name:
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return node.args[i] if i < len(node.args) else a.default_value
+    return None
+
+
+def _dropout_off(node: fx.Node) -> bool:
+    """A seeded op that draws nothing here: attention with ``dropout_p=0``, dropout with ``p=0``
+    or ``train=False`` (so it computes the same values every time)."""
+    if node.target._schema.is_mutable:
+        return False
+    p = _argument(node, "dropout_p")
+    if p is None and node.target.overloadpacket.__name__ in ("dropout", "native_dropout"):
+        p = 0.0 if _argument(node, "train") is False else _argument(node, "p")
+    return type(p) in (int, float) and p == 0
+
+
 def is_random(node: fx.Node) -> bool:
+    """An op that draws random numbers (dropout, ``rand``; attention with a nonzero dropout)."""
     t = _op(node)
-    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags and not _dropout_off(node)
 
 
 def is_view(node: fx.Node) -> bool:
@@ -149,7 +177,9 @@ def can_recompute(node: fx.Node) -> bool:
         return True
     if node.op != "call_function":
         return False
-    return not is_random(node) and not is_impure(node)
+    if is_random(node):
+        return False
+    return not is_impure(node) or (torch.Tag.nondeterministic_seeded in node.target.tags and _dropout_off(node))
 
 
 def checkpoint_region(node: fx.Node):
@@ -183,6 +213,43 @@ def save_only(*ops):
     return policy
 
 
+class Budget:
+    """A memory budget (see ``budget``): ``limit`` in bytes or as a fraction of ``save_all``'s, or ``peak`` bytes."""
+
+    def __init__(self, limit: float | int | None = None, peak: int | None = None):
+        if (limit is None) == (peak is None):
+            raise ValueError("fxtools.policies.budget takes a budget b or peak=bytes (one of them)")
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+                raise TypeError(f"budget(b): b must be a float in (0, 1] or an int of bytes, not {limit!r}")
+            if isinstance(limit, float) and not 0.0 < limit <= 1.0:
+                raise ValueError(f"budget(b): a float b is a fraction of save_all's bytes in (0, 1], got {limit}")
+            if isinstance(limit, int) and limit < 0:
+                raise ValueError(f"budget(b): bytes must be >= 0, got {limit}")
+        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int) or peak < 0):
+            raise ValueError(f"budget(peak=...): peak must be an int of bytes >= 0, not {peak!r}")
+        self.limit, self.peak = limit, peak
+        self.__name__ = f"budget({limit!r})" if peak is None else f"budget(peak={peak!r})"
+
+    def __repr__(self):
+        return self.__name__
+
+    def __eq__(self, other):
+        return isinstance(other, Budget) and (self.limit, self.peak) == (other.limit, other.peak)
+
+    def __hash__(self):
+        return hash((Budget, self.limit, self.peak))
+
+
+def budget(b: float | int | None = None, *, peak: int | None = None) -> Budget:
+    """A policy: the least estimated recompute whose saved bytes fit ``b`` (a float in (0, 1]: a
+    fraction of ``save_all``'s saved bytes; an int: bytes), or, with ``peak=``, whose predicted
+    peak memory of forward plus backward fits ``peak`` bytes. Monotone: a smaller budget never
+    saves more bytes nor recomputes less. A budget below what any split can reach raises
+    ``FxtoolsError`` naming the least possible (see ``fxtools.training.budget``)."""
+    return Budget(b, peak)
+
+
 def describe(policy) -> str:
     if isinstance(policy, str):
         return policy
@@ -197,8 +264,10 @@ def resolve(policy):
         return save_all, False
     if policy == "dots_saveable":
         return dots_saveable, False
+    if isinstance(policy, Budget):
+        return None, False
     if callable(policy):
         return policy, False
     raise ValueError(
-        f"policy must be one of {', '.join(map(repr, BUILTIN))} or a function node -> 'save' | 'recompute', not {policy!r}"
+        f"policy must be one of {', '.join(map(repr, BUILTIN))} budget(b) or a function node -> 'save' | 'recompute' | 'offload', not {policy!r}"
     )

@@ -1,0 +1,662 @@
+"""Memory budgets for ``fxtools.split``: the least recompute for a given number of saved bytes.
+
+``policies.budget(b)`` asks the partitioner for the saved set with the smallest estimated
+recompute cost among those whose saved bytes fit ``b``. This module solves that problem on the
+joint graph's min-cut structure (the one ``recompute_cheap`` uses):
+
+- **the problem.** Each forward value the backward depends on is saved (costs its bytes), or
+  recomputed (costs its recompute cost; its inputs must then be saved or recomputed too), or not
+  needed. Random ops and ops with side effects are always saved, the insides of
+  ``torch.utils.checkpoint`` regions always recomputed (``_Partition._forced``); a view is never
+  saved itself (it would hold its base's storage): it is recomputed, free, from its base.
+- **the cost model.** A node's recompute cost is its FLOPs as ``torch.utils.flop_counter``
+  counts them (matrix products, convolutions, attention; run on the node's FakeTensor values)
+  plus one per output element for every op (pointwise math, reductions, norms: one pass over
+  memory). Views, items of multi-output ops and constants cost nothing; a higher-order op costs
+  its bodies' costs (a ``scan``'s times its steps).
+- **small problems, exactly.** With at most ``EXACT_LIMIT`` values free to be saved or not,
+  every choice is enumerated: the frontier is exact, and a budget gets the least recompute.
+- **the solver.** For a weight ``w``, minimising ``bytes + w * cost`` is one minimum cut
+  (``save`` edges carry bytes, ``recompute`` edges carry cost). Sweeping ``w`` (bisection on the
+  slopes) gives every point of the lower convex hull of the bytes/recompute frontier, exactly;
+  the cuts are nested, so along the hull saved bytes grow as recompute falls. On each hull edge
+  every minimum cut at that weight lies on the edge; a fixed walk through them (strongly
+  connected components of the residual graph, Picard-Queyranne) adds points between the
+  vertices. A byte budget takes the point with the most bytes that fit. Every such point is
+  optimal for its own bytes; for a budget ``B`` between hull vertices ``(b0, c0)`` and
+  ``(b1, c1)`` (``b0 <= B < b1``) its cost exceeds the optimum by at most ``c0 - c1``, and no
+  saved set within ``B`` recomputes less than the Lagrangian bound
+  ``c0 - (B - b0) (c0 - c1) / (b1 - b0)`` (``Choice.lower_bound``, printed by the report).
+- **monotone by construction.** The points are ordered (bytes up, cost down) and a budget picks
+  the last that fits: a smaller budget never saves more bytes and never recomputes less; the
+  same holds for the exact frontier.
+- **infeasible budgets.** Below the frontier's first point (every recomputable value recomputed)
+  no split fits: ``FxtoolsError`` says the minimum, in bytes and as a fraction.
+
+The predicted peak memory (``predicted_peak``) is liveness over the two graphs: the inputs and
+the forward's outputs are held by the caller, every other value lives from the op that makes it
+to its last use (views share their base's storage), saved values until their last use in the
+backward. ``budget(peak=p)`` lowers the peak of each of the frontier's points by saving, greedily,
+values it recomputes (``Problem.peak_candidates``: the peak is not a function of the saved bytes;
+a block's saved output lets the backward recompute the block late) and takes the cheapest whose
+predicted peak fits; the candidates do not depend on ``p``, so a larger peak never recomputes more.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils import flop_counter
+from torch.utils._pytree import tree_leaves as pytree_leaves
+
+from ..errors import FxtoolsError
+from . import policies
+
+
+@dataclass(frozen=True)
+class Point:
+    """One saved set: its saved bytes (beyond the inputs), estimated recompute cost and the nodes."""
+
+    bytes: int
+    cost: int
+    saved: frozenset = field(compare=False, repr=False)
+    recomputed: frozenset = field(compare=False, repr=False)
+
+
+@dataclass
+class Choice:
+    """What a budget chose, for ``Split.report``."""
+
+    limit: int | None  # the budget in bytes (None for a peak budget)
+    peak_limit: int | None
+    point: Point
+    lower_bound: float | None  # no saved set within the budget recomputes less than this (byte budgets)
+    save_all_bytes: int
+    frontier: list[Point]
+    method: str  # "exact" (every saved set enumerated) or "hull" (minimum cuts on the convex hull)
+
+
+# --------------------------------------------------------------------------------------------
+# Cost model
+# --------------------------------------------------------------------------------------------
+
+
+def _flops(node: fx.Node) -> int:
+    """FLOPs ``torch.utils.flop_counter`` counts for running ``node`` once on its fake values."""
+    from .partition import fake_mode_of
+
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+    vals = [v for v in fx.node.map_aggregate((args, kwargs), lambda v: v) if isinstance(v, torch.Tensor)]
+    target = node.target
+    if not vals or not callable(target):
+        return 0
+    counter = flop_counter.FlopCounterMode(display=False)
+    try:
+        with fake_mode_of(vals), counter:
+            target(*args, **kwargs)
+    except Exception:  # an op fake mode cannot run here (a higher-order op's bodies): count its elements only
+        return 0
+    flops = counter.get_total_flops()
+    if not flops and "scaled_dot_product" in str(node.target) and len(args) >= 3:
+        flops = flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
+    return int(flops)
+
+
+def _elements(val) -> int:
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    total = 0
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            try:
+                total += math.prod(int(s) for s in v.shape)
+            except (TypeError, ValueError, RuntimeError):  # a data-dependent size
+                total += 1
+    return total
+
+
+def _body_cost(node: fx.Node) -> int:
+    """A higher-order op's cost (``scan``, ``cond``): its bodies' costs, a scan's times its steps."""
+    owner = node.graph.owning_module
+    names = [str(a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    bodies = [b for b in (getattr(owner, name, None) for name in names) if isinstance(b, fx.GraphModule)]
+    if not bodies:
+        return 0
+    total = max(sum((recompute_cost(n) for n in b.graph.nodes), 0) for b in bodies)
+    if node.target is torch.ops.higher_order.scan:
+        xs = [a.meta.get("val") for a in pytree_leaves(node.args[2]) if isinstance(a, fx.Node)]
+        steps = [v.shape[0] for v in xs if isinstance(v, torch.Tensor) and v.dim()]
+        if steps:
+            try:
+                total *= int(steps[0])
+            except (TypeError, ValueError, RuntimeError):  # a symbolic number of steps
+                pass
+    return total
+
+
+def recompute_cost(node: fx.Node) -> int:
+    """Estimated cost of computing ``node`` again: FLOPs (flop_counter) plus one per output element;
+    a higher-order op (``scan``) counts its bodies (a scan's times its steps)."""
+    if node.op != "call_function" or policies.is_view(node) or policies.is_factory(node):
+        return 0
+    if node.target is operator.getitem:
+        return 0
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return _body_cost(node) + _elements(node.meta.get("val"))
+    return _flops(node) + _elements(node.meta.get("val"))
+
+
+# --------------------------------------------------------------------------------------------
+# The min-cut family
+# --------------------------------------------------------------------------------------------
+
+
+EXACT_LIMIT = 12  # enumerate every saved set when at most this many values are free to save or not
+
+
+class Problem:
+    """The save/recompute choice of a ``_Partition`` as a family of minimum cuts."""
+
+    def __init__(self, part, exact_limit: int = EXACT_LIMIT):
+        from .partition import _storage_root, nbytes
+
+        self.part, self.exact_limit, self.method = part, exact_limit, ""
+        self.memo = _Memo()
+        cand, stack = set(), list(part.needed)
+        while stack:
+            v = stack.pop()
+            if v in cand or v in part.bw or v.op == "get_attr":
+                continue
+            cand.add(v)
+            stack.extend(v.all_input_nodes)
+        self.cand = [n for n in part.nodes if n in cand]
+        self.index = {n: i for i, n in enumerate(self.cand)}
+        self.size, self.cost, self.can_save, self.must_save = {}, {}, {}, {}
+        for n in self.cand:
+            forced = part._forced(n)
+            tensor = isinstance(n.meta.get("val"), torch.Tensor)
+            view = _storage_root(n) is not n
+            self.must_save[n] = forced == policies.SAVE and n.target is not operator.getitem
+            self.can_save[n] = n.op == "placeholder" or (tensor and not view and forced != policies.RECOMPUTE)
+            self.size[n] = 0 if n.op == "placeholder" else max(nbytes(n.meta.get("val")), 1)
+            self.cost[n] = 0 if n.op == "placeholder" else recompute_cost(n)
+        self.total_bytes = sum(self.size.values())
+        self.total_cost = sum(self.cost.values())
+
+    def _edges(self, wb: int, wc: int):
+        """The cut graph for ``wb * bytes + wc * cost``: vertex ``2i`` is candidate ``i`` computed,
+        ``2i + 1`` it available; the sink side of a cut recomputes or saves."""
+        inf = (wb * self.total_bytes + wc * self.total_cost + 1) * 4
+        source = 2 * len(self.cand)
+        edges = []
+        for n, i in self.index.items():
+            edges.append((2 * i, 2 * i + 1, wb * self.size[n] if self.can_save[n] else inf))
+            edges.append((source, 2 * i, inf if self.must_save[n] else wc * self.cost[n]))
+            for a in n.all_input_nodes:
+                if a in self.index:
+                    edges.append((2 * self.index[a] + 1, 2 * i, inf))
+        for n in self.part.needed:
+            if n in self.index:
+                edges.append((2 * self.index[n] + 1, source + 1, inf))
+        return edges, inf
+
+    def _point(self, sink_side) -> Point:
+        saved = frozenset(n for n, i in self.index.items() if 2 * i not in sink_side and 2 * i + 1 in sink_side)
+        recomputed = frozenset(n for n, i in self.index.items() if 2 * i in sink_side)
+        return self._make(saved, recomputed)
+
+    def _make(self, saved: frozenset, recomputed: frozenset) -> Point:
+        """The point, its recomputed set completed with the constants (``get_attr``) the backward reads."""
+        consts = {a for n in recomputed for a in n.all_input_nodes if a.op == "get_attr"}
+        consts |= {n for n in self.part.needed if n.op == "get_attr"}
+        cost = sum(self.cost[n] for n in recomputed)
+        return Point(self.saved_bytes(saved), cost, saved, recomputed | consts)
+
+    def solve(self, wb: int, wc: int) -> Point:
+        """The saved set minimising ``wb * bytes + wc * cost`` (ties: the least recomputed)."""
+        from .partition import _max_flow_min_cut
+
+        edges, inf = self._edges(wb, wc)
+        n = 2 * len(self.cand) + 2
+        return self._point(_max_flow_min_cut(n, edges, n - 2, n - 1, inf=inf))
+
+    def saved_bytes(self, saved) -> int:
+        """Bytes of the storages ``saved`` holds beyond the inputs (each storage once), as ``Split.saved_bytes``."""
+        from .partition import _storage_root, nbytes
+
+        roots = {}
+        for s in saved:
+            r = _storage_root(s)
+            if r.op != "placeholder":
+                roots[r] = max(roots.get(r, 0), nbytes(r.meta.get("val")), nbytes(s.meta.get("val")))
+        return sum(roots.values())
+
+    def hull(self) -> list[Point]:
+        """The vertices of the lower convex hull of (bytes, recompute cost), bytes ascending."""
+        if not hasattr(self, "_hull"):
+            least_bytes = self.solve(self.total_cost + 1, 1)
+            least_cost = self.solve(1, self.total_bytes + 1)
+            inner = self._between(least_bytes, least_cost) if least_cost.bytes > least_bytes.bytes else []
+            points = [least_bytes, *inner, least_cost]
+            self._hull = [p for k, p in enumerate(points) if k == 0 or p.bytes > points[k - 1].bytes]
+        return self._hull
+
+    def frontier(self) -> list[Point]:
+        """The points a budget chooses from, bytes ascending and cost descending. With at most
+        ``exact_limit`` free choices, every saved set (``exact_points``): the true frontier.
+        Otherwise the hull's vertices and, on each hull edge, the minimum cuts met on one fixed
+        walk from one end to the other (``_edge_points``): all on the hull, so each is optimal
+        for its own bytes."""
+        if not hasattr(self, "_frontier"):
+            points = self.exact_points()
+            self.method = "exact" if points is not None else "hull"
+            if points is None:
+                hull = self.hull()
+                points = list(hull)
+                for lo, hi in itertools.pairwise(hull):
+                    points += self._edge_points(lo, hi)
+            points.sort(key=lambda p: (p.bytes, p.cost))
+            stair: list[Point] = []
+            for p in points:
+                if not stair or p.cost < stair[-1].cost:
+                    stair.append(p)
+            self._frontier = stair
+        return self._frontier
+
+    def exact_points(self) -> list[Point] | None:
+        """Every feasible saved set, by enumerating the free choices (None when there are more
+        than ``exact_limit``): each subset of the saveable values is offered, the backward then
+        recomputes what it needs and is not offered, and what it reads is saved."""
+        free = [n for n in self.cand if self.can_save[n] and not self.must_save[n] and n.op != "placeholder"]
+        if len(free) > self.exact_limit:
+            return None
+        fixed = {n for n in self.cand if n.op == "placeholder" or (self.must_save[n] and self.can_save[n])}
+        points = []
+        for mask in range(1 << len(free)):
+            offered = fixed | {n for k, n in enumerate(free) if mask >> k & 1}
+            p = self._closure(offered)
+            if p is not None:
+                points.append(p)
+        return points
+
+    def _closure(self, offered) -> Point | None:
+        """The saved set when the forward offers ``offered``: None if something needed can be neither."""
+        saved, recomputed = set(), set()
+        stack = [n for n in self.part.needed if n in self.index]
+        while stack:
+            v = stack.pop()
+            if v in saved or v in recomputed:
+                continue
+            if v in offered:
+                saved.add(v)
+            elif self.must_save[v]:
+                return None
+            else:
+                recomputed.add(v)
+                stack.extend(a for a in v.all_input_nodes if a in self.index)
+        if any(not self.can_save[v] and v.op != "placeholder" for v in saved):
+            return None
+        return self._make(frozenset(saved), frozenset(recomputed))
+
+    def lower_peak(self, point: Point, rounds: int = 6) -> tuple[Point, int]:
+        """``point`` with values it recomputes saved instead, greedily, while that lowers the
+        predicted peak (saving a block's output lets the backward recompute the block late, just
+        before its gradient, instead of with everything after it). Each round saves the first
+        value, in program order, among the smaller half of the recomputed tensors, that lowers
+        the peak. Recompute never grows."""
+        fixed = {n for n in self.cand if n.op == "placeholder" or (self.must_save[n] and self.can_save[n])}
+        peak = predicted_peak(self.part, point.saved, point.recomputed, self.memo)
+        for _ in range(rounds):
+            options = [
+                v
+                for v in point.recomputed
+                if v in self.index and self.can_save[v] and isinstance(v.meta.get("val"), torch.Tensor)
+            ]
+            small = sorted(self.size[v] for v in options)[len(options) // 2] if options else 0
+            for v in sorted((v for v in options if self.size[v] <= small), key=self.index.__getitem__):
+                q = self._closure(fixed | point.saved | {v})
+                if q is not None and (qp := predicted_peak(self.part, q.saved, q.recomputed, self.memo)) < peak:
+                    point, peak = q, qp
+                    break
+            else:
+                break
+        return point, peak
+
+    def peak_candidates(self, spread: int = 4) -> list[tuple[Point, int]]:
+        """Points for a peak budget, with their predicted peaks: every frontier point as it is, and
+        ``spread`` of them (evenly spaced, the least-bytes one first) after ``lower_peak``."""
+        points = self.frontier()
+        out = [(p, predicted_peak(self.part, p.saved, p.recomputed, self.memo)) for p in points]
+        picks = sorted({round(k * (len(points) - 1) / max(spread - 1, 1)) for k in range(spread)})
+        return out + [self.lower_peak(points[k]) for k in picks]
+
+    def _between(self, a: Point, b: Point) -> list[Point]:
+        """Hull points strictly between ``a`` (fewer bytes) and ``b`` (less cost)."""
+        out, todo = [], [(a, b)]
+        while todo:
+            lo, hi = todo.pop()
+            if lo.cost <= hi.cost or hi.bytes <= lo.bytes:
+                continue
+            wb, wc = lo.cost - hi.cost, hi.bytes - lo.bytes
+            p = self.solve(wb, wc)
+            if wb * p.bytes + wc * p.cost < wb * lo.bytes + wc * lo.cost:
+                out.append(p)
+                todo += [(lo, p), (p, hi)]
+        return sorted(out, key=lambda p: p.bytes)
+
+    def _edge_points(self, lo: Point, hi: Point) -> list[Point]:
+        """Minimum cuts at the weight of the hull edge ``lo``-``hi``: every such cut's sink side
+        lies between the least and the largest, and is closed under residual predecessors
+        (Picard-Queyranne). Starting from the largest (most recompute), strongly connected
+        components of the residual graph leave it one at a time, earliest in the program first
+        among those whose successors have left: each step is a cut on the edge."""
+        from .partition import _max_flow
+
+        edges, inf = self._edges(lo.cost - hi.cost, hi.bytes - lo.bytes)
+        n = 2 * len(self.cand) + 2
+        head, to, cap = _max_flow(n, edges, n - 2, n - 1, inf)
+        t_min = _residual_reach(head, to, cap, n - 1, backward=True)
+        s_min = _residual_reach(head, to, cap, n - 2, backward=False)
+        middle = {v for v in range(n) if v not in t_min and v not in s_min}
+        succ = {v: {to[e] for e in head[v] if cap[e] > 0 and to[e] in middle} for v in middle}
+        comps, comp_of = _components(sorted(middle), succ)
+        out_deg = [len({comp_of[u] for v in c for u in succ[v]} - {k}) for k, c in enumerate(comps)]
+        preds: list[set] = [set() for _ in comps]
+        for k, c in enumerate(comps):
+            for u in {comp_of[u] for v in c for u in succ[v]} - {k}:
+                preds[u].add(k)
+        ready = [(min(c), k) for k, c in enumerate(comps) if out_deg[k] == 0]
+        heapq.heapify(ready)
+        sink_side, points = t_min | middle, []
+        while ready:
+            _, k = heapq.heappop(ready)
+            sink_side -= comps[k]
+            points.append(self._point(sink_side))
+            for p in preds[k]:
+                out_deg[p] -= 1
+                if out_deg[p] == 0:
+                    heapq.heappush(ready, (min(comps[p]), p))
+        return points
+
+
+def _residual_reach(head, to, cap, start: int, backward: bool) -> set:
+    """Vertices reachable from ``start`` in the residual graph (``backward``: that reach ``start``)."""
+    seen, stack = {start}, [start]
+    while stack:
+        v = stack.pop()
+        for e in head[v]:
+            u = to[e]
+            if u not in seen and (cap[e ^ 1] if backward else cap[e]) > 0:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def _components(vertices, succ) -> tuple[list[set], dict]:
+    """Strongly connected components (Kosaraju, iterative) of the graph ``succ`` on ``vertices``."""
+    order, seen = [], set()
+    for s in vertices:
+        if s in seen:
+            continue
+        seen.add(s)
+        stack = [(s, iter(succ[s]))]
+        while stack:
+            v, it = stack[-1]
+            u = next(it, None)
+            if u is None:
+                stack.pop()
+                order.append(v)
+            elif u not in seen:
+                seen.add(u)
+                stack.append((u, iter(succ[u])))
+    pred: dict = {v: [] for v in vertices}
+    for v in vertices:
+        for u in succ[v]:
+            pred[u].append(v)
+    comps: list[set] = []
+    comp_of: dict = {}
+    for s in reversed(order):
+        if s in comp_of:
+            continue
+        comp, stack = set(), [s]
+        comp_of[s] = len(comps)
+        while stack:
+            v = stack.pop()
+            comp.add(v)
+            for u in pred[v]:
+                if u not in comp_of:
+                    comp_of[u] = len(comps)
+                    stack.append(u)
+        comps.append(comp)
+    return comps, comp_of
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing a point
+# --------------------------------------------------------------------------------------------
+
+
+def limit_bytes(spec, save_all_bytes: int) -> int:
+    """The budget in bytes: a fraction of ``save_all``'s bytes, or bytes."""
+    if isinstance(spec, float):
+        return math.floor(spec * save_all_bytes + 1e-9)
+    return int(spec)
+
+
+def choose_bytes(points: list[Point], hull: list[Point] | None, limit: int, save_all_bytes: int) -> tuple[Point, float]:
+    """The frontier point with the most bytes within ``limit``, and the Lagrangian lower bound
+    on the recompute of any saved set within ``limit`` (from the hull edge ``limit`` falls on)."""
+    fits = [p for p in points if p.bytes <= limit]
+    if not fits:
+        least = points[0].bytes
+        frac = least / save_all_bytes if save_all_bytes else float("inf")
+        raise FxtoolsError(
+            f"fxtools.policies.budget: {limit:,} bytes is below the least any split can save, {least:,} bytes "
+            f"({frac:.3f} of save_all's {save_all_bytes:,}) with everything recomputable recomputed "
+            "(random ops and side effects are always saved). Raise the budget to at least that."
+        )
+    if hull is None:  # the frontier is exact
+        return fits[-1], float(fits[-1].cost)
+    k = max(k for k, p in enumerate(hull) if p.bytes <= limit)
+    if k + 1 == len(hull):
+        return fits[-1], float(hull[k].cost)
+    p, q = hull[k], hull[k + 1]
+    return fits[-1], p.cost - (limit - p.bytes) * (p.cost - q.cost) / (q.bytes - p.bytes)
+
+
+def choose_peak(points: list[Point], peaks: list[int], limit: int) -> Point:
+    """The cheapest point whose predicted peak fits ``limit``."""
+    fits = [p for p, pk in zip(points, peaks) if pk <= limit]
+    if not fits:
+        raise FxtoolsError(
+            f"fxtools.policies.budget(peak={limit:,}): no split's predicted peak fits; the least is "
+            f"{min(peaks):,} bytes (inputs, outputs and gradients included). Raise the peak to at least that."
+        )
+    return min(fits, key=lambda p: (p.cost, p.bytes))
+
+
+# --------------------------------------------------------------------------------------------
+# Predicted peak memory
+# --------------------------------------------------------------------------------------------
+
+
+class _Memo:
+    """Each node's storage root and bytes, computed once (liveness runs many times on one graph)."""
+
+    def __init__(self):
+        self.roots: dict = {}
+        self.sizes: dict = {}
+
+    def root(self, n: fx.Node) -> fx.Node:
+        from .partition import _storage_root
+
+        if n not in self.roots:
+            self.roots[n] = _storage_root(n)
+        return self.roots[n]
+
+    def size(self, n: fx.Node) -> int:
+        from .partition import nbytes
+
+        if n not in self.sizes:
+            self.sizes[n] = nbytes(n.meta.get("val"))
+        return self.sizes[n]
+
+
+def liveness_peak(order, start, held, memo: _Memo | None = None) -> int:
+    """Peak bytes while running ``order`` (nodes): ``start`` values exist before, ``held`` values
+    (and their storages) are never freed; every other storage is freed after its last use."""
+    memo = memo or _Memo()
+    root = memo.root
+    last = {}
+    for i, n in enumerate(order):
+        last[root(n)] = i
+        for a in n.all_input_nodes:
+            last[root(a)] = i
+    held_roots = {root(h) for h in held if isinstance(h, fx.Node)}
+    live, size = 0, {}
+
+    def touch(v):
+        nonlocal live
+        r = root(v)
+        if r not in size:
+            size[r] = max(memo.size(r), memo.size(v))
+            live += size[r]
+
+    for v in start:
+        touch(v)
+    for r in list(size):  # start values nothing reads are freed on entry
+        if r not in last and r not in held_roots:
+            live -= size.pop(r)
+    peak = live
+    frees: dict[int, list] = {}
+    for r, i in last.items():
+        if r not in held_roots:
+            frees.setdefault(i, []).append(r)
+    for i, n in enumerate(order):
+        if memo.size(n) or isinstance(n.meta.get("val"), torch.Tensor):
+            touch(n)
+        peak = max(peak, live)
+        for r in frees.get(i, ()):
+            live -= size.pop(r, 0)
+    return peak
+
+
+def predicted_peak(part, saved, recomputed, memo: _Memo | None = None) -> int:
+    """Peak bytes of running the forward, then the backward (``backward_boxed``), on ``part``."""
+    from .partition import backward_nodes, forward_nodes
+
+    memo = memo or _Memo()
+    primals = list(part.primals)
+    outs = [o for o in part.fw_outs if isinstance(o, fx.Node)]
+    fw = forward_nodes(part, saved)
+    fw_peak = liveness_peak(fw, primals, [*primals, *outs, *saved], memo)
+    bw = backward_nodes(part, saved, recomputed)
+    grads = [g for g in part.grads if isinstance(g, fx.Node)]
+    bw_peak = liveness_peak(bw, [*primals, *outs, *saved, *part.cts], [*primals, *outs, *grads], memo)
+    return max(fw_peak, bw_peak)
+
+
+# --------------------------------------------------------------------------------------------
+# Drawing the frontier
+# --------------------------------------------------------------------------------------------
+
+
+def draw_frontier(rows, frontier: list[Point], path, title: str = "") -> None:
+    """Draw saved bytes (x) against recompute cost (y): one marker per budget in ``rows``
+    (``(budget, bytes, cost)``) and the solver's frontier as a staircase. ``.png`` needs matplotlib (the ``bench``
+    extra); ``.svg`` is written by matplotlib when installed, else by hand."""
+    path = str(path)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        if not path.endswith(".svg"):
+            raise FxtoolsError(
+                f"drawing {path} needs matplotlib (pip install 'fxtools[bench]'); a .svg path needs nothing"
+            ) from None
+        with open(path, "w") as f:
+            f.write(_svg(rows, frontier, title))
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.step([p.bytes / 2**20 for p in frontier], [p.cost for p in frontier], "-", where="post", color="0.6", label="frontier")
+    ax.plot([r[1] / 2**20 for r in rows], [r[2] for r in rows], "o", label="budget(b)")
+    ax.set_xlabel("saved MiB")
+    ax.set_ylabel("estimated recompute (FLOPs + elements)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _svg(rows, frontier: list[Point], title: str) -> str:
+    """A small SVG chart: the frontier as a staircase, budgets as dots, axes labelled with their ranges."""
+    w, h, m = 520, 340, 60
+    xs = [p.bytes for p in frontier] + [r[1] for r in rows]
+    ys = [p.cost for p in frontier] + [r[2] for r in rows]
+    x0, x1 = min(xs), max(xs) or 1
+    y0, y1 = min(ys), max(ys) or 1
+
+    def px(x, y):
+        fx_ = m + (w - 2 * m) * ((x - x0) / (x1 - x0) if x1 > x0 else 0.5)
+        fy_ = h - m - (h - 2 * m) * ((y - y0) / (y1 - y0) if y1 > y0 else 0.5)
+        return f"{fx_:.1f},{fy_:.1f}"
+
+    steps = [(p.bytes, q.cost) for p, q in zip(frontier, frontier[:1] + frontier[:-1])]
+    line = " ".join(px(b, c) for pair in zip(steps, ((p.bytes, p.cost) for p in frontier)) for b, c in pair)
+    dots = "".join(
+        f'<circle cx="{px(b, c).split(",")[0]}" cy="{px(b, c).split(",")[1]}" r="4" fill="#1f77b4"/>' for _, b, c in rows
+    )
+    text = 'font-family="sans-serif" font-size="12"'
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">'
+        f'<rect width="{w}" height="{h}" fill="white"/>'
+        f'<line x1="{m}" y1="{h - m}" x2="{w - m}" y2="{h - m}" stroke="black"/>'
+        f'<line x1="{m}" y1="{m}" x2="{m}" y2="{h - m}" stroke="black"/>'
+        f'<polyline points="{line}" fill="none" stroke="#999" stroke-width="1.5"/>{dots}'
+        f'<text x="{w / 2}" y="{m / 2}" text-anchor="middle" {text}>{title}</text>'
+        f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle" {text}>saved MiB ({x0 / 2**20:.2f} to {x1 / 2**20:.2f})</text>'
+        f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" text-anchor="middle" {text}>'
+        f"recompute ({y0:.3g} to {y1:.3g})</text></svg>\n"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Measured peak memory
+# --------------------------------------------------------------------------------------------
+
+
+def measure_peak(split, *args) -> int:
+    """Measured peak bytes of ``split.forward`` then ``split.backward_boxed`` (cotangents of ones)
+    on CPU tensors, as ``predicted_peak`` counts them: the inputs' storages plus the peak of what
+    the CPU allocator holds during the call (``torch.profiler`` with ``profile_memory=True``:
+    every allocation and free, summed in time order). Includes what ops allocate inside
+    themselves, which the prediction does not see."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flat = split.flatten(*args)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in flat}
+
+    def run():
+        out, saved = split.forward(*flat)
+        leaves = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        box = [*saved, *(torch.ones_like(leaves[i]) for i in split._ct_index)]
+        del saved
+        return out, split.backward_boxed(box)
+
+    with torch.no_grad():  # parameters that require grad would make autograd keep every value
+        run()  # warm up: first calls allocate caches
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run()
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return sum(storages.values()) + peak

@@ -1,0 +1,317 @@
+"""policies.budget: the least recompute within a memory budget (float64, against autograd).
+
+Every budget of a sweep must give autograd's gradients, save at most its bytes, and the sweep must
+be monotone; the min-cut solver is checked against exhaustive enumeration on small programs, and the
+predicted peak against the CPU allocator's.
+"""
+
+import io
+import itertools
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as cp
+from torch._higher_order_ops.scan import scan
+
+import fxtools
+from fxtools.cli import examples
+from fxtools.errors import FxtoolsError
+from fxtools.training import budget, policies
+
+TOL = dict(rtol=1e-9, atol=1e-9)
+FRACTIONS = (0.02, 0.3, 1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------------
+
+
+def _mlp(seed, depth, width, batch=4, dtype=torch.float64):
+    """A seeded random MLP: each layer a matmul, a bias and one of several activations."""
+    rng = random.Random(seed)
+    acts = [rng.choice(["tanh", "sin", "gelu", "norm", "sigmoid"]) for _ in range(depth)]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, width, generator=g, dtype=dtype)
+    ws = [torch.randn(width, width, generator=g, dtype=dtype) / width**0.5 for _ in range(depth)]
+    bs = [torch.randn(width, generator=g, dtype=dtype) for _ in range(depth)]
+
+    def f(x, ws, bs):
+        h = x
+        for w, b, act in zip(ws, bs, acts):
+            h = h @ w + b
+            h = F.layer_norm(h, h.shape[-1:]) if act == "norm" else getattr(torch, act, None)(h) if act != "gelu" else F.gelu(h)
+        return (h * h).sum()
+
+    return f, (x, ws, bs)
+
+
+def _scanned():
+    g = torch.Generator().manual_seed(3)
+    a0, xs, w = torch.randn(4, 4, generator=g), torch.randn(6, 4, 4, generator=g) * 0.1, torch.randn(4, 4, generator=g)
+
+    def f(a0, xs, w):
+        def step(a, x):
+            a = torch.cos(torch.sin(a + x) @ w) @ w
+            return a, a.sum()
+
+        last, ys = scan(step, a0, xs)
+        return torch.tanh(last).sum() + (ys**2).sum()
+
+    return f, (a0, xs, w)
+
+
+def _checkpointed():
+    g = torch.Generator().manual_seed(4)
+    a, w1, w2 = torch.randn(5, 6, generator=g), torch.randn(6, 6, generator=g), torch.randn(6, 6, generator=g)
+
+    def region(h, w):
+        return torch.sin(h @ w).exp() @ w
+
+    def f(a, w1, w2):
+        h = cp.checkpoint(region, a, w1, use_reentrant=False)
+        h = torch.tanh(h @ w2)
+        h = cp.checkpoint(region, h, w2, use_reentrant=False)
+        return (h.sigmoid() * a).sum()
+
+    return f, (a, w1, w2)
+
+
+MODELS = {
+    "mlp3": lambda: _mlp(0, 3, 6),
+    "mlp6": lambda: _mlp(1, 6, 10, batch=7),
+    "scan": _scanned,
+    "checkpoint": _checkpointed,
+}
+
+
+def _autograd(f, args):
+    """Autograd's gradients for every floating-point tensor leaf of ``args``."""
+    leaves = [a.clone().requires_grad_(a.is_floating_point()) for a in torch.utils._pytree.tree_leaves(args)]
+    rebuilt = torch.utils._pytree.tree_unflatten(leaves, torch.utils._pytree.tree_structure(args))
+    return torch.autograd.grad(f(*rebuilt), [a for a in leaves if a.requires_grad])
+
+
+def _check_grads(sp, f, args):
+    _, grads = sp.vjp(*args)
+    got = [g for g in torch.utils._pytree.tree_leaves(grads) if g is not None]
+    for g, r in zip(got, _autograd(f, args), strict=True):
+        torch.testing.assert_close(g, r, **TOL)
+
+
+# --------------------------------------------------------------------------------------------
+# gradients, bytes and monotonicity at every budget
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_budget_gives_exact_gradients_within_its_bytes(name):
+    f, args = MODELS[name]()
+    least = None
+    last = (-1, float("inf"))
+    for b in FRACTIONS if name != "scan" else (0.3,):  # a scan's capture is slow
+        try:
+            sp = fxtools.split(f, *args, policy=policies.budget(b))
+        except FxtoolsError as e:
+            assert "below the least any split can save" in str(e)
+            continue
+        choice = sp.budget_choice
+        least = choice.frontier[0].bytes
+        assert sp.saved_bytes == choice.point.bytes <= choice.limit
+        assert sp.recompute_cost == choice.point.cost
+        assert choice.lower_bound <= choice.point.cost
+        # monotone: more budget never saves less nor recomputes more
+        assert sp.saved_bytes >= last[0] and sp.recompute_cost <= last[1]
+        last = (sp.saved_bytes, sp.recompute_cost)
+        _check_grads(sp, f, args)
+        text = sp.report(file=io.StringIO())
+        assert f"chose {sp.saved_bytes:,} B" in text and "predicted peak" in text
+    assert least is not None
+    if name == "scan":  # a scan's capture is slow: one budget is enough
+        return
+    sp = fxtools.split(f, *args, policy=policies.budget(least))  # the least is reachable, in bytes
+    assert sp.saved_bytes == least
+    _check_grads(sp, f, args)
+    if least > 0:
+        with pytest.raises(FxtoolsError, match=f"the least any split can save, {least:,} bytes"):
+            fxtools.split(f, *args, policy=policies.budget(least - 1))
+
+
+@pytest.mark.usefixtures("float64")
+def test_checkpoint_regions_stay_recomputed_at_every_budget():
+    f, args = _checkpointed()
+    for b in (0.05, 1.0):
+        try:
+            sp = fxtools.split(f, *args, policy=policies.budget(b))
+        except FxtoolsError:
+            continue
+        regions = {n for n in sp._partition.nodes if policies.checkpoint_region(n) is not None}
+        inside = regions - sp._partition.region_outputs
+        assert not inside & set(sp._partition.saved)
+
+
+@pytest.mark.usefixtures("float64")
+def test_random_ops_are_saved_never_recomputed():
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+    def f(x, w):
+        h = F.dropout(torch.sin(x @ w), p=0.5, training=True)
+        return (torch.tanh(h @ w) ** 2).sum()
+
+    for b in (0.01, 0.5, 1.0):
+        try:
+            sp = fxtools.split(f, x, w, policy=policies.budget(b))
+        except FxtoolsError:
+            continue
+        assert not any(policies.is_random(n) for n in sp.backward.graph.nodes)
+        torch.manual_seed(0)
+        _, grads = sp.vjp(x, w)
+        torch.manual_seed(0)
+        for got, want in zip(grads, _autograd(f, (x, w))):
+            torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.usefixtures("float64")
+def test_sweep_is_monotone_and_each_split_is_what_the_frontier_says():
+    f, args = examples.example("gpt", n_layer=2, n_embd=16, n_head=2, batch=2)
+    sp = fxtools.split(f, *args, policy=policies.budget(1.0))
+    rows = sp.frontier([k / 40 for k in range(1, 41)])
+    assert len(rows) > 5
+    for (b0, s0, c0), (b1, s1, c1) in itertools.pairwise(rows):
+        assert b0 < b1 and s0 <= s1 and c0 >= c1
+    assert all(s <= b for b, s, _ in rows)
+    assert len({s for _, s, _ in rows}) > 3  # the sweep really moves
+    for limit, saved, cost in (rows[len(rows) // 4],):
+        one = fxtools.split(f, *args, policy=policies.budget(limit))
+        assert (one.saved_bytes, one.recompute_cost) == (saved, cost)
+        _check_grads(one, f, args)
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize(("seed", "depth"), [(10, 2), (11, 2), (14, 3), (17, 2)])
+def test_min_cut_frontier_against_enumeration(seed, depth):
+    """On programs small enough to enumerate every saved set: the hull's points are optimal
+    for their bytes, every budget's choice is at least the true optimum's cost and at most
+    the Lagrangian bound's gap above it."""
+    f, args = _mlp(seed, depth, 3)
+    sp = fxtools.split(f, *args, policy="save_all")
+    everything = budget.Problem(sp._partition, exact_limit=16).exact_points()
+    cuts = budget.Problem(sp._partition, exact_limit=0)
+    assert everything and cuts.frontier() and cuts.method == "hull"
+    best = {}
+    for p in everything:
+        best[p.bytes] = min(best.get(p.bytes, p.cost), p.cost)
+    truth = [budget.Point(b, c, frozenset(), frozenset()) for b, c in sorted(best.items())]
+    truth = [p for k, p in enumerate(truth) if all(p.cost < q.cost for q in truth[:k])]
+    for p in cuts.frontier():  # each point is optimal for its own bytes
+        assert p.cost == min(c for b, c in best.items() if b <= p.bytes)
+    for limit in sorted({p.bytes for p in truth} | {p.bytes + 7 for p in truth}):
+        opt, _ = budget.choose_bytes(truth, None, limit, 1)
+        got, bound = budget.choose_bytes(cuts.frontier(), cuts.hull(), limit, 1)
+        assert bound - 1e-6 <= opt.cost <= got.cost and got.bytes <= limit
+
+
+# --------------------------------------------------------------------------------------------
+# peak memory
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["save_all", "recompute_cheap", policies.budget(0.3), policies.budget(1.0)])
+def test_predicted_peak_matches_the_allocator(policy):
+    """Within 2% plus the generated code's slack for small values (``pycode.SLACK_BYTES``)."""
+    from fxtools.codegen.pycode import SLACK_BYTES
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.LayerNorm(512), torch.nn.Linear(512, 256), torch.nn.Tanh()
+    )
+    x = torch.randn(64, 256)
+    sp = fxtools.split(model, x, policy=policy)
+    predicted = sp.predicted_peak
+    measured = budget.measure_peak(sp, dict(model.named_parameters()), x)
+    assert abs(measured - predicted) <= 0.02 * predicted + SLACK_BYTES, (predicted, measured)
+
+
+@pytest.mark.usefixtures("float64")
+def test_peak_budget_fits_and_is_monotone():
+    f, args = _mlp(2, 4, 12, batch=16)
+    sp = fxtools.split(f, *args, policy="save_all")
+    problem = budget.Problem(sp._partition)
+    peaks = sorted({peak for _, peak in problem.peak_candidates()})
+    last = float("inf")
+    for peak in (peaks[0], peaks[-1]):
+        one = fxtools.split(f, *args, policy=policies.budget(peak=peak))
+        assert one.predicted_peak <= peak and one.recompute_cost <= last
+        last = one.recompute_cost
+        _check_grads(one, f, args)
+    with pytest.raises(FxtoolsError, match="no split's predicted peak fits"):
+        fxtools.split(f, *args, policy=policies.budget(peak=peaks[0] - 1))
+
+
+# --------------------------------------------------------------------------------------------
+# offload, the picture, arguments
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("float64")
+def test_offload_is_a_per_value_choice():
+    f, args = _mlp(3, 4, 8)
+
+    def policy(node):
+        return policies.OFFLOAD if policies.save_all(node) == policies.SAVE else policies.RECOMPUTE
+
+    sp = fxtools.split(f, *args, policy=policy)
+    off = [s for s in sp.saved if s.offload]
+    assert off and {s.name for s in off} == {s.name for s in sp.saved if s.kind != "input"}
+    assert sp.offloaded_bytes == sum(s.bytes for s in off) > 0
+    assert not any(s.offload for s in fxtools.split(f, *args, policy="save_all").saved)
+    text = sp.report(file=io.StringIO())
+    assert f"({sp.offloaded_bytes:,} offloaded)" in text and text.count("(offload)") == len(off)
+    assert "offload" in str(off[0])
+    _check_grads(sp, f, args)
+    with pytest.raises(ValueError, match=r"'save' or 'recompute' \(or 'offload'\)"):
+        fxtools.split(f, *args, policy=lambda n: "keep")
+
+
+@pytest.mark.usefixtures("float64")
+def test_frontier_picture(tmp_path):
+    f, args = _mlp(4, 4, 8)
+    sp = fxtools.split(f, *args, policy=policies.budget(0.5))
+    path = tmp_path / "frontier.svg"
+    rows = sp.frontier(path=path)
+    svg = path.read_text()
+    assert svg.startswith("<svg") or "<svg" in svg[:400]
+    assert len(rows) >= 10
+
+
+def test_budget_arguments():
+    for bad in (0.0, 1.5, -1):
+        with pytest.raises(ValueError):
+            policies.budget(bad)
+    with pytest.raises(TypeError):
+        policies.budget(True)
+    with pytest.raises(ValueError):
+        policies.budget()
+    with pytest.raises(ValueError):
+        policies.budget(0.5, peak=10)
+    assert policies.budget(0.5) == policies.budget(0.5) and hash(policies.budget(3)) == hash(policies.budget(3))
+    assert policies.describe(policies.budget(peak=5)) == "budget(peak=5)"
+
+
+@pytest.mark.usefixtures("float64")
+def test_compile_trains_with_a_budget():
+    """``fxtools.compile`` takes a budget like any policy: gradients as eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 1))
+    inputs = (torch.randn(5, 6),)
+    compiled = fxtools.compile(model, *inputs, policy=policies.budget(0.3))
+    compiled(*inputs).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(*inputs).sum().backward()
+    for g, p in zip(got, model.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, **TOL)
