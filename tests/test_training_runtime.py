@@ -361,3 +361,18 @@ def test_double_backward_refuses_what_it_cannot_replay():
         xg.mul_(2)
     with pytest.raises(fxtools.FxtoolsError, match="x modified in place"):
         torch.autograd.grad(y, xg, create_graph=True)
+
+
+def test_offload_chosen_by_a_policy_is_exact():
+    """A policy returning "offload" marks the saved values; fxtools.compile moves them and back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    compiled = fxtools.compile(model, x, policy=lambda node: "offload")
+    assert any(s.offload for s in compiled.split.saved)
+    compiled(x).square().sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-12)

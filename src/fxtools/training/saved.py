@@ -50,11 +50,6 @@ __all__ = ["SavedValues", "Replay", "to_host", "to_device"]
 # --------------------------------------------------------------------------------------------
 
 
-def _offloaded(info) -> bool:
-    """Whether the policy chose to offload this saved value (``TensorInfo.offload``)."""
-    return getattr(info, "offload", False)
-
-
 @functools.cache
 def _side_stream(device: torch.device):
     """The stream offload copies run on, one per CUDA device (so they overlap the computation)."""
@@ -127,7 +122,7 @@ class SavedValues:
     ``infos``: the split's ``Split.saved`` (one per saved value, in order)."""
 
     def __init__(self, infos):
-        self.offload = [_offloaded(i) for i in infos]
+        self.offload = [i.offload for i in infos]
 
     def pack(self, ctx, saved: list) -> None:
         """In the forward: offload what the policy says, then save every tensor through ``ctx``."""
