@@ -85,3 +85,24 @@ def user_line_of(node) -> str | None:
                 code = lines[i + 1].strip() if i + 1 < len(lines) else ""
                 best = f"{filename}:{lineno}: {code}"
     return best
+
+
+def decision_line(skip: int = 0) -> str:
+    """Where the decision being recorded now was made: ``file:line: code`` of the innermost user
+    frame inside the running fxtools call (the traced program), else fxtools' own line (a rule
+    deciding on a size while differentiating). ``skip``: the caller's own frames to leave out."""
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    frames = traceback.extract_stack()[: -1 - skip]
+    entry = next((i for i, f in enumerate(frames) if f.filename.startswith(FXTOOLS_DIR)), 0)
+    inner = frames[entry:]
+    user = [f for f in inner if is_user_file(f.filename) and not f.filename.startswith(stdlib)]
+    if user:
+        f = user[-1]
+        return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
+    own = [f for f in inner if f.filename.startswith(FXTOOLS_DIR)]
+    if own:
+        f = own[-1]
+        return f"fxtools' derivative code ({os.path.relpath(f.filename, os.path.dirname(FXTOOLS_DIR))}:{f.lineno})"
+    return "an unknown line"
