@@ -150,7 +150,7 @@ class Read:
         if self.kind == "strides":
             return tuple(value.stride()) == tuple(self.want)
         if self.kind == "dense":
-            return tuple(value.stride()) == _dense_strides(value.shape, self.want)
+            return tuple(value.stride()) == dense_strides(value.shape, self.want)
         return value.storage_offset() == self.want
 
     def expected(self) -> str:
@@ -164,7 +164,8 @@ class Read:
         return f"storage_offset() {self.want}"
 
 
-def _dense_strides(shape, order):
+def dense_strides(shape, order):
+    """The strides of a dense tensor of ``shape`` whose dims, outermost first, are ``order``."""
     strides, step = [0] * len(shape), 1
     for d in reversed(order):
         strides[d] = step

@@ -355,8 +355,11 @@ def guard_symbolic(guards, cap, examples) -> None:
     the user's ``Dim`` (or ``x.size(0)``, where the size was first seen, for ``Dim.AUTO``). A
     derived size (``2*b``: torch.export's Dim arithmetic, or a size the program tied to others)
     is a ``Sym`` of its own with a condition relating it. Every guard the ShapeEnv recorded
-    becomes a ``guards.Cond`` (``_conditions``).
+    becomes a ``guards.Cond`` (``_Relations.conditions``). The layout facts the program read
+    (``cap.layout_reads``, with or without symbolic sizes) go to their leaves first.
     """
+    if guards is not None:
+        _guard_reads(guards, getattr(cap, "layout_reads", None) or {})
     sym = cap.symbolic
     if sym is None or guards is None:
         return
@@ -383,6 +386,13 @@ def guard_symbolic(guards, cap, examples) -> None:
             if isinstance(leaf.layout, tuple):
                 leaf.layout = "contiguous" if value.is_contiguous() else None
     guards.conditions = rel.conditions()
+
+
+def _guard_reads(guards, reads: dict) -> None:
+    """Attach the layout facts read from each input leaf (by its path) to its guard."""
+    for leaf in guards.leaves():
+        if leaf.kind in ("tensor", "optional") and leaf.path in reads and leaf.role is None:
+            leaf.reads = reads[leaf.path]
 
 
 class _Relations:

@@ -1,0 +1,115 @@
+"""Layout the traced program reads: ``x.is_contiguous()``, ``x.stride(0)``, ``x.storage_offset()``.
+
+Tracing runs the program once, on FakeTensors with the example's strides, so a branch on
+``x.is_contiguous()`` or arithmetic with ``x.stride(0)`` is decided by the example's layout and
+baked into the graph. ``LayoutReads`` (a TorchFunctionMode active while capturing) records each
+such read the program makes (from a user line, directly or through torch's Python functions:
+torch's own dispatch-level reads are not the program's decisions), on which graph value, and
+what it returned. ``facts`` then turns the reads into layout facts about the input leaves
+(``codegen.guards.Read``), which the module checks on every call:
+
+- ``is_contiguous`` / ``storage_offset`` read on an input itself: the same answer;
+- any other read (a stride, or a read on a value computed from inputs, whose layout follows
+  theirs): the layout of every input it derives from, as the example had it: its strides (static
+  sizes), or dense in the example's order of dims (symbolic sizes, whose strides follow the sizes).
+
+A program that reads no layout gets no such fact: its module accepts any layout, as before.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.fx as fx
+from torch.overrides import TorchFunctionMode
+
+from ..codegen.guards import Read, dense_strides
+from ..errors import FXTOOLS_DIR, decision_line, is_user_file
+
+_READS = {"stride", "is_contiguous", "storage_offset"}
+
+
+def _by_program() -> bool:
+    """Whether the read being made comes from the user's program (the innermost frame outside
+    torch is a user file), not from fxtools or torch's own machinery."""
+    frame = sys._getframe(2)
+    torch_dir = torch.__path__[0]
+    while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+        frame = frame.f_back
+    return frame is not None and is_user_file(frame.f_code.co_filename) and not frame.f_code.co_filename.startswith(FXTOOLS_DIR)
+
+
+def _node_of(t) -> fx.Node | None:
+    """The graph node that holds ``t`` in the running trace, if any."""
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None:
+        return None
+    try:
+        return proxy_tensor.get_proxy_slot(t, mode.tracer).proxy.node
+    except Exception:  # noqa: BLE001 - a tensor the trace does not hold (a real constant)
+        return None
+
+
+class LayoutReads(TorchFunctionMode):
+    """While capturing: note every layout read of the program (``reads``: kind, node, format, result, line)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", None)
+        if name in _READS and args and isinstance(args[0], torch._subclasses.FakeTensor) and _by_program():
+            fmt = kwargs.get("memory_format", args[1] if len(args) > 1 and name == "is_contiguous" else None)
+            fmt_name = str(fmt or torch.contiguous_format).removeprefix("torch.")
+            self.reads.append((name, _node_of(args[0]), fmt_name, out, decision_line()))
+        return out
+
+
+def _inputs_of(node: fx.Node | None, placeholders: list) -> list:
+    """The placeholders ``node`` derives from (all of them for a value the trace cannot place)."""
+    if node is None:
+        return list(placeholders)
+    seen, stack, found = set(), [node], []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            found.append(n)
+        stack.extend(n.all_input_nodes)
+    return found
+
+
+def _layout_fact(example: torch.Tensor, symbolic: bool, where: str) -> Read:
+    """The example's layout as a fact: its strides, or for symbolic sizes its dense order."""
+    order = tuple(sorted(range(example.dim()), key=lambda d: (-example.stride(d), -d)))
+    if symbolic and dense_strides(example.shape, order) == tuple(example.stride()):
+        return Read("dense", order, where)
+    return Read("strides", tuple(example.stride()), where)
+
+
+def facts(reads: list, placeholders: list, examples: list) -> dict:
+    """Placeholder index -> the layout facts (``Read``s) its module must check, from ``reads``.
+    ``examples``: the real example tensor of each placeholder."""
+    index = {p: i for i, p in enumerate(placeholders)}
+    out: dict = {}
+    for name, node, fmt, result, where in reads:
+        for p in _inputs_of(node, placeholders):
+            i = index[p]
+            symbolic = any(isinstance(s, torch.SymInt) for s in p.meta["val"].shape)
+            if node is p and name == "is_contiguous":
+                fact = Read("is_contiguous", (fmt, bool(result)), where)
+            elif node is p and name == "storage_offset" and isinstance(result, int):
+                fact = Read("storage_offset", result, where)
+            else:
+                fact = _layout_fact(examples[i], symbolic, where)
+            if fact not in out.setdefault(i, []):
+                out[i].append(fact)
+    return out
