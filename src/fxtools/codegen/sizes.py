@@ -164,15 +164,19 @@ def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
 
 
 class _GuardLines(list):
-    """A ShapeEnv's ``guards`` that also note where each was decided (the user's line, see
-    ``errors.decision_line``), for the conditions a module checks (``guard_symbolic``)."""
+    """A ShapeEnv's ``guards`` that also note where the program decided each (the user's line, see
+    ``errors.decision_line``), for the conditions a module checks (``guard_symbolic``). Guards
+    recorded in fxtools' own code (a pass computing a new node's shape) are not the program's
+    decisions and get no line: the size fuzzer checks that fxtools' code stays general."""
 
     def __init__(self, items=()):
         super().__init__(items)
         self.where: dict[int, str] = {}
 
     def append(self, guard) -> None:
-        self.where[id(guard)] = decision_line(skip=1)
+        where = decision_line(skip=1)
+        if not where.startswith("fxtools'"):  # the program's decisions; fxtools' own are its shape arithmetic
+            self.where[id(guard)] = where
         super().append(guard)
 
 
@@ -493,9 +497,9 @@ class _Relations:
         lines = getattr(self.env.guards, "where", {})
         found = list(self.extra)
         for guard in self.env.guards:
-            expr = self.env.replace(guard.expr)
-            if expr.free_symbols and expr.free_symbols <= set(self.subs):
-                found.append((expr.xreplace(self.subs), f"decided at {lines.get(id(guard)) or guard.sloc}"))
+            expr, line = self.env.replace(guard.expr), lines.get(id(guard))
+            if line is not None and expr.free_symbols and expr.free_symbols <= set(self.subs):
+                found.append((expr.xreplace(self.subs), f"decided at {line}"))
         out, seen = [], set()
         for expr, where in found:
             cond = _cond(expr, where)
