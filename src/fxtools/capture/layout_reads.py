@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
-from ..codegen.guards import Read, dense_strides
+from ..codegen.guards import CHECKING, Read, dense_strides
 from ..errors import FXTOOLS_DIR, decision_line, is_user_file
 
 _READS = {"stride", "is_contiguous", "storage_offset"}
@@ -64,10 +64,11 @@ class LayoutReads(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", None)
-        if name in _READS and args and isinstance(args[0], torch._subclasses.FakeTensor) and _by_program():
+        if name in _READS and args and isinstance(args[0], torch._subclasses.FakeTensor) and (_by_program() or (CHECKING and CHECKING[-1].startswith("read at "))):
             fmt = kwargs.get("memory_format", args[1] if len(args) > 1 and name == "is_contiguous" else None)
             fmt_name = str(fmt or torch.contiguous_format).removeprefix("torch.")
-            self.reads.append((name, _node_of(args[0]), fmt_name, out, decision_line()))
+            where = CHECKING[-1].removeprefix("read at ") if CHECKING else decision_line()  # (a module traced again)
+            self.reads.append((name, _node_of(args[0]), fmt_name, out, where))
         return out
 
 

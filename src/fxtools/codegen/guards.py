@@ -88,6 +88,9 @@ class InputMismatch(FxtoolsError, ValueError):
 # ---- runtime (begin): copied verbatim into modules written by fxtools.save; torch and dataclasses only ----
 
 
+CHECKING: list = []  # where the condition or layout read being checked was decided (innermost last)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sym:
     """A symbolic size: any value in [min, max] (max None: unbounded); equal wherever the name recurs."""
@@ -282,8 +285,12 @@ class Guards:
         for spec, value in zip(self.args, args):
             self._walk(spec, value, tensors, bound, layout)
         for cond in self.conditions:
-            if all(n in bound for n in cond.names) and not cond.holds([bound[n][0] for n in cond.names]):
-                self._cond_fail(cond, bound)
+            CHECKING.append(cond.where)  # a module traced inside another (hvp): its decisions carry over
+            try:
+                if all(n in bound for n in cond.names) and not cond.holds([bound[n][0] for n in cond.names]):
+                    self._cond_fail(cond, bound)
+            finally:
+                CHECKING.pop()
         return tensors
 
     def _cond_fail(self, cond, bound):
@@ -333,7 +340,7 @@ class Guards:
                     )
                 if layout and spec.layout is not None:
                     self._layout(spec, value)
-                if layout and spec.reads and not torch._C._functorch.is_batchedtensor(value):
+                if spec.reads and not torch._C._functorch.is_batchedtensor(value):
                     self._reads(spec, value)
                 tensors.append(value)
             elif spec.kind == "scalar":
@@ -395,7 +402,13 @@ class Guards:
         for d, (got, want) in enumerate(zip(shape, spec.sizes)):
             if isinstance(want, Sym):
                 lo, hi = want.min, want.max
-                if got < lo or (hi is not None and got > hi):
+                reason = next((c.where for c in self.conditions if c.names == (want.name,)), "")
+                CHECKING.append(reason)  # (what narrowed the range, for a module traced again)
+                try:
+                    outside = bool(got < lo or (hi is not None and got > hi))
+                finally:
+                    CHECKING.pop()
+                if outside:
                     cond = self._narrowed_by(want.name, got)
                     if cond is not None:
                         self._cond_fail(cond, {want.name: (got, spec.path, d)})
@@ -441,7 +454,12 @@ class Guards:
 
     def _reads(self, spec, value):
         for read in spec.reads:
-            if not read.holds(value):
+            CHECKING.append(f"read at {read.where}")
+            try:
+                holds = read.holds(value)
+            finally:
+                CHECKING.pop()
+            if not holds:
                 self.fail(
                     f"{spec.path} has strides {tuple(value.stride())}"
                     + (f" (contiguous: {value.is_contiguous()})" if read.kind == "is_contiguous" else "")

@@ -174,9 +174,13 @@ class _GuardLines(list):
         self.where: dict[int, str] = {}
 
     def append(self, guard) -> None:
+        from .guards import CHECKING
+
         where = decision_line(skip=1)
         if not where.startswith("fxtools'"):  # the program's decisions; fxtools' own are its shape arithmetic
             self.where[id(guard)] = where
+        elif CHECKING and CHECKING[-1]:  # a generated module traced again (hvp): the decision it checks
+            self.where[id(guard)] = CHECKING[-1].removeprefix("decided at ")
         super().append(guard)
 
 
