@@ -113,7 +113,7 @@ TRANSFORMS = {"grad": _grad, "vjp": _vjp, "jvp": _jvp, "hvp": _hvp, "split": _sp
 
 
 def _outcome(run, ref, args) -> str:
-    """"exact" or "refused" (InputMismatch naming the user's line); a wrong answer fails."""
+    """ "exact" or "refused" (InputMismatch naming the user's line); a wrong answer fails."""
     try:
         got = run(args)
     except ValueError as exc:  # fxtools.InputMismatch, or the one a saved module defines
@@ -151,7 +151,9 @@ def test_saved_module_guards_decisions(case, tmp_path):
 def test_refusal_names_condition_and_line():
     gm = fxtools.grad(mod2, torch.randn(4, 3), dynamic_shapes={"x": {0: Dim.AUTO}})
     assert "x.size(0) % 2) == 0" in str(gm.guards)
-    with pytest.raises(fxtools.InputMismatch, match=r"x.size\(0\) is 5.*% 2\) == 0.*test_guards_decisions.py:\d+: return \(x \* x\)"):
+    with pytest.raises(
+        fxtools.InputMismatch, match=r"x.size\(0\) is 5.*% 2\) == 0.*test_guards_decisions.py:\d+: return \(x \* x\)"
+    ):
         gm(torch.randn(5, 3))
 
 
@@ -227,7 +229,9 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "auto"])
-@pytest.mark.parametrize("f", [branch_on_contiguity, stride_arithmetic, reads_through_a_view, no_layout_read], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "f", [branch_on_contiguity, stride_arithmetic, reads_through_a_view, no_layout_read], ids=lambda f: f.__name__
+)
 @pytest.mark.parametrize("example", ["contiguous", "transposed"])
 def test_layout_reads_guarded(f, example, dynamic):
     x = LAYOUTS[example]((4, 3))

@@ -19,6 +19,7 @@ A program that reads no layout gets no such fact: its module accepts any layout,
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -33,7 +34,7 @@ _READS = {"stride", "is_contiguous", "storage_offset"}
 def _by_program() -> bool:
     """Whether the read being made comes from the user's program (the innermost frame outside
     torch is a user file), not from fxtools or torch's own machinery."""
-    frame = sys._getframe(2)
+    frame: Any = sys._getframe(2)
     torch_dir = torch.__path__[0]
     while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
         frame = frame.f_back
@@ -64,7 +65,12 @@ class LayoutReads(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", None)
-        if name in _READS and args and isinstance(args[0], torch._subclasses.FakeTensor) and (_by_program() or (CHECKING and CHECKING[-1].startswith("read at "))):
+        if (
+            name in _READS
+            and args
+            and isinstance(args[0], torch._subclasses.FakeTensor)
+            and (_by_program() or (CHECKING and CHECKING[-1].startswith("read at ")))
+        ):
             fmt = kwargs.get("memory_format", args[1] if len(args) > 1 and name == "is_contiguous" else None)
             fmt_name = str(fmt or torch.contiguous_format).removeprefix("torch.")
             where = CHECKING[-1].removeprefix("read at ") if CHECKING else decision_line()  # (a module traced again)
@@ -90,10 +96,11 @@ def _inputs_of(node: fx.Node | None, placeholders: list) -> list:
 
 def _layout_fact(example: torch.Tensor, symbolic: bool, where: str) -> Read:
     """The example's layout as a fact: its strides, or for symbolic sizes its dense order."""
-    order = tuple(sorted(range(example.dim()), key=lambda d: (-example.stride(d), -d)))
-    if symbolic and dense_strides(example.shape, order) == tuple(example.stride()):
+    strides = tuple(example.stride())
+    order = tuple(sorted(range(example.dim()), key=lambda d: (-strides[d], -d)))
+    if symbolic and dense_strides(example.shape, order) == strides:
         return Read("dense", order, where)
-    return Read("strides", tuple(example.stride()), where)
+    return Read("strides", strides, where)
 
 
 def facts(reads: list, placeholders: list, examples: list) -> dict:
@@ -108,7 +115,7 @@ def facts(reads: list, placeholders: list, examples: list) -> dict:
             if node is p and name == "is_contiguous":
                 fact = Read("is_contiguous", (fmt, bool(result)), where)
             elif node is p and name == "storage_offset" and isinstance(result, int):
-                fact = Read("storage_offset", result, where)
+                fact = Read("storage_offset", (result,), where)
             else:
                 fact = _layout_fact(examples[i], symbolic, where)
             if fact not in out.setdefault(i, []):

@@ -403,7 +403,11 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
         it = iter(tensors)
         full = [next(it) if t else leaf for t, leaf in zip(is_tensor, leaves)]
         reals = [leaf for leaf, t in zip(leaves, is_tensor) if t]
-        with Replacing(), CountsFromExamples(tensors, reals), reads:  # functions that read tensor values (capture/replacements.py)
+        with (
+            Replacing(),
+            CountsFromExamples(tensors, reals),
+            reads,
+        ):  # functions that read tensor values (capture/replacements.py)
             out = f(*pytree.tree_unflatten(full, in_spec))
         _check_output_leaves(out)
         out_leaves, out_info["spec"] = pytree.tree_flatten(out)

@@ -78,7 +78,20 @@ from torch.utils import _pytree as pytree
 from ..errors import FxtoolsError
 from .naming import literal, plain_literal
 
-__all__ = ["InputMismatch", "Sym", "Cond", "Read", "Leaf", "Node", "Guards", "GuardedGraphModule", "build", "install", "runtime_source", "render"]
+__all__ = [
+    "InputMismatch",
+    "Sym",
+    "Cond",
+    "Read",
+    "Leaf",
+    "Node",
+    "Guards",
+    "GuardedGraphModule",
+    "build",
+    "install",
+    "runtime_source",
+    "render",
+]
 
 
 class InputMismatch(FxtoolsError, ValueError):
@@ -140,10 +153,10 @@ class Read:
     ``kind``: "is_contiguous" (``want``: (memory format name, result)), "strides" (``want``: the
     example's strides: the code is exact for exactly these), "dense" (``want``: the dims from the
     outermost to the innermost stride: strides of a dense tensor in that order, whatever the sizes)
-    or "storage_offset" (``want``: the offset); ``where`` is the user's line that read it."""
+    or "storage_offset" (``want``: (the offset,)); ``where`` is the user's line that read it."""
 
     kind: str
-    want: object
+    want: tuple
     where: str
 
     def holds(self, value) -> bool:
@@ -154,7 +167,7 @@ class Read:
             return tuple(value.stride()) == tuple(self.want)
         if self.kind == "dense":
             return tuple(value.stride()) == dense_strides(value.shape, self.want)
-        return value.storage_offset() == self.want
+        return (value.storage_offset(),) == self.want
 
     def expected(self) -> str:
         if self.kind == "is_contiguous":
@@ -164,7 +177,7 @@ class Read:
             return f"strides {tuple(self.want)}"
         if self.kind == "dense":
             return f"the strides of a dense tensor with dims ordered {tuple(self.want)} (outermost first)"
-        return f"storage_offset() {self.want}"
+        return f"storage_offset() {self.want[0]}"
 
 
 def dense_strides(shape, order):
@@ -295,7 +308,9 @@ class Guards:
 
     def _cond_fail(self, cond, bound):
         got = ", ".join(
-            f"{n} is {bound[n][0]}" if n == f"{bound[n][1]}.size({bound[n][2]})" else f"{n} ({bound[n][1]}.size({bound[n][2]})) is {bound[n][0]}"
+            f"{n} is {bound[n][0]}"
+            if n == f"{bound[n][1]}.size({bound[n][2]})"
+            else f"{n} ({bound[n][1]}.size({bound[n][2]})) is {bound[n][0]}"
             for n in cond.names
         )
         self.fail(

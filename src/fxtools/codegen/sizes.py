@@ -529,9 +529,8 @@ def _cond(expr, where: str):
 
     if expr is sympy.true or expr == sympy.true:
         return None
-    names = tuple(sorted((str(s) for s in expr.free_symbols)))
+    names = tuple(sorted(str(s) for s in expr.free_symbols))
     by_name = {str(s): s for s in expr.free_symbols}
     plain = {by_name[n]: sympy.Symbol(f"v{i}", integer=True, nonnegative=True) for i, n in enumerate(names)}
     printer = PythonPrinter()
     return Cond(printer.doprint(expr), printer.doprint(expr.xreplace(plain)), names, where)
-
