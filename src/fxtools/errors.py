@@ -87,17 +87,26 @@ def user_line_of(node) -> str | None:
     return best
 
 
-def decision_line(skip: int = 0) -> str:
-    """Where the decision being recorded now was made: ``file:line: code`` of the innermost user
-    frame inside the running fxtools call (the traced program), else fxtools' own line (a rule
-    deciding on a size while differentiating). ``skip``: the caller's own frames to leave out."""
+def is_program_file(filename: str) -> bool:
+    """Whether code of ``filename`` is the user's program for ``decision_line``: user files, and
+    also code without a file (``exec``, ``python -c``), but not torch, fxtools, the standard
+    library, or code torch.fx generated."""
     import sysconfig
 
-    stdlib = sysconfig.get_paths()["stdlib"]
+    if filename.startswith("<"):
+        return not filename.startswith(("<eval_with_key", "<frozen"))
+    return is_user_file(filename) and not filename.startswith(sysconfig.get_paths()["stdlib"])
+
+
+def decision_line(skip: int = 0) -> str:
+    """Where the decision being recorded now was made: ``file:line: code`` of the innermost
+    program frame (``is_program_file``) inside the running fxtools call (the traced program), else
+    fxtools' own line (a rule deciding on a size while differentiating). ``skip``: the caller's
+    own frames to leave out."""
     frames = traceback.extract_stack()[: -1 - skip]
     entry = next((i for i, f in enumerate(frames) if f.filename.startswith(FXTOOLS_DIR)), 0)
     inner = frames[entry:]
-    user = [f for f in inner if is_user_file(f.filename) and not f.filename.startswith(stdlib)]
+    user = [f for f in inner if is_program_file(f.filename)]
     if user:
         f = user[-1]
         return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"

@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from ..codegen.guards import CHECKING, Read, dense_strides
-from ..errors import FXTOOLS_DIR, decision_line, is_user_file
+from ..errors import decision_line, is_program_file
 
 _READS = {"stride", "is_contiguous", "storage_offset"}
 
@@ -38,7 +38,7 @@ def _by_program() -> bool:
     torch_dir = torch.__path__[0]
     while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
         frame = frame.f_back
-    return frame is not None and is_user_file(frame.f_code.co_filename) and not frame.f_code.co_filename.startswith(FXTOOLS_DIR)
+    return frame is not None and is_program_file(frame.f_code.co_filename)
 
 
 def _node_of(t) -> fx.Node | None:
