@@ -248,3 +248,16 @@ def test_layout_reads_guarded(f, example, dynamic):
     else:
         other = "transposed" if example == "contiguous" else "contiguous"
         assert outcomes[other, (4, 3)] == "refused", outcomes
+
+
+def test_saved_module_checks_layout_reads(tmp_path):
+    gm = fxtools.grad(branch_on_contiguity, torch.randn(4, 3))
+    path = str(tmp_path / "contiguity_grad.py")
+    fxtools.save(gm, path)
+    spec = importlib.util.spec_from_file_location("saved_contiguity", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    x = torch.randn(4, 3)
+    _close(module.forward(x), torch.func.grad(branch_on_contiguity)(x))
+    with pytest.raises(ValueError, match=r"is_contiguous\(\) to be True .*test_guards_decisions.py:\d+"):
+        module.forward(torch.randn(3, 4).t())

@@ -478,8 +478,8 @@ class Guards:
                 self.fail(
                     f"{spec.path} has strides {tuple(value.stride())}"
                     + (f" (contiguous: {value.is_contiguous()})" if read.kind == "is_contiguous" else "")
-                    + f", but the program read its layout at {read.where} and the module was made for "
-                    f"{read.expected()}: the code follows what the example's layout gave there",
+                    + f", but the module was made for {read.expected()} (the program read the layout at "
+                    f"{read.where}); its code follows what the example's layout gave there",
                     f"Pass a tensor of the example's layout (e.g. {spec.path}.contiguous() if the example was "
                     "contiguous), or generate the module again with an example of this layout.",
                 )
