@@ -58,6 +58,14 @@ have) become ``Sym("u0", 0, None)``: any size, equal wherever it recurs. A cotan
 size is checked only against the other values of that size, not against the output computed in
 the same call.
 
+What the trace decided is checked too (``docs/guards_decisions.md``): ``Guards.conditions`` holds
+a ``Cond`` per decision the program made on symbolic sizes (``x.size(0) % 2 == 0``, with the
+user's line; built by ``codegen/sizes.py``), evaluated on the ``Sym`` values of each call, and
+``Leaf.reads`` a ``Read`` per layout fact the program read from that argument
+(``capture/layout_reads.py``: ``is_contiguous()``, strides), checked even where ``layout`` is not.
+``CHECKING`` names the decision being checked while a module is traced inside another (``hvp``
+traces a ``grad`` module), so the outer module keeps it.
+
 ``Guards.check(args)`` raises ``InputMismatch`` or returns the tensor leaves in the order of
 ``torch.utils._pytree.tree_flatten`` of the example (``fxtools.split``'s placeholder order), so
 checking and flattening are one walk. ``fxtools.compile`` picks its cached graphs with it.
