@@ -150,8 +150,11 @@ class Cond:
     where: str
 
     def holds(self, values) -> bool:
+        import math
+
         scope = {f"v{i}": v for i, v in enumerate(values)}
-        return bool(eval(self.test, {"__builtins__": {}, "max": max, "min": min}, scope))  # noqa: S307 - fxtools' own printed sympy
+        names = {"__builtins__": {}, "max": max, "min": min, "round": round, "abs": abs, "math": math, "torch": torch}
+        return bool(eval(self.test, names, scope))  # noqa: S307 - fxtools' own printed sympy (torch's PythonPrinter)
 
 
 @dataclasses.dataclass(frozen=True)
