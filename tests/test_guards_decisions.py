@@ -261,3 +261,22 @@ def test_saved_module_checks_layout_reads(tmp_path):
     _close(module.forward(x), torch.func.grad(branch_on_contiguity)(x))
     with pytest.raises(ValueError, match=r"is_contiguous\(\) to be True .*test_guards_decisions.py:\d+"):
         module.forward(torch.randn(3, 4).t())
+
+
+def test_memory_format_and_storage_offset_reads():
+    def channels_last(x):
+        return (x * x).sum() if x.is_contiguous(memory_format=torch.channels_last) else x.sin().sum()
+
+    def offset(x):
+        return (x * x.storage_offset()).sum()
+
+    x = torch.randn(2, 3, 4, 5)
+    gm = fxtools.grad(channels_last, x, dynamic_shapes={"x": {0: Dim.AUTO, 2: Dim.AUTO}})
+    assert _outcome(gm, torch.func.grad(channels_last), torch.randn(3, 3, 6, 5)) == "exact"
+    assert _outcome(gm, torch.func.grad(channels_last), x.to(memory_format=torch.channels_last)) == "refused"
+    shifted = torch.randn(30)[2:26].view(2, 3, 4)
+    gm = fxtools.grad(offset, shifted)
+    assert _outcome(gm, torch.func.grad(offset), torch.randn(40)[2:26].view(2, 3, 4)) == "exact"
+    assert _outcome(gm, torch.func.grad(offset), torch.randn(24).view(2, 3, 4)) == "refused"
+    with pytest.raises(fxtools.FxtoolsError, match="storage offset"):  # a symbolic offset: refused when built
+        fxtools.grad(offset, shifted, dynamic_shapes={"x": {0: Dim.AUTO}})

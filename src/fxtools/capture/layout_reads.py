@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from ..codegen.guards import CHECKING, Read, dense_strides
-from ..errors import decision_line, is_program_file
+from ..errors import FxtoolsError, decision_line, is_program_file
 
 _READS = {"stride", "is_contiguous", "storage_offset"}
 
@@ -109,6 +109,12 @@ def facts(reads: list, placeholders: list, examples: list) -> dict:
     index = {p: i for i, p in enumerate(placeholders)}
     out: dict = {}
     for name, node, fmt, result, where in reads:
+        if name == "storage_offset" and isinstance(result, torch.SymInt):
+            raise FxtoolsError(
+                f"the program reads a storage offset ({where}) of a tensor with sizes marked dynamic; its "
+                "offset is then a symbol no generated code can read back. Mark that argument's sizes static "
+                "(leave it out of dynamic_shapes), or compute without storage_offset()."
+            )
         for p in _inputs_of(node, placeholders):
             i = index[p]
             symbolic = any(isinstance(s, torch.SymInt) for s in p.meta["val"].shape)
