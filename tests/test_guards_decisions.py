@@ -280,3 +280,12 @@ def test_memory_format_and_storage_offset_reads():
     assert _outcome(gm, torch.func.grad(offset), torch.randn(24).view(2, 3, 4)) == "refused"
     with pytest.raises(fxtools.FxtoolsError, match="storage offset"):  # a symbolic offset: refused when built
         fxtools.grad(offset, shifted, dynamic_shapes={"x": {0: Dim.AUTO}})
+
+
+def test_vmap_layout_read_guarded():
+    def f(x):  # per sample: the sample's contiguity, decided by the batch's layout
+        return x * x if x.is_contiguous() else x.sin()
+
+    gm = fxtools.vmap(f, torch.randn(5, 4, 3))
+    for x, want in [(torch.randn(6, 4, 3)[:5], "exact"), (torch.randn(5, 3, 4).transpose(1, 2), "refused")]:
+        assert _outcome(gm, torch.func.vmap(f), x) == want

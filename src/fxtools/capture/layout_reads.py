@@ -54,6 +54,18 @@ def _node_of(t) -> fx.Node | None:
         return None
 
 
+def _unbatched(t):
+    """The tensor under ``t``'s torch.func wrappers (``fxtools.vmap`` traces through them), and
+    whether there were any: a read on a batched value is a read of its base's layout."""
+    if not isinstance(t, torch.Tensor):
+        return None, False
+    functorch = torch._C._functorch
+    wrapped = False
+    while functorch.is_batchedtensor(t) or functorch.is_functorch_wrapped_tensor(t):
+        t, wrapped = functorch.get_unwrapped(t), True
+    return t, wrapped
+
+
 class LayoutReads(TorchFunctionMode):
     """While capturing: note every layout read of the program (``reads``: kind, node, format, result, line)."""
 
@@ -65,16 +77,15 @@ class LayoutReads(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", None)
-        if (
-            name in _READS
-            and args
-            and isinstance(args[0], torch._subclasses.FakeTensor)
-            and (_by_program() or (CHECKING and CHECKING[-1].startswith("read at ")))
+        base, batched = _unbatched(args[0]) if name in _READS and args else (None, False)
+        if isinstance(base, torch._subclasses.FakeTensor) and (
+            _by_program() or (CHECKING and CHECKING[-1].startswith("read at "))
         ):
             fmt = kwargs.get("memory_format", args[1] if len(args) > 1 and name == "is_contiguous" else None)
             fmt_name = str(fmt or torch.contiguous_format).removeprefix("torch.")
             where = CHECKING[-1].removeprefix("read at ") if CHECKING else decision_line()  # (a module traced again)
-            self.reads.append((name, _node_of(args[0]), fmt_name, out, where))
+            node = _node_of(base)
+            self.reads.append((name if not batched else "stride", node, fmt_name, out, where))
         return out
 
 

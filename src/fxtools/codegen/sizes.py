@@ -246,6 +246,7 @@ def size_text(size) -> str:
 def _specialisations(sym: Symbolic) -> list[str]:
     """``  - batch == 32 (at model.py:16 in f)`` for each guard tracing recorded on a named size."""
     import sympy
+    from torch.utils._sympy.printers import PythonPrinter
 
     env = sym.shape_env
     named = {s: sympy.Symbol(n, integer=True) for s, n in sym.names.items()}
@@ -256,8 +257,7 @@ def _specialisations(sym: Symbolic) -> list[str]:
             continue
         loc = guard.sloc.framework_loc
         where = f"{loc.filename}:{loc.lineno} in {loc.name}" if hasattr(loc, "lineno") else str(guard.sloc).strip("()")
-        text = str(expr.xreplace(named))
-        text = text[3:-1].replace(", ", " == ", 1) if text.startswith("Eq(") else text
+        text = PythonPrinter().doprint(expr.xreplace(named))
         lines.append(f"  - {text} (at {where})")
     return lines
 
