@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import linecache
 import os
 import traceback
 
@@ -94,24 +95,32 @@ def is_program_file(filename: str) -> bool:
     import sysconfig
 
     if filename.startswith("<"):
-        return not filename.startswith(("<eval_with_key", "<frozen"))
+        return not filename.startswith(("<eval_with_key", "<frozen", "<fxtools"))
     return is_user_file(filename) and not filename.startswith(sysconfig.get_paths()["stdlib"])
+
+
+PROGRAM_ENTRIES: set = set()  # code objects that call the user's program while capturing (capture/trace.py)
 
 
 def decision_line(skip: int = 0) -> str:
     """Where the decision being recorded now was made: ``file:line: code`` of the innermost
-    program frame (``is_program_file``) inside the running fxtools call (the traced program), else
-    fxtools' own line (a rule deciding on a size while differentiating). ``skip``: the caller's
-    own frames to leave out."""
-    frames = traceback.extract_stack()[: -1 - skip]
-    entry = next((i for i, f in enumerate(frames) if f.filename.startswith(FXTOOLS_DIR)), 0)
-    inner = frames[entry:]
-    user = [f for f in inner if is_program_file(f.filename)]
+    program frame (``is_program_file``) called by the capture (a code in ``PROGRAM_ENTRIES``),
+    else fxtools' own line (a rule or pass deciding on a size while differentiating).
+    ``skip``: the caller's own frames to leave out."""
+    import sys
+
+    frame = sys._getframe(1 + skip)
+    inner = []
+    while frame is not None and frame.f_code not in PROGRAM_ENTRIES:
+        inner.append(frame)
+        frame = frame.f_back
+    user = [f for f in inner if is_program_file(f.f_code.co_filename)] if frame is not None else []
     if user:
-        f = user[-1]
-        return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
-    own = [f for f in inner if f.filename.startswith(FXTOOLS_DIR)]
+        f = user[0]
+        line = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
+        return f"{f.f_code.co_filename}:{f.f_lineno}: {line}"
+    own = [f for f in inner if f.f_code.co_filename.startswith(FXTOOLS_DIR)]
     if own:
-        f = own[-1]
-        return f"fxtools' derivative code ({os.path.relpath(f.filename, os.path.dirname(FXTOOLS_DIR))}:{f.lineno})"
+        f = own[0]
+        return f"fxtools' derivative code ({os.path.relpath(f.f_code.co_filename, os.path.dirname(FXTOOLS_DIR))}:{f.f_lineno})"
     return "an unknown line"

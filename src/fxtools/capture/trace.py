@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 from ..codegen.naming import arg_names, identifier, leaf_names
 from ..dynamic_shapes import CountsFromExamples
-from ..errors import DataDependentError, FxtoolsError, is_data_dependent, is_user_file, user_frame
+from ..errors import PROGRAM_ENTRIES, DataDependentError, FxtoolsError, is_data_dependent, is_user_file, user_frame
 from .checkpoint import checkpoint_regions
 from .layout_reads import LayoutReads
 from .layout_reads import facts as layout_facts
@@ -414,6 +414,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
         out_info["leaves"] = out_leaves
         return out_leaves
 
+    PROGRAM_ENTRIES.add(flat_f.__code__)  # decisions below it are the program's (errors.decision_line)
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
     reads = LayoutReads()  # strides and contiguity the program reads (capture/layout_reads.py)
     outer = outer_frames()

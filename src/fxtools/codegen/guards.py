@@ -154,7 +154,8 @@ class Cond:
 
         scope = {f"v{i}": v for i, v in enumerate(values)}
         names = {"__builtins__": {}, "max": max, "min": min, "round": round, "abs": abs, "math": math, "torch": torch}
-        return bool(eval(self.test, names, scope))  # noqa: S307 - fxtools' own printed sympy (torch's PythonPrinter)
+        code = compile(self.test, "<fxtools guard>", "eval")  # (a file name that is not the user's program)
+        return bool(eval(code, names, scope))  # noqa: S307 - fxtools' own printed sympy (torch's PythonPrinter)
 
 
 @dataclasses.dataclass(frozen=True)
