@@ -5,6 +5,7 @@ from __future__ import annotations
 import linecache
 import os
 import traceback
+from typing import Any
 
 import torch
 
@@ -109,7 +110,7 @@ def decision_line(skip: int = 0) -> str:
     ``skip``: the caller's own frames to leave out."""
     import sys
 
-    frame = sys._getframe(1 + skip)
+    frame: Any = sys._getframe(1 + skip)
     inner = []
     while frame is not None and frame.f_code not in PROGRAM_ENTRIES:
         inner.append(frame)
