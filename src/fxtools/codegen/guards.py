@@ -150,12 +150,18 @@ class Cond:
     where: str
 
     def holds(self, values) -> bool:
-        import math
-
         scope = {f"v{i}": v for i, v in enumerate(values)}
-        names = {"__builtins__": {}, "max": max, "min": min, "round": round, "abs": abs, "math": math, "torch": torch}
+        names = {"__builtins__": {}, "max": max, "min": min, "round": round, "abs": abs, "math": _Math, "torch": torch}
         code = compile(self.test, "<fxtools guard>", "eval")  # (a file name that is not the user's program)
         return bool(eval(code, names, scope))  # noqa: S307 - fxtools' own printed sympy (torch's PythonPrinter)
+
+
+class _Math:
+    """The ``math.*`` functions torch's printer writes into conditions, on ints, floats and SymInts."""
+
+    floor = staticmethod(lambda v: v.__floor__())
+    ceil = staticmethod(lambda v: v.__ceil__())
+    trunc = staticmethod(lambda v: v.__trunc__())
 
 
 @dataclasses.dataclass(frozen=True)
