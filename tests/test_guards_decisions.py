@@ -9,6 +9,7 @@ the user's line; the other side must be refused, and the example's side at new s
 """
 
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -35,6 +36,10 @@ def chunks(x):
     return sum((i + 1) * (p * p).sum() for i, p in enumerate(torch.split(x, 3)))
 
 
+def floor_of_ratio(x):
+    return (x * x).sum() if math.floor(x.shape[0] / 3) == 1 else (3 * x).sum()
+
+
 def two_sizes(x, y):
     return (x * x).sum() + y.sum() if y.shape[0] < x.shape[0] else (3 * x).sum() + (y * y).sum()
 
@@ -46,6 +51,7 @@ SIZE_CASES = [
     (not_seven, [(4, 3)], [([(9, 3)], True), ([(7, 3)], False)]),
     (chunks, [(6, 3)], [([(5, 3)], True), ([(7, 3)], False), ([(3, 3)], False)]),
     (two_sizes, [(4, 3), (3,)], [([(6, 3), (2,)], True), ([(3, 3), (5,)], False)]),
+    (floor_of_ratio, [(4, 3)], [([(5, 3)], True), ([(6, 3)], False), ([(2, 3)], False)]),
 ]
 
 
