@@ -627,6 +627,55 @@ def program(index: int, seed: int = 0, steps: tuple = (2, 6)) -> Program:
     return b.finish(index, seed)
 
 
+# ------------------------------------------------------------------------------------------------
+# Programs that decide on sizes and layout (tests/test_fuzz_decisions.py): program ``index``'s
+# ``f``, wrapped in a ``g`` that takes one Python branch on a size, two sizes, numel, a chunk
+# count, contiguity or a stride of an input (decided by the example, as tracing decides it), and
+# sometimes computes with a stride or a chunk count.
+
+DECISIONS = [
+    "{x}.shape[{d}] % 2 == 0",
+    "{x}.shape[{d}] % 3 == 1",
+    "{x}.shape[{d}] > 3",
+    "{x}.shape[{d}] != 7",
+    "{x}.numel() > 20",
+    "{x}.shape[{d}] < {y}.shape[{e}]",
+    "len(torch.split({x}, 3, {d})) == 2",
+    "{x}.is_contiguous()",
+    "{x}.stride({d}) == 1",
+    "{x}.t().is_contiguous()",
+]
+TERMS = [
+    "0.0",
+    "({x} * {x}.stride(0)).sum()",
+    "sum((i + 1) * (c * c).sum() for i, c in enumerate(torch.split({x}, 2, {d})))",
+]
+
+
+def decision_program(index: int, seed: int = 0) -> Program:
+    """Program ``index`` of the fuzzer, returning also a value chosen by a decision (see above)."""
+    p = program(index, seed)
+    rng = random.Random(f"fxtools-fuzz-decision-{seed}-{index}")
+    floats = [v for v in p.inputs if v.is_float and v.v.dim() >= 1]
+    if not floats:
+        return p
+    x = rng.choice(floats)
+    y = rng.choice([v for v in p.inputs if v.v.dim() >= 1])
+    names = {"x": x.name, "y": y.name, "d": rng.randrange(x.v.dim()), "e": rng.randrange(y.v.dim())}
+    decisions = [c for c in DECISIONS if ".t()" not in c or x.v.dim() == 2]
+    cond = rng.choice(decisions).format(**names)
+    term = rng.choice(TERMS).format(**names)
+    args = ", ".join(v.name for v in p.inputs)
+    source = (
+        p.source
+        + f"\n\ndef g({args}):\n    out = f({args})\n    if {cond}:\n        extra = ({x.name} * {x.name}).sum()\n"
+        + f"    else:\n        extra = (3 * {x.name}.sin()).sum()\n    return out, extra + {term}\n"
+    )
+    env = {"torch": torch, "F": F}
+    exec(compile(source, f"<fuzz decision program {index} (seed {seed})>", "exec"), env)
+    return Program(index, seed, source, env["g"], p.inputs, p.float_args)
+
+
 if __name__ == "__main__":
     idx = int(sys.argv[1])
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import linecache
 import os
 import traceback
+from typing import Any
 
 import torch
 
@@ -85,3 +87,41 @@ def user_line_of(node) -> str | None:
                 code = lines[i + 1].strip() if i + 1 < len(lines) else ""
                 best = f"{filename}:{lineno}: {code}"
     return best
+
+
+def is_program_file(filename: str) -> bool:
+    """Whether code of ``filename`` is the user's program for ``decision_line``: user files, and
+    also code without a file (``exec``, ``python -c``), but not torch, fxtools, the standard
+    library, or code torch.fx generated."""
+    import sysconfig
+
+    if filename.startswith("<"):
+        return not filename.startswith(("<eval_with_key", "<frozen", "<fxtools"))
+    return is_user_file(filename) and not filename.startswith(sysconfig.get_paths()["stdlib"])
+
+
+PROGRAM_ENTRIES: set = set()  # code objects that call the user's program while capturing (capture/trace.py)
+
+
+def decision_line(skip: int = 0) -> str:
+    """Where the decision being recorded now was made: ``file:line: code`` of the innermost
+    program frame (``is_program_file``) called by the capture (a code in ``PROGRAM_ENTRIES``),
+    else fxtools' own line (a rule or pass deciding on a size while differentiating).
+    ``skip``: the caller's own frames to leave out."""
+    import sys
+
+    frame: Any = sys._getframe(1 + skip)
+    inner = []
+    while frame is not None and frame.f_code not in PROGRAM_ENTRIES:
+        inner.append(frame)
+        frame = frame.f_back
+    user = [f for f in inner if is_program_file(f.f_code.co_filename)] if frame is not None else []
+    if user:
+        f = user[0]
+        line = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
+        return f"{f.f_code.co_filename}:{f.f_lineno}: {line}"
+    own = [f for f in inner if f.f_code.co_filename.startswith(FXTOOLS_DIR)]
+    if own:
+        f = own[0]
+        return f"fxtools' derivative code ({os.path.relpath(f.f_code.co_filename, os.path.dirname(FXTOOLS_DIR))}:{f.f_lineno})"
+    return "an unknown line"

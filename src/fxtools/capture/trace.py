@@ -30,8 +30,10 @@ from torch.utils import _pytree as pytree
 
 from ..codegen.naming import arg_names, identifier, leaf_names
 from ..dynamic_shapes import CountsFromExamples
-from ..errors import DataDependentError, FxtoolsError, is_data_dependent, is_user_file, user_frame
+from ..errors import PROGRAM_ENTRIES, DataDependentError, FxtoolsError, is_data_dependent, is_user_file, user_frame
 from .checkpoint import checkpoint_regions
+from .layout_reads import LayoutReads
+from .layout_reads import facts as layout_facts
 from .names import module_paths, name_values, outer_frames, recording_modules
 from .replacements import Replacing, check_no_writes
 
@@ -49,6 +51,7 @@ class Captured:
     arg_of_leaf: list[int]  # index of the positional argument each leaf belongs to
     out_leaves: list[Any] = field(default_factory=list)  # example output leaves (FakeTensors or constants)
     symbolic: Any = None  # sizes.Symbolic when sizes were marked dynamic (dynamic_shapes=)
+    layout_reads: dict = field(default_factory=dict)  # leaf path -> layout facts read (capture/layout_reads.py)
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -400,14 +403,20 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
         it = iter(tensors)
         full = [next(it) if t else leaf for t, leaf in zip(is_tensor, leaves)]
         reals = [leaf for leaf, t in zip(leaves, is_tensor) if t]
-        with Replacing(), CountsFromExamples(tensors, reals):  # functions that read tensor values (capture/replacements.py)
+        with (
+            Replacing(),
+            CountsFromExamples(tensors, reals),
+            reads,
+        ):  # functions that read tensor values (capture/replacements.py)
             out = f(*pytree.tree_unflatten(full, in_spec))
         _check_output_leaves(out)
         out_leaves, out_info["spec"] = pytree.tree_flatten(out)
         out_info["leaves"] = out_leaves
         return out_leaves
 
+    PROGRAM_ENTRIES.add(flat_f.__code__)  # decisions below it are the program's (errors.decision_line)
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
+    reads = LayoutReads()  # strides and contiguity the program reads (capture/layout_reads.py)
     outer = outer_frames()
     symbolic = None
     if dynamic_shapes is not None:
@@ -436,7 +445,11 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     name_values(gm, f, outer)
     gm.recompile()
     arg_of_leaf = [p[0].idx if p else 0 for p in paths]
-    return Captured(gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"], symbolic)
+    cap = Captured(gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"], symbolic)
+    tensor_paths = [top_names[p[0].idx] + pytree.keystr(p[1:]) for p, t in zip(paths, is_tensor) if t]
+    found = layout_facts(reads.reads, placeholders, [x for x, t in zip(leaves, is_tensor) if t])
+    cap.layout_reads = {tensor_paths[i]: tuple(fs) for i, fs in found.items()}
+    return cap
 
 
 def check_supported(gm: fx.GraphModule) -> None:

@@ -58,6 +58,14 @@ have) become ``Sym("u0", 0, None)``: any size, equal wherever it recurs. A cotan
 size is checked only against the other values of that size, not against the output computed in
 the same call.
 
+What the trace decided is checked too (``docs/guards_decisions.md``): ``Guards.conditions`` holds
+a ``Cond`` per decision the program made on symbolic sizes (``x.size(0) % 2 == 0``, with the
+user's line; built by ``codegen/sizes.py``), evaluated on the ``Sym`` values of each call, and
+``Leaf.reads`` a ``Read`` per layout fact the program read from that argument
+(``capture/layout_reads.py``: ``is_contiguous()``, strides), checked even where ``layout`` is not.
+``CHECKING`` names the decision being checked while a module is traced inside another (``hvp``
+traces a ``grad`` module), so the outer module keeps it.
+
 ``Guards.check(args)`` raises ``InputMismatch`` or returns the tensor leaves in the order of
 ``torch.utils._pytree.tree_flatten`` of the example (``fxtools.split``'s placeholder order), so
 checking and flattening are one walk. ``fxtools.compile`` picks its cached graphs with it.
@@ -78,7 +86,20 @@ from torch.utils import _pytree as pytree
 from ..errors import FxtoolsError
 from .naming import literal, plain_literal
 
-__all__ = ["InputMismatch", "Sym", "Leaf", "Node", "Guards", "GuardedGraphModule", "build", "install", "runtime_source", "render"]
+__all__ = [
+    "InputMismatch",
+    "Sym",
+    "Cond",
+    "Read",
+    "Leaf",
+    "Node",
+    "Guards",
+    "GuardedGraphModule",
+    "build",
+    "install",
+    "runtime_source",
+    "render",
+]
 
 
 class InputMismatch(FxtoolsError, ValueError):
@@ -86,6 +107,9 @@ class InputMismatch(FxtoolsError, ValueError):
 
 
 # ---- runtime (begin): copied verbatim into modules written by fxtools.save; torch and dataclasses only ----
+
+
+CHECKING: list = []  # where the condition or layout read being checked was decided (innermost last)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +133,78 @@ class Leaf:
     layout: object = None
     value: object = None
     role: str | None = None
+    reads: tuple = ()  # layout facts the program read (Read), checked like ``layout``
+
+
+@dataclasses.dataclass(frozen=True)
+class Cond:
+    """A decision the traced program made on symbolic sizes, which every call must repeat.
+
+    ``test`` is Python over ``v0, v1, ...``, the values of the ``Sym``s named ``names``; ``text``
+    is the same condition over those names (``x.size(0) % 2 == 0``); ``where`` the user's line
+    that decided it."""
+
+    text: str
+    test: str
+    names: tuple
+    where: str
+
+    def holds(self, values) -> bool:
+        scope = {f"v{i}": v for i, v in enumerate(values)}
+        names = {"__builtins__": {}, "max": max, "min": min, "round": round, "abs": abs, "math": _Math, "torch": torch}
+        code = compile(self.test, "<fxtools guard>", "eval")  # (a file name that is not the user's program)
+        return bool(eval(code, names, scope))  # noqa: S307 - fxtools' own printed sympy (torch's PythonPrinter)
+
+
+class _Math:
+    """The ``math.*`` functions torch's printer writes into conditions, on ints, floats and SymInts."""
+
+    floor = staticmethod(lambda v: v.__floor__())
+    ceil = staticmethod(lambda v: v.__ceil__())
+    trunc = staticmethod(lambda v: v.__trunc__())
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """A layout fact the program read from a tensor argument (``x.is_contiguous()``, ``x.stride(0)``).
+
+    ``kind``: "is_contiguous" (``want``: (memory format name, result)), "strides" (``want``: the
+    example's strides: the code is exact for exactly these), "dense" (``want``: the dims from the
+    outermost to the innermost stride: strides of a dense tensor in that order, whatever the sizes)
+    or "storage_offset" (``want``: (the offset,)); ``where`` is the user's line that read it."""
+
+    kind: str
+    want: tuple
+    where: str
+
+    def holds(self, value) -> bool:
+        if self.kind == "is_contiguous":
+            fmt, result = self.want
+            return value.is_contiguous(memory_format=getattr(torch, fmt)) == result
+        if self.kind == "strides":
+            return tuple(value.stride()) == tuple(self.want)
+        if self.kind == "dense":
+            return tuple(value.stride()) == dense_strides(value.shape, self.want)
+        return (value.storage_offset(),) == self.want
+
+    def expected(self) -> str:
+        if self.kind == "is_contiguous":
+            fmt, result = self.want
+            return f"is_contiguous({'' if fmt == 'contiguous_format' else 'memory_format=torch.' + fmt}) to be {result}"
+        if self.kind == "strides":
+            return f"strides {tuple(self.want)}"
+        if self.kind == "dense":
+            return f"the strides of a dense tensor with dims ordered {tuple(self.want)} (outermost first)"
+        return f"storage_offset() {self.want[0]}"
+
+
+def dense_strides(shape, order):
+    """The strides of a dense tensor of ``shape`` whose dims, outermost first, are ``order``."""
+    strides, step = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(int(shape[d]), 1)
+    return tuple(strides)
 
 
 @dataclasses.dataclass
@@ -205,6 +301,7 @@ class Guards:
     made_by: str
     names: tuple
     args: tuple
+    conditions: tuple = ()  # Conds: decisions on symbolic sizes
 
     def check(self, args, layout=True):
         """Raise InputMismatch unless ``args`` (a tuple) is what the module was made for;
@@ -219,7 +316,33 @@ class Guards:
         tensors, bound = [], {}
         for spec, value in zip(self.args, args):
             self._walk(spec, value, tensors, bound, layout)
+        for cond in self.conditions:
+            CHECKING.append(cond.where)  # a module traced inside another (hvp): its decisions carry over
+            try:
+                if all(n in bound for n in cond.names) and not cond.holds([bound[n][0] for n in cond.names]):
+                    self._cond_fail(cond, bound)
+            finally:
+                CHECKING.pop()
         return tensors
+
+    def _cond_fail(self, cond, bound):
+        got = ", ".join(
+            f"{n} is {bound[n][0]}"
+            if n == f"{bound[n][1]}.size({bound[n][2]})"
+            else f"{n} ({bound[n][1]}.size({bound[n][2]})) is {bound[n][0]}"
+            for n in cond.names
+        )
+        self.fail(
+            f"{got}, but the module was made for sizes where {cond.text} ({cond.where}); its code holds only there",
+            "Pass sizes related as dynamic_shapes declares."
+            if cond.where.startswith("declared")
+            else "Generate a module from an example on this side of the condition (one module per side), "
+            "or write the program without a Python decision on this size.",
+        )
+
+    def _narrowed_by(self, name, got):
+        """The recorded decision on the size ``name`` alone that ``got`` contradicts, if any."""
+        return next((c for c in self.conditions if c.names == (name,) and not c.holds([got])), None)
 
     def fail(self, problem, fix=None):
         raise InputMismatch(f"{self.made_by} module: {problem}. {fix or _HOW + '.'}")
@@ -251,6 +374,8 @@ class Guards:
                     )
                 if layout and spec.layout is not None:
                     self._layout(spec, value)
+                if spec.reads and not torch._C._functorch.is_batchedtensor(value):
+                    self._reads(spec, value)
                 tensors.append(value)
             elif spec.kind == "scalar":
                 if not _same(value, spec.value):
@@ -311,7 +436,16 @@ class Guards:
         for d, (got, want) in enumerate(zip(shape, spec.sizes)):
             if isinstance(want, Sym):
                 lo, hi = want.min, want.max
-                if got < lo or (hi is not None and got > hi):
+                reason = next((c.where for c in self.conditions if c.names == (want.name,)), "")
+                CHECKING.append(reason)  # (what narrowed the range, for a module traced again)
+                try:
+                    outside = bool(got < lo or (hi is not None and got > hi))
+                finally:
+                    CHECKING.pop()
+                if outside:
+                    cond = self._narrowed_by(want.name, got)
+                    if cond is not None:
+                        self._cond_fail(cond, {want.name: (got, spec.path, d)})
                     self.fail(
                         f"{spec.path}.size({d}) is {got}, outside the range [{lo}, "
                         f"{'inf' if hi is None else hi}] of the dynamic size {want.name} the module was made "
@@ -351,6 +485,23 @@ class Guards:
                 f"{tuple(spec.layout)} and its code uses .view, which relies on the layout",
                 "Generate the module again with an example of this layout.",
             )
+
+    def _reads(self, spec, value):
+        for read in spec.reads:
+            CHECKING.append(f"read at {read.where}")
+            try:
+                holds = read.holds(value)
+            finally:
+                CHECKING.pop()
+            if not holds:
+                self.fail(
+                    f"{spec.path} has strides {tuple(value.stride())}"
+                    + (f" (contiguous: {value.is_contiguous()})" if read.kind == "is_contiguous" else "")
+                    + f", but the module was made for {read.expected()} (the program read the layout at "
+                    f"{read.where}); its code follows what the example's layout gave there",
+                    f"Pass a tensor of the example's layout (e.g. {spec.path}.contiguous() if the example was "
+                    "contiguous), or generate the module again with an example of this layout.",
+                )
 
     def _leaf_fail(self, spec, problem, fix=None):
         if spec.role and problem.startswith(f"{spec.path} is None,") and "cotangent" in spec.role:
@@ -425,6 +576,11 @@ class Guards:
         syms = {s for leaf in self.leaves() for s in leaf.sizes if isinstance(s, Sym)}
         for s in sorted(syms, key=lambda s: s.name):
             lines.append(f"  {s.name}: any size in [{s.min}, {'inf' if s.max is None else s.max}]")
+        for c in self.conditions:
+            lines.append(f"  where {c.text}  ({c.where})")
+        for leaf in self.leaves():
+            for r in getattr(leaf, "reads", ()):
+                lines.append(f"  {leaf.path}: {r.expected()}  (read at {r.where})")
         return "\n".join(lines)
 
 
@@ -709,6 +865,10 @@ def _literal(v) -> str:
         return f"torch.device({str(v)!r})"
     if isinstance(v, Sym):
         return f"Sym({v.name!r}, {v.min!r}, {v.max!r})"
+    if isinstance(v, Cond):
+        return f"Cond({v.text!r}, {v.test!r}, {_literal(tuple(v.names))}, {v.where!r})"
+    if isinstance(v, Read):
+        return f"Read({v.kind!r}, {_literal(v.want)}, {v.where!r})"
     if isinstance(v, (torch.memory_format, torch.layout)):
         return str(v)
     raise TypeError(type(v))
@@ -735,6 +895,7 @@ def render(guards: Guards, indent: str = "") -> str:
                 ("layout", repr(s.layout) if s.layout is not None else None),
                 ("value", value_text if value is not None else None),
                 ("role", repr(s.role) if s.role else None),
+                ("reads", _literal(tuple(s.reads)) if s.reads else None),
             ]
             fields += [f"{k}={v}" for k, v in extra if v is not None]
             return f"{ind}Leaf({', '.join(fields)})"
@@ -743,4 +904,6 @@ def render(guards: Guards, indent: str = "") -> str:
         return f"{head}\n{inner},\n{ind}))" if s.children else head + "))"
 
     args = ",\n".join(spec(a, indent + "    ") for a in guards.args)
-    return f"Guards({guards.made_by!r}, {_literal(tuple(guards.names))}, (\n{args},\n{indent}))"
+    conds = "".join(f"\n{indent}    {_literal(c)}," for c in guards.conditions)
+    conditions = f", conditions=({conds}\n{indent})" if conds else ""
+    return f"Guards({guards.made_by!r}, {_literal(tuple(guards.names))}, (\n{args},\n{indent}){conditions})"

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..errors import FxtoolsError
+from ..errors import FxtoolsError, decision_line
 
 
 class SymbolicSizeError(FxtoolsError):
@@ -55,7 +55,8 @@ class Symbolic:
     signature: inspect.Signature
     dynamic_shapes: dict
     names: dict = field(default_factory=dict)  # sympy symbol -> Dim name ("batch")
-    declared: dict = field(default_factory=dict)  # sympy symbol -> (min, max) the user's Dim declares
+    declared: dict = field(default_factory=dict)  # sympy symbol -> (min, max) the user's Dim declares;
+    # ("root", symbol) -> (name, min, max) of a derived Dim's root
 
     @property
     def shape_env(self):
@@ -158,7 +159,29 @@ def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
     sym = Symbolic(fake_mode, equalities, signature, specs)
     sym.names, sym.declared = _dim_names(specs, pytree.tree_unflatten(merged, spec), signature)
     fake_mode.shape_env.fxtools_names = sym.names  # how size_text shows them
+    fake_mode.shape_env.guards = _GuardLines(fake_mode.shape_env.guards)
     return pytree.tree_unflatten(merged, spec), sym
+
+
+class _GuardLines(list):
+    """A ShapeEnv's ``guards`` that also note where the program decided each (the user's line, see
+    ``errors.decision_line``), for the conditions a module checks (``guard_symbolic``). Guards
+    recorded in fxtools' own code (a pass computing a new node's shape) are not the program's
+    decisions and get no line: the size fuzzer checks that fxtools' code stays general."""
+
+    def __init__(self, items=()):
+        super().__init__(items)
+        self.where: dict[int, str] = {}
+
+    def append(self, guard) -> None:
+        from .guards import CHECKING
+
+        where = decision_line(skip=1)
+        if not where.startswith("fxtools'"):  # the program's decisions; fxtools' own are its shape arithmetic
+            self.where[id(guard)] = where
+        elif CHECKING and CHECKING[-1]:  # a generated module traced again (hvp): the decision it checks
+            self.where[id(guard)] = CHECKING[-1].removeprefix("decided at ")
+        super().append(guard)
 
 
 def _dim_names(specs, fake_args, signature) -> tuple[dict, dict]:
@@ -187,6 +210,9 @@ def _dim_names(specs, fake_args, signature) -> tuple[dict, dict]:
                 if isinstance(dim, Dim) and isinstance(size, torch.SymInt):
                     names.setdefault(size.node.expr, dim.__name__)
                     declared.setdefault(size.node.expr, (dim.min, dim.max))
+                    root = getattr(dim, "root", None)  # a derived Dim (2*b): its root, for b
+                    if isinstance(root, Dim):
+                        declared.setdefault(("root", size.node.expr), (root.__name__, root.min, root.max))
 
         pytree.tree_map(visit, arg, spec, is_leaf=lambda x: isinstance(x, torch.Tensor) or x is None)
     return names, declared
@@ -220,6 +246,7 @@ def size_text(size) -> str:
 def _specialisations(sym: Symbolic) -> list[str]:
     """``  - batch == 32 (at model.py:16 in f)`` for each guard tracing recorded on a named size."""
     import sympy
+    from torch.utils._sympy.printers import PythonPrinter
 
     env = sym.shape_env
     named = {s: sympy.Symbol(n, integer=True) for s, n in sym.names.items()}
@@ -230,8 +257,7 @@ def _specialisations(sym: Symbolic) -> list[str]:
             continue
         loc = guard.sloc.framework_loc
         where = f"{loc.filename}:{loc.lineno} in {loc.name}" if hasattr(loc, "lineno") else str(guard.sloc).strip("()")
-        text = str(expr.xreplace(named))
-        text = text[3:-1].replace(", ", " == ", 1) if text.startswith("Eq(") else text
+        text = PythonPrinter().doprint(expr.xreplace(named))
         lines.append(f"  - {text} (at {where})")
     return lines
 
@@ -293,7 +319,7 @@ def _range(expr, sym: Symbolic):
     rng = env.var_to_range.get(expr)
     low = int(rng.lower) if rng is not None and rng.lower.is_Integer else 0
     high = int(rng.upper) if rng is not None and rng.upper.is_Integer else None
-    declared = next((d for s, d in sym.declared.items() if env.replace(s) == expr), None)
+    declared = next((d for s, d in sym.declared.items() if not isinstance(s, tuple) and env.replace(s) == expr), None)
     if declared is not None and declared[0] is not None:
         low = min(low, declared[0])
     return low, high
@@ -328,45 +354,183 @@ def concrete(cap, examples):
 
 
 def guard_symbolic(guards, cap, examples) -> None:
-    """Make the guards of a module traced with symbolic sizes accept every size in range.
+    """Make the guards of a module traced with symbolic sizes accept every size in range, and only
+    the sizes on the example's side of every decision the trace made on them.
 
     ``examples`` are the module's example arguments (the captured function's arguments, then
     cotangents or tangents); a leaf that is one of the captured arguments, or a FakeTensor
     (an output's example), has symbolic sizes, which become ``guards.Sym`` entries named after
-    the user's ``Dim`` (or ``x.size(0)``, where the size was first seen, for ``Dim.AUTO``).
+    the user's ``Dim`` (or ``x.size(0)``, where the size was first seen, for ``Dim.AUTO``). A
+    derived size (``2*b``: torch.export's Dim arithmetic, or a size the program tied to others)
+    is a ``Sym`` of its own with a condition relating it. Every guard the ShapeEnv recorded
+    becomes a ``guards.Cond`` (``_Relations.conditions``). The layout facts the program read
+    (``cap.layout_reads``, with or without symbolic sizes) go to their leaves first.
     """
+    if guards is not None:
+        _guard_reads(guards, getattr(cap, "layout_reads", None) or {})
     sym = cap.symbolic
     if sym is None or guards is None:
         return
-    from .guards import Sym
-
     placeholder_vals = iter(p.meta["val"] for p in cap.placeholders)
     symbolic_of = {id(leaf): next(placeholder_vals) for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t}
     values = pytree.tree_leaves(examples)
     leaves = guards.leaves()
     if len(values) != len(leaves):
         return
-    names: dict = {}
+    shaped = []
     for leaf, value in zip(leaves, values):
         val = value if isinstance(value, torch._subclasses.FakeTensor) else symbolic_of.get(id(value))
-        if leaf.kind != "tensor" or val is None:
-            continue
-        new: list[int | Sym] | None = []
-        for d, expr in enumerate(_sizes(val, sym)):
-            assert new is not None
-            if isinstance(expr, int):
-                new.append(expr)
-                continue
-            if not expr.is_symbol:
-                new = None  # a derived size (2 * s0): the guards cannot say it; keep the static check
-                break
-            if expr not in names:
-                names[expr] = next(
-                    (n for s, n in sym.names.items() if sym.shape_env.replace(s) == expr), f"{leaf.path}.size({d})"
-                )
-            low, high = _range(expr, sym)
-            new.append(Sym(names[expr], low, high))
+        if leaf.kind == "tensor" and val is not None:
+            shaped.append((leaf, value, _sizes(val, sym)))
+    rel = _Relations(sym)
+    for leaf, _, exprs in shaped:  # plain symbols first: derived sizes are said in their terms
+        for d, expr in enumerate(exprs):
+            if not isinstance(expr, int) and expr.is_symbol:
+                rel.name(expr, f"{leaf.path}.size({d})")
+    for leaf, value, exprs in shaped:
+        new = rel.leaf_sizes(leaf.path, exprs)
         if new is not None and new != list(leaf.sizes):
             leaf.sizes = tuple(new)
             if isinstance(leaf.layout, tuple):
                 leaf.layout = "contiguous" if value.is_contiguous() else None
+    guards.conditions = rel.conditions()
+
+
+def _guard_reads(guards, reads: dict) -> None:
+    """Attach the layout facts read from each input leaf (by its path) to its guard."""
+    for leaf in guards.leaves():
+        if leaf.kind in ("tensor", "optional") and leaf.path in reads and leaf.role is None:
+            leaf.reads = reads[leaf.path]
+
+
+class _Relations:
+    """The symbolic sizes of one module's arguments as ``Sym``\\ s, and the conditions between them."""
+
+    def __init__(self, sym: Symbolic):
+        self.sym, self.env = sym, sym.shape_env
+        self.syms: dict = {}  # Sym name -> Sym
+        self.subs: dict = {}  # ShapeEnv symbol -> expression over printing symbols (one per Sym name)
+        self.extra: list = []  # (condition over printing symbols, where)
+
+    def _printing(self, name: str):
+        import sympy
+
+        return sympy.Symbol(name, integer=True, nonnegative=True)
+
+    def name(self, expr, fallback: str) -> None:
+        if expr in self.subs:
+            return
+        name = next((n for s, n in self.sym.names.items() if self.env.replace(s) == expr), fallback)
+        low, high = _range(expr, self.sym)
+        self.syms[name] = _guards_sym()(name, low, high)
+        self.subs[expr] = self._printing(name)
+
+    def _origin(self, expr, name: str) -> str:
+        """Why the size ``name`` is ``expr``: the user's derived Dim, or the decision that tied it."""
+        declared = next((n for s, n in self.sym.names.items() if self.env.replace(s) == expr), None)
+        if declared is not None:
+            return f"declared by dynamic_shapes: {name} is {declared}"
+        lines = getattr(self.env.guards, "where", {})
+        for guard in self.env.guards:
+            if guard.expr.free_symbols & expr.free_symbols and self.env.replace(guard.expr) == True:  # noqa: E712 - sympy
+                return f"decided at {lines.get(id(guard), guard.sloc)}"
+        return "the trace tied it to the other sizes"
+
+    def _root(self, symbol, expr):
+        """(name, min, max) of the root Dim of a derived Dim whose size is ``expr``, or None."""
+        for key, root in self.sym.declared.items():
+            if isinstance(key, tuple) and self.env.replace(key[1]) == expr:
+                return root
+        return None
+
+    def leaf_sizes(self, path: str, exprs) -> list | None:
+        """The leaf's sizes as ints and Syms, or None to keep them static (a derived size whose
+        symbols cannot be read from the arguments)."""
+        new: list = []
+        for d, expr in enumerate(exprs):
+            if isinstance(expr, int):
+                new.append(expr)
+            elif expr in self.subs:
+                new.append(self.syms[str(self.subs[expr])])
+            else:
+                sym = self._derived(expr, f"{path}.size({d})")
+                if sym is None:
+                    return None
+                new.append(sym)
+        return new
+
+    def _derived(self, expr, name: str):
+        """A Sym for the size ``expr`` (``2*s0``), related to the others by a condition; an unnamed
+        symbol in it is solved for when ``expr`` is linear in it (``2*b`` alone: b = size // 2)."""
+        import sympy
+        from torch.utils._sympy.functions import FloorDiv, Mod
+
+        me = self._printing(name)
+        unknown = [s for s in expr.free_symbols if s not in self.subs]
+        where = self._origin(expr, name)
+        if len(unknown) > 1:
+            return None
+        if unknown:
+            s = unknown[0]
+            poly = sympy.Poly(expr, s) if expr.is_polynomial(s) else None
+            if poly is None or poly.degree() != 1:
+                return None
+            a, c = poly.all_coeffs()
+            if not (a.is_Integer and a > 0) or c.free_symbols - set(self.subs):
+                return None
+            c = c.xreplace(self.subs)
+            self.subs[s] = FloorDiv(me - c, a)
+            if a != 1:
+                self.extra.append((sympy.Eq(Mod(me - c, a), 0), where))
+            low, high = _range(s, self.sym)
+            root = self._root(s, expr)
+            if root is not None and root[1] is not None:
+                low = min(low, root[1])
+            self.extra.append((self.subs[s] >= low, where))
+            if high is not None:
+                self.extra.append((self.subs[s] <= high, where))
+        else:
+            self.extra.append((sympy.Eq(me, expr.xreplace(self.subs)), where))
+        bounds = self.env.bound_sympy(expr)
+        high = int(bounds.upper) if bounds.upper.is_Integer else None
+        self.syms[name] = _guards_sym()(name, 0, high)
+        return self.syms[name]
+
+    def conditions(self) -> tuple:
+        """Every guard the ShapeEnv recorded on these sizes, and the derived sizes' relations, as Conds."""
+        lines = getattr(self.env.guards, "where", {})
+        found = list(self.extra)
+        for guard in self.env.guards:
+            expr, line = self.env.replace(guard.expr), lines.get(id(guard))
+            if line is not None and expr.free_symbols and expr.free_symbols <= set(self.subs):
+                found.append((expr.xreplace(self.subs), f"decided at {line}"))
+        out, seen = [], set()
+        for expr, where in found:
+            cond = _cond(expr, where)
+            if cond is not None and cond.test not in seen:
+                seen.add(cond.test)
+                out.append(cond)
+        return tuple(out)
+
+
+def _guards_sym():
+    from .guards import Sym
+
+    return Sym
+
+
+def _cond(expr, where: str):
+    """``expr`` (a sympy condition over printing symbols named after Syms) as a ``guards.Cond``,
+    or None if it always holds."""
+    import sympy
+    from torch.utils._sympy.printers import PythonPrinter
+
+    from .guards import Cond
+
+    if expr is sympy.true or expr == sympy.true:
+        return None
+    names = tuple(sorted(str(s) for s in expr.free_symbols))
+    by_name = {str(s): s for s in expr.free_symbols}
+    plain = {by_name[n]: sympy.Symbol(f"v{i}", integer=True, nonnegative=True) for i, n in enumerate(names)}
+    printer = PythonPrinter()
+    return Cond(printer.doprint(expr), printer.doprint(expr.xreplace(plain)), names, where)

@@ -493,7 +493,7 @@ def _install_guards(forward, backward, backward_boxed, args, top, part, signatur
         layout=stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts]),
         roles={i: (lambda path, what=info.path: f"the cotangent of {what}") for i, info in enumerate(cotangents)},
     )
-    if cap is not None:  # symbolic sizes (codegen/sizes.py)
+    if cap is not None:  # symbolic sizes and layout reads (codegen/sizes.py)
         sizes.guard_symbolic(forward.guards, cap, leaves)
         sizes.guard_symbolic(saved, cap, saved_vals)
         sizes.guard_symbolic(cts, cap, ct_vals)

@@ -1,0 +1,140 @@
+"""Layout the traced program reads: ``x.is_contiguous()``, ``x.stride(0)``, ``x.storage_offset()``.
+
+Tracing runs the program once, on FakeTensors with the example's strides, so a branch on
+``x.is_contiguous()`` or arithmetic with ``x.stride(0)`` is decided by the example's layout and
+baked into the graph. ``LayoutReads`` (a TorchFunctionMode active while capturing) records each
+such read the program makes (from a user line, directly or through torch's Python functions:
+torch's own dispatch-level reads are not the program's decisions), on which graph value, and
+what it returned. ``facts`` then turns the reads into layout facts about the input leaves
+(``codegen.guards.Read``), which the module checks on every call:
+
+- ``is_contiguous`` / ``storage_offset`` read on an input itself: the same answer;
+- any other read (a stride, or a read on a value computed from inputs, whose layout follows
+  theirs): the layout of every input it derives from, as the example had it: its strides (static
+  sizes), or dense in the example's order of dims (symbolic sizes, whose strides follow the sizes).
+
+A program that reads no layout gets no such fact: its module accepts any layout, as before.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.overrides import TorchFunctionMode
+
+from ..codegen.guards import CHECKING, Read, dense_strides
+from ..errors import FxtoolsError, decision_line, is_program_file
+
+_READS = {"stride", "is_contiguous", "storage_offset"}
+
+
+def _by_program() -> bool:
+    """Whether the read being made comes from the user's program (the innermost frame outside
+    torch is a user file), not from fxtools or torch's own machinery."""
+    frame: Any = sys._getframe(2)
+    torch_dir = torch.__path__[0]
+    while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+        frame = frame.f_back
+    return frame is not None and is_program_file(frame.f_code.co_filename)
+
+
+def _node_of(t) -> fx.Node | None:
+    """The graph node that holds ``t`` in the running trace, if any."""
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None:
+        return None
+    try:
+        return proxy_tensor.get_proxy_slot(t, mode.tracer).proxy.node
+    except Exception:  # noqa: BLE001 - a tensor the trace does not hold (a real constant)
+        return None
+
+
+def _unbatched(t):
+    """The tensor under ``t``'s torch.func wrappers (``fxtools.vmap`` traces through them), and
+    whether there were any: a read on a batched value is a read of its base's layout."""
+    if not isinstance(t, torch.Tensor):
+        return None, False
+    functorch = torch._C._functorch
+    wrapped = False
+    while functorch.is_batchedtensor(t) or functorch.is_functorch_wrapped_tensor(t):
+        t, wrapped = functorch.get_unwrapped(t), True
+    return t, wrapped
+
+
+class LayoutReads(TorchFunctionMode):
+    """While capturing: note every layout read of the program (``reads``: kind, node, format, result, line)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", None)
+        base, batched = _unbatched(args[0]) if name in _READS and args else (None, False)
+        if isinstance(base, torch._subclasses.FakeTensor) and (
+            _by_program() or (CHECKING and CHECKING[-1].startswith("read at "))
+        ):
+            fmt = kwargs.get("memory_format", args[1] if len(args) > 1 and name == "is_contiguous" else None)
+            fmt_name = str(fmt or torch.contiguous_format).removeprefix("torch.")
+            where = CHECKING[-1].removeprefix("read at ") if CHECKING else decision_line()  # (a module traced again)
+            node = _node_of(base)
+            self.reads.append((name if not batched else "stride", node, fmt_name, out, where))
+        return out
+
+
+def _inputs_of(node: fx.Node | None, placeholders: list) -> list:
+    """The placeholders ``node`` derives from (all of them for a value the trace cannot place)."""
+    if node is None:
+        return list(placeholders)
+    seen, stack, found = set(), [node], []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            found.append(n)
+        stack.extend(n.all_input_nodes)
+    return found
+
+
+def _layout_fact(example: torch.Tensor, symbolic: bool, where: str) -> Read:
+    """The example's layout as a fact: its strides, or for symbolic sizes its dense order."""
+    strides = tuple(example.stride())
+    order = tuple(sorted(range(example.dim()), key=lambda d: (-strides[d], -d)))
+    if symbolic and dense_strides(example.shape, order) == strides:
+        return Read("dense", order, where)
+    return Read("strides", strides, where)
+
+
+def facts(reads: list, placeholders: list, examples: list) -> dict:
+    """Placeholder index -> the layout facts (``Read``s) its module must check, from ``reads``.
+    ``examples``: the real example tensor of each placeholder."""
+    index = {p: i for i, p in enumerate(placeholders)}
+    out: dict = {}
+    for name, node, fmt, result, where in reads:
+        if name == "storage_offset" and isinstance(result, torch.SymInt):
+            raise FxtoolsError(
+                f"the program reads a storage offset ({where}) of a tensor with sizes marked dynamic; its "
+                "offset is then a symbol no generated code can read back. Mark that argument's sizes static "
+                "(leave it out of dynamic_shapes), or compute without storage_offset()."
+            )
+        for p in _inputs_of(node, placeholders):
+            i = index[p]
+            symbolic = any(isinstance(s, torch.SymInt) for s in p.meta["val"].shape)
+            if node is p and name == "is_contiguous":
+                fact = Read("is_contiguous", (fmt, bool(result)), where)
+            elif node is p and name == "storage_offset" and isinstance(result, int):
+                fact = Read("storage_offset", (result,), where)
+            else:
+                fact = _layout_fact(examples[i], symbolic, where)
+            if fact not in out.setdefault(i, []):
+                out[i].append(fact)
+    return out
