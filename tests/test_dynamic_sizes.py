@@ -15,7 +15,7 @@ from fxtools.cli import examples
 from fxtools.codegen.sizes import SymbolicSizeError
 
 TOL = dict(rtol=1e-10, atol=1e-10)
-BATCHES = (1, 7, 64)
+BATCHES = (2, 7, 64)
 
 
 def mlp_loss(params, x, y):
@@ -115,12 +115,12 @@ print("ok")
 def test_gpt_grad_with_batch_and_sequence_dynamic():
     model, (idx, targets) = examples.gpt(dtype=torch.float64, batch=2, seq_len=8)
     f, (params, idx, targets) = examples.as_loss(model, (idx, targets))
-    batch, seq = Dim("batch", min=1, max=64), Dim("seq", min=2, max=model.config.block_size)
+    batch, seq = Dim("batch", min=2, max=64), Dim("seq", min=2, max=model.config.block_size)
     marks = {"idx": {0: batch, 1: seq}, "targets": {0: batch, 1: seq}}
     gm = fxtools.grad(f, params, idx, targets, dynamic_shapes=marks)
     assert "seq = idx.size(1)" in gm.code
     g = torch.Generator().manual_seed(3)
-    for b, t in [(1, 5), (3, 16), (4, 2)]:
+    for b, t in [(2, 5), (3, 16), (4, 2)]:
         i, tg = (torch.randint(0, model.config.vocab_size, (b, t), generator=g) for _ in range(2))
         assert_tree_close(gm(params, i, tg), torch.func.grad(f)(params, i, tg))
 
@@ -192,9 +192,9 @@ def test_malformed_dynamic_shapes_are_refused_clearly():
 
 def test_guards_check_the_declared_range_and_equal_sizes():
     gm = fxtools.grad(mlp_loss, *mlp_args(32), dynamic_shapes=MARKS)
-    assert "x: float64[batch, 8]" in str(gm.guards) and "batch: any size in [1, 1024]" in str(gm.guards)
+    assert "x: float64[batch, 8]" in str(gm.guards) and "batch: any size in [2, 1024]" in str(gm.guards)
     params, x, y = mlp_args(2000)
-    with pytest.raises(fxtools.codegen.guards.InputMismatch, match=r"x.size\(0\) is 2000, outside the range \[1, 1024\]"):
+    with pytest.raises(fxtools.codegen.guards.InputMismatch, match=r"x.size\(0\) is 2000, outside the range \[2, 1024\]"):
         gm(params, x, y)
     params, x, _ = mlp_args(7)
     with pytest.raises(fxtools.codegen.guards.InputMismatch, match=r"y.size\(0\) is 5, but x.size\(0\) is 7"):
@@ -210,7 +210,7 @@ def test_vjp_cotangent_shaped_by_a_dynamic_size_is_symbolic_too():
     w = torch.randn(3, 5, dtype=torch.float64)
     gm = fxtools.vjp(f, torch.randn(6, 3, dtype=torch.float64), w, dynamic_shapes={"x": {0: BATCH}})
     assert "grad_out: float64[batch, 5]" in str(gm.guards)
-    for n in (1, 9):
+    for n in (2, 9):
         x, ct = torch.randn(n, 3, dtype=torch.float64), torch.randn(n, 5, dtype=torch.float64)
         out, pullback = torch.func.vjp(f, x, w)
         assert_tree_close(gm(x, w, ct), (out, pullback(ct)))
@@ -265,3 +265,17 @@ def test_sizes_written_with_floor_division_and_views_of_symbolic_bases():
         torch.testing.assert_close(out, f(x, w))
         for g, r in zip(grads, want):
             torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
+def test_size_one_is_refused_even_when_the_dim_declares_it():
+    """torch traces a dynamic size as >= 2 and settles `size == 1` without a guard; a module
+    serving 1 could take the wrong branch, so it refuses it and says to build one for size 1."""
+
+    def f(x):
+        return (x * 3).sum() if x.shape[0] == 1 else (x * x).sum()
+
+    gm = fxtools.grad(f, torch.randn(4, 3, dtype=torch.float64), dynamic_shapes={"x": {0: BATCH}})
+    with pytest.raises(fxtools.InputMismatch, match="example of size 1"):
+        gm(torch.randn(1, 3, dtype=torch.float64))
+    one = fxtools.grad(f, torch.randn(1, 3, dtype=torch.float64))
+    assert torch.equal(one(torch.ones(1, 3, dtype=torch.float64)), torch.full((1, 3), 3.0, dtype=torch.float64))

@@ -450,7 +450,11 @@ class Guards:
                         f"{spec.path}.size({d}) is {got}, outside the range [{lo}, "
                         f"{'inf' if hi is None else hi}] of the dynamic size {want.name} the module was made "
                         "with",
-                        f"Generate the module again with a range that includes {got} "
+                        f"Build a module from an example of size {got} for such calls: torch traces a dynamic size "
+                        "as at least 2 and decides size == 1 (broadcasting, a branch) without a trace, so one "
+                        "module cannot serve both."
+                        if got < 2 <= lo
+                        else f"Generate the module again with a range that includes {got} "
                         f"(torch.export.Dim({want.name!r}, min=..., max=...)).",
                     )
                 first = bound.setdefault(want.name, (got, spec.path, d))

@@ -313,15 +313,14 @@ def _is_size_read(node: fx.Node) -> bool:
 
 def _range(expr, sym: Symbolic):
     """(min, max) a symbol may take at run time: the shape environment's range (what tracing
-    assumed, narrowed by the program's checks), with the user's own lower bound where a ``Dim``
-    declares one (torch traces sizes as >= 2 but the code serves 0 and 1 as torch.export's does)."""
+    assumed, narrowed by the program's checks). torch traces a symbolic size as >= 2 even where a
+    ``Dim`` declares ``min=0`` or ``1`` and decides ``size == 1`` (broadcasting, a user's branch)
+    without a trace of it, so sizes 0 and 1 are refused rather than served on the example's path
+    (torch.export serves them, unsoundly); a module for size 1 is built from an example of size 1."""
     env = sym.shape_env
     rng = env.var_to_range.get(expr)
     low = int(rng.lower) if rng is not None and rng.lower.is_Integer else 0
     high = int(rng.upper) if rng is not None and rng.upper.is_Integer else None
-    declared = next((d for s, d in sym.declared.items() if not isinstance(s, tuple) and env.replace(s) == expr), None)
-    if declared is not None and declared[0] is not None:
-        low = min(low, declared[0])
     return low, high
 
 
@@ -436,13 +435,6 @@ class _Relations:
                 return f"decided at {lines.get(id(guard), guard.sloc)}"
         return "the trace tied it to the other sizes"
 
-    def _root(self, symbol, expr):
-        """(name, min, max) of the root Dim of a derived Dim whose size is ``expr``, or None."""
-        for key, root in self.sym.declared.items():
-            if isinstance(key, tuple) and self.env.replace(key[1]) == expr:
-                return root
-        return None
-
     def leaf_sizes(self, path: str, exprs) -> list | None:
         """The leaf's sizes as ints and Syms, or None to keep them static (a derived size whose
         symbols cannot be read from the arguments)."""
@@ -483,9 +475,6 @@ class _Relations:
             if a != 1:
                 self.extra.append((sympy.Eq(Mod(me - c, a), 0), where))
             low, high = _range(s, self.sym)
-            root = self._root(s, expr)
-            if root is not None and root[1] is not None:
-                low = min(low, root[1])
             self.extra.append((self.subs[s] >= low, where))
             if high is not None:
                 self.extra.append((self.subs[s] <= high, where))
