@@ -32,6 +32,7 @@ from ..codegen.naming import arg_names, identifier, leaf_names
 from ..dynamic_shapes import CountsFromExamples
 from ..errors import DataDependentError, FxtoolsError, is_data_dependent, is_user_file, user_frame
 from .checkpoint import checkpoint_regions
+from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing
 from .names import module_paths, name_values, outer_frames, recording_modules
 from .replacements import Replacing, check_no_writes
 
@@ -49,60 +50,11 @@ class Captured:
     arg_of_leaf: list[int]  # index of the positional argument each leaf belongs to
     out_leaves: list[Any] = field(default_factory=list)  # example output leaves (FakeTensors or constants)
     symbolic: Any = None  # sizes.Symbolic when sizes were marked dynamic (dynamic_shapes=)
+    reads: list = field(default_factory=list)  # what f read from outside its arguments (capture/closures.py)
 
     @property
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-
-
-def _module_tensor_names(f) -> dict[int, str]:
-    """id(tensor) -> identifier for the tensors ``f`` reads without taking them as arguments:
-    the parameters and buffers of the module behind ``f``, and the tensors (or modules' tensors)
-    its code names as closure variables or globals (``w`` in ``lambda x: x @ w``), also in the
-    functions it defines or calls by name (a ``score_mod`` reading a global ``bias``)."""
-    names: dict[int, str] = {}
-
-    def add_module(module, prefix=""):
-        for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-            names.setdefault(id(t), identifier(prefix + name))
-
-    module = f if isinstance(f, torch.nn.Module) else getattr(f, "__fxtools_module__", None)
-    if module is not None:
-        add_module(module)
-    seen_code: set[int] = set()
-
-    def add_code(code, globals_, cells, depth):
-        if id(code) in seen_code or depth > 2:
-            return
-        seen_code.add(id(code))
-        seen = {**{n: globals_[n] for n in code.co_names if n in globals_}, **cells}
-        for name, value in seen.items():
-            if isinstance(value, torch.Tensor):
-                names.setdefault(id(value), identifier(name))
-            elif isinstance(value, torch.nn.Module):
-                add_module(value, name + ".")
-            elif inspect.isfunction(value):
-                add_function(value, depth + 1)
-        for const in code.co_consts:  # functions defined inside (lambdas), reading the same globals
-            if inspect.iscode(const):
-                add_code(const, globals_, {}, depth + 1)
-
-    def add_function(fn, depth):
-        code = getattr(fn, "__code__", None)
-        if code is not None:
-            cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or () if _has_contents(c))))
-            add_code(code, getattr(fn, "__globals__", {}), cells, depth)
-
-    add_function(f, 0)
-    return names
-
-
-def _has_contents(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # an empty cell: a variable assigned after the function was made
-        return False
-    return True
 
 
 def _name_constants(gm: fx.GraphModule, names: dict[int, str]) -> None:
@@ -409,6 +361,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
 
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
     outer = outer_frames()
+    reads = outside_reads(f)
     symbolic = None
     if dynamic_shapes is not None:
         from ..codegen.sizes import fake_arguments
@@ -432,11 +385,13 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, [n for n, t in zip(names, is_tensor) if t]):
         node._rename(name)
-    _name_constants(gm, _module_tensor_names(f))
+    reads = unchanged_by_tracing(reads)
+    _name_constants(gm, tensor_names(reads))
+    locate(gm, reads)
     name_values(gm, f, outer)
     gm.recompile()
     arg_of_leaf = [p[0].idx if p else 0 for p in paths]
-    return Captured(gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"], symbolic)
+    return Captured(gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"], symbolic, reads)
 
 
 def check_supported(gm: fx.GraphModule) -> None:

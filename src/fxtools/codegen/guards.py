@@ -589,6 +589,9 @@ class GuardedGraphModule(fx.GraphModule):
         guards = self.__dict__.get("guards")
         if guards is not None:
             guards.check(args if not kwargs else self._positional(args, kwargs))
+        closures = self.__dict__.get("closures")
+        if closures is not None:  # what the program read from outside its arguments (codegen/closures.py)
+            closures.check(self)
         return super().__call__(*args, **kwargs)
 
     def _positional(self, args, kwargs):
@@ -600,6 +603,7 @@ class GuardedGraphModule(fx.GraphModule):
 
     def __reduce__(self):
         _, (body, import_block) = super().__reduce__()
+        body.pop("closures", None)  # a saved module is a snapshot of what it read (codegen/closures.py)
         return _restore, (body, import_block)
 
     def __deepcopy__(self, memo):

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 from .. import rules  # noqa: F401  (registers fxtools' own rules)
 from ..capture.functionalize import functionalize
 from ..capture.trace import Captured, capture, check_supported
-from ..codegen import sizes
+from ..codegen import closures, sizes
 from ..codegen.assemble import assemble
 from ..codegen.draw import PART_KEY
 from ..codegen.guards import OptionalTensor, cotangent_role, install
@@ -164,6 +164,7 @@ def _finish(cap, flat_gm, args, build, made_by, extra_args=(), guard_extra=None)
     examples = [*args, *extra]
     install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
     sizes.guard_symbolic(gm.guards, cap, examples)
+    closures.attach(gm, cap.reads, made_by)
     return remember_inputs(gm)
 
 
