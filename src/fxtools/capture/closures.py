@@ -206,7 +206,7 @@ def unchanged_by_tracing(reads: list[Read]) -> list[Read]:
     bumps) is its own state, which generated code does not replay, and is not guarded."""
     keep = []
     for read in reads:
-        now = read.get()  # type: ignore[operator]
+        now = read.get()
         if read.kind == "tensor" or now is read.expected or (read.kind == "value" and _same_value(read, now)):
             keep.append(read)
     return keep

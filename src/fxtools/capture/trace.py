@@ -17,7 +17,6 @@ in-place updates of buffers (BatchNorm's running statistics) happen exactly as i
 from __future__ import annotations
 
 import contextlib
-import inspect
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 from torch.utils import _pytree as pytree
 
-from ..codegen.naming import arg_names, identifier, leaf_names
+from ..codegen.naming import arg_names, leaf_names
 from ..dynamic_shapes import CountsFromExamples
 from ..errors import DataDependentError, FxtoolsError, is_data_dependent, is_user_file, user_frame
 from .checkpoint import checkpoint_regions

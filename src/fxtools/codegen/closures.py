@@ -23,6 +23,8 @@ capture stage records the reads (``capture/closures.py``); this module is the ch
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -43,7 +45,7 @@ class Read:
     """
 
     what: str
-    get: object = dataclasses.field(repr=False)
+    get: Callable[[], Any] = dataclasses.field(repr=False)
     kind: str
     expected: object
     where: str | None = None
@@ -72,7 +74,7 @@ class Closures:
                 if read.kind == "same" or now is MISSING or not _same(now, expected):
                     self._changed(read, now)
         for read in self._mutable:
-            now = read.get()  # type: ignore[operator]
+            now = read.get()
             if now is MISSING or not _same(_snapshot(now), read.expected):
                 self._changed(read, now)
         seen = self.seen
@@ -152,7 +154,7 @@ def _tensor_attributes(gm: fx.GraphModule):
             continue
         for node in module.graph.nodes:
             if node.op == "get_attr":
-                value = module
+                value: Any = module
                 for part in node.target.split("."):
                     value = getattr(value, part, None)
                 if isinstance(value, torch.Tensor):
