@@ -231,6 +231,21 @@ def _custom_autograd_functions(pre_dispatch=True):
 
 
 @contextlib.contextmanager
+def _static_control_flow():
+    """Trace control flow's functions (``scan``'s step, ``cond``'s branches) the same way each time.
+
+    PyTorch traces them with Dynamo, which remembers the sizes each of its frames saw: after a
+    scan with one carry, a scan with another recompiles the same frame "automatically dynamic",
+    lifting sizes into extra integer arguments of the function. fxtools traces with static
+    sizes (``dynamic_shapes=`` says which are symbolic), so that memory is turned off while it
+    captures: no trace depends on the ones before it."""
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(automatic_dynamic_shapes=False):
+        yield
+
+
+@contextlib.contextmanager
 def _compiling():
     """Make ``torch.compiler.is_compiling()`` and ``is_exporting()`` true while the user's code is
     traced, as torch.export's (non-strict) tracing does.
@@ -371,6 +386,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
         with (
             _custom_autograd_functions(pre_dispatch),
             _compiling(),
+            _static_control_flow(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):
