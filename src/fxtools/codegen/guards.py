@@ -592,7 +592,10 @@ class GuardedGraphModule(fx.GraphModule):
         closures = self.__dict__.get("closures")
         if closures is not None:  # what the program read from outside its arguments (codegen/closures.py)
             closures.check(self)
-        return super().__call__(*args, **kwargs)
+        out = super().__call__(*args, **kwargs)
+        if guards is not None and _has_dict(guards.args):
+            out = follow_key_orders(args if not kwargs else self._positional(args, kwargs), out)
+        return out
 
     def _positional(self, args, kwargs):
         try:
@@ -611,6 +614,40 @@ class GuardedGraphModule(fx.GraphModule):
         if "guards" in self.__dict__:
             res.guards = copy.deepcopy(self.__dict__["guards"], memo)
         return res
+
+
+def _has_dict(specs) -> bool:
+    return any(type(s) is Node and (s.kind == "dict" or _has_dict(s.children)) for s in specs)
+
+
+def _key_orders(value, orders: dict) -> None:
+    """frozenset(keys) -> the order of the dicts in ``value`` with those keys (None where two disagree)."""
+    if isinstance(value, dict):
+        keys = tuple(value)
+        orders[frozenset(keys)] = keys if orders.get(frozenset(keys), keys) == keys else None
+        value = value.values()
+    if isinstance(value, (list, tuple, type({}.values()))):
+        for v in value:
+            _key_orders(v, orders)
+
+
+def follow_key_orders(args, out):
+    """``out`` with each dict in the key order of the argument dict with the same keys, as
+    torch.func returns them (values are matched by key, never by position; the code itself
+    builds its dicts in the example's order)."""
+    orders: dict = {}
+    _key_orders(args, orders)
+
+    def walk(value):
+        if isinstance(value, dict) and type(value) is dict:
+            order = orders.get(frozenset(value))
+            items = {k: walk(v) for k, v in value.items()}
+            return {k: items[k] for k in order} if order is not None and tuple(value) != order else items
+        if type(value) in (list, tuple):
+            return type(value)(walk(v) for v in value)
+        return value
+
+    return walk(out)
 
 
 def _restore(body, import_block):
