@@ -192,10 +192,14 @@ class _Walk:
                     self.reads.append(Read(label + name, get, "value", _snapshot(value), mutable=True))
 
 
-def outside_reads(f) -> list[Read]:
+def outside_reads(f, module_args=None) -> list[Read]:
     """Every read of ``f`` from outside its arguments (see module docstring), in checking order:
-    an object's identity before what is read through it."""
+    an object's identity before what is read through it. ``module_args`` (name -> module): the
+    ``nn.Module`` arguments, whose identity the argument guards check and whose tensors are
+    read as closed-over ones."""
     walk = _Walk()
+    for name, module in (module_args or {}).items():
+        walk.obj(module, name + ".", name + ".")
     walk.root(f)
     walk.values_of_objects()
     return walk.reads

@@ -321,7 +321,7 @@ def _refuse_hidden_tensors(paths_leaves, top_names: list[str]) -> None:
     """A tensor inside an argument leaf that is not a pytree would become a constant of the
     graph (later calls would not read it, and it would get no gradient): refuse it."""
     for path, leaf in paths_leaves:
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, (torch.Tensor, torch.nn.Module)):  # a module argument: read as closed-over state
             continue
         inside = _hidden_tensor(leaf)
         if inside is None:
@@ -375,7 +375,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
 
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
     outer = outer_frames()
-    reads = outside_reads(f)
+    reads = outside_reads(f, {n: x for n, x in zip(names, leaves) if isinstance(x, torch.nn.Module)})
     symbolic = None
     if dynamic_shapes is not None:
         from ..codegen.sizes import fake_arguments

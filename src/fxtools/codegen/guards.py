@@ -275,6 +275,13 @@ class Guards:
             elif spec.kind == "type":
                 if type(value).__name__ != spec.value:
                     self.fail(f"{spec.path} is {_got(value)}, but the module was made for a {spec.value}")
+            elif isinstance(spec.value, torch.nn.Module) and value is not spec.value:
+                self.fail(
+                    f"{spec.path} is {_got(value)} other than the module the code was made with (whose parameters "
+                    "it reads at each call, and whose structure and flags it is specialised to)",
+                    "Pass that module, or generate the module again with this one (or differentiate "
+                    "fxtools.functional(module), which takes the parameters as an argument).",
+                )
             elif not _equal(value, spec.value):
                 self.fail(
                     f"{spec.path} is {value!r}, but the module was made with {spec.value!r}, which its code is specialised to"

@@ -47,6 +47,14 @@ _argnums_tuple = argnums_tuple  # the name higher.py imports
 def prepare(f, args, argnums, dynamic_shapes=None, has_aux=False, made_by="fxtools"):
     if not isinstance(args, tuple):
         args = tuple(args)
+    for i in argnums:
+        if isinstance(args[i], torch.nn.Module):
+            name = _names(f, args)[i]
+            raise ValueError(
+                f"{made_by}: argument {name} (argnums {i}) is an nn.Module; fxtools differentiates tensors. "
+                f"Differentiate fxtools.functional({name}), which takes its parameters as a dict, or leave it out "
+                "of argnums (a module argument is read as the program's state, its parameters at each call)."
+            )
     cap = capture(f, args, dynamic_shapes=dynamic_shapes)
     sizes.check(cap.symbolic, cap.gm)  # the program itself specialised a marked size
     if has_aux:
