@@ -226,8 +226,29 @@ def _custom_autograd_functions(pre_dispatch=True):
         capturing(record=pre_dispatch),
         nested_transforms() if pre_dispatch else contextlib.nullcontext(),
         dense_flex_attention() if pre_dispatch else contextlib.nullcontext(),
+        contextlib.nullcontext() if pre_dispatch else _cond_as_select(),
     ):
         yield
+
+
+def _select_cond(pred, true_fn, false_fn, operands=()):
+    """``torch.cond`` under ``torch.func.vmap``, as its batching rule computes it for a batched
+    predicate: both branches, the result chosen by ``torch.where`` per sample."""
+    if isinstance(pred, (bool, int, float)):
+        return true_fn(*operands) if pred else false_fn(*operands)
+    return pytree.tree_map(lambda a, b: torch.where(pred, a, b), true_fn(*operands), false_fn(*operands))
+
+
+@contextlib.contextmanager
+def _cond_as_select():
+    """Trace ``torch.cond`` below functorch (``fxtools.vmap``) as ``_select_cond``: PyTorch's
+    ``torch.cond`` compiles its branches with Dynamo, which refuses functorch's batched tensors."""
+    original = torch.cond
+    torch.cond = _select_cond
+    try:
+        yield
+    finally:
+        torch.cond = original
 
 
 @contextlib.contextmanager
