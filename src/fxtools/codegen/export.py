@@ -411,7 +411,11 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
             "",
         ]
     if targets:
-        doc += [f"Constants ({ns}.<name>): " + ", ".join(f"{t} {describe(values[t])}" for t in targets)]
+        doc += [
+            "A snapshot: the tensors the program read from outside its arguments (parameters, closed-over",
+            "tensors) are written here as they were; later changes to the originals are not seen.",
+            f"Constants ({ns}.<name>): " + ", ".join(f"{t} {describe(values[t])}" for t in targets),
+        ]
         if stored:
             doc += [f"stored in {os.path.basename(path)[:-3]}.pt beside this file (torch.save)"]
         doc += [""]

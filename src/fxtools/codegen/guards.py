@@ -617,7 +617,12 @@ class GuardedGraphModule(fx.GraphModule):
         return _restore, (body, import_block)
 
     def __deepcopy__(self, memo):
-        res = super().__deepcopy__(memo)  # keeps only the attributes the graph reads
+        closures = self.__dict__.pop("closures", None)  # a copy is a snapshot (codegen/closures.py)
+        try:
+            res = super().__deepcopy__(memo)  # keeps only the attributes the graph reads
+        finally:
+            if closures is not None:
+                self.__dict__["closures"] = closures
         if "guards" in self.__dict__:
             res.guards = copy.deepcopy(self.__dict__["guards"], memo)
         return res
