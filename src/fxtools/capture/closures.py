@@ -93,7 +93,7 @@ class _Walk:
         if code.co_filename.startswith(FXTOOLS_DIR) and not is_user_file(code.co_filename):
             self._wrapper_cells(cells, depth)
             return
-        user = is_user_file(code.co_filename)
+        user = is_user_file(code.co_filename) or code.co_filename.startswith("<")  # exec'd code, the REPL
         for kind, name, where in _loads(code):
             if kind == "attr":
                 self.attr_names.add(name)
