@@ -20,8 +20,7 @@ import types
 
 import torch
 
-from ..codegen.closures import MISSING, Read, reads_of
-from ..codegen.guards import _is_scalar, _snapshot
+from ..codegen.closures import MISSING, Read, is_constant, reads_of, same_value, snapshot
 from ..codegen.naming import identifier
 from ..errors import FXTOOLS_DIR, is_user_file
 
@@ -124,17 +123,17 @@ class _Walk:
             self.reads.append(Read(what, get, "tensor", value, where, identifier(name)))
         elif isinstance(value, (types.ModuleType, type)) or inspect.isbuiltin(value):
             return
-        elif _is_scalar(value) or value is None:
+        elif is_constant(value):
             self.reads.append(Read(what, get, "value", value, where))
         elif inspect.isfunction(value):
             self.reads.append(Read(what, get, "same", value, where))
             self.function(value, depth + 1)
-        elif isinstance(value, torch.nn.Module) or _snapshot(value) is None:
+        elif isinstance(value, torch.nn.Module) or snapshot(value) is None:
             if id(value) not in self.seen:
                 self.reads.append(Read(what, get, "same", value, where))
             self.obj(value, name + ".", name + ".")
         else:
-            self.reads.append(Read(what, get, "value", _snapshot(value), where, mutable=True))
+            self.reads.append(Read(what, get, "value", snapshot(value), where, mutable=True))
 
     def obj(self, obj, prefix, label) -> None:
         """A module or plain object the program reached: its tensors, submodules, and (later) the
@@ -186,10 +185,10 @@ class _Walk:
                 if name not in self.attr_names or isinstance(value, torch.Tensor):
                     continue
                 get = functools.partial(dict.get, obj.__dict__, name, MISSING)
-                if _is_scalar(value) or value is None:
+                if is_constant(value):
                     self.reads.append(Read(label + name, get, "value", value))
-                elif not callable(value) and _snapshot(value) is not None:
-                    self.reads.append(Read(label + name, get, "value", _snapshot(value), mutable=True))
+                elif not callable(value) and snapshot(value) is not None:
+                    self.reads.append(Read(label + name, get, "value", snapshot(value), mutable=True))
 
 
 def outside_reads(f, module_args=None) -> list[Read]:
@@ -217,9 +216,7 @@ def unchanged_by_tracing(reads: list[Read]) -> list[Read]:
 
 
 def _same_value(read, now) -> bool:
-    from ..codegen.guards import _same
-
-    return now is not MISSING and _same(_snapshot(now) if read.mutable else now, read.expected)
+    return now is not MISSING and same_value(snapshot(now) if read.mutable else now, read.expected)
 
 
 def tensor_names(reads: list[Read]) -> dict[int, str]:

@@ -332,11 +332,11 @@ class Replacing(TorchFunctionMode):
 
     def __enter__(self):
         _COPIES_OF_VIEWS.clear()
-        torch.nn.modules.batchnorm._BatchNorm.forward = _batch_norm_forward  # type: ignore[method-assign]
+        torch.nn.modules.batchnorm._BatchNorm.forward = _batch_norm_forward
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.nn.modules.batchnorm._BatchNorm.forward = _ORIGINAL_BATCH_NORM  # type: ignore[method-assign]
+        torch.nn.modules.batchnorm._BatchNorm.forward = _ORIGINAL_BATCH_NORM
         return super().__exit__(*exc)
 
 

@@ -29,9 +29,25 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .guards import InputMismatch, _desc, _got, _same, _snapshot
+from .guards import InputMismatch, _desc, _got, _is_scalar, _same, _snapshot
 
 MISSING = object()  # what a getter returns for a name that no longer exists
+
+
+def is_constant(value) -> bool:
+    """Whether generated code would hold ``value`` as a constant compared by value (a number,
+    bool, string, dtype, None, a tuple of them), as the argument guards do."""
+    return value is None or _is_scalar(value)
+
+
+def snapshot(value):
+    """A plain object's attributes as nested tuples of built-in values, or None (``guards``)."""
+    return _snapshot(value)
+
+
+def same_value(a, b) -> bool:
+    """Python values as code saw them: same type, floats bitwise (``guards``)."""
+    return _same(a, b)
 
 
 @dataclasses.dataclass(eq=False)
