@@ -284,3 +284,25 @@ def test_fuzz_closure_axis(group):
         except Exception as exc:  # noqa: BLE001 - collected, reported with the program
             failures.append(f"program {i} (seed 7), input {k} closed over: {type(exc).__name__}: {exc}\n{p}")
     assert not failures, "\n\n".join(failures)
+
+
+CFG = {"scale": 2.0, "act": "tanh"}
+PARAMS = {"w": torch.randn(3, dtype=torch.float64)}
+
+
+def reads_dicts(x):
+    return (x * PARAMS["w"] * CFG["scale"]).tanh().sum()
+
+
+def test_global_dicts_of_tensors_and_of_values():
+    x = torch.randn(4, 3)
+    gm = fxtools.grad(reads_dicts, x)
+    old_w = PARAMS["w"]
+    try:
+        PARAMS["w"] = torch.randn(3)
+        close(gm(x), torch.func.grad(reads_dicts)(x))
+        CFG["scale"] = 3.0
+        with pytest.raises(fxtools.InputMismatch, match="the global CFG .* whose contents changed"):
+            gm(x)
+    finally:
+        PARAMS["w"], CFG["scale"] = old_w, 2.0

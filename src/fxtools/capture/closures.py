@@ -158,6 +158,11 @@ class _Walk:
             for value in list(getattr(obj, "__dict__", {}).values()):
                 if isinstance(value, torch.nn.Module):
                     self.obj(value, "", type(value).__name__ + ".")
+        elif type(obj) is dict:  # a dict of tensors (``params['w']``)
+            for key, value in list(obj.items()):
+                if isinstance(key, str) and isinstance(value, (torch.Tensor, torch.nn.Module)):
+                    get = functools.partial(dict.get, obj, key, MISSING)
+                    self.value(value, get, f"{label[:-1]}[{key!r}]", None, f"{prefix}{key}", _DEPTH)
         else:
             for name, value in list(getattr(obj, "__dict__", {}).items()):
                 if isinstance(value, (torch.Tensor, torch.nn.Module)):

@@ -41,7 +41,17 @@ def is_constant(value) -> bool:
 
 
 def snapshot(value):
-    """A plain object's attributes as nested tuples of built-in values, or None (``guards``)."""
+    """A plain object's attributes (or a dict's items) as nested tuples of built-in values, or None
+    (``guards``)."""
+    inside = value if type(value) is dict else getattr(value, "__dict__", None)
+    if isinstance(value, torch.Tensor) or (
+        isinstance(inside, dict) and any(isinstance(v, (torch.Tensor, torch.nn.Module)) for v in inside.values())
+    ):
+        return None  # holds tensors: read by reference (capture/closures.py), not compared
+    if type(value) is dict:
+        items = tuple((k, _snapshot(v)) for k, v in value.items())
+        plain = all(type(k) is str and (s is not None or v is None) for (k, s), v in zip(items, value.values()))
+        return ("dict", items) if plain else None
     return _snapshot(value)
 
 
@@ -91,7 +101,7 @@ class Closures:
                     self._changed(read, now)
         for read in self._mutable:
             now = read.get()
-            if now is MISSING or not _same(_snapshot(now), read.expected):
+            if now is MISSING or not _same(snapshot(now), read.expected):
                 self._changed(read, now)
         seen = self.seen
         for i, (get, shape) in enumerate(self._tensor_gets):
@@ -132,7 +142,7 @@ class Closures:
             self._fail(read, "no longer exists")
         if read.kind == "same":
             self._fail(read, f"was replaced by another object ({_got(now)}) after the module was made from the old one")
-        shown = repr(now) if not read.mutable else f"a {type(now).__name__} whose attributes changed"
+        shown = repr(now) if not read.mutable else f"a {type(now).__name__} whose contents changed"
         self._fail(read, f"is now {shown}, but the module was made with {read.expected!r}, a value its code uses as a constant")
 
     def _fail(self, read, problem) -> None:
