@@ -332,11 +332,12 @@ class Replacing(TorchFunctionMode):
 
     def __enter__(self):
         _COPIES_OF_VIEWS.clear()
+        self._batch_norm = torch.nn.modules.batchnorm._BatchNorm.forward  # restored as found (nested captures)
         torch.nn.modules.batchnorm._BatchNorm.forward = _batch_norm_forward
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.nn.modules.batchnorm._BatchNorm.forward = _ORIGINAL_BATCH_NORM
+        torch.nn.modules.batchnorm._BatchNorm.forward = self._batch_norm
         return super().__exit__(*exc)
 
 
