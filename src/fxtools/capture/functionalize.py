@@ -284,6 +284,10 @@ class _Step:
     def scatter(self, b: _Builder, parent, child, pval, cval, mutation):
         """The new value of ``parent`` once its view (this step) holds ``child``."""
         t = self.target
+        if t is aten.view_as_real.default:  # the complex tensor whose (real, imag) pairs the view holds
+            return b(aten.view_as_complex.default, b(aten.contiguous.default, child))
+        if t is aten.view_as_complex.default:
+            return b(aten.view_as_real.default, child)
         if t in _SHAPE_ONLY:
             if pval.dtype != cval.dtype or pval.is_complex() != cval.is_complex():
                 raise _error(mutation, f"writing through a {t} view that changes the dtype is not supported")
@@ -341,6 +345,12 @@ class _Step:
             dim %= pval.dim()
             start = sum(v.shape[dim] for v in self.multi_val[: self.index])
             return b(aten.slice_scatter.default, parent, child, dim, start, start + cval.shape[dim], 1)
+        if t in (aten.real.default, aten.imag.default):  # one part of a complex tensor: the other kept
+            if not pval.is_complex():
+                return child  # .real of a real tensor is the tensor itself
+            if t is aten.real.default:
+                return b(aten.complex.default, child, b(aten.imag.default, parent))
+            return b(aten.complex.default, b(aten.real.default, parent), child)
         if t is aten.as_strided.default and pval.is_contiguous() and pval.storage_offset() == 0:
             # write through the flat positions the view covers (as_strided_scatter's gradient in
             # PyTorch does not give the gradient of this write)

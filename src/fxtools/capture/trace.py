@@ -17,7 +17,6 @@ in-place updates of buffers (BatchNorm's running statistics) happen exactly as i
 from __future__ import annotations
 
 import contextlib
-import inspect
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,10 +27,11 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 from torch.utils import _pytree as pytree
 
-from ..codegen.naming import arg_names, identifier, leaf_names
+from ..codegen.naming import arg_names, leaf_names
 from ..dynamic_shapes import CountsFromExamples
 from ..errors import PROGRAM_ENTRIES, DataDependentError, FxtoolsError, is_data_dependent, is_user_file, user_frame
 from .checkpoint import checkpoint_regions
+from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing
 from .layout_reads import LayoutReads
 from .layout_reads import facts as layout_facts
 from .names import module_paths, name_values, outer_frames, recording_modules
@@ -52,60 +52,11 @@ class Captured:
     out_leaves: list[Any] = field(default_factory=list)  # example output leaves (FakeTensors or constants)
     symbolic: Any = None  # sizes.Symbolic when sizes were marked dynamic (dynamic_shapes=)
     layout_reads: dict = field(default_factory=dict)  # leaf path -> layout facts read (capture/layout_reads.py)
+    reads: list = field(default_factory=list)  # what f read from outside its arguments (capture/closures.py)
 
     @property
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-
-
-def _module_tensor_names(f) -> dict[int, str]:
-    """id(tensor) -> identifier for the tensors ``f`` reads without taking them as arguments:
-    the parameters and buffers of the module behind ``f``, and the tensors (or modules' tensors)
-    its code names as closure variables or globals (``w`` in ``lambda x: x @ w``), also in the
-    functions it defines or calls by name (a ``score_mod`` reading a global ``bias``)."""
-    names: dict[int, str] = {}
-
-    def add_module(module, prefix=""):
-        for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-            names.setdefault(id(t), identifier(prefix + name))
-
-    module = f if isinstance(f, torch.nn.Module) else getattr(f, "__fxtools_module__", None)
-    if module is not None:
-        add_module(module)
-    seen_code: set[int] = set()
-
-    def add_code(code, globals_, cells, depth):
-        if id(code) in seen_code or depth > 2:
-            return
-        seen_code.add(id(code))
-        seen = {**{n: globals_[n] for n in code.co_names if n in globals_}, **cells}
-        for name, value in seen.items():
-            if isinstance(value, torch.Tensor):
-                names.setdefault(id(value), identifier(name))
-            elif isinstance(value, torch.nn.Module):
-                add_module(value, name + ".")
-            elif inspect.isfunction(value):
-                add_function(value, depth + 1)
-        for const in code.co_consts:  # functions defined inside (lambdas), reading the same globals
-            if inspect.iscode(const):
-                add_code(const, globals_, {}, depth + 1)
-
-    def add_function(fn, depth):
-        code = getattr(fn, "__code__", None)
-        if code is not None:
-            cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or () if _has_contents(c))))
-            add_code(code, getattr(fn, "__globals__", {}), cells, depth)
-
-    add_function(f, 0)
-    return names
-
-
-def _has_contents(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # an empty cell: a variable assigned after the function was made
-        return False
-    return True
 
 
 def _name_constants(gm: fx.GraphModule, names: dict[int, str]) -> None:
@@ -278,7 +229,43 @@ def _custom_autograd_functions(pre_dispatch=True):
         capturing(record=pre_dispatch),
         nested_transforms() if pre_dispatch else contextlib.nullcontext(),
         dense_flex_attention() if pre_dispatch else contextlib.nullcontext(),
+        contextlib.nullcontext() if pre_dispatch else _cond_as_select(),
     ):
+        yield
+
+
+def _select_cond(pred, true_fn, false_fn, operands=()):
+    """``torch.cond`` under ``torch.func.vmap``, as its batching rule computes it for a batched
+    predicate: both branches, the result chosen by ``torch.where`` per sample."""
+    if isinstance(pred, (bool, int, float)):
+        return true_fn(*operands) if pred else false_fn(*operands)
+    return pytree.tree_map(lambda a, b: torch.where(pred, a, b), true_fn(*operands), false_fn(*operands))
+
+
+@contextlib.contextmanager
+def _cond_as_select():
+    """Trace ``torch.cond`` below functorch (``fxtools.vmap``) as ``_select_cond``: PyTorch's
+    ``torch.cond`` compiles its branches with Dynamo, which refuses functorch's batched tensors."""
+    original = torch.cond
+    torch.cond = _select_cond
+    try:
+        yield
+    finally:
+        torch.cond = original
+
+
+@contextlib.contextmanager
+def _static_control_flow():
+    """Trace control flow's functions (``scan``'s step, ``cond``'s branches) the same way each time.
+
+    PyTorch traces them with Dynamo, which remembers the sizes each of its frames saw: after a
+    scan with one carry, a scan with another recompiles the same frame "automatically dynamic",
+    lifting sizes into extra integer arguments of the function. fxtools traces with static
+    sizes (``dynamic_shapes=`` says which are symbolic), so that memory is turned off while it
+    captures: no trace depends on the ones before it."""
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(automatic_dynamic_shapes=False):
         yield
 
 
@@ -358,7 +345,7 @@ def _refuse_hidden_tensors(paths_leaves, top_names: list[str]) -> None:
     """A tensor inside an argument leaf that is not a pytree would become a constant of the
     graph (later calls would not read it, and it would get no gradient): refuse it."""
     for path, leaf in paths_leaves:
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, (torch.Tensor, torch.nn.Module)):  # a module argument: read as closed-over state
             continue
         inside = _hidden_tensor(leaf)
         if inside is None:
@@ -406,7 +393,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
         with (
             Replacing(),
             CountsFromExamples(tensors, reals),
-            reads,
+            layout,
         ):  # functions that read tensor values (capture/replacements.py)
             out = f(*pytree.tree_unflatten(full, in_spec))
         _check_output_leaves(out)
@@ -416,8 +403,9 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
 
     PROGRAM_ENTRIES.add(flat_f.__code__)  # decisions below it are the program's (errors.decision_line)
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
-    reads = LayoutReads()  # strides and contiguity the program reads (capture/layout_reads.py)
+    layout = LayoutReads()  # strides and contiguity the program reads (capture/layout_reads.py)
     outer = outer_frames()
+    reads = outside_reads(f, {n: x for n, x in zip(names, leaves) if isinstance(x, torch.nn.Module)})
     symbolic = None
     if dynamic_shapes is not None:
         from ..codegen.sizes import fake_arguments
@@ -428,6 +416,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
         with (
             _custom_autograd_functions(pre_dispatch),
             _compiling(),
+            _static_control_flow(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):
@@ -441,13 +430,17 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, [n for n, t in zip(names, is_tensor) if t]):
         node._rename(name)
-    _name_constants(gm, _module_tensor_names(f))
+    reads = unchanged_by_tracing(reads)
+    _name_constants(gm, tensor_names(reads))
+    locate(gm, reads)
     name_values(gm, f, outer)
     gm.recompile()
     arg_of_leaf = [p[0].idx if p else 0 for p in paths]
-    cap = Captured(gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"], symbolic)
+    cap = Captured(
+        gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"], symbolic, reads=reads
+    )
     tensor_paths = [top_names[p[0].idx] + pytree.keystr(p[1:]) for p, t in zip(paths, is_tensor) if t]
-    found = layout_facts(reads.reads, placeholders, [x for x, t in zip(leaves, is_tensor) if t])
+    found = layout_facts(layout.reads, placeholders, [x for x, t in zip(leaves, is_tensor) if t])
     cap.layout_reads = {tensor_paths[i]: tuple(fs) for i, fs in found.items()}
     return cap
 

@@ -171,6 +171,15 @@ def load_target(target: str):
         spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - the user's file failed: one line naming its line
         raise CliError(f"running {os.path.basename(path)} failed: {user_error(exc)}") from exc
+    except SystemExit as exc:  # sys.exit() at import: the file is a script, not a module to load from
+        from ..errors import user_frame
+
+        code = "" if exc.code is None else repr(exc.code)
+        raise CliError(
+            f"running {os.path.basename(path)} stopped at sys.exit({code}) "
+            f"({user_frame(exc.__traceback__) or 'while importing it'}), so {name!r} could not be loaded from it; "
+            "put the script's own code under `if __name__ == '__main__':`"
+        ) from exc
     finally:
         sys.path.remove(os.path.dirname(path))
     obj = module

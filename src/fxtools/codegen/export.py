@@ -18,6 +18,7 @@ tensor leaf, the structure of the result, and any fxtools metadata the GraphModu
 
 from __future__ import annotations
 
+import ast
 import datetime
 import operator
 import os
@@ -288,12 +289,19 @@ class _Function:
     def check_first(self, accepts: str) -> None:
         """Make the function's first line check its arguments against ``accepts`` (its guards)."""
         self.accepts = accepts
-        names = [n.name for n in self.graph.nodes if n.op == "placeholder"]
+        names = self.parameters()  # as the def line spells them: a node's name may differ (``InputMismatch``)
         line = f"    {accepts}.check(({', '.join(names)}{',' if len(names) == 1 else ''}))"
         m = re.search(rf"^def {self.fname}\(.*\):[^\n]*$", self.src, flags=re.M)
         if m is None:
             raise ExportError(f"unexpected code layout: no `def {self.fname}(...)` line")
         self.src = self.src[: m.end()] + "\n" + line + self.src[m.end() :]
+
+    def parameters(self) -> list[str]:
+        """The names of the function's parameters, as its ``def`` line spells them."""
+        tree = ast.parse(self.src)
+        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef))
+        args = fn.args
+        return [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]]
 
     def doc(self) -> list[str]:
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
@@ -345,6 +353,7 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
     pairs, notes = _functions_of(gm)
     taken = (
         {n.name for _, g in pairs for n in g.graph.nodes}
+        | {str(n.target) for _, g in pairs for n in g.graph.nodes if n.op == "placeholder"}  # the def line's names
         | {"torch", "os", "math", "dataclasses"}
         | {f for f, _ in pairs}
         | set(_RUNTIME_NAMES)
@@ -399,7 +408,11 @@ def save(gm, path, *, embed_limit: int = EMBED_LIMIT, name: str | None = None) -
             "",
         ]
     if targets:
-        doc += [f"Constants ({ns}.<name>): " + ", ".join(f"{t} {describe(values[t])}" for t in targets)]
+        doc += [
+            "A snapshot: the tensors the program read from outside its arguments (parameters, closed-over",
+            "tensors) are written here as they were; later changes to the originals are not seen.",
+            f"Constants ({ns}.<name>): " + ", ".join(f"{t} {describe(values[t])}" for t in targets),
+        ]
         if stored:
             doc += [f"stored in {os.path.basename(path)[:-3]}.pt beside this file (torch.save)"]
         doc += [""]

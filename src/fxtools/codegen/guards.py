@@ -401,6 +401,13 @@ class Guards:
             elif spec.kind == "type":
                 if type(value).__name__ != spec.value:
                     self.fail(f"{spec.path} is {_got(value)}, but the module was made for a {spec.value}")
+            elif isinstance(spec.value, torch.nn.Module) and value is not spec.value:
+                self.fail(
+                    f"{spec.path} is {_got(value)} other than the module the code was made with (whose parameters "
+                    "it reads at each call, and whose structure and flags it is specialised to)",
+                    "Pass that module, or generate the module again with this one (or differentiate "
+                    "fxtools.functional(module), which takes the parameters as an argument).",
+                )
             elif not _equal(value, spec.value):
                 self.fail(
                     f"{spec.path} is {value!r}, but the module was made with {spec.value!r}, which its code is specialised to"
@@ -790,7 +797,13 @@ class GuardedGraphModule(fx.GraphModule):
         guards = self.__dict__.get("guards")
         if guards is not None:
             guards.check(args if not kwargs else self._positional(args, kwargs))
-        return super().__call__(*args, **kwargs)
+        closures = self.__dict__.get("closures")
+        if closures is not None:  # what the program read from outside its arguments (codegen/closures.py)
+            closures.check(self)
+        out = super().__call__(*args, **kwargs)
+        if guards is not None and _has_dict(guards.args):
+            out = follow_key_orders(args if not kwargs else self._positional(args, kwargs), out)
+        return out
 
     def _positional(self, args, kwargs):
         try:
@@ -801,13 +814,53 @@ class GuardedGraphModule(fx.GraphModule):
 
     def __reduce__(self):
         _, (body, import_block) = super().__reduce__()
+        body.pop("closures", None)  # a saved module is a snapshot of what it read (codegen/closures.py)
         return _restore, (body, import_block)
 
     def __deepcopy__(self, memo):
-        res = super().__deepcopy__(memo)  # keeps only the attributes the graph reads
+        closures = self.__dict__.pop("closures", None)  # a copy is a snapshot (codegen/closures.py)
+        try:
+            res = super().__deepcopy__(memo)  # keeps only the attributes the graph reads
+        finally:
+            if closures is not None:
+                self.__dict__["closures"] = closures
         if "guards" in self.__dict__:
             res.guards = copy.deepcopy(self.__dict__["guards"], memo)
         return res
+
+
+def _has_dict(specs) -> bool:
+    return any(type(s) is Node and (s.kind == "dict" or _has_dict(s.children)) for s in specs)
+
+
+def _key_orders(value, orders: dict) -> None:
+    """frozenset(keys) -> the order of the dicts in ``value`` with those keys (None where two disagree)."""
+    if isinstance(value, dict):
+        keys = tuple(value)
+        orders[frozenset(keys)] = keys if orders.get(frozenset(keys), keys) == keys else None
+        value = value.values()
+    if isinstance(value, (list, tuple, type({}.values()))):
+        for v in value:
+            _key_orders(v, orders)
+
+
+def follow_key_orders(args, out):
+    """``out`` with each dict in the key order of the argument dict with the same keys, as
+    torch.func returns them (values are matched by key, never by position; the code itself
+    builds its dicts in the example's order)."""
+    orders: dict = {}
+    _key_orders(args, orders)
+
+    def walk(value):
+        if isinstance(value, dict) and type(value) is dict:
+            order = orders.get(frozenset(value))
+            items = {k: walk(v) for k, v in value.items()}
+            return {k: items[k] for k in order} if order is not None and tuple(value) != order else items
+        if type(value) in (list, tuple):
+            return type(value)(walk(v) for v in value)
+        return value
+
+    return walk(out)
 
 
 def _restore(body, import_block):

@@ -43,7 +43,8 @@ __all__ = ["vmap", "trace_batched", "check_vmap_options", "describe", "n_chunks"
 
 
 def vmappable(f):
-    """``f``, with ``.view`` calls of a generated GraphModule turned into ``.reshape``.
+    """``f``, with ``.view`` calls of a generated GraphModule turned into ``.reshape`` (and its
+    ``cond`` calls into ``select_cond``).
 
     fxtools drops ``.contiguous()`` before a ``.view`` when the example value is contiguous; under
     vmap the same value may be a non-contiguous slice of a batched tensor, where only
@@ -51,17 +52,30 @@ def vmappable(f):
     """
     if not isinstance(f, fx.GraphModule):
         return f
-    if not any(n.op == "call_method" and n.target == "view" for n in f.graph.nodes):
+    if not any(_view(n) or n.target is torch.ops.higher_order.cond for n in f.graph.nodes):
         return f
     graph = fx.Graph()
     out = graph.graph_copy(f.graph, {})
     graph.output(out)
     for n in graph.nodes:
-        if n.op == "call_method" and n.target == "view":
+        if _view(n):
             n.target = "reshape"
+        elif n.target is torch.ops.higher_order.cond:
+            n.target = select_cond
     gm = fx.GraphModule(f, graph, class_name=f.__class__.__name__)
     gm.meta.update(getattr(f, "meta", {}))
     return gm
+
+
+def _view(node) -> bool:
+    return node.op == "call_method" and node.target == "view"
+
+
+def select_cond(pred, true_fn, false_fn, operands):
+    """Control flow's ``cond`` under vmap, as its batching rule computes it for a batched predicate:
+    both branches, chosen by ``torch.where`` (PyTorch's rule fails when nothing it is given is
+    batched, as the forward cond of a batched vjp)."""
+    return tuple(torch.where(pred, a, b) for a, b in zip(true_fn(*operands), false_fn(*operands)))
 
 
 def _in_dims_for(in_dims, args):

@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 from ..capture import custom
 from ..capture.functionalize import functionalize
 from ..capture.trace import Captured
-from ..codegen import sizes
+from ..codegen import closures, sizes
 from ..codegen.assemble import assemble
 from ..codegen.guards import install, tangent_role
 from ..codegen.naming import short_op
@@ -268,6 +268,7 @@ def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False, made
     examples = [*args, *(v for _, v in extra_args)]
     install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
     sizes.guard_symbolic(gm.guards, cap, examples)
+    closures.attach(gm, cap.reads, made_by)
     return remember_inputs(gm)
 
 

@@ -8,6 +8,8 @@ whose calls first check that the arguments are what it was made for (``fxtools.c
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
@@ -15,7 +17,7 @@ from torch.utils import _pytree as pytree
 from .. import rules  # noqa: F401  (registers fxtools' own rules)
 from ..capture.functionalize import functionalize
 from ..capture.trace import Captured, capture, check_supported
-from ..codegen import sizes
+from ..codegen import closures, sizes
 from ..codegen.assemble import assemble
 from ..codegen.draw import PART_KEY
 from ..codegen.guards import OptionalTensor, cotangent_role, install
@@ -46,6 +48,14 @@ _argnums_tuple = argnums_tuple  # the name higher.py imports
 def prepare(f, args, argnums, dynamic_shapes=None, has_aux=False, made_by="fxtools"):
     if not isinstance(args, tuple):
         args = tuple(args)
+    for i in argnums:
+        if isinstance(args[i], torch.nn.Module):
+            name = _names(f, args)[i]
+            raise ValueError(
+                f"{made_by}: argument {name} (argnums {i}) is an nn.Module; fxtools differentiates tensors. "
+                f"Differentiate fxtools.functional({name}), which takes its parameters as a dict, or leave it out "
+                "of argnums (a module argument is read as the program's state, its parameters at each call)."
+            )
     cap = capture(f, args, dynamic_shapes=dynamic_shapes)
     sizes.check(cap.symbolic, cap.gm)  # the program itself specialised a marked size
     if has_aux:
@@ -165,6 +175,7 @@ def _finish(cap, flat_gm, args, build, made_by, extra_args=(), guard_extra=None)
     examples = [*args, *extra]
     install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
     sizes.guard_symbolic(gm.guards, cap, examples)
+    closures.attach(gm, cap.reads, made_by)
     return remember_inputs(gm)
 
 
@@ -253,19 +264,45 @@ def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None, has_aux=False):
 
 
 @transform("fxtools.grad")
-def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
+def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> fx.GraphModule:
     """The gradient of scalar-valued ``f`` at example ``args``: ``gm(*args) -> grads``.
 
     As ``torch.func.grad``: ``argnums`` (int or tuple) picks the arguments differentiated;
     for an int the result has that argument's structure, for a tuple it is a tuple of those.
     ``has_aux=True``: ``f`` returns ``(loss, aux)`` and ``gm(*args) -> (grads, aux)``.
+    Other keyword arguments are example keyword arguments of ``f``, passed through and not
+    differentiated, as torch.func passes them: ``fxtools.grad(f, x, scale=2.0)`` makes a module
+    called as ``gm(x, scale=2.0)``.
     """
+    f, args = with_keywords(f, args, kwargs)
     return _grad_gm(f, args, argnums, with_value=False, dynamic_shapes=dynamic_shapes, has_aux=has_aux)
 
 
 @transform("fxtools.value_and_grad")
-def value_and_grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
+def value_and_grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> fx.GraphModule:
     """Like ``grad``, but ``gm(*args) -> (value, grads)``; with ``has_aux=True``,
     ``gm(*args) -> ((value, aux), grads)``, as ``jax.value_and_grad`` (``torch.func.grad_and_value``
-    returns the same two items the other way round)."""
+    returns the same two items the other way round). Keyword arguments as on ``grad``."""
+    f, args = with_keywords(f, args, kwargs)
     return _grad_gm(f, args, argnums, with_value=True, dynamic_shapes=dynamic_shapes, has_aux=has_aux)
+
+
+def with_keywords(f, args: tuple, kwargs: dict):
+    """``f`` taking its keyword arguments ``kwargs`` as further positional arguments named by
+    their keywords (so the generated module's signature is ``(*args, *keywords)`` and it may be
+    called with them by keyword), and the example arguments to match."""
+    if not kwargs:
+        return f, args
+    n, keys = len(args), tuple(kwargs)
+    names = arg_names(f.forward if isinstance(f, torch.nn.Module) else f, n)
+    clash = sorted(set(keys) & set(names))
+    if clash:
+        raise TypeError(f"{getattr(f, '__name__', 'f')}() got multiple values for argument {clash[0]!r}")
+
+    def call(*a):
+        return f(*a[:n], **dict(zip(keys, a[n:])))
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    call.__signature__ = inspect.Signature([inspect.Parameter(k, kind) for k in (*names, *keys)])  # type: ignore[attr-defined]
+    call.__name__ = getattr(f, "__name__", type(f).__name__)
+    return call, (*args, *kwargs.values())

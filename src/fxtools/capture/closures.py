@@ -1,0 +1,246 @@
+"""What a program reads from outside its arguments, recorded when it is captured.
+
+The walk starts at the function (or module, or callable object) being traced and follows what its
+code loads by name (``LOAD_GLOBAL``, closure cells), the functions it calls by name (in user
+files, two levels deep), the modules it reaches (their parameters, buffers, submodules, and the
+attributes their ``forward`` names) and the attributes of plain objects it closes over. Each read
+becomes a ``codegen.closures.Read``: tensors (read by reference on every call of the generated
+module), Python values (guarded by value), modules and functions (guarded by identity). The
+walk over-approximates (a global named in a branch not taken is guarded too): a change there is
+refused rather than silently ignored. See ``docs/closures.md``.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import inspect
+import linecache
+import types
+
+import torch
+
+from ..codegen.closures import MISSING, Read, is_constant, reads_of, same_value, snapshot
+from ..codegen.naming import identifier
+from ..errors import FXTOOLS_DIR, is_user_file
+
+_DEPTH = 2  # how deep the walk follows functions called by name
+
+
+def _line(code, lineno) -> str:
+    text = linecache.getline(code.co_filename, lineno).strip() if lineno else ""
+    return f"{code.co_filename}:{lineno}: {text}" if lineno else code.co_filename
+
+
+def _loads(code):
+    """``(opname kind, name, line)`` for each name ``code`` (and the code nested in it) loads."""
+    for ins in dis.get_instructions(code):
+        kind = {"LOAD_GLOBAL": "global", "LOAD_NAME": "global", "LOAD_DEREF": "cell", "LOAD_CLASSDEREF": "cell"}.get(
+            ins.opname, "attr" if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") else None
+        )
+        if kind is not None and isinstance(ins.argval, str):
+            yield kind, ins.argval, _line(code, ins.positions.lineno if ins.positions else None)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            yield from _loads(const)
+
+
+def _cell_get(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return MISSING
+
+
+class _Walk:
+    """The reads of one program (see module docstring): ``self.reads``, in checking order."""
+
+    def __init__(self):
+        self.reads: list[Read] = []
+        self.attr_names: set[str] = {"training"}
+        self.objects: list = []  # (object, its path in messages, a getter-maker for its attributes)
+        self.seen: set[int] = set()
+        self.codes: set[int] = set()
+
+    def root(self, f) -> None:
+        if id(f) in self.seen:
+            return
+        if isinstance(f, torch.nn.Module):
+            self.obj(f, "", type(f).__name__ + ".")
+            return
+        module = getattr(f, "__fxtools_module__", None)
+        if isinstance(module, torch.nn.Module):
+            self.obj(module, "", type(module).__name__ + ".")
+        if inspect.ismethod(f):
+            self.obj(f.__self__, "", type(f.__self__).__name__ + ".")
+        if inspect.isfunction(f) or inspect.ismethod(f):
+            self.seen.add(id(f))
+            self.function(f, 0)
+        elif callable(f) and not isinstance(f, (type, types.BuiltinFunctionType)) and hasattr(f, "__dict__"):
+            self.obj(f, "", type(f).__name__ + ".")
+
+    def function(self, fn, depth) -> None:
+        wrapped = getattr(fn, "__wrapped__", None)  # functools.wraps: torch.func.vmap(f), a decorator
+        if wrapped is not None and wrapped is not fn:
+            self.root(wrapped) if depth == 0 else self.function(wrapped, depth)
+        code = getattr(fn, "__code__", None)
+        if code is None or id(code) in self.codes or depth > _DEPTH:
+            return
+        self.codes.add(id(code))
+        globals_ = getattr(fn, "__globals__", {})
+        cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
+        if code.co_filename.startswith(FXTOOLS_DIR) and not is_user_file(code.co_filename):
+            self._wrapper_cells(cells, depth)
+            return
+        user = is_user_file(code.co_filename) or code.co_filename.startswith("<")  # exec'd code, the REPL
+        for kind, name, where in _loads(code):
+            if kind == "attr":
+                self.attr_names.add(name)
+            elif not user:
+                continue
+            elif kind == "global" and name in globals_:
+                get = functools.partial(dict.get, globals_, name, MISSING)
+                self.value(globals_[name], get, f"the global {name}", where, name, depth)
+            elif kind == "cell" and name in cells:
+                value = _cell_get(cells[name])
+                if value is not MISSING:
+                    get = functools.partial(_cell_get, cells[name])
+                    self.value(value, get, f"the closure variable {name}", where, name, depth)
+
+    def _wrapper_cells(self, cells, depth) -> None:
+        """fxtools' own wrappers (a transform of a generated module): follow what they call, whose
+        reads are the program's; their other variables are fxtools' and never change."""
+        for cell in cells.values():
+            value = _cell_get(cell)
+            if isinstance(value, torch.nn.Module):
+                self.obj(value, "", type(value).__name__ + ".")
+            elif callable(value) and not isinstance(value, type):
+                self.root(value) if inspect.isfunction(value) is False else self.function(value, depth)
+
+    def value(self, value, get, what, where, name, depth) -> None:
+        """One object read by name: a tensor, a value, or a module / object / function to follow."""
+        if isinstance(value, torch.Tensor):
+            self.reads.append(Read(what, get, "tensor", value, where, identifier(name)))
+        elif isinstance(value, (types.ModuleType, type)) or inspect.isbuiltin(value):
+            return
+        elif is_constant(value):
+            self.reads.append(Read(what, get, "value", value, where))
+        elif inspect.isfunction(value):
+            self.reads.append(Read(what, get, "same", value, where))
+            self.function(value, depth + 1)
+        elif isinstance(value, torch.nn.Module) or snapshot(value) is None:
+            if id(value) not in self.seen:
+                self.reads.append(Read(what, get, "same", value, where))
+            self.obj(value, name + ".", name + ".")
+        else:
+            self.reads.append(Read(what, get, "value", snapshot(value), where, mutable=True))
+
+    def obj(self, obj, prefix, label) -> None:
+        """A module or plain object the program reached: its tensors, submodules, and (later) the
+        Python values among its attributes that the code names. ``prefix`` starts the identifiers
+        of its tensors in the code (``model.``), ``label`` their names in messages."""
+        if id(obj) in self.seen:
+            return
+        self.seen.add(id(obj))
+        inherited = reads_of(obj)
+        if inherited:  # a generated module: what it reads is what its own program read
+            self.reads.extend(inherited)
+            return
+        self.objects.append((obj, label))
+        cls = type(obj)
+        for attr in ("forward", "__call__"):
+            fn = inspect.getattr_static(cls, attr, None)
+            if inspect.isfunction(fn) and not (attr == "__call__" and isinstance(obj, torch.nn.Module)):
+                self.function(fn, 1)
+        if isinstance(obj, torch.nn.Module):
+            self._module(obj, prefix, label)
+        elif type(obj).__module__.startswith("fxtools."):  # fxtools' wrapper of a generated module
+            for value in list(getattr(obj, "__dict__", {}).values()):
+                if isinstance(value, torch.nn.Module):
+                    self.obj(value, "", type(value).__name__ + ".")
+        elif type(obj) is dict:  # a dict of tensors (``params['w']``)
+            for key, value in list(obj.items()):
+                if isinstance(key, str) and isinstance(value, (torch.Tensor, torch.nn.Module)):
+                    get = functools.partial(dict.get, obj, key, MISSING)
+                    self.value(value, get, f"{label[:-1]}[{key!r}]", None, f"{prefix}{key}", _DEPTH)
+        else:
+            for name, value in list(getattr(obj, "__dict__", {}).items()):
+                if isinstance(value, (torch.Tensor, torch.nn.Module)):
+                    get = functools.partial(getattr, obj, name, MISSING)
+                    self.value(value, get, label + name, None, prefix + name, _DEPTH)
+
+    def _module(self, module, prefix, label) -> None:
+        tables = (module._parameters, module._buffers, module.__dict__)
+        for table in tables:  # read from the table itself: nn.Module.__getattr__ is slow
+            for name, t in list(table.items()):
+                if isinstance(t, torch.Tensor):
+                    get = functools.partial(dict.get, table, name, MISSING)
+                    self.reads.append(Read(label + name, get, "tensor", t, None, identifier(prefix + name)))
+        for name, sub in module._modules.items():
+            if sub is not None:
+                get = functools.partial(dict.get, module._modules, name, MISSING)
+                if id(sub) not in self.seen:
+                    self.reads.append(Read(label + name, get, "same", sub))
+                self.obj(sub, f"{prefix}{name}.", f"{label}{name}.")
+
+    def values_of_objects(self) -> None:
+        """The Python values among the reached objects' attributes that some walked code names."""
+        for obj, label in self.objects:
+            for name, value in list(getattr(obj, "__dict__", {}).items()):
+                if name not in self.attr_names or isinstance(value, torch.Tensor):
+                    continue
+                get = functools.partial(dict.get, obj.__dict__, name, MISSING)
+                if is_constant(value):
+                    self.reads.append(Read(label + name, get, "value", value))
+                elif not callable(value) and snapshot(value) is not None:
+                    self.reads.append(Read(label + name, get, "value", snapshot(value), mutable=True))
+
+
+def outside_reads(f, module_args=None) -> list[Read]:
+    """Every read of ``f`` from outside its arguments (see module docstring), in checking order:
+    an object's identity before what is read through it. ``module_args`` (name -> module): the
+    ``nn.Module`` arguments, whose identity the argument guards check and whose tensors are
+    read as closed-over ones."""
+    walk = _Walk()
+    for name, module in (module_args or {}).items():
+        walk.obj(module, name + ".", name + ".")
+    walk.root(f)
+    walk.values_of_objects()
+    return walk.reads
+
+
+def unchanged_by_tracing(reads: list[Read]) -> list[Read]:
+    """The reads whose values tracing left alone: a value the program itself changes (a counter it
+    bumps) is its own state, which generated code does not replay, and is not guarded."""
+    keep = []
+    for read in reads:
+        now = read.get()
+        if read.kind == "tensor" or now is read.expected or (read.kind == "value" and _same_value(read, now)):
+            keep.append(read)
+    return keep
+
+
+def _same_value(read, now) -> bool:
+    return now is not MISSING and same_value(snapshot(now) if read.mutable else now, read.expected)
+
+
+def tensor_names(reads: list[Read]) -> dict[int, str]:
+    """id(tensor) -> the identifier the code gives it (``model_fc_weight``, ``w``)."""
+    names: dict[int, str] = {}
+    for read in reads:
+        if read.kind == "tensor" and read.name:
+            names.setdefault(id(read.expected), read.name)
+    return names
+
+
+def locate(gm, reads: list[Read]) -> None:
+    """Give tensor reads without a line (a module's parameters) the user's line of the first op
+    of ``gm`` that uses them."""
+    from ..errors import user_line_of
+
+    by_id = {id(r.expected): r for r in reads if r.kind == "tensor" and r.where is None}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.users:
+            read = by_id.get(id(getattr(gm, node.target, None)))
+            if read is not None:
+                read.where = user_line_of(next(iter(node.users)))

@@ -1,0 +1,195 @@
+"""Closed-over state: what a generated module read from outside its arguments, checked on every call.
+
+A program reads more than its arguments: a module's parameters and flags, globals, the variables
+a lambda closes over. fxtools traces it once, so without care a later change to any of them would
+leave the generated code computing with the old one. The rules (``docs/closures.md``):
+
+- a **tensor** read from outside (a parameter, a buffer, a closed-over or global tensor) is read
+  by reference on every call: in-place updates (optimizer steps) are seen, and a tensor rebound to
+  a new object of the same shape, dtype and device (``model.fc.weight = nn.Parameter(...)``) is
+  read in its place; any other new value is refused;
+- a **Python value** (a number, flag, string, tuple, a plain config object's attributes, a module's
+  ``training`` flag) is a constant of the code: it is guarded, and a call after it changed is
+  refused;
+- a **module or function** the program reached (a submodule, a helper called by name) must still
+  be the same object.
+
+A refusal is an ``InputMismatch`` naming what changed and the user's line that read it. The
+capture stage records the reads (``capture/closures.py``); this module is the check that
+``GuardedGraphModule.__call__`` runs after the argument guards. Copies (``copy.deepcopy``,
+``torch.save``, ``fxtools.save``) are snapshots: they keep the values they hold and check nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .guards import InputMismatch, _desc, _got, _is_scalar, _same, _snapshot
+
+MISSING = object()  # what a getter returns for a name that no longer exists
+
+
+def is_constant(value) -> bool:
+    """Whether generated code would hold ``value`` as a constant compared by value (a number,
+    bool, string, dtype, None, a tuple of them), as the argument guards do."""
+    return value is None or _is_scalar(value)
+
+
+def snapshot(value):
+    """A plain object's attributes (or a dict's items) as nested tuples of built-in values, or None
+    (``guards``)."""
+    inside = value if type(value) is dict else getattr(value, "__dict__", None)
+    if isinstance(value, torch.Tensor) or (
+        isinstance(inside, dict) and any(isinstance(v, (torch.Tensor, torch.nn.Module)) for v in inside.values())
+    ):
+        return None  # holds tensors: read by reference (capture/closures.py), not compared
+    if type(value) is dict:
+        items = tuple((k, _snapshot(v)) for k, v in value.items())
+        plain = all(type(k) is str and (s is not None or v is None) for (k, s), v in zip(items, value.values()))
+        return ("dict", items) if plain else None
+    return _snapshot(value)
+
+
+def same_value(a, b) -> bool:
+    """Python values as code saw them: same type, floats bitwise (``guards``)."""
+    return _same(a, b)
+
+
+@dataclasses.dataclass(eq=False)
+class Read:
+    """One object the program read from outside its arguments.
+
+    ``get()`` reads the current object; ``kind`` is "tensor" (read by reference), "value" (compared
+    with ``expected``, a snapshot) or "same" (must be ``expected`` itself); ``what`` names it in
+    messages (``the global scale``, ``model.fc.weight``), ``where`` is the user's line reading it;
+    ``name`` is the identifier a tensor gets in the code.
+    """
+
+    what: str
+    get: Callable[[], Any] = dataclasses.field(repr=False)
+    kind: str
+    expected: object
+    where: str | None = None
+    name: str | None = None
+    mutable: bool = False  # a plain object compared by its attributes, even when it is the same object
+
+
+class Closures:
+    """The reads of one generated module: ``check(gm)`` before each call (see module docstring)."""
+
+    def __init__(self, made_by: str, tensors, others):
+        self.made_by = made_by
+        self.tensors = tuple(tensors)  # (Read, attribute path in the module)
+        self.others = tuple(others)
+        self.seen = [read.expected for read, _ in self.tensors]
+        # flat tuples for the loop of every call (a few hundred nanoseconds a read)
+        self._fixed = tuple((r.get, r.expected, r) for r in self.others if not r.mutable)
+        self._mutable = tuple(r for r in self.others if r.mutable)
+        self._tensor_gets = tuple((r.get, r.expected.shape) for r, _ in self.tensors)
+
+    def check(self, gm: fx.GraphModule) -> None:
+        """Refuse a changed value or object; make the module read tensors rebound since the last call."""
+        for get, expected, read in self._fixed:
+            if get() is not expected:
+                now = get()
+                if read.kind == "same" or now is MISSING or not _same(now, expected):
+                    self._changed(read, now)
+        for read in self._mutable:
+            now = read.get()
+            if now is MISSING or not _same(snapshot(now), read.expected):
+                self._changed(read, now)
+        seen = self.seen
+        for i, (get, shape) in enumerate(self._tensor_gets):
+            now = get()
+            if now is not seen[i]:
+                self._rebind(gm, i, now)
+            elif now.shape != shape:  # the same tensor, given another shape (``p.data = ...``)
+                self._refuse_tensor(self.tensors[i][0], now)
+
+    def _rebind(self, gm, i, now) -> None:
+        read, attr = self.tensors[i]
+        want = read.expected
+        if not (
+            isinstance(now, torch.Tensor) and now.shape == want.shape and now.dtype == want.dtype and now.device == want.device
+        ):
+            self._refuse_tensor(read, now)
+        owner_path, _, name = attr.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        for table in (owner._parameters, owner._buffers):
+            if name in table:
+                table[name] = now
+                break
+        else:
+            owner.__dict__[name] = now
+        self.seen[i] = now
+
+    def _refuse_tensor(self, read, now) -> None:
+        got = "gone" if now is MISSING else _got(now)
+        want = read.expected
+        self._fail(
+            read,
+            f"is now {got}, but the module was made with a tensor {_desc(want.shape, want.dtype, want.device.type)}, "
+            "which its code is specialised to (a tensor of that shape, dtype and device would be read in its place)",
+        )
+
+    def _changed(self, read, now) -> None:
+        if now is MISSING:
+            self._fail(read, "no longer exists")
+        if read.kind == "same":
+            self._fail(read, f"was replaced by another object ({_got(now)}) after the module was made from the old one")
+        shown = repr(now) if not read.mutable else f"a {type(now).__name__} whose contents changed"
+        self._fail(read, f"is now {shown}, but the module was made with {read.expected!r}, a value its code uses as a constant")
+
+    def _fail(self, read, problem) -> None:
+        where = f" (read at {read.where})" if read.where else ""
+        raise InputMismatch(
+            f"{self.made_by} module: {read.what}{where} {problem}. The generated code reads tensors from outside its "
+            "arguments at each call, but Python values, modules and functions are fixed when it is made: generate the "
+            "module again after changing them, or pass the value as an argument."
+        )
+
+    def __len__(self):
+        return len(self.tensors) + len(self.others)
+
+
+def attach(gm: fx.GraphModule, reads, made_by: str) -> None:
+    """Give ``gm`` (a GuardedGraphModule) the checks of ``reads`` (capture/closures.py): the
+    tensor reads it holds as attributes (by identity), and every other read."""
+    reads = list({id(r): r for r in reads}.values())  # composed transforms inherit reads more than once
+    by_id = {id(r.expected): r for r in reads if r.kind == "tensor"}
+    tensors, taken = [], set()
+    for path, value in _tensor_attributes(gm):
+        read = by_id.get(id(value))
+        if read is not None and read.expected is value and path not in taken:
+            tensors.append((read, path))
+            taken.add(path)
+    others = [r for r in reads if r.kind != "tensor"]
+    if tensors or others:
+        gm.__dict__["closures"] = Closures(made_by, tensors, others)
+
+
+def _tensor_attributes(gm: fx.GraphModule):
+    """(attribute path, tensor) for every tensor a get_attr node of ``gm`` or its subgraphs reads."""
+    for prefix, module in gm.named_modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op == "get_attr":
+                value: Any = module
+                for part in node.target.split("."):
+                    value = getattr(value, part, None)
+                if isinstance(value, torch.Tensor):
+                    yield (f"{prefix}.{node.target}" if prefix else node.target), value
+
+
+def reads_of(gm) -> list:
+    """The reads a generated module checks (empty for other modules): composed transforms inherit them."""
+    closures = getattr(gm, "__dict__", {}).get("closures")
+    if closures is None:
+        return []
+    return [*(read for read, _ in closures.tensors), *closures.others]

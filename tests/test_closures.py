@@ -1,0 +1,308 @@
+"""Closed-over state (docs/closures.md): what a program reads from outside its arguments is read
+again at every call (tensors) or guarded (Python values, modules, functions), never stale.
+
+Oracles: torch.func in float64 on the state as it is at the call. The fuzzer axis at the end
+closes random programs (tests/fuzz_programs.py) over one of their inputs and a Python float,
+then changes them: every answer is exact or an InputMismatch.
+"""
+
+import copy
+import pickle
+
+import fuzz_programs
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import fxtools
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def close(a, b):
+    for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)):
+        torch.testing.assert_close(x.detach(), y.detach(), **TOL)
+
+
+SCALE = 2.0
+W = torch.randn(3, dtype=torch.float64)
+
+
+def reads_globals(x):
+    return (x * W * SCALE).sin().sum()
+
+
+def test_global_float_changed_is_refused_naming_it_and_the_line():
+    global SCALE
+    x = torch.randn(4, 3)
+    gm = fxtools.grad(reads_globals, x)
+    close(gm(x), torch.func.grad(reads_globals)(x))
+    old = SCALE
+    SCALE = 3.0
+    try:
+        with pytest.raises(
+            fxtools.InputMismatch, match=r"the global SCALE \(read at .*test_closures.py:\d+: return \(x \* W \* SCALE\)"
+        ):
+            gm(x)
+    finally:
+        SCALE = old
+    close(gm(x), torch.func.grad(reads_globals)(x))  # back as it was: accepted again
+
+
+def test_global_tensor_rebound_is_read_and_another_shape_refused():
+    global W
+    x = torch.randn(4, 3)
+    gm = fxtools.grad(reads_globals, x)
+    old = W
+    try:
+        W = torch.randn(3)
+        close(gm(x), torch.func.grad(reads_globals)(x))
+        W.mul_(-2)  # in place: seen too
+        close(gm(x), torch.func.grad(reads_globals)(x))
+        W = torch.randn(1)  # would broadcast silently: refused
+        with pytest.raises(fxtools.InputMismatch, match=r"the global W .* float64\[1\].*float64\[3\]"):
+            gm(x)
+    finally:
+        W = old
+
+
+def test_replaced_parameter_of_a_closed_over_module_is_read():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+
+    def f(x):
+        return model(x).sum()
+
+    x = torch.randn(5, 3)
+    gm = fxtools.grad(f, x)
+    close(gm(x), torch.func.grad(f)(x))
+    model[0].weight = torch.nn.Parameter(torch.randn(4, 3))
+    close(gm(x), torch.func.grad(f)(x))
+    with torch.no_grad():  # an optimizer step
+        for p in model.parameters():
+            p.sub_(0.1 * torch.ones_like(p))
+    close(gm(x), torch.func.grad(f)(x))
+    model[0].weight.data = torch.randn(2, 3)  # the same Parameter, another shape
+    with pytest.raises(fxtools.InputMismatch, match=r"model\.0\.weight"):
+        gm(x)
+
+
+def test_module_flags_submodules_and_attributes_are_guarded():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 3)
+            self.drop = torch.nn.Dropout(0.5)
+            self.scale = 0.5
+
+        def forward(self, x):
+            return self.drop(self.fc(x)) * self.scale
+
+    net = Net().eval()
+    x = torch.randn(2, 3)
+    gm = fxtools.grad(lambda x: net(x).sum(), x)
+    net.scale = 0.25
+    with pytest.raises(fxtools.InputMismatch, match=r"net\.scale .* 0\.25"):
+        gm(x)
+    net.scale = 0.5
+    net.train()
+    with pytest.raises(fxtools.InputMismatch, match=r"net\.training is now True"):
+        gm(x)
+    net.eval()
+    net.fc = torch.nn.Linear(3, 3)
+    with pytest.raises(fxtools.InputMismatch, match=r"net\.fc was replaced"):
+        gm(x)
+
+
+def test_callable_object_and_closure_cells():
+    class Loss:
+        def __init__(self, w):
+            self.w = w
+            self.p = 2.0
+
+        def __call__(self, x):
+            return ((x - self.w) ** self.p).sum()
+
+    x = torch.randn(4)
+    loss = Loss(torch.randn(4))
+    gm = fxtools.grad(loss, x)
+    loss.w = torch.randn(4)
+    close(gm(x), torch.func.grad(loss)(x))
+    loss.p = 3.0
+    with pytest.raises(fxtools.InputMismatch, match=r"Loss\.p"):
+        gm(x)
+
+    def make():
+        k = torch.randn(4)
+        c = 1.5
+
+        def f(x):
+            return (x * k).exp().sum() * c
+
+        def set_k(new, new_c=1.5):
+            nonlocal k, c
+            k, c = new, new_c
+
+        return f, set_k
+
+    f, set_k = make()
+    gm = fxtools.vjp(f, x)
+    set_k(torch.randn(4))
+    one = torch.tensor(1.0)
+    close(gm(x, one), (f(x), torch.func.vjp(f, x)[1](one)))
+    set_k(torch.randn(4), 2.5)
+    with pytest.raises(fxtools.InputMismatch, match=r"the closure variable c"):
+        gm(x, one)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "hvp", "vmap", "jacrev", "hessian"])
+def test_composed_transforms_read_the_current_tensor(transform):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
+
+    def f(x):
+        return model(x).pow(2).sum()
+
+    x = torch.randn(3)
+    oracle = {
+        "jvp": (lambda: fxtools.jvp(f, x), lambda gm: gm(x, x), lambda: torch.func.jvp(f, (x,), (x,))),
+        "hvp": (lambda: fxtools.hvp(f, x), lambda gm: gm(x, x), lambda: torch.func.jvp(torch.func.grad(f), (x,), (x,))[1]),
+        "vmap": (
+            lambda: fxtools.vmap(f, x.expand(2, 3)),
+            lambda gm: gm(x.expand(2, 3)),
+            lambda: torch.func.vmap(f)(x.expand(2, 3)),
+        ),
+        "jacrev": (lambda: fxtools.jacrev(model, x), lambda gm: gm(x), lambda: torch.func.jacrev(model)(x)),
+        "hessian": (lambda: fxtools.hessian(f, x), lambda gm: gm(x), lambda: torch.func.hessian(f)(x)),
+    }[transform]
+    build, call, want = oracle
+    gm = build()
+    model[0].weight = torch.nn.Parameter(torch.randn(3, 3))
+    close(call(gm), want())
+    model.train(False)
+    with pytest.raises(fxtools.InputMismatch, match="training"):
+        call(gm)
+
+
+def test_copies_and_saved_modules_are_snapshots(tmp_path):
+    model = torch.nn.Linear(3, 1)
+    x = torch.randn(2, 3)
+    gm = fxtools.grad(lambda x: model(x).sum(), x)
+    before = gm(x)
+    text = fxtools.save(gm, tmp_path / "g.py")
+    assert "A snapshot" in text
+    copied, loaded = copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))
+    model.weight = torch.nn.Parameter(torch.randn(1, 3))
+    close(gm(x), torch.func.grad(lambda x: model(x).sum())(x))
+    close(copied(x), before)
+    close(loaded(x), before)
+
+
+def test_state_the_program_changes_itself_is_not_guarded():
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x.sin().sum()
+
+    c = Counter()
+    x = torch.randn(3)
+    gm = fxtools.grad(c, x)
+    c(x)
+    close(gm(x), x.cos())
+
+
+# ---- the fuzzer's closure axis ----
+
+
+def _closed_over(p, k):
+    """Program ``p`` with its float input ``k`` closed over (a cell) and its outputs scaled by a
+    closed-over Python float; ``set_state(w, scale)`` rebinds both."""
+    fn, w, scale = p.fn, p.args[k], 1.5
+
+    def g(*rest):
+        args = [*rest[:k], w, *rest[k:]]
+        return [t * scale for t in pytree.tree_leaves(fn(*args)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+    def set_state(new_w, new_scale=1.5):
+        nonlocal w, scale
+        w, scale = new_w, new_scale
+
+    return g, set_state
+
+
+N_CLOSURE = 24
+
+
+@pytest.mark.parametrize("group", range(2))
+def test_fuzz_closure_axis(group):
+    """Random programs closed over one of their float inputs and a float: after rebinding the
+    tensor (another sample, and in place) the vjp is exact; after changing the float or the
+    tensor's shape it refuses. Never a stale answer."""
+    failures = []
+    for i in range(group * N_CLOSURE // 2, (group + 1) * N_CLOSURE // 2):
+        p = fuzz_programs.program(i, 7)
+        if not p.float_args:
+            continue
+        k = p.float_args[i % len(p.float_args)]
+        g, set_state = _closed_over(p, k)
+        rest = [a for j, a in enumerate(p.args) if j != k]
+        try:
+            out = g(*rest)
+            ct = [torch.randn_like(t) for t in out]
+            gm = fxtools.vjp(g, *rest)
+            for step in ("rebound", "in place"):
+                new = p.inputs[k].vals[1 if step == "rebound" else 2].clone()
+                set_state(new)
+                if step == "in place":
+                    new.mul_(-1.0)  # through the same object
+                floats = [j for j, a in enumerate(rest) if a.is_floating_point()]
+
+                def of_floats(*xs):
+                    args = list(rest)
+                    for j, x in zip(floats, xs):
+                        args[j] = x
+                    return g(*args)
+
+                want_out, pull = torch.func.vjp(of_floats, *(rest[j] for j in floats))
+                got_out, got_grads = gm(*rest, ct)
+                close(got_out, want_out)
+                close([got_grads[j] for j in floats], pull(ct))
+            changes = [("scale", (new, 2.5))]
+            if any(r.what == "the closure variable w" for r, _ in gm.closures.tensors):  # not if w is dead code
+                changes.append(("w", (torch.randn(*new.shape, 2), 1.5)))
+            for name, state in changes:
+                set_state(*state)
+                try:
+                    gm(*rest, ct)
+                    failures.append(f"program {i}: {name} changed, and the stale module answered\n{p}")
+                except fxtools.InputMismatch as exc:
+                    assert f"closure variable {name}" in str(exc), str(exc)
+        except Exception as exc:  # noqa: BLE001 - collected, reported with the program
+            failures.append(f"program {i} (seed 7), input {k} closed over: {type(exc).__name__}: {exc}\n{p}")
+    assert not failures, "\n\n".join(failures)
+
+
+CFG = {"scale": 2.0, "act": "tanh"}
+PARAMS = {"w": torch.randn(3, dtype=torch.float64)}
+
+
+def reads_dicts(x):
+    return (x * PARAMS["w"] * CFG["scale"]).tanh().sum()
+
+
+def test_global_dicts_of_tensors_and_of_values():
+    x = torch.randn(4, 3)
+    gm = fxtools.grad(reads_dicts, x)
+    old_w = PARAMS["w"]
+    try:
+        PARAMS["w"] = torch.randn(3)
+        close(gm(x), torch.func.grad(reads_dicts)(x))
+        CFG["scale"] = 3.0
+        with pytest.raises(fxtools.InputMismatch, match="the global CFG .* whose contents changed"):
+            gm(x)
+    finally:
+        PARAMS["w"], CFG["scale"] = old_w, 2.0
