@@ -20,6 +20,7 @@ would escape the trace: ``.data`` (read as ``detach()``, assignment refused) and
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -283,9 +284,102 @@ ATTRIBUTES = {
 }
 
 
+# --- the generator's state ------------------------------------------------------------------
+# ``torch.manual_seed`` and ``torch.get_rng_state`` / ``set_rng_state`` (also through
+# ``torch.random.fork_rng`` and PyTorch's ``freeze_rng_state``) touch no tensor, so a trace would
+# drop them and the generated code would draw other numbers than eager does. While capturing they
+# are sent to stand-ins that, under a trace, add a node calling themselves (so every later trace of
+# the graph records them again) and leave the real generator alone; run, they call PyTorch's
+# function. They print as ``torch.manual_seed`` etc., and are declared side-effectful, so no pass
+# removes or merges them.
+
+_RNG_STATES: dict[int, fx.Proxy] = {}  # id(state tensor handed to the program) -> its get_rng_state node
+
+
+def _tracer():
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    return None if mode is None else mode.tracer
+
+
+def _rng_function(real):
+    """The stand-in for ``torch.random.<name>`` (see above), printed as ``torch.<name>``."""
+    name = real.__name__
+
+    def stand_in(*args):
+        tracer = _tracer()
+        if tracer is None:
+            return real(*args)
+        return _RNG_TRACED[name](tracer, stand_in, *args)
+
+    stand_in.__module__, stand_in.__name__, stand_in.__qualname__ = "torch", name, name
+    stand_in.__doc__ = f"torch.{name}, recorded when traced (capture/replacements.py)."
+    return fx.node.has_side_effect(stand_in)
+
+
+def _traced_manual_seed(tracer, target, seed):
+    """``torch.manual_seed(seed)``: the seed must be a Python int (it is part of the code)."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise FxtoolsError(
+            f"torch.manual_seed at {current_user_line()} is given a {type(seed).__name__}: fxtools records the seed "
+            "in the generated code, so it must be a Python int."
+        )
+    tracer.create_proxy("call_function", target, (seed,), {})
+    return torch.random.default_generator
+
+
+def _traced_get_rng_state(tracer, target):
+    """``torch.get_rng_state()``: the program gets today's state, to hand back to ``set_rng_state``
+    (any other use of it would bake today's state into the code)."""
+    import weakref
+
+    state = torch.random.default_generator.get_state()
+    proxy = tracer.create_proxy("call_function", target, (), {})
+    proxy.node.meta["val"] = state
+    _RNG_STATES[id(state)] = proxy
+    weakref.finalize(state, _RNG_STATES.pop, id(state), None)
+    return state
+
+
+def _traced_set_rng_state(tracer, target, new_state):
+    """``torch.set_rng_state(state)``, for a state read by ``get_rng_state`` in the same program."""
+    proxy = _RNG_STATES.get(id(new_state))
+    if proxy is None or proxy.tracer is not tracer:
+        raise FxtoolsError(
+            f"torch.set_rng_state at {current_user_line()} sets a state the program did not read with "
+            "torch.get_rng_state: fxtools would have to bake the generator's state into the code. Read it "
+            "in the function (torch.get_rng_state()), or seed with torch.manual_seed(int)."
+        )
+    tracer.create_proxy("call_function", target, (proxy,), {})
+
+
+_RNG_TRACED = {
+    "manual_seed": _traced_manual_seed,
+    "get_rng_state": _traced_get_rng_state,
+    "set_rng_state": _traced_set_rng_state,
+}
+RNG_FUNCTIONS = {name: _rng_function(getattr(torch.random, name)) for name in _RNG_TRACED}
+
+
+@contextlib.contextmanager
+def recording_rng_state():
+    """Send ``torch.manual_seed``, ``torch.get_rng_state`` and ``torch.set_rng_state`` (also as
+    ``torch.random.*``) to their stand-ins."""
+    saved = [(module, name, getattr(module, name)) for module in (torch, torch.random) for name in RNG_FUNCTIONS]
+    for module, name, _ in saved:
+        setattr(module, name, RNG_FUNCTIONS[name])
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
 class Replacing(TorchFunctionMode):
     """Calls the replacement of each function in ``REPLACEMENTS`` and of each attribute access in
-    ``ATTRIBUTES`` (active while capturing)."""
+    ``ATTRIBUTES`` (active while capturing), and records the generator-state calls
+    (``recording_rng_state``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -298,7 +392,15 @@ class Replacing(TorchFunctionMode):
 
     def __enter__(self):
         _COPIES_OF_VIEWS.clear()
+        self._rng = recording_rng_state()
+        self._rng.__enter__()
         return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._rng.__exit__(*exc)
 
 
 def check_no_writes(gm: fx.GraphModule) -> None:
