@@ -196,7 +196,19 @@ def lstsq(A, B, rcond=None, *, driver=None):
     return torch.return_types.linalg_lstsq((solution, residuals, rank, singular_values))
 
 
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean", zero_infinity=False):
+    """``F.ctc_loss`` with ``reduction="mean"`` and the lengths as lists: ATen's mean builds a
+    tensor of the target lengths inside the op, which a trace on FakeTensors cannot; the same mean
+    (each loss over its clamped target length, then the batch mean) is computed outside it."""
+    if reduction != "mean" or isinstance(target_lengths, torch.Tensor):
+        return NotImplemented
+    res = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, "none", zero_infinity)
+    lengths = torch.tensor(list(target_lengths), dtype=res.dtype, device=res.device).clamp_min(1)
+    return (res / lengths).mean()
+
+
 REPLACEMENTS = {
+    F.ctc_loss: ctc_loss,
     torch.linalg.lstsq: lstsq,
     torch.cov: cov,
     torch.Tensor.cov: cov,
