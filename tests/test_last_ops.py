@@ -194,3 +194,21 @@ def test_compressed_sparse_refused_naming_the_call():
     a = torch.eye(3, dtype=D).to_sparse_csr()
     with pytest.raises(FxtoolsError, match=r"_sparse_mm \(at .*test_last_ops.py:\d+.*sparse_csr"):
         fxtools.vjp(lambda a, b: torch.sparse.mm(a, b, "sum"), a, torch.randn(3, 2, dtype=D))
+
+
+def test_saved_module_seeds_as_eager(tmp_path):
+    """fxtools.save writes the recorded calls as plain torch calls: the standalone module draws as eager."""
+    import importlib.util
+
+    x = torch.randn(5, 3, dtype=D)
+    path = tmp_path / "seeded.py"
+    fxtools.save(fxtools.vjp(_frozen_state, x), str(path))
+    spec = importlib.util.spec_from_file_location("seeded", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(4)
+    out, _ = module.forward(x, torch.ones(3, dtype=D))
+    after = torch.rand(2)
+    torch.manual_seed(4)
+    assert torch.equal(out, _frozen_state(x))
+    assert torch.equal(torch.rand(2), after)
