@@ -395,16 +395,15 @@ def refuse_compressed_sparse(func, args, kwargs) -> None:
     """Refuse a call on a compressed sparse tensor (CSR, CSC, BSR, BSC), naming the function and
     the user's line: fxtools' transforms work on strided tensors (and reach COO ones only through
     ``to_dense``), so such a call would fail later with PyTorch's "do not have strides"."""
-    from torch.utils import _pytree as pytree
-
-    for t in pytree.tree_leaves((args, kwargs)):
-        if isinstance(t, torch.Tensor) and t.layout in _COMPRESSED_SPARSE:
-            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-            raise FxtoolsError(
-                f"{name} (at {current_user_line()}) is given a {t.layout} tensor: fxtools differentiates "
-                "strided tensors, not compressed sparse ones. Pass dense tensors (t.to_dense()) to the function "
-                "fxtools differentiates, or differentiate this call with torch.autograd."
-            )
+    for a in (*args, *kwargs.values()):
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor) and t.layout in _COMPRESSED_SPARSE:
+                name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+                raise FxtoolsError(
+                    f"{name} (at {current_user_line()}) is given a {t.layout} tensor: fxtools differentiates "
+                    "strided tensors, not compressed sparse ones. Pass dense tensors (t.to_dense()) to the function "
+                    "fxtools differentiates, or differentiate this call with torch.autograd."
+                )
 
 
 class Replacing(TorchFunctionMode):
