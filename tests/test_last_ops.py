@@ -212,3 +212,17 @@ def test_saved_module_seeds_as_eager(tmp_path):
     torch.manual_seed(4)
     assert torch.equal(out, _frozen_state(x))
     assert torch.equal(torch.rand(2), after)
+
+
+def test_unrecorded_seeding_refused():
+    """A seed set where fxtools cannot record it would be missing from the code: refused."""
+
+    def f(x):
+        torch.random.default_generator.manual_seed(5)
+        return F.dropout(x, 0.5, training=True)
+
+    x = torch.randn(4, dtype=D)
+    before = torch.get_rng_state()
+    with pytest.raises(FxtoolsError, match="random generator"):
+        fxtools.vjp(f, x)
+    assert torch.equal(torch.get_rng_state(), before), "the refusal leaves the generator as it was"

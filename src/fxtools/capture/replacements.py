@@ -377,8 +377,12 @@ RNG_FUNCTIONS = {name: _rng_function(getattr(torch.random, name)) for name in _R
 @contextlib.contextmanager
 def recording_rng_state():
     """Send ``torch.manual_seed``, ``torch.get_rng_state`` and ``torch.set_rng_state`` (also as
-    ``torch.random.*``) to their stand-ins."""
+    ``torch.random.*``) to their stand-ins. The traced program draws only FakeTensors, so the real
+    generator must leave the block as it entered: if it changed, the program reached it some way
+    the stand-ins did not see (``torch.default_generator.manual_seed``, a ``manual_seed`` imported
+    before), which the generated code would not repeat; that is refused."""
     saved = [(module, name, getattr(module, name)) for module in (torch, torch.random) for name in RNG_FUNCTIONS]
+    before = torch.random.default_generator.get_state()
     for module, name, _ in saved:
         setattr(module, name, RNG_FUNCTIONS[name])
     try:
@@ -386,6 +390,14 @@ def recording_rng_state():
     finally:
         for module, name, fn in saved:
             setattr(module, name, fn)
+    if not torch.equal(torch.random.default_generator.get_state(), before):
+        torch.random.default_generator.set_state(before)
+        raise FxtoolsError(
+            "the program changed the state of torch's random generator in a way fxtools cannot record "
+            "(torch.default_generator.manual_seed, or a manual_seed / set_rng_state bound to a name before "
+            "fxtools ran): the generated code would draw other numbers than eager. Call torch.manual_seed, "
+            "torch.get_rng_state and torch.set_rng_state through the torch module."
+        )
 
 
 _COMPRESSED_SPARSE = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
