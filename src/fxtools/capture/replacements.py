@@ -315,13 +315,22 @@ def _tracer():
     return None if mode is None else mode.tracer
 
 
+def _called_by_func_transforms() -> bool:
+    """Whether a stand-in's caller is torch.func's own machinery (``vmap``'s chunks with
+    ``randomness="same"`` reset the generator), whose draws fxtools' transforms reproduce
+    themselves (``transforms/batching.py``): those calls are not the program's."""
+    import sys
+
+    return sys._getframe(2).f_globals.get("__name__", "").startswith("torch._functorch")
+
+
 def _rng_function(real):
     """The stand-in for ``torch.random.<name>`` (see above), printed as ``torch.<name>``."""
     name = real.__name__
 
     def stand_in(*args):
         tracer = _tracer()
-        if tracer is None:
+        if tracer is None or _called_by_func_transforms():
             return real(*args)
         return _RNG_TRACED[name](tracer, stand_in, *args)
 
