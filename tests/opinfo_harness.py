@@ -100,10 +100,49 @@ def check_self_consistent(f, args, seed=0, rtol=1e-6, atol=1e-8):
     torch.testing.assert_close(pytree.tree_leaves(grads_again), [g.detach() for g in pytree.tree_leaves(grads)])
 
 
-def check_sample(opinfo, sample):
+def _partial_view(t) -> bool:
+    """Whether ``t`` sees only part of its storage (a slice of a larger tensor)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.layout == torch.strided
+        and (t.storage_offset() != 0 or t.untyped_storage().nbytes() > t.numel() * t.element_size())
+    )
+
+
+def sample_views(opinfo, sample):
+    """``sample_function``'s (f, args), except that arguments the sample gives as partial views
+    stay views of their storage (detached, not copied): ``as_strided`` reads storage around them."""
     f, args = sample_function(opinfo, sample)
-    if is_random(f, args):
-        check_self_consistent(f, args)
+    leaves = [x for x in pytree.tree_leaves((sample.input, sample.args, sample.kwargs)) if isinstance(x, torch.Tensor)]
+    return f, tuple(x.detach() if _partial_view(x) else a for x, a in zip(leaves, args))
+
+
+def check_vjp_on_views(f, args, rtol=1e-6, atol=1e-8, seed=0):
+    """``check_vjp`` for arguments that are partial views: autograd differentiates ``f`` at the
+    very same views (same storage, strides and offset), where ``check_vjp`` would copy them."""
+    gm = fxtools.vjp(f, *args)
+    ref = [a.detach().requires_grad_(a.is_floating_point() or a.is_complex()) for a in args]
+    torch.manual_seed(seed)
+    want = f(*ref)
+    ct = fxtools.transforms.check.random_cotangent(want, torch.Generator().manual_seed(seed))
+    outs = [(o, c) for o, c in zip(pytree.tree_leaves(want), pytree.tree_leaves(ct)) if o.requires_grad]
+    diff = [r for r in ref if r.requires_grad]
+    grads = torch.autograd.grad([o for o, _ in outs], diff, [c for _, c in outs], allow_unused=True)
+    torch.manual_seed(seed)
+    got_out, got_grads = gm(*args, _cotangent_for(gm, len(args), ct))
+    torch.testing.assert_close(pytree.tree_leaves(got_out), [o.detach() for o in pytree.tree_leaves(want)], rtol=rtol, atol=atol)
+    got = [g for g, r in zip(got_grads, ref) if r.requires_grad]
+    want_grads = [torch.zeros_like(r) if g is None else g for g, r in zip(grads, diff)]
+    torch.testing.assert_close(got, want_grads, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def check_sample(opinfo, sample):
+    """fxtools.vjp against torch.autograd on one sample, in its dtype. Random ops are compared
+    with eager under the same seed: the generated code must draw what eager draws (the OpInfos
+    seed inside, through ``torch.manual_seed`` and ``freeze_rng_state``)."""
+    f, args = sample_views(opinfo, sample)
+    if any(_partial_view(a) for a in args):
+        check_vjp_on_views(f, args)
     else:
         check_vjp(f, *args, rtol=1e-6, atol=1e-8)
 

@@ -88,7 +88,70 @@ def _grouped_mm(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=N
         return torch.empty(size, dtype=mat_a.dtype, device=mat_a.device)
 
 
-KERNELS = {aten._grouped_mm.default: _grouped_mm}
+def _ctc_loss(fake_mode, func, log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    """``aten._ctc_loss`` (``F.ctc_loss``) with the lengths as lists: ``(neg_log_likelihood[N],
+    log_alpha[N, T, 2 * max(target_lengths) + 1])``, sizes the lists fix. PyTorch tags the op as
+    having data-dependent output shapes (its ``.Tensor`` overload reads the lengths from tensors,
+    which stays refused); the checks are the CPU kernel's."""
+    if log_probs.device.type != "cpu":
+        return NotImplemented
+    _state["used"] = True
+    torch._check(log_probs.dim() == 3, lambda: "ctc_loss: log_probs must be 3-D (T, N, C)")
+    T, batch, classes = log_probs.shape
+    torch._check(0 <= blank < classes, lambda: "blank must be in label range")
+    torch._check(len(input_lengths) == batch, lambda: "input_lengths must be of size batch_size")
+    torch._check(len(target_lengths) == batch, lambda: "target_lengths must be of size batch_size")
+    for b, n in enumerate(input_lengths):
+        torch._check(0 <= n <= T, lambda: f"Expected input_lengths to have value at most {T}, but got value {n}")
+    if targets.dim() == 2:
+        for n in target_lengths:
+            torch._check(n <= targets.shape[1], lambda: f"Expected tensor to have size at least {n} at dimension 1")
+    width = 2 * max(target_lengths, default=0) + 1
+    with fake_mode:
+        return (
+            torch.empty([batch], dtype=log_probs.dtype, device=log_probs.device),
+            torch.empty([batch, T, width], dtype=log_probs.dtype, device=log_probs.device),
+        )
+
+
+def _ctc_loss_tensor(fake_mode, func, log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    """``aten._ctc_loss.Tensor``, the lengths as tensors: ``log_alpha``'s last size,
+    ``2 * max(target_lengths) + 1``, is read from their values, so it is a new unbacked size (only
+    ``_ctc_loss_backward`` reads that tensor, which the CPU kernel sizes itself)."""
+    shape_env = fake_mode.shape_env
+    if log_probs.device.type != "cpu" or shape_env is None:
+        return NotImplemented
+    _state["used"] = True
+    torch._check(log_probs.dim() == 3, lambda: "ctc_loss: log_probs must be 3-D (T, N, C)")
+    T, batch, classes = log_probs.shape
+    torch._check(0 <= blank < classes, lambda: "blank must be in label range")
+    for name, lengths in (("input_lengths", input_lengths), ("target_lengths", target_lengths)):
+        torch._check(lengths.numel() == batch, lambda: f"{name} must be of size batch_size")
+    with shape_env.ignore_fresh_unbacked_symbols():  # a size nothing reads (see above)
+        width = shape_env.create_unbacked_symint()
+        torch._check(width >= 1)
+    with fake_mode:
+        return (
+            torch.empty([batch], dtype=log_probs.dtype, device=log_probs.device),
+            torch.empty([batch, T, width], dtype=log_probs.dtype, device=log_probs.device),
+        )
+
+
+def _ctc_loss_backward(fake_mode, func, grad, log_probs, *args, **kwargs):
+    """``aten._ctc_loss_backward.Tensor``: the gradient of ``log_probs``, shaped like it."""
+    if log_probs.device.type != "cpu":
+        return NotImplemented
+    _state["used"] = True
+    with fake_mode:
+        return torch.empty_like(log_probs, memory_format=torch.contiguous_format)
+
+
+KERNELS = {
+    aten._grouped_mm.default: _grouped_mm,
+    aten._ctc_loss.default: _ctc_loss,
+    aten._ctc_loss.Tensor: _ctc_loss_tensor,
+    aten._ctc_loss_backward.Tensor: _ctc_loss_backward,
+}
 
 _lock = threading.Lock()
 _state = {"depth": 0, "used": False}  # nested uses share one install; "used": a kernel ran (may be cached)

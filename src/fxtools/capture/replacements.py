@@ -23,6 +23,7 @@ would escape the trace: ``.data`` (read as ``detach()``, assignment refused) and
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -198,7 +199,19 @@ def lstsq(A, B, rcond=None, *, driver=None):
     return torch.return_types.linalg_lstsq((solution, residuals, rank, singular_values))
 
 
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean", zero_infinity=False):
+    """``F.ctc_loss`` with ``reduction="mean"`` and the lengths as lists: ATen's mean builds a
+    tensor of the target lengths inside the op, which a trace on FakeTensors cannot; the same mean
+    (each loss over its clamped target length, then the batch mean) is computed outside it."""
+    if reduction != "mean" or isinstance(target_lengths, torch.Tensor):
+        return NotImplemented
+    res = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, "none", zero_infinity)
+    lengths = torch.tensor(list(target_lengths), dtype=res.dtype, device=res.device).clamp_min(1)
+    return (res / lengths).mean()
+
+
 REPLACEMENTS = {
+    F.ctc_loss: ctc_loss,
     torch.linalg.lstsq: lstsq,
     torch.cov: cov,
     torch.Tensor.cov: cov,
@@ -317,12 +330,145 @@ ATTRIBUTES = {
 }
 
 
+# --- the generator's state ------------------------------------------------------------------
+# ``torch.manual_seed`` and ``torch.get_rng_state`` / ``set_rng_state`` (also through
+# ``torch.random.fork_rng`` and PyTorch's ``freeze_rng_state``) touch no tensor, so a trace would
+# drop them and the generated code would draw other numbers than eager does. While capturing they
+# are sent to stand-ins that, under a trace, add a node calling themselves (so every later trace of
+# the graph records them again) and leave the real generator alone; run, they call PyTorch's
+# function. They print as ``torch.manual_seed`` etc., and are declared side-effectful, so no pass
+# removes or merges them.
+
+_RNG_STATES: dict[int, fx.Proxy] = {}  # id(state tensor handed to the program) -> its get_rng_state node
+
+
+def _tracer():
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    return None if mode is None else mode.tracer
+
+
+def _called_by_func_transforms() -> bool:
+    """Whether a stand-in's caller is torch.func's own machinery (``vmap``'s chunks with
+    ``randomness="same"`` reset the generator), whose draws fxtools' transforms reproduce
+    themselves (``transforms/batching.py``): those calls are not the program's."""
+    import sys
+
+    return sys._getframe(2).f_globals.get("__name__", "").startswith("torch._functorch")
+
+
+def _rng_function(real):
+    """The stand-in for ``torch.random.<name>`` (see above), printed as ``torch.<name>``."""
+    name = real.__name__
+
+    def stand_in(*args):
+        tracer = _tracer()
+        if tracer is None or _called_by_func_transforms():
+            return real(*args)
+        return _RNG_TRACED[name](tracer, stand_in, *args)
+
+    stand_in.__module__, stand_in.__name__, stand_in.__qualname__ = "torch", name, name
+    stand_in.__doc__ = f"torch.{name}, recorded when traced (capture/replacements.py)."
+    return fx.node.has_side_effect(stand_in)
+
+
+def _traced_manual_seed(tracer, target, seed):
+    """``torch.manual_seed(seed)``: the seed must be a Python int (it is part of the code)."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise FxtoolsError(
+            f"torch.manual_seed at {current_user_line()} is given a {type(seed).__name__}: fxtools records the seed "
+            "in the generated code, so it must be a Python int."
+        )
+    tracer.create_proxy("call_function", target, (seed,), {})
+    return torch.random.default_generator
+
+
+def _traced_get_rng_state(tracer, target):
+    """``torch.get_rng_state()``: the program gets today's state, to hand back to ``set_rng_state``
+    (any other use of it would bake today's state into the code)."""
+    import weakref
+
+    state = torch.random.default_generator.get_state()
+    proxy = tracer.create_proxy("call_function", target, (), {})
+    proxy.node.meta["val"] = state
+    _RNG_STATES[id(state)] = proxy
+    weakref.finalize(state, _RNG_STATES.pop, id(state), None)
+    return state
+
+
+def _traced_set_rng_state(tracer, target, new_state):
+    """``torch.set_rng_state(state)``, for a state read by ``get_rng_state`` in the same program."""
+    proxy = _RNG_STATES.get(id(new_state))
+    if proxy is None or proxy.tracer is not tracer:
+        raise FxtoolsError(
+            f"torch.set_rng_state at {current_user_line()} sets a state the program did not read with "
+            "torch.get_rng_state: fxtools would have to bake the generator's state into the code. Read it "
+            "in the function (torch.get_rng_state()), or seed with torch.manual_seed(int)."
+        )
+    tracer.create_proxy("call_function", target, (proxy,), {})
+
+
+_RNG_TRACED = {
+    "manual_seed": _traced_manual_seed,
+    "get_rng_state": _traced_get_rng_state,
+    "set_rng_state": _traced_set_rng_state,
+}
+RNG_FUNCTIONS = {name: _rng_function(getattr(torch.random, name)) for name in _RNG_TRACED}
+
+
+@contextlib.contextmanager
+def recording_rng_state():
+    """Send ``torch.manual_seed``, ``torch.get_rng_state`` and ``torch.set_rng_state`` (also as
+    ``torch.random.*``) to their stand-ins. The traced program draws only FakeTensors, so the real
+    generator must leave the block as it entered: if it changed, the program reached it some way
+    the stand-ins did not see (``torch.default_generator.manual_seed``, a ``manual_seed`` imported
+    before), which the generated code would not repeat; that is refused."""
+    saved = [(module, name, getattr(module, name)) for module in (torch, torch.random) for name in RNG_FUNCTIONS]
+    before = torch.random.default_generator.get_state()
+    for module, name, _ in saved:
+        setattr(module, name, RNG_FUNCTIONS[name])
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+    if not torch.equal(torch.random.default_generator.get_state(), before):
+        torch.random.default_generator.set_state(before)
+        raise FxtoolsError(
+            "the program changed the state of torch's random generator in a way fxtools cannot record "
+            "(torch.default_generator.manual_seed, or a manual_seed / set_rng_state bound to a name before "
+            "fxtools ran): the generated code would draw other numbers than eager. Call torch.manual_seed, "
+            "torch.get_rng_state and torch.set_rng_state through the torch module."
+        )
+
+
+_COMPRESSED_SPARSE = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def refuse_compressed_sparse(func, args, kwargs) -> None:
+    """Refuse a call on a compressed sparse tensor (CSR, CSC, BSR, BSC), naming the function and
+    the user's line: fxtools' transforms work on strided tensors (and reach COO ones only through
+    ``to_dense``), so such a call would fail later with PyTorch's "do not have strides"."""
+    for a in (*args, *kwargs.values()):
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor) and t.layout in _COMPRESSED_SPARSE:
+                name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+                raise FxtoolsError(
+                    f"{name} (at {current_user_line()}) is given a {t.layout} tensor: fxtools differentiates "
+                    "strided tensors, not compressed sparse ones. Pass dense tensors (t.to_dense()) to the function "
+                    "fxtools differentiates, or differentiate this call with torch.autograd."
+                )
+
+
 class Replacing(TorchFunctionMode):
     """Calls the replacement of each function in ``REPLACEMENTS`` and of each attribute access in
-    ``ATTRIBUTES`` (active while capturing)."""
+    ``ATTRIBUTES`` (active while capturing), and records the generator-state calls
+    (``recording_rng_state``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        refuse_compressed_sparse(func, args, kwargs)
         replacement = REPLACEMENTS.get(func) or ATTRIBUTES.get(func)
         if replacement is not None:
             out = replacement(*args, **kwargs)
@@ -334,11 +480,16 @@ class Replacing(TorchFunctionMode):
         _COPIES_OF_VIEWS.clear()
         self._batch_norm = torch.nn.modules.batchnorm._BatchNorm.forward  # restored as found (nested captures)
         torch.nn.modules.batchnorm._BatchNorm.forward = _batch_norm_forward
+        self._rng = recording_rng_state()
+        self._rng.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.nn.modules.batchnorm._BatchNorm.forward = self._batch_norm
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._rng.__exit__(*exc)
 
 
 def check_no_writes(gm: fx.GraphModule) -> None:

@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from ..capture.fake_kernels import tracing_kernels
 from ..capture.functionalize import functionalize
 from ..capture.trace import data_dependent_error, is_data_dependent, realize_constants
 from ..errors import FxtoolsError, MissingRuleError
@@ -104,7 +105,7 @@ def derived_rule(node: fx.Node) -> Rule | None:
         return tuple(g if g is not None else torch.zeros_like(x) for g, x in zip(grads, ins))
 
     def trace():
-        with fake_mode, warnings.catch_warnings():
+        with fake_mode, tracing_kernels(), warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*autograd kernel was not registered.*")
             return make_fx(backward)(*[flat[i] for i in tensor_pos], *[out_vals[i] for i in out_float])
 

@@ -904,3 +904,42 @@ def linear_cross_entropy_chunked_bwd(aux, ct):
 register_vjp(
     _lce_chunked, linear_cross_entropy_chunked_fwd, linear_cross_entropy_chunked_bwd, source="hand-written", complex="real"
 )
+
+
+def ctc_loss_tensor_fwd(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=MEAN, zero_infinity=False):
+    """``F.ctc_loss`` with the lengths as tensors, as ATen's ``ctc_loss`` computes it, but through
+    ``_ctc_loss``'s ``.Tensor`` overload: its composite definition turns the lengths into Python
+    lists, which a trace cannot do."""
+    batched = log_probs.dim() == 3
+    lp = log_probs if batched else log_probs.unsqueeze(1)
+    if not batched:
+        targets, input_lengths, target_lengths = targets.unsqueeze(0), input_lengths.reshape(1), target_lengths.reshape(1)
+    targets, input_lengths, target_lengths = targets.long(), input_lengths.long(), target_lengths.long()
+    nll, log_alpha = aten._ctc_loss.Tensor(lp, targets, input_lengths, target_lengths, blank, zero_infinity)
+    res = torch.where(nll == math.inf, 0, nll) if zero_infinity else nll
+    scale = target_lengths.to(res.dtype).clamp_min(1)
+    if reduction == MEAN:
+        out = (res / scale).mean()
+    elif reduction == SUM:
+        out = res.sum()
+    else:
+        out = res if batched else res.squeeze(0)
+    return out, (lp, targets, input_lengths, target_lengths, nll, log_alpha, blank, reduction, zero_infinity, scale, batched)
+
+
+def ctc_loss_tensor_bwd(aux, ct):
+    """``_ctc_loss_backward`` of the per-sample cotangent (``zero_infinity`` zeroes it at infinite losses)."""
+    lp, targets, input_lengths, target_lengths, nll, log_alpha, blank, reduction, zero_infinity, scale, batched = aux
+    if reduction == MEAN:
+        per_sample = ct / scale / scale.shape[0]
+    elif reduction == SUM:
+        per_sample = ct.expand(nll.shape)
+    else:
+        per_sample = ct if batched else ct.unsqueeze(0)
+    grad = aten._ctc_loss_backward.Tensor(
+        per_sample, lp, targets, input_lengths, target_lengths, nll, log_alpha, blank, zero_infinity
+    )
+    return grad if batched else grad.squeeze(1), None, None, None, None, None, None
+
+
+register_vjp(aten.ctc_loss.Tensor, ctc_loss_tensor_fwd, ctc_loss_tensor_bwd, source="hand-written", complex="real")

@@ -132,20 +132,34 @@ def trace(ct, out, x):
 # --- products -------------------------------------------------------------------------------
 
 
+def _others_product(x, d):
+    """The product of the other elements along ``d``, computed as autograd does (the product of
+    those before times the product of those after), so ``0 * inf`` gives NaN where it does there."""
+    n = x.shape[d]
+    ones = torch.ones_like(x.narrow(d, 0, 1))
+    before = torch.cat([ones, x.narrow(d, 0, n - 1)], d).cumprod(d)
+    after = torch.cat([ones, x.narrow(d, 1, n - 1).flip(d)], d).cumprod(d).flip(d)
+    return before * after
+
+
 def _prod_grad(ct, out, x, dim, keepdim):
-    """Product of the other elements: ``out / x``, except at zeros (correct for any number of them)."""
+    """autograd's ``prod_backward``, zeros, infs and NaNs included: ``out / x`` when no element is
+    0 (NaN at an inf, as there); else the product of the others, along ``dim`` as soon as any
+    element of ``x`` is 0, and for the product of all elements only when exactly one is (several
+    zeros make every such product 0, which autograd returns without computing it)."""
+    if x.dim() == 0:
+        return cast(ct, x)
     out, ct = restore(out, x, dim, keepdim), restore(ct, x, dim, keepdim)
+    if x.numel() == 0:
+        return cast(ct * (out / x), x)
     zero = x == 0
-    if is_full(x, dim):
+    if dim is None:
         zeros = zero.sum()
-        others = torch.where(zeros == 1, torch.where(zero, 1, x).prod(), 0)
+        others = _others_product(x.reshape(-1), 0).reshape(x.shape)
+        factor = torch.where(zeros == 0, out / x, torch.where(zeros == 1, others, 0))
     else:
-        d = dims_of(x, dim)[0]
-        zeros = zero.sum(d, keepdim=True)
-        others = torch.where(zeros == 1, torch.where(zero, 1, x).prod(d, keepdim=True), 0)
-    # beside a zero the product of the others is 0, also where ``out`` is NaN (``prod([0, inf])``)
-    lost = torch.logical_and(zeros > 0, torch.isnan(out))
-    return cast(ct * torch.where(zero, others, torch.where(lost, 0, out / x)), x)
+        factor = torch.where(zero.any(), _others_product(x, dims_of(x, dim)[0]), out / x)
+    return cast(ct * factor, x)
 
 
 @vjp_rule(aten.prod.default)
@@ -165,15 +179,21 @@ def cumsum(ct, out, x, dim, dtype=None):
 
 @vjp_rule(aten.cumprod.default)
 def cumprod(ct, out, x, dim, dtype=None):
-    if x.dim() == 0:
+    """autograd's ``cumprod_backward``, zeros, infs and NaNs included: before the first zero of a
+    line, ``rev_cumsum(ct * out) / x`` over that stretch only; at the first zero, the product of the
+    elements before it times the sum over the outputs up to the second zero of their cotangent times
+    the product of the elements between; after it, 0."""
+    if x.numel() <= 1 or x.shape[dim] == 1:
         return cast(ct, x)
     zero = x == 0
     seen = zero.cumsum(dim)
+    before = seen == 0
     first_zero = torch.logical_and(zero, seen == 1)
-    at_first_zero = rev_cumsum(ct * torch.where(first_zero, 1, x).cumprod(dim), dim)
-    # after a zero every product holds it: the derivative is 0, even where out / x is NaN (0 * inf)
-    elsewhere = torch.where(seen > 0, 0, rev_cumsum(ct * out, dim) / x)
-    return cast(torch.where(first_zero, at_first_zero, elsewhere), x)
+    between = torch.logical_and(seen == 1, torch.logical_not(zero))
+    at_before = rev_cumsum(torch.where(before, ct * out, 0), dim) / torch.where(before, x, 1)
+    after_first = torch.where(between, x, 1).cumprod(dim) * torch.where(seen == 1, ct, 0)
+    at_first = torch.where(before, x, 1).prod(dim, keepdim=True) * after_first.sum(dim, keepdim=True)
+    return cast(torch.where(before, at_before, torch.where(first_zero, at_first, 0)), x)
 
 
 @vjp_rule(aten.logcumsumexp.default, complex="real")  # splits ct by sign
