@@ -129,10 +129,10 @@ class SinusoidalPositions(nn.Module):
         pe = torch.zeros(block, D)
         pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * freq), torch.cos(pos * freq)
         self.register_buffer("pe", pe)
-        self.block = Block(Attention("buffer", block=block))
+        self.attn = Attention("buffer", block=block)
 
     def forward(self, x):
-        return self.block(x + self.pe[: x.size(1)])
+        return self.attn(x + self.pe[: x.size(1)])
 
 
 class Rotary(nn.Module):
@@ -354,16 +354,25 @@ def _hf(name):
     return build
 
 
+def _mlp(dropout=0.0):
+    return nn.Sequential(nn.Linear(D, 2 * D), nn.Dropout(dropout), nn.GELU(), nn.Linear(2 * D, D))
+
+
 ZOO = {
-    "attention_explicit": _seq(lambda: Block(Attention())),
-    "attention_explicit_triu_mask": _seq(lambda: Block(Attention("triu"))),
-    "attention_causal_buffer_nanogpt": _seq(lambda: Block(Attention("buffer", block=2 * T))),
-    "attention_sdpa": _seq(lambda: Block(Attention(sdpa=True))),
-    "attention_sdpa_causal": _seq(lambda: Block(Attention("causal", sdpa=True))),
-    "attention_sdpa_bool_mask_buffer": _seq(lambda: Block(Attention("bool_buffer", sdpa=True, block=2 * T))),
+    "attention_explicit": _seq(Attention),
+    "attention_explicit_triu_mask": _seq(lambda: Attention("triu")),
+    "attention_causal_buffer_nanogpt": _seq(lambda: Attention("buffer", block=2 * T)),
+    "attention_sdpa": _seq(lambda: Attention(sdpa=True)),
+    "attention_sdpa_causal": _seq(lambda: Attention("causal", sdpa=True)),
+    "attention_sdpa_bool_mask_buffer": _seq(lambda: Attention("bool_buffer", sdpa=True, block=2 * T)),
+    "transformer_block_layernorm": _seq(lambda: Block(Attention("buffer"))),
     "sinusoidal_position_table": _seq(SinusoidalPositions),
     "rotary_cache": _seq(lambda: nn.Sequential(RMSNorm(D), Rotary())),
     "rmsnorm_swiglu": _seq(SwiGLU),
+    "layernorm_dropout_eval": lambda: (
+        Regress(nn.Sequential(_mlp(0.5), nn.LayerNorm(D))).eval(),
+        (_x(B, T, D), _x(B, T, D, seed=3)),
+    ),
     "groupnorm_conv": lambda: (
         Classify(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU()), 8),
         _image(),
@@ -373,9 +382,8 @@ ZOO = {
     "batchnorm1d_train": _seq(BatchNormMLP),
     "resnet_block": lambda: (Classify(ResidualConv(), 8), _image()),
     "depthwise_conv1d": _seq(DepthwiseConv1d),
-    "layernorm_eval": lambda: (Regress(Block(Attention("causal", sdpa=True))).eval(), (_x(B, T, D), _x(B, T, D, seed=3))),
-    "tied_embeddings_lm": _lm(lambda: Block(Attention("buffer"))),
-    "dropout_lm": _lm(lambda: nn.Sequential(nn.Linear(D, D), nn.Dropout(0.25), nn.GELU()), dropout=0.1),
+    "tied_embeddings_lm": _lm(_mlp),
+    "dropout_lm": _lm(lambda: _mlp(0.25), dropout=0.1),
     "topk_moe": _lm(TopKMoE),
     "torch_transformer_layer": _seq(
         lambda: nn.TransformerEncoderLayer(D, H, 2 * D, dropout=0.0, batch_first=True, norm_first=True)
