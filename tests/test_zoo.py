@@ -434,3 +434,40 @@ def test_trains_like_eager_with_inductor(name, inductor_settings):
     for (k, b), c in zip(model.named_buffers(), reference.buffers()):
         _assert_close(b, c, f"buffer {k}")
     assert len(compiled._runners) == 1, "one compilation serves the three steps"
+
+
+BUFFER_PATTERNS = ["attention_causal_buffer_nanogpt", "sinusoidal_position_table", "rotary_cache", "batchnorm2d_eval"]
+
+
+@pytest.mark.parametrize("name", BUFFER_PATTERNS)
+def test_aten_graphs_take_the_tensors_they_read_as_inputs(name):
+    """Without Inductor (quick): the ATen graphs compilers get hold no tensor, so a strict fake
+    mode (as Inductor's FakeTensorProp) runs them; the tensors are ``"buffer"`` inputs of the
+    forward and the backward, and the graphs, run as compiled, train as eager does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    graphs = []
+
+    def strict(gm, example_inputs):
+        assert not [n for n in gm.graph.nodes if n.op == "get_attr"], gm.code
+        mode = FakeTensorMode()
+        FakeTensorProp(gm, mode).propagate(*example_inputs)  # raises on a real tensor held by the graph
+        graphs.append(gm)
+        return gm
+
+    torch.manual_seed(0)
+    model, inputs = ZOO[name]()
+    reference = copy.deepcopy(model)
+    compiled = fxtools.compile(model, compiler=strict)
+    loss, want = compiled(*inputs), reference(*inputs)
+    loss.backward()
+    want.backward()
+    _assert_close(loss, want, "loss")
+    for (k, p), q in zip(model.named_parameters(), reference.parameters()):
+        _assert_close(p.grad, q.grad, f"grad {k}")
+    forward, backward = graphs
+    kinds = [n.meta["desc"].kind for n in forward.graph.nodes if n.op == "placeholder"]
+    assert "buffer" in kinds
+    bw_kinds = [n.meta["desc"].kind for n in backward.graph.nodes if n.op == "placeholder"]
+    assert bw_kinds == sorted(bw_kinds, key=["saved", "cotangent", "buffer"].index)
