@@ -104,9 +104,21 @@ def _compile(compiler, gm: fx.GraphModule, examples, sp: Split):
     else:
         examples = [p.meta["val"] for p in gm.graph.nodes if p.op == "placeholder"]
         mode = fake_mode_of(examples)
-    with tracing(TracingContext(mode)), TracingContext.report_output_strides() as strides:
+    with tracing(TracingContext(mode)), TracingContext.report_output_strides() as strides, _fixed_layouts(compiler):
         compiled = _apply_compiler(compiler, gm, examples)
     return compiled, (list(strides) if strides else None)
+
+
+def _fixed_layouts(compiler):
+    """Inductor's layout optimisation off: with it, Inductor lays out a convolution's saved
+    output channels-last, and the backward, though compiled for the strides the forward reports,
+    computes a wrong weight gradient for a strided 1x1 convolution feeding a BatchNorm (a ResNet
+    shortcut). Saved values keep the readable graphs' layouts."""
+    if not _is_inductor(compiler):
+        return contextlib.nullcontext()
+    from torch._inductor import config
+
+    return config.patch(layout_optimization=False)
 
 
 def _example(val, stride=None):
