@@ -134,13 +134,21 @@ def _compile_backward(compiler, aten, sp: Split, saved_strides):
     symbolic). ``saved_strides``: the layouts the compiled forward gives the saved values."""
     vals = [p.meta["val"] for p in aten.backward.graph.nodes if p.op == "placeholder"]
     if sp._cap.symbolic is None:
-        strides = list(saved_strides or [])[: len(sp.saved)]
+        strides = [_int_stride(s) for s in (saved_strides or [])][: len(sp.saved)]
         strides += [None] * (len(vals) - len(strides))
         examples = [_example(v, s) for v, s in zip(vals, strides)]
     else:
         examples = vals
     compiled, _ = _compile(compiler, aten.backward, examples, sp)
     return _with_buffers(compiled, aten.backward_buffers), [_static_stride(x) for x in examples]
+
+
+def _int_stride(stride):
+    """A reported stride as a tuple of ints, or None where it is missing or symbolic."""
+    try:
+        return None if stride is None else tuple(int(k) for k in stride)
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 def _with_buffers(fn, buffers: list):
