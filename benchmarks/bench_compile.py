@@ -2,15 +2,18 @@
 
 Run ``python benchmarks/bench_compile.py`` (``--quick`` for the small size only, few repetitions).
 Everything is measured in this one process, on the CPU, with ``--threads`` threads (default 1:
-steadier on a shared machine). Two GPT-style models (``fxtools.cli.examples.gpt``, float32):
+steadier on a shared machine). Two GPT-style models (``fxtools.cli.examples.gpt``, float32,
+``--attention explicit`` by default: nanoGPT's softmax attention with its causal mask held as a
+buffer and sliced, or ``sdpa``):
 
 - small: 2 layers, 4 heads, width 128, vocabulary 512, batch 4 x 64 tokens;
 - GPT-2 size: 12 layers, 12 heads, width 768, vocabulary 50257 (124M parameters), by default
-  batch 1 x 128 tokens (``--gpt2-tokens``; GPT-2's 1024 takes tens of seconds a step on a small CPU).
+  batch 2 x 128 tokens (``--gpt2-tokens``; GPT-2's 1024 takes tens of seconds a step on a small CPU).
 
 Each is trained (``loss = model(idx, targets); loss.backward()``; no optimizer step) by: eager;
 ``torch.compile(model)`` (default Inductor); ``fxtools.compile(model, compiler="inductor")`` with
-the fused and with the readable rule set; ``fxtools.compile(model)`` (fused rules, no compiler).
+the fused and with the readable rule set; ``fxtools.compile(model)`` without a compiler, with the
+fused and with the readable rule set (the readable one runs the code ``fxtools.grad`` prints).
 
 - step time: median over repetitions, the variants called in turn (``bench.interleaved_median_times``),
   and the ratio to torch.compile's step in the same run;
@@ -41,7 +44,14 @@ from fxtools.cli import examples
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import interleaved_median_times, log  # noqa: E402
 
-VARIANTS = ("eager", "torch.compile", "fxtools+inductor fused", "fxtools+inductor readable", "fxtools (no compiler)")
+VARIANTS = (
+    "eager",
+    "torch.compile",
+    "fxtools+inductor fused",
+    "fxtools+inductor readable",
+    "fxtools fused (no compiler)",
+    "fxtools readable (no compiler)",
+)
 
 
 def make(variant, model):
@@ -53,6 +63,8 @@ def make(variant, model):
         return fxtools.compile(model, compiler="inductor", rules="fused")
     if variant == "fxtools+inductor readable":
         return fxtools.compile(model, compiler="inductor", rules="readable")
+    if variant == "fxtools readable (no compiler)":
+        return fxtools.compile(model, rules="readable")
     return fxtools.compile(model)
 
 
@@ -106,11 +118,11 @@ def saved_bytes(variant, compiled, model, inputs):
     return _storages(tensors, exclude)
 
 
-def measure(name, model, inputs, reps):
+def measure(name, model, inputs, reps, variants=VARIANTS):
     log(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, tokens {tuple(inputs[0].shape)}")
     rows = {}
     steps = []
-    for variant in VARIANTS:
+    for variant in variants:
         torch._dynamo.reset()
         m = copy.deepcopy(model)
         gc.collect()
@@ -123,25 +135,27 @@ def measure(name, model, inputs, reps):
         rows[variant] = {"first": first, "saved": saved_bytes(variant, compiled, m, inputs)}
         log(f"  {variant}: first step {first:.2f} s")
     times = interleaved_median_times(steps, reps, warmup=1)
-    for variant, t in zip(VARIANTS, times):
+    for variant, t in zip(variants, times):
         rows[variant]["step"] = t
         rows[variant]["compile"] = max(rows[variant]["first"] - t, 0.0)
     return rows
 
 
 def table(name, rows):
-    base = rows["torch.compile"]
+    eager = rows["eager"]
+    base = rows.get("torch.compile", {"step": float("nan"), "compile": 0.0, "saved": float("nan")})
     lines = [
         f"**{name}**",
         "",
-        "| | step (median) | vs torch.compile | compile time | saved for backward | vs torch.compile |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| | step (median) | vs eager | vs torch.compile | compile time | vs torch.compile | saved for backward | vs torch.compile |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for variant, r in rows.items():
         compile_time = "-" if variant == "eager" else f"{r['compile']:.1f} s"
+        compile_ratio = "-" if variant == "eager" or not base["compile"] else f"{r['compile'] / base['compile']:.2f}x"
         lines.append(
-            f"| {variant} | {r['step'] * 1e3:.1f} ms | {r['step'] / base['step']:.2f}x | {compile_time} | "
-            f"{r['saved'] / 2**20:.2f} MiB | {r['saved'] / max(base['saved'], 1):.2f}x |"
+            f"| {variant} | {r['step'] * 1e3:.1f} ms | {r['step'] / eager['step']:.2f}x | {r['step'] / base['step']:.2f}x | "
+            f"{compile_time} | {compile_ratio} | {r['saved'] / 2**20:.2f} MiB | {r['saved'] / max(base['saved'], 1):.2f}x |"
         )
     return "\n".join(lines)
 
@@ -152,7 +166,9 @@ def main(argv=None):
     parser.add_argument("--size", choices=("small", "gpt2", "both"), default="both")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--gpt2-tokens", type=int, nargs=2, default=(1, 128), metavar=("BATCH", "SEQ"))
+    parser.add_argument("--gpt2-tokens", type=int, nargs=2, default=(2, 128), metavar=("BATCH", "SEQ"))
+    parser.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS, help="eager is always run")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results_compile.md"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -168,13 +184,14 @@ def main(argv=None):
         "# fxtools + Inductor against torch.compile (`benchmarks/bench_compile.py`)",
         "",
         f"{datetime.date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, {torch.get_num_threads()} thread(s), float32.",
+        f"{os.cpu_count()} CPUs, {torch.get_num_threads()} thread(s), float32, {args.attention} attention.",
         "",
     ]
     for name, config, (batch, seq), reps in sizes:
         size = "tiny" if config else "gpt2"
-        model, inputs = examples.gpt(size, batch=batch, seq_len=seq, **config)
-        rows = measure(name, model, inputs, args.reps or (5 if args.quick else reps))
+        model, inputs = examples.gpt(size, attention=args.attention, batch=batch, seq_len=seq, **config)
+        variants = ("eager", *(v for v in args.variants if v != "eager"))
+        rows = measure(name, model, inputs, args.reps or (5 if args.quick else reps), variants)
         text = table(name, rows)
         print(text + "\n", flush=True)
         out += [text, ""]

@@ -16,8 +16,11 @@ The two graphs keep the readable ones' placeholders, in order and by name, and r
   name: a functional graph cannot update them in place); it returns the tensor leaves of ``f``'s
   result, the saved values, then the new values of the buffers it updates (BatchNorm's running
   statistics), which the caller copies back, as AOTAutograd's input mutations.
-- ``backward(*saved, *cotangents) -> grads``: one gradient per tensor leaf of the arguments (forward
-  placeholder order), ``None`` where there is none.
+- ``backward(*saved, *cotangents, *buffers) -> grads``: one gradient per tensor leaf of the
+  arguments (forward placeholder order), ``None`` where there is none. ``buffers`` are the tensors
+  the readable backward holds (a causal mask it slices again, a BatchNorm's running statistics in
+  evaluation), lifted as the forward's are: compilers trace with FakeTensors, which a real tensor
+  held by the graph would meet.
 
 Every placeholder has ``node.meta['desc']`` and the output node ``meta['desc']`` (one per output):
 a ``Descriptor`` with ``kind`` (``"user_input"``, ``"parameter"``, ``"buffer"``, ``"saved"``,
@@ -196,11 +199,13 @@ class AtenSplit:
     ``backward_inputs``, ``backward_outputs`` (lists of ``Descriptor``, as in ``meta['desc']``).
     ``buffers``: the tensors the forward takes after the inputs (read from the split's forward
     module at call time); ``mutated``: for each buffer the forward updates, its position in
-    ``buffers``; ``n_outputs`` / ``n_saved``: how the forward's result divides.
+    ``buffers``; ``backward_buffers``: the tensors the backward takes after the cotangents;
+    ``n_outputs`` / ``n_saved``: how the forward's result divides.
     """
 
-    def __init__(self, forward, backward, buffer_names, buffers, mutated, n_outputs, n_saved):
+    def __init__(self, forward, backward, buffer_names, buffers, mutated, n_outputs, n_saved, backward_buffers=()):
         self.forward: fx.GraphModule = forward
+        self.backward_buffers: list[torch.Tensor] = list(backward_buffers)
         self.backward: fx.GraphModule = backward
         self.buffer_names: list[str] = buffer_names
         self.buffers: list[torch.Tensor] = buffers
@@ -257,24 +262,39 @@ def to_aten(sp: Split, decompositions=None) -> AtenSplit:
 
 
 def _to_aten(sp: Split, table) -> AtenSplit:
-    fw, bw = sp.forward, sp.backward
-    fw_ph = [n for n in fw.graph.nodes if n.op == "placeholder"]
-    lifted = [n.target for n in fw.graph.nodes if n.op == "get_attr" and isinstance(getattr(fw, n.target, None), torch.Tensor)]
-    lifted = list(dict.fromkeys(lifted))
-    buffers = [getattr(fw, t) for t in lifted]
     module = getattr(sp._cap.f, "__fxtools_module__", None)
     fqn = {id(b): name for name, b in module.named_buffers()} if module is not None else {}
-    qualified = [fqn.get(id(b), t) for b, t in zip(buffers, lifted)]
-    mode = fake_mode_of([p.meta.get("val") for p in fw_ph])
-    fake_buffers = [mode.from_tensor(b, static_shapes=True) for b in buffers]
+    in_descs = _input_descs(sp)
+    forward, lifted, buffers, mutated = _aten_forward(sp, table, fqn, in_descs)
+    backward, bw_buffers = _aten_backward(sp, table, fqn, in_descs)
+    return AtenSplit(forward, backward, lifted, buffers, mutated, len(sp.out_tensor_paths), len(sp.saved), bw_buffers)
+
+
+def _lifted(gm: fx.GraphModule, fqn: dict):
+    """The tensors ``gm`` holds (``_tensor_attributes``): targets, tensors, placeholder names,
+    FakeTensors of its placeholders' mode, and buffer descriptors (qualified names where known)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    targets = _tensor_attributes(gm)
+    tensors = [getattr(gm, t) for t in targets]
+    names = [_buffer_name(t, placeholders) for t in targets]
+    mode = fake_mode_of([p.meta.get("val") for p in placeholders])
+    fakes = [mode.from_tensor(b, static_shapes=True) for b in tensors]
+    descs = [Descriptor("buffer", n, None, fqn.get(id(b), t)) for n, b, t in zip(names, tensors, targets)]
+    return targets, tensors, names, fakes, descs
+
+
+def _aten_forward(sp: Split, table, fqn: dict, in_descs: list):
+    """The ATen forward, the targets and tensors of the buffers it takes, and which it updates."""
+    fw = sp.forward
+    fw_ph = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    lifted, buffers, buffer_names, fake_buffers, buffer_descs = _lifted(fw, fqn)
     out_is_tensor = sp.out_is_tensor
 
     def flatten_forward(result):
         out, saved = result
         return [o for o, t in zip(pytree.tree_leaves(out), out_is_tensor) if t] + list(saved)
 
-    in_descs = _input_descs(sp)
-    fw_names = [p.name for p in fw_ph] + [_buffer_name(t, fw_ph) for t in lifted]
+    fw_names = [p.name for p in fw_ph] + buffer_names
     forward = _retrace(fw, [p.meta["val"] for p in fw_ph] + fake_buffers, fw_names, lifted, table, flatten_forward)
     mutations = _input_mutations(forward)
     n_in = len(fw_ph)
@@ -284,31 +304,42 @@ def _to_aten(sp: Split, table) -> AtenSplit:
     output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
     outs = list(output.args[0])
     out_paths = sp.out_tensor_paths
-    n_out = len(out_paths)
-    fw_descs = [Descriptor("output", getattr(o, "name", "None"), p) for o, p in zip(outs[:n_out], out_paths)]
+    fw_descs = [Descriptor("output", getattr(o, "name", "None"), p) for o, p in zip(outs[: len(out_paths)], out_paths)]
     fw_descs += [Descriptor("saved", s.name, None, s.name) for s in sp.saved]
-    fw_descs += [Descriptor("mutated_buffer", fw_names[i], None, qualified[i - n_in]) for i, _ in mutations]
+    fw_descs += [Descriptor("mutated_buffer", fw_names[i], None, buffer_descs[i - n_in].target) for i, _ in mutations]
     _set_output(forward, outs + [v for _, v in mutations], fw_descs)
-    for p, desc in zip(
-        (n for n in forward.graph.nodes if n.op == "placeholder"),
-        [*in_descs, *(Descriptor("buffer", fw_names[n_in + i], None, t) for i, t in enumerate(qualified))],
-    ):
+    for p, desc in zip((n for n in forward.graph.nodes if n.op == "placeholder"), [*in_descs, *buffer_descs]):
         p.meta["desc"] = desc
     _finish(forward, "forward")
+    return forward, lifted, buffers, [i - n_in for i, _ in mutations]
 
+
+def _aten_backward(sp: Split, table, fqn: dict, in_descs: list):
+    """The ATen backward and the tensors it takes after the cotangents."""
+    bw = sp.backward
     bw_ph = [n for n in bw.graph.nodes if n.op == "placeholder"]
-    backward = _retrace(bw, [p.meta["val"] for p in bw_ph], [p.name for p in bw_ph], [], table, sp.flat_grads)
+    lifted, buffers, buffer_names, fake_buffers, buffer_descs = _lifted(bw, fqn)
+    names = [p.name for p in bw_ph] + buffer_names
+    backward = _retrace(bw, [p.meta["val"] for p in bw_ph] + fake_buffers, names, lifted, table, sp.flat_grads)
     bw_in = [Descriptor("saved", s.name, None, s.name) for s in sp.saved]
     bw_in += [Descriptor("cotangent", c.name, c.path, c.path) for c in sp.cotangents]
-    for p, desc in zip((n for n in backward.graph.nodes if n.op == "placeholder"), bw_in):
+    for p, desc in zip((n for n in backward.graph.nodes if n.op == "placeholder"), bw_in + buffer_descs):
         p.meta["desc"] = desc
     output = next(n for n in reversed(backward.graph.nodes) if n.op == "output")
     grads = list(output.args[0])
-    _set_output(
-        backward, grads, [Descriptor("gradient", getattr(g, "name", "None"), d.path, d.name) for g, d in zip(grads, in_descs)]
-    )
+    descs = [Descriptor("gradient", getattr(g, "name", "None"), d.path, d.name) for g, d in zip(grads, in_descs)]
+    _set_output(backward, grads, descs)
     _finish(backward, "backward")
-    return AtenSplit(forward, backward, lifted, buffers, [i - n_in for i, _ in mutations], n_out, len(sp.saved))
+    return backward, buffers
+
+
+def _tensor_attributes(gm: fx.GraphModule) -> list[str]:
+    """The targets of ``gm``'s ``get_attr`` nodes that hold tensors (buffers, constants), once each.
+
+    The ATen graphs take them as inputs: a compiler traces its graph with FakeTensors, and a real
+    tensor held by the graph would meet them in the first op that reads it."""
+    targets = [n.target for n in gm.graph.nodes if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor)]
+    return list(dict.fromkeys(targets))
 
 
 def _buffer_name(target: str, placeholders) -> str:

@@ -92,7 +92,11 @@ def _apply_compiler(compiler, gm, example_inputs):
 def _compile(compiler, gm: fx.GraphModule, examples, sp: Split):
     """``compiler(gm, example_inputs)`` as AOTAutograd calls it: the example inputs are FakeTensors
     of a fake mode with a ShapeEnv, which a ``TracingContext`` holds (Inductor's FX graph cache
-    needs it). With symbolic sizes, the split's own fake values and mode."""
+    needs it). With symbolic sizes, the split's own fake values and mode.
+
+    Returns the compiled graph and the strides of its outputs where the compiler reports them
+    (Inductor does: it may lay out saved activations as it likes, e.g. channels-last after a
+    convolution, and the backward must be compiled for the layout it will get), else None."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -103,13 +107,67 @@ def _compile(compiler, gm: fx.GraphModule, examples, sp: Split):
     else:
         examples = [p.meta["val"] for p in gm.graph.nodes if p.op == "placeholder"]
         mode = fake_mode_of(examples)
-    with tracing(TracingContext(mode)):
-        return _apply_compiler(compiler, gm, examples)
+    with tracing(TracingContext(mode)), TracingContext.report_output_strides() as strides, _fixed_layouts(compiler):
+        compiled = _apply_compiler(compiler, gm, examples)
+    return compiled, (list(strides) if strides else None)
 
 
-def _example(val):
-    """A real tensor like ``val`` (a traced value): its size, strides, dtype and device, zeros."""
-    return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device).zero_()
+def _fixed_layouts(compiler):
+    """Inductor's layout optimisation off: with it, Inductor lays out a convolution's saved
+    output channels-last, and the backward, though compiled for the strides the forward reports,
+    computes a wrong weight gradient for a strided 1x1 convolution feeding a BatchNorm (a ResNet
+    shortcut). Saved values keep the readable graphs' layouts."""
+    if not _is_inductor(compiler):
+        return contextlib.nullcontext()
+    from torch._inductor import config
+
+    return config.patch(layout_optimization=False)
+
+
+def _example(val, stride=None):
+    """A real tensor like ``val`` (a traced value): its size, dtype and device, its strides or
+    ``stride``, zeros."""
+    stride = val.stride() if stride is None else stride
+    return torch.empty_strided(val.shape, stride, dtype=val.dtype, device=val.device).zero_()
+
+
+def _compile_backward(compiler, aten, sp: Split, saved_strides):
+    """The compiled ATen backward, called as ``bw(*saved, *cotangents)`` (it is handed the tensors
+    it holds itself, ``aten.backward_buffers``), and the strides it was made for (None where
+    symbolic). ``saved_strides``: the layouts the compiled forward gives the saved values."""
+    vals = [p.meta["val"] for p in aten.backward.graph.nodes if p.op == "placeholder"]
+    if sp._cap.symbolic is None:
+        strides = [_int_stride(s) for s in (saved_strides or [])][: len(sp.saved)]
+        strides += [None] * (len(vals) - len(strides))
+        examples = [_example(v, s) for v, s in zip(vals, strides)]
+    else:
+        examples = vals
+    compiled, _ = _compile(compiler, aten.backward, examples, sp)
+    return _with_buffers(compiled, aten.backward_buffers), [_static_stride(x) for x in examples]
+
+
+def _int_stride(stride):
+    """A reported stride as a tuple of ints, or None where it is missing or symbolic."""
+    try:
+        return None if stride is None else tuple(int(k) for k in stride)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _with_buffers(fn, buffers: list):
+    """``fn``, which takes ``buffers`` after its other arguments, called without them (boxed if
+    ``fn`` is)."""
+    if not buffers:
+        return fn
+    if getattr(fn, "_boxed_call", False):
+
+        def boxed(args):
+            args.extend(buffers)
+            return fn(args)
+
+        boxed._boxed_call = True
+        return boxed
+    return lambda *args: fn(*args, *buffers)
 
 
 def _call(fn, args: list):
@@ -139,17 +197,16 @@ class _Runner:
             self.aten = to_aten(sp, decompositions)
         # the graphs' own guards are skipped (``.forward``): _Runners chose this split by sp.guards
         if fw_compiler is None:
-            self.fw, self.fw_aten = sp.forward.forward, False
+            self.fw, self.fw_aten, out_strides = sp.forward.forward, False, None
         else:
             examples = [x.detach() for x in leaves] + list(self.aten.buffers)
-            self.fw, self.fw_aten = _compile(fw_compiler, self.aten.forward, examples, sp), True
+            (self.fw, out_strides), self.fw_aten = _compile(fw_compiler, self.aten.forward, examples, sp), True
         if bw_compiler is None:
             self.bw, self.bw_aten = sp.backward_boxed.forward, False
         else:
-            vals = [p.meta["val"] for p in self.aten.backward.graph.nodes if p.op == "placeholder"]
-            examples = [_example(v) for v in vals] if sp._cap.symbolic is None else vals
-            self.bw, self.bw_aten = _compile(bw_compiler, self.aten.backward, examples, sp), True
-            self.ct_strides = [_static_stride(v) for v in vals[len(sp.saved) :]]
+            saved_strides = out_strides[self.aten.n_outputs :] if out_strides else None
+            (self.bw, strides), self.bw_aten = _compile_backward(bw_compiler, self.aten, sp, saved_strides), True
+            self.ct_strides = strides[len(sp.saved) : len(sp.saved) + len(sp.cotangents)]
         cap = sp._cap
         self.out_leaves = cap.out_leaves
         self.out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
