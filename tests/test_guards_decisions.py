@@ -295,3 +295,21 @@ def test_vmap_layout_read_guarded():
     gm = fxtools.vmap(f, torch.randn(5, 4, 3))
     for x, want in [(torch.randn(6, 4, 3)[:5], "exact"), (torch.randn(5, 3, 4).transpose(1, 2), "refused")]:
         assert _outcome(gm, torch.func.vmap(f), x) == want
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_as_strided_reads_the_arguments_storage_offset(offset):
+    """as_strided with an explicit storage_offset addresses the storage, not the view: a module made
+    at one offset is exact there and refuses another offset (it once gave the first offset's gradient)."""
+
+    def f(x):
+        return torch.as_strided(x, (2, 2), (1, 2), storage_offset=2).sin().sum()
+
+    base = torch.randn(20, dtype=torch.float64)
+    gm = fxtools.grad(f, base[1:13])
+    x = base[offset : offset + 12]
+    if offset == 1:
+        torch.testing.assert_close(gm(x), torch.func.grad(f)(x))
+    else:
+        with pytest.raises(fxtools.InputMismatch, match=f"storage_offset\\(\\) {offset}, but the module was made for storage_offset\\(\\) 1"):
+            gm(x)

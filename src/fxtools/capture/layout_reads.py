@@ -9,6 +9,8 @@ what it returned. ``facts`` then turns the reads into layout facts about the inp
 (``codegen.guards.Read``), which the module checks on every call:
 
 - ``is_contiguous`` / ``storage_offset`` read on an input itself: the same answer;
+- ``as_strided`` on a value computed from inputs (it addresses their storage directly): each
+  input's strides and storage offset, as the example had them;
 - any other read (a stride, or a read on a value computed from inputs, whose layout follows
   theirs): the layout of every input it derives from, as the example had it: its strides (static
   sizes), or dense in the example's order of dims (symbolic sizes, whose strides follow the sizes).
@@ -29,6 +31,9 @@ from ..codegen.guards import CHECKING, Read, dense_strides
 from ..errors import FxtoolsError, decision_line, is_program_file
 
 _READS = {"stride", "is_contiguous", "storage_offset"}
+# ops that address the storage under a tensor directly: their result (and gradient) follows the
+# tensor's strides and storage offset, which the program thereby reads
+_STORAGE_READS = {"as_strided", "as_strided_", "as_strided_scatter"}
 
 
 def _by_program() -> bool:
@@ -77,7 +82,7 @@ class LayoutReads(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", None)
-        base, batched = _unbatched(args[0]) if name in _READS and args else (None, False)
+        base, batched = _unbatched(args[0]) if name in _READS | _STORAGE_READS and args else (None, False)
         if isinstance(base, torch._subclasses.FakeTensor) and (
             _by_program() or (CHECKING and CHECKING[-1].startswith("read at "))
         ):
@@ -85,7 +90,8 @@ class LayoutReads(TorchFunctionMode):
             fmt_name = str(fmt or torch.contiguous_format).removeprefix("torch.")
             where = CHECKING[-1].removeprefix("read at ") if CHECKING else decision_line()  # (a module traced again)
             node = _node_of(base)
-            self.reads.append((name if not batched else "stride", node, fmt_name, out, where))
+            kind = "as_strided" if name in _STORAGE_READS else name
+            self.reads.append((kind if not batched else "stride", node, fmt_name, out, where))
         return out
 
 
@@ -135,6 +141,10 @@ def facts(reads: list, placeholders: list, examples: list) -> dict:
                 fact = Read("storage_offset", (result,), where)
             else:
                 fact = _layout_fact(examples[i], symbolic, where)
-            if fact not in out.setdefault(i, []):
-                out[i].append(fact)
+            found = [fact]
+            if name == "as_strided":
+                found.append(Read("storage_offset", (examples[i].storage_offset(),), where))
+            for fact in found:
+                if fact not in out.setdefault(i, []):
+                    out[i].append(fact)
     return out

@@ -506,7 +506,11 @@ class Guards:
                 CHECKING.pop()
             if not holds:
                 self.fail(
-                    f"{spec.path} has strides {tuple(value.stride())}"
+                    (
+                        f"{spec.path} has storage_offset() {value.storage_offset()}"
+                        if read.kind == "storage_offset"
+                        else f"{spec.path} has strides {tuple(value.stride())}"
+                    )
                     + (f" (contiguous: {value.is_contiguous()})" if read.kind == "is_contiguous" else "")
                     + f", but the module was made for {read.expected()} (the program read the layout at "
                     f"{read.where}); its code follows what the example's layout gave there",
