@@ -311,5 +311,7 @@ def test_as_strided_reads_the_arguments_storage_offset(offset):
     if offset == 1:
         torch.testing.assert_close(gm(x), torch.func.grad(f)(x))
     else:
-        with pytest.raises(fxtools.InputMismatch, match=f"storage_offset\\(\\) {offset}, but the module was made for storage_offset\\(\\) 1"):
+        with pytest.raises(
+            fxtools.InputMismatch, match=f"storage_offset\\(\\) {offset}, but the module was made for storage_offset\\(\\) 1"
+        ):
             gm(x)
