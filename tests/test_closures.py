@@ -306,3 +306,41 @@ def test_global_dicts_of_tensors_and_of_values():
             gm(x)
     finally:
         PARAMS["w"], CFG["scale"] = old_w, 2.0
+
+
+def test_split_and_compile_refuse_changed_closed_over_state():
+    """A split's forward and fxtools.compile's graphs hold closed-over tensors and constants too:
+    a changed global or a rebound tensor is refused there (in-place updates are seen)."""
+    state = {"scale": 2.0}
+    w = torch.randn(3, dtype=torch.float64)
+    holder = {"w": w}
+
+    def f(x):
+        return (torch.sin(x * holder["w"]) * SCALES["s"]).sum() + state["scale"]
+
+    SCALES["s"] = 1.5
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    sp = fxtools.split(f, x.detach())
+    compiled = fxtools.compile(f, x.detach())
+    out = compiled(x)
+    out.backward()
+    torch.testing.assert_close(x.grad, torch.func.grad(f)(x.detach()))
+    with torch.no_grad():
+        w.mul_(3.0)  # in place: seen by both
+    x.grad = None
+    compiled(x).backward()
+    torch.testing.assert_close(x.grad, torch.func.grad(f)(x.detach()))
+    holder["w"] = torch.randn(3, dtype=torch.float64)  # rebound: refused
+    with pytest.raises(fxtools.InputMismatch, match="replaced by another object"):
+        compiled(x)
+    with pytest.raises(fxtools.InputMismatch, match="replaced by another object"):
+        sp.forward(*sp.flatten(x.detach()))
+    holder["w"] = w
+    SCALES["s"] = 4.0  # a Python value the code holds as a constant: refused
+    with pytest.raises(fxtools.InputMismatch, match="SCALES|s"):
+        compiled(x)
+    SCALES["s"] = 1.5
+    compiled(x)
+
+
+SCALES: dict = {}

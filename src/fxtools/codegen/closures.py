@@ -173,6 +173,24 @@ def attach(gm: fx.GraphModule, reads, made_by: str) -> None:
         gm.__dict__["closures"] = Closures(made_by, tensors, others)
 
 
+def attach_held(gm: fx.GraphModule, reads, made_by: str) -> None:
+    """Give ``gm`` the checks of ``reads`` for code whose closed-over tensors are also held
+    elsewhere (a split's backward, the graphs a compiler made from it): every read is guarded and
+    a tensor rebound to a new object is refused rather than read in its place, since the other
+    holders would keep the old one. In-place updates stay visible (the same object)."""
+    reads = list({id(r): r for r in reads}.values())
+    held = [dataclasses.replace(r, kind="same") if r.kind == "tensor" else r for r in reads]
+    if held:
+        gm.__dict__["closures"] = Closures(made_by, (), held)
+
+
+def check(gm) -> None:
+    """Run ``gm``'s closed-over state checks, if it has any (``attach`` / ``attach_held``)."""
+    closures = getattr(gm, "__dict__", {}).get("closures")
+    if closures is not None:
+        closures.check(gm)
+
+
 def _tensor_attributes(gm: fx.GraphModule):
     """(attribute path, tensor) for every tensor a get_attr node of ``gm`` or its subgraphs reads."""
     for prefix, module in gm.named_modules():

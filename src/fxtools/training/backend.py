@@ -47,6 +47,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture.nested import functorch_regions
+from ..codegen import closures
 from ..codegen.guards import InputMismatch
 from ..codegen.naming import identifier
 from ..functional import functional
@@ -320,6 +321,11 @@ class _Runners:
 
     def __call__(self, args, training):
         """``(runner, tensor leaves)`` for ``args``."""
+        leaves_and_runner = self._lookup(args, training)
+        closures.check(leaves_and_runner[0].split.forward)  # closed-over state (codegen/closures.py)
+        return leaves_and_runner
+
+    def _lookup(self, args, training):
         if self.fixed is not None:  # one given split (an edited one): its guards decide, nothing new is made
             leaves = self.fixed.guards.check(args)
             if not self.entries:

@@ -48,7 +48,7 @@ from torch.utils import _pytree as pytree
 
 from .. import registry
 from ..capture.checkpoint import checkpoint_regions
-from ..codegen import sizes
+from ..codegen import closures, sizes
 from ..codegen.draw import PART_KEY
 from ..codegen.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
 from ..codegen.naming import arg_names, part_name
@@ -933,6 +933,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     strided = {i.path for i, p in zip(signature, part.primals) if (i.path or i.name) in fw_paths or p.name in bw_paths}
     result.guards = build("fxtools.split", top, args, layout=strided)
     sizes.guard_symbolic(result.guards, cap, args)
+    closures.attach_held(forward, cap.reads, "fxtools.split")  # closed-over state, checked on every forward
     result._ct_index = ct_index
     result.from_module = from_module
     result.leaf_paths = tensor_paths
