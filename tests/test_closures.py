@@ -344,3 +344,26 @@ def test_split_and_compile_refuse_changed_closed_over_state():
 
 
 SCALES: dict = {}
+
+
+def _level3(x):
+    return x * DEEP["k"]
+
+
+def _level2(x):
+    return _level3(x).sin()
+
+
+def _level1(x):
+    return _level2(x) + 1
+
+
+def test_a_value_read_three_calls_deep_is_guarded():
+    DEEP["k"] = 2.0
+    gm = fxtools.grad(lambda x: _level1(x).sum(), torch.randn(3, dtype=torch.float64))
+    DEEP["k"] = 5.0
+    with pytest.raises(fxtools.InputMismatch, match="DEEP"):
+        gm(torch.randn(3, dtype=torch.float64))
+
+
+DEEP: dict = {}

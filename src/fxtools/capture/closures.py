@@ -2,7 +2,7 @@
 
 The walk starts at the function (or module, or callable object) being traced and follows what its
 code loads by name (``LOAD_GLOBAL``, closure cells), the functions it calls by name (in user
-files, two levels deep), the modules it reaches (their parameters, buffers, submodules, and the
+files, to any depth, each once), the modules it reaches (their parameters, buffers, submodules, and the
 attributes their ``forward`` names) and the attributes of plain objects it closes over. Each read
 becomes a ``codegen.closures.Read``: tensors (read by reference on every call of the generated
 module), Python values (guarded by value), modules and functions (guarded by identity). The
@@ -24,7 +24,7 @@ from ..codegen.closures import MISSING, Read, is_constant, reads_of, same_value,
 from ..codegen.naming import identifier
 from ..errors import FXTOOLS_DIR, is_user_file
 
-_DEPTH = 2  # how deep the walk follows functions called by name
+_DEPTH = 64  # how deep the walk follows user functions called by name (each code object once)
 
 
 def _line(code, lineno) -> str:
