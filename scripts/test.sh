@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/setup.sh test)
-"$PY" -m pytest -q -p no:cacheprovider -n 2 "$@"
+"$PY" -m pytest -q -p no:cacheprovider -n 2 -rs --durations=25 "$@"

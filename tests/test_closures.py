@@ -367,3 +367,25 @@ def test_a_value_read_three_calls_deep_is_guarded():
 
 
 DEEP: dict = {}
+
+
+def test_torch_compile_of_a_generated_module_keeps_its_closure_checks():
+    """torch.compile traces the checks (fullgraph): a changed global is refused, not compiled away."""
+    COMPILED["k"] = 2.0
+
+    def f(x):
+        return (torch.sin(x) * COMPILED["k"]).sum()
+
+    x = torch.randn(3, dtype=torch.float64)
+    gm = fxtools.grad(f, x)
+    torch._dynamo.reset()
+    compiled = torch.compile(gm, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), torch.func.grad(f)(x))
+    COMPILED["k"] = 3.0
+    with pytest.raises(Exception, match="COMPILED"):
+        compiled(x)
+    COMPILED["k"] = 2.0
+    torch.testing.assert_close(compiled(x), torch.func.grad(f)(x))
+
+
+COMPILED: dict = {}

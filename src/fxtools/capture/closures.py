@@ -27,6 +27,11 @@ from ..errors import FXTOOLS_DIR, is_user_file
 _DEPTH = 64  # how deep the walk follows user functions called by name (each code object once)
 
 
+def _get_item(table: dict, key):
+    """``table[key]``, or ``MISSING`` (a plain function: torch.compile traces it, and guards on it)."""
+    return table.get(key, MISSING)
+
+
 def _line(code, lineno) -> str:
     text = linecache.getline(code.co_filename, lineno).strip() if lineno else ""
     return f"{code.co_filename}:{lineno}: {text}" if lineno else code.co_filename
@@ -99,7 +104,7 @@ class _Walk:
             elif not user:
                 continue
             elif kind == "global" and name in globals_:
-                get = functools.partial(dict.get, globals_, name, MISSING)
+                get = functools.partial(_get_item, globals_, name)
                 self.value(globals_[name], get, f"the global {name}", where, name, depth)
             elif kind == "cell" and name in cells:
                 value = _cell_get(cells[name])
@@ -161,7 +166,7 @@ class _Walk:
         elif type(obj) is dict:  # a dict of tensors (``params['w']``)
             for key, value in list(obj.items()):
                 if isinstance(key, str) and isinstance(value, (torch.Tensor, torch.nn.Module)):
-                    get = functools.partial(dict.get, obj, key, MISSING)
+                    get = functools.partial(_get_item, obj, key)
                     self.value(value, get, f"{label[:-1]}[{key!r}]", None, f"{prefix}{key}", _DEPTH)
         else:
             for name, value in list(getattr(obj, "__dict__", {}).items()):
@@ -174,11 +179,11 @@ class _Walk:
         for table in tables:  # read from the table itself: nn.Module.__getattr__ is slow
             for name, t in list(table.items()):
                 if isinstance(t, torch.Tensor):
-                    get = functools.partial(dict.get, table, name, MISSING)
+                    get = functools.partial(_get_item, table, name)
                     self.reads.append(Read(label + name, get, "tensor", t, None, identifier(prefix + name)))
         for name, sub in module._modules.items():
             if sub is not None:
-                get = functools.partial(dict.get, module._modules, name, MISSING)
+                get = functools.partial(_get_item, module._modules, name)
                 if id(sub) not in self.seen:
                     self.reads.append(Read(label + name, get, "same", sub))
                 self.obj(sub, f"{prefix}{name}.", f"{label}{name}.")
@@ -189,7 +194,7 @@ class _Walk:
             for name, value in list(getattr(obj, "__dict__", {}).items()):
                 if name not in self.attr_names or isinstance(value, torch.Tensor):
                     continue
-                get = functools.partial(dict.get, obj.__dict__, name, MISSING)
+                get = functools.partial(_get_item, obj.__dict__, name)
                 if is_constant(value):
                     self.reads.append(Read(label + name, get, "value", value))
                 elif not callable(value) and snapshot(value) is not None:

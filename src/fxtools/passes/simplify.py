@@ -41,6 +41,7 @@ import re
 
 import torch
 import torch.fx as fx
+from torch._prims_common import is_contiguous_or_false
 
 from ..dynamic_shapes import broadcasts_into, materialize, same_shape, shape_arg, sizes_from_inputs
 from .subgraphs import drop_unused_subgraphs, subgraphs
@@ -235,7 +236,7 @@ def _only_shapes_a_fill(node) -> bool:
         and set(v.users) == {node}
         and not is_impure(v)
         and isinstance(_val(v), torch.Tensor)
-        and _val(v).is_contiguous()
+        and is_contiguous_or_false(_val(v))  # unbacked sizes: not known, so left as it is
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from ..registry import mark_nondifferentiable, vjp_rule
 from .common import cast_cotangent, normalize_dims, same_shape
@@ -150,7 +151,7 @@ def _prod_grad(ct, out, x, dim, keepdim):
     if x.dim() == 0:
         return cast(ct, x)
     out, ct = restore(out, x, dim, keepdim), restore(ct, x, dim, keepdim)
-    if x.numel() == 0:
+    if guard_or_false(x.numel() == 0):  # an unbacked size (after masked_select) takes the general path
         return cast(ct * (out / x), x)
     zero = x == 0
     if dim is None:

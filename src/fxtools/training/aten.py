@@ -46,7 +46,8 @@ import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError
-from .partition import Split, fake_mode_of
+from .cuts import fake_mode_of
+from .partition import Split
 
 __all__ = ["Descriptor", "AtenSplit", "to_aten", "decomposition_table", "KINDS"]
 

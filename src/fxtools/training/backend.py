@@ -53,8 +53,9 @@ from ..codegen.naming import identifier
 from ..functional import functional
 from ..transforms.reverse import is_float
 from .aten import to_aten
+from .cuts import fake_mode_of
 from .distributed import Wrappers
-from .partition import Split, fake_mode_of, split
+from .partition import Split, split
 from .saved import Replay, SavedValues, release
 
 __all__ = ["compile", "backend", "CompiledModule"]

@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_leaves as pytree_leaves
 
 from ..errors import FxtoolsError
 from . import policies
+from .cuts import backward_nodes, fake_mode_of, forward_nodes, max_flow, max_flow_min_cut, nbytes, storage_root
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,6 @@ class Choice:
 
 def _flops(node: fx.Node) -> int:
     """FLOPs ``torch.utils.flop_counter`` counts for running ``node`` once on its fake values."""
-    from .partition import fake_mode_of
 
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
     vals = [v for v in fx.node.map_aggregate((args, kwargs), lambda v: v) if isinstance(v, torch.Tensor)]
@@ -163,7 +163,6 @@ class Problem:
     """The save/recompute choice of a ``_Partition`` as a family of minimum cuts."""
 
     def __init__(self, part, exact_limit: int = EXACT_LIMIT):
-        from .partition import _storage_root, nbytes
 
         self.part, self.exact_limit, self.method = part, exact_limit, ""
         self.memo = _Memo()
@@ -180,7 +179,7 @@ class Problem:
         for n in self.cand:
             forced = part._forced(n)
             tensor = isinstance(n.meta.get("val"), torch.Tensor)
-            view = _storage_root(n) is not n
+            view = storage_root(n) is not n
             self.must_save[n] = forced == policies.SAVE and n.target is not operator.getitem
             self.can_save[n] = n.op == "placeholder" or (tensor and not view and forced != policies.RECOMPUTE)
             self.size[n] = 0 if n.op == "placeholder" else max(nbytes(n.meta.get("val")), 1)
@@ -219,19 +218,17 @@ class Problem:
 
     def solve(self, wb: int, wc: int) -> Point:
         """The saved set minimising ``wb * bytes + wc * cost`` (ties: the least recomputed)."""
-        from .partition import _max_flow_min_cut
 
         edges, inf = self._edges(wb, wc)
         n = 2 * len(self.cand) + 2
-        return self._point(_max_flow_min_cut(n, edges, n - 2, n - 1, inf=inf))
+        return self._point(max_flow_min_cut(n, edges, n - 2, n - 1, inf=inf))
 
     def saved_bytes(self, saved) -> int:
         """Bytes of the storages ``saved`` holds beyond the inputs (each storage once), as ``Split.saved_bytes``."""
-        from .partition import _storage_root, nbytes
 
         roots = {}
         for s in saved:
-            r = _storage_root(s)
+            r = storage_root(s)
             if r.op != "placeholder":
                 roots[r] = max(roots.get(r, 0), nbytes(r.meta.get("val")), nbytes(s.meta.get("val")))
         return sum(roots.values())
@@ -355,11 +352,10 @@ class Problem:
         (Picard-Queyranne). Starting from the largest (most recompute), strongly connected
         components of the residual graph leave it one at a time, earliest in the program first
         among those whose successors have left: each step is a cut on the edge."""
-        from .partition import _max_flow
 
         edges, inf = self._edges(lo.cost - hi.cost, hi.bytes - lo.bytes)
         n = 2 * len(self.cand) + 2
-        head, to, cap = _max_flow(n, edges, n - 2, n - 1, inf)
+        head, to, cap = max_flow(n, edges, n - 2, n - 1, inf)
         t_min = _residual_reach(head, to, cap, n - 1, backward=True)
         s_min = _residual_reach(head, to, cap, n - 2, backward=False)
         middle = {v for v in range(n) if v not in t_min and v not in s_min}
@@ -493,14 +489,12 @@ class _Memo:
         self.sizes: dict = {}
 
     def root(self, n: fx.Node) -> fx.Node:
-        from .partition import _storage_root
 
         if n not in self.roots:
-            self.roots[n] = _storage_root(n)
+            self.roots[n] = storage_root(n)
         return self.roots[n]
 
     def size(self, n: fx.Node) -> int:
-        from .partition import nbytes
 
         if n not in self.sizes:
             self.sizes[n] = nbytes(n.meta.get("val"))
@@ -548,7 +542,6 @@ def liveness_peak(order, start, held, memo: _Memo | None = None) -> int:
 
 def predicted_peak(part, saved, recomputed, memo: _Memo | None = None) -> int:
     """Peak bytes of running the forward, then the backward (``backward_boxed``), on ``part``."""
-    from .partition import backward_nodes, forward_nodes
 
     memo = memo or _Memo()
     primals = list(part.primals)

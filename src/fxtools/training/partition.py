@@ -37,7 +37,6 @@ Regions of ``torch.utils.checkpoint`` in user code are recomputed in the backwar
 
 from __future__ import annotations
 
-import collections
 import operator
 from dataclasses import dataclass
 
@@ -54,34 +53,19 @@ from ..codegen.guards import GuardedGraphModule, Guards, Node, build, stride_sen
 from ..codegen.naming import arg_names, part_name
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
-from ..dynamic_shapes import upper_bound
 from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
-from ..passes.simplify import is_impure, simplify
+from ..passes.simplify import simplify
 from ..passes.subgraphs import NOTE_KEY
 from ..transforms.calling import transform
-from ..transforms.reverse import ReverseSpec, ancestors, reverse
+from ..transforms.reverse import ReverseSpec, reverse
 from ..transforms.vjp import grads_structure, prepare
 from . import policies
-
-_INF = 1 << 62
-
+from .cuts import INF, backward_nodes, fake_mode_of, forward_nodes, max_flow_min_cut, nbytes, storage_root
 
 # --------------------------------------------------------------------------------------------
 # Descriptions of inputs, saved values and cotangents
 # --------------------------------------------------------------------------------------------
-
-
-def nbytes(val) -> int:
-    """Bytes of the memory a tensor spans (an expanded tensor counts once); for a size that
-    depends on the data, its largest possible value."""
-    if not isinstance(val, torch.Tensor):
-        return 0
-    shape, stride = [upper_bound(s) for s in val.shape], [upper_bound(s) for s in val.stride()]
-    if 0 in shape:
-        return 0
-    span = 1 + sum((s - 1) * abs(st) for s, st in zip(shape, stride))
-    return span * val.element_size()
 
 
 @dataclass
@@ -112,101 +96,9 @@ def _info(node: fx.Node, kind: str, path=None, line=None, storage=None) -> Tenso
     return TensorInfo(node.name, tuple(val.shape), val.dtype, nbytes(val), kind, path, line, storage)
 
 
-def _storage_root(node: fx.Node) -> fx.Node:
-    """The node whose memory ``node``'s value lives in (following views)."""
-    while node.op == "call_function":
-        if node.target is operator.getitem:
-            parent = node.args[0]
-            if isinstance(parent, fx.Node) and policies.is_view(parent):
-                node = parent.args[0]
-                continue
-            return node
-        if policies.is_view(node) and isinstance(node.args[0], fx.Node):
-            node = node.args[0]
-            continue
-        return node
-    return node
-
-
 # --------------------------------------------------------------------------------------------
 # Deciding what to save
 # --------------------------------------------------------------------------------------------
-
-
-def _augment(head, to, cap, level, it, source, sink) -> int:
-    """Push flow along one shortest augmenting path (iteratively: paths can be thousands of edges long)."""
-    path, u = [], source
-    while True:
-        if u == sink:
-            f = min(cap[e] for e in path)
-            for e in path:
-                cap[e] -= f
-                cap[e ^ 1] += f
-            return f
-        while it[u] < len(head[u]):
-            e = head[u][it[u]]
-            if cap[e] > 0 and level[to[e]] == level[u] + 1:
-                path.append(e)
-                u = to[e]
-                break
-            it[u] += 1
-        else:
-            if u == source:
-                return 0
-            level[u] = -1  # a dead end for this phase
-            e = path.pop()
-            u = to[e ^ 1]
-            it[u] += 1
-
-
-def _max_flow_min_cut(n: int, edges, source: int, sink: int, inf: int = _INF):
-    """The vertices that can still reach ``sink`` in the residual graph of a maximum flow
-    (``inf``: the capacity meaning "never cut")."""
-    head, to, cap = _max_flow(n, edges, source, sink, inf)
-    reach = {sink}
-    queue = collections.deque([sink])
-    while queue:
-        v = queue.popleft()
-        for e in head[v]:  # residual edge u -> v exists when the reverse slot e^1 has capacity
-            u = to[e]
-            if u not in reach and cap[e ^ 1] > 0:
-                reach.add(u)
-                queue.append(u)
-    return reach
-
-
-def _max_flow(n: int, edges, source: int, sink: int, inf: int = _INF):
-    """Dinic's algorithm: the residual graph ``(head, to, cap)`` of a maximum flow (edge ``e``
-    goes to ``to[e]``, its reverse is ``e ^ 1``)."""
-    head = [[] for _ in range(n)]
-    to, cap = [], []
-    for u, v, c in edges:
-        head[u].append(len(to))
-        to.append(v)
-        cap.append(c)
-        head[v].append(len(to))
-        to.append(u)
-        cap.append(0)
-    while True:
-        level = [-1] * n
-        level[source] = 0
-        queue = collections.deque([source])
-        while queue:
-            u = queue.popleft()
-            for e in head[u]:
-                if cap[e] > 0 and level[to[e]] < 0:
-                    level[to[e]] = level[u] + 1
-                    queue.append(to[e])
-        if level[sink] < 0:
-            break
-        it = [0] * n
-        while True:
-            f = _augment(head, to, cap, level, it, source, sink)
-            if not f:
-                break
-            if f >= inf:
-                raise RuntimeError("fxtools.split: no finite cut (a value can be neither saved nor recomputed)")
-    return head, to, cap
 
 
 class _Partition:
@@ -377,64 +269,24 @@ class _Partition:
             if n.op == "placeholder":
                 weight = 0
             elif forced == policies.RECOMPUTE or not tensor:
-                weight = _INF
+                weight = INF
             else:
                 weight = max(nbytes(val), 1)
             edges.append((2 * i, 2 * i + 1, weight))
             if forced == policies.SAVE and n.target is not operator.getitem:
-                edges.append((source, 2 * i, _INF))
+                edges.append((source, 2 * i, INF))
             for a in n.all_input_nodes:
                 if a in index:
-                    edges.append((2 * index[a] + 1, 2 * i, _INF))
+                    edges.append((2 * index[a] + 1, 2 * i, INF))
         for n in self.needed:
             if n in index:
-                edges.append((2 * index[n] + 1, sink, _INF))
-        reach = _max_flow_min_cut(2 * len(cand) + 2, edges, source, sink)
+                edges.append((2 * index[n] + 1, sink, INF))
+        reach = max_flow_min_cut(2 * len(cand) + 2, edges, source, sink)
         saved = {n for n, i in index.items() if 2 * i not in reach and 2 * i + 1 in reach}
         recomputed = {n for n, i in index.items() if 2 * i in reach}
         recomputed |= {a for n in recomputed for a in n.all_input_nodes if a.op == "get_attr"}
         recomputed |= {n for n in self.needed if n.op == "get_attr"}
         return saved, recomputed
-
-
-def forward_nodes(part: _Partition, saved) -> list[fx.Node]:
-    """The joint graph's nodes the forward computes, in order: those the outputs, the saved
-    values and the side effects (buffer updates) depend on."""
-    effects = (n for n in part.nodes if n.op == "call_function" and n not in part.bw and is_impure(n))
-    keep = ancestors([*part.fw_outs, *saved, *effects])
-    return [n for n in part.nodes if n in keep and n.op in ("call_function", "get_attr")]
-
-
-def backward_nodes(part: _Partition, saved, recomputed) -> list[fx.Node]:
-    """The joint graph's nodes the backward computes, in order: the backward's own ops, each
-    recomputed value placed just before its first use."""
-    done, order = {*saved, *part.cts}, []
-
-    def emit(node):
-        todo = [node]
-        while todo:
-            v = todo[-1]
-            if v in done:
-                todo.pop()
-                continue
-            missing = [a for a in v.all_input_nodes if a not in done]
-            if missing:
-                for a in missing:
-                    if a not in recomputed and a not in part.bw:
-                        raise AssertionError(f"fxtools.split: {a} is neither saved nor recomputed")
-                todo.extend(missing)
-                continue
-            done.add(v)
-            order.append(v)
-            todo.pop()
-
-    for n in part.nodes:
-        if n in part.bw and n.op == "call_function":
-            emit(n)
-    for g in part.grads:
-        if isinstance(g, fx.Node):
-            emit(g)
-    return order
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,15 +355,6 @@ def _install_guards(forward, backward, backward_boxed, args, top, part, signatur
         ("args",),
         (Node("args", "list", "list", tuple(range(len(backward.guards.args))), backward.guards.args),),
     )
-
-
-def fake_mode_of(vals):
-    """The fake mode of traced values (a new one if they have none)."""
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = detect_fake_mode(vals)
-    return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
 
 
 class _FakeRun(fx.Interpreter):
@@ -674,7 +517,7 @@ class Split:
         out_nodes = {n for n in pytree.tree_leaves(output.args[0][0]) if isinstance(n, fx.Node)}
         infos, storage_bytes = [], {}
         for node, p, v in zip(saved_nodes, bw_ph, saved):
-            root = _storage_root(node)
+            root = storage_root(node)
             kind = "input" if root in fw_set else "output" if node in out_nodes else "activation"
             storage_bytes[p.name] = nbytes(v)
             infos.append(TensorInfo(p.name, tuple(v.shape), v.dtype, nbytes(v), kind, None, user_line_of(node), p.name))
@@ -918,7 +761,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     saved, storage_bytes = [], {}
     primal_set = set(part.primals)
     for s in part.saved:
-        root = _storage_root(s)
+        root = storage_root(s)
         kind = "input" if root in primal_set else "output" if s in fw_out_nodes else "activation"
         storage_bytes[root.name] = max(storage_bytes.get(root.name, 0), nbytes(root.meta.get("val")), nbytes(s.meta.get("val")))
         info = _info(s, kind, line=user_line_of(s), storage=root.name)

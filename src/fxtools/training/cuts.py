@@ -1,0 +1,171 @@
+"""Graph arithmetic the partitioner and the budget solver share: the bytes a value spans, the
+value whose memory a view lives in, a maximum flow / minimum cut (Dinic's algorithm), and the
+order in which the forward and the backward compute a partition's nodes."""
+
+from __future__ import annotations
+
+import collections
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..dynamic_shapes import upper_bound
+from ..passes.simplify import is_impure
+from ..transforms.reverse import ancestors
+from . import policies
+
+INF = 1 << 62  # the capacity of an edge that is never cut
+
+
+def nbytes(val) -> int:
+    """Bytes of the memory a tensor spans (an expanded tensor counts once); for a size that
+    depends on the data, its largest possible value."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    shape, stride = [upper_bound(s) for s in val.shape], [upper_bound(s) for s in val.stride()]
+    if 0 in shape:
+        return 0
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(shape, stride))
+    return span * val.element_size()
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node whose memory ``node``'s value lives in (following views)."""
+    while node.op == "call_function":
+        if node.target is operator.getitem:
+            parent = node.args[0]
+            if isinstance(parent, fx.Node) and policies.is_view(parent):
+                node = parent.args[0]
+                continue
+            return node
+        if policies.is_view(node) and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+            continue
+        return node
+    return node
+
+
+def _augment(head, to, cap, level, it, source, sink) -> int:
+    """Push flow along one shortest augmenting path (iteratively: paths can be thousands of edges long)."""
+    path, u = [], source
+    while True:
+        if u == sink:
+            f = min(cap[e] for e in path)
+            for e in path:
+                cap[e] -= f
+                cap[e ^ 1] += f
+            return f
+        while it[u] < len(head[u]):
+            e = head[u][it[u]]
+            if cap[e] > 0 and level[to[e]] == level[u] + 1:
+                path.append(e)
+                u = to[e]
+                break
+            it[u] += 1
+        else:
+            if u == source:
+                return 0
+            level[u] = -1  # a dead end for this phase
+            e = path.pop()
+            u = to[e ^ 1]
+            it[u] += 1
+
+
+def max_flow_min_cut(n: int, edges, source: int, sink: int, inf: int = INF):
+    """The vertices that can still reach ``sink`` in the residual graph of a maximum flow
+    (``inf``: the capacity meaning "never cut")."""
+    head, to, cap = max_flow(n, edges, source, sink, inf)
+    reach = {sink}
+    queue = collections.deque([sink])
+    while queue:
+        v = queue.popleft()
+        for e in head[v]:  # residual edge u -> v exists when the reverse slot e^1 has capacity
+            u = to[e]
+            if u not in reach and cap[e ^ 1] > 0:
+                reach.add(u)
+                queue.append(u)
+    return reach
+
+
+def max_flow(n: int, edges, source: int, sink: int, inf: int = INF):
+    """Dinic's algorithm: the residual graph ``(head, to, cap)`` of a maximum flow (edge ``e``
+    goes to ``to[e]``, its reverse is ``e ^ 1``)."""
+    head = [[] for _ in range(n)]
+    to, cap = [], []
+    for u, v, c in edges:
+        head[u].append(len(to))
+        to.append(v)
+        cap.append(c)
+        head[v].append(len(to))
+        to.append(u)
+        cap.append(0)
+    while True:
+        level = [-1] * n
+        level[source] = 0
+        queue = collections.deque([source])
+        while queue:
+            u = queue.popleft()
+            for e in head[u]:
+                if cap[e] > 0 and level[to[e]] < 0:
+                    level[to[e]] = level[u] + 1
+                    queue.append(to[e])
+        if level[sink] < 0:
+            break
+        it = [0] * n
+        while True:
+            f = _augment(head, to, cap, level, it, source, sink)
+            if not f:
+                break
+            if f >= inf:
+                raise RuntimeError("fxtools.split: no finite cut (a value can be neither saved nor recomputed)")
+    return head, to, cap
+
+
+def fake_mode_of(vals):
+    """The fake mode of traced values (a new one if they have none)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = detect_fake_mode(vals)
+    return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def forward_nodes(part, saved) -> list[fx.Node]:
+    """The joint graph's nodes the forward computes, in order: those the outputs, the saved
+    values and the side effects (buffer updates) depend on."""
+    effects = (n for n in part.nodes if n.op == "call_function" and n not in part.bw and is_impure(n))
+    keep = ancestors([*part.fw_outs, *saved, *effects])
+    return [n for n in part.nodes if n in keep and n.op in ("call_function", "get_attr")]
+
+
+def backward_nodes(part, saved, recomputed) -> list[fx.Node]:
+    """The joint graph's nodes the backward computes, in order: the backward's own ops, each
+    recomputed value placed just before its first use."""
+    done, order = {*saved, *part.cts}, []
+
+    def emit(node):
+        todo = [node]
+        while todo:
+            v = todo[-1]
+            if v in done:
+                todo.pop()
+                continue
+            missing = [a for a in v.all_input_nodes if a not in done]
+            if missing:
+                for a in missing:
+                    if a not in recomputed and a not in part.bw:
+                        raise AssertionError(f"fxtools.split: {a} is neither saved nor recomputed")
+                todo.extend(missing)
+                continue
+            done.add(v)
+            order.append(v)
+            todo.pop()
+
+    for n in part.nodes:
+        if n in part.bw and n.op == "call_function":
+            emit(n)
+    for g in part.grads:
+        if isinstance(g, fx.Node):
+            emit(g)
+    return order
