@@ -173,13 +173,19 @@ def attach(gm: fx.GraphModule, reads, made_by: str) -> None:
         gm.__dict__["closures"] = Closures(made_by, tensors, others)
 
 
-def attach_held(gm: fx.GraphModule, reads, made_by: str) -> None:
+def attach_held(gm: fx.GraphModule, reads, made_by: str, holders=()) -> None:
     """Give ``gm`` the checks of ``reads`` for code whose closed-over tensors are also held
-    elsewhere (a split's backward, the graphs a compiler made from it): every read is guarded and
-    a tensor rebound to a new object is refused rather than read in its place, since the other
-    holders would keep the old one. In-place updates stay visible (the same object)."""
+    elsewhere (``holders``: a split's backward; the graphs a compiler made from them): every value
+    read is guarded, and a tensor the graphs hold as a constant must stay the same object (a
+    rebound one is refused rather than read in its place, since the other holders would keep the
+    old one; in-place updates stay visible). Tensors the graphs take as inputs are not checked."""
     reads = list({id(r): r for r in reads}.values())
-    held = [dataclasses.replace(r, kind="same") if r.kind == "tensor" else r for r in reads]
+    held_ids = {id(v) for g in (gm, *holders) for _, v in _tensor_attributes(g)}
+    held = [
+        dataclasses.replace(r, kind="same") if r.kind == "tensor" else r
+        for r in reads
+        if r.kind != "tensor" or id(r.expected) in held_ids
+    ]
     if held:
         gm.__dict__["closures"] = Closures(made_by, (), held)
 

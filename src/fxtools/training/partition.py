@@ -776,7 +776,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     strided = {i.path for i, p in zip(signature, part.primals) if (i.path or i.name) in fw_paths or p.name in bw_paths}
     result.guards = build("fxtools.split", top, args, layout=strided)
     sizes.guard_symbolic(result.guards, cap, args)
-    closures.attach_held(forward, cap.reads, "fxtools.split")  # closed-over state, checked on every forward
+    closures.attach_held(forward, cap.reads, "fxtools.split", holders=(backward,))  # closed-over state, checked on every forward
     result._ct_index = ct_index
     result.from_module = from_module
     result.leaf_paths = tensor_paths
