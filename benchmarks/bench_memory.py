@@ -86,17 +86,6 @@ def _autograd_step(model, inputs):
     return sum(seen.values())
 
 
-def _allocated_peak(fn) -> int:
-    """Peak bytes the CPU allocator holds during ``fn()`` (``torch.profiler``, every allocation and free in order)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += e.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
-
-
 def _median_time(fn, reps) -> float:
     import time
 
@@ -117,7 +106,9 @@ def _measure_autograd(model, inputs, reps):
     base = sum(_storage_bytes([*model.parameters(), *inputs]).values())
     saved = _autograd_step(model, inputs)  # also warms up (compiles)
     _clear_grads(model)  # freed before the profile: the gradients are allocated during the step
-    peak = base + _allocated_peak(lambda: _autograd_step(model, inputs))
+    from fxtools.training.budget import allocated_peak
+
+    peak = base + allocated_peak(lambda: _autograd_step(model, inputs))
 
     def step():
         _clear_grads(model)

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 import fxtools
 from fxtools.cli import examples
 from fxtools.training import saved as saved_mod
 from fxtools.training.backend import _Runner
+from fxtools.training.budget import allocated_peak
 
 TOL = dict(rtol=1e-9, atol=1e-10)
 
@@ -117,17 +117,6 @@ def test_backward_reads_what_unpack_returns():
     assert any(not torch.allclose(g, w) for g, w in zip(wrong, want))
 
 
-def _peak_bytes(fn) -> int:
-    """Peak of the bytes the CPU allocator holds during ``fn`` beyond what it held before."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += e.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
-
-
 def test_saved_values_freed_after_their_last_use():
     """The backward holds each saved activation only until its last use. Its last step allocates
     the embedding's gradient (4 MiB); by then the eight tanh outputs saved for the layers above
@@ -140,7 +129,7 @@ def test_saved_values_freed_after_their_last_use():
 
     def peak(retain):  # of the forward and the backward (the profiler sees frees of what it saw made)
         model.zero_grad(set_to_none=True)
-        return _peak_bytes(lambda: c(idx).square().sum().backward(retain_graph=retain))
+        return allocated_peak(lambda: c(idx).square().sum().backward(retain_graph=retain))
 
     peak(False)  # warm up
     freed, kept = peak(False), peak(True)

@@ -632,7 +632,6 @@ def measure_peak(split, *args) -> int:
     the CPU allocator holds during the call (``torch.profiler`` with ``profile_memory=True``:
     every allocation and free, summed in time order). Includes what ops allocate inside
     themselves, which the prediction does not see."""
-    from torch.profiler import ProfilerActivity, profile
 
     flat = split.flatten(*args)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in flat}
@@ -646,10 +645,19 @@ def measure_peak(split, *args) -> int:
 
     with torch.no_grad():  # parameters that require grad would make autograd keep every value
         run()  # warm up: first calls allocate caches
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            run()
+        peak = allocated_peak(run)
+    return sum(storages.values()) + peak
+
+
+def allocated_peak(fn) -> int:
+    """Peak bytes the CPU allocator holds during ``fn()`` beyond what it held before
+    (``torch.profiler``: every allocation and free, in order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
     live = peak = 0
     for e in sorted(prof.events(), key=lambda e: e.time_range.start):
         live += e.self_cpu_memory_usage
         peak = max(peak, live)
-    return sum(storages.values()) + peak
+    return peak
