@@ -39,7 +39,7 @@ import torch.fx as fx
 
 import fxtools
 from fxtools.cli import examples
-from fxtools.passes.simplify import count_compute_nodes
+from fxtools.graph.nodes import count_compute_nodes
 from fxtools.transforms.reverse import ancestors
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,4 +1,4 @@
-"""The cost of the guards (``fxtools.codegen.guards``) on a GPT-2-size training step.
+"""The cost of the guards (``fxtools.signature.guards``) on a GPT-2-size training step.
 
 Run ``python benchmarks/bench_guards.py`` (``--quick``: a 4-layer GPT, for a smoke run). The
 model is the ``gpt`` example at the size ``bench.py`` calls "GPT-2 124M" (12 layers, width 768,

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 import fxtools
-from fxtools.passes.simplify import count_compute_nodes
+from fxtools.graph.nodes import count_compute_nodes
 
 pytestmark = pytest.mark.usefixtures("float64")  # the oracle's precision, for every test here
 

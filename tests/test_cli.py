@@ -224,7 +224,7 @@ def test_every_cli_error_is_one_line(case, model_dir, capsys, monkeypatch):
 def test_internal_errors_keep_their_traceback(model_dir, monkeypatch):
     """A bug of fxtools itself (an exception raised in its own code) is not dressed up as a user error."""
     import fxtools.cli.commands as commands
-    from fxtools.codegen.naming import unique
+    from fxtools.signature.naming import unique
 
     monkeypatch.chdir(model_dir)
     monkeypatch.setattr(commands, "load_target", lambda target: unique(None))  # fails inside fxtools

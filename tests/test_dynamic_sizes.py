@@ -12,7 +12,7 @@ from torch.export import Dim
 
 import fxtools
 from fxtools.cli import examples
-from fxtools.codegen.sizes import SymbolicSizeError
+from fxtools.signature.sizes import SymbolicSizeError
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 BATCHES = (2, 7, 64)
@@ -194,12 +194,12 @@ def test_guards_check_the_declared_range_and_equal_sizes():
     gm = fxtools.grad(mlp_loss, *mlp_args(32), dynamic_shapes=MARKS)
     assert "x: float64[batch, 8]" in str(gm.guards) and "batch: any size in [2, 1024]" in str(gm.guards)
     params, x, y = mlp_args(2000)
-    with pytest.raises(fxtools.codegen.guards.InputMismatch, match=r"x.size\(0\) is 2000, outside the range \[2, 1024\]"):
+    with pytest.raises(fxtools.signature.guards.InputMismatch, match=r"x.size\(0\) is 2000, outside the range \[2, 1024\]"):
         gm(params, x, y)
     params, x, _ = mlp_args(7)
-    with pytest.raises(fxtools.codegen.guards.InputMismatch, match=r"y.size\(0\) is 5, but x.size\(0\) is 7"):
+    with pytest.raises(fxtools.signature.guards.InputMismatch, match=r"y.size\(0\) is 5, but x.size\(0\) is 7"):
         gm(params, x, mlp_args(5)[2])
-    with pytest.raises(fxtools.codegen.guards.InputMismatch, match=r"x.size\(1\) is 9"):  # static sizes stay checked
+    with pytest.raises(fxtools.signature.guards.InputMismatch, match=r"x.size\(1\) is 9"):  # static sizes stay checked
         gm(params, torch.randn(7, 9, dtype=torch.float64), mlp_args(7)[2])
 
 

@@ -1,4 +1,4 @@
-"""Guards: every generated module refuses arguments it was not made for (fxtools.codegen.guards).
+"""Guards: every generated module refuses arguments it was not made for (fxtools.signature.guards).
 
 Each case makes a module at one example and calls it with something its code is specialised
 against; the call must raise ``fxtools.InputMismatch`` whose message names the argument by its
@@ -20,7 +20,7 @@ from isolated import run_isolated
 
 import fxtools
 from fxtools.cli import examples
-from fxtools.codegen.guards import Guards, InputMismatch, Leaf, Sym, build
+from fxtools.signature.guards import Guards, InputMismatch, Leaf, Sym, build
 
 
 def close(a, b):

@@ -7,8 +7,9 @@ import pathlib
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "fxtools"
-LAYERS = ["cli", "training", "transforms", "rules", "capture", "codegen", "passes"]  # top to bottom
-SHARED = {"errors", "registry", "dynamic_shapes", "functional"}  # at the root, below every layer
+LAYERS = ["cli", "training", "transforms", "rules", "capture", "codegen", "signature", "passes"]  # top to bottom
+SHARED = {"errors", "registry", "functional"}  # at the root, below every layer
+BOTTOM = "graph"  # node metadata and helpers: below the root modules too
 FACE = {PACKAGE, f"{PACKAGE}.__main__"}  # the public API imports from everywhere
 
 
@@ -44,12 +45,15 @@ def _imports():
 
 
 def _layer(mod: str):
-    """Index in LAYERS (0 is the top), len(LAYERS) for the shared root modules, None if unplaced."""
+    """Index in LAYERS (0 is the top), len(LAYERS) for the shared root modules, one more for
+    ``graph``, None if unplaced."""
     parts = mod.split(".")
     if len(parts) >= 2 and parts[1] in LAYERS:
         return LAYERS.index(parts[1])
     if len(parts) == 2 and parts[1] in SHARED:
         return len(LAYERS)
+    if len(parts) >= 2 and parts[1] == BOTTOM:
+        return len(LAYERS) + 1
     return None
 
 

@@ -8,7 +8,7 @@ import torch
 
 import fxtools
 from fxtools.cli import examples
-from fxtools.passes.simplify import count_compute_nodes
+from fxtools.graph.nodes import count_compute_nodes
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 

@@ -16,7 +16,7 @@ from torch.func import vmap
 from torch.utils import _pytree as pytree
 
 import fxtools
-from fxtools.passes.simplify import count_compute_nodes
+from fxtools.graph.nodes import count_compute_nodes
 
 pytestmark = [pytest.mark.usefixtures("float64"), pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -17,7 +17,7 @@ from torch.fx.experimental import proxy_tensor
 
 import fxtools
 from fxtools.cli import examples
-from fxtools.codegen.draw import PART_KEY
+from fxtools.graph import meta
 from fxtools.transforms import replay
 from fxtools.transforms import reverse as reverse_module
 
@@ -102,11 +102,11 @@ def test_replay_keeps_split_markers_and_stack_traces():
     for a, b in [(traced.forward, replayed.forward), (traced.backward, replayed.backward)]:
         assert a.code == b.code
         for x, y in zip(a.graph.nodes, b.graph.nodes):
-            assert (x.name, x.meta.get("stack_trace"), x.meta.get("custom"), x.meta.get(PART_KEY)) == (
+            assert (x.name, x.meta.get("stack_trace"), x.meta.get("custom"), meta.PART.get(x)) == (
                 y.name,
                 y.meta.get("stack_trace"),
                 y.meta.get("custom"),
-                y.meta.get(PART_KEY),
+                meta.PART.get(y),
             )
 
 

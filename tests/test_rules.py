@@ -12,9 +12,9 @@ from rule_cases import EXTRA_CASES
 
 import fxtools
 from fxtools import registry
+from fxtools.capture.decompose import expand
 from fxtools.capture.trace import capture
 from fxtools.errors import DataDependentError
-from fxtools.rules.decompose import expand
 
 HAND_WRITTEN = sorted((op for op, rule in registry.registered_ops().items() if rule.source == "hand-written"), key=str)
 

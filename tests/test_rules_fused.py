@@ -18,7 +18,7 @@ import fxtools
 from fxtools import registry
 from fxtools.cli import examples
 from fxtools.errors import DataDependentError
-from fxtools.passes.simplify import count_compute_nodes
+from fxtools.graph.nodes import count_compute_nodes
 
 aten = torch.ops.aten
 f64 = torch.float64

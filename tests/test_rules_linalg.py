@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fxtools
-from fxtools.passes.simplify import count_compute_nodes
+from fxtools.graph.nodes import count_compute_nodes
 from fxtools.transforms.check import check_vjp
 
 MATMULS = {"mm", "matmul", "bmm"}

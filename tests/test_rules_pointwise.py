@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import fxtools
-from fxtools.passes.simplify import count_compute_nodes
+from fxtools.graph.nodes import count_compute_nodes
 from fxtools.transforms.check import check_vjp, check_vjp_fd
 
 aten = torch.ops.aten

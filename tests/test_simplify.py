@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import fxtools
-from fxtools.passes.simplify import count_compute_nodes
+from fxtools.graph.nodes import count_compute_nodes
 
 
 def _mlp():

@@ -12,12 +12,12 @@ from .capture.custom import CustomFunctionError, custom_jvp, custom_vjp
 from .capture.oplog import log
 from .codegen.draw import draw
 from .codegen.export import save
-from .codegen.guards import InputMismatch
 from .codegen.show import show
-from .codegen.sizes import SymbolicSizeError
 from .errors import DataDependentError, FxtoolsError, MissingRuleError
 from .functional import functional
 from .registry import mark_nondifferentiable, register_vjp, rule_set
+from .signature.guards import InputMismatch
+from .signature.sizes import SymbolicSizeError
 from .training import policies  # noqa: F401 - fxtools.policies, as documented
 from .training.aten import AtenSplit, Descriptor, to_aten
 from .training.backend import backend, compile  # noqa: A004 - fxtools.compile, like torch.compile

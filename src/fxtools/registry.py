@@ -45,6 +45,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .graph.nodes import is_float
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -274,10 +276,6 @@ def is_nondifferentiable(op) -> bool:
     if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return op in _NONDIFFERENTIABLE
     return op in _NONDIFFERENTIABLE or (isinstance(op, torch._ops.OpOverload) and op.overloadpacket in _NONDIFFERENTIABLE)
-
-
-def is_float(x) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
 def differentiable_nodes(gm: fx.GraphModule, wrt: set[fx.Node]) -> set[fx.Node]:

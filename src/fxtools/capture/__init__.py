@@ -7,5 +7,9 @@
 - ``custom``: ``custom_vjp`` and ``torch.autograd.Function`` calls kept as one node with their own rule;
 - ``nested``: ``torch.func`` transforms nested in differentiated code are refused;
 - ``checkpoint``: ``torch.utils.checkpoint`` regions marked on the nodes they run;
+- ``decompose``: ops without a rule replaced by PyTorch's decompositions; ``derived``: failing that, the
+  rule traced from PyTorch's own derivative formula;
+- ``closures``, ``layout_reads``, ``names``: what the program reads outside its arguments, the layouts it
+  reads, and the user's names for values;
 - ``oplog``: ``fxtools.log``, every ATen op a program runs, printed with shapes.
 """

@@ -11,7 +11,7 @@ import itertools
 
 from torch.fx.experimental import proxy_tensor
 
-CHECKPOINT_KEY = "fxtools_checkpoint"  # in node.meta["custom"]: the torch.utils.checkpoint region
+from ..graph import meta
 
 
 @contextlib.contextmanager
@@ -38,7 +38,7 @@ def checkpoint_regions():
         for node in graph.nodes:
             if node not in before and node.op == "call_function":
                 custom = dict(node.meta.get("custom") or {})
-                custom[CHECKPOINT_KEY] = region  # the outermost region wins
+                custom[meta.CHECKPOINT.name] = region  # the outermost region wins
                 node.meta["custom"] = custom
 
     def non_reentrant(function, *rest, **kwargs):

@@ -4,7 +4,7 @@ The walk starts at the function (or module, or callable object) being traced and
 code loads by name (``LOAD_GLOBAL``, closure cells), the functions it calls by name (in user
 files, to any depth, each once), the modules it reaches (their parameters, buffers, submodules, and the
 attributes their ``forward`` names) and the attributes of plain objects it closes over. Each read
-becomes a ``codegen.closures.Read``: tensors (read by reference on every call of the generated
+becomes a ``signature.closures.Read``: tensors (read by reference on every call of the generated
 module), Python values (guarded by value), modules and functions (guarded by identity). The
 walk over-approximates (a global named in a branch not taken is guarded too): a change there is
 refused rather than silently ignored. See ``docs/closures.md``.
@@ -20,9 +20,9 @@ import types
 
 import torch
 
-from ..codegen.closures import MISSING, Read, is_constant, reads_of, same_value, snapshot
-from ..codegen.naming import identifier
 from ..errors import FXTOOLS_DIR, is_user_file
+from ..signature.closures import MISSING, Read, is_constant, reads_of, same_value, snapshot
+from ..signature.naming import identifier
 
 _DEPTH = 64  # how deep the walk follows user functions called by name (each code object once)
 

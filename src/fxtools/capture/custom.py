@@ -3,7 +3,7 @@
 While fxtools captures a program, a call of such a function becomes ONE node of the captured
 graph. Its target is a ``CustomCall``: a callable that runs the function (so the graph still
 runs, and a call nobody differentiates is just inlined) and carries the user's forward and
-backward as the node's VJP rule (``CustomCall.fxtools_rule``, also in ``node.meta``). Reverse
+backward as the node's VJP rule (``CustomCall.vjp_rule``, also in ``node.meta``). Reverse
 mode then calls that rule like any hand-written one: the user's torch calls are traced on
 FakeTensors and become the generated code, which therefore never refers to the function object.
 
@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import FxtoolsError, current_user_line
+from ..graph import meta
 from ..registry import Rule
 
 __all__ = ["custom_vjp", "custom_jvp", "CustomCall", "CustomFunctionError", "capturing", "transform"]
@@ -309,7 +310,7 @@ class CustomCall:
         self.leaves, self.spec, self.tensor_pos = leaves, spec, tensor_pos
         self.out_spec, self.out_tensor_pos, self.single = out_spec, out_tensor_pos, single
         self.where = where
-        self.fxtools_rule = Rule(self._fwd, self._bwd, "custom")
+        self.vjp_rule = Rule(self._fwd, self._bwd, "custom")
 
     def __repr__(self):
         return f"<custom call of {self.kind.name}>"
@@ -502,8 +503,8 @@ def _record(kind: _Kind, args, kwargs):
     value = vals[0] if single else tuple(vals)
     proxy_tensor.track_tensor_tree(value, proxy, constant=None, tracer=tracer)
     node = proxy.node
-    node.meta["fxtools_rule"] = call.fxtools_rule
-    node.meta["fxtools_custom"] = kind.name
+    meta.RULE.set(node, call.vjp_rule)
+    meta.CUSTOM.set(node, kind.name)
     result = list(out_consts)
     for i, v in zip(out_tensor_pos, vals):
         result[i] = v.detach() if i in nondiff else v

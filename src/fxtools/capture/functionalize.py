@@ -33,8 +33,9 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import FxtoolsError, user_line_of
-from ..passes.simplify import fake_mode_of
-from ..registry import Rule, differentiable_nodes, is_float
+from ..graph import meta
+from ..graph.nodes import fake_mode_of, is_float
+from ..registry import Rule, differentiable_nodes
 
 aten = torch.ops.aten
 
@@ -656,7 +657,7 @@ def _keep(node, written, maybe_need, grad_enabled):
     """An in-place op on an input or buffer stays; it must not carry a gradient."""
     if _side_effect_only(node.target):
         return
-    node.meta["fxtools_rule"] = _kept_mutation_rule(node)
+    meta.RULE.set(node, _kept_mutation_rule(node))
     target = _arg_at(node, written[0])
     if _detached_input(target) in maybe_need:
         raise _error(
@@ -693,7 +694,7 @@ def _snapshot_reads(gm: fx.GraphModule, kept: list, b: _Builder, _storage) -> No
             node not in need
             or node.op != "call_function"
             or node.target is operator.getitem
-            or "fxtools_rule" in node.meta
+            or meta.RULE.on(node)
             or _is_view_op(node.target)
         ):
             continue

@@ -6,7 +6,7 @@ baked into the graph. ``LayoutReads`` (a TorchFunctionMode active while capturin
 such read the program makes (from a user line, directly or through torch's Python functions:
 torch's own dispatch-level reads are not the program's decisions), on which graph value, and
 what it returned. ``facts`` then turns the reads into layout facts about the input leaves
-(``codegen.guards.Read``), which the module checks on every call:
+(``signature.guards.Read``), which the module checks on every call:
 
 - ``is_contiguous`` / ``storage_offset`` read on an input itself: the same answer;
 - ``as_strided`` on a value computed from inputs (it addresses their storage directly): each
@@ -27,8 +27,8 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
-from ..codegen.guards import CHECKING, Read, dense_strides
 from ..errors import FxtoolsError, decision_line, is_program_file
+from ..signature.guards import CHECKING, Read, dense_strides
 
 _READS = {"stride", "is_contiguous", "storage_offset"}
 # ops that address the storage under a tensor directly: their result (and gradient) follows the

@@ -32,11 +32,10 @@ import torch.fx as fx
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
-from ..codegen.naming import identifier, part_name, short_op, shortest_unique_suffixes
 from ..errors import is_user_file
-from ..passes.simplify import INTERMEDIATE
+from ..graph import meta
+from ..signature.naming import identifier, part_name, short_op, shortest_unique_suffixes
 
-MODULE_OUT = "fxtools_module_out"  # node.meta key: path of the outermost module call returning the node's value
 _FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$')
 _GENERIC_FUNCTIONS = frozenset({"forward", "__call__", "<lambda>", "<module>", "_call_impl", "_wrapped_call_impl"})
 
@@ -78,7 +77,7 @@ def module_paths(f) -> dict[int, str]:
 
 @contextlib.contextmanager
 def recording_modules(paths: dict[int, str] | None):
-    """While tracing, mark each node a module call returns with the module's path (``MODULE_OUT``).
+    """While tracing, mark each node a module call returns with the module's path (``meta.MODULE_OUT``).
 
     ``paths`` (from ``module_paths``) names the modules the traced function is or holds; a module
     called from another one's forward is named after the attribute holding it there (so modules
@@ -128,7 +127,7 @@ def recording_modules(paths: dict[int, str] | None):
             except Exception:  # noqa: BLE001 - not a traced tensor
                 return
             if node.op == "call_function" and _among_last(mode.tracer.graph, node, made):
-                node.meta[MODULE_OUT] = path  # outer modules' hooks run later: the outermost wins
+                meta.MODULE_OUT.set(node, path)  # outer modules' hooks run later: the outermost wins
             return  # the first tensor a module returns is its value
 
     hooks = [
@@ -249,7 +248,7 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
     names nothing the program computes."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     names: dict[fx.Node, str] = {}
-    module_nodes = {n: n.meta[MODULE_OUT] for n in nodes if MODULE_OUT in n.meta}
+    module_nodes = {n: meta.MODULE_OUT.get(n) for n in nodes if meta.MODULE_OUT.on(n)}
     short = shortest_unique_suffixes(sorted(set(module_nodes.values())))
     for n, path in module_nodes.items():
         names[n] = short[path]
@@ -295,7 +294,7 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
         for n in run:
             if n not in names and n.target is not operator.getitem:
                 names[n] = f"{base}_{short_op(n)}"
-                n.meta[INTERMEDIATE] = True
+                meta.INTERMEDIATE.set(n, True)
     for n in nodes:
         whole = n.args[0] if n.target is operator.getitem else None
         if isinstance(whole, fx.Node) and n not in names and whole in names and isinstance(n.args[1], int):

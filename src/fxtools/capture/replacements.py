@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 from ..errors import FxtoolsError, current_user_line, user_line_of
+from ..graph import meta
 
 
 def _check(ok, message):
@@ -318,7 +319,7 @@ def mark_not_requires_grad(tensor, where: str) -> None:
     def bwd(aux, ct):  # pragma: no cover - fwd always raises
         raise AssertionError("unreachable")
 
-    marker_slot.proxy.node.meta["fxtools_rule"] = Rule(fwd, bwd, "fxtools-requires-grad")
+    meta.RULE.set(marker_slot.proxy.node, Rule(fwd, bwd, "fxtools-requires-grad"))
     proxy_tensor.set_proxy_slot(tensor, mode.tracer, marker_slot)
 
 

@@ -27,9 +27,10 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 from torch.utils import _pytree as pytree
 
-from ..codegen.naming import arg_names, leaf_names
-from ..dynamic_shapes import CountsFromExamples
 from ..errors import PROGRAM_ENTRIES, DataDependentError, FxtoolsError, is_data_dependent, is_user_file, user_frame
+from ..graph import meta
+from ..graph.data_dependent import CountsFromExamples
+from ..signature.naming import arg_names, leaf_names
 from .checkpoint import checkpoint_regions
 from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing
 from .layout_reads import LayoutReads
@@ -131,7 +132,7 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=Tru
     The graph module generates its code when first run or read (``_LazyGraphModule``): the
     pipeline's intermediate graphs are transformed many times and never run.
     """
-    from ..dynamic_shapes import capture_decompositions
+    from ..graph.data_dependent import capture_decompositions
     from .fake_kernels import tracing_kernels
 
     tracer = make_fx(
@@ -375,7 +376,7 @@ def _refuse_hidden_tensors(paths_leaves, top_names: list[str]) -> None:
 def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dynamic_shapes=None) -> Captured:
     """Trace ``f(*args)`` into a flat pre-dispatch ATen graph (see module docstring).
 
-    ``dynamic_shapes`` (torch.export's format) keeps the marked sizes symbolic (``codegen/sizes.py``).
+    ``dynamic_shapes`` (torch.export's format) keeps the marked sizes symbolic (``signature/sizes.py``).
     """
     paths_leaves, in_spec = pytree.tree_flatten_with_path(tuple(args))
     paths = [p for p, _ in paths_leaves]
@@ -408,7 +409,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     reads = outside_reads(f, {n: x for n, x in zip(names, leaves) if isinstance(x, torch.nn.Module)})
     symbolic = None
     if dynamic_shapes is not None:
-        from ..codegen.sizes import fake_arguments
+        from ..signature.sizes import fake_arguments
 
         fake_args, symbolic = fake_arguments(f, tuple(args), dynamic_shapes)
         tensors = [x for x in pytree.tree_leaves(fake_args) if isinstance(x, torch.Tensor)]
@@ -449,16 +450,12 @@ def check_supported(gm: fx.GraphModule) -> None:
     """Reject graph constructs fxtools cannot differentiate yet, naming the user's line.
 
     A higher-order op (control flow) is supported once a transform gave it a rule
-    (``node.meta["fxtools_rule"]``, as ``transforms/control_flow.py`` does).
+    (``meta.RULE``, as ``transforms/control_flow.py`` does).
     """
     from ..errors import user_line_of
 
     for node in gm.graph.nodes:
-        if (
-            node.op == "call_function"
-            and isinstance(node.target, torch._ops.HigherOrderOperator)
-            and "fxtools_rule" not in node.meta
-        ):
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator) and not meta.RULE.on(node):
             where = user_line_of(node) or "unknown line"
             raise FxtoolsError(f"{node.target.name()} (from {where}) is not supported by fxtools yet")
 

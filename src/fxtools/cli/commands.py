@@ -397,7 +397,7 @@ def parse_transform_args(kind: str, argv):
 def _run_transform(kind: str, argv) -> int:
     from ..codegen.export import save
     from ..codegen.show import annotated_code
-    from ..passes.simplify import count_compute_nodes
+    from ..graph.nodes import count_compute_nodes
     from ..transforms.check import check_vjp
     from ..transforms.vjp import grad, vjp
 

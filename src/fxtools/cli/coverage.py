@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..graph import meta
+
 CATEGORIES = ("hand-written", "non-differentiable", "decomposed", "derived", "failing")
 
 
@@ -116,7 +118,7 @@ def sample_function(opinfo, sample):
 def _classify_graph(gm, category: dict) -> list[str]:
     """Classify the ops of one captured, functionalised graph; returns their names."""
     from .. import registry
-    from ..rules.decompose import expand
+    from ..capture.decompose import expand
 
     ops = {}
     for node in gm.graph.nodes:
@@ -141,7 +143,7 @@ def _classify_graph(gm, category: dict) -> list[str]:
             return list(ops)
         alive = set(gm.graph.nodes)
         for name, nodes in todo.items():
-            if any(n in alive and "fxtools_rule" in n.meta for n in nodes):
+            if any(n in alive and meta.RULE.on(n) for n in nodes):
                 category[name] = "derived"
             elif all(n not in alive for n in nodes):
                 category[name] = "decomposed"

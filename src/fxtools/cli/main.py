@@ -32,7 +32,7 @@ def _autograd_param_grads(fn, args):
 
 def _demo_one(name: str, full: bool, out) -> bool:
     from ..codegen.show import annotated_code
-    from ..passes.simplify import count_compute_nodes
+    from ..graph.nodes import count_compute_nodes
     from ..transforms.check import check_vjp
     from ..transforms.vjp import grad, vjp
     from . import examples

@@ -21,8 +21,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey
 
 from ..errors import FxtoolsError
-from .guards import GuardedGraphModule
-from .naming import identifier, is_plain_identifier, plain_literal, repr_safe, unique
+from ..signature.guards import GuardedGraphModule
+from ..signature.naming import identifier, is_plain_identifier, plain_literal, repr_safe, unique
 
 
 def _key_text(key) -> str:
@@ -119,7 +119,7 @@ def assemble(
     The graph is built inside the returned module, whose code is not generated yet: the caller
     recompiles it after its last pass (code generation takes long on big graphs; once is enough).
     """
-    gm = GuardedGraphModule(flat, fx.Graph(), class_name=flat.__class__.__name__)  # checks fxtools.codegen.guards
+    gm = GuardedGraphModule(flat, fx.Graph(), class_name=flat.__class__.__name__)  # checks fxtools.signature.guards
     graph = gm.graph
     extra = [n for n, _ in extra_args]
     all_names = unique(list(arg_names), taken=extra) + extra  # the user's `grad_out` is `grad_out_1`

@@ -10,7 +10,7 @@
 - saved (yellow): for a split, the tensors the forward hands to the backward, drawn between
   the two graphs; inputs are white, constants grey.
 
-The colours come from ``node.meta["fxtools_part"]``, which ``vjp``/``grad`` and ``split`` set;
+The colours come from ``meta.PART`` (``graph/meta.py``), which ``vjp``/``grad`` and ``split`` set;
 a GraphModule without it is drawn in one colour. The picture is laid out by Graphviz: it needs
 ``pydot`` (``pip install 'fxtools[draw]'``) and the ``dot`` program (``apt-get install
 graphviz``). The returned string is SVG text that notebooks display as a picture.
@@ -26,9 +26,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import FxtoolsError
+from ..graph import meta
 from .show import describe
-
-PART_KEY = "fxtools_part"  # node.meta: "forward" / "backward" (vjp, grad), "recompute" (split's backward)
 
 __all__ = ["draw", "to_dot", "Svg", "DrawError", "COLORS"]
 
@@ -223,7 +222,7 @@ def _part_of(node: fx.Node, known: dict, marked: bool) -> str:
     """The node's part; ops that passes made after marking (``simplify``) get their inputs' part."""
     if node.op == "get_attr":
         return "constant"
-    part = node.meta.get(PART_KEY)
+    part = meta.PART.get(node)
     if part or not marked:
         return part or "other"
     near = [known.get(a) for a in node.all_input_nodes]
@@ -238,7 +237,7 @@ def _add_graph(pic: _Picture, gm: fx.GraphModule, prefix: str, where, alias=None
     """
     alias = alias or {}
     ids, known = {}, {}
-    marked = any(PART_KEY in n.meta for n in gm.graph.nodes)
+    marked = any(meta.PART.on(n) for n in gm.graph.nodes)
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
@@ -272,7 +271,7 @@ def _output_leaves(value) -> list:
 
 
 def _draw_graph_module(pic: _Picture, gm: fx.GraphModule) -> None:
-    parts = {n.meta.get(PART_KEY) for n in gm.graph.nodes} - {None}
+    parts = {meta.PART.get(n) for n in gm.graph.nodes} - {None}
 
     def backward_only(node):
         """An input that only backward ops read (``grad_out``)."""
@@ -286,7 +285,7 @@ def _draw_graph_module(pic: _Picture, gm: fx.GraphModule) -> None:
                 stack.extend(u.users)
             elif u.op != "output":
                 users.append(u)
-        return bool(users) and all(u.meta.get(PART_KEY) == "backward" for u in users)
+        return bool(users) and all(meta.PART.get(u) == "backward" for u in users)
 
     def where(node, part):
         if not parts:

@@ -31,8 +31,8 @@ import torch.fx as fx
 
 from ..errors import FxtoolsError
 from ..passes.inline import InlineError, inline_submodules
-from . import guards as _guards
-from .naming import identifier, is_plain_identifier, is_taken_name, literal, plain_literal
+from ..signature import guards as _guards
+from ..signature.naming import identifier, is_plain_identifier, is_taken_name, literal, plain_literal
 from .show import describe
 
 __all__ = ["save", "ExportError", "EMBED_LIMIT"]
@@ -283,7 +283,7 @@ class _Function:
         if n_sub != 1:
             raise ExportError("unexpected code layout: no `def forward(self, ...)` line")
         self.src, self.globals = src, code.globals
-        self.guards = gm.__dict__.get("guards")  # fxtools.codegen.guards: written after the code, checked first
+        self.guards = gm.__dict__.get("guards")  # fxtools.signature.guards: written after the code, checked first
         self.accepts = None
 
     def check_first(self, accepts: str) -> None:

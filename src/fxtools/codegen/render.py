@@ -7,7 +7,7 @@ equal to their schema default are dropped. An op is only renamed to a public fun
 behaviour on those arguments is the op itself; anything else keeps its ``torch.ops.aten`` name.
 
 Last, ``check_code_data`` makes sure the code holds no text from user data other than
-identifiers and plain built-in literals (see ``codegen/naming.py``).
+identifiers and plain built-in literals (see ``signature/naming.py``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..errors import FxtoolsError
-from ..passes.simplify import is_input_leaf
+from ..graph import meta
+from ..graph.nodes import is_input_leaf
 from ..passes.subgraphs import name_subgraph_inputs, subgraphs
-from .naming import SHADOWS, is_plain_identifier, plain_literal, repr_safe
+from ..signature.naming import SHADOWS, is_plain_identifier, plain_literal, repr_safe
 from .pycode import use_readable_code
 
 aten = torch.ops.aten
@@ -78,7 +79,7 @@ _METHODS = {
     aten.split.Tensor: "split",
     aten.split_with_sizes.default: "split",
     aten._conj.default: "conj",  # the lazy conjugate that Tensor.conj() of a complex tensor is
-    # sizes and values read back from tensors when they depend on the data (dynamic_shapes.py)
+    # sizes and values read back from tensors when they depend on the data (graph/data_dependent.py)
     aten.sym_size.int: "size",
     aten.sym_numel.default: "numel",
     aten._local_scalar_dense.default: "item",
@@ -406,8 +407,8 @@ def _devices_from_inputs(gm: fx.GraphModule) -> None:
             with gm.graph.inserting_after(source):
                 found[device] = gm.graph.call_function(getattr, (source, "device"))
             found[device]._rename(f"{source.name}_device")
-            if "fxtools_part" in node.meta:  # the part of the program its first reader is in (fxtools.draw)
-                found[device].meta["fxtools_part"] = node.meta["fxtools_part"]
+            if meta.PART.on(node):  # the part of the program its first reader is in (fxtools.draw)
+                meta.PART.set(found[device], meta.PART.get(node))
         if found[device] is not None:
             node.kwargs = {**node.kwargs, "device": found[device]}
 

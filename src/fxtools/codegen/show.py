@@ -38,7 +38,7 @@ _SHORT = {
 def describe(val) -> str | None:
     """``f32[8, 16]`` for a tensor, ``(f32[8], i64[8])`` for a tuple of them, None otherwise."""
     if isinstance(val, torch.Tensor):
-        from .sizes import size_text  # symbolic sizes by their Dim's name: f32[batch, 16]
+        from ..signature.sizes import size_text  # symbolic sizes by their Dim's name: f32[batch, 16]
 
         return f"{_SHORT.get(val.dtype, str(val.dtype).replace('torch.', ''))}[{', '.join(map(size_text, val.shape))}]"
     if isinstance(val, (tuple, list)):

@@ -43,7 +43,15 @@ import torch
 import torch.fx as fx
 from torch._prims_common import is_contiguous_or_false
 
-from ..dynamic_shapes import broadcasts_into, materialize, same_shape, shape_arg, sizes_from_inputs
+from ..graph import meta
+from ..graph.data_dependent import broadcasts_into, materialize, same_shape, shape_arg, sizes_from_inputs
+from ..graph.nodes import (
+    STATEFUL_NORMS,
+    fake_mode_of,
+    has_generic_name,
+    is_impure,
+    is_input_leaf,
+)
 from .subgraphs import drop_unused_subgraphs, subgraphs
 
 aten = torch.ops.aten
@@ -70,13 +78,6 @@ _CONSTANT_FILLS = {
     aten.zeros.default: 0,
     aten.new_ones.default: 1,
     aten.new_zeros.default: 0,
-}
-_STATEFUL_NORMS = {
-    aten.batch_norm.default,
-    aten.instance_norm.default,
-    aten._native_batch_norm_legit.default,
-    aten.native_batch_norm.default,
-    aten._native_batch_norm_legit_functional.default,
 }
 
 
@@ -154,29 +155,6 @@ def _exact_reciprocal(b, dtype) -> bool:
     return torch.tensor(b, dtype=dtype).item() == b and info.tiny <= abs(r) <= info.max and abs(b) >= info.tiny
 
 
-def is_impure(node: fx.Node) -> bool:
-    """Nodes dead-code elimination and CSE must keep: mutation, randomness, stateful norms."""
-    if node.op in ("placeholder", "output"):
-        return True
-    if node.op != "call_function":
-        return False
-    t = node.target
-    if t in _STATEFUL_NORMS:
-        training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
-        return bool(training)
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags or node.is_impure()  # _assert_async
-    return node.is_impure()
-
-
-def fake_mode_of(graph):
-    for n in graph.nodes:
-        v = n.meta.get("val")
-        if isinstance(v, torch._subclasses.FakeTensor):
-            return v.fake_mode
-    return None
-
-
 def _new(graph, before, target, args, fake_mode, kwargs=None):
     args, kwargs = materialize(graph, before, (args, dict(kwargs or {})))  # symbolic sizes as nodes
     with graph.inserting_before(before):
@@ -185,15 +163,10 @@ def _new(graph, before, target, args, fake_mode, kwargs=None):
     if fake_mode is not None:
         with fake_mode:
             node.meta["val"] = target(*vals, **kvals)
-    for key in _KEPT_META:
+    for key in meta.KEPT_ON_REWRITE:
         if key in before.meta:
             node.meta[key] = before.meta[key]
     return node
-
-
-# What a rewritten node keeps of the node it replaces: the user's line, and the part of the
-# program it belongs to (fxtools.draw colours by it).
-_KEPT_META = ("stack_trace", "fxtools_part")
 
 
 # The tensor arithmetic that folds numbers, with the Python operator computing it.
@@ -237,16 +210,6 @@ def _only_shapes_a_fill(node) -> bool:
         and not is_impure(v)
         and isinstance(_val(v), torch.Tensor)
         and is_contiguous_or_false(_val(v))  # unbacked sizes: not known, so left as it is
-    )
-
-
-def is_input_leaf(n: fx.Node) -> bool:
-    """A placeholder, or a leaf taken out of one (``params['fc1.weight']``)."""
-    return n.op == "placeholder" or (
-        n.op == "call_function"
-        and n.target is operator.getitem
-        and isinstance(n.args[0], fx.Node)
-        and n.args[0].op == "placeholder"
     )
 
 
@@ -474,7 +437,7 @@ def _identities(gm: fx.GraphModule, fake_mode) -> bool:
             only_for_this = isinstance(new, fx.Node) and set(new.users) == {node} and has_generic_name(new)
             node.replace_all_uses_with(new)
             if _made_since(start, node, new) or only_for_this:
-                name, op_only, helper = node.name, _op_only_name(node), INTERMEDIATE in node.meta
+                name, op_only, helper = node.name, _op_only_name(node), meta.INTERMEDIATE.on(node)
                 gm.graph.erase_node(node)
                 named = name.startswith("grad_") and not helper  # a cotangent, not a step computing one
                 # a step's name goes to what replaces it; a backward step's only to a backward value
@@ -484,21 +447,6 @@ def _identities(gm: fx.GraphModule, fake_mode) -> bool:
                     new.name = name  # the erased node's name: unique, and still reserved in the namespace
             changed = True
     return changed
-
-
-INTERMEDIATE = "fxtools_intermediate"  # node.meta key: a step named after the value it computes and its op
-
-
-def has_generic_name(node: fx.Node) -> bool:
-    """The node is named after its op (``mm_2``, or an intermediate ``scores_mm``): a better name may replace it.
-
-    Only a value computed for the one node it replaces takes that node's name: a forward value
-    that the backward happens to reuse keeps its own.
-    """
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    op = re.escape(node.target.overloadpacket.__name__.strip("_"))
-    return re.fullmatch(rf"(\w+_)?_*{op}_*(_\d+)?", node.name) is not None
 
 
 def _op_only_name(node: fx.Node) -> bool:
@@ -545,22 +493,10 @@ def cse(gm: fx.GraphModule) -> bool:
     return changed
 
 
-def written_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
-    """The arguments a call of ``op`` writes: those its schema marks ``(a!)``, and in training the
-    running statistics of a batch or instance norm (their kernels update them unannounced).
-    ``op`` may be a copy (from a node's copied ``meta``): it is matched by name."""
-    names = [a.name for a in op._schema.arguments]
-    bound = {**dict(zip(names, args)), **kwargs}
-    written = [bound.get(a.name) for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if str(op) in {str(o) for o in _STATEFUL_NORMS} and bound.get(names[5]):  # training / use_input_stats
-        written += [bound.get(names[3]), bound.get(names[4])]  # running_mean, running_var
-    return [w for w in written if w is not None]
-
-
 def _mutates(node: fx.Node) -> bool:
     t = node.target
     if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
-        return t._schema.is_mutable or (t in _STATEFUL_NORMS and is_impure(node))
+        return t._schema.is_mutable or (t in STATEFUL_NORMS and is_impure(node))
     return node.op == "call_method" and isinstance(t, str) and t.endswith("_")
 
 
@@ -607,7 +543,7 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
 
     The caller recompiles ``gm`` once its last pass is done (code generation is slow on big graphs).
     """
-    sizes_from_inputs(gm)  # symbolic sizes read from the inputs (dynamic_shapes.py)
+    sizes_from_inputs(gm)  # symbolic sizes read from the inputs (graph/data_dependent.py)
     while True:
         changed = identities(gm)
         changed |= cse(gm)
@@ -623,12 +559,3 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
         simplify(sub)
     gm.graph.lint()
     return gm
-
-
-def count_compute_nodes(gm: fx.GraphModule) -> int:
-    """Nodes doing work: calls other than getitem, getattr (``x.device``) and placeholder plumbing."""
-    return sum(
-        1
-        for n in gm.graph.nodes
-        if n.op in ("call_function", "call_method", "call_module") and n.target not in (operator.getitem, getattr)
-    )

@@ -13,9 +13,9 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["GRAD_KEY", "NOTE_KEY", "subgraphs", "drop_unused_subgraphs", "name_subgraph_inputs"]
+from ..graph import meta
 
-NOTE_KEY = "fxtools_note"  # in node.meta: what a value holds, for Split.report (a scan's value at every step)
+__all__ = ["subgraphs", "drop_unused_subgraphs", "name_subgraph_inputs"]
 
 
 def subgraphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
@@ -37,7 +37,6 @@ def drop_unused_subgraphs(gm: fx.GraphModule) -> None:
             delattr(gm, name)
 
 
-GRAD_KEY = "fxtools_grad_of_control_flow"  # in node.meta: a control-flow node computing a backward
 _GENERIC = re.compile(r"arg\d+_\d+")
 _TRACED = re.compile(r"(true|false|scan_combine|while_loop_cond|while_loop_body)_graph_\d+")
 _ROLES = {
@@ -89,7 +88,7 @@ def _name_functions(gm: fx.GraphModule, node: fx.Node, fns: list[int]) -> None:
         attr = node.args[i]
         if not _TRACED.fullmatch(str(attr.target)) or len(attr.users) != 1:
             continue
-        base = f"{role}_grad" if node.meta.get(GRAD_KEY) else role
+        base = f"{role}_grad" if meta.GRAD_OF_CONTROL_FLOW.get(node) else role
         name, k = base, 1
         while hasattr(gm, name):
             name, k = f"{base}_{k}", k + 1

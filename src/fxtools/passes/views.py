@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .simplify import has_generic_name
+from ..graph.nodes import has_generic_name
 
 aten = torch.ops.aten
 

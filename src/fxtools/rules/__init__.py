@@ -9,8 +9,9 @@ layer_norm, conv, pooling, attention, losses, ...).
 ``fused`` is not a family but the ``"fused"`` rule set: alternative rules for some of those ops
 whose backwards call PyTorch's fused backward kernels (see ``fxtools.rule_set``).
 
-An op with no rule here is covered by ``decompose`` (PyTorch's decomposition into ops that have
-rules) or, failing that, ``derived`` (PyTorch's own derivative formula, traced into code).
+An op with no rule here is covered by ``capture/decompose.py`` (PyTorch's decomposition into ops
+that have rules) or, failing that, ``capture/derived.py`` (PyTorch's own derivative formula, traced
+into code).
 """
 
 from . import linalg, nn, pointwise, reductions, shape  # noqa: F401

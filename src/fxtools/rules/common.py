@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dynamic_shapes import known_equal, same_shape  # noqa: F401 (re-exported for the rule families)
+from ..graph.data_dependent import known_equal, same_shape  # noqa: F401 (re-exported for the rule families)
 from ..registry import cast_cotangent, conj_if_complex  # noqa: F401 (re-exported for the rule families)
 
 

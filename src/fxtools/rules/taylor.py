@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .decompose import _decompositions, _inline
+from ..capture.decompose import decompositions, inline_decomposition
 
 aten = torch.ops.aten
 
@@ -1057,7 +1057,7 @@ def expand(gm: fx.GraphModule, ruleless: Callable[[], list]) -> list:
     decompositions, round after round; returns those left (no decomposition applies)."""
     for _ in range(20):
         todo = ruleless()
-        if not todo or not any([any(_inline(gm, n, d) for d in _decompositions(n.target)) for n in todo]):
+        if not todo or not any([any(inline_decomposition(gm, n, d) for d in decompositions(n.target)) for n in todo]):
             break
     gm.recompile()
     return ruleless()

@@ -46,7 +46,7 @@ import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError
-from .cuts import fake_mode_of
+from ..graph.nodes import fake_mode_of
 from .partition import Split
 
 __all__ = ["Descriptor", "AtenSplit", "to_aten", "decomposition_table", "KINDS"]
@@ -142,7 +142,7 @@ def _retrace(gm: fx.GraphModule, vals, names, lifted_names, table, flatten) -> f
         interp = _CurrentNode(gm, dict(zip(lifted_names, args[n_args:])))
         return flatten(interp.run(*args[:n_args]))
 
-    mode = fake_mode_of(vals)
+    mode = fake_mode_of(vals, create=True)
     with fx_traceback.preserve_node_meta(), mode:
         traced = make_fx(functionalize(run, remove="mutations"), decomposition_table=table, tracing_mode="real")(*vals)
     return _renamed(traced, names)
@@ -278,7 +278,7 @@ def _lifted(gm: fx.GraphModule, fqn: dict):
     targets = _tensor_attributes(gm)
     tensors = [getattr(gm, t) for t in targets]
     names = [_buffer_name(t, placeholders) for t in targets]
-    mode = fake_mode_of([p.meta.get("val") for p in placeholders])
+    mode = fake_mode_of([p.meta.get("val") for p in placeholders], create=True)
     fakes = [mode.from_tensor(b, static_shapes=True) for b in tensors]
     descs = [Descriptor("buffer", n, None, fqn.get(id(b), t)) for n, b, t in zip(names, tensors, targets)]
     return targets, tensors, names, fakes, descs

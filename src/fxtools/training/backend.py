@@ -23,7 +23,7 @@ last use. Saved values go through ``ctx.save_for_backward`` (PyTorch's saved-ten
 them), a policy may offload them to CPU memory, and a backward with ``create_graph=True`` runs the
 captured program again with autograd recording, so it can be differentiated (``training/saved.py``).
 
-Graphs are specialised to the arguments as every generated module is (``fxtools.codegen.guards``: structure,
+Graphs are specialised to the arguments as every generated module is (``fxtools.signature.guards``: structure,
 shapes, dtypes, device types, strides where the code relies on them, Python values), to
 ``model.training`` and to which inputs require gradients. A call runs the first cached split
 whose guards accept it (the same checks ``Split.guards`` makes); otherwise a new split is made
@@ -47,13 +47,12 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture.nested import functorch_regions
-from ..codegen import closures
-from ..codegen.guards import InputMismatch
-from ..codegen.naming import identifier
 from ..functional import functional
-from ..transforms.reverse import is_float
+from ..graph.nodes import fake_mode_of, is_float
+from ..signature import closures
+from ..signature.guards import InputMismatch
+from ..signature.naming import identifier
 from .aten import to_aten
-from .cuts import fake_mode_of
 from .distributed import Wrappers
 from .partition import Split, split
 from .saved import Replay, SavedValues, release
@@ -108,7 +107,7 @@ def _compile(compiler, gm: fx.GraphModule, examples, sp: Split):
         examples = [mode.from_tensor(x, static_shapes=True) for x in examples]
     else:
         examples = [p.meta["val"] for p in gm.graph.nodes if p.op == "placeholder"]
-        mode = fake_mode_of(examples)
+        mode = fake_mode_of(examples, create=True)
     with tracing(TracingContext(mode)), TracingContext.report_output_strides() as strides, _fixed_layouts(compiler):
         compiled = _apply_compiler(compiler, gm, examples)
     return compiled, (list(strides) if strides else None)
@@ -323,7 +322,7 @@ class _Runners:
     def __call__(self, args, training):
         """``(runner, tensor leaves)`` for ``args``."""
         leaves_and_runner = self._lookup(args, training)
-        closures.check(leaves_and_runner[0].split.forward)  # closed-over state (codegen/closures.py)
+        closures.check(leaves_and_runner[0].split.forward)  # closed-over state (signature/closures.py)
         return leaves_and_runner
 
     def _lookup(self, args, training):

@@ -56,8 +56,9 @@ from torch.utils import flop_counter
 from torch.utils._pytree import tree_leaves as pytree_leaves
 
 from ..errors import FxtoolsError
+from ..graph.nodes import fake_mode_of
 from . import policies
-from .cuts import backward_nodes, fake_mode_of, forward_nodes, max_flow, max_flow_min_cut, nbytes, storage_root
+from .cuts import backward_nodes, forward_nodes, max_flow, max_flow_min_cut, nbytes, storage_root
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def _flops(node: fx.Node) -> int:
         return 0
     counter = flop_counter.FlopCounterMode(display=False)
     try:
-        with fake_mode_of(vals), counter:
+        with fake_mode_of(vals, create=True), counter:
             target(*args, **kwargs)
     except Exception:  # an op fake mode cannot run here (a higher-order op's bodies): count its elements only
         return 0

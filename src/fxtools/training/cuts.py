@@ -10,8 +10,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..dynamic_shapes import upper_bound
-from ..passes.simplify import is_impure
+from ..graph.data_dependent import upper_bound
+from ..graph.nodes import is_impure
 from ..transforms.reverse import ancestors
 from . import policies
 
@@ -120,15 +120,6 @@ def max_flow(n: int, edges, source: int, sink: int, inf: int = INF):
             if f >= inf:
                 raise RuntimeError("fxtools.split: no finite cut (a value can be neither saved nor recomputed)")
     return head, to, cap
-
-
-def fake_mode_of(vals):
-    """The fake mode of traced values (a new one if they have none)."""
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = detect_fake_mode(vals)
-    return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def forward_nodes(part, saved) -> list[fx.Node]:

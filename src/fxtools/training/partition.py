@@ -23,7 +23,7 @@ cotangent with its name, shape, dtype, bytes and the user line that produced it;
 other (``return x * w, w``) and inputs passed twice are handled inside the graphs: the backward
 alone computes the whole vector-Jacobian product.
 
-Each of the three graphs checks its arguments when called (``fxtools.codegen.guards``: shapes, dtypes,
+Each of the three graphs checks its arguments when called (``fxtools.signature.guards``: shapes, dtypes,
 device types, layouts where the code relies on them; cotangents as the outputs they belong to);
 ``Split.guards`` describes the original arguments, Python values included, and ``Split.flatten``
 / ``Split.vjp`` (and ``fxtools.compile``, which picks its splits with them) check those.
@@ -47,21 +47,21 @@ from torch.utils import _pytree as pytree
 
 from .. import registry
 from ..capture.checkpoint import checkpoint_regions
-from ..codegen import closures, sizes
-from ..codegen.draw import PART_KEY
-from ..codegen.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
-from ..codegen.naming import arg_names, part_name
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
+from ..graph import meta
+from ..graph.nodes import fake_mode_of
 from ..passes.simplify import simplify
-from ..passes.subgraphs import NOTE_KEY
+from ..signature import closures, sizes
+from ..signature.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
+from ..signature.naming import arg_names, part_name
 from ..transforms.calling import transform
 from ..transforms.reverse import ReverseSpec, reverse
 from ..transforms.vjp import grads_structure, prepare
 from . import policies
-from .cuts import INF, backward_nodes, fake_mode_of, forward_nodes, max_flow_min_cut, nbytes, storage_root
+from .cuts import INF, backward_nodes, forward_nodes, max_flow_min_cut, nbytes, storage_root
 
 # --------------------------------------------------------------------------------------------
 # Descriptions of inputs, saved values and cotangents
@@ -122,7 +122,7 @@ class _Partition:
         for n in self.nodes:
             in_backward = in_backward or (n in bw and n.op == "call_function")
             if n.op == "call_function":
-                n.meta["fxtools_phase"] = "backward" if in_backward else "forward"
+                meta.PHASE.set(n, "backward" if in_backward else "forward")
         needed, seen = [], set()
 
         def need(v):
@@ -162,7 +162,7 @@ class _Partition:
                 continue
             if n in fw_outs or any(
                 u.op == "call_function"
-                and u.meta.get("fxtools_phase") == "forward"
+                and meta.PHASE.get(u) == "forward"
                 and u not in self.bw
                 and policies.checkpoint_region(u) != r
                 for u in n.users
@@ -263,7 +263,7 @@ class _Partition:
                 forced is None
                 and n.target is not operator.getitem
                 and not policies.is_cheap(n)
-                and n.meta.get("fxtools_phase") != "backward"
+                and meta.PHASE.get(n) != "backward"
             ):
                 forced = policies.SAVE
             if n.op == "placeholder":
@@ -329,7 +329,7 @@ def _finish(gm: fx.GraphModule, symbolic=None) -> fx.GraphModule:
 
 
 def _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap=None) -> None:
-    """Guards (``fxtools.codegen.guards``) of the three graphs: inputs by their paths in the arguments,
+    """Guards (``fxtools.signature.guards``) of the three graphs: inputs by their paths in the arguments,
     saved values by name (any layout: they come from the forward), cotangents as the outputs."""
     leaves = [p.meta["val"] for p in part.primals]
     saved_vals, ct_vals = [s.meta["val"] for s in part.saved], [c.meta["val"] for c in part.cts]
@@ -345,7 +345,7 @@ def _install_guards(forward, backward, backward_boxed, args, top, part, signatur
         layout=stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts]),
         roles={i: (lambda path, what=info.path: f"the cotangent of {what}") for i, info in enumerate(cotangents)},
     )
-    if cap is not None:  # symbolic sizes and layout reads (codegen/sizes.py)
+    if cap is not None:  # symbolic sizes and layout reads (signature/sizes.py)
         sizes.guard_symbolic(forward.guards, cap, leaves)
         sizes.guard_symbolic(saved, cap, saved_vals)
         sizes.guard_symbolic(cts, cap, ct_vals)
@@ -479,7 +479,7 @@ class Split:
                 f"{', '.join(i.name for i in self.signature)}. Keep one placeholder per input."
             )
         vals = [p.meta["val"] for p in old_fw_ph]
-        mode = fake_mode_of(vals)
+        mode = fake_mode_of(vals, create=True)
         with mode:
             want_out, want_saved = _FakeRun(self.forward, mode).run(*vals)
             got = _FakeRun(forward, mode).run(*vals)
@@ -721,7 +721,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         env[p] = _copy_meta(fg.placeholder(p.name), p)
     for n in fw_order:
         env[n] = fg.node_copy(n, env.__getitem__)
-        env[n].meta[PART_KEY] = "forward"
+        meta.PART.set(env[n], "forward")
     out_struct = pytree.tree_unflatten([env[o] if isinstance(o, fx.Node) else o for o in part.fw_outs], cap.out_spec)
     fg.output((out_struct, tuple(env[s] for s in part.saved)))
     forward = _finish(GuardedGraphModule(joint, fg, class_name="SplitForward"), cap.symbolic)
@@ -735,7 +735,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         benv[c] = _copy_meta(bg.placeholder(c.name), c)
     for v in backward_nodes(part, part.saved, part.recomputed):
         benv[v] = bg.node_copy(v, benv.__getitem__)
-        benv[v].meta[PART_KEY] = "recompute" if v in keep else "backward"  # computed in both graphs
+        meta.PART.set(benv[v], "recompute" if v in keep else "backward")  # computed in both graphs
     it = iter(part.grads)
     grads_flat = [next(it) if w else None for w in wrt]  # one per tensor leaf
     grads_flat = [benv[g] if isinstance(g, fx.Node) else g for g in grads_flat]
@@ -765,7 +765,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         kind = "input" if root in primal_set else "output" if s in fw_out_nodes else "activation"
         storage_bytes[root.name] = max(storage_bytes.get(root.name, 0), nbytes(root.meta.get("val")), nbytes(s.meta.get("val")))
         info = _info(s, kind, line=user_line_of(s), storage=root.name)
-        info.note = s.meta.get(NOTE_KEY)
+        info.note = meta.NOTE.get(s)
         info.offload = s in part.offload
         saved.append(info)
     _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap)

@@ -42,8 +42,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..capture.checkpoint import CHECKPOINT_KEY
-from ..passes.simplify import is_impure
+from ..graph import meta
+from ..graph.nodes import is_impure
 
 aten = torch.ops.aten
 
@@ -184,13 +184,13 @@ def can_recompute(node: fx.Node) -> bool:
 
 def checkpoint_region(node: fx.Node):
     """The id of the ``torch.utils.checkpoint`` call ``node`` was traced in, or None."""
-    return (node.meta.get("custom") or {}).get(CHECKPOINT_KEY)
+    return (node.meta.get("custom") or {}).get(meta.CHECKPOINT.name)
 
 
 def in_backward_phase(node: fx.Node) -> bool:
     """Whether a rule's backward computed this forward value (``cos(x)`` for ``sin``): autograd
     computes such values in the backward from what the forward saved."""
-    return node.meta.get("fxtools_phase") == "backward"
+    return meta.PHASE.get(node) == "backward"
 
 
 def save_all(node: fx.Node) -> str:

@@ -39,7 +39,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError, user_line_of
-from ..passes.simplify import written_args
+from ..graph import meta
+from ..graph.nodes import written_args
 from ..passes.subgraphs import subgraphs
 
 __all__ = ["SavedValues", "Replay", "to_host", "to_device"]
@@ -230,12 +231,7 @@ def _custom_calls(gm: fx.GraphModule) -> list[str]:
     """The user lines of the calls of functions with their own backward (``torch.autograd.Function``,
     ``fxtools.custom_vjp``) in a captured graph and its subgraphs."""
     return sorted(
-        {
-            user_line_of(n) or str(n.meta["fxtools_custom"])
-            for g in (gm, *subgraphs(gm))
-            for n in g.graph.nodes
-            if n.meta.get("fxtools_custom")
-        }
+        {user_line_of(n) or str(meta.CUSTOM.get(n)) for g in (gm, *subgraphs(gm)) for n in g.graph.nodes if meta.CUSTOM.get(n)}
     )
 
 

@@ -33,8 +33,8 @@ from ..capture import custom
 from ..capture.functionalize import functionalize
 from ..capture.nested import out_of_place_views
 from ..capture.trace import capture, is_data_dependent, realize_constants
-from ..codegen.naming import short_op
 from ..errors import FxtoolsError, user_frame
+from ..signature.naming import short_op
 from .calling import transform
 from .forward import finish
 from .vjp import _names

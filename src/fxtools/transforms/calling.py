@@ -19,8 +19,8 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
-from ..codegen.guards import module_call
 from ..errors import FxtoolsError
+from ..signature.guards import module_call
 
 P = ParamSpec("P")
 R = TypeVar("R")

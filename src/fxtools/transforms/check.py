@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
-from ..codegen.naming import arg_names
 from ..errors import FxtoolsError
+from ..graph.nodes import is_float
+from ..signature.naming import arg_names
 from .calling import transform
 
 
@@ -14,13 +15,9 @@ class VjpMismatch(FxtoolsError, AssertionError):
     """The generated VJP disagrees with the reference."""
 
 
-def _is_float(x):
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
-
-
 def random_cotangent(out, generator=None):
     """A random cotangent shaped like ``out``: normal noise at float leaves, None elsewhere."""
-    return pytree.tree_map(lambda o: torch.randn(o.shape, dtype=o.dtype, generator=generator) if _is_float(o) else None, out)
+    return pytree.tree_map(lambda o: torch.randn(o.shape, dtype=o.dtype, generator=generator) if is_float(o) else None, out)
 
 
 def _report(what, pairs, rtol, atol):
@@ -50,7 +47,7 @@ def _autograd_differentiable(f, leaves, spec, seed) -> list[bool]:
     class weights); autograd raises at forward time when those require grad. Such leaves are left
     out of the comparison.
     """
-    float_leaf = [_is_float(x) for x in leaves]
+    float_leaf = [is_float(x) for x in leaves]
 
     def forward_ok(mask):
         trial = [x.detach().clone().requires_grad_(m) if fl else x for x, fl, m in zip(leaves, float_leaf, mask)]
@@ -74,7 +71,7 @@ def _cotangent_for(gm, n_args, ct):
     guards = getattr(gm, "__dict__", {}).get("guards")
     if guards is None or len(guards.args) <= n_args:
         return ct
-    from ..codegen.guards import Leaf
+    from ..signature.guards import Leaf
 
     kinds = []
 
@@ -109,7 +106,7 @@ def check_vjp(f, *args, gm=None, rtol=None, atol=None, seed=0):
     gen = torch.Generator().manual_seed(seed)
     leaves, spec = pytree.tree_flatten(args)
     diff = _autograd_differentiable(f, leaves, spec, seed)
-    ref_leaves = [x.detach().clone().requires_grad_(d) if _is_float(x) else x for x, d in zip(leaves, diff)]
+    ref_leaves = [x.detach().clone().requires_grad_(d) if is_float(x) else x for x, d in zip(leaves, diff)]
     ref_args = pytree.tree_unflatten(ref_leaves, spec)
     torch.manual_seed(seed)  # random ops (dropout) draw the same numbers in both runs
     want_out = f(*ref_args)
@@ -121,7 +118,7 @@ def check_vjp(f, *args, gm=None, rtol=None, atol=None, seed=0):
         random_cotangent(want_out, gen),
     )
     out_pairs = list(zip(pytree.tree_leaves(want_out), pytree.tree_leaves(ct)))
-    diff_out = [(o, c) for o, c in out_pairs if _is_float(o) and o.requires_grad]
+    diff_out = [(o, c) for o, c in out_pairs if is_float(o) and o.requires_grad]
     inputs = [x for x, d in zip(ref_leaves, diff) if d]
     want = (
         torch.autograd.grad([o for o, _ in diff_out], inputs, [c for _, c in diff_out], allow_unused=True)
@@ -156,7 +153,7 @@ def _path(root: str, path) -> str:
 def tolerances(args) -> dict:
     """Default rtol and atol for comparing derivatives at ``args``, by their floating-point dtypes:
     float64 / complex128 tight, float32 / complex64 looser, float16 / bfloat16 loosest."""
-    dtypes = {v.dtype for v in pytree.tree_leaves(args) if _is_float(v)}
+    dtypes = {v.dtype for v in pytree.tree_leaves(args) if is_float(v)}
     if dtypes & {torch.float16, torch.bfloat16}:
         return dict(rtol=2e-2, atol=2e-2)
     if dtypes and dtypes <= {torch.float64, torch.complex128}:
@@ -183,7 +180,7 @@ def check_vjp_fd(f, *args, gm=None, eps=1e-6, rtol=1e-5, atol=1e-7, seed=0):
     leaves, spec = pytree.tree_flatten(args)
     out = f(*args)
     ct = random_cotangent(out, gen)
-    v = [torch.randn(x.shape, dtype=x.dtype, generator=gen) if _is_float(x) else None for x in leaves]
+    v = [torch.randn(x.shape, dtype=x.dtype, generator=gen) if is_float(x) else None for x in leaves]
 
     def shifted(sign):
         moved = [x + sign * eps * d if d is not None else x for x, d in zip(leaves, v)]
@@ -197,7 +194,7 @@ def check_vjp_fd(f, *args, gm=None, eps=1e-6, rtol=1e-5, atol=1e-7, seed=0):
     fd = sum(
         _pair(c, (p - m) / (2 * eps))
         for p, m, c in zip(pytree.tree_leaves(plus), pytree.tree_leaves(minus), pytree.tree_leaves(ct))
-        if _is_float(p)
+        if is_float(p)
     )
     _, grads = gm(*args, _cotangent_for(gm, len(args), ct))
     g_leaves = pytree.tree_leaves(grads, is_leaf=lambda x: x is None)

@@ -32,12 +32,13 @@ import torch.fx as fx
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
+from ..capture.decompose import expand
 from ..capture.functionalize import functionalize
 from ..capture.trace import Captured, trace_flat
 from ..errors import FxtoolsError, user_line_of
-from ..passes.subgraphs import GRAD_KEY, NOTE_KEY
-from ..registry import Rule, is_float
-from ..rules.decompose import expand
+from ..graph import meta
+from ..graph.nodes import is_float
+from ..registry import Rule
 from .reverse import ReverseSpec, _example, example_mode, reverse
 
 hop = torch.ops.higher_order
@@ -68,7 +69,7 @@ def prepare(gm: fx.GraphModule, node: fx.Node | None = None) -> None:
             continue
         for sub in _subgraphs(gm, n):
             _prepare_graph(sub, n)
-        n.meta["fxtools_rule"] = make(gm, n)
+        meta.RULE.set(n, make(gm, n))
 
 
 def _subgraphs(gm, node) -> list[fx.GraphModule]:
@@ -154,7 +155,7 @@ def _label(tensor, name: str, note: str | None) -> None:
         return
     node._rename(name)
     if note:
-        node.meta[NOTE_KEY] = note
+        meta.NOTE.set(node, note)
 
 
 def _mark_grad(results) -> None:
@@ -168,7 +169,7 @@ def _mark_grad(results) -> None:
     except Exception:  # noqa: BLE001 - not a traced tensor
         return
     if node.target is operator.getitem:
-        node.args[0].meta[GRAD_KEY] = True
+        meta.GRAD_OF_CONTROL_FLOW.set(node.args[0], True)
 
 
 def _fill(mask, values):

@@ -39,22 +39,24 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture import custom
+from ..capture.decompose import expand
 from ..capture.functionalize import functionalize
 from ..capture.trace import Captured
-from ..codegen import closures, sizes
 from ..codegen.assemble import assemble
-from ..codegen.guards import install, tangent_role
-from ..codegen.naming import short_op
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..errors import FxtoolsError
-from ..passes.simplify import dce, fake_mode_of, simplify
+from ..graph import meta
+from ..graph.nodes import fake_mode_of, is_float
+from ..passes.simplify import dce, simplify
 from ..passes.views import collapse_view_chains
-from ..rules.decompose import expand
+from ..signature import closures, sizes
+from ..signature.guards import install, tangent_role
+from ..signature.naming import short_op
 from . import control_flow
 from .calling import transform
-from .reverse import ReverseSpec, is_float, reverse
-from .vjp import OUT_EXAMPLE, AuxSplit, _names, argnums_tuple, prepare
+from .reverse import ReverseSpec, reverse
+from .vjp import AuxSplit, _names, argnums_tuple, prepare
 
 aten = torch.ops.aten
 
@@ -248,13 +250,13 @@ def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
         made_by="fxtools.jvp",
         roles={len(args) + i: tangent_role(names[a]) for i, a in enumerate(nums)},
     )
-    gm.meta[OUT_EXAMPLE] = split.main(list(cap.out_leaves))
+    meta.OUT_EXAMPLE.set(gm, split.main(list(cap.out_leaves)))
     return gm
 
 
 def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False, made_by="fxtools", roles=None) -> fx.GraphModule:
     """Assemble the user-facing module, simplify, render; ``made_by`` and ``roles`` describe
-    it to its guards (``fxtools.codegen.guards``)."""
+    it to its guards (``fxtools.signature.guards``)."""
     gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
     simplify(gm)
     while collapse_view_chains(gm):

@@ -22,11 +22,12 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture.trace import capture
+from ..graph.nodes import is_float
 from ..registry import rule_set
 from .batching import _NodeNamer, trace_batched, vmappable
 from .calling import transform
 from .forward import finish
-from .reverse import ReverseSpec, is_float, reverse
+from .reverse import ReverseSpec, reverse
 from .vjp import _argnums_tuple, _names, grads_structure, prepare
 
 __all__ = ["hvp", "hessian"]

@@ -31,15 +31,16 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..codegen.guards import install, tangent_role
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
+from ..graph import meta
+from ..graph.nodes import is_float
 from ..passes.simplify import simplify
+from ..signature.guards import install, tangent_role
 from .batching import _NodeNamer, check_vmap_options, trace_batched, vmappable
 from .calling import transform
 from .forward import jvp
-from .reverse import is_float
-from .vjp import OUT_EXAMPLE, _names, argnums_tuple, vjp
+from .vjp import _names, argnums_tuple, vjp
 
 __all__ = ["jacrev", "jacfwd", "linearize"]
 
@@ -119,7 +120,7 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     args = tuple(args)
     nums = argnums_tuple(argnums, len(args))
     vjp_gm = vjp(f, *args, argnums=argnums)
-    out_leaves, out_spec = _float_leaves(vjp_gm.meta[OUT_EXAMPLE], "output", "fxtools.jacrev")
+    out_leaves, out_spec = _float_leaves(meta.OUT_EXAMPLE.get(vjp_gm), "output", "fxtools.jacrev")
     like = _first_tensor(out_leaves, "fxtools.jacrev", "outputs")
     total = sum(v.numel() for v in out_leaves if isinstance(v, torch.Tensor))
     namer = _NodeNamer(vmappable(vjp_gm), vjp_gm.guards)
@@ -177,7 +178,7 @@ def jacfwd(f, *args, argnums=0, randomness="error", chunk_size=None) -> fx.Graph
     tangent_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in in_leaves], in_spec)
     n_args = len(args)
     mapped = torch.func.vmap(namer, in_dims=(*(None,) * n_args, *tangent_dims), chunk_size=chunk_size, randomness=randomness)
-    out_leaves, out_spec = _float_leaves(jvp_gm.meta[OUT_EXAMPLE], "output", "fxtools.jacfwd")
+    out_leaves, out_spec = _float_leaves(meta.OUT_EXAMPLE.get(jvp_gm), "output", "fxtools.jacfwd")
 
     def jacobian(*a):
         basis = _basis(total, in_leaves, like)

@@ -25,12 +25,13 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental import proxy_tensor
 
 from .. import registry
-from ..capture.names import INTERMEDIATE
 from ..capture.trace import Captured, data_dependent_error, is_data_dependent, trace_flat
-from ..codegen.naming import part_name, short_op
-from ..dynamic_shapes import cotangent_example, dynamic_nodes, is_dynamic, symbolic_mode, tie
 from ..errors import MissingRuleError, user_line_of
-from ..registry import differentiable_nodes, is_float
+from ..graph import meta
+from ..graph.data_dependent import cotangent_example, dynamic_nodes, is_dynamic, symbolic_mode, tie
+from ..graph.nodes import is_float
+from ..registry import differentiable_nodes
+from ..signature.naming import part_name, short_op
 from .replay import Memo
 
 aten = torch.ops.aten
@@ -55,13 +56,13 @@ def missing_rule(node) -> MissingRuleError:
 
 def rule_for(node):
     rule = (
-        node.meta.get("fxtools_rule")
-        or getattr(node.target, "fxtools_rule", None)  # custom.CustomCall
+        meta.RULE.get(node)
+        or getattr(node.target, "vjp_rule", None)  # custom.CustomCall
         or registry.lookup(node.target)
     )
     if rule is None:
         raise missing_rule(node)
-    if not registry.handles(rule, node) and "fxtools_rule" not in node.meta:
+    if not registry.handles(rule, node) and not meta.RULE.on(node):
         rule = registry.lookup_node(node)
     if rule is None:
         kind, other = ("complex", "real") if registry.lookup(node.target).complex == "real" else ("real", "complex")
@@ -139,7 +140,7 @@ class _Namer:
                 node._rename(f"{base}_{part_name(multi.target, node.args[1])}")
             else:
                 node._rename(f"{base}_{short_op(node)}")
-            node.meta[INTERMEDIATE] = True
+            meta.INTERMEDIATE.set(node, True)
 
 
 @dataclass
@@ -175,7 +176,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
             rule_for(node)  # fail before tracing, with the user's line
     namer = _Namer()
     current = [None]  # the node being differentiated, for error messages
-    dynamic = set(dynamic_nodes(cap.gm))  # data-dependent shapes (x[mask]): see dynamic_shapes.py
+    dynamic = set(dynamic_nodes(cap.gm))  # data-dependent shapes (x[mask]): see graph/data_dependent.py
 
     def template(*flat):
         inputs, cts = flat[: len(placeholders)], flat[len(placeholders) :]
@@ -201,7 +202,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
                         tape.append((node, rule, aux))
                 # a part of a multi-output op was traced with the op; any other value must be its rule's own
                 owner = None if node.target is operator.getitem else node.name
-                namer(env[node], node.name, weak=INTERMEDIATE in node.meta, owner=owner)
+                namer(env[node], node.name, weak=meta.INTERMEDIATE.on(node), owner=owner)
                 if node in dynamic:
                     tie(env[node], node.meta["val"])
             elif node.op not in ("placeholder", "output"):

@@ -30,16 +30,17 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture.functionalize import functionalize
-from ..capture.names import INTERMEDIATE
 from ..capture.nested import out_of_place_views
 from ..capture.trace import trace_flat
 from ..errors import FxtoolsError, MissingRuleError, user_line_of
-from ..registry import differentiable_nodes, is_float
+from ..graph import meta
+from ..graph.nodes import is_float
+from ..registry import differentiable_nodes
 from ..rules import taylor as rules
 from .calling import transform
 from .forward import finish
 from .reverse import _copy_constants, _example, _Namer, ancestors, example_mode
-from .vjp import OUT_EXAMPLE, _names, argnums_tuple, prepare
+from .vjp import _names, argnums_tuple, prepare
 
 aten = torch.ops.aten
 
@@ -148,7 +149,7 @@ def _trace(cap, x_index, seed, extras, extra_names, outputs_of, made_by):
                         env[node] = _run(node, args, kwargs, made_by)
                     else:
                         env[node] = node.target(*rules.value_of(list(args)), **{k: rules.value_of(v) for k, v in kwargs.items()})
-                _name_terms(namer, env[node], node.name, INTERMEDIATE in node.meta)
+                _name_terms(namer, env[node], node.name, meta.INTERMEDIATE.on(node))
         results = [env[o] if isinstance(o, fx.Node) else o for o in out_nodes]
         terms = []
         for i, r in enumerate(results):
@@ -283,7 +284,7 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
     extra_args = [("sigma", sigma)] if sigma is not None else []
     roles = {len(args): lambda path: "the factor sigma of the weights C = sigma @ sigma.T"} if sigma is not None else None
     gm = finish(flat, names, args, cap, build, extra_args, made_by=made_by, roles=roles)
-    gm.meta[OUT_EXAMPLE] = pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec)
+    meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec))
     return gm
 
 
@@ -343,5 +344,5 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
     names = _names(f, args)
     role = {len(args): lambda path: f"the series (the curve's {order} derivatives) of {names[argnums]}"}
     gm = finish(flat, names, args, cap, build, [("series", series_example)], made_by=made_by, roles=role)
-    gm.meta[OUT_EXAMPLE] = pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec)
+    meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec))
     return gm

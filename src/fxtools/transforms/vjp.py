@@ -3,7 +3,7 @@
 Each traces the user's function once on its example arguments (shapes and Python values are
 specialised to them), differentiates the trace source-to-source, simplifies the result and
 renders it with public PyTorch names. What comes back is an ordinary ``torch.fx.GraphModule``
-whose calls first check that the arguments are what it was made for (``fxtools.codegen.guards``).
+whose calls first check that the arguments are what it was made for (``fxtools.signature.guards``).
 """
 
 from __future__ import annotations
@@ -15,20 +15,21 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .. import rules  # noqa: F401  (registers fxtools' own rules)
+from ..capture.decompose import expand
 from ..capture.functionalize import functionalize
 from ..capture.trace import Captured, capture, check_supported
-from ..codegen import closures, sizes
 from ..codegen.assemble import assemble
-from ..codegen.draw import PART_KEY
-from ..codegen.guards import OptionalTensor, cotangent_role, install
-from ..codegen.naming import arg_names
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
+from ..graph import meta
+from ..graph.nodes import is_float
 from ..passes.simplify import simplify
-from ..rules.decompose import expand
+from ..signature import closures, sizes
+from ..signature.guards import OptionalTensor, cotangent_role, install
+from ..signature.naming import arg_names
 from . import control_flow
 from .calling import transform
-from .reverse import ReverseSpec, ancestors, is_float, reverse, single_cotangent_name
+from .reverse import ReverseSpec, ancestors, reverse, single_cotangent_name
 
 
 def argnums_tuple(argnums, nargs):
@@ -144,9 +145,6 @@ def grads_structure(cap: Captured, args, grads_flat, argnums):
     return tuple(nested[a] for a in argnums)
 
 
-OUT_EXAMPLE = "fxtools_out_example"  # gm.meta key: f's output, with FakeTensors (shapes and dtypes)
-
-
 def _names(f, args):
     return arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
 
@@ -157,7 +155,7 @@ def mark_parts(flat_gm: fx.GraphModule, n_out: int) -> None:
     forward = ancestors(outs)
     for node in flat_gm.graph.nodes:
         if node.op in ("call_function", "call_method", "get_attr"):
-            node.meta[PART_KEY] = "forward" if node in forward else "backward"
+            meta.PART.set(node, "forward" if node in forward else "backward")
 
 
 def _finish(cap, flat_gm, args, build, made_by, extra_args=(), guard_extra=None):
@@ -202,7 +200,7 @@ def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     returns ``(out, aux)``, ``aux`` any pytree that carries no gradient (torch.func's
     convention); ``out, grads, aux = gm(*args, grad_out)``, ``grad_out`` mirroring ``out`` alone.
 
-    ``dynamic_shapes`` (here and in every transform; torch.export's format, see ``fxtools.codegen.sizes``)
+    ``dynamic_shapes`` (here and in every transform; torch.export's format, see ``fxtools.signature.sizes``)
     keeps the marked sizes symbolic: the module then serves every size in their range.
     """
     nums = tuple(range(len(args))) if argnums is None else argnums_tuple(argnums, len(args))
@@ -228,7 +226,7 @@ def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     outs = list(cap.gm.graph.output_node().args[0])[: split.n_main]
     ct_name = single_cotangent_name(outs[0]) if len(outs) == 1 else "grad_out"
     gm = _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[(ct_name, ct_example)], guard_extra=[accepts])
-    gm.meta[OUT_EXAMPLE] = split.main(cap.out_leaves)
+    meta.OUT_EXAMPLE.set(gm, split.main(cap.out_leaves))
     return gm
 
 

@@ -3,7 +3,7 @@
 Runs on the captured graph before differentiation. A node whose op has no rule is replaced by
 the trace of its decomposition (the op's CompositeImplicitAutograd definition, or an entry of
 ``torch._decomp``'s table), repeatedly, until every node has a rule. An op with neither gets a
-rule derived from PyTorch's own derivative formula (``rules/derived.py``).
+rule derived from PyTorch's own derivative formula (``capture/derived.py``).
 """
 
 from __future__ import annotations
@@ -16,17 +16,18 @@ from torch._decomp import decomposition_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import registry
-from ..capture.functionalize import functionalize
-from ..capture.names import INTERMEDIATE
-from ..capture.trace import realize_constants
-from ..codegen.naming import short_op
 from ..errors import FxtoolsError
+from ..graph import meta
+from ..graph.nodes import is_float
+from ..signature.naming import short_op
 from .derived import derived_rule
+from .functionalize import functionalize
+from .trace import realize_constants
 
 _MAX_ROUNDS = 20
 
 
-def _decompositions(op):
+def decompositions(op):
     """Candidate decompositions of ``op``, best first: ``torch._decomp``'s entry, then the op's
     CompositeImplicitAutograd definition (used when the table's entry is rejected, e.g. because
     it is written in prims, as ``alpha_dropout``'s is)."""
@@ -40,10 +41,6 @@ def _decompositions(op):
     return found
 
 
-def _is_float(x) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
-
-
 def _needs_work(node) -> bool:
     """An op with no rule for this call: none at all, or one written for real tensors only called
     with complex ones (PyTorch's decomposition or formula then gives autograd's convention)."""
@@ -52,7 +49,7 @@ def _needs_work(node) -> bool:
         and isinstance(node.target, torch._ops.OpOverload)
         and registry.lookup_node(node) is None
         and not registry.is_nondifferentiable(node.target)
-        and "fxtools_rule" not in node.meta
+        and not meta.RULE.on(node)
         and not _is_size(node.meta.get("val"))
     )
 
@@ -69,7 +66,7 @@ def _nondifferentiable_outputs(op, args, kwargs) -> list[int]:
     (``_batch_norm_with_update``'s saved mean and inverse std): a decomposition must not let
     gradients flow through them, or fxtools would differentiate a different function than autograd."""
     flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
-    if not any(_is_float(a) for a in flat):
+    if not any(is_float(a) for a in flat):
         return []
     written = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     bound = dict(zip([a.name for a in op._schema.arguments], args)) | dict(kwargs)
@@ -77,15 +74,15 @@ def _nondifferentiable_outputs(op, args, kwargs) -> list[int]:
     fake_mode = torch._guards.detect_fake_mode(flat)
     try:
         with fake_mode, torch.enable_grad():
-            flat = [a.detach().requires_grad_() if _is_float(a) and id(a) not in written_ids else a for a in flat]
+            flat = [a.detach().requires_grad_() if is_float(a) and id(a) not in written_ids else a for a in flat]
             a, k = torch.utils._pytree.tree_unflatten(flat, spec)
             outs = torch.utils._pytree.tree_leaves(op(*a, **k))
     except Exception:  # noqa: BLE001 - cannot tell: keep every output differentiable
         return []
-    return [i for i, o in enumerate(outs) if _is_float(o) and not o.requires_grad]
+    return [i for i, o in enumerate(outs) if is_float(o) and not o.requires_grad]
 
 
-def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
+def inline_decomposition(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
     fake_mode = torch._guards.detect_fake_mode([node.meta.get("val")])
     flat_args, spec = torch.utils._pytree.tree_flatten((args, kwargs))
@@ -136,7 +133,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
             new = gm.graph.node_copy(sn, env.__getitem__)
             new.meta = dict(sn.meta)
             new._rename(f"{node.name}_{short_op(new)}")  # the steps of the user's value (see capture/names.py)
-            new.meta[INTERMEDIATE] = True
+            meta.INTERMEDIATE.set(new, True)
             made.append(new)
             if trace:
                 new.meta["stack_trace"] = trace
@@ -159,17 +156,17 @@ def _inline(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
         for user in list(node.users):
             if user.target is operator.getitem:
                 user.replace_all_uses_with(result[user.args[1]])
-                named[result[user.args[1]]] = (user.name, user.meta.get(INTERMEDIATE))
+                named[result[user.args[1]]] = (user.name, meta.INTERMEDIATE.get(user))
                 gm.graph.erase_node(user)
     else:
         node.replace_all_uses_with(result[0])
-        named = {result[0]: (node.name, node.meta.get(INTERMEDIATE))}
+        named = {result[0]: (node.name, meta.INTERMEDIATE.get(node))}
     gm.graph.erase_node(node)
     for value, (name, weak) in named.items():  # the decomposition's result is the user's value
         if value in made:
             value.name = name  # the erased node's name: unique, and still reserved in the namespace
             if not weak:
-                value.meta.pop(INTERMEDIATE, None)
+                meta.INTERMEDIATE.pop(value)
     return True
 
 
@@ -181,12 +178,12 @@ def expand(gm: fx.GraphModule) -> fx.GraphModule:
             break
         progressed = False
         for node in todo:
-            if any(_inline(gm, node, decomp) for decomp in _decompositions(node.target)):
+            if any(inline_decomposition(gm, node, decomp) for decomp in decompositions(node.target)):
                 progressed = True
                 continue
             rule = derived_rule(node)
             if rule is not None:
-                node.meta["fxtools_rule"] = rule
+                meta.RULE.set(node, rule)
                 progressed = True
         if not progressed:
             break

@@ -22,7 +22,7 @@ torch.export's ``produce_guards_and_solve_constraints`` whether the guards contr
 user's marks, and raises ``SymbolicSizeError`` naming the size and the user's line otherwise,
 as torch.export does. ``Dim.AUTO`` sizes silently stay static where the program needs them so.
 
-The module's guards (``fxtools.codegen.guards``) then hold a ``Sym(name, min, max)`` for each symbolic
+The module's guards (``fxtools.signature.guards``) then hold a ``Sym(name, min, max)`` for each symbolic
 size (``guard_symbolic``): a call outside the range, or with sizes of one symbol that differ,
 raises ``InputMismatch`` saying which. ``fxtools.compile(..., dynamic=True)`` marks every size
 > 1 of every input tensor (not the parameters) ``Dim.AUTO``, as ``torch.compile``'s automatic

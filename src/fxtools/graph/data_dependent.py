@@ -33,6 +33,8 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from .nodes import is_input_leaf
+
 
 def _unbacked(val) -> bool:
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -44,7 +46,7 @@ def _unbacked(val) -> bool:
 
 
 def symbolic_mode(vals):
-    """The fake mode of the first of ``vals`` with a symbolic size marked dynamic (``codegen/sizes.py``),
+    """The fake mode of the first of ``vals`` with a symbolic size marked dynamic (``signature/sizes.py``),
     else None. Data-dependent sizes of inputs do not count: those stand-ins are made as before."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
@@ -74,7 +76,7 @@ def cotangent_example(val, fake_mode=None):
     """An example cotangent for an output of value ``val`` (a FakeTensor).
 
     Static shapes give a real zero tensor, as always. A data-dependent shape, or any shape when
-    sizes were marked dynamic (``fake_mode`` given, see ``codegen/sizes.py``), gives an empty FakeTensor
+    sizes were marked dynamic (``fake_mode`` given, see ``signature/sizes.py``), gives an empty FakeTensor
     of the capture's fake mode with the same symbolic sizes, so the template is traced in that
     mode and the cotangent's sizes are the output's.
     """
@@ -195,7 +197,7 @@ def materialize(graph: fx.Graph, before: fx.Node, args, inputs_only=False):
     """``args`` (a pytree) with each symbolic size replaced by a graph node computing it.
 
     A pass that builds a node from a value's shape (``x.new_ones(list(v.shape))``) meets SymInt
-    objects where sizes are symbolic (marked dynamic, ``codegen/sizes.py``); code needs nodes. A size
+    objects where sizes are symbolic (marked dynamic, ``signature/sizes.py``); code needs nodes. A size
     some node before ``before`` already holds is reused; a plain symbol is read from the first
     tensor having it as a size (``x.size(0)``); a product or sum is built from its parts.
     ``inputs_only``: read sizes from the inputs only (``sizes_from_inputs``).
@@ -216,7 +218,7 @@ def materialize(graph: fx.Graph, before: fx.Node, args, inputs_only=False):
     for node in graph.nodes:  # sizes of tensors, read with x.size(d) when needed
         if node is before:
             break
-        if inputs_only and not _is_input_leaf(node):
+        if inputs_only and not is_input_leaf(node):
             continue
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter):
@@ -273,15 +275,6 @@ class _Unwritable(NotImplementedError):
         super().__init__(f"fxtools cannot write the size {expr} as code")
 
 
-def _is_input_leaf(n: fx.Node) -> bool:
-    return n.op == "placeholder" or (
-        n.op == "call_function"
-        and n.target is operator.getitem
-        and isinstance(n.args[0], fx.Node)
-        and n.args[0].op == "placeholder"
-    )
-
-
 def sizes_from_inputs(gm: fx.GraphModule) -> bool:
     """Compute every symbolic size from the inputs' sizes: ``pow_1.numel()`` -> ``batch * 4``.
 
@@ -297,7 +290,7 @@ def sizes_from_inputs(gm: fx.GraphModule) -> bool:
         val = node.meta.get("val")
         if node.op != "call_function" or not isinstance(val, torch.SymInt) or free_unbacked_symbols(val):
             continue
-        if node.target is torch.ops.aten.sym_size.int and _is_input_leaf(node.args[0]):
+        if node.target is torch.ops.aten.sym_size.int and is_input_leaf(node.args[0]):
             continue
         try:
             new = materialize(graph, node, val, inputs_only=True)

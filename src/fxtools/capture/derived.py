@@ -15,15 +15,12 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from ..capture.fake_kernels import tracing_kernels
-from ..capture.functionalize import functionalize
-from ..capture.trace import data_dependent_error, is_data_dependent, realize_constants
 from ..errors import FxtoolsError, MissingRuleError
+from ..graph.nodes import is_float
 from ..registry import Rule
-
-
-def _is_float(x):
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+from .fake_kernels import tracing_kernels
+from .functionalize import functionalize
+from .trace import data_dependent_error, is_data_dependent, realize_constants
 
 
 def _draws_random_numbers(gm: fx.GraphModule) -> bool:
@@ -80,9 +77,9 @@ def derived_rule(node: fx.Node) -> Rule | None:
     op = node.target
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
     flat, spec = pytree.tree_flatten((args, kwargs))
-    diff = [i for i, a in enumerate(flat) if _is_float(a)]
+    diff = [i for i, a in enumerate(flat) if is_float(a)]
     out_vals = pytree.tree_leaves(node.meta.get("val"))
-    out_float = [i for i, o in enumerate(out_vals) if _is_float(o)]
+    out_float = [i for i, o in enumerate(out_vals) if is_float(o)]
     if not diff or not out_float:
         return None
     fake_mode = torch._guards.detect_fake_mode(flat)

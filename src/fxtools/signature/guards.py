@@ -60,7 +60,7 @@ the same call.
 
 What the trace decided is checked too (``docs/guards_decisions.md``): ``Guards.conditions`` holds
 a ``Cond`` per decision the program made on symbolic sizes (``x.size(0) % 2 == 0``, with the
-user's line; built by ``codegen/sizes.py``), evaluated on the ``Sym`` values of each call, and
+user's line; built by ``signature/sizes.py``), evaluated on the ``Sym`` values of each call, and
 ``Leaf.reads`` a ``Read`` per layout fact the program read from that argument
 (``capture/layout_reads.py``: ``is_contiguous()``, strides), checked even where ``layout`` is not.
 ``CHECKING`` names the decision being checked while a module is traced inside another (``hvp``
@@ -103,7 +103,7 @@ __all__ = [
 
 
 class InputMismatch(FxtoolsError, ValueError):
-    """A generated module was called with arguments it was not made for (see ``fxtools.codegen.guards``)."""
+    """A generated module was called with arguments it was not made for (see ``fxtools.signature.guards``)."""
 
 
 # ---- runtime (begin): copied verbatim into modules written by fxtools.save; torch and dataclasses only ----
@@ -123,7 +123,7 @@ class Sym:
 
 @dataclasses.dataclass
 class Leaf:
-    """What one leaf of the arguments must be (see the fxtools.codegen.guards docstring)."""
+    """What one leaf of the arguments must be (see the fxtools.signature.guards docstring)."""
 
     path: str
     kind: str
@@ -802,7 +802,7 @@ class GuardedGraphModule(fx.GraphModule):
         if guards is not None:
             guards.check(args if not kwargs else self._positional(args, kwargs))
         closures = self.__dict__.get("closures")
-        if closures is not None:  # what the program read from outside its arguments (codegen/closures.py)
+        if closures is not None:  # what the program read from outside its arguments (signature/closures.py)
             closures.check(self)
         out = super().__call__(*args, **kwargs)
         if guards is not None and _has_dict(guards.args):
@@ -818,11 +818,11 @@ class GuardedGraphModule(fx.GraphModule):
 
     def __reduce__(self):
         _, (body, import_block) = super().__reduce__()
-        body.pop("closures", None)  # a saved module is a snapshot of what it read (codegen/closures.py)
+        body.pop("closures", None)  # a saved module is a snapshot of what it read (signature/closures.py)
         return _restore, (body, import_block)
 
     def __deepcopy__(self, memo):
-        closures = self.__dict__.pop("closures", None)  # a copy is a snapshot (codegen/closures.py)
+        closures = self.__dict__.pop("closures", None)  # a copy is a snapshot (signature/closures.py)
         try:
             res = super().__deepcopy__(memo)  # keeps only the attributes the graph reads
         finally:

@@ -1,0 +1,87 @@
+"""Everything fxtools keeps on torch.fx nodes and GraphModules, each under one name.
+
+torch.fx gives every node a ``meta`` dict (``val``, ``stack_trace`` come from tracing); fxtools'
+stages pass facts to later stages through it. Each fact is a ``Key`` here, read and written
+through typed accessors, so a reader finds who sets and who reads a fact by its name::
+
+    meta.RULE.set(node, rule)      # capture/custom.py: the node's own VJP rule
+    meta.RULE.get(node)            # transforms/reverse.py: Rule | None
+    meta.RULE.on(node)             # is it set?
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import torch.fx as fx
+
+T = TypeVar("T")
+
+
+class Key(Generic[T]):
+    """One fact in ``node.meta`` (or ``gm.meta``), with what it holds and who writes it."""
+
+    def __init__(self, name: str, doc: str):
+        self.name = name
+        self.__doc__ = doc
+
+    def get(self, holder: fx.Node | fx.GraphModule, default: Any = None) -> T | Any:
+        return holder.meta.get(self.name, default)
+
+    def set(self, holder: fx.Node | fx.GraphModule, value: T) -> None:
+        holder.meta[self.name] = value
+
+    def on(self, holder: fx.Node | fx.GraphModule) -> bool:
+        return self.name in holder.meta
+
+    def pop(self, holder: fx.Node | fx.GraphModule) -> T | None:
+        return holder.meta.pop(self.name, None)
+
+    def copy(self, source: fx.Node, target: fx.Node) -> None:
+        """Give ``target`` the fact ``source`` has, if any."""
+        if self.name in source.meta:
+            target.meta[self.name] = source.meta[self.name]
+
+    def __repr__(self) -> str:
+        return f"meta.Key({self.name!r})"
+
+
+# What a node's derivative is
+RULE: Key[Any] = Key(
+    "fxtools_rule",
+    "The node's own VJP rule (a registry.Rule): custom Functions, control flow, kept mutations, "
+    "derived formulas. Set in capture/ and transforms/control_flow.py; read by transforms/reverse.py.",
+)
+CUSTOM: Key[str] = Key("fxtools_custom", "The kind of custom-backward call the node is (capture/custom.py).")
+CHECKPOINT: Key[Any] = Key(
+    "fxtools_checkpoint",
+    "The torch.utils.checkpoint region a node was traced in; kept inside node.meta['custom'] "
+    "(capture/checkpoint.py), where torch.fx copies it; read by training/policies.py.",
+)
+
+# Where a node belongs
+PART: Key[str] = Key(
+    "fxtools_part", '"forward" / "backward" (vjp, grad), "recompute" (split\'s backward): fxtools.draw colours by it.'
+)
+PHASE: Key[str] = Key("fxtools_phase", '"forward" / "backward": which pass of a joint graph computes the node (split).')
+GRAD_OF_CONTROL_FLOW: Key[bool] = Key(
+    "fxtools_grad_of_control_flow", "A control-flow node computing a backward (transforms/control_flow.py)."
+)
+
+# What a value is called and what it holds
+INTERMEDIATE: Key[bool] = Key(
+    "fxtools_intermediate",
+    "A rule's step named after the value it computes and its op (scores_mm): a better name may replace it.",
+)
+MODULE_OUT: Key[str] = Key(
+    "fxtools_module_out", "Path of the outermost module call returning the node's value (capture/names.py)."
+)
+NOTE: Key[str] = Key("fxtools_note", "What a value holds, for Split.report (a scan's value at every step).")
+
+# On a GraphModule
+OUT_EXAMPLE: Key[Any] = Key(
+    "fxtools_out_example", "gm.meta: the program's output with FakeTensors (shapes and dtypes), for composed transforms."
+)
+
+# What a rewritten node keeps of the node it replaces: the user's line and the part it belongs to.
+KEPT_ON_REWRITE = ("stack_trace", PART.name)

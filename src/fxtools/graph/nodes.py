@@ -1,0 +1,100 @@
+"""Small facts about torch.fx nodes that every stage asks: is a value floating point, is a node
+impure, which arguments an op writes, which fake mode a graph was traced in."""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+def is_float(x) -> bool:
+    """A floating-point or complex tensor: a value that carries a gradient."""
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+STATEFUL_NORMS = {
+    aten.batch_norm.default,
+    aten.instance_norm.default,
+    aten._native_batch_norm_legit.default,
+    aten.native_batch_norm.default,
+    aten._native_batch_norm_legit_functional.default,
+}
+
+
+def count_compute_nodes(gm: fx.GraphModule) -> int:
+    """Nodes doing work: calls other than getitem, getattr (``x.device``) and placeholder plumbing."""
+    return sum(
+        1
+        for n in gm.graph.nodes
+        if n.op in ("call_function", "call_method", "call_module") and n.target not in (operator.getitem, getattr)
+    )
+
+
+def is_impure(node: fx.Node) -> bool:
+    """Nodes dead-code elimination and CSE must keep: mutation, randomness, stateful norms."""
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t in STATEFUL_NORMS:
+        training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
+        return bool(training)
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags or node.is_impure()  # _assert_async
+    return node.is_impure()
+
+
+def fake_mode_of(source, create: bool = False):
+    """The FakeTensorMode ``source`` (a graph, or traced values) was traced in; if none,
+    None, or a new mode (accepting real tensors) with ``create=True``."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if isinstance(source, fx.Graph):
+        vals = (n.meta.get("val") for n in source.nodes)
+        mode = next((v.fake_mode for v in vals if isinstance(v, torch._subclasses.FakeTensor)), None)
+    else:
+        mode = detect_fake_mode(source)
+    if mode is None and create:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode
+
+
+def is_input_leaf(n: fx.Node) -> bool:
+    """A placeholder, or a leaf taken out of one (``params['fc1.weight']``)."""
+    return n.op == "placeholder" or (
+        n.op == "call_function"
+        and n.target is operator.getitem
+        and isinstance(n.args[0], fx.Node)
+        and n.args[0].op == "placeholder"
+    )
+
+
+def has_generic_name(node: fx.Node) -> bool:
+    """The node is named after its op (``mm_2``, or an intermediate ``scores_mm``): a better name may replace it.
+
+    Only a value computed for the one node it replaces takes that node's name: a forward value
+    that the backward happens to reuse keeps its own.
+    """
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    op = re.escape(node.target.overloadpacket.__name__.strip("_"))
+    return re.fullmatch(rf"(\w+_)?_*{op}_*(_\d+)?", node.name) is not None
+
+
+def written_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
+    """The arguments a call of ``op`` writes: those its schema marks ``(a!)``, and in training the
+    running statistics of a batch or instance norm (their kernels update them unannounced).
+    ``op`` may be a copy (from a node's copied ``meta``): it is matched by name."""
+    names = [a.name for a in op._schema.arguments]
+    bound = {**dict(zip(names, args)), **kwargs}
+    written = [bound.get(a.name) for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if str(op) in {str(o) for o in STATEFUL_NORMS} and bound.get(names[5]):  # training / use_input_stats
+        written += [bound.get(names[3]), bound.get(names[4])]  # running_mean, running_var
+    return [w for w in written if w is not None]
