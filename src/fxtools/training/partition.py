@@ -705,7 +705,8 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
             raise ValueError(f"grad_leaves has {len(grad_leaves)} entries for {len(wrt)} tensor leaves")
         wrt = [w and g for w, g in zip(wrt, grad_leaves)]
     with fx_traceback.preserve_node_meta():
-        joint, ct_index, grad_index = reverse(cap, ReverseSpec(wrt, "cotangent"))
+        rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
+    joint, ct_index = rev.gm, rev.ct_index
     simplify(joint)
     sizes.check(cap.symbolic, joint)
     _name_items(joint)

@@ -131,7 +131,8 @@ def _vjp_function(sub: fx.GraphModule, node: fx.Node):
     outputs, gradients for its floating-point inputs (zeros where none flows)."""
     cap = _captured(sub, node)
     wrt = [is_float(v) for v in cap.leaves]
-    joint, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
+    rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
+    joint, ct_index = rev.gm, rev.ct_index
     n_in, n_out = len(cap.leaves), len(cap.out_leaves)
     float_outs = [i for i, o in enumerate(cap.out_leaves) if is_float(o)]
 

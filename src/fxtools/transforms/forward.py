@@ -41,7 +41,6 @@ from torch.utils import _pytree as pytree
 from ..capture import custom
 from ..capture.decompose import expand
 from ..capture.functionalize import functionalize
-from ..capture.trace import Captured
 from ..codegen.assemble import assemble
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
@@ -63,12 +62,12 @@ aten = torch.ops.aten
 __all__ = ["jvp", "transpose_vjp", "tangent_names"]
 
 
-def _as_captured(gm: fx.GraphModule) -> Captured:
-    """A flat ATen graph (from ``reverse``) as the ``Captured`` that ``reverse`` reads."""
+def _prepared(gm: fx.GraphModule) -> fx.GraphModule:
+    """A flat ATen graph (from ``reverse``) made ready to be reversed again."""
     functionalize(gm)
     expand(gm)
     control_flow.prepare(gm)  # the VJP's own cond / scan, differentiated again
-    return Captured(gm, None, None, [], [], [], [])
+    return gm
 
 
 def tangent_names(gm: fx.GraphModule) -> None:
@@ -100,7 +99,8 @@ def transpose_vjp(vjp_gm: fx.GraphModule, n_in: int, n_out: int):
     placeholders = [n for n in vjp_gm.graph.nodes if n.op == "placeholder"]
     n_u = len(placeholders) - n_in
     wrt = [False] * n_in + [True] * n_u
-    flat, ct_index, _ = reverse(_as_captured(vjp_gm), ReverseSpec(wrt, "cotangent"))
+    rev = reverse(_prepared(vjp_gm), ReverseSpec(wrt, "cotangent"))
+    flat, ct_index = rev.gm, rev.ct_index
     for i in ct_index:
         if i < n_out:
             raise FxtoolsError("internal error: a primal output depends on the cotangent")
@@ -170,7 +170,8 @@ def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     cap.f = f
     split = AuxSplit(cap.out_spec, has_aux)
     _true_adjoints(cap.gm)
-    vjp_flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
+    rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
+    vjp_flat, ct_index = rev.gm, rev.ct_index
     simplify(vjp_flat)
     x_vals = [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t]
     x_arg = [a for a, t in zip(cap.arg_of_leaf, cap.tensor_leaf) if t]

@@ -61,7 +61,8 @@ def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
         cap, wrt = prepare(namer, args, nums, dynamic_shapes)
         namer.apply(cap.gm)
         cap.f = g
-        flat, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
+        rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
+        flat, ct_index = rev.gm, rev.ct_index
     n_out = len(cap.out_leaves)
     # keep only H v: drop the gradient itself from the outputs
     out_node = next(n for n in flat.graph.nodes if n.op == "output")

@@ -25,7 +25,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental import proxy_tensor
 
 from .. import registry
-from ..capture.trace import Captured, data_dependent_error, is_data_dependent, trace_flat
+from ..capture.trace import data_dependent_error, is_data_dependent, trace_flat
 from ..errors import MissingRuleError, user_line_of
 from ..graph import meta
 from ..graph.data_dependent import cotangent_example, dynamic_nodes, is_dynamic, symbolic_mode, tie
@@ -151,19 +151,28 @@ class ReverseSpec:
     seed: str = "cotangent"  # "cotangent": one input per float output; "ones": scalar output
 
 
-def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, list]:
-    """Build the value-and-VJP graph of ``cap``.
+@dataclass
+class ReverseResult:
+    """The value-and-VJP graph of a captured graph.
 
-    Returns ``(gm, ct_index, grad_index)``: ``gm`` takes the captured tensor inputs followed by
-    one cotangent per output leaf listed in ``ct_index`` (when seeded by cotangents), and returns
-    the output leaves followed by one gradient per placeholder with ``wrt`` set.
+    ``gm`` takes the captured tensor inputs followed by one cotangent per output leaf listed in
+    ``ct_index`` (when seeded by cotangents), and returns the output leaves followed by one
+    gradient per placeholder listed in ``grad_index`` (those with ``wrt`` set).
     """
-    graph = cap.gm.graph
+
+    gm: fx.GraphModule
+    ct_index: list[int]
+    grad_index: list[int]
+
+
+def reverse(captured: fx.GraphModule, spec: ReverseSpec) -> ReverseResult:
+    """Build the value-and-VJP graph of ``captured`` (a flat, functional ATen graph)."""
+    graph = captured.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output_node = next(n for n in graph.nodes if n.op == "output")
     out_nodes = list(output_node.args[0])
     wrt_nodes = {p for p, w in zip(placeholders, spec.wrt) if w and is_float(p.meta.get("val"))}
-    need = differentiable_nodes(cap.gm, wrt_nodes)
+    need = differentiable_nodes(captured, wrt_nodes)
     # Only ops the outputs depend on carry cotangents; the rest (BatchNorm's running-statistics
     # updates, ``copy_`` into buffers) just run, and need no rule.
     reach = ancestors(out_nodes)
@@ -176,7 +185,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
             rule_for(node)  # fail before tracing, with the user's line
     namer = _Namer()
     current = [None]  # the node being differentiated, for error messages
-    dynamic = set(dynamic_nodes(cap.gm))  # data-dependent shapes (x[mask]): see graph/data_dependent.py
+    dynamic = set(dynamic_nodes(captured))  # data-dependent shapes (x[mask]): see graph/data_dependent.py
 
     def template(*flat):
         inputs, cts = flat[: len(placeholders)], flat[len(placeholders) :]
@@ -185,7 +194,7 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
         tape = []
         for node in graph.nodes:
             if node.op == "get_attr":
-                env[node] = getattr(cap.gm, node.target)
+                env[node] = getattr(captured, node.target)
             elif node.op == "call_function":
                 current[0] = node
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
@@ -284,10 +293,10 @@ def reverse(cap: Captured, spec: ReverseSpec) -> tuple[fx.GraphModule, list, lis
     for node in gm.graph.nodes:  # the conjugated arguments of holomorphic rules (complex tensors)
         if node.target is aten._conj.default and node.name.startswith("_conj"):
             node._rename(f"{node.args[0].name}_conj")
-    _copy_constants(cap.gm, gm)
+    _copy_constants(captured, gm)
     namer.apply(gm.graph)
     grad_index = [i for i, w in enumerate(spec.wrt) if w]
-    return gm, ct_index, grad_index
+    return ReverseResult(gm, ct_index, grad_index)
 
 
 def single_cotangent_name(out: fx.Node) -> str:

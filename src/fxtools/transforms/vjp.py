@@ -206,7 +206,8 @@ def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     nums = tuple(range(len(args))) if argnums is None else argnums_tuple(argnums, len(args))
     cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by="fxtools.vjp")
     cap.f = f
-    flat_gm, ct_index, _ = reverse(cap, ReverseSpec(wrt, "cotangent"))
+    rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
+    flat_gm, ct_index = rev.gm, rev.ct_index
     n_out = len(cap.out_leaves)
     split = AuxSplit(cap.out_spec, has_aux)
     main_leaves = cap.out_leaves[: split.n_main]
@@ -246,7 +247,7 @@ def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None, has_aux=False):
             + f"(got {got!r}); use fxtools.vjp for other outputs"
             + ("" if has_aux else ", or has_aux=True if f returns (loss, aux)")
         )
-    flat_gm, _, _ = reverse(cap, ReverseSpec(wrt, "ones"))
+    flat_gm = reverse(cap.gm, ReverseSpec(wrt, "ones")).gm
     n_out = len(cap.out_leaves)
 
     def build(flat):
