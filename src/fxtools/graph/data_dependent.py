@@ -68,10 +68,6 @@ def dynamic_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if is_dynamic(n.meta.get("val"))]
 
 
-def has_dynamic_shapes(gm: fx.GraphModule) -> bool:
-    return bool(dynamic_nodes(gm))
-
-
 def cotangent_example(val, fake_mode=None):
     """An example cotangent for an output of value ``val`` (a FakeTensor).
 

@@ -34,17 +34,6 @@ def unbroadcast(g, like):
     return cast_cotangent(g, like.dtype)
 
 
-def keep_dims(g, shape, dims, keepdim):
-    """Re-insert reduced dimensions into ``g`` (shaped like a reduction's output) for broadcasting."""
-    if len(shape) == 0:
-        return g
-    if keepdim or dims is None:
-        return g if dims is not None or g.dim() == len(shape) else g.reshape([1] * len(shape))
-    for d in sorted(normalize_dims(dims, len(shape))):
-        g = g.unsqueeze(d)
-    return g
-
-
 def normalize_dims(dims, ndim):
     """Dims as a sorted list of non-negative ints; ``None`` or ``[]`` mean every dim."""
     if dims is None or dims == [] or dims == ():

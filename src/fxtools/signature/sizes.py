@@ -63,14 +63,6 @@ class Symbolic:
         return self.fake_mode.shape_env
 
 
-def _signature(f):
-    target = f.forward if isinstance(f, torch.nn.Module) else f
-    try:
-        return inspect.signature(target)
-    except (TypeError, ValueError):
-        return None
-
-
 def _complete(arg, spec, where):
     """``spec`` for ``arg`` with ``None`` standing for a whole (sub)structure expanded to its leaves."""
     if isinstance(arg, torch.Tensor):

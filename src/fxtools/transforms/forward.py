@@ -32,8 +32,6 @@ applied (``tests/test_transforms.py``).
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
@@ -273,7 +271,3 @@ def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False, made
     sizes.guard_symbolic(gm.guards, cap, examples)
     closures.attach(gm, cap.reads, made_by)
     return remember_inputs(gm)
-
-
-def _is_getitem(node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem
