@@ -650,14 +650,21 @@ def measure_peak(split, *args) -> int:
 
 
 def allocated_peak(fn) -> int:
-    """Peak bytes the CPU allocator holds during ``fn()`` beyond what it held before
-    (``torch.profiler``: every allocation and free, in order)."""
+    """Peak bytes the CPU allocator holds during ``fn()`` beyond what it held before: every
+    allocation and free ``torch.profiler`` records (``profile_memory=True``), summed in the order
+    they happened. The profiler's per-op totals (``self_cpu_memory_usage``) would not do: they put
+    a free made inside an op but outside its children (Python code in an autograd Function's
+    backward deleting a value) at the op's start, hiding the backward's peak."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == _CPU]
     live = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += e.self_cpu_memory_usage
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
         peak = max(peak, live)
     return peak
+
+
+_CPU = torch._C._autograd.DeviceType.CPU
