@@ -3,17 +3,22 @@ against torch.fx's default of freeing every value after its last use.
 
 Run ``python benchmarks/bench_memory.py`` (``--quick``: a 2-layer GPT).
 
-``--budgets`` measures memory budgets instead, on a small GPT (2 layers, width 128, 4 heads,
-vocabulary 512, 4 x 64 tokens, float32): eager PyTorch; ``torch.compile`` (backend
-``aot_eager_decomp_partition``, and Inductor with ``--inductor``) with
-``torch._functorch.config.activation_memory_budget`` at 1.0, 0.5, 0.2 and 0.05; and
-``fxtools.split(policy=fxtools.policies.budget(b))`` at the same budgets, run without a compiler.
-For each: the bytes saved for the backward beyond parameters and inputs (eager and torch.compile:
-what ``torch.autograd.graph.saved_tensors_hooks`` sees, each storage once; fxtools: the split's
-``saved_bytes``), fxtools' predicted peak, the measured peak of one forward + backward (the
-profiler's CPU allocations plus the parameters and inputs), and the median step time. ``--svg``
-draws fxtools' frontier. The model is the ``gpt``
-example at the size ``bench.py`` calls "GPT-2 124M" (12 layers, width 768, vocabulary 50257,
+``--budgets`` measures memory budgets instead, on a GPT (``--config small``: 2 layers, width 128,
+4 heads, vocabulary 512, 4 x 64 tokens; ``--config gpt2``: GPT-2's shape, width 768, 12 heads,
+vocabulary 50257, with 4 layers and 1 x 128 tokens; float32): eager PyTorch; ``torch.compile``
+(backend ``aot_eager_decomp_partition``, and Inductor with ``--inductor``) with
+``torch._functorch.config.activation_memory_budget`` at 1.0, 0.5, 0.2 and 0.05; ``fxtools.compile``
+with ``policy=fxtools.policies.budget(b)`` at the same budgets, without a compiler and with
+Inductor (``compiler="inductor"``); and ``budget(peak=)`` at ``torch.compile``'s measured peaks.
+Every run is measured the same way, as a training step (``loss.backward()``): the bytes saved for
+the backward beyond parameters and inputs (what ``torch.autograd.graph.saved_tensors_hooks`` sees,
+each storage once), the measured peak of one step (``fxtools.training.budget.allocated_peak``: the
+profiler's CPU allocations and frees in time order, plus the parameters and inputs), fxtools'
+predicted peak, and the median step time; ratios are against eager and against ``torch.compile``
+with the same compiler at the same budget, all measured in the same run. ``--svg`` draws
+fxtools' frontier.
+
+Without ``--budgets``, the model is the ``gpt`` example at the size ``bench.py`` calls "GPT-2 124M" (12 layers, width 768, vocabulary 50257,
 batch 1 x 64 tokens, float32); the module is its ``fxtools.grad`` (forward and backward in one
 function). The same graph is run with the code fxtools writes and with fx's own code generator
 (``;  x = None`` after every last use), and the peak of the bytes allocated by the CPU allocator
