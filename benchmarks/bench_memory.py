@@ -35,21 +35,14 @@ import sys
 
 import torch
 import torch.fx as fx
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/src")  # this checkout's fxtools, when run as a script
 
 
 def _peak_of_call(fn, args) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn(*args)
-    # each op's own allocations and frees (children excluded), and those outside any op ("[memory]")
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    live = peak = 0
-    for e in events:
-        live += e.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
+    from fxtools.training.budget import allocated_peak
+
+    return allocated_peak(lambda: fn(*args))
 
 
 def peak_bytes(gm: fx.GraphModule, args) -> tuple[int, int]:
