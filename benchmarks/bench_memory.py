@@ -14,7 +14,7 @@ Every run is measured the same way, as a training step (``loss.backward()``): th
 the backward beyond parameters and inputs (what ``torch.autograd.graph.saved_tensors_hooks`` sees,
 each storage once), the measured peak of one step (``fxtools.training.budget.allocated_peak``: the
 profiler's CPU allocations and frees in time order, plus the parameters and inputs), fxtools'
-predicted peak, and the median step time; ratios are against eager and against ``torch.compile``
+predicted peak, and the median step time (CPU time of the process, one thread); ratios are against eager and against ``torch.compile``
 with the same compiler at the same budget, all measured in the same run. ``--svg`` draws
 fxtools' frontier.
 
@@ -85,13 +85,15 @@ def _autograd_step(model, inputs):
 
 
 def _median_time(fn, reps) -> float:
+    """Median CPU time of ``fn()`` in this process (``time.process_time``: on a machine shared with
+    other jobs, wall time mostly measures their load; with one thread this is the step's compute)."""
     import time
 
     times = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = time.process_time()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(time.process_time() - t)
     return sorted(times)[len(times) // 2]
 
 
@@ -196,7 +198,7 @@ def budgets_table(opts) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"{title}, {platform.machine()}, {platform.processor() or '?'}, 1 thread, torch {torch.__version__}, {when}, "
-        f"median of {opts.reps} steps",
+        f"median CPU time of {opts.reps} steps",
         "",
         "| run | compiler | budget | saved MB | saved / eager | saved / torch.compile | predicted peak MB "
         "| measured peak MB | peak / torch.compile | step ms | step / eager | step / torch.compile |",
