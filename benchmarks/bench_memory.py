@@ -3,17 +3,22 @@ against torch.fx's default of freeing every value after its last use.
 
 Run ``python benchmarks/bench_memory.py`` (``--quick``: a 2-layer GPT).
 
-``--budgets`` measures memory budgets instead, on a small GPT (2 layers, width 128, 4 heads,
-vocabulary 512, 4 x 64 tokens, float32): eager PyTorch; ``torch.compile`` (backend
-``aot_eager_decomp_partition``, and Inductor with ``--inductor``) with
-``torch._functorch.config.activation_memory_budget`` at 1.0, 0.5, 0.2 and 0.05; and
-``fxtools.split(policy=fxtools.policies.budget(b))`` at the same budgets, run without a compiler.
-For each: the bytes saved for the backward beyond parameters and inputs (eager and torch.compile:
-what ``torch.autograd.graph.saved_tensors_hooks`` sees, each storage once; fxtools: the split's
-``saved_bytes``), fxtools' predicted peak, the measured peak of one forward + backward (the
-profiler's CPU allocations plus the parameters and inputs), and the median step time. ``--svg``
-draws fxtools' frontier. The model is the ``gpt``
-example at the size ``bench.py`` calls "GPT-2 124M" (12 layers, width 768, vocabulary 50257,
+``--budgets`` measures memory budgets instead, on a GPT (``--config small``: 2 layers, width 128,
+4 heads, vocabulary 512, 4 x 64 tokens; ``--config gpt2``: GPT-2's shape, width 768, 12 heads,
+vocabulary 50257, with 4 layers and 1 x 128 tokens; float32): eager PyTorch; ``torch.compile``
+(backend ``aot_eager_decomp_partition``, and Inductor with ``--inductor``) with
+``torch._functorch.config.activation_memory_budget`` at 1.0, 0.5, 0.2 and 0.05; ``fxtools.compile``
+with ``policy=fxtools.policies.budget(b)`` at the same budgets, without a compiler and with
+Inductor (``compiler="inductor"``); and ``budget(peak=)`` at ``torch.compile``'s measured peaks.
+Every run is measured the same way, as a training step (``loss.backward()``): the bytes saved for
+the backward beyond parameters and inputs (what ``torch.autograd.graph.saved_tensors_hooks`` sees,
+each storage once), the measured peak of one step (``fxtools.training.budget.allocated_peak``: the
+profiler's CPU allocations and frees in time order, plus the parameters and inputs), fxtools'
+predicted peak, and the median step time (CPU time of the process, one thread); ratios are against eager and against ``torch.compile``
+with the same compiler at the same budget, all measured in the same run. ``--svg`` draws
+fxtools' frontier.
+
+Without ``--budgets``, the model is the ``gpt`` example at the size ``bench.py`` calls "GPT-2 124M" (12 layers, width 768, vocabulary 50257,
 batch 1 x 64 tokens, float32); the module is its ``fxtools.grad`` (forward and backward in one
 function). The same graph is run with the code fxtools writes and with fx's own code generator
 (``;  x = None`` after every last use), and the peak of the bytes allocated by the CPU allocator
@@ -30,21 +35,14 @@ import sys
 
 import torch
 import torch.fx as fx
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/src")  # this checkout's fxtools, when run as a script
 
 
 def _peak_of_call(fn, args) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn(*args)
-    # each op's own allocations and frees (children excluded), and those outside any op ("[memory]")
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    live = peak = 0
-    for e in events:
-        live += e.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
+    from fxtools.training.budget import allocated_peak
+
+    return allocated_peak(lambda: fn(*args))
 
 
 def peak_bytes(gm: fx.GraphModule, args) -> tuple[int, int]:
@@ -87,13 +85,15 @@ def _autograd_step(model, inputs):
 
 
 def _median_time(fn, reps) -> float:
+    """Median CPU time of ``fn()`` in this process (``time.process_time``: on a machine shared with
+    other jobs, wall time mostly measures their load; with one thread this is the step's compute)."""
     import time
 
     times = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = time.process_time()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(time.process_time() - t)
     return sorted(times)[len(times) // 2]
 
 
@@ -117,75 +117,101 @@ def _measure_autograd(model, inputs, reps):
     return saved, peak, _median_time(step, reps)
 
 
-def _measure_fxtools(model, inputs, policy, reps, svg=None):
+def _measure_fxtools(model, inputs, policy, reps, compiler=None, svg=None):
+    """``fxtools.compile(model, policy=policy, compiler=compiler)`` (the training path: fused rules)
+    measured as autograd steps are; returns the split too (its saved bytes and predicted peak)."""
     import fxtools
-    from fxtools.training import budget
 
-    sp = fxtools.split(model, *inputs, policy=policy)
+    compiled = fxtools.compile(model, *inputs, policy=policy, compiler=compiler)
+    sp = compiled.split
     if svg:
         sp.frontier([k / 40 for k in range(1, 41)], path=svg)
-    params = dict(model.named_parameters())
-    flat = sp.flatten(params, *inputs)
-
-    def step():
-        with torch.no_grad():
-            out, saved = sp.forward(*flat)
-            box = [*saved, torch.ones_like(out)]
-            del saved
-            sp.backward_boxed(box)
-
-    peak = budget.measure_peak(sp, params, *inputs)
-    return sp, peak, _median_time(step, reps)
+    return sp, _measure_autograd(compiled, inputs, reps)
 
 
-def budgets_table(opts) -> str:
-    """The memory-budget table (Markdown) for a small GPT."""
+CONFIGS = {
+    "small": (
+        "small GPT (2 layers, width 128, 4 heads, vocabulary 512, 4x64 tokens, float32)",
+        dict(batch=4, seq_len=64, n_layer=2, n_head=4, n_embd=128, vocab_size=512, block_size=64),
+    ),
+    "gpt2": (
+        "GPT-2-shaped GPT (4 layers, width 768, 12 heads, vocabulary 50257, 1x128 tokens, float32)",
+        dict(batch=1, seq_len=128, n_layer=4, n_head=12, n_embd=768, vocab_size=50257, block_size=1024),
+    ),
+}
+
+
+def _budget_rows(model, inputs, opts) -> list[dict]:
+    """One row per run: eager, torch.compile and fxtools at every budget (per compiler), and
+    fxtools' peak form at torch.compile's peaks."""
     import torch._functorch.config as functorch_config
 
-    from fxtools.cli.examples import gpt
+    import fxtools
 
-    torch.set_num_threads(1)
-    model, inputs = gpt("gpt2", batch=4, seq_len=64, n_layer=2, n_head=4, n_embd=128, vocab_size=512, block_size=64)
-    reps = opts.reps
-    rows = []
-    eager = _measure_autograd(model, inputs, reps)
-    rows.append(("eager", "-", *eager, None))
-    backends = ["aot_eager_decomp_partition"] + (["inductor"] if opts.inductor else [])
-    for backend in backends:
+    reps, rows = opts.reps, []
+
+    def add(run, compiler, b, measured, sp=None):
+        saved, peak, t = measured
+        predicted = None if sp is None else sp.predicted_peak
+        rows.append(dict(run=run, compiler=compiler, budget=b, saved=saved, peak=peak, time=t, predicted=predicted))
+
+    add("eager", "-", "-", _measure_autograd(model, inputs, reps))
+    compilers = [("aot_eager_decomp_partition", None)] + ([("inductor", "inductor")] if opts.inductor else [])
+    for backend, compiler in compilers:
         for b in BUDGETS:
             torch._dynamo.reset()
             with functorch_config.patch(activation_memory_budget=b):
                 compiled = torch.compile(model, backend=backend)
-                rows.append((f"torch.compile {backend}", b, *_measure_autograd(compiled, inputs, reps), None))
-    torch._dynamo.reset()
-    import fxtools
-
-    for b in BUDGETS:
-        policy = fxtools.policies.budget(b)
-        sp, peak, t = _measure_fxtools(model, inputs, policy, reps, svg=opts.svg if b == 1.0 else None)
-        rows.append(("fxtools budget(b)", b, sp.saved_bytes, peak, t, sp.predicted_peak))
+                add("torch.compile", backend, b, _measure_autograd(compiled, inputs, reps))
+        torch._dynamo.reset()
+        for b in BUDGETS:
+            svg = opts.svg if b == 1.0 and compiler is None else None
+            sp, measured = _measure_fxtools(model, inputs, fxtools.policies.budget(b), reps, compiler, svg)
+            add("fxtools budget(b)", backend, b, measured, sp)
     from fxtools.training import budget
 
-    first = fxtools.split(model, *inputs, policy=fxtools.policies.budget(1.0))
+    first = fxtools.compile(model, *inputs, policy=fxtools.policies.budget(1.0)).split
     least = min(peak for _, peak in budget.Problem(first._partition).peak_candidates())
-    for b, target in [(r[1], r[3]) for r in rows if r[0] == "torch.compile aot_eager_decomp_partition"]:
-        label = f"fxtools budget(peak=) at torch.compile {b}'s peak"
+    for r in [r for r in rows if r["run"] == "torch.compile" and r["compiler"] == "aot_eager_decomp_partition"]:
+        target, run = r["peak"], f"fxtools budget(peak=torch.compile {r['budget']}'s)"
         if target < least:
-            target, label = least, f"fxtools budget(peak=least possible), for torch.compile {b}"
-        sp, peak, t = _measure_fxtools(model, inputs, fxtools.policies.budget(peak=target), reps)
-        rows.append((label, f"{target / 1e6:.2f} MB", sp.saved_bytes, peak, t, sp.predicted_peak))
+            target, run = least, f"fxtools budget(peak=least), for torch.compile {r['budget']}"
+        sp, measured = _measure_fxtools(model, inputs, fxtools.policies.budget(peak=target), reps)
+        add(run, "aot_eager_decomp_partition", f"{target / 1e6:.2f} MB", measured, sp)
+    return rows
+
+
+def _ratio(a, b) -> str:
+    return "-" if b is None or not b else f"{a / b:.2f}x"
+
+
+def budgets_table(opts) -> str:
+    """The memory-budget table (Markdown) for ``opts.config``."""
+    from fxtools.cli.examples import gpt
+
+    torch.set_num_threads(1)
+    title, config = CONFIGS[opts.config]
+    model, inputs = gpt("gpt2", **config)
+    rows = _budget_rows(model, inputs, opts)
+    eager = rows[0]
+    reference = {(r["compiler"], r["budget"]): r for r in rows if r["run"] == "torch.compile"}
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"small GPT (2 layers, width 128, 4 heads, vocabulary 512, 4x64 tokens, float32), {platform.machine()}, "
-        f"{platform.processor() or '?'}, 1 thread, torch {torch.__version__}, {when}",
+        f"{title}, {platform.machine()}, {platform.processor() or '?'}, 1 thread, torch {torch.__version__}, {when}, "
+        f"median CPU time of {opts.reps} steps",
         "",
-        "| run | budget | saved MB | saved / eager | predicted peak MB | measured peak MB | step ms |",
-        "|---|---|---|---|---|---|---|",
+        "| run | compiler | budget | saved MB | saved / eager | saved / torch.compile | predicted peak MB "
+        "| measured peak MB | peak / torch.compile | step ms | step / eager | step / torch.compile |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, b, saved, peak, t, predicted in rows:
-        pred = "-" if predicted is None else f"{predicted / 1e6:.2f}"
+    for r in rows:
+        ref = reference.get((r["compiler"], r["budget"])) if r["run"].startswith("fxtools") else None
+        ref = ref or {}
+        pred = "-" if r["predicted"] is None else f"{r['predicted'] / 1e6:.2f}"
         lines.append(
-            f"| {name} | {b} | {saved / 1e6:.2f} | {saved / rows[0][2]:.2f}x | {pred} | {peak / 1e6:.2f} | {t * 1e3:.1f} |"
+            f"| {r['run']} | {r['compiler']} | {r['budget']} | {r['saved'] / 1e6:.2f} | {_ratio(r['saved'], eager['saved'])} "
+            f"| {_ratio(r['saved'], ref.get('saved'))} | {pred} | {r['peak'] / 1e6:.2f} | {_ratio(r['peak'], ref.get('peak'))} "
+            f"| {r['time'] * 1e3:.1f} | {_ratio(r['time'], eager['time'])} | {_ratio(r['time'], ref.get('time'))} |"
         )
     return "\n".join(lines)
 
@@ -193,7 +219,8 @@ def budgets_table(opts) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 2-layer GPT instead of GPT-2 124M")
-    parser.add_argument("--budgets", action="store_true", help="the memory-budget table (small GPT) instead")
+    parser.add_argument("--budgets", action="store_true", help="the memory-budget table instead")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="small", help="with --budgets: the model")
     parser.add_argument("--inductor", action="store_true", help="with --budgets: torch.compile with Inductor too")
     parser.add_argument("--reps", type=int, default=20, help="with --budgets: steps timed per row")
     parser.add_argument("--svg", default=None, help="with --budgets: draw fxtools' frontier to this path")

@@ -10,11 +10,19 @@ activations fxtools' graphs save under FSDP2 against one process (two policies, 
 ``torch.utils.checkpoint`` blocks), and checks the errors for what fxtools refuses (hooks that
 would run twice, an in-place collective in a differentiated program).
 
+Memory budgets (``policy=fxtools.policies.budget(b)``) train the same way under DDP and FSDP2: at
+each budget of ``BUDGETS`` and for three wrapping orders, the gradients and parameters equal eager
+DDP's / FSDP2's at 1e-10 (float64: recomputation runs the same ops on the same values, so the
+answer is the same to the last bit or nearly); the split that ran saved at most the budget, saved
+what it declares, chose what one process chooses at that budget, and below 1.0 it recomputes
+something and saves less than ``save_all``.
+
 Run ``python tests/test_distributed.py`` to launch the workers by hand and print their results.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -26,7 +34,7 @@ import time
 import torch
 import torch.nn as nn
 
-TIMEOUT = 300  # seconds for the whole launch: a hang fails the test instead of blocking CI
+TIMEOUT = 420  # seconds for the whole launch: a hang fails the test instead of blocking CI
 STEPS = 5
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -45,6 +53,21 @@ CASES = {
     "torch.compile(fully_shard(model), backend)": "fsdp",
 }
 
+# memory budgets: the wrapping orders they are run under, and the budgets (fractions of save_all's bytes)
+BUDGET_WRAPPINGS = (
+    "ddp(fxtools.compile(model))",
+    "fully_shard(fxtools.compile(model))",
+    "fxtools.compile(model with fully_shard blocks)",
+)
+BUDGETS = (1.0, 0.2, 0.05)
+
+
+def budget_case(wrapping: str, b: float) -> str:
+    return f"{wrapping}, budget({b})"
+
+
+CASES.update({budget_case(w, b): CASES[w] for w in BUDGET_WRAPPINGS for b in BUDGETS})
+
 
 # --------------------------------------------------------------------------------------------
 # the worker (runs in each of the two processes)
@@ -59,6 +82,7 @@ class Probe:
 
     def __init__(self):
         self.runners: set[int] = set()
+        self.splits: dict[int, object] = {}  # the splits whose forward ran, by runner
         self.runs = self.saved_bytes = 0
 
     @property
@@ -74,6 +98,7 @@ class Probe:
         def run_forward(runner, leaves):
             outs, saved = original(runner, leaves)
             probe.runners.add(id(runner))
+            probe.splits[id(runner)] = runner.split
             probe.runs += 1
             inputs = {x.untyped_storage().data_ptr() for x in leaves if isinstance(x, torch.Tensor)}
             seen, total = set(), 0
@@ -131,6 +156,26 @@ def _memory_cases(shard_blocks, model_and_batch) -> dict:
     return out
 
 
+def _budget_choices(probe: Probe) -> list[dict] | None:
+    """What each split that ran under a budget chose: its saved bytes (declared, and measured at
+    the last forward when one graph ran), estimated recompute, the budget and save_all's bytes."""
+    rows = []
+    for sp in probe.splits.values():
+        choice = sp.budget_choice
+        if choice is None:
+            return None
+        rows.append(
+            {
+                "saved": sp.saved_bytes,
+                "measured": probe.saved_bytes if probe.graphs == 1 else None,
+                "recompute": sp.recompute_cost,
+                "limit": choice.limit,
+                "save_all": choice.save_all_bytes,
+            }
+        )
+    return rows
+
+
 def _worker(out_dir: str) -> None:
     import datetime
 
@@ -179,9 +224,12 @@ def _worker(out_dir: str) -> None:
         return fully_shard(model)
 
     def build(case, model, inputs):
-        """The module to train for ``case``."""
+        """The module to train for ``case`` (``"<wrapping>, budget(b)"``: that wrapping, policy ``budget(b)``)."""
         backend = fxtools.backend()
         compile = fxtools.compile
+        if ", budget(" in case:
+            case, b = case.split(", budget(")
+            compile = functools.partial(fxtools.compile, policy=fxtools.policies.budget(float(b.rstrip(")"))))
         if case == "ddp(fxtools.compile(model))":
             return DDP(compile(model, *inputs))
         if case == "fxtools.compile(ddp(model))":
@@ -248,6 +296,7 @@ def _worker(out_dir: str) -> None:
                 "graphs": probe.graphs,
                 "runs": probe.runs,
                 "seconds": round(time.perf_counter() - start, 2),
+                "budget": _budget_choices(probe),
             }
         except Exception as e:  # noqa: BLE001 - reported to the test
             import traceback
@@ -329,23 +378,30 @@ def launch(out_dir: str, world_size: int = 2, extra_env: dict | None = None) -> 
     return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world_size)]
 
 
+@functools.cache
 def _run() -> list[dict]:
+    """One launch for the whole file (each test reads its part of the results)."""
     with tempfile.TemporaryDirectory() as out_dir:
         return launch(out_dir)
 
 
-def test_ddp_and_fsdp2_gradients_adamw_steps_and_saved_activations_equal_eager():
-    """Every wrapping order trains as eager DDP / FSDP2 does; under FSDP2 each rank's graphs save
-    the activations one process would (policies and checkpointed blocks alike)."""
-    ranks = _run()
+def _case_errors(ranks: list[dict], cases) -> list[str]:
     problems = []
-    for case in CASES:
+    for case in cases:
         for rank, results in enumerate(ranks):
             got = results.get(case)
             if got is None:
                 problems.append(f"{case} (rank {rank}): not run")
             elif got["errors"]:
                 problems.append(f"{case} (rank {rank}):\n  " + "\n  ".join(e[:3000] for e in got["errors"][:6]))
+    return problems
+
+
+def test_ddp_and_fsdp2_gradients_adamw_steps_and_saved_activations_equal_eager():
+    """Every wrapping order trains as eager DDP / FSDP2 does; under FSDP2 each rank's graphs save
+    the activations one process would (policies and checkpointed blocks alike)."""
+    ranks = _run()
+    problems = _case_errors(ranks, [c for c in CASES if ", budget(" not in c])
     for rank, results in enumerate(ranks):
         for case, message in results["refused"].items():
             if case == "an in-place collective in the model":
@@ -365,6 +421,36 @@ def test_ddp_and_fsdp2_gradients_adamw_steps_and_saved_activations_equal_eager()
             if not ckpt["measured"] < plain["measured"]:
                 problems.append(f"{policy} (rank {rank}): checkpointed blocks save {ckpt} bytes, not fewer than {plain}")
     assert not problems, "\n".join(problems)
+
+
+def test_budgets_under_ddp_and_fsdp2_train_as_eager_within_their_bytes():
+    """At every budget, under DDP and FSDP2 (whole model, sharded blocks): eager's gradients and
+    parameters after 5 AdamW steps; the split saved at most the budget and what it declares, chose
+    what the same budget chooses under the other wrappings, and below 1.0 recomputed something and
+    saved less than save_all; a smaller budget never saves more nor recomputes less."""
+    ranks = _run()
+    problems = _case_errors(ranks, [budget_case(w, b) for w in BUDGET_WRAPPINGS for b in BUDGETS])
+    if problems:
+        raise AssertionError("\n".join(problems))
+    for rank, results in enumerate(ranks):
+        chosen: dict = {}
+        for wrapping in BUDGET_WRAPPINGS:
+            last = None
+            for b in BUDGETS:  # descending
+                rows = results[budget_case(wrapping, b)]["budget"]
+                where = f"{wrapping}, budget({b}), rank {rank}"
+                assert rows and len(rows) == 1, f"{where}: splits that ran: {rows}"
+                (row,) = rows
+                assert row["saved"] == row["measured"] <= row["limit"], f"{where}: {row}"
+                assert 0 <= b * row["save_all"] - row["limit"] < 1, f"{where}: {row}"
+                if b < 1.0:
+                    assert row["recompute"] > 0 and row["saved"] < row["save_all"], f"{where}: nothing recomputed: {row}"
+                if last is not None:
+                    assert row["saved"] <= last["saved"] and row["recompute"] >= last["recompute"], f"{where}: {row} after {last}"
+                last = row
+                chosen.setdefault(b, {})[wrapping] = (row["saved"], row["recompute"])
+        for b, by_wrapping in chosen.items():
+            assert len(set(by_wrapping.values())) == 1, f"budget({b}), rank {rank}: choices differ: {by_wrapping}"
 
 
 if __name__ == "__main__":

@@ -38,8 +38,10 @@ the forward's outputs are held by the caller, every other value lives from the o
 to its last use (views share their base's storage), saved values until their last use in the
 backward. ``budget(peak=p)`` lowers the peak of each of the frontier's points by saving, greedily,
 values it recomputes (``Problem.peak_candidates``: the peak is not a function of the saved bytes;
-a block's saved output lets the backward recompute the block late) and takes the cheapest whose
-predicted peak fits; the candidates do not depend on ``p``, so a larger peak never recomputes more.
+a block's saved output lets the backward recompute the block late), and of a few of them by
+recomputing values a second time instead of keeping them through the backward (``refresh``), and
+takes the cheapest whose predicted peak fits; the candidates do not depend on ``p``, so a larger
+peak never recomputes more.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Point:
     cost: int
     saved: frozenset = field(compare=False, repr=False)
     recomputed: frozenset = field(compare=False, repr=False)
+    forget: dict = field(default_factory=dict, compare=False, repr=False)  # values recomputed again (``refresh``)
 
 
 @dataclass
@@ -331,7 +334,18 @@ class Problem:
         points = self.frontier()
         out = [(p, predicted_peak(self.part, p.saved, p.recomputed, self.memo)) for p in points]
         picks = sorted({round(k * (len(points) - 1) / max(spread - 1, 1)) for k in range(spread)})
-        return out + [self.lower_peak(points[k]) for k in picks]
+        out += [self.lower_peak(points[k]) for k in picks]
+        return out + [self.refreshed(p, peak) for p, peak in [*(out[k] for k in picks), *out[len(points) :]]]
+
+    def refreshed(self, point: Point, peak: int) -> tuple[Point, int]:
+        """``point`` with the backward recomputing values again rather than keeping them, where
+        that lowers its predicted peak (``refresh``); its cost counts every recomputation."""
+        forget, order, bw_peak = refresh(self.part, point.saved, point.recomputed, self.memo)
+        new_peak = max(bw_peak, predicted_peak(self.part, point.saved, point.recomputed, self.memo, forget))
+        if not forget or new_peak >= peak:
+            return point, peak
+        cost = sum(self.cost.get(n, 0) for n in order if n not in self.part.bw)
+        return Point(point.bytes, cost, point.saved, point.recomputed, forget), new_peak
 
     def _between(self, a: Point, b: Point) -> list[Point]:
         """Hull points strictly between ``a`` (fewer bytes) and ``b`` (less cost)."""
@@ -502,46 +516,85 @@ class _Memo:
         return self.sizes[n]
 
 
-def liveness_peak(order, start, held, memo: _Memo | None = None) -> int:
-    """Peak bytes while running ``order`` (nodes): ``start`` values exist before, ``held`` values
-    (and their storages) are never freed; every other storage is freed after its last use."""
+@dataclass
+class Trace:
+    """Liveness over an order of nodes: the peak, where it is reached, and what is live there.
+    A node computed again (``backward_nodes`` with ``forget``) is a new value: values are keyed
+    ``(node, occurrence)`` and so are storages (a view's is its base's current value's)."""
+
+    peak: int
+    at: int  # position of the peak in the order (-1: before the first node)
+    live: set  # storage keys live at the peak
+    storage: dict  # value key -> storage key
+    made: dict  # value key -> position it is made at (-1: a start value)
+    reads: dict  # value key -> positions that read it, ascending
+
+
+def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
+    """Liveness of running ``order`` (nodes): ``start`` values exist before, ``held`` values (and
+    their storages) are never freed; every other storage is freed after its last use."""
     memo = memo or _Memo()
-    root = memo.root
-    last = {}
-    for i, n in enumerate(order):
-        last[root(n)] = i
-        for a in n.all_input_nodes:
-            last[root(a)] = i
-    held_roots = {root(h) for h in held if isinstance(h, fx.Node)}
-    live, size = 0, {}
+    current: dict = {}
+    count: dict = {}
+    trace = Trace(0, -1, set(), {}, {}, {})
+    size: dict = {}
 
-    def touch(v):
-        nonlocal live
-        r = root(v)
-        if r not in size:
-            size[r] = max(memo.size(r), memo.size(v))
-            live += size[r]
+    def make(n, at):
+        occ = count[n] = count.get(n, -1) + 1
+        key = current[n] = (n, occ)
+        r = memo.root(n)
+        s = key if r is n else trace.storage[value(r, at)]
+        trace.storage[key], trace.made[key], trace.reads[key] = s, at, []
+        size[s] = max(size.get(s, 0), memo.size(r), memo.size(n))
+        return key
 
+    def value(n, at):
+        return current[n] if n in current else make(n, -1)
+
+    last, made_storage = {}, []
     for v in start:
-        touch(v)
-    for r in list(size):  # start values nothing reads are freed on entry
-        if r not in last and r not in held_roots:
-            live -= size.pop(r)
-    peak = live
-    frees: dict[int, list] = {}
-    for r, i in last.items():
-        if r not in held_roots:
-            frees.setdefault(i, []).append(r)
+        last.setdefault(trace.storage[value(v, -1)], -1)
     for i, n in enumerate(order):
-        if memo.size(n) or isinstance(n.meta.get("val"), torch.Tensor):
-            touch(n)
-        peak = max(peak, live)
-        for r in frees.get(i, ()):
-            live -= size.pop(r, 0)
-    return peak
+        for a in n.all_input_nodes:
+            k = value(a, i)
+            trace.reads[k].append(i)
+            last[trace.storage[k]] = i
+        made_storage.append(trace.storage[make(n, i)])
+        last[made_storage[-1]] = i
+    held_roots = {memo.root(h) for h in held if isinstance(h, fx.Node)}
+    frees: dict[int, list] = {}
+    for s, i in last.items():
+        if s[0] not in held_roots:
+            frees.setdefault(i, []).append(s)
+    live = {trace.storage[current[v]] for v in start} - set(frees.get(-1, ()))
+    trace.live = set(live)
+    total = trace.peak = sum(size[s] for s in live)
+    for i, s in enumerate(made_storage):
+        if s not in live:
+            live.add(s)
+            total += size[s]
+        if total > trace.peak:
+            trace.peak, trace.at, trace.live = total, i, set(live)
+        for s in frees.get(i, ()):
+            if s in live:
+                live.discard(s)
+                total -= size[s]
+    return trace
 
 
-def predicted_peak(part, saved, recomputed, memo: _Memo | None = None) -> int:
+def liveness_peak(order, start, held, memo: _Memo | None = None) -> int:
+    """Peak bytes while running ``order`` (``live_trace``)."""
+    return live_trace(order, start, held, memo).peak
+
+
+def _backward_ends(part, saved):
+    """What exists when the backward starts, and what outlives it."""
+    outs = [o for o in part.fw_outs if isinstance(o, fx.Node)]
+    grads = [g for g in part.grads if isinstance(g, fx.Node)]
+    return [*part.primals, *outs, *saved, *part.cts], [*part.primals, *outs, *grads]
+
+
+def predicted_peak(part, saved, recomputed, memo: _Memo | None = None, forget=None) -> int:
     """Peak bytes of running the forward, then the backward (``backward_boxed``), on ``part``."""
 
     memo = memo or _Memo()
@@ -549,10 +602,65 @@ def predicted_peak(part, saved, recomputed, memo: _Memo | None = None) -> int:
     outs = [o for o in part.fw_outs if isinstance(o, fx.Node)]
     fw = forward_nodes(part, saved)
     fw_peak = liveness_peak(fw, primals, [*primals, *outs, *saved], memo)
-    bw = backward_nodes(part, saved, recomputed)
-    grads = [g for g in part.grads if isinstance(g, fx.Node)]
-    bw_peak = liveness_peak(bw, [*primals, *outs, *saved, *part.cts], [*primals, *outs, *grads], memo)
-    return max(fw_peak, bw_peak)
+    bw = backward_nodes(part, saved, recomputed, forget)
+    start, held = _backward_ends(part, saved)
+    return max(fw_peak, liveness_peak(bw, start, held, memo))
+
+
+def refresh(part, saved, recomputed, memo: _Memo | None = None, rounds: int = 16) -> tuple[dict, list, int]:
+    """Recompute values again rather than keep them: ``(forget, backward order, its peak)``.
+
+    A backward that recomputes a chain (the whole forward, to get the loss's gradient) keeps the
+    chain's early values until their own gradients. At the backward's peak, every recomputed
+    value live there but not read there, read before and again after, is forgotten after its last
+    read before the peak (``backward_nodes``' ``forget``) and recomputed just before its next; this
+    repeats while the peak falls (at most ``rounds`` times). Costs more recompute, never more peak."""
+    memo = memo or _Memo()
+    start, held = _backward_ends(part, saved)
+    forget: dict = {}
+    order = backward_nodes(part, saved, recomputed)
+    trace = live_trace(order, start, held, memo)
+    for _ in range(rounds):
+        more = _dead_at_peak(trace, order, recomputed)
+        if not more:
+            break
+        trial = {u: forget.get(u, frozenset()) | more.get(u, frozenset()) for u in {*forget, *more}}
+        trial_order = backward_nodes(part, saved, recomputed, trial)
+        trial_trace = live_trace(trial_order, start, held, memo)
+        if trial_trace.peak >= trace.peak:
+            break
+        forget, order, trace = trial, trial_order, trial_trace
+    return forget, order, trace.peak
+
+
+def _dead_at_peak(trace: Trace, order, recomputed) -> dict:
+    """``node -> inputs`` to forget: for each storage live at the peak whose values (a recomputed
+    value and its views) are not read there, every value read later is forgotten after its last
+    read before the peak; storages with a value first read after the peak are left alone."""
+    t = trace.at
+    if t < 0:
+        return {}
+    by_storage: dict = {}
+    for k, s in trace.storage.items():
+        if s in trace.live:
+            by_storage.setdefault(s, []).append(k)
+    out: dict = {}
+    for s, keys in by_storage.items():
+        if s[0] not in recomputed or any(t in trace.reads[k] or trace.made[k] == t for k in keys):
+            continue
+        pairs = []
+        for k in keys:
+            reads = trace.reads[k]
+            if trace.made[k] > t or not reads or reads[-1] < t:
+                continue  # made after the peak (from the storage's value then), or not read after it
+            before = [r for r in reads if r < t]
+            if not before or k[0] not in recomputed:
+                pairs = []
+                break
+            pairs.append((order[before[-1]], k[0]))
+        for u, v in pairs:
+            out[u] = out.get(u, frozenset()) | {v}
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -651,14 +759,21 @@ def measure_peak(split, *args) -> int:
 
 
 def allocated_peak(fn) -> int:
-    """Peak bytes the CPU allocator holds during ``fn()`` beyond what it held before
-    (``torch.profiler``: every allocation and free, in order)."""
+    """Peak bytes the CPU allocator holds during ``fn()`` beyond what it held before: every
+    allocation and free ``torch.profiler`` records (``profile_memory=True``), summed in the order
+    they happened. The profiler's per-op totals (``self_cpu_memory_usage``) would not do: they put
+    a free made inside an op but outside its children (Python code in an autograd Function's
+    backward deleting a value) at the op's start, hiding the backward's peak."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == _CPU]
     live = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += e.self_cpu_memory_usage
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
         peak = max(peak, live)
     return peak
+
+
+_CPU = torch._C._autograd.DeviceType.CPU

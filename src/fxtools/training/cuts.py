@@ -130,10 +130,16 @@ def forward_nodes(part, saved) -> list[fx.Node]:
     return [n for n in part.nodes if n in keep and n.op in ("call_function", "get_attr")]
 
 
-def backward_nodes(part, saved, recomputed) -> list[fx.Node]:
+def backward_nodes(part, saved, recomputed, forget=None) -> list[fx.Node]:
     """The joint graph's nodes the backward computes, in order: the backward's own ops, each
-    recomputed value placed just before its first use."""
+    recomputed value placed just before its first use.
+
+    ``forget`` (``node -> inputs``, from ``budget.refresh``) drops recomputed values early: after
+    ``node`` is computed, those of its inputs no pending computation reads are forgotten, and a
+    later use recomputes them again (the order then holds a node more than once; each occurrence
+    is a new value, read by what comes after it)."""
     done, order = {*saved, *part.cts}, []
+    forget = forget or {}
 
     def emit(node):
         todo = [node]
@@ -152,6 +158,9 @@ def backward_nodes(part, saved, recomputed) -> list[fx.Node]:
             done.add(v)
             order.append(v)
             todo.pop()
+            for a in forget.get(v, ()):
+                if a in recomputed and not any(a in t.all_input_nodes for t in todo):
+                    done.discard(a)
 
     for n in part.nodes:
         if n in part.bw and n.op == "call_function":

@@ -139,6 +139,7 @@ class _Partition:
         self.needed = needed
         self.region_outputs = self._region_outputs()
         self.offload: set = set()
+        self.forget: dict = {}  # recomputed values the backward recomputes again (``budget.refresh``)
         self.choice = None  # what a budget chose (``budget.Choice``)
         fn, min_cut = policies.resolve(policy)
         if isinstance(policy, policies.Budget):
@@ -240,6 +241,7 @@ class _Partition:
             hull = problem.hull() if problem.method == "hull" else None
             point, lower = budget.choose_bytes(points, hull, limit, save_all_bytes)
         self.choice = budget.Choice(limit, spec.peak, point, lower, save_all_bytes, points, problem.method)
+        self.forget = dict(point.forget)
         return set(point.saved), set(point.recomputed)
 
     def _min_cut(self):
@@ -588,7 +590,9 @@ class Split:
         from . import budget
 
         part = self._joint()
-        return sum(budget.recompute_cost(n) for n in backward_nodes(part, part.saved, part.recomputed) if n not in part.bw)
+        return sum(
+            budget.recompute_cost(n) for n in backward_nodes(part, part.saved, part.recomputed, part.forget) if n not in part.bw
+        )
 
     @property
     def predicted_peak(self) -> int:
@@ -596,7 +600,7 @@ class Split:
         from . import budget
 
         part = self._joint()
-        return budget.predicted_peak(part, part.saved, part.recomputed)
+        return budget.predicted_peak(part, part.saved, part.recomputed, forget=part.forget)
 
     def frontier(self, budgets=None, path=None) -> list[tuple[int, int, int]]:
         """``(budget bytes, saved bytes, recompute cost)`` of ``policies.budget(b)`` for each ``b``
@@ -734,7 +738,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         benv[s] = _copy_meta(bg.placeholder(s.name), s)
     for c in part.cts:
         benv[c] = _copy_meta(bg.placeholder(c.name), c)
-    for v in backward_nodes(part, part.saved, part.recomputed):
+    for v in backward_nodes(part, part.saved, part.recomputed, part.forget):
         benv[v] = bg.node_copy(v, benv.__getitem__)
         meta.PART.set(benv[v], "recompute" if v in keep else "backward")  # computed in both graphs
     it = iter(part.grads)
