@@ -283,7 +283,8 @@ class _Function:
         if n_sub != 1:
             raise ExportError("unexpected code layout: no `def forward(self, ...)` line")
         self.src, self.globals = src, code.globals
-        self.guards = gm.__dict__.get("guards")  # fxtools.signature.guards: written after the code, checked first
+        guards = getattr(gm, "guards", None)  # fxtools.signature.guards: written after the code, checked first
+        self.guards = guards if isinstance(guards, _guards.Guards) else None
         self.accepts = None
 
     def check_first(self, accepts: str) -> None:
