@@ -42,8 +42,8 @@ def is_constant(value) -> bool:
 
 def snapshot(value):
     """A plain object's attributes (or a dict's items) as nested tuples of built-in values, or None
-    (``guards``)."""
-    inside = value if type(value) is dict else getattr(value, "__dict__", None)
+    (``guards``). The object is the user's: its attributes are read by introspection (``vars``)."""
+    inside = value if type(value) is dict else vars(value) if hasattr(value, "__dict__") else None  # a user's object
     if isinstance(value, torch.Tensor) or (
         isinstance(inside, dict) and any(isinstance(v, (torch.Tensor, torch.nn.Module)) for v in inside.values())
     ):
@@ -125,7 +125,7 @@ class Closures:
                 table[name] = now
                 break
         else:
-            owner.__dict__[name] = now
+            vars(owner)[name] = now  # a plain attribute, as it was (setattr would register a Parameter)
         self.seen[i] = now
 
     def _refuse_tensor(self, read, now) -> None:

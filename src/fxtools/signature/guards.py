@@ -264,7 +264,7 @@ def _snapshot(obj, depth=0):
     if type(obj) in (tuple, list):
         items = tuple(_snapshot(v, depth + 1) for v in obj)
         return None if any(v is None and x is not None for v, x in zip(items, obj)) else (type(obj).__name__, items)
-    state = getattr(obj, "__dict__", None)
+    state = vars(obj) if hasattr(obj, "__dict__") else None  # a user's object: read by introspection
     if type(state) is not dict or callable(obj) or isinstance(obj, type):
         return None
     items = []
@@ -627,11 +627,6 @@ class Guards:
 _LAYOUT_OPS = {"view", "_unsafe_view", "as_strided", "as_strided_", "as_strided_scatter", "view_copy"}
 
 
-def uses_strides(*graphs) -> bool:
-    """Whether code of these graphs relies on its inputs' strides (``.view``, ``as_strided``)."""
-    return any(_layout_op(node) for g in graphs for node in (g.graph if isinstance(g, fx.GraphModule) else g).nodes)
-
-
 def stride_sensitive_paths(gm: fx.GraphModule, names) -> set:
     """Paths of the argument leaves whose strides the code relies on: those a ``.view`` (or
     ``as_strided``) in ``gm`` reads, directly or through other ops (a pointwise op keeps its
@@ -740,7 +735,7 @@ def _spec(value, path, layout, role):
 def build(made_by: str, names, args, *, layout=False, roles=None) -> Guards:
     """Guards for a module made at example ``args`` (one per positional argument named ``names``).
 
-    ``layout``: whether the code relies on strides (``uses_strides``), or the set of leaf paths
+    ``layout``: whether the code relies on every tensor's strides, or the set of leaf paths
     whose strides it relies on (``stride_sensitive_paths``); ``roles``: for each
     argument index, None or a function ``path -> role text`` (cotangents, tangents).
     """
@@ -904,9 +899,9 @@ def guarded(gm: fx.GraphModule) -> GuardedGraphModule:
     graph.output(graph.graph_copy(gm.graph, {}))
     graph._codegen = gm.graph._codegen
     new = GuardedGraphModule(gm, graph, class_name=gm.__class__.__name__)
-    for k, v in gm.__dict__.items():
-        if k not in new.__dict__:
-            new.__dict__[k] = v
+    attributes = vars(new)  # every attribute a stage attached to ``gm``, whichever: copied as they are
+    for k, v in vars(gm).items():
+        attributes.setdefault(k, v)
     new.meta = gm.meta
     return new
 
