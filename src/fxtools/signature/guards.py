@@ -78,7 +78,7 @@ import dataclasses
 import inspect
 import operator
 import sys
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -86,9 +86,6 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError
 from .naming import literal, plain_literal
-
-if TYPE_CHECKING:
-    from .closures import Closures
 
 __all__ = [
     "InputMismatch",
@@ -796,7 +793,7 @@ class GuardedGraphModule(fx.GraphModule):
     """
 
     guards: Guards | None = None  # what its calls must pass (``install``)
-    closures: Closures | None = None  # what it read from outside its arguments (signature/closures.py)
+    closures: Any = None  # a signature.closures.Closures: what it read from outside its arguments
 
     def __repr__(self):
         guards = self.guards
