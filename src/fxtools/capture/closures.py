@@ -50,6 +50,13 @@ def _loads(code):
             yield from _loads(const)
 
 
+def _attributes(obj) -> dict:
+    """``vars(obj)``, or {} for an object without instance attributes. The walk reads the user's
+    objects by introspection (their attribute dicts, as ``vars`` gives them): they are foreign
+    objects, whose state is what the program read."""
+    return vars(obj) if hasattr(obj, "__dict__") else {}
+
+
 def _cell_get(cell):
     try:
         return cell.cell_contents
@@ -160,7 +167,7 @@ class _Walk:
         if isinstance(obj, torch.nn.Module):
             self._module(obj, prefix, label)
         elif type(obj).__module__.startswith("fxtools."):  # fxtools' wrapper of a generated module
-            for value in list(getattr(obj, "__dict__", {}).values()):
+            for value in list(_attributes(obj).values()):
                 if isinstance(value, torch.nn.Module):
                     self.obj(value, "", type(value).__name__ + ".")
         elif type(obj) is dict:  # a dict of tensors (``params['w']``)
@@ -169,13 +176,13 @@ class _Walk:
                     get = functools.partial(_get_item, obj, key)
                     self.value(value, get, f"{label[:-1]}[{key!r}]", None, f"{prefix}{key}", _DEPTH)
         else:
-            for name, value in list(getattr(obj, "__dict__", {}).items()):
+            for name, value in list(_attributes(obj).items()):
                 if isinstance(value, (torch.Tensor, torch.nn.Module)):
                     get = functools.partial(getattr, obj, name, MISSING)
                     self.value(value, get, label + name, None, prefix + name, _DEPTH)
 
     def _module(self, module, prefix, label) -> None:
-        tables = (module._parameters, module._buffers, module.__dict__)
+        tables = (module._parameters, module._buffers, vars(module))
         for table in tables:  # read from the table itself: nn.Module.__getattr__ is slow
             for name, t in list(table.items()):
                 if isinstance(t, torch.Tensor):
@@ -191,10 +198,11 @@ class _Walk:
     def values_of_objects(self) -> None:
         """The Python values among the reached objects' attributes that some walked code names."""
         for obj, label in self.objects:
-            for name, value in list(getattr(obj, "__dict__", {}).items()):
+            attributes = _attributes(obj)
+            for name, value in list(attributes.items()):
                 if name not in self.attr_names or isinstance(value, torch.Tensor):
                     continue
-                get = functools.partial(_get_item, obj.__dict__, name)
+                get = functools.partial(_get_item, attributes, name)
                 if is_constant(value):
                     self.reads.append(Read(label + name, get, "value", value))
                 elif not callable(value) and snapshot(value) is not None:

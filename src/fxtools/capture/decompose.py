@@ -83,7 +83,27 @@ def _nondifferentiable_outputs(op, args, kwargs) -> list[int]:
 
 
 def inline_decomposition(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    """Replace ``node`` in place by the ATen ops of ``decomp`` traced at its fake values; False
+    (``gm`` untouched) where the decomposition does not apply or reads less well than the op."""
+    traced = _trace_decomposition(node, decomp)
+    if traced is None:
+        return False
+    sub, tensor_pos = traced
+    result, made = _copy_into(gm, node, sub, tensor_pos)
+    result = _detach_nondifferentiable(gm, node, result)
+    _replace(gm, node, result, made)
+    return True
+
+
+def _values(node: fx.Node):
+    """``node``'s arguments and keyword arguments, with its input nodes' (fake) values."""
+    return fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+
+
+def _trace_decomposition(node: fx.Node, decomp):
+    """``(graph, tensor positions)``: ``decomp`` traced by ``make_fx`` with the tensors among
+    ``node``'s flattened arguments as its inputs, functional and free of prims; None if it fails."""
+    args, kwargs = _values(node)
     fake_mode = torch._guards.detect_fake_mode([node.meta.get("val")])
     flat_args, spec = torch.utils._pytree.tree_flatten((args, kwargs))
     tensor_pos = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)]
@@ -102,21 +122,29 @@ def inline_decomposition(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
         with fake_mode:
             sub = make_fx(fn)(*[flat_args[i] for i in tensor_pos])
     except Exception:  # noqa: BLE001 - a decomposition that does not apply: try the next tool
-        return False
+        return None
     try:
         realize_constants(sub)
     except FxtoolsError:
-        return False
+        return None
     if any(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "prims" for n in sub.graph.nodes):
-        return False  # a reference implementation in prims: less readable than PyTorch's formula
+        return None  # a reference implementation in prims: less readable than PyTorch's formula
     try:
         functionalize(sub)  # decompositions may use in-place ops internally
     except FxtoolsError:
-        return False
+        return None
+    return sub, tensor_pos
+
+
+def _copy_into(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule, tensor_pos: list):
+    """``sub``'s nodes copied before ``node``, reading ``node``'s tensor arguments; returns the
+    copied outputs and the nodes made. The copies are steps of the user's value: named after
+    ``node``, marked intermediate, with its source line and markers."""
     flat_nodes, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
     env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], [flat_nodes[i] for i in tensor_pos]))
     trace = node.meta.get("stack_trace")
     made: list[fx.Node] = []
+    result = None
     with gm.graph.inserting_before(node):
         for sn in sub.graph.nodes:
             if sn.op == "placeholder":
@@ -140,15 +168,27 @@ def inline_decomposition(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
             if "custom" in node.meta:  # markers such as fxtools.split's checkpoint regions
                 new.meta["custom"] = node.meta["custom"]
             env[sn] = new
-    nondiff = _nondifferentiable_outputs(node.target, args, kwargs)
-    if nondiff:
-        result = list(result)
-        with gm.graph.inserting_before(node):
-            for i in nondiff:
-                if i < len(result) and isinstance(result[i], fx.Node):
-                    detached = gm.graph.call_function(torch.ops.aten.detach.default, (result[i],))
-                    detached.meta = dict(result[i].meta)
-                    result[i] = detached
+    return result, made
+
+
+def _detach_nondifferentiable(gm: fx.GraphModule, node: fx.Node, result):
+    """``result`` with the outputs PyTorch does not differentiate (``_nondifferentiable_outputs``) detached."""
+    nondiff = _nondifferentiable_outputs(node.target, *_values(node))
+    if not nondiff:
+        return result
+    result = list(result)
+    with gm.graph.inserting_before(node):
+        for i in nondiff:
+            if i < len(result) and isinstance(result[i], fx.Node):
+                detached = gm.graph.call_function(torch.ops.aten.detach.default, (result[i],))
+                detached.meta = dict(result[i].meta)
+                result[i] = detached
+    return result
+
+
+def _replace(gm: fx.GraphModule, node: fx.Node, result, made: list) -> None:
+    """Uses of ``node`` (or of its items) now read ``result``; ``node`` is erased, and a copied
+    output that is the user's value takes its name."""
     if isinstance(node.meta.get("val"), (tuple, list)):
         if len(result) != len(node.meta["val"]) or any(isinstance(v, (tuple, list)) for v in node.meta["val"]):
             raise NotImplementedError(f"cannot inline the decomposition of {node.target}")
@@ -167,7 +207,6 @@ def inline_decomposition(gm: fx.GraphModule, node: fx.Node, decomp) -> bool:
             value.name = name  # the erased node's name: unique, and still reserved in the namespace
             if not weak:
                 meta.INTERMEDIATE.pop(value)
-    return True
 
 
 def expand(gm: fx.GraphModule) -> fx.GraphModule:

@@ -395,12 +395,8 @@ def parse_transform_args(kind: str, argv):
 
 
 def _run_transform(kind: str, argv) -> int:
-    from ..codegen.export import save
-    from ..codegen.show import annotated_code
-    from ..graph.nodes import count_compute_nodes
-    from ..transforms.check import check_vjp
-    from ..transforms.vjp import grad, vjp
-
+    """``fxtools grad|vjp|jvp|split TARGET``: load the target, transform it, print the code, then
+    write the module and the drawing and check against torch.autograd as asked."""
     a = parse_transform_args(kind, argv)
     check_output_path(a.out, ".py", "--out")
     check_output_path(a.svg, ".svg", "--svg")
@@ -410,6 +406,20 @@ def _run_transform(kind: str, argv) -> int:
     argnums = 0
     if kind == "grad" and target.model is None:
         argnums = parse_argnums(a.argnums, len(target.args))
+    gm = _transform(kind, target, argnums, a.policy)
+    if not a.quiet:
+        _print_code(kind, a.target, target, gm)
+    _write_outputs(kind, a, target, gm)
+    if a.check:
+        return _check_against_autograd(kind, target, gm, argnums, a.seed)
+    return 0
+
+
+def _transform(kind: str, target, argnums, policy):
+    """The module (or split) the command makes, timed and sized on stderr."""
+    from ..graph.nodes import count_compute_nodes
+    from ..transforms.vjp import grad, vjp
+
     progress(f"tracing and differentiating {target.kind} ...")
     start = time.perf_counter()
     if kind == "grad":
@@ -423,23 +433,35 @@ def _run_transform(kind: str, argv) -> int:
     else:
         from ..training.partition import split
 
-        gm = split(target.fn, *target.args, policy=a.policy)
+        gm = split(target.fn, *target.args, policy=policy)
     elapsed = time.perf_counter() - start
     nodes = (
         f"{count_compute_nodes(gm.forward)} + {count_compute_nodes(gm.backward)}" if kind == "split" else count_compute_nodes(gm)
     )
     progress(f"done in {elapsed:.2f} s: {nodes} compute nodes")
-    if not a.quiet:
-        print(f"# fxtools {kind} of {a.target}: {target.kind}")
-        if kind == "split":
-            print("# " + gm.report(file=io.StringIO()).rstrip().replace("\n", "\n# "))
-            print("# --- forward")
-            print(annotated_code(gm.forward).rstrip())
-            print("# --- backward")
-            print(annotated_code(gm.backward).rstrip())
-        else:
-            print(annotated_code(gm).rstrip())
+    return gm
+
+
+def _print_code(kind: str, path: str, target, gm) -> None:
+    """The generated code on stdout, annotated with the user's lines (a split: its report, then both graphs)."""
+    from ..codegen.show import annotated_code
+
+    print(f"# fxtools {kind} of {path}: {target.kind}")
+    if kind == "split":
+        print("# " + gm.report(file=io.StringIO()).rstrip().replace("\n", "\n# "))
+        print("# --- forward")
+        print(annotated_code(gm.forward).rstrip())
+        print("# --- backward")
+        print(annotated_code(gm.backward).rstrip())
+    else:
+        print(annotated_code(gm).rstrip())
+
+
+def _write_outputs(kind: str, a, target, gm) -> None:
+    """The standalone module (``--out``) and the drawing (``--svg``), if asked."""
     if a.out:
+        from ..codegen.export import save
+
         save(gm, a.out, name=f"`fxtools {kind} {os.path.basename(a.target)}`: {target.kind}")
         progress(f"wrote {a.out}" + (" (+ .pt constants)" if os.path.exists(a.out[:-3] + ".pt") else ""))
     if a.svg:
@@ -449,25 +471,26 @@ def _run_transform(kind: str, argv) -> int:
             gm, a.svg, title=f"fxtools {kind} {os.path.basename(a.target)}" + (f" (policy {a.policy})" if kind == "split" else "")
         )  # a DrawError is one line (cli.main)
         progress(f"wrote {a.svg}")
-    if a.check:
-        progress("checking against torch.autograd ...")
-        try:
-            if kind == "grad":
-                detail = check_grad(target, gm, argnums)
-            elif kind == "jvp":
-                detail = check_jvp(target, gm, a.seed)
-            elif kind == "split":
-                tol = _tolerances(target.args)
-                check_vjp(target.fn, *target.args, gm=_split_as_vjp(gm), **tol)
-                detail = f"tolerance rtol={tol['rtol']:g} atol={tol['atol']:g}"
-            else:
-                tol = _tolerances(target.args)
-                check_vjp(target.fn, *target.args, gm=gm, **tol)
-                detail = f"tolerance rtol={tol['rtol']:g} atol={tol['atol']:g}"
-        except AssertionError as exc:
-            print(f"check against torch.autograd: FAILED\n{exc}", file=sys.stderr)
-            return 1
-        print(f"# check against torch.autograd: ok ({detail})")
+
+
+def _check_against_autograd(kind: str, target, gm, argnums, seed) -> int:
+    """``--check``: the module against torch.autograd; the exit status (1 and the mismatch on stderr if it differs)."""
+    from ..transforms.check import check_vjp
+
+    progress("checking against torch.autograd ...")
+    try:
+        if kind == "grad":
+            detail = check_grad(target, gm, argnums)
+        elif kind == "jvp":
+            detail = check_jvp(target, gm, seed)
+        else:
+            tol = _tolerances(target.args)
+            check_vjp(target.fn, *target.args, gm=_split_as_vjp(gm) if kind == "split" else gm, **tol)
+            detail = f"tolerance rtol={tol['rtol']:g} atol={tol['atol']:g}"
+    except AssertionError as exc:
+        print(f"check against torch.autograd: FAILED\n{exc}", file=sys.stderr)
+        return 1
+    print(f"# check against torch.autograd: ok ({detail})")
     return 0
 
 

@@ -200,68 +200,81 @@ def materialize(graph: fx.Graph, before: fx.Node, args, inputs_only=False):
     """
     if not any(isinstance(a, torch.SymInt) for a in pytree.tree_leaves(args)):
         return args
+    return pytree.tree_map(_SizeWriter(graph, before, inputs_only).convert, args)
 
-    def key(size):
-        return size.node.shape_env.replace(size.node.expr) if size.node.shape_env is not None else size.node.expr
 
-    found: dict = {}
-    for node in graph.nodes:
-        if node is before or inputs_only:
-            break
-        val = node.meta.get("val")
-        if isinstance(val, torch.SymInt):
-            found.setdefault(key(val), node)
-    for node in graph.nodes:  # sizes of tensors, read with x.size(d) when needed
-        if node is before:
-            break
-        if inputs_only and not is_input_leaf(node):
-            continue
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter):
-            for d, size in enumerate(val.shape):
-                if isinstance(size, torch.SymInt) and key(size).is_symbol:
-                    found.setdefault(("size", key(size)), (node, d, size))
+def _size_key(size: torch.SymInt):
+    """The sympy expression of ``size``, with the shape environment's replacements applied."""
+    return size.node.shape_env.replace(size.node.expr) if size.node.shape_env is not None else size.node.expr
 
-    def build(expr, like):
+
+class _SizeWriter:
+    """Writes symbolic sizes as nodes inserted before ``before`` (see ``materialize``).
+
+    ``found`` maps an expression to the node holding it, and ``("size", symbol)`` to the first
+    ``(tensor node, dim, size)`` having that symbol as a size.
+    """
+
+    def __init__(self, graph: fx.Graph, before: fx.Node, inputs_only: bool):
+        self.graph, self.before = graph, before
+        self.found: dict = {}
+        for node in graph.nodes:
+            if node is before or inputs_only:
+                break
+            val = node.meta.get("val")
+            if isinstance(val, torch.SymInt):
+                self.found.setdefault(_size_key(val), node)
+        for node in graph.nodes:  # sizes of tensors, read with x.size(d) when needed
+            if node is before:
+                break
+            if inputs_only and not is_input_leaf(node):
+                continue
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and not isinstance(val, torch.nn.Parameter):
+                for d, size in enumerate(val.shape):
+                    if isinstance(size, torch.SymInt) and _size_key(size).is_symbol:
+                        self.found.setdefault(("size", _size_key(size)), (node, d, size))
+
+    def convert(self, a):
+        """``a`` itself, or for a SymInt its number or a node computing it."""
+        if not isinstance(a, torch.SymInt):
+            return a
+        expr = _size_key(a)
+        return int(expr) if expr.is_Integer else self.build(expr)
+
+    def build(self, expr):
+        """A node (or number) computing ``expr``: a size read, or arithmetic of its parts."""
         import sympy
         from torch.utils._sympy.functions import FloorDiv, PythonMod
 
+        found = self.found
         if expr in found and isinstance(found[expr], fx.Node):
             return found[expr]
         if expr.is_Integer:
             return int(expr)
         if expr.is_symbol and ("size", expr) in found:
             source, d, size = found[("size", expr)]
-            with graph.inserting_before(before):
-                node = graph.call_function(torch.ops.aten.sym_size.int, (source, d))
-            node.meta["val"] = size
+            node = self._call(torch.ops.aten.sym_size.int, (source, d), size)
         elif isinstance(expr, (sympy.Mul, sympy.Add)):
             op = operator.mul if isinstance(expr, sympy.Mul) else operator.add
-            parts = sorted((build(a, like) for a in expr.args), key=lambda p: isinstance(p, int))  # batch * 4
+            parts = sorted((self.build(a) for a in expr.args), key=lambda p: isinstance(p, int))  # batch * 4
             node = parts[0]
             for part in parts[1:]:
-                with graph.inserting_before(before):
-                    new = graph.call_function(op, (node, part))
-                new.meta["val"] = op(_val_of(node), _val_of(part))
-                node = new
+                node = self._call(op, (node, part), op(_val_of(node), _val_of(part)))
         elif isinstance(expr, (FloorDiv, PythonMod)):  # sizes of reshape(-1, 12) and the like
             op = operator.floordiv if isinstance(expr, FloorDiv) else operator.mod
-            a, b = (build(e, like) for e in expr.args)
-            with graph.inserting_before(before):
-                node = graph.call_function(op, (a, b))
-            node.meta["val"] = op(_val_of(a), _val_of(b))
+            a, b = (self.build(e) for e in expr.args)
+            node = self._call(op, (a, b), op(_val_of(a), _val_of(b)))
         else:
             raise _Unwritable(expr)
         found[expr] = node
         return node
 
-    def convert(a):
-        if not isinstance(a, torch.SymInt):
-            return a
-        expr = key(a)
-        return int(expr) if expr.is_Integer else build(expr, a)
-
-    return pytree.tree_map(convert, args)
+    def _call(self, target, args, val) -> fx.Node:
+        with self.graph.inserting_before(self.before):
+            node = self.graph.call_function(target, args)
+        node.meta["val"] = val
+        return node
 
 
 class _Unwritable(NotImplementedError):

@@ -92,35 +92,58 @@ def _same_type(a, b) -> bool:
     )
 
 
-# constant_value's answers while identities() runs. A deep model's residual stream is a chain of
-# adds that each call would walk again. Sound while the graph changes: the nodes answered are
-# at or before the node being rewritten, and rewriting a node changes only its users' arguments.
-_known: dict | None = None
+class _Rewriter:
+    """What the rewrites share while ``identities`` runs over one graph: the fake mode that gives
+    new nodes their values, and the fill values found so far.
 
-
-def constant_value(node):
-    """The number a tensor node is known to be filled with, else None.
-
-    Fills (``ones_like``, ``full``, ...), their views and conversions, and arithmetic of them
-    with numbers (``-ones_like(loss) / 2``). The number is rounded to the node's dtype, so using
-    it in place of the tensor computes exactly the same.
+    The fill values are remembered because a deep model's residual stream is a chain of adds that
+    each question would walk again. That is sound while the graph changes: the nodes answered are
+    at or before the node being rewritten, and rewriting a node changes only its users' arguments.
     """
-    if _known is None or not isinstance(node, fx.Node):
-        return _constant_value(node)
-    if node not in _known:
-        _known[node] = _constant_value(node)
-    return _known[node]
+
+    def __init__(self, graph: fx.Graph):
+        self.fake_mode = fake_mode_of(graph)
+        self._known: dict[fx.Node, object] = {}
+
+    def constant(self, node):
+        """The number a tensor node is known to be filled with, else None.
+
+        Fills (``ones_like``, ``full``, ...), their views and conversions, and arithmetic of them
+        with numbers (``-ones_like(loss) / 2``). The number is rounded to the node's dtype, so
+        using it in place of the tensor computes exactly the same.
+        """
+        if not isinstance(node, fx.Node):
+            return None
+        if node not in self._known:
+            self._known[node] = self._rounded_fill(node)
+        return self._known[node]
+
+    def _rounded_fill(self, node: fx.Node):
+        value = _fill_value(node, self.constant)
+        val = _val(node)
+        if value is None or not isinstance(val, torch.Tensor) or val.is_complex() or isinstance(value, bool):
+            return None
+        return torch.tensor(value, dtype=val.dtype).item()
+
+    def new(self, before: fx.Node, target, args, kwargs=None) -> fx.Node:
+        """A call of ``target`` inserted just before ``before`` (symbolic sizes in ``args`` made
+        nodes), with its fake value and the metadata a rewrite keeps."""
+        graph = before.graph
+        args, kwargs = materialize(graph, before, (args, dict(kwargs or {})))
+        with graph.inserting_before(before):
+            node = graph.create_node("call_function", target, args, kwargs, name=target.overloadpacket.__name__)
+        vals, kvals = fx.node.map_arg((args, kwargs), _val)
+        if self.fake_mode is not None:
+            with self.fake_mode:
+                node.meta["val"] = target(*vals, **kvals)
+        for key in meta.KEPT_ON_REWRITE:
+            if key in before.meta:
+                node.meta[key] = before.meta[key]
+        return node
 
 
-def _constant_value(node):
-    value = _fill_value(node)
-    val = _val(node)
-    if value is None or not isinstance(val, torch.Tensor) or val.is_complex() or isinstance(value, bool):
-        return None
-    return torch.tensor(value, dtype=val.dtype).item()
-
-
-def _fill_value(node):
+def _fill_value(node, constant_value):
+    """The number ``node`` is filled with (unrounded), asking ``constant_value`` about its inputs."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
     t, args = node.target, node.args
@@ -153,20 +176,6 @@ def _exact_reciprocal(b, dtype) -> bool:
     r = 1 / b
     info = torch.finfo(dtype)
     return torch.tensor(b, dtype=dtype).item() == b and info.tiny <= abs(r) <= info.max and abs(b) >= info.tiny
-
-
-def _new(graph, before, target, args, fake_mode, kwargs=None):
-    args, kwargs = materialize(graph, before, (args, dict(kwargs or {})))  # symbolic sizes as nodes
-    with graph.inserting_before(before):
-        node = graph.create_node("call_function", target, args, kwargs, name=target.overloadpacket.__name__)
-    vals, kvals = fx.node.map_arg((args, kwargs), _val)
-    if fake_mode is not None:
-        with fake_mode:
-            node.meta["val"] = target(*vals, **kvals)
-    for key in meta.KEPT_ON_REWRITE:
-        if key in before.meta:
-            node.meta[key] = before.meta[key]
-    return node
 
 
 # The tensor arithmetic that folds numbers, with the Python operator computing it.
@@ -246,93 +255,214 @@ def _scalar_of_dtype(node) -> bool:
     )
 
 
-def _rewrite(node: fx.Node, fake_mode):
-    """A node (existing or new) that computes the same as ``node`` more simply, or None."""
-    t, args = node.target, node.args
-    if node.op != "call_function" or not args:
-        return None
-    x = args[0]
-    if t in _CONVERSIONS and isinstance(x, (int, float)) and set(node.kwargs) == {"dtype"}:
-        return _new(node.graph, node, aten.scalar_tensor.default, (x,), fake_mode, node.kwargs)
-    if t in _FILL_LIKE and _only_shapes_a_fill(node):
-        source = _input_like(node.graph, _val(node))
-        if source is not None:
-            fill = _FILL_LIKE[t]
-            value = () if fill is aten.new_full.default and len(args) < 2 else tuple(args[1:2])
-            return _new(node.graph, node, fill, (source, list(_val(node).shape), *value), fake_mode)
-    if t in _NEW_FILLS and isinstance(x, fx.Node) and x.op == "call_function" and x.target is not operator.getitem:
-        source = _input_like(node.graph, _val(x))
-        if source is not None:
-            return _new(node.graph, node, t, (source, *args[1:]), fake_mode, node.kwargs)
-    if t in _SCALAR_OVERLOADS and len(args) == 2 and not node.kwargs:
-        return _new(node.graph, node, _SCALAR_OVERLOADS[t], args, fake_mode)
-    if t in _BINARY and len(args) == 2 and not node.kwargs and _scalar_of_dtype(node):
-        return _new(node.graph, node, t, (x, args[1].args[0]), fake_mode)
-    if t in _BINARY and len(args) == 2 and not node.kwargs:
-        folded = _fold_fill(node, fake_mode) or _unexpand_symbolic(node, fake_mode)
-        if folded is not None:
-            return folded
-    if t in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2:
-        if constant_value(args[1]) == 1 or args[1] == 1:
-            return x if _same_type(x, node) else None
-        if t is aten.mul.Tensor and constant_value(x) == 1 and _same_type(args[1], node):
-            return args[1]
-        if t is aten.mul.Tensor and (args[1] == -1 or constant_value(args[1]) == -1) and _same_type(x, node):
-            return _new(node.graph, node, aten.neg.default, (x,), fake_mode)
-    if t in (aten.add.Tensor, aten.sub.Tensor) and len(args) == 2 and not node.kwargs:
-        if _neutral_zero(args[1], node, t) and _same_type(x, node):
-            return x
-        if t is aten.add.Tensor and _neutral_zero(x, node, t) and _same_type(args[1], node):
-            return args[1]
-    if t is aten.neg.default and isinstance(x, fx.Node) and x.target is aten.neg.default:
-        return x.args[0]
-    if t is aten.detach.default:
-        return x  # generated code runs without autograd: detach only blocks gradients, already handled
-    if t in _VIEWS or t in _CONVERSIONS or t is aten.contiguous.default:
-        if (
-            isinstance(x, fx.Node)
-            and _same_type(x, node)
-            and (t not in _CONVERSIONS or _same_device(x, node))
-            and (t is not aten.contiguous.default or _val(x).is_contiguous())
-        ):
-            return x  # contiguous() of a transposed tensor is not a no-op: a later .view needs it
-    if t in _RESHAPES and isinstance(x, fx.Node) and x.target in _RESHAPES:
-        return _new(
-            node.graph,
-            node,
-            aten.reshape.default if aten.reshape.default in (t, x.target) else t,
-            (x.args[0], shape_arg(node, _val(node))),
-            fake_mode,
-        )
-    if t is aten.transpose.int and isinstance(x, fx.Node) and x.target is aten.transpose.int:
-        nd = _val(x).dim()
-        if {a % nd for a in args[1:]} == {a % nd for a in x.args[1:]}:
-            return x.args[0]
-    if t is aten.sum.dim_IntList and len(args) == 2 and not node.kwargs and _val(node).dim() == 0:
-        return _new(node.graph, node, aten.sum.default, (x,), fake_mode)
-    if t in (aten.t.default, aten.mT.default, aten.transpose.int) and isinstance(x, fx.Node):
-        nd = _val(x).dim()
-        if nd < 2 and t is not aten.transpose.int:
-            return x
-        dims = sorted(d % nd for d in args[1:3]) if t is aten.transpose.int else [nd - 2, nd - 1]
-        if dims[0] == dims[1]:
-            return x
-        if t is not aten.transpose.int or list(args[1:3]) != dims:
-            return _new(node.graph, node, aten.transpose.int, (x, *dims), fake_mode)
-    if t is aten.permute.default and isinstance(x, fx.Node) and x.target is aten.permute.default:
-        inner, outer = list(x.args[1]), list(args[1])
-        composed = [inner[o] for o in outer]
-        if composed == sorted(composed):
-            return x.args[0]
-        return _new(node.graph, node, aten.permute.default, (x.args[0], composed), fake_mode)
+def _number_converted(node, rw):
+    """``_to_copy(2.0, dtype=...)``: a number converted is a ``scalar_tensor`` of that dtype."""
+    x = node.args[0]
+    if isinstance(x, (int, float)) and set(node.kwargs) == {"dtype"}:
+        return rw.new(node, aten.scalar_tensor.default, (x,), node.kwargs)
     return None
 
 
-def _neutral_zero(z, node, op) -> bool:
+def _fill_from_input(node, rw):
+    """``ones_like(v)`` where ``v`` is computed only for its shape -> ``input.new_ones(shape)``."""
+    if not _only_shapes_a_fill(node):
+        return None
+    source = _input_like(node.graph, _val(node))
+    if source is None:
+        return None
+    fill = _FILL_LIKE[node.target]
+    value = () if fill is aten.new_full.default and len(node.args) < 2 else tuple(node.args[1:2])
+    return rw.new(node, fill, (source, list(_val(node).shape), *value))
+
+
+def _new_fill_from_input(node, rw):
+    """``v.new_zeros(shape)`` with ``v`` computed -> ``input.new_zeros(shape)`` (see ``_NEW_FILLS``)."""
+    x = node.args[0]
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target is not operator.getitem):
+        return None
+    source = _input_like(node.graph, _val(x))
+    return None if source is None else rw.new(node, node.target, (source, *node.args[1:]), node.kwargs)
+
+
+def _tensor_overload(node, rw):
+    """``add.Scalar`` -> ``add.Tensor``: one spelling of each arithmetic op for the rules below."""
+    if len(node.args) == 2 and not node.kwargs:
+        return rw.new(node, _SCALAR_OVERLOADS[node.target], node.args)
+    return None
+
+
+def _scalar_tensor_operand(node, rw):
+    """``t / scalar_tensor(2.)`` -> ``t / 2`` (see ``_scalar_of_dtype``)."""
+    if len(node.args) == 2 and not node.kwargs and _scalar_of_dtype(node):
+        return rw.new(node, node.target, (node.args[0], node.args[1].args[0]))
+    return None
+
+
+def _fill_operand(node, rw):
+    """``t * fill`` -> ``t * number`` and ``t * s.expand(sizes)`` -> ``t * s``."""
+    if len(node.args) == 2 and not node.kwargs:
+        return _fold_fill(node, rw) or _unexpand_symbolic(node, rw)
+    return None
+
+
+def _times_one(node, rw):
+    """``x * 1``, ``x / 1``, ``1 * x`` -> ``x`` and ``x * -1`` -> ``-x`` (when ``x`` has the result's type)."""
+    if len(node.args) != 2:
+        return None
+    x, y = node.args
+    if rw.constant(y) == 1 or y == 1:
+        return x if _same_type(x, node) else None
+    if node.target is aten.mul.Tensor and rw.constant(x) == 1 and _same_type(y, node):
+        return y
+    if node.target is aten.mul.Tensor and (y == -1 or rw.constant(y) == -1) and _same_type(x, node):
+        return rw.new(node, aten.neg.default, (x,))
+    return None
+
+
+def _plus_zero(node, rw):
+    """``x - 0``, ``x + (-0.0)``, ``(-0.0) + x`` -> ``x`` (see ``_neutral_zero``)."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    x, y = node.args
+    if _neutral_zero(y, node, node.target, rw) and _same_type(x, node):
+        return x
+    if node.target is aten.add.Tensor and _neutral_zero(x, node, node.target, rw) and _same_type(y, node):
+        return y
+    return None
+
+
+def _double_negation(node, rw):
+    """``-(-x)`` -> ``x``."""
+    x = node.args[0]
+    return x.args[0] if isinstance(x, fx.Node) and x.target is aten.neg.default else None
+
+
+def _detach(node, rw):
+    """Generated code runs without autograd: ``detach`` only blocks gradients, already handled."""
+    return node.args[0]
+
+
+def _no_op_view(node, rw):
+    """A view, conversion or ``contiguous`` to the same shape, dtype and device is its input.
+
+    ``contiguous()`` of a transposed tensor is not a no-op: a later ``.view`` needs it.
+    """
+    x, t = node.args[0], node.target
+    if (
+        isinstance(x, fx.Node)
+        and _same_type(x, node)
+        and (t not in _CONVERSIONS or _same_device(x, node))
+        and (t is not aten.contiguous.default or _val(x).is_contiguous())
+    ):
+        return x
+    return None
+
+
+def _reshape_of_reshape(node, rw):
+    """``x.view(a).view(b)`` -> ``x.view(b)`` (a reshape if either was one)."""
+    x, t = node.args[0], node.target
+    if not (isinstance(x, fx.Node) and x.target in _RESHAPES):
+        return None
+    target = aten.reshape.default if aten.reshape.default in (t, x.target) else t
+    return rw.new(node, target, (x.args[0], shape_arg(node, _val(node))))
+
+
+def _transpose_of_transpose(node, rw):
+    """``x.transpose(a, b).transpose(b, a)`` -> ``x``."""
+    x = node.args[0]
+    if isinstance(x, fx.Node) and x.target is aten.transpose.int:
+        nd = _val(x).dim()
+        if {a % nd for a in node.args[1:]} == {a % nd for a in x.args[1:]}:
+            return x.args[0]
+    return None
+
+
+def _sum_of_all_dims(node, rw):
+    """``sum(x, all dims)`` -> ``sum(x)``."""
+    if len(node.args) == 2 and not node.kwargs and _val(node).dim() == 0:
+        return rw.new(node, aten.sum.default, (node.args[0],))
+    return None
+
+
+def _canonical_transpose(node, rw):
+    """``x.t()``, ``x.mT`` -> ``x.transpose(-2, -1)`` with dims sorted and positive; a transpose
+    of one dimension with itself (or ``t`` of a vector) is ``x``."""
+    x, t = node.args[0], node.target
+    if not isinstance(x, fx.Node):
+        return None
+    nd = _val(x).dim()
+    if nd < 2 and t is not aten.transpose.int:
+        return x
+    dims = sorted(d % nd for d in node.args[1:3]) if t is aten.transpose.int else [nd - 2, nd - 1]
+    if dims[0] == dims[1]:
+        return x
+    if t is not aten.transpose.int or list(node.args[1:3]) != dims:
+        return rw.new(node, aten.transpose.int, (x, *dims))
+    return None
+
+
+def _permute_of_permute(node, rw):
+    """Two permutes -> one (none if they compose to the identity)."""
+    x = node.args[0]
+    if not (isinstance(x, fx.Node) and x.target is aten.permute.default):
+        return None
+    inner, outer = list(x.args[1]), list(node.args[1])
+    composed = [inner[o] for o in outer]
+    if composed == sorted(composed):
+        return x.args[0]
+    return rw.new(node, aten.permute.default, (x.args[0], composed))
+
+
+# Each rewrite with the ops it applies to, in order of preference: a node takes the first that
+# returns something.
+_REWRITE_FAMILIES = (
+    (_CONVERSIONS, _number_converted),
+    (_FILL_LIKE, _fill_from_input),
+    (_NEW_FILLS, _new_fill_from_input),
+    (_SCALAR_OVERLOADS, _tensor_overload),
+    (_BINARY, _scalar_tensor_operand),
+    (_BINARY, _fill_operand),
+    ((aten.mul.Tensor, aten.div.Tensor), _times_one),
+    ((aten.add.Tensor, aten.sub.Tensor), _plus_zero),
+    ((aten.neg.default,), _double_negation),
+    ((aten.detach.default,), _detach),
+    ((*_VIEWS, *_CONVERSIONS, aten.contiguous.default), _no_op_view),
+    (_RESHAPES, _reshape_of_reshape),
+    ((aten.transpose.int,), _transpose_of_transpose),
+    ((aten.sum.dim_IntList,), _sum_of_all_dims),
+    ((aten.t.default, aten.mT.default, aten.transpose.int), _canonical_transpose),
+    ((aten.permute.default,), _permute_of_permute),
+)
+
+
+def _rewrite_table() -> dict:
+    """The op table: each op to its rewrites, in ``_REWRITE_FAMILIES``' order."""
+    table: dict = {}
+    for ops, rewrite in _REWRITE_FAMILIES:
+        for op in ops:
+            table.setdefault(op, []).append(rewrite)
+    return table
+
+
+_REWRITES = _rewrite_table()
+
+
+def _rewrite(node: fx.Node, rw: _Rewriter):
+    """A node (existing or new) that computes the same as ``node`` more simply, or None."""
+    if node.op != "call_function" or not node.args:
+        return None
+    for rewrite in _REWRITES.get(node.target, ()):
+        new = rewrite(node, rw)
+        if new is not None:
+            return new
+    return None
+
+
+def _neutral_zero(z, node, op, rw) -> bool:
     """``z`` is a zero that ``op`` (add or sub) leaves every value of ``node``'s dtype unchanged
     with: any zero for integers; for floats ``x - 0.0`` and ``x + (-0.0)``, never ``x + 0.0``
     (``-0.0 + 0.0`` is ``+0.0``) nor ``x - (-0.0)``."""
-    v = z if _is_number(z) else constant_value(z)
+    v = z if _is_number(z) else rw.constant(z)
     if v is None or isinstance(v, bool) or v != 0:
         return False
     if not _val(node).is_floating_point():
@@ -341,7 +471,7 @@ def _neutral_zero(z, node, op) -> bool:
     return negative if op is aten.add.Tensor else not negative
 
 
-def _fold_fill(node, fake_mode):
+def _fold_fill(node, rw):
     """``t * f`` -> ``t * 0.5`` when ``f`` is known to be filled with 0.5 and only broadcasts into
     ``t`` (same dtype and shape as the result).
 
@@ -355,18 +485,18 @@ def _fold_fill(node, fake_mode):
     for tensor, fill in ((a, b), (b, a)):
         if fill is a and node.target not in (aten.add.Tensor, aten.mul.Tensor):
             continue
-        value = constant_value(fill)
+        value = rw.constant(fill)
         if value is None or not isinstance(tensor, fx.Node) or not _same_type(tensor, node):
             continue
         fv = _val(fill)
         if node.target is aten.div.Tensor and not _exact_reciprocal(value, out.dtype):
             continue  # on CUDA, t / number is t * (1 / number): not t / tensor
         if fv.dtype == out.dtype and broadcasts_into(fv.shape, out.shape):
-            return _new(node.graph, node, node.target, (tensor, value), fake_mode)
+            return rw.new(node, node.target, (tensor, value))
     return None
 
 
-def _unexpand_symbolic(node, fake_mode):
+def _unexpand_symbolic(node, rw):
     """``t * s.expand([batch, 4])`` -> ``t * s`` when ``s`` only broadcasts into ``t`` (same dtype
     and shape as the result), for an expand to symbolic sizes.
 
@@ -392,7 +522,7 @@ def _unexpand_symbolic(node, fake_mode):
         source = e.args[0]
         sv = _val(source)
         if isinstance(sv, torch.Tensor) and sv.dtype == out.dtype and broadcasts_into(sv.shape, out.shape):
-            return _new(node.graph, node, node.target, (tensor, source), fake_mode)
+            return rw.new(node, node.target, (tensor, source))
     return None
 
 
@@ -417,36 +547,35 @@ def _made_since(start: fx.Node, node: fx.Node, new) -> bool:
 
 
 def identities(gm: fx.GraphModule) -> bool:
-    global _known
-    fake_mode = fake_mode_of(gm.graph)
-    _known = {}
-    try:
-        return _identities(gm, fake_mode)
-    finally:
-        _known = None
-
-
-def _identities(gm: fx.GraphModule, fake_mode) -> bool:
+    """One sweep of the exact rewrites over ``gm``'s graph; whether anything changed."""
+    rw = _Rewriter(gm.graph)
     changed = False
     for node in list(gm.graph.nodes):
         if not node.users and not is_impure(node):
             continue
         start = node.prev  # _rewrite inserts the nodes it makes just before ``node``
-        new = _rewrite(node, fake_mode)
+        new = _rewrite(node, rw)
         if new is not None and new is not node:
-            only_for_this = isinstance(new, fx.Node) and set(new.users) == {node} and has_generic_name(new)
-            node.replace_all_uses_with(new)
-            if _made_since(start, node, new) or only_for_this:
-                name, op_only, helper = node.name, _op_only_name(node), meta.INTERMEDIATE.on(node)
-                gm.graph.erase_node(node)
-                named = name.startswith("grad_") and not helper  # a cotangent, not a step computing one
-                # a step's name goes to what replaces it; a backward step's only to a backward value
-                backward = isinstance(new, fx.Node) and any(a.name.startswith("grad_") for a in new.all_input_nodes)
-                step = not op_only and (backward or not (helper and name.startswith("grad_")))
-                if isinstance(new, fx.Node) and (named or (step and has_generic_name(new))):
-                    new.name = name  # the erased node's name: unique, and still reserved in the namespace
+            _replace(gm.graph, node, new, start)
             changed = True
     return changed
+
+
+def _replace(graph: fx.Graph, node: fx.Node, new, start: fx.Node) -> None:
+    """``node``'s uses now read ``new``; ``node`` is erased, and its name passed on to ``new``
+    when ``new`` was made for it (a cotangent's ``grad_`` name, a step's readable name)."""
+    only_for_this = isinstance(new, fx.Node) and set(new.users) == {node} and has_generic_name(new)
+    node.replace_all_uses_with(new)
+    if not (_made_since(start, node, new) or only_for_this):
+        return
+    name, op_only, helper = node.name, _op_only_name(node), meta.INTERMEDIATE.on(node)
+    graph.erase_node(node)
+    named = name.startswith("grad_") and not helper  # a cotangent, not a step computing one
+    # a step's name goes to what replaces it; a backward step's only to a backward value
+    backward = isinstance(new, fx.Node) and any(a.name.startswith("grad_") for a in new.all_input_nodes)
+    step = not op_only and (backward or not (helper and name.startswith("grad_")))
+    if isinstance(new, fx.Node) and (named or (step and has_generic_name(new))):
+        new.name = name  # the erased node's name: unique, and still reserved in the namespace
 
 
 def _op_only_name(node: fx.Node) -> bool:

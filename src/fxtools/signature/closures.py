@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .guards import InputMismatch, _desc, _got, _is_scalar, _same, _snapshot
+from .guards import GuardedGraphModule, InputMismatch, _desc, _got, _is_scalar, _same, _snapshot
 
 MISSING = object()  # what a getter returns for a name that no longer exists
 
@@ -42,8 +42,8 @@ def is_constant(value) -> bool:
 
 def snapshot(value):
     """A plain object's attributes (or a dict's items) as nested tuples of built-in values, or None
-    (``guards``)."""
-    inside = value if type(value) is dict else getattr(value, "__dict__", None)
+    (``guards``). The object is the user's: its attributes are read by introspection (``vars``)."""
+    inside = value if type(value) is dict else vars(value) if hasattr(value, "__dict__") else None  # a user's object
     if isinstance(value, torch.Tensor) or (
         isinstance(inside, dict) and any(isinstance(v, (torch.Tensor, torch.nn.Module)) for v in inside.values())
     ):
@@ -125,7 +125,7 @@ class Closures:
                 table[name] = now
                 break
         else:
-            owner.__dict__[name] = now
+            vars(owner)[name] = now  # a plain attribute, as it was (setattr would register a Parameter)
         self.seen[i] = now
 
     def _refuse_tensor(self, read, now) -> None:
@@ -170,7 +170,8 @@ def attach(gm: fx.GraphModule, reads, made_by: str) -> None:
             taken.add(path)
     others = [r for r in reads if r.kind != "tensor"]
     if tensors or others:
-        gm.__dict__["closures"] = Closures(made_by, tensors, others)
+        assert isinstance(gm, GuardedGraphModule)  # the module that runs the checks
+        gm.closures = Closures(made_by, tensors, others)
 
 
 def attach_held(gm: fx.GraphModule, reads, made_by: str, holders=()) -> None:
@@ -187,13 +188,14 @@ def attach_held(gm: fx.GraphModule, reads, made_by: str, holders=()) -> None:
         if r.kind != "tensor" or id(r.expected) in held_ids
     ]
     if held:
-        gm.__dict__["closures"] = Closures(made_by, (), held)
+        assert isinstance(gm, GuardedGraphModule)  # the module that runs the checks
+        gm.closures = Closures(made_by, (), held)
 
 
 def check(gm) -> None:
     """Run ``gm``'s closed-over state checks, if it has any (``attach`` / ``attach_held``)."""
-    closures = getattr(gm, "__dict__", {}).get("closures")
-    if closures is not None:
+    closures = getattr(gm, "closures", None)
+    if isinstance(closures, Closures):
         closures.check(gm)
 
 
@@ -213,7 +215,7 @@ def _tensor_attributes(gm: fx.GraphModule):
 
 def reads_of(gm) -> list:
     """The reads a generated module checks (empty for other modules): composed transforms inherit them."""
-    closures = getattr(gm, "__dict__", {}).get("closures")
-    if closures is None:
+    closures = getattr(gm, "closures", None)
+    if not isinstance(closures, Closures):
         return []
     return [*(read for read, _ in closures.tensors), *closures.others]

@@ -78,6 +78,7 @@ import dataclasses
 import inspect
 import operator
 import sys
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -260,7 +261,7 @@ def _snapshot(obj, depth=0):
     if type(obj) in (tuple, list):
         items = tuple(_snapshot(v, depth + 1) for v in obj)
         return None if any(v is None and x is not None for v, x in zip(items, obj)) else (type(obj).__name__, items)
-    state = getattr(obj, "__dict__", None)
+    state = vars(obj) if hasattr(obj, "__dict__") else None  # a user's object: read by introspection
     if type(state) is not dict or callable(obj) or isinstance(obj, type):
         return None
     items = []
@@ -348,71 +349,18 @@ class Guards:
         raise InputMismatch(f"{self.made_by} module: {problem}. {fix or _HOW + '.'}")
 
     def _walk(self, spec, value, tensors, bound, layout):
-        if type(spec) is Leaf:
-            if spec.kind == "tensor" or (spec.kind == "optional" and value is not None):
-                if not isinstance(value, torch.Tensor):
-                    self._leaf_fail(
-                        spec,
-                        f"{spec.path} is {_got(value)}, but the module was made for a tensor "
-                        f"{_desc(spec.sizes, spec.dtype, spec.device)}",
-                    )
-                if value.shape != spec.sizes:
-                    self._sizes(spec, value, bound)
-                if value.dtype != spec.dtype:
-                    self._leaf_fail(
-                        spec,
-                        f"{spec.path} has dtype {str(value.dtype).replace('torch.', '')}, but the "
-                        f"module was made for {str(spec.dtype).replace('torch.', '')}",
-                        f"Convert it with .to({spec.dtype}), or generate the module again with an "
-                        "example of this dtype (dtypes are fixed in the generated code).",
-                    )
-                if spec.device is not None and not (value.is_cpu if spec.device == "cpu" else value.device.type == spec.device):
-                    self._leaf_fail(
-                        spec,
-                        f"{spec.path} is on {value.device.type}, but the module was made for {spec.device} tensors",
-                        f"Move it with .to('{spec.device}'), or generate the module again with an example on this device.",
-                    )
-                if layout and spec.layout is not None:
-                    self._layout(spec, value)
-                if spec.reads and not torch._C._functorch.is_batchedtensor(value):
-                    self._reads(spec, value)
-                tensors.append(value)
-            elif spec.kind == "scalar":
-                if not _same(value, spec.value):
-                    made = f"{spec.path} = {spec.value!r}" + (
-                        f" (a Python {type(spec.value).__name__})" if type(value) is not type(spec.value) else ""
-                    )
-                    self.fail(
-                        f"{spec.path} is {_got(value)}, but the module was made with {made}, a value its code uses as a constant",
-                        f"Generate the module again with {spec.path} = {value!r} (or with a 0-dim tensor "
-                        "there, which makes the value an input of the generated code).",
-                    )
-            elif spec.kind == "none":
-                # a cotangent where the output carries no gradient (integer indices, ``ceil``) is
-                # ignored, as torch.func.vjp ignores it: None or a tensor
-                if value is not None and not (spec.role and isinstance(value, torch.Tensor)):
-                    self._leaf_fail(spec, f"{spec.path} must be None (the module was made with None there), got {_got(value)}")
-            elif spec.kind == "state":
-                if not _same(_snapshot(value), spec.value):
-                    self.fail(
-                        f"{spec.path} is a {type(value).__name__} whose attributes differ from those of the "
-                        f"example the module was made with ({spec.value!r}); its code uses them as constants"
-                    )
-            elif spec.kind == "type":
-                if type(value).__name__ != spec.value:
-                    self.fail(f"{spec.path} is {_got(value)}, but the module was made for a {spec.value}")
-            elif isinstance(spec.value, torch.nn.Module) and value is not spec.value:
-                self.fail(
-                    f"{spec.path} is {_got(value)} other than the module the code was made with (whose parameters "
-                    "it reads at each call, and whose structure and flags it is specialised to)",
-                    "Pass that module, or generate the module again with this one (or differentiate "
-                    "fxtools.functional(module), which takes the parameters as an argument).",
-                )
-            elif not _equal(value, spec.value):
-                self.fail(
-                    f"{spec.path} is {value!r}, but the module was made with {spec.value!r}, which its code is specialised to"
-                )
-            return
+        """Check ``value`` against ``spec`` (a Leaf or a Node), appending its tensors to ``tensors``
+        and recording in ``bound`` the dynamic sizes it gives (their value and where it is)."""
+        if type(spec) is not Leaf:
+            self._container(spec, value, tensors, bound, layout)
+        elif spec.kind == "tensor" or (spec.kind == "optional" and value is not None):
+            self._tensor(spec, value, bound, layout)
+            tensors.append(value)
+        else:
+            self._constant(spec, value)
+
+    def _container(self, spec, value, tensors, bound, layout):
+        """A dict, list, tuple or dataclass-like object of the example's structure; its items walked."""
         kind = spec.kind
         if kind == "dict":
             if not isinstance(value, dict):
@@ -431,6 +379,73 @@ class Guards:
                 self._node_fail(spec, value)
             for k, child in zip(spec.keys, spec.children):
                 self._walk(child, getattr(value, k), tensors, bound, layout)
+
+    def _tensor(self, spec, value, bound, layout):
+        """A tensor of the example's sizes (or within a dynamic size's range), dtype, device, and
+        where the code relies on it, layout."""
+        if not isinstance(value, torch.Tensor):
+            self._leaf_fail(
+                spec,
+                f"{spec.path} is {_got(value)}, but the module was made for a tensor "
+                f"{_desc(spec.sizes, spec.dtype, spec.device)}",
+            )
+        if value.shape != spec.sizes:
+            self._sizes(spec, value, bound)
+        if value.dtype != spec.dtype:
+            self._leaf_fail(
+                spec,
+                f"{spec.path} has dtype {str(value.dtype).replace('torch.', '')}, but the "
+                f"module was made for {str(spec.dtype).replace('torch.', '')}",
+                f"Convert it with .to({spec.dtype}), or generate the module again with an "
+                "example of this dtype (dtypes are fixed in the generated code).",
+            )
+        if spec.device is not None and not (value.is_cpu if spec.device == "cpu" else value.device.type == spec.device):
+            self._leaf_fail(
+                spec,
+                f"{spec.path} is on {value.device.type}, but the module was made for {spec.device} tensors",
+                f"Move it with .to('{spec.device}'), or generate the module again with an example on this device.",
+            )
+        if layout and spec.layout is not None:
+            self._layout(spec, value)
+        if spec.reads and not torch._C._functorch.is_batchedtensor(value):
+            self._reads(spec, value)
+
+    def _constant(self, spec, value):
+        """A value the code was specialised to: a Python scalar, None, a plain object's attributes,
+        a type, the very module the code reads, or anything equal to the example's."""
+        if spec.kind == "scalar":
+            if not _same(value, spec.value):
+                made = f"{spec.path} = {spec.value!r}" + (
+                    f" (a Python {type(spec.value).__name__})" if type(value) is not type(spec.value) else ""
+                )
+                self.fail(
+                    f"{spec.path} is {_got(value)}, but the module was made with {made}, a value its code uses as a constant",
+                    f"Generate the module again with {spec.path} = {value!r} (or with a 0-dim tensor "
+                    "there, which makes the value an input of the generated code).",
+                )
+        elif spec.kind == "none":
+            # a cotangent where the output carries no gradient (integer indices, ``ceil``) is
+            # ignored, as torch.func.vjp ignores it: None or a tensor
+            if value is not None and not (spec.role and isinstance(value, torch.Tensor)):
+                self._leaf_fail(spec, f"{spec.path} must be None (the module was made with None there), got {_got(value)}")
+        elif spec.kind == "state":
+            if not _same(_snapshot(value), spec.value):
+                self.fail(
+                    f"{spec.path} is a {type(value).__name__} whose attributes differ from those of the "
+                    f"example the module was made with ({spec.value!r}); its code uses them as constants"
+                )
+        elif spec.kind == "type":
+            if type(value).__name__ != spec.value:
+                self.fail(f"{spec.path} is {_got(value)}, but the module was made for a {spec.value}")
+        elif isinstance(spec.value, torch.nn.Module) and value is not spec.value:
+            self.fail(
+                f"{spec.path} is {_got(value)} other than the module the code was made with (whose parameters "
+                "it reads at each call, and whose structure and flags it is specialised to)",
+                "Pass that module, or generate the module again with this one (or differentiate "
+                "fxtools.functional(module), which takes the parameters as an argument).",
+            )
+        elif not _equal(value, spec.value):
+            self.fail(f"{spec.path} is {value!r}, but the module was made with {spec.value!r}, which its code is specialised to")
 
     def _sizes(self, spec, value, bound):
         shape = tuple(value.shape)
@@ -609,11 +624,6 @@ class Guards:
 _LAYOUT_OPS = {"view", "_unsafe_view", "as_strided", "as_strided_", "as_strided_scatter", "view_copy"}
 
 
-def uses_strides(*graphs) -> bool:
-    """Whether code of these graphs relies on its inputs' strides (``.view``, ``as_strided``)."""
-    return any(_layout_op(node) for g in graphs for node in (g.graph if isinstance(g, fx.GraphModule) else g).nodes)
-
-
 def stride_sensitive_paths(gm: fx.GraphModule, names) -> set:
     """Paths of the argument leaves whose strides the code relies on: those a ``.view`` (or
     ``as_strided``) in ``gm`` reads, directly or through other ops (a pointwise op keeps its
@@ -722,7 +732,7 @@ def _spec(value, path, layout, role):
 def build(made_by: str, names, args, *, layout=False, roles=None) -> Guards:
     """Guards for a module made at example ``args`` (one per positional argument named ``names``).
 
-    ``layout``: whether the code relies on strides (``uses_strides``), or the set of leaf paths
+    ``layout``: whether the code relies on every tensor's strides, or the set of leaf paths
     whose strides it relies on (``stride_sensitive_paths``); ``roles``: for each
     argument index, None or a function ``path -> role text`` (cotangents, tangents).
     """
@@ -782,14 +792,17 @@ class GuardedGraphModule(fx.GraphModule):
     torch.func habit) says how to call it instead.
     """
 
+    guards: Guards | None = None  # what its calls must pass (``install``)
+    closures: Any = None  # a signature.closures.Closures: what it read from outside its arguments
+
     def __repr__(self):
-        guards = self.__dict__.get("guards")
+        guards = self.guards
         if guards is None:
             return super().__repr__()
         return f"<{guards.made_by} module: {module_call(guards.made_by, guards.names)}; gm.code is its code, gm.guards what it accepts>"
 
     def __iter__(self):
-        guards = self.__dict__.get("guards")
+        guards = self.guards
         made_by = guards.made_by if guards is not None else "an fxtools"
         call = module_call(made_by, guards.names) if guards is not None else "gm(*args)"
         raise TypeError(
@@ -798,22 +811,21 @@ class GuardedGraphModule(fx.GraphModule):
         )
 
     def __call__(self, *args, **kwargs):
-        guards = self.__dict__.get("guards")
+        guards = self.guards
         if guards is not None:
-            guards.check(args if not kwargs else self._positional(args, kwargs))
-        closures = self.__dict__.get("closures")
-        if closures is not None:  # what the program read from outside its arguments (signature/closures.py)
-            closures.check(self)
+            guards.check(args if not kwargs else self._positional(guards, args, kwargs))
+        if self.closures is not None:  # what the program read from outside its arguments (signature/closures.py)
+            self.closures.check(self)
         out = super().__call__(*args, **kwargs)
         if guards is not None and _has_dict(guards.args):
-            out = follow_key_orders(args if not kwargs else self._positional(args, kwargs), out)
+            out = follow_key_orders(args if not kwargs else self._positional(guards, args, kwargs), out)
         return out
 
-    def _positional(self, args, kwargs):
+    def _positional(self, guards, args, kwargs):
         try:
             bound = inspect.signature(self.forward).bind(*args, **kwargs)
         except TypeError as exc:
-            self.__dict__["guards"].fail(str(exc), "Pass the arguments the module was made for.")
+            guards.fail(str(exc), "Pass the arguments the module was made for.")
         return tuple(bound.arguments.values())
 
     def __reduce__(self):
@@ -822,14 +834,13 @@ class GuardedGraphModule(fx.GraphModule):
         return _restore, (body, import_block)
 
     def __deepcopy__(self, memo):
-        closures = self.__dict__.pop("closures", None)  # a copy is a snapshot (signature/closures.py)
+        closures, self.closures = self.closures, None  # a copy is a snapshot (signature/closures.py)
         try:
             res = super().__deepcopy__(memo)  # keeps only the attributes the graph reads
         finally:
-            if closures is not None:
-                self.__dict__["closures"] = closures
-        if "guards" in self.__dict__:
-            res.guards = copy.deepcopy(self.__dict__["guards"], memo)
+            self.closures = closures
+        if self.guards is not None:
+            res.guards = copy.deepcopy(self.guards, memo)
         return res
 
 
@@ -872,7 +883,9 @@ def _restore(body, import_block):
     from torch.fx.graph_module import _deserialize_graph_module, _forward_from_src
 
     forward = _forward_from_src(import_block + (body.get("_code") or body["code"]), {})
-    return _deserialize_graph_module(forward, body, graph_module_cls=GuardedGraphModule)
+    gm = _deserialize_graph_module(forward, body, graph_module_cls=GuardedGraphModule)
+    gm.guards = body.get("guards")  # restored only where the class has no such attribute
+    return gm
 
 
 def guarded(gm: fx.GraphModule) -> GuardedGraphModule:
@@ -883,9 +896,9 @@ def guarded(gm: fx.GraphModule) -> GuardedGraphModule:
     graph.output(graph.graph_copy(gm.graph, {}))
     graph._codegen = gm.graph._codegen
     new = GuardedGraphModule(gm, graph, class_name=gm.__class__.__name__)
-    for k, v in gm.__dict__.items():
-        if k not in new.__dict__:
-            new.__dict__[k] = v
+    attributes = vars(new)  # every attribute a stage attached to ``gm``, whichever: copied as they are
+    for k, v in vars(gm).items():
+        attributes.setdefault(k, v)
     new.meta = gm.meta
     return new
 
