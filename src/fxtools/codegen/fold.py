@@ -1,0 +1,245 @@
+"""Folding: a value used once, and cheap to compute, is printed inside the expression that uses it.
+
+The graph keeps one op per node (compilers, ``fxtools.split``, ``draw`` and every pass see it so);
+only the printed Python nests. ``grad_c_fc = grad_gelu * ((torch.erf(c_fc * 0.7071067811865476) +
+1) * 0.5 + c_fc_pdf)`` rather than five lines of ``c_fc_mul``, ``c_fc_erf``, ``c_fc_add``.
+
+A value is folded into its user when all of these hold:
+
+- it is cheap and pure: arithmetic and comparison operators, pointwise math (ops PyTorch tags
+  ``pointwise``), views and reshapes, ``sum``/``mean``, ``*_like`` factories, sizes, ``x.device``;
+  never a matmul, convolution, softmax or other kernel worth a name, never random or in-place;
+- it has one user, which reads it once and is a call that writes nothing (not the output);
+- the folded statement runs exactly the ATen calls of the flat statements it replaces, in the
+  same order: Python evaluates an expression's operands left to right, so the nodes of a folded
+  statement must be consecutive in the graph and in that order. Nothing else runs in between, so
+  values are computed from the same inputs and the folded code is bit-for-bit the flat code;
+- no ``del`` the flat code writes falls inside the statement (a value that must be freed at a
+  specific point keeps its own line): memory is freed exactly as in the flat code;
+- the statement stays short: at most ``MAX_DEPTH`` levels of nesting (a method chain
+  ``x.view(s).transpose(1, 2)`` and a left operand of the same operator ``a - b - c`` read left
+  to right and add none) and at most ``MAX_LINE`` characters.
+
+``flat()`` turns folding off where code is generated (``with flat(): gm.recompile()``) and
+``flat_code(gm)`` gives a module's flat code without changing it.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import copy
+import contextvars
+import operator
+
+import torch
+import torch.fx as fx
+
+# Deeper than three nested calls, a formula must be read inside out; longer than 100 characters,
+# it no longer reads at a glance, and ``fxtools.show``'s shape comments still fit in 130.
+MAX_DEPTH = 3
+MAX_LINE = 100
+
+_FLAT = contextvars.ContextVar("fxtools_flat_code", default=False)
+
+_CHEAP_OPERATORS = {
+    operator.add,
+    operator.sub,
+    operator.mul,
+    operator.truediv,
+    operator.floordiv,
+    operator.mod,
+    operator.pow,
+    operator.neg,
+    operator.pos,
+    operator.invert,
+    operator.eq,
+    operator.ne,
+    operator.lt,
+    operator.le,
+    operator.gt,
+    operator.ge,
+    operator.and_,
+    operator.or_,
+    operator.xor,
+    getattr,  # x.device, x.shape
+}
+_CHEAP_NAMES = {  # views, reshapes, sizes, casts, reductions a formula reads well with, factories
+    *("view", "reshape", "expand", "expand_as", "view_as", "transpose", "t", "permute", "unsqueeze", "squeeze"),
+    *("narrow", "select", "flatten", "unflatten", "movedim", "diagonal", "contiguous", "to", "type_as", "conj"),
+    *("size", "numel", "sum", "mean", "tril", "triu"),
+    *("zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "zeros", "ones", "full"),
+}
+_SAME_LEVEL = [(ast.Add, ast.Sub), (ast.Mult, ast.Div, ast.FloorDiv, ast.Mod)]  # a - b - c: one level
+
+
+@contextlib.contextmanager
+def flat():
+    """Generate code one op per line (no folding) inside the block: ``with flat(): gm.recompile()``."""
+    token = _FLAT.set(True)
+    try:
+        yield
+    finally:
+        _FLAT.reset(token)
+
+
+def folding() -> bool:
+    """Whether code generated now is folded (outside ``flat()``)."""
+    return not _FLAT.get()
+
+
+def flat_code(gm: fx.GraphModule) -> str:
+    """``gm``'s code with one op per line, as ``gm.code`` would read without folding; ``gm`` is unchanged."""
+    with flat():
+        return gm.graph.python_code(root_module="self").src
+
+
+def fold(nodes: list[fx.Node], statements: dict[int, str], frees: dict[int, list[str]]) -> tuple[dict[int, str], set[int]]:
+    """Fold the statements of single-use cheap values into their users' statements.
+
+    ``statements``: node index -> its one-line statement (``name = expr``); ``frees``: node index
+    -> names the code frees (``del``) after it. Returns the rewritten statements and the indices
+    of the nodes whose statements are gone (folded into another).
+    """
+    pos = {n: i for i, n in enumerate(nodes)}
+    parsed = {i: _parse(s) for i, s in statements.items()}
+    trees: dict[fx.Node, _Tree] = {}
+    folded: set[str] = set()
+    for i, u in enumerate(nodes):
+        stmt = parsed.get(i)
+        if stmt is None or not _may_hold(u):
+            continue
+        candidates = [c for c in _operands(u) if _foldable(c, u, parsed, pos)]
+        chosen = _consecutive(u, candidates, trees, pos, frees, folded)
+        while True:
+            tree = _Tree.build(u, stmt, chosen, trees)
+            if not chosen or (tree.depth <= MAX_DEPTH and len(tree.text) + 4 <= MAX_LINE):
+                break
+            chosen = chosen[1:]  # drop the first-evaluated operand: the rest stay consecutive
+        trees[u] = tree
+        folded.update(c.name for c in chosen)
+    gone = {pos[c] for t in trees.values() for c in t.children}
+    rewritten = {pos[u]: t.text for u, t in trees.items() if t.children and pos[u] not in gone}
+    return rewritten, gone
+
+
+class _Tree:
+    """A statement with the operands folded into it: its AST, first node index, nesting depth."""
+
+    def __init__(self, stmt: ast.stmt, start: fx.Node, depth: int, children: list[fx.Node]):
+        self.stmt, self.start, self.depth, self.children = stmt, start, depth, children
+        self.text = ast.unparse(stmt) if children else ""
+
+    @classmethod
+    def build(cls, u: fx.Node, stmt: ast.stmt, chosen: list[fx.Node], trees: dict) -> _Tree:
+        """``u``'s statement with each chosen operand's expression in place of its name."""
+        if not chosen:
+            return cls(stmt, u, 0, [])
+        values = {c.name: trees[c].expr() for c in chosen}
+        new = _Substitute(values).visit(copy.deepcopy(stmt))
+        depth = max(trees[c].depth + _step(u, c, stmt) for c in chosen)
+        return cls(new, trees[chosen[0]].start, depth, chosen)
+
+    def expr(self) -> ast.expr:
+        assert isinstance(self.stmt, ast.Assign)
+        return copy.deepcopy(self.stmt.value)
+
+
+class _Substitute(ast.NodeTransformer):
+    def __init__(self, values: dict[str, ast.expr]):
+        self.values = values
+
+    def visit_Name(self, node: ast.Name):  # noqa: N802 - ast.NodeTransformer's naming
+        return self.values.get(node.id, node) if isinstance(node.ctx, ast.Load) else node
+
+
+def _parse(text: str) -> ast.stmt | None:
+    """The one assignment ``text`` holds, or None (two statements, an annotation, no assignment)."""
+    try:
+        body = ast.parse(text).body
+    except SyntaxError:
+        return None
+    if len(body) != 1 or not isinstance(body[0], ast.Assign) or len(body[0].targets) != 1:
+        return None
+    return body[0]
+
+
+def _operands(u: fx.Node) -> list[fx.Node]:
+    """The nodes ``u`` reads, in the order Python evaluates them in ``u``'s statement (repeats kept)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg((u.args, u.kwargs), found.append)
+    return found
+
+
+def _foldable(c: fx.Node, u: fx.Node, parsed: dict, pos: dict) -> bool:
+    """``c`` may be printed inside ``u``: cheap, pure, one value read once, by ``u`` only."""
+    stmt = parsed.get(pos[c])
+    if stmt is None or list(c.users) != [u] or _operands(u).count(c) != 1 or not _cheap(c):
+        return False
+    target = stmt.targets[0]
+    return isinstance(target, ast.Name) and target.id == c.name and not isinstance(c.meta.get("val"), (tuple, list))
+
+
+def _consecutive(u: fx.Node, candidates: list[fx.Node], trees: dict, pos: dict, frees: dict, folded: set) -> list[fx.Node]:
+    """Of ``candidates`` (in evaluation order), those whose statements end right before the next
+    folded one's (the last: right before ``u``) and after which the code frees nothing it still
+    keeps (but the ``folded`` values', gone with their names): folded, the statement runs the same
+    ops in the same order, freeing memory as before."""
+    expected = pos[u] - 1
+    chosen: list[fx.Node] = []
+    for c in reversed(candidates):
+        if pos[c] != expected or c in chosen:
+            continue
+        if any(name not in folded for name in frees.get(pos[c], ())):
+            break
+        chosen.insert(0, c)
+        expected = pos[trees[c].start] - 1
+    return chosen
+
+
+def _step(u: fx.Node, c: fx.Node, stmt: ast.stmt) -> int:
+    """Nesting ``c`` inside ``u`` adds: 0 for a method's receiver (``x.view(s).t()`` reads left to
+    right) and for the left operand of the same operator level (``a - b - c``), else 1."""
+    if u.op == "call_method" and u.args and u.args[0] is c:
+        return 0
+    value = stmt.value if isinstance(stmt, ast.Assign) else None
+    if isinstance(value, ast.BinOp) and isinstance(value.left, ast.Name) and value.left.id == c.name:
+        inner = c.target if c.op == "call_function" else None
+        op_of = {operator.add: ast.Add, operator.sub: ast.Sub, operator.mul: ast.Mult, operator.truediv: ast.Div}
+        if inner in op_of:
+            return 0 if any(isinstance(value.op, g) and op_of[inner] in g for g in _SAME_LEVEL) else 1
+    return 1
+
+
+def _may_hold(u: fx.Node) -> bool:
+    """Operands may be folded into ``u``: a call that writes none of its arguments."""
+    if u.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if u.op == "call_method" and u.target.endswith("_"):
+        return False
+    if isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable:
+        return False
+    return u.op != "call_function" or not u.is_impure()
+
+
+def _cheap(c: fx.Node) -> bool:
+    """A pure op cheap enough to need no name of its own (see the module docstring)."""
+    if c.op not in ("call_function", "call_method") or "out" in c.kwargs or c.is_impure():
+        return False
+    if c.op == "call_function" and c.target in _CHEAP_OPERATORS:
+        return c.target is not getattr or len(c.args) == 2
+    if c.op == "call_function" and c.target is operator.getitem:
+        return isinstance(c.args[0], fx.Node) and isinstance(c.args[0].meta.get("val"), torch.Tensor)
+    if isinstance(c.target, torch._ops.OpOverload):
+        packet, name = c.target.overloadpacket, c.target.overloadpacket.__name__
+    else:
+        name = c.target if isinstance(c.target, str) else getattr(c.target, "__name__", "")
+        packet = getattr(torch.ops.aten, name, None) if name else None
+    if not name or name.endswith("_") or packet is None:
+        return False
+    overloads = [getattr(packet, o) for o in packet.overloads()]
+    if any(torch.Tag.nondeterministic_seeded in o.tags for o in overloads):
+        return False
+    if name in _CHEAP_NAMES:
+        return True
+    return any(torch.Tag.pointwise in o.tags and not o._schema.is_mutable for o in overloads)
