@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import copy
 import contextvars
+import copy
 import operator
 
 import torch
