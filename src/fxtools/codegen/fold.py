@@ -70,6 +70,7 @@ _CHEAP_NAMES = {  # views, reshapes, sizes, casts, reductions a formula reads we
     *("size", "numel", "sum", "mean", "tril", "triu"),
     *("zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "zeros", "ones", "full"),
 }
+_PRODUCTS = {operator.mul, operator.truediv, operator.floordiv, operator.mod}  # @'s precedence
 _SAME_LEVEL = [(ast.Add, ast.Sub), (ast.Mult, ast.Div, ast.FloorDiv, ast.Mod)]  # a - b - c: one level
 
 
@@ -176,6 +177,8 @@ def _foldable(c: fx.Node, u: fx.Node, parsed: dict, pos: dict) -> bool:
     stmt = parsed.get(pos[c])
     if stmt is None or list(c.users) != [u] or _operands(u).count(c) != 1 or not _cheap(c):
         return False
+    if u.target is operator.matmul and c.target in _PRODUCTS:
+        return False  # ``a / s @ k`` is ``(a / s) @ k``, which few readers see at a glance
     target = stmt.targets[0]
     return isinstance(target, ast.Name) and target.id == c.name and not isinstance(c.meta.get("val"), (tuple, list))
 
