@@ -6,6 +6,10 @@ only the printed Python nests. ``grad_c_fc = grad_gelu * ((torch.erf(c_fc * 0.70
 
 A value is folded into its user when all of these hold:
 
+- its name says nothing but its op: an op word, or another value's name with an op word appended
+  (``c_fc_mul_4``, ``grad_y_t``, ``gelu``). A value named for what it is (the user's variable
+  ``scores``, a module's ``ln_1``, a gradient ``grad_scores``, a rule's role ``xhat``) keeps its
+  line, so the code keeps the user's statements and the names the naming stage chose;
 - it is cheap and pure: arithmetic and comparison operators, pointwise math (ops PyTorch tags
   ``pointwise``), views and reshapes, ``sum``/``mean``, ``*_like`` factories, sizes, ``x.device``;
   never a matmul, convolution, softmax or other kernel worth a name, never random or in-place;
@@ -31,6 +35,7 @@ import contextlib
 import contextvars
 import copy
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -70,6 +75,7 @@ _CHEAP_NAMES = {  # views, reshapes, sizes, casts, reductions a formula reads we
     *("size", "numel", "sum", "mean", "tril", "triu"),
     *("zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "zeros", "ones", "full"),
 }
+_OP_WORDS = frozenset({name.strip("_") for name in dir(torch.ops.aten)} | {"t", "to", "size", "numel", "getitem", "getattr"})
 _PRODUCTS = {operator.mul, operator.truediv, operator.floordiv, operator.mod}  # @'s precedence
 _SAME_LEVEL = [(ast.Add, ast.Sub), (ast.Mult, ast.Div, ast.FloorDiv, ast.Mod)]  # a - b - c: one level
 
@@ -175,7 +181,7 @@ def _operands(u: fx.Node) -> list[fx.Node]:
 def _foldable(c: fx.Node, u: fx.Node, parsed: dict, pos: dict) -> bool:
     """``c`` may be printed inside ``u``: cheap, pure, one value read once, by ``u`` only."""
     stmt = parsed.get(pos[c])
-    if stmt is None or list(c.users) != [u] or _operands(u).count(c) != 1 or not _cheap(c):
+    if stmt is None or list(c.users) != [u] or _operands(u).count(c) != 1 or not _named_by_op(c) or not _cheap(c):
         return False
     if u.target is operator.matmul and c.target in _PRODUCTS:
         return False  # ``a / s @ k`` is ``(a / s) @ k``, which few readers see at a glance
@@ -212,6 +218,12 @@ def _step(u: fx.Node, c: fx.Node, stmt: ast.stmt) -> int:
         if inner in op_of:
             return 0 if any(isinstance(value.op, g) and op_of[inner] in g for g in _SAME_LEVEL) else 1
     return 1
+
+
+def _named_by_op(node: fx.Node) -> bool:
+    """Whether ``node``'s name, counters (``_2``) aside, is an op word or ends in ``_`` and one."""
+    words = re.sub(r"(_\d+)+$", "", node.name).split("_")
+    return any("_".join(words[k:]) in _OP_WORDS for k in range(len(words)))
 
 
 def _may_hold(u: fx.Node) -> bool:
