@@ -89,7 +89,9 @@ def test_random_programs_fold_to_the_same_calls_and_bits(dtype):
             args = as_dtype(p.args, dtype)
             fn = p.fn
             out = fn(*args)
-            ct = pytree.tree_map(lambda x: torch.randn_like(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else None, out)
+            ct = pytree.tree_map(
+                lambda x: torch.randn_like(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else None, out
+            )
             tangents = pytree.tree_map(lambda x: torch.randn_like(x) if x.is_floating_point() else None, args)
             modules = [(fxtools.vjp(fn, *args), (*args, ct)), (fxtools.jvp(fn, *args), (*args, *tangents))]
             sp = fxtools.split(fn, *args)
@@ -288,3 +290,33 @@ def test_print_readable_and_flat_code_are_one_op_per_line():
     for line in flat_src.splitlines():
         if " = " in line and not line.lstrip().startswith("def"):
             assert re.search(rf"\b{line.split(' = ')[0].strip()}\b", readable), line
+
+
+def test_parentheses_keep_the_meaning():
+    """Operators of every precedence folded into each other: parentheses exactly where needed."""
+    from fxtools.codegen.pycode import ReadableCodeGen
+
+    def f(a, b, c):
+        d = (a - b) - (b - c) * -(a**2) / ((-a) ** 2 + 1) - (a - (b - c))
+        e = ((d < a) == (c >= a)) | ~(b > c)
+        return (d * d + 1) ** (c - b) % 3 - d @ (a.t() * 2), e & (a != b)
+
+    gm = torch.fx.symbolic_trace(f)
+    gm.graph.set_codegen(ReadableCodeGen())
+    gm.recompile()
+    a, b, c = torch.randn(3, 4, 4, dtype=torch.float64).unbind(0)
+    c = c.abs() + 1
+    want = f(a, b, c)
+    folded, flat_src = assert_same_as_flat(gm, (a, b, c))
+    assert statements(folded) <= statements(flat_src) // 2, folded
+    for text in [
+        "(b - c) * -a ** 2 / ((-a) ** 2 + 1)",
+        " - (a - (b - c))",
+        " < a) == (c >= a)",
+        "~(b > c)",
+        " + 1) ** (c - b) % 3",
+    ]:
+        assert text in folded, (text, folded)
+    assert "& (a != b)" in folded and "a.t() * 2" in folded
+    got = gm(a, b, c)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))

@@ -119,7 +119,7 @@ def fold(nodes: list[fx.Node], statements: dict[int, str], frees: dict[int, list
         candidates = [c for c in _operands(u) if _foldable(c, u, parsed, pos)]
         chosen = _consecutive(u, candidates, trees, pos, frees, folded)
         while True:
-            tree = _Tree.build(u, stmt, chosen, trees)
+            tree = _Tree.build(u, statements[i], stmt, chosen, trees)
             if not chosen or (tree.depth <= MAX_DEPTH and len(tree.text) + 4 <= MAX_LINE):
                 break
             chosen = chosen[1:]  # drop the first-evaluated operand: the rest stay consecutive
@@ -131,25 +131,55 @@ def fold(nodes: list[fx.Node], statements: dict[int, str], frees: dict[int, list
 
 
 class _Tree:
-    """A statement with the operands folded into it: its AST, first node index, nesting depth."""
+    """A statement with operands folded into it: its text and AST, its first node, its nesting depth."""
 
-    def __init__(self, stmt: ast.stmt, start: fx.Node, depth: int, children: list[fx.Node]):
-        self.stmt, self.start, self.depth, self.children = stmt, start, depth, children
-        self.text = ast.unparse(stmt) if children else ""
+    def __init__(self, text: str, stmt: ast.stmt, start: fx.Node, depth: int, children: list[fx.Node]):
+        self.text, self.stmt, self.start, self.depth, self.children = text, stmt, start, depth, children
 
     @classmethod
-    def build(cls, u: fx.Node, stmt: ast.stmt, chosen: list[fx.Node], trees: dict) -> _Tree:
+    def build(cls, u: fx.Node, text: str, stmt: ast.stmt, chosen: list[fx.Node], trees: dict) -> _Tree:
         """``u``'s statement with each chosen operand's expression in place of its name."""
         if not chosen:
-            return cls(stmt, u, 0, [])
-        values = {c.name: trees[c].expr() for c in chosen}
-        new = _Substitute(values).visit(copy.deepcopy(stmt))
+            return cls(text, stmt, u, 0, [])
+        assert isinstance(stmt, ast.Assign)
+        new = _Substitute({c.name: copy.deepcopy(trees[c].stmt.value) for c in chosen}).visit(copy.deepcopy(stmt))
+        values = {c.name: trees[c].text[len(c.name) + 3 :] for c in chosen}  # after "name = "
         depth = max(trees[c].depth + _step(u, c, stmt) for c in chosen)
-        return cls(new, trees[chosen[0]].start, depth, chosen)
+        return cls(_splice(text, stmt, values, new), new, trees[chosen[0]].start, depth, chosen)
 
-    def expr(self) -> ast.expr:
-        assert isinstance(self.stmt, ast.Assign)
-        return copy.deepcopy(self.stmt.value)
+
+def _splice(text: str, stmt: ast.stmt, values: dict[str, str], want: ast.stmt) -> str:
+    """``text`` (``stmt``'s source) with each name in ``values`` replaced by its expression's text,
+    parenthesised only where the meaning needs it: the result parses to ``want``. The rest of the
+    line keeps fx's spelling."""
+    raw = text.encode()  # ast's column offsets count UTF-8 bytes
+    spots = [
+        (n.col_offset, n.end_col_offset, n.id)
+        for n in ast.walk(stmt)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in values
+    ]
+    spots.sort(reverse=True)
+    expected = ast.dump(want)
+
+    def written(parens: list[bool]) -> str:
+        out = raw
+        for (start, end, name), p in zip(spots, parens):
+            piece = values[name].encode()
+            out = out[:start] + (b"(" + piece + b")" if p else piece) + out[end:]
+        return out.decode()
+
+    def means_it(candidate: str) -> bool:
+        try:
+            return ast.dump(ast.parse(candidate).body[0]) == expected
+        except SyntaxError:
+            return False
+
+    parens = [True] * len(spots)
+    for k in range(len(spots)):
+        parens[k] = False
+        parens[k] = not means_it(written(parens))
+    result = written(parens)
+    return result if means_it(result) else ast.unparse(want)
 
 
 class _Substitute(ast.NodeTransformer):
