@@ -33,7 +33,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import contextvars
-import copy
+import functools
 import operator
 import re
 
@@ -45,7 +45,7 @@ import torch.fx as fx
 MAX_DEPTH = 3
 MAX_LINE = 100
 
-_FLAT = contextvars.ContextVar("fxtools_flat_code", default=False)
+_FLAT = contextvars.ContextVar("flat_code", default=False)
 
 _CHEAP_OPERATORS = {
     operator.add,
@@ -109,49 +109,88 @@ def fold(nodes: list[fx.Node], statements: dict[int, str], frees: dict[int, list
     of the nodes whose statements are gone (folded into another).
     """
     pos = {n: i for i, n in enumerate(nodes)}
-    parsed = {i: _parse(s) for i, s in statements.items()}
+    parsed: dict[int, ast.Assign | None] = {}
+
+    def parse(i: int) -> ast.Assign | None:
+        if i not in parsed:
+            parsed[i] = _parse(statements[i]) if i in statements else None
+        return parsed[i]
+
     trees: dict[fx.Node, _Tree] = {}
     folded: set[str] = set()
     for i, u in enumerate(nodes):
-        stmt = parsed.get(i)
-        if stmt is None or not _may_hold(u):
+        candidates = [c for c in _operands(u) if _foldable(c, u, parse, pos)] if _may_hold(u) else []
+        stmt = parse(i) if candidates else None
+        if stmt is None:
             continue
-        candidates = [c for c in _operands(u) if _foldable(c, u, parsed, pos)]
+        for c in candidates:
+            if c not in trees:
+                trees[c] = _Tree.leaf(c, statements[pos[c]], _dumps(parse(pos[c]))[1])
         chosen = _consecutive(u, candidates, trees, pos, frees, folded)
-        while True:
+        while chosen:
             tree = _Tree.build(u, statements[i], stmt, chosen, trees)
-            if not chosen or (tree.depth <= MAX_DEPTH and len(tree.text) + 4 <= MAX_LINE):
+            if tree is not None and tree.depth <= MAX_DEPTH and len(tree.text) + 4 <= MAX_LINE:
+                trees[u] = tree
+                folded.update(c.name for c in chosen)
                 break
             chosen = chosen[1:]  # drop the first-evaluated operand: the rest stay consecutive
-        trees[u] = tree
-        folded.update(c.name for c in chosen)
     gone = {pos[c] for t in trees.values() for c in t.children}
     rewritten = {pos[u]: t.text for u, t in trees.items() if t.children and pos[u] not in gone}
     return rewritten, gone
 
 
 class _Tree:
-    """A statement with operands folded into it: its text and AST, its first node, its nesting depth."""
+    """A statement with operands folded into it: its text, the ``ast.dump`` of its value (the
+    expression it assigns), its first node and its nesting depth."""
 
-    def __init__(self, text: str, stmt: ast.stmt, start: fx.Node, depth: int, children: list[fx.Node]):
-        self.text, self.stmt, self.start, self.depth, self.children = text, stmt, start, depth, children
+    def __init__(self, text: str, value: str, start: fx.Node, depth: int, children: list[fx.Node]):
+        self.text, self.value, self.start, self.depth, self.children = text, value, start, depth, children
 
     @classmethod
-    def build(cls, u: fx.Node, text: str, stmt: ast.stmt, chosen: list[fx.Node], trees: dict) -> _Tree:
-        """``u``'s statement with each chosen operand's expression in place of its name."""
-        if not chosen:
-            return cls(text, stmt, u, 0, [])
-        assert isinstance(stmt, ast.Assign)
-        new = _Substitute({c.name: copy.deepcopy(trees[c].stmt.value) for c in chosen}).visit(copy.deepcopy(stmt))
-        values = {c.name: trees[c].text[len(c.name) + 3 :] for c in chosen}  # after "name = "
+    def leaf(cls, node: fx.Node, text: str, value: str) -> _Tree:
+        return cls(text, value, node, 0, [])
+
+    @classmethod
+    def build(cls, u: fx.Node, text: str, stmt: ast.Assign, chosen: list[fx.Node], trees: dict) -> _Tree | None:
+        """``u``'s statement with each chosen operand's expression in place of its name (None if
+        that cannot be written on one line with the meaning of the nested expression)."""
+        dumps = {_name_dump(c.name): trees[c].value for c in chosen}
+        want, value = _dumps(stmt)
+        for name, dump in dumps.items():
+            if want.count(name) != 1:
+                return None
+            want, value = want.replace(name, dump), value.replace(name, dump)
+        texts = {c.name: trees[c].text[len(c.name) + 3 :] for c in chosen}  # after "name = "
+        written = _splice(text, stmt, texts, want)
+        if written is None:
+            return None
         depth = max(trees[c].depth + _step(u, c, stmt) for c in chosen)
-        return cls(_splice(text, stmt, values, new), new, trees[chosen[0]].start, depth, chosen)
+        return cls(written, value, trees[chosen[0]].start, depth, chosen)
 
 
-def _splice(text: str, stmt: ast.stmt, values: dict[str, str], want: ast.stmt) -> str:
+@functools.lru_cache(maxsize=256)
+def _dumps(stmt: ast.Assign) -> tuple[str, str]:
+    """``ast.dump`` of a statement and of its value (a statement is tried with fewer operands)."""
+    return ast.dump(stmt), ast.dump(stmt.value)
+
+
+def _atomic(expr: str) -> bool:
+    """An expression that reads as one operand anywhere (a call, a name, ``x.a``, ``x[i]``)."""
+    try:
+        value = ast.parse(expr, mode="eval").body
+    except SyntaxError:
+        return False
+    return isinstance(value, (ast.Call, ast.Name, ast.Attribute, ast.Subscript))
+
+
+def _name_dump(name: str) -> str:
+    return ast.dump(ast.Name(id=name, ctx=ast.Load()))
+
+
+def _splice(text: str, stmt: ast.stmt, values: dict[str, str], want: str) -> str | None:
     """``text`` (``stmt``'s source) with each name in ``values`` replaced by its expression's text,
-    parenthesised only where the meaning needs it: the result parses to ``want``. The rest of the
-    line keeps fx's spelling."""
+    parenthesised only where the meaning needs it: the result's ``ast.dump`` is ``want`` (else
+    None). The rest of the line keeps fx's spelling."""
     raw = text.encode()  # ast's column offsets count UTF-8 bytes
     spots = [
         (n.col_offset, n.end_col_offset, n.id)
@@ -159,7 +198,6 @@ def _splice(text: str, stmt: ast.stmt, values: dict[str, str], want: ast.stmt) -
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in values
     ]
     spots.sort(reverse=True)
-    expected = ast.dump(want)
 
     def written(parens: list[bool]) -> str:
         out = raw
@@ -170,27 +208,19 @@ def _splice(text: str, stmt: ast.stmt, values: dict[str, str], want: ast.stmt) -
 
     def means_it(candidate: str) -> bool:
         try:
-            return ast.dump(ast.parse(candidate).body[0]) == expected
+            return ast.dump(ast.parse(candidate).body[0]) == want
         except SyntaxError:
             return False
 
-    parens = [True] * len(spots)
-    for k in range(len(spots)):
+    parens = [not _atomic(values[name]) for _, _, name in spots]
+    for k in [k for k, p in enumerate(parens) if p]:
         parens[k] = False
         parens[k] = not means_it(written(parens))
     result = written(parens)
-    return result if means_it(result) else ast.unparse(want)
+    return result if means_it(result) else None
 
 
-class _Substitute(ast.NodeTransformer):
-    def __init__(self, values: dict[str, ast.expr]):
-        self.values = values
-
-    def visit_Name(self, node: ast.Name):  # noqa: N802 - ast.NodeTransformer's naming
-        return self.values.get(node.id, node) if isinstance(node.ctx, ast.Load) else node
-
-
-def _parse(text: str) -> ast.stmt | None:
+def _parse(text: str) -> ast.Assign | None:
     """The one assignment ``text`` holds, or None (two statements, an annotation, no assignment)."""
     try:
         body = ast.parse(text).body
@@ -208,14 +238,14 @@ def _operands(u: fx.Node) -> list[fx.Node]:
     return found
 
 
-def _foldable(c: fx.Node, u: fx.Node, parsed: dict, pos: dict) -> bool:
+def _foldable(c: fx.Node, u: fx.Node, parse, pos: dict) -> bool:
     """``c`` may be printed inside ``u``: cheap, pure, one value read once, by ``u`` only."""
-    stmt = parsed.get(pos[c])
-    if stmt is None or list(c.users) != [u] or _operands(u).count(c) != 1 or not _named_by_op(c) or not _cheap(c):
+    if list(c.users) != [u] or not _named_by_op(c) or not _cheap(c) or _operands(u).count(c) != 1:
         return False
     if u.target is operator.matmul and c.target in _PRODUCTS:
         return False  # ``a / s @ k`` is ``(a / s) @ k``, which few readers see at a glance
-    target = stmt.targets[0]
+    stmt = parse(pos[c])
+    target = stmt.targets[0] if stmt is not None else None
     return isinstance(target, ast.Name) and target.id == c.name and not isinstance(c.meta.get("val"), (tuple, list))
 
 
@@ -276,15 +306,18 @@ def _cheap(c: fx.Node) -> bool:
     if c.op == "call_function" and c.target is operator.getitem:
         return isinstance(c.args[0], fx.Node) and isinstance(c.args[0].meta.get("val"), torch.Tensor)
     if isinstance(c.target, torch._ops.OpOverload):
-        packet, name = c.target.overloadpacket, c.target.overloadpacket.__name__
-    else:
-        name = c.target if isinstance(c.target, str) else getattr(c.target, "__name__", "")
-        packet = getattr(torch.ops.aten, name, None) if name else None
-    if not name or name.endswith("_") or packet is None:
+        return _cheap_op(c.target.overloadpacket.__name__)
+    return _cheap_op(c.target if isinstance(c.target, str) else getattr(c.target, "__name__", ""))
+
+
+@functools.cache
+def _cheap_op(name: str) -> bool:
+    """Whether the ATen ops named ``name`` are cheap: views, sizes, ``sum``/``mean``, factories
+    (``_CHEAP_NAMES``) or pointwise, and never random or in place."""
+    packet = getattr(torch.ops.aten, name, None) if name and not name.endswith("_") else None
+    if packet is None:
         return False
     overloads = [getattr(packet, o) for o in packet.overloads()]
     if any(torch.Tag.nondeterministic_seeded in o.tags for o in overloads):
         return False
-    if name in _CHEAP_NAMES:
-        return True
-    return any(torch.Tag.pointwise in o.tags and not o._schema.is_mutable for o in overloads)
+    return name in _CHEAP_NAMES or any(torch.Tag.pointwise in o.tags and not o._schema.is_mutable for o in overloads)
