@@ -1,6 +1,6 @@
 """How a graph prints as Python: what ``gm.code`` looks like.
 
-torch.fx's code generator is kept, with three changes made to the lines it writes:
+torch.fx's code generator is kept, with four changes made to the lines it writes:
 
 - keyword arguments as PEP 8 writes them: ``stride=[1, 1]``, not ``stride = [1, 1]``;
 - one statement per multi-output op, ``ln_1, mean, rstd = torch.native_layer_norm(...)``, with
@@ -13,7 +13,9 @@ torch.fx's code generator is kept, with three changes made to the lines it write
   after its last use with a ``del`` line. Only small programs (values peaking under
   ``SMALL_PROGRAM_BYTES``: examples, tests) keep small values so, and their peak memory can grow
   by at most ``SLACK_BYTES``; larger ones free every value fx frees except those whose storage
-  lives to the end anyway, so their peak memory is exactly fx's.
+  lives to the end anyway, so their peak memory is exactly fx's;
+- single-use cheap values named only by their op are written inside their user's expression
+  (``fold.py``): the same ATen calls in the same order, the same frees, fewer lines.
 """
 
 from __future__ import annotations
