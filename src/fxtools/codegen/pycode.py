@@ -1,6 +1,6 @@
 """How a graph prints as Python: what ``gm.code`` looks like.
 
-torch.fx's code generator is kept, with three changes made to the lines it writes:
+torch.fx's code generator is kept, with four changes made to the lines it writes:
 
 - keyword arguments as PEP 8 writes them: ``stride=[1, 1]``, not ``stride = [1, 1]``;
 - one statement per multi-output op, ``ln_1, mean, rstd = torch.native_layer_norm(...)``, with
@@ -13,7 +13,9 @@ torch.fx's code generator is kept, with three changes made to the lines it write
   after its last use with a ``del`` line. Only small programs (values peaking under
   ``SMALL_PROGRAM_BYTES``: examples, tests) keep small values so, and their peak memory can grow
   by at most ``SLACK_BYTES``; larger ones free every value fx frees except those whose storage
-  lives to the end anyway, so their peak memory is exactly fx's.
+  lives to the end anyway, so their peak memory is exactly fx's;
+- single-use cheap values named only by their op are written inside their user's expression
+  (``fold.py``): the same ATen calls in the same order, the same frees, fewer lines.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import tokenize
 import torch
 import torch.fx as fx
 
+from .fold import fold, folding
+
 SLACK_BYTES = 64 * 1024  # at most this many bytes are kept alive longer than fx's frees would keep them
 SMALL_PROGRAM_BYTES = 4 * 1024 * 1024  # ... and only by programs whose values peak below this
 _COUNTER = re.compile(r"^# COUNTER: (\d+)\n$")
@@ -34,15 +38,18 @@ _FREE = re.compile(r"^;  (.*) = None\n$")
 
 
 class ReadableCodeGen(fx.graph.CodeGen):
-    """fx's code generator with PEP 8 keywords, unpacked multi-output ops and frees only where they matter."""
+    """fx's code generator with PEP 8 keywords, unpacked multi-output ops, frees only where they
+    matter and single-use cheap values folded into their users (``fold.py``; not in verbose code,
+    ``print_readable``'s, which annotates every value, nor inside ``fold.flat()``)."""
 
-    def __init__(self, frees: bool = True):
+    def __init__(self, frees: bool = True, fold: bool = True):
         super().__init__()
-        self.frees = frees
+        self.frees, self.fold = frees, fold
 
     def _gen_python_code(self, nodes, root_module, namespace, **kwargs):
         node_list = list(nodes)
-        self._body_transformer = lambda body: _transform(body, node_list, self.frees)
+        folds = self.fold and folding() and not kwargs.get("verbose") and not kwargs.get("record_func")
+        self._body_transformer = lambda body: _transform(body, node_list, self.frees, folds)
         try:
             return super()._gen_python_code(nodes, root_module, namespace, **kwargs)
         finally:
@@ -55,7 +62,8 @@ def use_readable_code(graph: fx.Graph) -> None:
         graph.set_codegen(ReadableCodeGen())
 
 
-def _transform(body: list[str], nodes: list[fx.Node], frees: bool) -> list[str]:
+def _transform(body: list[str], nodes: list[fx.Node], frees: bool, folds: bool) -> list[str]:
+    """fx's body lines (``# COUNTER: i`` starts node ``i``'s) rewritten as the module docstring says."""
     chunks: list[tuple[int | None, list[str]]] = [(None, [])]
     for piece in body:
         m = _COUNTER.match(piece)
@@ -64,7 +72,7 @@ def _transform(body: list[str], nodes: list[fx.Node], frees: bool) -> list[str]:
         else:
             chunks[-1][1].append(piece)
     unpacked = _multi_output_nodes(nodes)
-    parts_of = {g: m for m, parts in unpacked.items() for g in parts.values()}
+    parts_of = {g for parts in unpacked.values() for g in parts.values()}  # written by their op's statement
     freed: dict[int, list[str]] = {}
     for i, pieces in chunks:
         if i is None or nodes[i].op == "placeholder" or len(pieces) < 2:
@@ -77,37 +85,47 @@ def _transform(body: list[str], nodes: list[fx.Node], frees: bool) -> list[str]:
     for names in freed.values():
         names[:] = [n for n in names if not (n in by_name and by_name[n] in unpacked)]  # the tuple variable is gone
     keep = _needed_frees(nodes, freed, by_name) if frees else {}
+    statements = {
+        i: _statement(nodes[i], pieces, unpacked)
+        for i, pieces in chunks
+        if i is not None and len(pieces) > 2 and nodes[i] not in parts_of
+    }
+    gone: set[int] = set()
+    if folds:
+        rewritten, gone = fold(nodes, statements, keep)
+        statements.update(rewritten)
+        names_gone = {nodes[i].name for i in gone}
+        keep = {i: [n for n in names if n not in names_gone] for i, names in keep.items()}
     out = []
     for i, pieces in chunks:
         if i is None:
             out.extend(pieces)
-            continue
-        node = nodes[i]
-        if node in parts_of:
-            out.append(pieces[0])
-            out.append(pieces[-1] if pieces[-1] != "\n" else "")
+        elif i in gone or nodes[i] in parts_of:
+            out.append(pieces[0])  # written as part of another statement
+        elif i in statements:
+            out += [pieces[0], statements[i], pieces[-1]]
         else:
-            text = "".join(pieces[1:-1]) if len(pieces) > 2 else ""
-            if node in unpacked and text.startswith(f"{node.name} = "):
-                parts = unpacked[node]
-                size = max(parts) + 1 if parts else 0
-                size = max(size, len(node.meta["val"]))
-                targets = ", ".join(parts[k].name if k in parts else "_" for k in range(size))
-                if size == 1:  # a one-element tuple (a cond with one output, a split into one chunk)
-                    targets = f"({targets},)"
-                text = f"{targets} = " + text[len(node.name) + 3 :]
-            if node.op in ("call_function", "call_method", "call_module"):
-                text = _pep8_keywords(text)
-            out.append(pieces[0])
-            if len(pieces) > 2:
-                out.append(text)
-                out.append(pieces[-1])
-            else:
-                out.extend(pieces[1:])
-        dels = keep.get(i)
-        if dels:
-            out.append(f"del {', '.join(dels)}\n")
+            out.extend(pieces)
+        if i is not None and keep.get(i):
+            out.append(f"del {', '.join(keep[i])}\n")
     return out
+
+
+def _statement(node: fx.Node, pieces: list[str], unpacked: dict) -> str:
+    """Node's statement as fx wrote it (``pieces``: its counter, its text, its end), with the
+    parts of a multi-output op unpacked and keywords as PEP 8 writes them."""
+    text = "".join(pieces[1:-1])
+    if node in unpacked and text.startswith(f"{node.name} = "):
+        parts = unpacked[node]
+        size = max(parts) + 1 if parts else 0
+        size = max(size, len(node.meta["val"]))
+        targets = ", ".join(parts[k].name if k in parts else "_" for k in range(size))
+        if size == 1:  # a one-element tuple (a cond with one output, a split into one chunk)
+            targets = f"({targets},)"
+        text = f"{targets} = " + text[len(node.name) + 3 :]
+    if node.op in ("call_function", "call_method", "call_module"):
+        text = _pep8_keywords(text)
+    return text
 
 
 def _multi_output_nodes(nodes) -> dict[fx.Node, dict[int, fx.Node]]:
