@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import traceback
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,8 +42,13 @@ from .replacements import Replacing, check_no_writes
 
 @dataclass
 class Captured:
-    """A traced function: its graph and how its pytree inputs and outputs flatten."""
+    """A traced function: the function, its graph and how its pytree inputs and outputs flatten.
 
+    Built by ``capture`` (every field but ``front``); ``transforms/pipeline.front`` sets ``front``
+    (the transform it prepared the graph for), and ``pipeline.back`` reads every field."""
+
+    f: Callable  # the function traced (the user's, or the wrapper a transform traces in its place)
+    arg_names: list[str]  # one identifier per positional argument (of ``f``'s signature)
     gm: fx.GraphModule
     in_spec: pytree.TreeSpec  # of the tuple of positional arguments
     out_spec: pytree.TreeSpec  # of the return value
@@ -54,6 +60,7 @@ class Captured:
     symbolic: Any = None  # sizes.Symbolic when sizes were marked dynamic (dynamic_shapes=)
     layout_reads: dict = field(default_factory=dict)  # leaf path -> layout facts read (capture/layout_reads.py)
     reads: list = field(default_factory=list)  # what f read from outside its arguments (capture/closures.py)
+    front: str | None = None  # the transform whose front (transforms/pipeline.py) prepared gm, if any
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -438,7 +445,18 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     gm.recompile()
     arg_of_leaf = [p[0].idx if p else 0 for p in paths]
     cap = Captured(
-        gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"], symbolic, reads=reads
+        f,
+        top_names,
+        gm,
+        in_spec,
+        out_info["spec"],
+        leaves,
+        names,
+        is_tensor,
+        arg_of_leaf,
+        out_info["leaves"],
+        symbolic,
+        reads=reads,
     )
     tensor_paths = [top_names[p[0].idx] + pytree.keystr(p[1:]) for p, t in zip(paths, is_tensor) if t]
     found = layout_facts(layout.reads, placeholders, [x for x, t in zip(leaves, is_tensor) if t])
