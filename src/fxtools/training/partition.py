@@ -470,7 +470,7 @@ def _edited(sp: Split, forward, backward, saved_nodes, saved: list, cts: list) -
     )
 
 
-def _boxed(backward: GuardedGraphModule) -> GuardedGraphModule:
+def _boxed(backward: fx.GraphModule) -> GuardedGraphModule:
     """``backward`` called as ``backward_boxed([*saved, *cotangents])`` (the list is emptied on entry)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(backward.graph, {}))
@@ -506,7 +506,7 @@ class Split:
     leaf_paths: list  # pytree path of each tensor leaf of the arguments
     out_is_tensor: list[bool]  # for each leaf of f's result
     out_tensor_paths: list[str]  # "out[0]", ... for each tensor leaf of the result
-    storage_bytes: dict[str, int]  # bytes of each storage a saved value lives in
+    storage_bytes: dict  # bytes of each storage a saved value lives in
     _partition: _Partition | None = None  # the joint graph's partition (None for an edited split)
     aten: dict = field(default_factory=dict)  # to_aten's results, by decomposition table (training/aten.py)
 
@@ -740,7 +740,7 @@ def _with_grad_leaves(wrt: list[bool], grad_leaves) -> list[bool]:
     return [w and g for w, g in zip(wrt, grad_leaves)]
 
 
-def _forward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured) -> GuardedGraphModule:
+def _forward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured) -> fx.GraphModule:
     """The forward: the inputs in; outputs, saved values and side effects (buffer updates)."""
     fg = fx.Graph()
     env = {}
@@ -760,7 +760,7 @@ def _flat_grads(part: _Partition, wrt: list[bool]) -> list:
     return [next(it) if w else None for w in wrt]
 
 
-def _backward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured, grads) -> GuardedGraphModule:
+def _backward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured, grads) -> fx.GraphModule:
     """The backward: saved values and cotangents in, recomputation placed just before first use,
     ``grads`` (joint-graph nodes, nested as the arguments) out."""
     keep = set(forward_nodes(part, part.saved))
