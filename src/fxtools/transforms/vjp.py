@@ -63,19 +63,13 @@ class AuxSplit:
 
 
 def grads_structure(cap: Captured, args, grads_flat, argnums):
-    """Nest flat gradients like the differentiated arguments; non-float leaves get None."""
+    """Nest flat gradients (one per tensor leaf of a differentiated argument) like the
+    differentiated arguments; non-float leaves get None."""
     it = iter(grads_flat)
-    tensor_leaves = [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t]
     per_leaf = []
-    ti = 0
     for leaf, t, a in zip(cap.leaves, cap.tensor_leaf, cap.arg_of_leaf):
-        if t:
-            g = next(it) if a in argnums else None
-            ti += 1
-        else:
-            g = None
+        g = next(it) if t and a in argnums else None
         per_leaf.append(g if is_float(leaf) else None)
-    del tensor_leaves
     nested = pytree.tree_unflatten(per_leaf, cap.in_spec)
     return tuple(nested[a] for a in argnums)
 
