@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +42,13 @@ from .replacements import Replacing, check_no_writes
 
 @dataclass
 class Captured:
-    """A traced function: its graph and how its pytree inputs and outputs flatten."""
+    """A traced function: the function, its graph and how its pytree inputs and outputs flatten.
 
+    Built by ``capture`` (every field but ``front``); ``transforms/pipeline.front`` sets ``front``
+    (the transform it prepared the graph for), and ``pipeline.back`` reads every field."""
+
+    f: Callable  # the function traced (the user's, or the wrapper a transform traces in its place)
+    arg_names: list[str]  # one identifier per positional argument (of ``f``'s signature)
     gm: fx.GraphModule
     in_spec: pytree.TreeSpec  # of the tuple of positional arguments
     out_spec: pytree.TreeSpec  # of the return value
@@ -54,6 +60,7 @@ class Captured:
     symbolic: Any = None  # sizes.Symbolic when sizes were marked dynamic (dynamic_shapes=)
     layout_reads: dict = field(default_factory=dict)  # leaf path -> layout facts read (capture/layout_reads.py)
     reads: list = field(default_factory=list)  # what f read from outside its arguments (capture/closures.py)
+    front: str | None = None  # the transform whose front (transforms/pipeline.py) prepared gm, if any
 
     @property
     def placeholders(self) -> list[fx.Node]:
@@ -385,7 +392,45 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     _refuse_hidden_tensors(paths_leaves, top_names)
     names = leaf_names(paths, top_names)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
-    out_info = {}
+    layout = LayoutReads()  # strides and contiguity the program reads (capture/layout_reads.py)
+    flat_f, out_info = _flat_function(f, leaves, is_tensor, in_spec, layout)
+    tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
+    outer = outer_frames()
+    reads = outside_reads(f, {n: x for n, x in zip(names, leaves) if isinstance(x, torch.nn.Module)})
+    symbolic = None
+    if dynamic_shapes is not None:
+        from ..signature.sizes import fake_arguments
+
+        fake_args, symbolic = fake_arguments(f, tuple(args), dynamic_shapes)
+        tensors = [x for x in pytree.tree_leaves(fake_args) if isinstance(x, torch.Tensor)]
+    gm = _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch)
+    reads = _tidy(gm, f, [n for n, t in zip(names, is_tensor) if t], reads, outer)
+    arg_of_leaf = [p[0].idx if p else 0 for p in paths]
+    cap = Captured(
+        f,
+        top_names,
+        gm,
+        in_spec,
+        out_info["spec"],
+        leaves,
+        names,
+        is_tensor,
+        arg_of_leaf,
+        out_info["leaves"],
+        symbolic,
+        reads=reads,
+    )
+    tensor_paths = [top_names[p[0].idx] + pytree.keystr(p[1:]) for p, t in zip(paths, is_tensor) if t]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = layout_facts(layout.reads, placeholders, [x for x, t in zip(leaves, is_tensor) if t])
+    cap.layout_reads = {tensor_paths[i]: tuple(fs) for i, fs in found.items()}
+    return cap
+
+
+def _flat_function(f, leaves: list, is_tensor: list[bool], in_spec, layout: LayoutReads):
+    """``f`` as a function of its arguments' tensor leaves returning its output's leaves (what
+    make_fx traces), and the dict that receives the output's ``spec`` and ``leaves`` when it runs."""
+    out_info: dict[str, Any] = {}
 
     def flat_f(*tensors):
         it = iter(tensors)
@@ -403,16 +448,13 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
         return out_leaves
 
     PROGRAM_ENTRIES.add(flat_f.__code__)  # decisions below it are the program's (errors.decision_line)
-    tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
-    layout = LayoutReads()  # strides and contiguity the program reads (capture/layout_reads.py)
-    outer = outer_frames()
-    reads = outside_reads(f, {n: x for n, x in zip(names, leaves) if isinstance(x, torch.nn.Module)})
-    symbolic = None
-    if dynamic_shapes is not None:
-        from ..signature.sizes import fake_arguments
+    return flat_f, out_info
 
-        fake_args, symbolic = fake_arguments(f, tuple(args), dynamic_shapes)
-        tensors = [x for x in pytree.tree_leaves(fake_args) if isinstance(x, torch.Tensor)]
+
+def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_dispatch: bool) -> fx.GraphModule:
+    """make_fx of ``flat_f`` with the user's program traced as fxtools needs it (custom functions,
+    compiler flags, static control flow, inference mode, module calls recorded); a data-dependent
+    failure names the user's line."""
     try:
         with (
             _custom_autograd_functions(pre_dispatch),
@@ -421,29 +463,28 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):
-            gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch)
+            return trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch)
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if is_data_dependent(exc):
             raise data_dependent_error(exc) from exc
         raise
+
+
+def _tidy(gm: fx.GraphModule, f, tensor_names_: list[str], reads: list, outer) -> list:
+    """Refuse writes and collectives; name placeholders after their leaves, constants after the
+    attributes they are and values after the user's variables; locate the outside reads (returned,
+    less those tracing itself changed)."""
     check_no_writes(gm)
     check_no_collectives(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, name in zip(placeholders, [n for n, t in zip(names, is_tensor) if t]):
+    for node, name in zip(placeholders, tensor_names_):
         node._rename(name)
     reads = unchanged_by_tracing(reads)
     _name_constants(gm, tensor_names(reads))
     locate(gm, reads)
     name_values(gm, f, outer)
     gm.recompile()
-    arg_of_leaf = [p[0].idx if p else 0 for p in paths]
-    cap = Captured(
-        gm, in_spec, out_info["spec"], leaves, names, is_tensor, arg_of_leaf, out_info["leaves"], symbolic, reads=reads
-    )
-    tensor_paths = [top_names[p[0].idx] + pytree.keystr(p[1:]) for p, t in zip(paths, is_tensor) if t]
-    found = layout_facts(layout.reads, placeholders, [x for x, t in zip(leaves, is_tensor) if t])
-    cap.layout_reads = {tensor_paths[i]: tuple(fs) for i, fs in found.items()}
-    return cap
+    return reads
 
 
 def check_supported(gm: fx.GraphModule) -> None:

@@ -82,6 +82,11 @@ NOTE: Key[str] = Key("fxtools_note", "What a value holds, for Split.report (a sc
 OUT_EXAMPLE: Key[Any] = Key(
     "fxtools_out_example", "gm.meta: the program's output with FakeTensors (shapes and dtypes), for composed transforms."
 )
+BUILT_BY: Key[Any] = Key(
+    "fxtools_built_by",
+    "gm.meta: a transforms.pipeline.Built(front, back) saying which transform's shared front prepared the "
+    "program and which one's shared back finished the module (tests/test_pipeline.py checks every transform).",
+)
 
 # What a rewritten node keeps of the node it replaces: the user's line and the part it belongs to.
 KEPT_ON_REWRITE = ("stack_trace", PART.name)

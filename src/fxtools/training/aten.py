@@ -242,7 +242,7 @@ class AtenSplit:
 
 def _input_descs(sp: Split) -> list[Descriptor]:
     descs = []
-    kinds = getattr(sp._cap.f, "__fxtools_input_kinds__", None)  # a Dynamo graph's: parameters by position
+    kinds = getattr(sp.captured.f, "__fxtools_input_kinds__", None)  # a Dynamo graph's: parameters by position
     for info, path in zip(sp.signature, sp.leaf_paths):
         if kinds is not None and len(path) == 1 and kinds[path[0].idx][0] == "parameter":
             descs.append(Descriptor("parameter", info.name, info.path, kinds[path[0].idx][1]))
@@ -256,14 +256,13 @@ def _input_descs(sp: Split) -> list[Descriptor]:
 def to_aten(sp: Split, decompositions=None) -> AtenSplit:
     """The ATen forward and backward of ``sp`` (see the module docstring), made once per table."""
     key = decompositions if isinstance(decompositions, (str, type(None))) else id(decompositions)
-    cache = sp.__dict__.setdefault("_aten", {})
-    if key not in cache:
-        cache[key] = _to_aten(sp, decomposition_table(decompositions))
-    return cache[key]
+    if key not in sp.aten:
+        sp.aten[key] = _to_aten(sp, decomposition_table(decompositions))
+    return sp.aten[key]
 
 
 def _to_aten(sp: Split, table) -> AtenSplit:
-    module = getattr(sp._cap.f, "__fxtools_module__", None)
+    module = getattr(sp.captured.f, "__fxtools_module__", None)
     fqn = {id(b): name for name, b in module.named_buffers()} if module is not None else {}
     in_descs = _input_descs(sp)
     forward, lifted, buffers, mutated = _aten_forward(sp, table, fqn, in_descs)

@@ -102,7 +102,7 @@ def _compile(compiler, gm: fx.GraphModule, examples, sp: Split):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    if sp._cap.symbolic is None:
+    if sp.captured.symbolic is None:
         mode = FakeTensorMode(shape_env=ShapeEnv())
         examples = [mode.from_tensor(x, static_shapes=True) for x in examples]
     else:
@@ -137,7 +137,7 @@ def _compile_backward(compiler, aten, sp: Split, saved_strides):
     it holds itself, ``aten.backward_buffers``), and the strides it was made for (None where
     symbolic). ``saved_strides``: the layouts the compiled forward gives the saved values."""
     vals = [p.meta["val"] for p in aten.backward.graph.nodes if p.op == "placeholder"]
-    if sp._cap.symbolic is None:
+    if sp.captured.symbolic is None:
         strides = [_int_stride(s) for s in (saved_strides or [])][: len(sp.saved)]
         strides += [None] * (len(vals) - len(strides))
         examples = [_example(v, s) for v, s in zip(vals, strides)]
@@ -208,11 +208,11 @@ class _Runner:
             saved_strides = out_strides[self.aten.n_outputs :] if out_strides else None
             (self.bw, strides), self.bw_aten = _compile_backward(bw_compiler, self.aten, sp, saved_strides), True
             self.ct_strides = strides[len(sp.saved) : len(sp.saved) + len(sp.cotangents)]
-        cap = sp._cap
+        cap = sp.captured
         self.out_leaves = cap.out_leaves
         self.out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
         tensor_positions = [i for i, t in enumerate(self.out_is_tensor) if t]
-        self.ct_positions = [tensor_positions.index(i) for i in sp._ct_index]
+        self.ct_positions = [tensor_positions.index(i) for i in sp.ct_index]
         self.saved = SavedValues(sp.saved)
         self.replay = Replay(sp, compiled_forward=self.aten.forward if self.fw_aten else None)
 

@@ -748,7 +748,7 @@ def measure_peak(split, *args) -> int:
     def run():
         out, saved = split.forward(*flat)
         leaves = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-        box = [*saved, *(torch.ones_like(leaves[i]) for i in split._ct_index)]
+        box = [*saved, *(torch.ones_like(leaves[i]) for i in split.ct_index)]
         del saved
         return out, split.backward_boxed(box)
 

@@ -38,7 +38,8 @@ Regions of ``torch.utils.checkpoint`` in user code are recomputed in the backwar
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -47,8 +48,7 @@ from torch.utils import _pytree as pytree
 
 from .. import registry
 from ..capture.checkpoint import checkpoint_regions
-from ..codegen.render import render
-from ..codegen.show import remember_inputs
+from ..capture.trace import Captured
 from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
 from ..graph import meta
@@ -56,10 +56,11 @@ from ..graph.nodes import fake_mode_of
 from ..passes.simplify import simplify
 from ..signature import closures, sizes
 from ..signature.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
-from ..signature.naming import arg_names, part_name
+from ..signature.naming import part_name
 from ..transforms.calling import transform
+from ..transforms.pipeline import differentiated, emit, front, uses_pipeline
 from ..transforms.reverse import ReverseSpec, reverse
-from ..transforms.vjp import grads_structure, prepare
+from ..transforms.vjp import grads_structure
 from . import policies
 from .cuts import INF, backward_nodes, forward_nodes, max_flow_min_cut, nbytes, storage_root
 
@@ -322,14 +323,6 @@ def _copy_meta(new: fx.Node, old: fx.Node) -> fx.Node:
     return new
 
 
-def _finish(gm: fx.GraphModule, symbolic=None) -> fx.GraphModule:
-    render(gm)
-    sizes.name_sizes(gm, symbolic)
-    gm.graph.lint()
-    gm.recompile()
-    return remember_inputs(gm)
-
-
 def _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap=None) -> None:
     """Guards (``fxtools.signature.guards``) of the three graphs: inputs by their paths in the arguments,
     saved values by name (any layout: they come from the forward), cotangents as the outputs."""
@@ -352,11 +345,7 @@ def _install_guards(forward, backward, backward_boxed, args, top, part, signatur
         sizes.guard_symbolic(saved, cap, saved_vals)
         sizes.guard_symbolic(cts, cap, ct_vals)
     backward.guards = Guards("fxtools.split backward", saved.names + cts.names, saved.args + cts.args)
-    backward_boxed.guards = Guards(
-        "fxtools.split backward_boxed",
-        ("args",),
-        (Node("args", "list", "list", tuple(range(len(backward.guards.args))), backward.guards.args),),
-    )
+    backward_boxed.guards = _boxed_guards(backward.guards)
 
 
 class _FakeRun(fx.Interpreter):
@@ -407,25 +396,125 @@ class Report(str):
         return str(self)
 
 
+def _check_edited_forward(sp: Split, forward: fx.GraphModule, mode, vals: list):
+    """Run the edited forward in fake mode: it must take the split's inputs and return
+    ``(out, (saved node, ...))`` with ``out`` as before. The saved values, before and after, and
+    the edited forward's saved nodes."""
+    fw_ph = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    if len(fw_ph) != len(sp.signature):
+        raise FxtoolsError(
+            f"the edited forward takes {len(fw_ph)} arguments; the split's forward takes {len(sp.signature)}: "
+            f"{', '.join(i.name for i in sp.signature)}. Keep one placeholder per input."
+        )
+    with mode:
+        want_out, want_saved = _FakeRun(sp.forward, mode).run(*vals)
+        got = _FakeRun(forward, mode).run(*vals)
+    if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[1], (tuple, list))):
+        raise FxtoolsError("the edited forward must return (out, saved) with saved a tuple of tensors")
+    out, saved = got
+    _same_structure("the edited forward's out", out, want_out)
+    output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
+    saved_nodes = output.args[0][1] if isinstance(output.args[0], (tuple, list)) and len(output.args[0]) == 2 else None
+    if saved_nodes is None or len(saved_nodes) != len(saved) or not all(isinstance(n, fx.Node) for n in saved_nodes):
+        raise FxtoolsError(
+            "the edited forward's output must be (out, (saved node, ...)): return the saved values as a tuple of graph values"
+        )
+    if not all(isinstance(v, torch.Tensor) for v in saved):
+        raise FxtoolsError("every saved value of the edited forward must be a tensor")
+    return want_saved, saved, saved_nodes
+
+
+def _check_edited_backward(sp: Split, backward: fx.GraphModule, mode, want_saved, saved) -> list:
+    """Run the edited backward in fake mode on ``(*saved, *cotangents)``: its gradients must have
+    the split's structure, shapes and dtypes. The cotangents' examples."""
+    bw_ph = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    if len(bw_ph) != len(saved) + len(sp.cotangents):
+        raise FxtoolsError(
+            f"the edited backward takes {len(bw_ph)} arguments; the forward saves {len(saved)} values and there are "
+            f"{len(sp.cotangents)} cotangents ({', '.join(c.name for c in sp.cotangents)}): it must take (*saved, *cotangents)"
+        )
+    cts = [c.meta["val"] for c in [n for n in sp.backward.graph.nodes if n.op == "placeholder"][len(sp.saved) :]]
+    with mode:
+        want_grads = _FakeRun(sp.backward, mode).run(*want_saved, *cts)
+        grads = _FakeRun(backward, mode).run(*saved, *cts)
+    _same_structure("the edited backward's gradients", grads, want_grads)
+    return cts
+
+
+def _edited(sp: Split, forward, backward, saved_nodes, saved: list, cts: list) -> Split:
+    """``sp`` with the (checked) edited graphs: saved values described anew, guards rebuilt."""
+    fw_set = {n for n in forward.graph.nodes if n.op == "placeholder"}
+    output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
+    out_nodes = {n for n in pytree.tree_leaves(output.args[0][0]) if isinstance(n, fx.Node)}
+    bw_ph = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    infos, storage_bytes = [], {}
+    for node, p, v in zip(saved_nodes, bw_ph, saved):
+        root = storage_root(node)
+        kind = "input" if root in fw_set else "output" if node in out_nodes else "activation"
+        storage_bytes[p.name] = nbytes(v)
+        infos.append(TensorInfo(p.name, tuple(v.shape), v.dtype, nbytes(v), kind, None, user_line_of(node), p.name))
+    forward, backward = _as_guarded(forward, "SplitForward"), _as_guarded(backward, "SplitBackward")
+    backward_boxed = _boxed(backward)
+    forward.guards = sp.forward.guards
+    saved_guards = build("fxtools.split backward", [i.name for i in infos], sizes.concrete(sp.captured, list(saved)))
+    ct_guards = build("fxtools.split backward", [c.name for c in sp.cotangents], sizes.concrete(sp.captured, cts))
+    backward.guards = Guards("fxtools.split backward", saved_guards.names + ct_guards.names, saved_guards.args + ct_guards.args)
+    backward_boxed.guards = _boxed_guards(backward.guards)
+    return replace(
+        sp,
+        forward=forward,
+        backward=backward,
+        backward_boxed=backward_boxed,
+        saved=infos,
+        storage_bytes=storage_bytes,
+        _partition=None,
+        aten={},
+    )
+
+
+def _boxed(backward: fx.GraphModule) -> GuardedGraphModule:
+    """``backward`` called as ``backward_boxed([*saved, *cotangents])`` (the list is emptied on entry)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(backward.graph, {}))
+    graph.set_codegen(_BoxedCodeGen())
+    boxed = GuardedGraphModule(backward, graph, class_name="SplitBackwardBoxed")
+    meta.BUILT_BY.set(boxed, meta.BUILT_BY.get(backward))
+    return boxed
+
+
+def _boxed_guards(guards: Guards) -> Guards:
+    return Guards(
+        "fxtools.split backward_boxed", ("args",), (Node("args", "list", "list", tuple(range(len(guards.args))), guards.args),)
+    )
+
+
+@dataclass(eq=False)
 class Split:
     """A forward graph and a backward graph (see the module docstring for the calling conventions)."""
 
-    def __init__(self, forward, backward, backward_boxed, signature, saved, cotangents, policy, in_spec, out_spec, captured):
-        self.forward: fx.GraphModule = forward
-        self.backward: fx.GraphModule = backward
-        self.backward_boxed: fx.GraphModule = backward_boxed
-        self.signature: list[TensorInfo] = signature
-        self.saved: list[TensorInfo] = saved
-        self.cotangents: list[TensorInfo] = cotangents
-        self.policy = policy
-        self.in_spec = in_spec
-        self.out_spec = out_spec
-        self._cap = captured
-        self.from_module = False  # made from an nn.Module: the first argument holds its parameters
-        self.leaf_paths: list = []  # pytree path of each tensor leaf of the arguments
-        self.out_is_tensor: list[bool] = []  # for each leaf of f's result
-        self.out_tensor_paths: list[str] = []  # "out[0]", ... for each tensor leaf of the result
-        self._partition: _Partition | None = None  # the joint graph's partition (None for an edited split)
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    backward_boxed: fx.GraphModule
+    signature: list[TensorInfo]  # the forward's inputs
+    saved: list[TensorInfo]  # what the forward saves for the backward
+    cotangents: list[TensorInfo]  # the backward's cotangent inputs
+    policy: Any
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    guards: Guards  # of the original arguments, Python values included (``flatten``, ``vjp``)
+    captured: Captured  # the program as the shared front captured it (training/saved.py replays it)
+    ct_index: list[int]  # the output leaf each cotangent belongs to
+    from_module: bool  # made from an nn.Module: the first argument holds its parameters
+    leaf_paths: list  # pytree path of each tensor leaf of the arguments
+    out_is_tensor: list[bool]  # for each leaf of f's result
+    out_tensor_paths: list[str]  # "out[0]", ... for each tensor leaf of the result
+    storage_bytes: dict  # bytes of each storage a saved value lives in
+    _partition: _Partition | None = None  # the joint graph's partition (None for an edited split)
+    aten: dict = field(default_factory=dict)  # to_aten's results, by decomposition table (training/aten.py)
+
+    @property
+    def _saved_kinds(self) -> list[str]:
+        return [s.kind for s in self.saved]
 
     # -- calling helpers ---------------------------------------------------------------------
 
@@ -438,22 +527,22 @@ class Split:
     def flatten_cotangent(self, grad_out) -> list[torch.Tensor]:
         """The cotangent leaves the backward takes, from ``grad_out`` shaped like ``f``'s output."""
         leaves = pytree.tree_leaves(grad_out)
-        if len(leaves) == len(self._cap.out_leaves):
-            return [leaves[i] for i in self._ct_index]
-        if len(leaves) == len(self._ct_index):
+        if len(leaves) == len(self.captured.out_leaves):
+            return [leaves[i] for i in self.ct_index]
+        if len(leaves) == len(self.ct_index):
             return leaves
-        raise ValueError(f"grad_out has {len(leaves)} leaves; expected {len(self._ct_index)} cotangents")
+        raise ValueError(f"grad_out has {len(leaves)} leaves; expected {len(self.ct_index)} cotangents")
 
     def flat_grads(self, grads) -> list:
         """The backward's gradients as one entry per tensor leaf of the arguments (forward order)."""
         leaves = pytree.tree_leaves(grads)  # None is a leaf
-        return [g for g, t in zip(leaves, self._cap.tensor_leaf) if t]
+        return [g for g, t in zip(leaves, self.captured.tensor_leaf) if t]
 
     def vjp(self, *args, grad_out=None):
         """Run forward then backward: ``(out, grads)``; ``grad_out`` defaults to ones."""
         out, saved = self.forward(*self.flatten(*args))
         if grad_out is None:
-            cts = [torch.ones_like(o) for o in (pytree.tree_leaves(out)[i] for i in self._ct_index)]
+            cts = [torch.ones_like(o) for o in (pytree.tree_leaves(out)[i] for i in self.ct_index)]
         else:
             cts = self.flatten_cotangent(grad_out)
         return out, self.backward_boxed([*saved, *cts])
@@ -473,86 +562,11 @@ class Split:
         """
         forward = self.forward if forward is None else forward
         backward = self.backward if backward is None else backward
-        fw_ph = [n for n in forward.graph.nodes if n.op == "placeholder"]
-        old_fw_ph = [n for n in self.forward.graph.nodes if n.op == "placeholder"]
-        if len(fw_ph) != len(self.signature):
-            raise FxtoolsError(
-                f"the edited forward takes {len(fw_ph)} arguments; the split's forward takes {len(self.signature)}: "
-                f"{', '.join(i.name for i in self.signature)}. Keep one placeholder per input."
-            )
-        vals = [p.meta["val"] for p in old_fw_ph]
+        vals = [n.meta["val"] for n in self.forward.graph.nodes if n.op == "placeholder"]
         mode = fake_mode_of(vals, create=True)
-        with mode:
-            want_out, want_saved = _FakeRun(self.forward, mode).run(*vals)
-            got = _FakeRun(forward, mode).run(*vals)
-        if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[1], (tuple, list))):
-            raise FxtoolsError("the edited forward must return (out, saved) with saved a tuple of tensors")
-        out, saved = got
-        _same_structure("the edited forward's out", out, want_out)
-        output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
-        saved_nodes = output.args[0][1] if isinstance(output.args[0], (tuple, list)) and len(output.args[0]) == 2 else None
-        if saved_nodes is None or len(saved_nodes) != len(saved) or not all(isinstance(n, fx.Node) for n in saved_nodes):
-            raise FxtoolsError(
-                "the edited forward's output must be (out, (saved node, ...)): return the saved values as a tuple of graph values"
-            )
-        if not all(isinstance(v, torch.Tensor) for v in saved):
-            raise FxtoolsError("every saved value of the edited forward must be a tensor")
-        bw_ph = [n for n in backward.graph.nodes if n.op == "placeholder"]
-        if len(bw_ph) != len(saved) + len(self.cotangents):
-            raise FxtoolsError(
-                f"the edited backward takes {len(bw_ph)} arguments; the forward saves {len(saved)} values and there are "
-                f"{len(self.cotangents)} cotangents ({', '.join(c.name for c in self.cotangents)}): it must take (*saved, *cotangents)"
-            )
-        cts = [c.meta["val"] for c in [n for n in self.backward.graph.nodes if n.op == "placeholder"][len(self.saved) :]]
-        with mode:
-            want_grads = _FakeRun(self.backward, mode).run(*want_saved, *cts)
-            grads = _FakeRun(backward, mode).run(*saved, *cts)
-        _same_structure("the edited backward's gradients", grads, want_grads)
-
-        forward = _as_guarded(forward, "SplitForward")
-        backward = _as_guarded(backward, "SplitBackward")
-        boxed_graph = fx.Graph()
-        boxed_graph.output(boxed_graph.graph_copy(backward.graph, {}))
-        boxed_graph.set_codegen(_BoxedCodeGen())
-        backward_boxed = GuardedGraphModule(backward, boxed_graph, class_name="SplitBackwardBoxed")
-        fw_set = set(fw_ph)
-        out_nodes = {n for n in pytree.tree_leaves(output.args[0][0]) if isinstance(n, fx.Node)}
-        infos, storage_bytes = [], {}
-        for node, p, v in zip(saved_nodes, bw_ph, saved):
-            root = storage_root(node)
-            kind = "input" if root in fw_set else "output" if node in out_nodes else "activation"
-            storage_bytes[p.name] = nbytes(v)
-            infos.append(TensorInfo(p.name, tuple(v.shape), v.dtype, nbytes(v), kind, None, user_line_of(node), p.name))
-        forward.guards = self.forward.guards
-        saved_guards = build("fxtools.split backward", [i.name for i in infos], sizes.concrete(self._cap, list(saved)))
-        ct_guards = build("fxtools.split backward", [c.name for c in self.cotangents], sizes.concrete(self._cap, cts))
-        backward.guards = Guards(
-            "fxtools.split backward", saved_guards.names + ct_guards.names, saved_guards.args + ct_guards.args
-        )
-        backward_boxed.guards = Guards(
-            "fxtools.split backward_boxed",
-            ("args",),
-            (Node("args", "list", "list", tuple(range(len(backward.guards.args))), backward.guards.args),),
-        )
-        result = Split(
-            forward,
-            backward,
-            backward_boxed,
-            self.signature,
-            infos,
-            self.cotangents,
-            self.policy,
-            self.in_spec,
-            self.out_spec,
-            self._cap,
-        )
-        for attr in ("guards", "_ct_index", "from_module", "leaf_paths", "out_is_tensor", "out_tensor_paths"):
-            setattr(result, attr, getattr(self, attr))
-        result._storage_bytes = storage_bytes
-        result._saved_kinds = [i.kind for i in infos]
-        result._saved_is_primal = [n in fw_set for n in saved_nodes]
-        result._saved_is_output = [n in out_nodes for n in saved_nodes]
-        return result
+        want_saved, saved, saved_nodes = _check_edited_forward(self, forward, mode, vals)
+        cts = _check_edited_backward(self, backward, mode, want_saved, saved)
+        return _edited(self, forward, backward, saved_nodes, saved, cts)
 
     # -- reporting ---------------------------------------------------------------------------
 
@@ -563,14 +577,14 @@ class Split:
         for s in self.saved:
             if s.kind != "input" and s.storage not in seen:
                 seen.add(s.storage)
-                total += self._storage_bytes[s.storage]
+                total += self.storage_bytes[s.storage]
         return total
 
     @property
     def offloaded_bytes(self) -> int:
         """Bytes of the saved values the policy marked ``"offload"`` (each storage once)."""
         storages = {s.storage for s in self.saved if s.offload and s.kind != "input"}
-        return sum(self._storage_bytes[k] for k in storages)
+        return sum(self.storage_bytes[k] for k in storages)
 
     def _joint(self) -> _Partition:
         if self._partition is None:
@@ -678,6 +692,11 @@ class Split:
         )
 
 
+@uses_pipeline(
+    "fxtools.split",
+    requires="front: a prepared graph with VJP rules; a policy saying what to save",
+    ensures="Split: forward(*leaves) -> (out, saved), backward(*saved, *cotangents) -> grads, each guarded",
+)
 @transform("fxtools.split")
 def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dynamic_shapes=None) -> Split:
     """Forward and backward graphs of ``f`` at ``args`` (see the module docstring).
@@ -701,37 +720,54 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         f = functional(f)
     argnums = tuple(range(len(args)))
     with checkpoint_regions():
-        cap, wrt = prepare(f, args, argnums, dynamic_shapes)
-    cap.f = f
-    if grad_leaves is not None:
-        grad_leaves = [bool(g) for g in grad_leaves]
-        if len(grad_leaves) != len(wrt):
-            raise ValueError(f"grad_leaves has {len(grad_leaves)} entries for {len(wrt)} tensor leaves")
-        wrt = [w and g for w, g in zip(wrt, grad_leaves)]
+        cap = front(f, args, made_by="fxtools.split", argnums=argnums, dynamic_shapes=dynamic_shapes)
+    wrt = _with_grad_leaves(differentiated(cap, argnums), grad_leaves)
     with fx_traceback.preserve_node_meta():
         rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
-    joint, ct_index = rev.gm, rev.ct_index
+    joint = rev.gm
     simplify(joint)
     sizes.check(cap.symbolic, joint)
     _name_items(joint)
-    n_out = len(cap.out_leaves)
-    part = _Partition(joint, sum(cap.tensor_leaf), n_out, policy)
+    part = _Partition(joint, sum(cap.tensor_leaf), len(cap.out_leaves), policy)
+    forward = _forward_graph(joint, part, cap)
+    backward = _backward_graph(joint, part, cap, grads_structure(cap, args, _flat_grads(part, wrt), argnums))
+    return _described(cap, args, part, forward, backward, rev.ct_index, policy, from_module)
 
-    # forward: outputs, saved values, and side effects (buffer updates)
-    fw_order = forward_nodes(part, part.saved)
-    keep = set(fw_order)
+
+def _with_grad_leaves(wrt: list[bool], grad_leaves) -> list[bool]:
+    """The tensor leaves differentiated, less those ``grad_leaves`` (one bool per leaf) leaves out."""
+    if grad_leaves is None:
+        return wrt
+    grad_leaves = [bool(g) for g in grad_leaves]
+    if len(grad_leaves) != len(wrt):
+        raise ValueError(f"grad_leaves has {len(grad_leaves)} entries for {len(wrt)} tensor leaves")
+    return [w and g for w, g in zip(wrt, grad_leaves)]
+
+
+def _forward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured) -> fx.GraphModule:
+    """The forward: the inputs in; outputs, saved values and side effects (buffer updates)."""
     fg = fx.Graph()
     env = {}
     for p in part.primals:
         env[p] = _copy_meta(fg.placeholder(p.name), p)
-    for n in fw_order:
+    for n in forward_nodes(part, part.saved):
         env[n] = fg.node_copy(n, env.__getitem__)
         meta.PART.set(env[n], "forward")
     out_struct = pytree.tree_unflatten([env[o] if isinstance(o, fx.Node) else o for o in part.fw_outs], cap.out_spec)
     fg.output((out_struct, tuple(env[s] for s in part.saved)))
-    forward = _finish(GuardedGraphModule(joint, fg, class_name="SplitForward"), cap.symbolic)
+    return emit(GuardedGraphModule(joint, fg, class_name="SplitForward"), cap, "fxtools.split")
 
-    # backward: saved values and cotangents in; recomputation placed just before first use
+
+def _flat_grads(part: _Partition, wrt: list[bool]) -> list:
+    """The joint graph's gradient outputs, one per tensor leaf (None where none is computed)."""
+    it = iter(part.grads)
+    return [next(it) if w else None for w in wrt]
+
+
+def _backward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured, grads) -> fx.GraphModule:
+    """The backward: saved values and cotangents in, recomputation placed just before first use,
+    ``grads`` (joint-graph nodes, nested as the arguments) out."""
+    keep = set(forward_nodes(part, part.saved))
     bg = fx.Graph()
     benv = {}
     for s in part.saved:
@@ -741,30 +777,56 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     for v in backward_nodes(part, part.saved, part.recomputed, part.forget):
         benv[v] = bg.node_copy(v, benv.__getitem__)
         meta.PART.set(benv[v], "recompute" if v in keep else "backward")  # computed in both graphs
-    it = iter(part.grads)
-    grads_flat = [next(it) if w else None for w in wrt]  # one per tensor leaf
-    grads_flat = [benv[g] if isinstance(g, fx.Node) else g for g in grads_flat]
-    bg.output(grads_structure(cap, args, grads_flat, argnums))
-    backward = _finish(GuardedGraphModule(joint, bg, class_name="SplitBackward"), cap.symbolic)
-    boxed_graph = fx.Graph()
-    boxed_graph.output(boxed_graph.graph_copy(backward.graph, {}))
-    boxed_graph.set_codegen(_BoxedCodeGen())
-    backward_boxed = GuardedGraphModule(backward, boxed_graph, class_name="SplitBackwardBoxed")
+    bg.output(pytree.tree_map(lambda g: benv[g] if isinstance(g, fx.Node) else g, grads))
+    return emit(GuardedGraphModule(joint, bg, class_name="SplitBackward"), cap, "fxtools.split")
 
-    # descriptions
+
+def _described(cap: Captured, args: tuple, part: _Partition, forward, backward, ct_index, policy, from_module) -> Split:
+    """The Split of these graphs: inputs, saved values and cotangents described, guards installed."""
     paths = [p for p, _ in pytree.tree_flatten_with_path(tuple(args))[0]]
     tensor_paths = [p for p, t in zip(paths, cap.tensor_leaf) if t]
-    top = arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
+    top = cap.arg_names
 
     def path_text(path):
         return top[path[0].idx] + _keystr(path[1:]) if path else None
 
     signature = [_info(p, "input", path_text(path)) for p, path in zip(part.primals, tensor_paths)]
+    n_out = len(cap.out_leaves)
     out_paths = [p for p, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(n_out)), cap.out_spec))[0]]
     cotangents = [_info(c, "cotangent", "out" + _keystr(out_paths[i])) for c, i in zip(part.cts, ct_index)]
+    saved, storage_bytes = _saved_infos(part)
+    backward_boxed = _boxed(backward)
+    _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap)
+    guards = _argument_guards(cap, args, part, forward, backward, signature)
+    closures.attach_held(forward, cap.reads, "fxtools.split", holders=(backward,))  # closed-over state, checked on every forward
+    out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
+    return Split(
+        forward,
+        backward,
+        backward_boxed,
+        signature,
+        saved,
+        cotangents,
+        policy,
+        cap.in_spec,
+        cap.out_spec,
+        guards=guards,
+        captured=cap,
+        ct_index=ct_index,
+        from_module=from_module,
+        leaf_paths=tensor_paths,
+        out_is_tensor=out_is_tensor,
+        out_tensor_paths=["out" + _keystr(p) for p, t in zip(out_paths, out_is_tensor) if t],
+        storage_bytes=storage_bytes,
+        _partition=part,
+    )
+
+
+def _saved_infos(part: _Partition) -> tuple[list[TensorInfo], dict[str, int]]:
+    """What the forward saves, described; the bytes of each storage the saved values live in."""
     fw_out_nodes = {o for o in part.fw_outs if isinstance(o, fx.Node)}
-    saved, storage_bytes = [], {}
     primal_set = set(part.primals)
+    saved, storage_bytes = [], {}
     for s in part.saved:
         root = storage_root(s)
         kind = "input" if root in primal_set else "output" if s in fw_out_nodes else "activation"
@@ -773,23 +835,15 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         info.note = meta.NOTE.get(s)
         info.offload = s in part.offload
         saved.append(info)
-    _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap)
-    result = Split(forward, backward, backward_boxed, signature, saved, cotangents, policy, cap.in_spec, cap.out_spec, cap)
-    # an input's layout matters where the forward, or the backward reading it as saved, views it
+    return saved, storage_bytes
+
+
+def _argument_guards(cap: Captured, args: tuple, part: _Partition, forward, backward, signature) -> Guards:
+    """Guards of the original arguments; an input's layout matters where the forward, or the
+    backward reading it as saved, views it."""
     fw_paths = stride_sensitive_paths(forward, [i.path or i.name for i in signature])
     bw_paths = stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts])
     strided = {i.path for i, p in zip(signature, part.primals) if (i.path or i.name) in fw_paths or p.name in bw_paths}
-    result.guards = build("fxtools.split", top, args, layout=strided)
-    sizes.guard_symbolic(result.guards, cap, args)
-    closures.attach_held(forward, cap.reads, "fxtools.split", holders=(backward,))  # closed-over state, checked on every forward
-    result._ct_index = ct_index
-    result.from_module = from_module
-    result.leaf_paths = tensor_paths
-    result.out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
-    result.out_tensor_paths = ["out" + _keystr(p) for p, t in zip(out_paths, result.out_is_tensor) if t]
-    result._storage_bytes = storage_bytes
-    result._partition = part
-    result._saved_kinds = [s.kind for s in saved]
-    result._saved_is_primal = [s in primal_set for s in part.saved]
-    result._saved_is_output = [s in fw_out_nodes for s in part.saved]
-    return result
+    guards = build("fxtools.split", cap.arg_names, args, layout=strided)
+    sizes.guard_symbolic(guards, cap, args)
+    return guards

@@ -14,7 +14,7 @@ second order.
   the forward (pinned memory and a side stream on CUDA, the device taken from the tensor) and
   copied back to its device, with its strides, before the backward uses it.
 - **Double backward** (``Replay``): a backward run with ``create_graph=True`` does not use the
-  saved values: it runs the captured program (``Split._cap.gm``: the user's ATen ops, with their
+  saved values: it runs the captured program (``Split.captured.gm``: the user's ATen ops, with their
   ``detach`` and ``no_grad`` regions) again on the inputs with autograd recording, and takes
   autograd's gradient of it, so the gradients are PyTorch functions of the inputs and cotangents,
   differentiable to any order as eager code is (compiled graphs are never differentiated). The
@@ -274,12 +274,12 @@ class Replay:
 
     def __init__(self, sp, compiled_forward: fx.GraphModule | None):
         self.split = sp
-        self.program = fw = sp._cap.gm  # the captured program: the user's ops, detach and custom calls kept
+        self.program = fw = sp.captured.gm  # the captured program: the user's ops, detach and custom calls kept
         self.attrs = sorted(
             {n.target for n in fw.graph.nodes if n.op == "get_attr" and isinstance(_attr(fw, n.target), torch.Tensor)}
         )
         self.random = _random_nodes(compiled_forward)
-        self.custom = _custom_calls(sp._cap.gm)
+        self.custom = _custom_calls(sp.captured.gm)
         self.compiled_forward = compiled_forward is not None
         self.written = _static_writes(fw)  # leaf positions and attribute names the forward writes
         self.learnt = False  # whether a run has shown what else it writes (by version counters)
@@ -327,7 +327,7 @@ class Replay:
             for i in wrt:  # one alias per position: an input passed twice gets a gradient per position
                 leaves[i] = leaves[i].view_as(leaves[i])
             outs = pytree.tree_leaves(_ReplayForward(self.program, attrs).run(*leaves))
-            pairs = [(outs[i], ct) for i, ct in zip(self.split._ct_index, cts) if outs[i].requires_grad]
+            pairs = [(outs[i], ct) for i, ct in zip(self.split.ct_index, cts) if outs[i].requires_grad]
             grads = torch.autograd.grad(
                 [y for y, _ in pairs], [leaves[i] for i in wrt], [ct for _, ct in pairs], create_graph=True, allow_unused=True
             )

@@ -30,13 +30,11 @@ from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
 from ..capture import custom
-from ..capture.functionalize import functionalize
-from ..capture.nested import out_of_place_views
-from ..capture.trace import capture, is_data_dependent, realize_constants
+from ..capture.trace import is_data_dependent
 from ..errors import FxtoolsError, user_frame
 from ..signature.naming import short_op
 from .calling import transform
-from .forward import finish
+from .pipeline import back, front, uses_pipeline
 from .vjp import _names
 
 __all__ = ["vmap", "trace_batched", "check_vmap_options", "describe", "n_chunks", "share_draws"]
@@ -90,6 +88,11 @@ def _in_dims_for(in_dims, args):
 _RANDOMNESS = ("error", "different", "same")
 
 
+@uses_pipeline(
+    "fxtools.vmap",
+    requires="batched front: f traced below torch.func.vmap (PyTorch's batching rules), functionalised",
+    ensures="gm(*args) -> f's outputs stacked along out_dims",
+)
 @transform("fxtools.vmap")
 def vmap(f, *args, in_dims=0, out_dims=0, randomness="error", chunk_size=None, dynamic_shapes=None) -> fx.GraphModule:
     """``f`` mapped over a batch dimension of its arguments, as one batched GraphModule.
@@ -226,7 +229,14 @@ def trace_batched(
     f = fn if names_of is None else names_of
     try:
         with custom.transform("fxtools.vmap"):  # custom functions just run their forward
-            cap = capture(fn, args, pre_dispatch=False, dynamic_shapes=dynamic_shapes)
+            cap = front(
+                fn,
+                args,
+                made_by=made_by,
+                dynamic_shapes=dynamic_shapes,
+                batched=True,
+                after_capture=namer.apply if namer is not None else None,
+            )
     except FxtoolsError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised naming the user's line
@@ -249,17 +259,10 @@ def trace_batched(
             f"{made_by} cannot batch {describe(f)} ({'at ' if where and ':' in where else ''}{where or 'at an unknown line of user code'}): "
             f"{type(exc).__name__}: {message}.{hint}"
         ) from exc
-    gm = cap.gm
-    if namer is not None:
-        namer.apply(gm)
-    realize_constants(gm)
-    out_of_place_views(gm)
-    functionalize(gm)
     if same_draws is not None:
-        share_draws(gm, same_draws)
-    names = _names(f, args)
+        share_draws(cap.gm, same_draws)
 
     def build(flat):
         return pytree.tree_unflatten(flat, cap.out_spec)
 
-    return finish(gm, names, args, cap, build, [], made_by=made_by)
+    return back(cap.gm, cap, build, made_by=made_by, args=args, names=_names(f, args), collapse_views=True)

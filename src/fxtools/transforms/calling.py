@@ -33,6 +33,10 @@ KEYWORD_NAMES = {"argnum": "argnums", "in_axes": "in_dims", "out_axes": "out_dim
 LOSS_TRANSFORMS = {"fxtools.grad", "fxtools.value_and_grad", "fxtools.hvp", "fxtools.hessian"}
 
 
+# every public transform, by name (``transform`` adds them); the pipeline's users are among them
+TRANSFORMS: set[str] = set()
+
+
 class CallError(FxtoolsError, TypeError):
     """A transform called the torch.func way (or with its arguments swapped): says the fxtools call."""
 
@@ -40,6 +44,7 @@ class CallError(FxtoolsError, TypeError):
 def transform(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate the public transform ``name`` (``"fxtools.grad"``), called ``fn(f, *args, **options)``,
     so that its calls are checked by ``check_call`` first."""
+    TRANSFORMS.add(name)
 
     def wrap(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)

@@ -68,10 +68,11 @@ def _autograd_differentiable(f, leaves, spec, seed) -> list[bool]:
 def _cotangent_for(gm, n_args, ct):
     """``ct`` with None where ``gm`` (a guarded fxtools module) takes None: outputs it does not
     differentiate (a ``floor``, the indices of ``max``) get no cotangent input."""
-    guards = getattr(gm, "__dict__", {}).get("guards")
+    from ..signature.guards import GuardedGraphModule, Leaf
+
+    guards = getattr(gm, "guards", None) if isinstance(gm, GuardedGraphModule) else None
     if guards is None or len(guards.args) <= n_args:
         return ct
-    from ..signature.guards import Leaf
 
     kinds = []
 

@@ -101,7 +101,8 @@ def _captured(sub: fx.GraphModule, node: fx.Node) -> Captured:
     _, in_spec = pytree.tree_flatten(tuple(leaves))
     _, out_spec = pytree.tree_flatten(list(outs))
     n = len(leaves)
-    return Captured(sub, in_spec, out_spec, leaves, [p.name for p in ph], [True] * n, list(range(n)), outs)
+    names = [p.name for p in ph]
+    return Captured(sub, names, sub, in_spec, out_spec, leaves, names, [True] * n, list(range(n)), outs)
 
 
 def _trace(fn, vals) -> fx.GraphModule:

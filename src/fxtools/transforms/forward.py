@@ -39,21 +39,17 @@ from torch.utils import _pytree as pytree
 from ..capture import custom
 from ..capture.decompose import expand
 from ..capture.functionalize import functionalize
-from ..codegen.assemble import assemble
-from ..codegen.render import render
-from ..codegen.show import remember_inputs
 from ..errors import FxtoolsError
 from ..graph import meta
 from ..graph.nodes import fake_mode_of, is_float
 from ..passes.simplify import dce, simplify
-from ..passes.views import collapse_view_chains
-from ..signature import closures, sizes
-from ..signature.guards import install, tangent_role
+from ..signature.guards import tangent_role
 from ..signature.naming import short_op
 from . import control_flow
 from .calling import transform
+from .pipeline import back, uses_pipeline
 from .reverse import ReverseSpec, reverse
-from .vjp import AuxSplit, _names, argnums_tuple, prepare
+from .vjp import AuxSplit, argnums_tuple, prepare
 
 aten = torch.ops.aten
 
@@ -105,18 +101,6 @@ def transpose_vjp(vjp_gm: fx.GraphModule, n_in: int, n_out: int):
     return flat, [i - n_out for i in ct_index]
 
 
-def tidy_names(gm: fx.GraphModule) -> None:
-    """``tangent_out_1`` -> ``tangent_out`` when the shorter name is free (after fusions)."""
-    import re
-
-    taken = {n.name for n in gm.graph.nodes}
-    for node in gm.graph.nodes:
-        m = re.fullmatch(r"((?:tangent|grad|hvp)_\w+?)_\d+", node.name)
-        if m and m.group(1) not in taken:
-            node.name = m.group(1)  # the graph namespace still lists it; harmless: names are unique
-            taken.add(node.name)
-
-
 def _zeros(graph: fx.Graph, val, fake_mode, name="zeros"):
     node = graph.call_function(aten.zeros.default, (list(val.shape),), {"dtype": val.dtype})
     if fake_mode is not None:
@@ -144,6 +128,11 @@ def _true_adjoints(gm: fx.GraphModule) -> None:
             node.args = tuple(args)
 
 
+@uses_pipeline(
+    "fxtools.jvp",
+    requires="front: a prepared graph with VJP rules (forward mode transposes the VJP)",
+    ensures="gm(*args, *tangents) -> (out, out_tangent), out_tangent nested as out",
+)
 @transform("fxtools.jvp")
 def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The Jacobian-vector product of ``f`` at example ``args``, as readable PyTorch code.
@@ -158,15 +147,34 @@ def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     order (the others are held constant): ``gm(*args, *tangents_of_argnums)``. ``has_aux=True``:
     ``f`` returns ``(out, aux)`` and ``out, out_tangent, aux = gm(...)``, as torch.func.jvp's.
     """
-    if not isinstance(args, tuple):
-        args = tuple(args)
+    args = tuple(args)
     nums = tuple(range(len(args))) if argnums is None else argnums_tuple(argnums, len(args))
     if len(set(nums)) != len(nums):
         raise ValueError(f"argnums {argnums!r} names an argument twice")
     with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored: refuse it
         cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by="fxtools.jvp")
-    cap.f = f
     split = AuxSplit(cap.out_spec, has_aux)
+    flat_gm = _jvp_graph(cap, wrt, nums, split.n_main)
+    names, n_out = cap.arg_names, len(cap.out_leaves)
+    tangent_examples = [(f"tangent_{names[a]}", pytree.tree_map(lambda v: v if is_float(v) else None, args[a])) for a in nums]
+
+    def build(flat_results):
+        tan = split.main(flat_results[n_out:])
+        if has_aux:
+            return split.main(flat_results[:n_out]), tan, split.aux(flat_results[:n_out])
+        return pytree.tree_unflatten(flat_results[:n_out], cap.out_spec), tan
+
+    roles = {len(args) + i: tangent_role(names[a]) for i, a in enumerate(nums)}
+    gm = back(
+        flat_gm, cap, build, made_by="fxtools.jvp", args=args, extra_args=tangent_examples, roles=roles, collapse_views=True
+    )
+    meta.OUT_EXAMPLE.set(gm, split.main(list(cap.out_leaves)))
+    return gm
+
+
+def _jvp_graph(cap, wrt: list[bool], nums: tuple, n_main: int) -> fx.GraphModule:
+    """The flat JVP graph ``(x..., tangents of nums' float leaves...) -> (out..., J t per main output)``:
+    the VJP of ``cap``, transposed, its cotangent inputs replaced by zeros (nothing depends on them)."""
     _true_adjoints(cap.gm)
     rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
     vjp_flat, ct_index = rev.gm, rev.ct_index
@@ -181,23 +189,13 @@ def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     # Rebuild: placeholders (x..., one tangent per float tensor leaf), outputs (out..., J t...).
     old_ph = [n for n in flat.graph.nodes if n.op == "placeholder"]
     x_ph, u_ph, t_ph = old_ph[:n_x], old_ph[n_x : n_x + len(ct_index)], old_ph[n_x + len(ct_index) :]
-    fake_mode = fake_mode_of(flat.graph)
     graph = fx.Graph()
-    env = {}
-    new_x = []
-    for p in x_ph:
-        q = graph.placeholder(p.name)
-        q.meta["val"] = p.meta.get("val")
-        env[p] = q
-        new_x.append(q)
+    env = {p: _placeholder(graph, p.name, p) for p in x_ph}
     float_x = [i for a in nums for i, v in enumerate(x_vals) if x_arg[i] == a and is_float(v)]
-    t_new = {}
-    for i in float_x:
-        q = graph.placeholder(f"tangent_{x_ph[i].name}")
-        q.meta["val"] = x_ph[i].meta.get("val")
-        t_new[i] = q
+    t_new = {i: _placeholder(graph, f"tangent_{x_ph[i].name}", x_ph[i]) for i in float_x}
     for k, p in enumerate(t_ph):
         env[p] = t_new[wrt_x[tangent_of[k]]]
+    fake_mode = fake_mode_of(flat.graph)
     for p in u_ph:
         # J t does not depend on u (the VJP is linear in it); anything left reading u is dead
         # or multiplied away, and zero is as good a value as any.
@@ -205,69 +203,32 @@ def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     mapped = graph.graph_copy(flat.graph, env)
     mapped = list(mapped) if isinstance(mapped, (tuple, list)) else [mapped]
     outs = mapped[:n_out]
-    jt = mapped[n_out + len(wrt_x) :]
-    out_tangents = []
-    it = iter(jt)
-    jt_of = {i: next(it) for i in ct_index}
-    for i, o in enumerate(cap.out_leaves[: split.n_main]):  # aux gets no tangent
-        if i in jt_of:
-            out_tangents.append(jt_of[i])
-        elif is_float(o):
-            src = outs[i]
-            if isinstance(src, fx.Node):
-                z = graph.call_function(aten.zeros_like.default, (src,))
-                z.meta["val"] = src.meta.get("val")
-            else:
-                z = torch.zeros_like(o)
-            out_tangents.append(z)
-        else:
-            out_tangents.append(None)
+    jt_of = dict(zip(ct_index, mapped[n_out + len(wrt_x) :]))
+    out_tangents = [_out_tangent(graph, jt_of, outs, i, o) for i, o in enumerate(cap.out_leaves[:n_main])]  # aux gets none
     graph.output((*outs, *out_tangents))
     flat_gm = fx.GraphModule(flat, graph)
     dce(flat_gm)
     for n in flat_gm.graph.nodes:
         if n.op == "placeholder" and n.name.startswith("grad_") and n.users:
             raise FxtoolsError("internal error: the JVP depends on the cotangent of the VJP")
-
-    names = _names(f, args)
-    tangent_examples = [(f"tangent_{names[a]}", pytree.tree_map(lambda v: v if is_float(v) else None, args[a])) for a in nums]
-
-    def build(flat_results):
-        tan = split.main(flat_results[n_out:])
-        if has_aux:
-            return split.main(flat_results[:n_out]), tan, split.aux(flat_results[:n_out])
-        return pytree.tree_unflatten(flat_results[:n_out], cap.out_spec), tan
-
-    gm = finish(
-        flat_gm,
-        names,
-        args,
-        cap,
-        build,
-        tangent_examples,
-        leaf_x_only=True,
-        made_by="fxtools.jvp",
-        roles={len(args) + i: tangent_role(names[a]) for i, a in enumerate(nums)},
-    )
-    meta.OUT_EXAMPLE.set(gm, split.main(list(cap.out_leaves)))
-    return gm
+    return flat_gm
 
 
-def finish(flat_gm, names, args, cap, build, extra_args, leaf_x_only=False, made_by="fxtools", roles=None) -> fx.GraphModule:
-    """Assemble the user-facing module, simplify, render; ``made_by`` and ``roles`` describe
-    it to its guards (``fxtools.signature.guards``)."""
-    gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
-    simplify(gm)
-    while collapse_view_chains(gm):
-        simplify(gm)
-    sizes.check(cap.symbolic, gm)
-    tidy_names(gm)
-    render(gm)
-    sizes.name_sizes(gm, cap.symbolic)
-    gm.graph.lint()
-    gm.recompile()
-    examples = [*args, *(v for _, v in extra_args)]
-    install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
-    sizes.guard_symbolic(gm.guards, cap, examples)
-    closures.attach(gm, cap.reads, made_by)
-    return remember_inputs(gm)
+def _placeholder(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:
+    q = graph.placeholder(name)
+    q.meta["val"] = like.meta.get("val")
+    return q
+
+
+def _out_tangent(graph: fx.Graph, jt_of: dict, outs: list, i: int, o):
+    """The tangent of output ``i``: its ``J t``, zeros for a float output no tangent reaches, else None."""
+    if i in jt_of:
+        return jt_of[i]
+    if not is_float(o):
+        return None
+    src = outs[i]
+    if not isinstance(src, fx.Node):
+        return torch.zeros_like(o)
+    z = graph.call_function(aten.zeros_like.default, (src,))
+    z.meta["val"] = src.meta.get("val")
+    return z

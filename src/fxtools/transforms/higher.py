@@ -26,7 +26,7 @@ from ..graph.nodes import is_float
 from ..registry import rule_set
 from .batching import _NodeNamer, trace_batched, vmappable
 from .calling import transform
-from .forward import finish
+from .pipeline import back, uses_pipeline
 from .reverse import ReverseSpec, reverse
 from .vjp import _argnums_tuple, _names, grads_structure, prepare
 
@@ -37,6 +37,11 @@ def _differentiated(args, argnums):
     return args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
 
 
+@uses_pipeline(
+    "fxtools.hvp",
+    requires="front of fxtools.grad's module (the readable rules); VJP rules for its backward ops",
+    ensures="gm(*args, v) -> H @ v, nested as the differentiated arguments",
+)
 @transform("fxtools.hvp")
 def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     """The Hessian-vector product of scalar ``f``: ``gm(*args, v) -> H @ v``.
@@ -58,9 +63,8 @@ def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     with rule_set("readable"):
         g = grad(f, *args, argnums=argnums, dynamic_shapes=dynamic_shapes)
         namer = _NodeNamer(g, getattr(g, "guards", None))  # the second pass keeps the first's names
-        cap, wrt = prepare(namer, args, nums, dynamic_shapes)
+        cap, wrt = prepare(namer, args, nums, dynamic_shapes, made_by="fxtools.hvp")
         namer.apply(cap.gm)
-        cap.f = g
         rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
         flat, ct_index = rev.gm, rev.ct_index
     n_out = len(cap.out_leaves)
@@ -74,16 +78,16 @@ def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
         hv = grads_structure(cap, args, flat_results, nums)
         return hv[0] if isinstance(argnums, int) else hv
 
-    names = _names(f, args)
-    gm = finish(
+    gm = back(
         flat,
-        names,
-        args,
         cap,
         build,
-        [("v", v_example)],
         made_by="fxtools.hvp",
+        args=args,
+        extra_args=[("v", v_example)],
         roles={len(args): lambda path: "the vector v of the Hessian-vector product"},
+        names=_names(f, args),
+        collapse_views=True,
     )
     _name_results(gm)
     return gm
@@ -112,6 +116,11 @@ def _jacfwd_of_jacrev(f, args, argnums) -> fx.GraphModule:
     return jacfwd(jacrev(f, *args, argnums=argnums), *args, argnums=argnums)
 
 
+@uses_pipeline(
+    "fxtools.hessian",
+    requires="fxtools.hvp's module (batched by trace_batched's front), or jacfwd(jacrev(f))",
+    ensures="gm(*args) -> H, nested as torch.func.hessian's",
+)
 @transform("fxtools.hessian")
 def hessian(f, *args, argnums=0) -> fx.GraphModule:
     """The Hessian of ``f`` with respect to ``args[argnums]``: ``gm(*args) -> H``.

@@ -31,7 +31,6 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..graph import meta
 from ..graph.nodes import is_float
@@ -40,6 +39,7 @@ from ..signature.guards import install, tangent_role
 from .batching import _NodeNamer, check_vmap_options, trace_batched, vmappable
 from .calling import transform
 from .forward import jvp
+from .pipeline import built_by, emit, uses_pipeline
 from .vjp import _names, argnums_tuple, vjp
 
 __all__ = ["jacrev", "jacfwd", "linearize"]
@@ -106,6 +106,11 @@ def _first_tensor(leaves, name, what):
     return tensors[0]
 
 
+@uses_pipeline(
+    "fxtools.jacrev",
+    requires="fxtools.vjp's module, batched over the output basis (trace_batched's front)",
+    ensures="gm(*args) -> jacobian, nested as torch.func.jacrev's",
+)
 @transform("fxtools.jacrev")
 def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     """The Jacobian of ``f`` at example ``args`` by reverse mode: ``gm(*args) -> jacobian``.
@@ -157,6 +162,11 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacrev", same_draws=chunks)
 
 
+@uses_pipeline(
+    "fxtools.jacfwd",
+    requires="fxtools.jvp's module, batched over the input basis (trace_batched's front)",
+    ensures="gm(*args) -> jacobian, nested as torch.func.jacfwd's",
+)
 @transform("fxtools.jacfwd")
 def jacfwd(f, *args, argnums=0, randomness="error", chunk_size=None) -> fx.GraphModule:
     """The Jacobian of ``f`` at example ``args`` by forward mode: ``gm(*args) -> jacobian``.
@@ -218,6 +228,11 @@ def _plain(value):
     return value
 
 
+@uses_pipeline(
+    "fxtools.linearize",
+    requires="fxtools.jvp's module (its front and back), run once at args",
+    ensures="(out, jvp_gm): jvp_gm(*tangents) -> J @ tangents, the residuals its attributes",
+)
 @transform("fxtools.linearize")
 def linearize(f, *args) -> tuple[object, fx.GraphModule]:
     """``f(*args)`` and its linear map at ``args``: ``out, jvp_gm = linearize(f, *args)``.
@@ -229,33 +244,59 @@ def linearize(f, *args) -> tuple[object, fx.GraphModule]:
     """
     args = tuple(args)
     full = jvp(f, *args)
-    names = _names(f, args)
     tangent_examples = [pytree.tree_map(lambda v: v if is_float(v) else None, a) for a in args]
-    graph = full.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in full.graph.nodes if n.op == "placeholder"]
     tangent_ph = placeholders[len(args) :]
-    tangent_dependent = set(tangent_ph)
-    for node in graph.nodes:
-        if node.op in ("call_function", "call_method") and any(a in tangent_dependent for a in node.all_input_nodes):
-            tangent_dependent.add(node)
+    dependent = _tangent_dependent(full.graph, tangent_ph)
+    out, values = _run_point(full, dependent, (*args, *_zeros_like(tangent_examples)))
+    gm = _linear_part(full.graph, tangent_ph, dependent, values)
+    simplify(gm)
+    built = built_by(full)
+    gm = emit(gm, None, "fxtools.linearize", front=built.front if built is not None else None, remember=False)
+    gm = install(
+        gm,
+        "fxtools.linearize",
+        [p.name for p in tangent_ph],
+        tangent_examples,
+        roles={i: tangent_role(n) for i, n in enumerate(_names(f, args))},
+    )
+    return out, remember_inputs(gm)
 
+
+def _tangent_dependent(graph: fx.Graph, tangent_ph: list[fx.Node]) -> set[fx.Node]:
+    """The tangent placeholders and every op that reads one of them, directly or not."""
+    dependent = set(tangent_ph)
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method") and any(a in dependent for a in node.all_input_nodes):
+            dependent.add(node)
+    return dependent
+
+
+def _zeros_like(trees: list) -> list:
+    return [pytree.tree_map(lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v, t) for t in trees]
+
+
+def _run_point(full: fx.GraphModule, dependent: set[fx.Node], inputs: tuple):
+    """Run the jvp module once at the point (zero tangents): its output, and the value of every
+    node that does not depend on the tangents (the residuals the linear map reads)."""
     values: dict[fx.Node, object] = {}
 
     class _Record(fx.Interpreter):
         def run_node(self, n):
             out = super().run_node(n)
-            if n not in tangent_dependent:
+            if n not in dependent:
                 values[n] = out
             return out
 
-    zero_tangents = [
-        pytree.tree_map(lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v, t) for t in tangent_examples
-    ]
-    cast(Any, full).guards.check((*args, *zero_tangents))
+    cast(Any, full).guards.check(inputs)
     with torch.no_grad():  # the generated code runs without autograd, as every fxtools module
-        out, _ = _Record(full).run(*args, *zero_tangents)
-    out = _plain(out)
+        out, _ = _Record(full).run(*inputs)
+    return _plain(out), values
 
+
+def _linear_part(graph: fx.Graph, tangent_ph: list[fx.Node], dependent: set[fx.Node], values: dict) -> fx.GraphModule:
+    """The ops of ``graph`` that depend on the tangents, reading every other value as an
+    attribute holding its value at the point (``self.cos``)."""
     new = fx.Graph()
     env: dict[fx.Node, object] = {}
     lin = torch.nn.Module()
@@ -265,38 +306,23 @@ def linearize(f, *args) -> tuple[object, fx.GraphModule]:
         env[p] = q
 
     def residual(n: fx.Node) -> Any:
-        if n in env:
-            return env[n]
-        value = values[n]
-        if isinstance(value, torch.Tensor):
-            name = n.name
-            lin.register_buffer(name, value)
-            node = new.get_attr(name)
-            node.meta.update(n.meta)
-            env[n] = node
-        else:
+        if n not in env:
+            value = values[n]
+            if isinstance(value, torch.Tensor):
+                lin.register_buffer(n.name, value)
+                node = new.get_attr(n.name)
+                node.meta.update(n.meta)
+                value = node
             env[n] = value
         return env[n]
 
+    def read(a: fx.Node) -> fx.Node:
+        return cast(fx.Node, env[a] if a in dependent else residual(a))
+
     for node in graph.nodes:
-        if node not in tangent_dependent or node.op == "placeholder":
-            continue
-        copied = new.node_copy(node, lambda a: cast(fx.Node, env[a] if a in tangent_dependent else residual(a)))
-        env[node] = copied
+        if node in dependent and node.op != "placeholder":
+            env[node] = new.node_copy(node, read)
     output = next(n for n in graph.nodes if n.op == "output")
     _, tangent_out = output.args[0]
-    new.output(fx.node.map_arg(tangent_out, lambda a: cast(fx.Node, env[a] if a in tangent_dependent else residual(a))))
-    gm = fx.GraphModule(lin, new, class_name="Linearized")
-    simplify(gm)
-    render(gm)
-    gm.graph.lint()
-    gm.recompile()
-    tangent_names = [p.name for p in tangent_ph]
-    gm = install(
-        gm,
-        "fxtools.linearize",
-        tangent_names,
-        tangent_examples,
-        roles={i: tangent_role(n) for i, n in enumerate(names)},
-    )
-    return out, remember_inputs(gm)
+    new.output(fx.node.map_arg(tangent_out, read))
+    return fx.GraphModule(lin, new, class_name="Linearized")

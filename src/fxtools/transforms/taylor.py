@@ -38,9 +38,9 @@ from ..graph.nodes import is_float
 from ..registry import differentiable_nodes
 from ..rules import taylor as rules
 from .calling import transform
-from .forward import finish
+from .pipeline import back, uses_pipeline
 from .reverse import _copy_constants, _example, _Namer, ancestors, example_mode
-from .vjp import _names, argnums_tuple, prepare
+from .vjp import argnums_tuple, prepare
 
 aten = torch.ops.aten
 
@@ -61,7 +61,6 @@ def _prepare(f, args, argnums, made_by):
             "pass the input of the differential operator there, as one tensor"
         )
     cap, wrt = prepare(f, args, (num,), made_by=made_by)
-    cap.f = f
     placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
     x_index = wrt.index(True)
     _decompose_ruleless(cap.gm, placeholders[x_index], made_by)
@@ -227,6 +226,11 @@ def _check_sigma(sigma, x, made_by):
         raise ValueError(f"{made_by}: sigma has dtype {sigma.dtype}, the input {x.dtype}: pass sigma.to({x.dtype})")
 
 
+@uses_pipeline(
+    "fxtools.laplacian",
+    requires="front: a prepared graph; ops the directions reach have Taylor rules or decompositions",
+    ensures="gm(*args[, sigma]) -> (out, laplacian), laplacian nested as out",
+)
 @transform("fxtools.laplacian")
 def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="rademacher") -> fx.GraphModule:
     """The Laplacian of ``f`` with respect to ``args[argnums]``, by collapsed Taylor mode, as code.
@@ -280,10 +284,9 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
         lap = [next(it) if i in laps else None for i in range(n_out)]
         return pytree.tree_unflatten(flat_results[:n_out], cap.out_spec), pytree.tree_unflatten(lap, cap.out_spec)
 
-    names = _names(f, args)
     extra_args = [("sigma", sigma)] if sigma is not None else []
     roles = {len(args): lambda path: "the factor sigma of the weights C = sigma @ sigma.T"} if sigma is not None else None
-    gm = finish(flat, names, args, cap, build, extra_args, made_by=made_by, roles=roles)
+    gm = back(flat, cap, build, made_by=made_by, args=args, extra_args=extra_args, roles=roles, collapse_views=True)
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec))
     return gm
 
@@ -303,6 +306,11 @@ def _directions(x, more, samples, distribution):
     return torch.eye(n, dtype=x.dtype, device=x.device).reshape(n, *shape)
 
 
+@uses_pipeline(
+    "fxtools.jet",
+    requires="front: a prepared graph; ops the series reaches have Taylor rules or decompositions",
+    ensures="gm(*args, series) -> (out, out_series), out_series nested as out",
+)
 @transform("fxtools.jet")
 def jet(f, *args, order, argnums=0) -> fx.GraphModule:
     """Taylor mode along a curve: the derivatives of ``f(x(t))`` at ``t = 0``, as code.
@@ -341,8 +349,10 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
         series = [tuple(next(it) for _ in range(order)) if fl else None for fl in floats]
         return pytree.tree_unflatten(flat_results[:n_out], cap.out_spec), pytree.tree_unflatten(series, cap.out_spec)
 
-    names = _names(f, args)
+    names = cap.arg_names
     role = {len(args): lambda path: f"the series (the curve's {order} derivatives) of {names[argnums]}"}
-    gm = finish(flat, names, args, cap, build, [("series", series_example)], made_by=made_by, roles=role)
+    gm = back(
+        flat, cap, build, made_by=made_by, args=args, extra_args=[("series", series_example)], roles=role, collapse_views=True
+    )
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec))
     return gm

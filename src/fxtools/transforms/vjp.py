@@ -15,20 +15,13 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .. import rules  # noqa: F401  (registers fxtools' own rules)
-from ..capture.decompose import expand
-from ..capture.functionalize import functionalize
-from ..capture.trace import Captured, capture, check_supported
-from ..codegen.assemble import assemble
-from ..codegen.render import render
-from ..codegen.show import remember_inputs
+from ..capture.trace import Captured
 from ..graph import meta
 from ..graph.nodes import is_float
-from ..passes.simplify import simplify
-from ..signature import closures, sizes
-from ..signature.guards import OptionalTensor, cotangent_role, install
+from ..signature.guards import OptionalTensor, cotangent_role
 from ..signature.naming import arg_names
-from . import control_flow
 from .calling import transform
+from .pipeline import back, describe_leaf, differentiated, front, uses_pipeline
 from .reverse import ReverseSpec, ancestors, reverse, single_cotangent_name
 
 
@@ -47,27 +40,9 @@ _argnums_tuple = argnums_tuple  # the name higher.py imports
 
 
 def prepare(f, args, argnums, dynamic_shapes=None, has_aux=False, made_by="fxtools"):
-    if not isinstance(args, tuple):
-        args = tuple(args)
-    for i in argnums:
-        if isinstance(args[i], torch.nn.Module):
-            name = _names(f, args)[i]
-            raise ValueError(
-                f"{made_by}: argument {name} (argnums {i}) is an nn.Module; fxtools differentiates tensors. "
-                f"Differentiate fxtools.functional({name}), which takes its parameters as a dict, or leave it out "
-                "of argnums (a module argument is read as the program's state, its parameters at each call)."
-            )
-    cap = capture(f, args, dynamic_shapes=dynamic_shapes)
-    sizes.check(cap.symbolic, cap.gm)  # the program itself specialised a marked size
-    if has_aux:
-        stop_aux_gradients(cap, made_by)
-    functionalize(cap.gm)
-    expand(cap.gm)
-    control_flow.prepare(cap.gm)
-    check_supported(cap.gm)
-    nums = set(argnums)
-    wrt = [cap.arg_of_leaf[i] in nums for i, t in enumerate(cap.tensor_leaf) if t]
-    return cap, wrt
+    """The shared front (``pipeline.front``) and which tensor leaves ``argnums`` differentiates."""
+    cap = front(f, args, made_by=made_by, argnums=argnums, dynamic_shapes=dynamic_shapes, has_aux=has_aux)
+    return cap, differentiated(cap, argnums)
 
 
 class AuxSplit:
@@ -87,60 +62,14 @@ class AuxSplit:
         return pytree.tree_unflatten(list(flat[self.n_main :]), self.aux_spec)
 
 
-def stop_aux_gradients(cap: Captured, made_by: str) -> None:
-    """For ``has_aux=True``: check that ``f`` returns a pair ``(out, aux)`` and stop gradients at
-    ``aux``'s tensors (as torch.func does: aux carries no cotangent), by reading them through
-    ``detach`` (which the generated code does not show: it runs without autograd)."""
-    spec = cap.out_spec
-    if spec.type is not tuple or spec.num_children != 2:
-        got = pytree.tree_unflatten([_describe_leaf(v) for v in cap.out_leaves], spec)
-        raise ValueError(
-            f"{made_by}(..., has_aux=True) needs f to return a pair (output, aux), got {got!r}; "
-            "return a tuple of two items, the second being the auxiliary data (any pytree)"
-        )
-    n_main = spec.child(0).num_leaves
-    output = next(n for n in cap.gm.graph.nodes if n.op == "output")
-    leaves = list(output.args[0])
-    for i in range(n_main, len(leaves)):
-        node = leaves[i]
-        if isinstance(node, fx.Node) and is_float(node.meta.get("val")):
-            with cap.gm.graph.inserting_before(output):
-                detached = cap.gm.graph.call_function(torch.ops.aten.detach.default, (node,))
-            detached.meta.update(node.meta)
-            leaves[i] = detached
-    output.args = (leaves,)
-    cap.gm.recompile()
-
-
-class _Shown:
-    def __init__(self, text):
-        self.text = text
-
-    def __repr__(self):
-        return self.text
-
-
-def _describe_leaf(v):
-    """A tensor leaf as ``float32[3, 4]`` in messages about an output's structure."""
-    if isinstance(v, torch.Tensor):
-        return _Shown(f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}")
-    return v
-
-
 def grads_structure(cap: Captured, args, grads_flat, argnums):
-    """Nest flat gradients like the differentiated arguments; non-float leaves get None."""
+    """Nest flat gradients (one per tensor leaf of a differentiated argument) like the
+    differentiated arguments; non-float leaves get None."""
     it = iter(grads_flat)
-    tensor_leaves = [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t]
     per_leaf = []
-    ti = 0
     for leaf, t, a in zip(cap.leaves, cap.tensor_leaf, cap.arg_of_leaf):
-        if t:
-            g = next(it) if a in argnums else None
-            ti += 1
-        else:
-            g = None
+        g = next(it) if t and a in argnums else None
         per_leaf.append(g if is_float(leaf) else None)
-    del tensor_leaves
     nested = pytree.tree_unflatten(per_leaf, cap.in_spec)
     return tuple(nested[a] for a in argnums)
 
@@ -159,32 +88,21 @@ def mark_parts(flat_gm: fx.GraphModule, n_out: int) -> None:
 
 
 def _finish(cap, flat_gm, args, build, made_by, extra_args=(), guard_extra=None):
+    """The shared back, the forward and backward parts of ``flat_gm`` marked first (for ``fxtools.draw``)."""
     mark_parts(flat_gm, len(cap.out_leaves))
-    names = _names(cap_f(cap), args)
-    gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
-    simplify(gm)
-    sizes.check(cap.symbolic, gm)
-    render(gm)
-    sizes.name_sizes(gm, cap.symbolic)
-    gm.graph.lint()
-    gm.recompile()
     roles = {len(args) + i: cotangent_role() for i, _ in enumerate(extra_args)}
-    extra = guard_extra if guard_extra is not None else [v for _, v in extra_args]
-    examples = [*args, *extra]
-    install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
-    sizes.guard_symbolic(gm.guards, cap, examples)
-    closures.attach(gm, cap.reads, made_by)
-    return remember_inputs(gm)
-
-
-def cap_f(cap):
-    return cap.__dict__.get("f")
+    return back(flat_gm, cap, build, made_by=made_by, args=args, extra_args=extra_args, guard_extra=guard_extra, roles=roles)
 
 
 def _output_structure(cap, out_flat):
     return pytree.tree_unflatten(out_flat, cap.out_spec)
 
 
+@uses_pipeline(
+    "fxtools.vjp",
+    requires="front: a prepared graph; every op reached from a differentiated leaf has a VJP rule",
+    ensures="gm(*args, grad_out) -> (out, grads), grads nested as the differentiated arguments",
+)
 @transform("fxtools.vjp")
 def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The vector-Jacobian product of ``f`` at example ``args``, as readable PyTorch code.
@@ -205,7 +123,6 @@ def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     """
     nums = tuple(range(len(args))) if argnums is None else argnums_tuple(argnums, len(args))
     cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by="fxtools.vjp")
-    cap.f = f
     rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
     flat_gm, ct_index = rev.gm, rev.ct_index
     n_out = len(cap.out_leaves)
@@ -235,12 +152,11 @@ def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None, has_aux=False):
     made_by = "fxtools.value_and_grad" if with_value else "fxtools.grad"
     nums = argnums_tuple(argnums, len(args))
     cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by=made_by)
-    cap.f = f
     split = AuxSplit(cap.out_spec, has_aux)
     main = cap.out_leaves[: split.n_main]
     outs = [o for o in main if isinstance(o, torch.Tensor)]
     if len(main) != 1 or not outs or outs[0].numel() != 1 or not is_float(outs[0]):
-        got = split.main([_describe_leaf(v) for v in main])
+        got = split.main([describe_leaf(v) for v in main])
         raise ValueError(
             "grad needs f to return a single floating-point tensor with one element "
             + ("(and its auxiliary data: has_aux=True) " if has_aux else "")
@@ -262,6 +178,11 @@ def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None, has_aux=False):
     return _finish(cap, flat_gm, args, build, made_by)
 
 
+@uses_pipeline(
+    "fxtools.grad",
+    requires="front: a prepared graph returning one floating-point element (and aux)",
+    ensures="gm(*args) -> grads (and aux), nested as the differentiated arguments",
+)
 @transform("fxtools.grad")
 def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> fx.GraphModule:
     """The gradient of scalar-valued ``f`` at example ``args``: ``gm(*args) -> grads``.
@@ -277,6 +198,11 @@ def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> f
     return _grad_gm(f, args, argnums, with_value=False, dynamic_shapes=dynamic_shapes, has_aux=has_aux)
 
 
+@uses_pipeline(
+    "fxtools.value_and_grad",
+    requires="as fxtools.grad",
+    ensures="gm(*args) -> (value, grads), or ((value, aux), grads)",
+)
 @transform("fxtools.value_and_grad")
 def value_and_grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> fx.GraphModule:
     """Like ``grad``, but ``gm(*args) -> (value, grads)``; with ``has_aux=True``,
