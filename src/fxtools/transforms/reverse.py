@@ -166,9 +166,7 @@ def reverse(captured: fx.GraphModule, spec: ReverseSpec) -> ReverseResult:
     """Build the value-and-VJP graph of ``captured`` (a flat, functional ATen graph)."""
     transposer = _Transposer(captured, spec)
     gm = transposer.trace()
-    _name_arguments(gm, transposer.placeholders, transposer.out_nodes, transposer.ct_index)
-    _copy_constants(captured, gm)
-    transposer.namer.apply(gm.graph)
+    transposer.name_results(gm)
     grad_index = [i for i, w in enumerate(spec.wrt) if w]
     return ReverseResult(gm, transposer.ct_index, grad_index)
 
@@ -225,7 +223,14 @@ class _Transposer:
                 raise data_dependent_error(exc, self.current) from exc
             raise
 
+    def name_results(self, gm: fx.GraphModule) -> None:
+        """Name the traced graph's arguments, constants and values after the captured graph's."""
+        _name_arguments(gm, self.placeholders, self.out_nodes, self.ct_index)
+        _copy_constants(self.captured, gm)
+        self.namer.apply(gm.graph)
+
     def template(self, *flat):
+        """``(*inputs, *cotangents) -> (*outputs, *gradients)``: the forward, then the tape backward."""
         inputs, cts = flat[: len(self.placeholders)], flat[len(self.placeholders) :]
         self.env = dict(zip(self.placeholders, inputs))
         self.memo = Memo()  # repeated calls (identical layers) copy their first trace: see transforms/replay.py
