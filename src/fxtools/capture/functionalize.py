@@ -272,12 +272,14 @@ class _Step:
         self.multi_val = multi_val  # the list of FakeTensors of a multi-output view op
 
     def apply(self, b: _Builder, parent):
+        """The view regenerated from ``parent``'s current value."""
         node = b(self.target, parent, *self.args[1:], **self.kwargs)
         if self.index is not None:
             node = b(operator.getitem, node, self.index)
         return node
 
     def arg(self, i, name, default):
+        """The view op's argument ``i`` (keyword ``name``), or ``default``."""
         if len(self.args) > i:
             return self.args[i]
         return self.kwargs.get(name, default)
