@@ -190,8 +190,8 @@ class _Builder:
     def __init__(self, graph: fx.Graph):
         self.graph = graph
         self.fake_mode = fake_mode_of(graph)
-        self.before = None
-        self.trace = None
+        self.before: fx.Node | None = None  # the node new nodes go before
+        self.trace: str | None = None  # the stack trace they get
 
     def __call__(self, target, *args, **kwargs):
         with self.graph.inserting_before(self.before):
@@ -272,94 +272,160 @@ class _Step:
         self.multi_val = multi_val  # the list of FakeTensors of a multi-output view op
 
     def apply(self, b: _Builder, parent):
+        """The view regenerated from ``parent``'s current value."""
         node = b(self.target, parent, *self.args[1:], **self.kwargs)
         if self.index is not None:
             node = b(operator.getitem, node, self.index)
         return node
 
-    def _arg(self, i, name, default):
+    def arg(self, i, name, default):
+        """The view op's argument ``i`` (keyword ``name``), or ``default``."""
         if len(self.args) > i:
             return self.args[i]
         return self.kwargs.get(name, default)
 
     def scatter(self, b: _Builder, parent, child, pval, cval, mutation):
         """The new value of ``parent`` once its view (this step) holds ``child``."""
-        t = self.target
-        if t is aten.view_as_real.default:  # the complex tensor whose (real, imag) pairs the view holds
-            return b(aten.view_as_complex.default, b(aten.contiguous.default, child))
-        if t is aten.view_as_complex.default:
-            return b(aten.view_as_real.default, child)
-        if t in _SHAPE_ONLY:
-            if pval.dtype != cval.dtype or pval.is_complex() != cval.is_complex():
-                raise _error(mutation, f"writing through a {t} view that changes the dtype is not supported")
-            if tuple(pval.shape) == tuple(cval.shape):
-                return child
-            if t in (aten.expand.default, aten.expand_as.default):
-                raise _error(mutation, "it writes through an expanded view, where several elements share memory")
-            return b(aten.reshape.default, child, list(pval.shape))
-        if t in (aten.detach.default, aten.detach_.default):
-            return child
-        if t is aten.select.int:
-            return b(aten.select_scatter.default, parent, child, self._arg(1, "dim", 0), self._arg(2, "index", 0))
-        if t is aten.slice.Tensor:
-            return b(
-                aten.slice_scatter.default,
-                parent,
-                child,
-                self._arg(1, "dim", 0),
-                self._arg(2, "start", None),
-                self._arg(3, "end", None),
-                self._arg(4, "step", 1),
-            )
-        if t is aten.narrow.default:
-            dim, start, length = self.args[1], self.args[2], self.args[3]
-            size = pval.shape[dim]
-            start = start + size if start < 0 else start
-            return b(aten.slice_scatter.default, parent, child, dim, start, start + length, 1)
-        if t is aten.diagonal.default:
-            return b(
-                aten.diagonal_scatter.default,
-                parent,
-                child,
-                self._arg(1, "offset", 0),
-                self._arg(2, "dim1", 0),
-                self._arg(3, "dim2", 1),
-            )
-        if t in _TRANSPOSES:
-            return b(aten.transpose.int, child, self.args[1], self.args[2])
-        if t in _INVOLUTIONS and not cval.is_complex():
-            return b(t, child)
-        if t is aten.permute.default:
-            dims = [d % pval.dim() for d in self.args[1]]
-            inverse = [dims.index(i) for i in range(len(dims))]
-            return b(aten.permute.default, child, inverse)
-        if t in (aten.movedim.int, aten.movedim.intlist, aten.moveaxis.int, aten.moveaxis.intlist):
-            return b(t, child, self.args[2], self.args[1])
-        if t is aten.unbind.int:
-            return b(aten.select_scatter.default, parent, child, self._arg(1, "dim", 0), self.index)
-        if t in _SPLITS and self.multi_val is not None:
-            dim = self._arg(2, "dim", 0)
-            if t in (aten.hsplit.int,):
-                dim = 1 if pval.dim() > 1 else 0
-            if t in (aten.vsplit.int,):
-                dim = 0
-            dim %= pval.dim()
-            start = sum(v.shape[dim] for v in self.multi_val[: self.index])
-            return b(aten.slice_scatter.default, parent, child, dim, start, start + cval.shape[dim], 1)
-        if t in (aten.real.default, aten.imag.default):  # one part of a complex tensor: the other kept
-            if not pval.is_complex():
-                return child  # .real of a real tensor is the tensor itself
-            if t is aten.real.default:
-                return b(aten.complex.default, child, b(aten.imag.default, parent))
-            return b(aten.complex.default, b(aten.real.default, parent), child)
-        if t is aten.as_strided.default and pval.is_contiguous() and pval.storage_offset() == 0:
-            # write through the flat positions the view covers (as_strided_scatter's gradient in
-            # PyTorch does not give the gradient of this write)
-            positions = b(aten.arange.default, pval.numel(), dtype=torch.int64, device=pval.device)
-            index = b(aten.as_strided.default, positions, *self.args[1:], **self.kwargs)
-            flat = b(aten.index_put.default, b(aten.reshape.default, parent, [-1]), [index], child)
-            return b(aten.reshape.default, flat, list(pval.shape))
-        raise _error(mutation, f"it writes through a view made by {t}, which fxtools cannot write back")
+        write = _Write(b, parent, child, pval, cval, mutation)
+        scatter = _SCATTERS.get(self.target)
+        if scatter is None:
+            raise write.cannot(self)
+        return scatter(self, write)
+
+
+class _Write:
+    """A write through one view: ``child``, the view's new value, goes into ``parent``.
+    ``pval`` and ``cval`` are their FakeTensors, ``mutation`` the in-place op (for errors)."""
+
+    def __init__(self, b: _Builder, parent, child, pval, cval, mutation):
+        self.b, self.parent, self.child, self.pval, self.cval, self.mutation = b, parent, child, pval, cval, mutation
+
+    def cannot(self, step: _Step) -> InplaceError:
+        return _error(self.mutation, f"it writes through a view made by {step.target}, which fxtools cannot write back")
+
+
+# How to write a view's new value back into its parent: one function per kind of view op.
+
+
+def _scatter_shape_only(s: _Step, w: _Write):
+    if w.pval.dtype != w.cval.dtype or w.pval.is_complex() != w.cval.is_complex():
+        raise _error(w.mutation, f"writing through a {s.target} view that changes the dtype is not supported")
+    if tuple(w.pval.shape) == tuple(w.cval.shape):
+        return w.child
+    if s.target in (aten.expand.default, aten.expand_as.default):
+        raise _error(w.mutation, "it writes through an expanded view, where several elements share memory")
+    return w.b(aten.reshape.default, w.child, list(w.pval.shape))
+
+
+def _scatter_view_as_real(s: _Step, w: _Write):  # the complex tensor whose (real, imag) pairs the view holds
+    return w.b(aten.view_as_complex.default, w.b(aten.contiguous.default, w.child))
+
+
+def _scatter_view_as_complex(s: _Step, w: _Write):
+    return w.b(aten.view_as_real.default, w.child)
+
+
+def _scatter_same(s: _Step, w: _Write):
+    return w.child
+
+
+def _scatter_select(s: _Step, w: _Write):
+    return w.b(aten.select_scatter.default, w.parent, w.child, s.arg(1, "dim", 0), s.arg(2, "index", 0))
+
+
+def _scatter_slice(s: _Step, w: _Write):
+    dim, start, end, step = s.arg(1, "dim", 0), s.arg(2, "start", None), s.arg(3, "end", None), s.arg(4, "step", 1)
+    return w.b(aten.slice_scatter.default, w.parent, w.child, dim, start, end, step)
+
+
+def _scatter_narrow(s: _Step, w: _Write):
+    dim, start, length = s.args[1], s.args[2], s.args[3]
+    start = start + w.pval.shape[dim] if start < 0 else start
+    return w.b(aten.slice_scatter.default, w.parent, w.child, dim, start, start + length, 1)
+
+
+def _scatter_diagonal(s: _Step, w: _Write):
+    offset, dim1, dim2 = s.arg(1, "offset", 0), s.arg(2, "dim1", 0), s.arg(3, "dim2", 1)
+    return w.b(aten.diagonal_scatter.default, w.parent, w.child, offset, dim1, dim2)
+
+
+def _scatter_transpose(s: _Step, w: _Write):
+    return w.b(aten.transpose.int, w.child, s.args[1], s.args[2])
+
+
+def _scatter_involution(s: _Step, w: _Write):
+    if w.cval.is_complex():
+        raise w.cannot(s)
+    return w.b(s.target, w.child)
+
+
+def _scatter_permute(s: _Step, w: _Write):
+    dims = [d % w.pval.dim() for d in s.args[1]]
+    inverse = [dims.index(i) for i in range(len(dims))]
+    return w.b(aten.permute.default, w.child, inverse)
+
+
+def _scatter_movedim(s: _Step, w: _Write):
+    return w.b(s.target, w.child, s.args[2], s.args[1])
+
+
+def _scatter_unbind(s: _Step, w: _Write):
+    return w.b(aten.select_scatter.default, w.parent, w.child, s.arg(1, "dim", 0), s.index)
+
+
+def _scatter_split(s: _Step, w: _Write):
+    if s.multi_val is None:
+        raise w.cannot(s)
+    dim = s.arg(2, "dim", 0)
+    if s.target is aten.hsplit.int:
+        dim = 1 if w.pval.dim() > 1 else 0
+    if s.target is aten.vsplit.int:
+        dim = 0
+    dim %= w.pval.dim()
+    start = sum(v.shape[dim] for v in s.multi_val[: s.index])
+    return w.b(aten.slice_scatter.default, w.parent, w.child, dim, start, start + w.cval.shape[dim], 1)
+
+
+def _scatter_complex_part(s: _Step, w: _Write):  # one part of a complex tensor: the other kept
+    if not w.pval.is_complex():
+        return w.child  # .real of a real tensor is the tensor itself
+    if s.target is aten.real.default:
+        return w.b(aten.complex.default, w.child, w.b(aten.imag.default, w.parent))
+    return w.b(aten.complex.default, w.b(aten.real.default, w.parent), w.child)
+
+
+def _scatter_as_strided(s: _Step, w: _Write):
+    """Write through the flat positions the view covers (as_strided_scatter's gradient in
+    PyTorch does not give the gradient of this write)."""
+    pval, b = w.pval, w.b
+    if not (pval.is_contiguous() and pval.storage_offset() == 0):
+        raise w.cannot(s)
+    positions = b(aten.arange.default, pval.numel(), dtype=torch.int64, device=pval.device)
+    index = b(aten.as_strided.default, positions, *s.args[1:], **s.kwargs)
+    flat = b(aten.index_put.default, b(aten.reshape.default, w.parent, [-1]), [index], w.child)
+    return b(aten.reshape.default, flat, list(pval.shape))
+
+
+_SCATTERS = {
+    **dict.fromkeys(_SHAPE_ONLY, _scatter_shape_only),
+    aten.view_as_real.default: _scatter_view_as_real,
+    aten.view_as_complex.default: _scatter_view_as_complex,
+    aten.detach.default: _scatter_same,
+    aten.detach_.default: _scatter_same,
+    aten.select.int: _scatter_select,
+    aten.slice.Tensor: _scatter_slice,
+    aten.narrow.default: _scatter_narrow,
+    aten.diagonal.default: _scatter_diagonal,
+    **dict.fromkeys(_TRANSPOSES, _scatter_transpose),
+    **dict.fromkeys(_INVOLUTIONS, _scatter_involution),
+    aten.permute.default: _scatter_permute,
+    **dict.fromkeys((aten.movedim.int, aten.movedim.intlist, aten.moveaxis.int, aten.moveaxis.intlist), _scatter_movedim),
+    aten.unbind.int: _scatter_unbind,
+    **dict.fromkeys(_SPLITS, _scatter_split),
+    aten.real.default: _scatter_complex_part,
+    aten.imag.default: _scatter_complex_part,
+    aten.as_strided.default: _scatter_as_strided,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,182 +480,218 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
     Changes ``gm`` in place and returns it. Raises ``InplaceError`` (an ``FxtoolsError``) naming
     the op and the user's line for in-place code it cannot rewrite without changing gradients.
     """
-    graph = gm.graph
-    if not any(is_mutating(n) for n in graph.nodes):
+    if not any(is_mutating(n) for n in gm.graph.nodes):
         return gm
-    maybe_need = _maybe_differentiable(gm)
-    b = _Builder(graph)
-    _storage = _closed_over_storages(gm)
+    _Functionalizer(gm).run()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
 
-    input_storages: dict = {}  # storage -> placeholder / get_attr node owning it
-    aliases: dict[fx.Node, _Alias] = {}
-    latest: dict = {}  # intermediate storage -> node holding the base's current value
-    version: dict = {}  # intermediate storage -> number of mutations so far
-    opaque: set = set()  # intermediate storages with aliases fxtools cannot regenerate
-    cache: dict = {}  # (node, version) -> regenerated node
-    repl: dict[fx.Node, fx.Node] = {}  # original node -> node holding its value (when not stale)
-    to_erase: list[fx.Node] = []
-    kept: list[fx.Node] = []
-    grad_enabled = True
 
-    def current(node):
+class _Functionalizer:
+    """One ``functionalize`` pass: walks the graph in order, keeping what it knows of each
+    storage (its aliases, its current value, how many times it was modified), and rewrites or
+    keeps each in-place op as it comes."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.maybe_need = _maybe_differentiable(gm)
+        self.b = _Builder(gm.graph)
+        self.storage = _closed_over_storages(gm)
+        self.input_storages: dict = {}  # storage -> placeholder / get_attr node owning it
+        self.aliases: dict[fx.Node, _Alias] = {}
+        self.base: dict = {}  # intermediate storage -> the node that created it
+        self.latest: dict = {}  # intermediate storage -> node holding the base's current value
+        self.version: dict = {}  # intermediate storage -> number of mutations so far
+        self.opaque: set = set()  # intermediate storages with aliases fxtools cannot regenerate
+        self.cache: dict = {}  # (node, version) -> regenerated node
+        self.repl: dict[fx.Node, fx.Node] = {}  # original node -> node holding its value (when not stale)
+        self.original: dict = {}  # node -> its arguments before they were remapped
+        self.to_erase: list[fx.Node] = []
+        self.kept: list[fx.Node] = []  # in-place ops left on inputs and buffers
+        self.grad_enabled = True
+
+    def run(self) -> None:
+        for node in list(self.gm.graph.nodes):
+            self.visit(node)
+        for node in reversed(self.to_erase):
+            if node.users:
+                raise _error(node, "internal error: a rewritten in-place op is still used")
+            self.gm.graph.erase_node(node)
+        if self.kept:
+            _snapshot_reads(self.gm, self.kept, self.b, self.storage)
+
+    def visit(self, node: fx.Node) -> None:
+        """Read ``node``'s arguments at their current values; record it, keep it or rewrite it."""
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            self.grad_enabled = bool(node.args[0])
+            return
+        orig_args = self.original[node] = node.args
+        self.remap(node)
+        if not is_mutating(node):
+            self.register(node)
+            return
+        self.b.before, self.b.trace = node, node.meta.get("stack_trace")
+        written = _written_args(node.target)
+        target = _arg_at(node, written[0], orig_args)
+        st = self.storage(_val(target))
+        if st is None or st in self.input_storages or not isinstance(target, fx.Node):
+            self.keep(node, written, st)
+        else:
+            self.rewrite(node, target, st)
+
+    # -- values and aliases
+
+    def current(self, node):
         """The node holding ``node``'s value at this point of the program."""
         if not isinstance(node, fx.Node):
             return node
-        info = aliases.get(node)
-        if info is None or info.version == version[info.storage]:
-            return repl.get(node, node)
+        info = self.aliases.get(node)
+        if info is None or info.version == self.version[info.storage]:
+            return self.repl.get(node, node)
         if info.parent is None:
             if info.step is not None:
                 raise _Opaque(node)
-            return latest[info.storage]
-        key = (node, version[info.storage])
-        if key not in cache:
-            cache[key] = info.step.apply(b, current(info.parent))
-        return cache[key]
+            return self.latest[info.storage]
+        key = (node, self.version[info.storage])
+        if key not in self.cache:
+            self.cache[key] = info.step.apply(self.b, self.current(info.parent))
+        return self.cache[key]
 
-    info_base: dict = {}
-    original: dict = {}  # node -> its arguments before they were remapped
-
-    def remap(node):
+    def remap(self, node: fx.Node) -> None:
         try:
-            node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), current)
+            node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), self.current)
         except _Opaque as e:
             raise _error_use(e.args[0], node) from None
 
-    def _error_use(alias, user):
-        return InplaceError(
-            f"{user.target if user.op != 'output' else 'the output'} (from {_where(user)}) reads {alias.name}, "
-            f"a view of a tensor that was later modified in place, and fxtools cannot recompute that "
-            f"view ({alias.target}) from the modified tensor. Write the computation out of place."
-        )
-
-    def register(node):
+    def register(self, node: fx.Node) -> None:
         """Record storage facts for a node that is not an in-place op."""
-        val = node.meta.get("val")
-        st = _storage(val)
+        st = self.storage(node.meta.get("val"))
         if st is None:
             return
         if node.op in ("placeholder", "get_attr"):
-            input_storages.setdefault(st, node)
+            self.input_storages.setdefault(st, node)
             return
-        if st in input_storages:
+        if st in self.input_storages:
             return
-        if st not in latest:
-            latest[st], version[st], info_base[st] = node, 0, node
-            aliases[node] = _Alias(st, None, None, 0)
+        if st not in self.latest:
+            self.latest[st], self.version[st], self.base[st] = node, 0, node
+            self.aliases[node] = _Alias(st, None, None, 0)
             return
-        parent, step = _view_parent(node, st)
+        parent, step = self.view_parent(node, st)
         if parent is None:
-            opaque.add(st)
-            aliases[node] = _Alias(st, None, _Step(node.target, (), {}), version[st])
+            self.opaque.add(st)
+            self.aliases[node] = _Alias(st, None, _Step(node.target, (), {}), self.version[st])
         else:
-            aliases[node] = _Alias(st, parent, step, version[st])
+            self.aliases[node] = _Alias(st, parent, step, self.version[st])
 
-    def _view_parent(node, st):
+    def view_parent(self, node: fx.Node, st):
+        """``(parent, step)`` when ``node`` is a view of ``parent`` (a known alias of ``st``), else ``(None, None)``."""
         if node.op != "call_function":
             return None, None
-        args = original.get(node, node.args)
+        args = self.original.get(node, node.args)
         if node.target is operator.getitem:
             multi = args[0]
             if not (isinstance(multi, fx.Node) and multi.op == "call_function" and _is_view_op(multi.target)):
                 return None, None
-            margs = original.get(multi, multi.args)
-            if isinstance(margs[0], fx.Node) and _storage(_val(margs[0])) == st and margs[0] in aliases:
+            margs = self.original.get(multi, multi.args)
+            if isinstance(margs[0], fx.Node) and self.storage(_val(margs[0])) == st and margs[0] in self.aliases:
                 return margs[0], _Step(multi.target, margs, multi.kwargs, args[1], _val(multi))
             return None, None
         if (
             _is_view_op(node.target)
             and args
             and isinstance(args[0], fx.Node)
-            and _storage(_val(args[0])) == st
-            and args[0] in aliases
+            and self.storage(_val(args[0])) == st
+            and args[0] in self.aliases
         ):
             return args[0], _Step(node.target, args, node.kwargs)
         return None, None
 
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
-            grad_enabled = bool(node.args[0])
-            continue
-        orig_args = original[node] = node.args
-        remap(node)
-        if not is_mutating(node):
-            register(node)
-            continue
-        b.before, b.trace = node, node.meta.get("stack_trace")
-        op = node.target
-        written = _written_args(op)
-        target_arg = _arg_at(node, written[0], orig_args) if written else None
-        tval = _val(target_arg)
-        st = _storage(tval)
-        if st is None or st in input_storages or not isinstance(target_arg, fx.Node):
-            if st is None and not (written and all(_storage(_val(_arg_at(node, i))) in input_storages for i in written)):
-                raise _error(node, "fxtools cannot tell which tensor it modifies")
-            _keep(node, written, maybe_need, grad_enabled)
-            kept.append(node)
-            continue
-        # A mutation of an intermediate: rewrite it.
-        if written != [0] or len(op._schema.returns) != 1:
+    # -- in-place ops
+
+    def keep(self, node: fx.Node, written: list[int], st) -> None:
+        """An in-place op on an input or buffer stays (see ``_keep``)."""
+        if st is None and not all(self.storage(_val(_arg_at(node, i))) in self.input_storages for i in written):
+            raise _error(node, "fxtools cannot tell which tensor it modifies")
+        _keep(node, written, self.maybe_need, self.grad_enabled)
+        self.kept.append(node)
+
+    def rewrite(self, node: fx.Node, target: fx.Node, st) -> None:
+        """An in-place op on an intermediate (``target``, in storage ``st``) becomes functional."""
+        info = self.rewritable(node, target, st)
+        kind, func = _rewrite_kind(node)
+        if kind == "view":
+            self.repl[node] = self.b(func, *node.args, **node.kwargs)
+            self.aliases[node] = _Alias(st, target, _Step(func, node.args, node.kwargs), self.version[st])
+            self.to_erase.append(node)
+            return
+        tval = _val(target)
+        value = _functional_value(self.b, node, func, tval, self.input_storages, self.storage)
+        value = self.b.cast_like(value, tval)
+        self.latest[st] = self.write_back(node, value, target)
+        self.version[st] += 1
+        self.aliases[node] = _Alias(st, info.parent, info.step, self.version[st])
+        self.repl[node] = value
+        self.to_erase.append(node)
+
+    def rewritable(self, node: fx.Node, target: fx.Node, st) -> _Alias:
+        """What is known of ``target``, after checking that a functional rewrite keeps gradients."""
+        if _written_args(node.target) != [0] or len(node.target._schema.returns) != 1:
             raise _error(node, "only ops that modify their first argument can be rewritten")
-        if st in opaque:
+        if st in self.opaque:
             raise _error(node, "it modifies a tensor with an alias (view) fxtools cannot follow")
-        info = aliases.get(target_arg)
+        info = self.aliases.get(target)
         if info is None:
             raise _error(node, "fxtools cannot tell how the modified tensor relates to its base")
-        base = info_base[st]
-        if base in maybe_need and (not grad_enabled or _through_detach(target_arg, aliases)):
+        if self.base[st] in self.maybe_need and (not self.grad_enabled or _through_detach(target, self.aliases)):
             raise _error(
                 node,
                 "it modifies a value that carries a gradient under torch.no_grad() or "
                 "through .detach() or .data; its gradient would be that of the old value, "
                 "which a functional rewrite cannot reproduce",
             )
-        func = _functional_of(op)
-        if op is aten.copy_.default:
-            kind, func = "data", None
-        elif op in (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default):
-            kind = "data"
-        elif func is None:
-            raise _error(node, "fxtools knows no out-of-place version of this op")
-        elif _is_view_op(func):
-            kind = "view"
-        else:
-            kind = "data"
-        if kind == "view":
-            if func in (aten.as_strided.default,):
-                raise _error(node, "changing a tensor's strides or autograd identity in place is not supported")
-            new = b(func, *node.args, **node.kwargs)
-            aliases[node] = _Alias(st, target_arg, _Step(func, node.args, node.kwargs), version[st])
-            repl[node] = new
-            to_erase.append(node)
-            continue
-        value = _functional_value(b, node, func, tval, input_storages, _storage)
-        value = b.cast_like(value, tval)
-        # write the new value back through the chain of views to the base
-        child, cur = value, target_arg
-        while aliases[cur].parent is not None:
-            a = aliases[cur]
-            parent = a.parent
-            child = a.step.scatter(b, current(parent), child, _val(parent), _val(cur), node)
-            cur = parent
-        if aliases[cur].step is not None:
-            raise _error(node, "it modifies a tensor with an alias (view) fxtools cannot follow")
-        latest[st] = child
-        version[st] += 1
-        aliases[node] = _Alias(st, info.parent, info.step, version[st])
-        repl[node] = value
-        to_erase.append(node)
+        return info
 
-    for node in reversed(to_erase):
-        if node.users:
-            raise _error(node, "internal error: a rewritten in-place op is still used")
-        graph.erase_node(node)
-    if kept:
-        _snapshot_reads(gm, kept, b, _storage)
-    graph.lint()
-    gm.recompile()
-    return gm
+    def write_back(self, node: fx.Node, value, target: fx.Node):
+        """The base's new value once ``target`` (the base, or a view of it) holds ``value``:
+        written back through the chain of views with each one's scatter."""
+        child, cur = value, target
+        while self.aliases[cur].parent is not None:
+            a = self.aliases[cur]
+            parent = a.parent
+            child = a.step.scatter(self.b, self.current(parent), child, _val(parent), _val(cur), node)
+            cur = parent
+        if self.aliases[cur].step is not None:
+            raise _error(node, "it modifies a tensor with an alias (view) fxtools cannot follow")
+        return child
+
+
+def _error_use(alias, user) -> InplaceError:
+    return InplaceError(
+        f"{user.target if user.op != 'output' else 'the output'} (from {_where(user)}) reads {alias.name}, "
+        f"a view of a tensor that was later modified in place, and fxtools cannot recompute that "
+        f"view ({alias.target}) from the modified tensor. Write the computation out of place."
+    )
+
+
+def _rewrite_kind(node: fx.Node):
+    """How an in-place op on an intermediate is rewritten: ``("view", f)`` when it only changes
+    the tensor's view (``squeeze_``: ``f`` makes the new view), else ``("data", f)`` with ``f``
+    its out-of-place overload (None for ``copy_``)."""
+    op = node.target
+    func = _functional_of(op)
+    if op is aten.copy_.default:
+        return "data", None
+    if op in (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default):
+        return "data", func
+    if func is None:
+        raise _error(node, "fxtools knows no out-of-place version of this op")
+    if not _is_view_op(func):
+        return "data", func
+    if func in (aten.as_strided.default,):
+        raise _error(node, "changing a tensor's strides or autograd identity in place is not supported")
+    return "view", func
 
 
 def _arg_at(node, i, args=None):

@@ -146,37 +146,75 @@ def _vjp_function(sub: fx.GraphModule, node: fx.Node):
     return vjp_fn, cap
 
 
-def _label(tensor, name: str, note: str | None) -> None:
-    """Name the traced node holding ``tensor`` and say what it holds (``Split.report`` prints it)."""
+def _traced_node(tensor) -> fx.Node | None:
+    """The node of the trace in progress that holds ``tensor``, or None."""
     mode = proxy_tensor.get_innermost_proxy_mode()
     if mode is None:
-        return
+        return None
     try:
-        node = proxy_tensor.get_proxy_slot(tensor, mode.tracer).proxy.node
-    except Exception:  # noqa: BLE001 - not a traced tensor: nothing to label
+        return proxy_tensor.get_proxy_slot(tensor, mode.tracer).proxy.node
+    except Exception:  # noqa: BLE001 - not a traced tensor
+        return None
+
+
+def _label(tensor, name: str, note: str | None) -> None:
+    """Name the traced node holding ``tensor`` and say what it holds (``Split.report`` prints it)."""
+    node = _traced_node(tensor)
+    if node is None:
         return
     node._rename(name)
     if note:
         meta.NOTE.set(node, note)
 
 
+def _label_steps(stacked, each: str):
+    """Label ``stacked``, the carry entering each step of a loop, one per row; returns it."""
+    kind = str(stacked.dtype).replace("torch.", "") + str(list(stacked.shape[1:]))
+    _label(stacked, "carry_steps", f"per step: {kind}, the carry entering each {each}")
+    return stacked
+
+
 def _mark_grad(results) -> None:
     """Mark the control-flow node that computed ``results`` as a backward's (its functions are
     then named ``true_branch_grad``, ``step_grad``, ...)."""
-    mode = proxy_tensor.get_innermost_proxy_mode()
-    if mode is None or not results:
-        return
-    try:
-        node = proxy_tensor.get_proxy_slot(results[0], mode.tracer).proxy.node
-    except Exception:  # noqa: BLE001 - not a traced tensor
-        return
-    if node.target is operator.getitem:
+    node = _traced_node(results[0]) if results else None
+    if node is not None and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         meta.GRAD_OF_CONTROL_FLOW.set(node.args[0], True)
 
 
 def _fill(mask, values):
     it = iter(values)
     return [next(it) if m else None for m in mask]
+
+
+def _split(seq, *sizes) -> list:
+    """``seq`` cut into consecutive pieces of the given sizes, and the rest."""
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(seq[start : start + size])
+        start += size
+    return [*pieces, seq[start:]]
+
+
+def _floats(vals) -> list[bool]:
+    return [is_float(v) for v in vals]
+
+
+def _only_floats(vals) -> list:
+    return [v for v in vals if is_float(v)]
+
+
+def _zero_cts(consts) -> list:
+    """Zeros to start the sum of the floating-point constants' cotangents over the steps."""
+    return [torch.zeros_like(a) for a in consts if is_float(a)]
+
+
+def _accumulate(acc, grads) -> tuple:
+    return tuple(s + g for s, g in zip(acc, grads))
+
+
+def _flip(t):
+    return torch.flip(t, [0])
 
 
 def _float_cts(ct, outs):
@@ -191,7 +229,7 @@ def _cond_rule(gm, node) -> Rule:
     _, true_n, false_n, _ = node.args
     true_vjp, cap = _vjp_function(getattr(gm, true_n.target), node)
     false_vjp, _ = _vjp_function(getattr(gm, false_n.target), node)
-    vals = [*cap.leaves, *(o for o in cap.out_leaves if is_float(o))]
+    vals = [*cap.leaves, *_only_floats(cap.out_leaves)]
     true_bwd, false_bwd = _trace(true_vjp, vals), _trace(false_vjp, vals)
 
     def fwd(pred, true_fn, false_fn, operands):
@@ -202,7 +240,7 @@ def _cond_rule(gm, node) -> Rule:
         pred, operands, out = aux
         grads = hop.cond(pred, true_bwd, false_bwd, (*operands, *_float_cts(ct, out)))
         _mark_grad(grads)
-        return None, None, None, _fill([is_float(o) for o in operands], grads)
+        return None, None, None, _fill(_floats(operands), grads)
 
     return Rule(fwd, bwd, source="control flow")
 
@@ -214,34 +252,16 @@ def _scan_rule(gm, node) -> Rule:
     step = getattr(gm, step_n.target)
     n_c, n_x = len(init_n), len(xs_n)
     step_vjp, cap = _vjp_function(step, node)
-    carry_v, x_v, const_v = cap.leaves[:n_c], cap.leaves[n_c : n_c + n_x], cap.leaves[n_c + n_x :]
-    y_v = cap.out_leaves[n_c:]
-    n_y = len(y_v)
-    fc, fx_, fa, fy = ([is_float(v) for v in vs] for vs in (carry_v, x_v, const_v, y_v))
-    nfc, nfa, nfy = sum(fc), sum(fa), sum(fy)
+    carry_v, x_v, const_v = _split(cap.leaves, n_c, n_x)
+    n_y = len(cap.out_leaves) - n_c
+    fc, fx_, fa = _floats(carry_v), _floats(x_v), _floats(const_v)
+    nfc, nfa = sum(fc), sum(fa)
 
     def step_saving_carry(*a):
         return (*step(*a), *(c.clone() for c in a[:n_c]))
 
     step_fwd = _trace(step_saving_carry, cap.leaves)
-
-    def step_bwd(*a):
-        ct_carry, acc = a[:nfc], a[nfc : nfc + nfa]
-        rest = a[nfc + nfa :]
-        carry, x, ct_y, consts = rest[:n_c], rest[n_c : n_c + n_x], rest[n_c + n_x : n_c + n_x + nfy], rest[n_c + n_x + nfy :]
-        grads = step_vjp(*carry, *x, *consts, *ct_carry, *ct_y)
-        g_carry, g_x, g_const = grads[:nfc], grads[nfc : nfc + sum(fx_)], grads[nfc + sum(fx_) :]
-        return _fresh((*g_carry, *(s + g for s, g in zip(acc, g_const)), *g_x), a)
-
-    bwd_vals = [
-        *(v for v, f in zip(carry_v, fc) if f),
-        *(v for v, f in zip(const_v, fa) if f),
-        *carry_v,
-        *x_v,
-        *(v for v, f in zip(y_v, fy) if f),
-        *const_v,
-    ]
-    step_back = _trace(step_bwd, bwd_vals)
+    step_back = _scan_step_backward(step_vjp, carry_v, x_v, const_v, cap.out_leaves[n_c:])
 
     def fwd(step_fn, init, xs, consts):
         res = hop.scan(step_fwd, init, xs, consts)
@@ -250,29 +270,32 @@ def _scan_rule(gm, node) -> Rule:
 
     def bwd(aux, ct):
         carries, init, xs, consts, value = aux
-        cts = _float_cts(ct, value)
-        ct_carry, ct_y = cts[:nfc], cts[nfc:]
-        zeros = [torch.zeros_like(a) for a, f in zip(consts, fa) if f]
-
-        def flip(t):
-            return torch.flip(t, [0])
-
-        steps = []
-        for c in carries:
-            c = flip(c)
-            kind = str(c.dtype).replace("torch.", "") + str(list(c.shape[1:]))
-            _label(
-                c,
-                "carry_steps",
-                f"per step: {kind}, the carry entering each of the {c.shape[0]} steps of the scan, last step first",
-            )
-            steps.append(c)
-        res = hop.scan(step_back, [*ct_carry, *zeros], [*steps, *map(flip, xs), *map(flip, ct_y)], consts)
+        ct_carry, ct_y = _split(_float_cts(ct, value), nfc)
+        zeros = _zero_cts(consts)
+        steps = [_label_steps(_flip(c), f"of the {c.shape[0]} steps of the scan, last step first") for c in carries]
+        res = hop.scan(step_back, [*ct_carry, *zeros], [*steps, *map(_flip, xs), *map(_flip, ct_y)], consts)
         _mark_grad(res)
-        g_init, g_consts, g_xs = res[:nfc], res[nfc : nfc + nfa], [flip(g) for g in res[nfc + nfa :]]
-        return None, _fill(fc, g_init), _fill(fx_, g_xs), _fill(fa, g_consts)
+        g_init, g_consts, g_xs = _split(res, nfc, nfa)
+        return None, _fill(fc, g_init), _fill(fx_, [_flip(g) for g in g_xs]), _fill(fa, g_consts)
 
     return Rule(fwd, bwd, source="control flow")
+
+
+def _scan_step_backward(step_vjp, carry_v, x_v, const_v, y_v) -> fx.GraphModule:
+    """The reverse scan's step: carrying the carry's cotangent and the sum of the constants'
+    cotangents, over each step's input carry, ``x`` and output cotangent (last step first), it
+    runs the step's VJP and returns the new carry and that step's ``x`` cotangent."""
+    n_c, n_x = len(carry_v), len(x_v)
+    nfc, nfx, nfa, nfy = (sum(_floats(vs)) for vs in (carry_v, x_v, const_v, y_v))
+
+    def step_bwd(*a):
+        ct_carry, acc, carry, x, ct_y, consts = _split(a, nfc, nfa, n_c, n_x, nfy)
+        grads = step_vjp(*carry, *x, *consts, *ct_carry, *ct_y)
+        g_carry, g_x, g_const = _split(grads, nfc, nfx)
+        return _fresh((*g_carry, *_accumulate(acc, g_const), *g_x), a)
+
+    vals = [*_only_floats(carry_v), *_only_floats(const_v), *carry_v, *x_v, *_only_floats(y_v), *const_v]
+    return _trace(step_bwd, vals)
 
 
 def _while_loop_rule(gm, node) -> Rule:
@@ -281,45 +304,14 @@ def _while_loop_rule(gm, node) -> Rule:
     over the steps in reverse, carrying the carry's cotangent and the sum of the constants'
     cotangents. (Counting tells no steps from one: both stack one carry.)"""
     cond_n, body_n, carried_n, _ = node.args
-    cond_gm, body = getattr(gm, cond_n.target), getattr(gm, body_n.target)
+    body = getattr(gm, body_n.target)
     n_c = len(carried_n)
     body_vjp, cap = _vjp_function(body, node)
-    carry_v, const_v = cap.leaves[:n_c], cap.leaves[n_c:]
-    fc, fa = [is_float(v) for v in carry_v], [is_float(v) for v in const_v]
-    nfc, nfa = sum(fc), sum(fa)
-    count_v = torch.zeros((), dtype=torch.int64)
-
-    def counting_cond(n, *a):
-        return cond_gm(*a[:n_c], *a[2 * n_c :])
-
-    def counting_body(n, *a):
-        carry, consts = a[:n_c], a[2 * n_c :]
-        return (n + 1, *_fresh(body(*carry, *consts), a), *(c.clone() for c in carry))
-
-    count_vals = [count_v, *carry_v, *carry_v, *const_v]
-    count_cond, count_body = _trace(counting_cond, count_vals), _trace(counting_body, count_vals)
-
-    def back_cond(i, *a):
-        return i < a[nfc + nfa]
-
-    def back_body(i, *a):
-        ct_carry, acc, n = a[:nfc], a[nfc : nfc + nfa], a[nfc + nfa]
-        steps, consts = a[nfc + nfa + 1 : nfc + nfa + 1 + n_c], a[nfc + nfa + 1 + n_c :]
-        t = (n - 1 - i).reshape(1)
-        carry = [torch.index_select(s, 0, t).squeeze(0) for s in steps]
-        grads = body_vjp(*carry, *consts, *ct_carry)
-        return (i + 1, *_fresh((*grads[:nfc], *(s + g for s, g in zip(acc, grads[nfc:]))), a))
-
-    steps_v = [torch.empty((2, *v.shape), dtype=v.dtype, device=v.device) for v in carry_v]
-    back_vals = [
-        count_v,
-        *(v for v, f in zip(carry_v, fc) if f),
-        *(v for v, f in zip(const_v, fa) if f),
-        count_v,
-        *steps_v,
-        *const_v,
-    ]
-    back_cond_gm, back_body_gm = _trace(back_cond, back_vals), _trace(back_body, back_vals)
+    carry_v, const_v = _split(cap.leaves, n_c)
+    fc, fa = _floats(carry_v), _floats(const_v)
+    nfc = sum(fc)
+    count_cond, count_body = _counting_loop(getattr(gm, cond_n.target), body, carry_v, const_v)
+    back_cond, back_body = _while_loop_backward(body_vjp, carry_v, const_v)
 
     def fwd(cond_fn, body_fn, carried, consts):
         n0 = torch.zeros((), dtype=torch.int64, device=carried[0].device)
@@ -329,19 +321,55 @@ def _while_loop_rule(gm, node) -> Rule:
         n = stacked[0][-1]
         _label(n, "n_steps", None)
         for s in stacked[1 + n_c :]:
-            kind = str(s.dtype).replace("torch.", "") + str(list(s.shape[1:]))
-            _label(s, "carry_steps", f"per step: {kind}, the carry entering each step of the while_loop")
+            _label_steps(s, "step of the while_loop")
         return value, (n, stacked[1 + n_c :], consts, value)
 
     def bwd(aux, ct):
         n, steps, consts, value = aux
-        zeros = [torch.zeros_like(a) for a, f in zip(consts, fa) if f]
+        zeros = _zero_cts(consts)
         step = torch.zeros_like(n)
-        res = hop.while_loop(back_cond_gm, back_body_gm, (step, *_float_cts(ct, value), *zeros), (n, *steps, *consts))
+        res = hop.while_loop(back_cond, back_body, (step, *_float_cts(ct, value), *zeros), (n, *steps, *consts))
         _mark_grad(res)
         return None, None, _fill(fc, res[1 : 1 + nfc]), _fill(fa, res[1 + nfc :])
 
     return Rule(fwd, bwd, source="control flow")
+
+
+def _counting_loop(cond_gm, body, carry_v, const_v):
+    """The forward loop's functions: ``(n, *carry, *carry_in), consts``, where ``n`` counts the
+    steps and ``carry_in`` is the carry entering the step (stacked by ``while_loop_stack_output``)."""
+    n_c = len(carry_v)
+
+    def counting_cond(n, *a):
+        return cond_gm(*a[:n_c], *a[2 * n_c :])
+
+    def counting_body(n, *a):
+        carry, consts = a[:n_c], a[2 * n_c :]
+        return (n + 1, *_fresh(body(*carry, *consts), a), *(c.clone() for c in carry))
+
+    vals = [torch.zeros((), dtype=torch.int64), *carry_v, *carry_v, *const_v]
+    return _trace(counting_cond, vals), _trace(counting_body, vals)
+
+
+def _while_loop_backward(body_vjp, carry_v, const_v):
+    """The backward loop's functions: ``(i, *ct_carry, *acc), (n, *steps, *consts)``, running
+    the body's VJP on step ``n - 1 - i``'s input carry while ``i < n``."""
+    n_c, nfc, nfa = len(carry_v), sum(_floats(carry_v)), sum(_floats(const_v))
+
+    def back_cond(i, *a):
+        return i < a[nfc + nfa]
+
+    def back_body(i, *a):
+        ct_carry, acc, (n,), steps, consts = _split(a, nfc, nfa, 1, n_c)
+        t = (n - 1 - i).reshape(1)
+        carry = [torch.index_select(s, 0, t).squeeze(0) for s in steps]
+        grads = body_vjp(*carry, *consts, *ct_carry)
+        return (i + 1, *_fresh((*grads[:nfc], *_accumulate(acc, grads[nfc:])), a))
+
+    count_v = torch.zeros((), dtype=torch.int64)
+    steps_v = [torch.empty((2, *v.shape), dtype=v.dtype, device=v.device) for v in carry_v]
+    vals = [count_v, *_only_floats(carry_v), *_only_floats(const_v), count_v, *steps_v, *const_v]
+    return _trace(back_cond, vals), _trace(back_body, vals)
 
 
 def _refused_rule(gm, node) -> Rule:

@@ -159,6 +159,24 @@ def _same_meta(t, val) -> bool:
     )
 
 
+def _replayable(node: fx.Node, recorded: set, known: set) -> bool:
+    """A copy of recorded ``node`` computes what tracing would: it reads only recorded nodes, the
+    call's arguments (``known``) and constants, and its values have static metadata."""
+    if node.op != "call_function":
+        return False  # get_attr: a constant read inside the call
+    if any(a not in recorded and a not in known and a.op != "get_attr" for a in node.all_input_nodes):
+        return False  # reads a traced value it was not given
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        if not all(v is None or _static(v) for v in val):
+            return False
+    elif not _static(val):
+        return False
+    return node.target is not operator.getitem or (
+        node.args[0] in recorded and isinstance(node.args[0].meta["val"], (tuple, list))
+    )
+
+
 class _Recording:
     """The nodes one call added, and how its result is made of them."""
 
@@ -172,21 +190,8 @@ class _Recording:
     def make(cls, nodes, inputs, tensors, out, tracer):
         """The recording of a call, or None if its replay would not be what tracing gives."""
         recorded, known = set(nodes), set(inputs)
-        for node in nodes:
-            if node.op != "call_function":
-                return None  # get_attr: a constant read inside the call
-            if any(a not in recorded and a not in known and a.op != "get_attr" for a in node.all_input_nodes):
-                return None  # reads a traced value it was not given
-            val = node.meta.get("val")
-            if isinstance(val, (tuple, list)):
-                if not all(v is None or _static(v) for v in val):
-                    return None
-            elif not _static(val):
-                return None
-            if node.target is operator.getitem and not (
-                node.args[0] in recorded and isinstance(node.args[0].meta["val"], (tuple, list))
-            ):
-                return None
+        if not all(_replayable(node, recorded, known) for node in nodes):
+            return None
         arg_of = {id(t): i for i, t in enumerate(tensors)}
         leaves, spec = pytree.tree_flatten(out)
         out_leaves, holder = [], {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -35,10 +36,6 @@ from ..signature.naming import part_name, short_op
 from .replay import Memo
 
 aten = torch.ops.aten
-
-
-def _value(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else node
 
 
 def missing_rule(node) -> MissingRuleError:
@@ -167,123 +164,218 @@ class ReverseResult:
 
 def reverse(captured: fx.GraphModule, spec: ReverseSpec) -> ReverseResult:
     """Build the value-and-VJP graph of ``captured`` (a flat, functional ATen graph)."""
-    graph = captured.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    output_node = next(n for n in graph.nodes if n.op == "output")
-    out_nodes = list(output_node.args[0])
-    wrt_nodes = {p for p, w in zip(placeholders, spec.wrt) if w and is_float(p.meta.get("val"))}
+    transposer = _Transposer(captured, spec)
+    gm = transposer.trace()
+    transposer.name_results(gm)
+    grad_index = [i for i, w in enumerate(spec.wrt) if w]
+    return ReverseResult(gm, transposer.ct_index, grad_index)
+
+
+def _carrying_cotangents(captured: fx.GraphModule, placeholders, out_nodes, wrt) -> set[fx.Node]:
+    """The nodes a cotangent flows through: those depending on a differentiated input that the
+    outputs depend on. The rest (BatchNorm's running-statistics updates, ``copy_`` into
+    buffers) just run, and need no rule."""
+    wrt_nodes = {p for p, w in zip(placeholders, wrt) if w and is_float(p.meta.get("val"))}
     need = differentiable_nodes(captured, wrt_nodes)
-    # Only ops the outputs depend on carry cotangents; the rest (BatchNorm's running-statistics
-    # updates, ``copy_`` into buffers) just run, and need no rule.
     reach = ancestors(out_nodes)
-    need = {n for n in need if n in reach or n in wrt_nodes}
-    ct_index = [i for i, o in enumerate(out_nodes) if isinstance(o, fx.Node) and o in need]
-    if spec.seed == "ones" and len(ct_index) > 1:
-        raise ValueError("grad needs a function with one scalar tensor output; use vjp for more")
-    for node in need:
-        if node.op == "call_function" and node.target is not operator.getitem:
-            rule_for(node)  # fail before tracing, with the user's line
-    namer = _Namer()
-    current = [None]  # the node being differentiated, for error messages
-    dynamic = set(dynamic_nodes(captured))  # data-dependent shapes (x[mask]): see graph/data_dependent.py
+    return {n for n in need if n in reach or n in wrt_nodes}
 
-    def template(*flat):
-        inputs, cts = flat[: len(placeholders)], flat[len(placeholders) :]
-        env: dict[fx.Node, object] = dict(zip(placeholders, inputs))
-        memo = Memo()  # repeated calls (identical layers) copy their first trace: see transforms/replay.py
-        tape = []
-        for node in graph.nodes:
-            if node.op == "get_attr":
-                env[node] = getattr(captured, node.target)
-            elif node.op == "call_function":
-                current[0] = node
-                args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                if node.target is torch._C._set_grad_enabled:
-                    continue
-                # With ``fx.traceback.preserve_node_meta()`` on (fxtools.split), the traced nodes
-                # inherit the op's stack trace and markers; otherwise this is a no-op.
-                with fx_traceback.set_current_meta(node), namer.owner(node.name):
-                    if node.target is operator.getitem or node not in need:
-                        env[node] = memo.call(node.target, *args, **kwargs)
-                    else:
-                        rule = rule_for(node)
-                        env[node], aux = memo.call(rule.fwd, *args, **kwargs)
-                        tape.append((node, rule, aux))
-                # a part of a multi-output op was traced with the op; any other value must be its rule's own
-                owner = None if node.target is operator.getitem else node.name
-                namer(env[node], node.name, weak=meta.INTERMEDIATE.on(node), owner=owner)
-                if node in dynamic:
-                    tie(env[node], node.meta["val"])
-            elif node.op not in ("placeholder", "output"):
-                raise NotImplementedError(f"fxtools cannot differentiate a graph with {node.op} nodes")
 
-        ct: dict[fx.Node, torch.Tensor] = {}
+class _Transposer:
+    """The template ``reverse`` traces: ``(*inputs, *cotangents) -> (*outputs, *gradients)``.
 
-        def add(node, c):
-            if c is None or node not in need:
-                return
-            if isinstance(c, torch.Tensor) and c.dtype != node.meta["val"].dtype:
-                # a complex cotangent reaching a real value keeps its real part, as in autograd
-                c = memo.call(registry.cast_cotangent, c, node.meta["val"].dtype)
-            ct[node] = c if node not in ct else memo.call(operator.add, ct[node], c)
+    Runs the captured graph forward one node at a time (one method per opcode, as
+    ``torch.fx.Interpreter``), recording on a tape the rule of each node a cotangent flows
+    through; then seeds the outputs' cotangents and walks the tape backward, adding each rule's
+    cotangents into its arguments' (as autodidax's ``eval_jaxpr_transposed``).
+    """
 
-        if spec.seed == "ones":
-            for i in ct_index:
-                add(out_nodes[i], torch.ones_like(env[out_nodes[i]]))
-        else:
-            for i, c in zip(ct_index, cts):
-                add(out_nodes[i], c)
+    def __init__(self, captured: fx.GraphModule, spec: ReverseSpec):
+        self.captured, self.spec = captured, spec
+        self.placeholders = [n for n in captured.graph.nodes if n.op == "placeholder"]
+        self.out_nodes = list(next(n for n in captured.graph.nodes if n.op == "output").args[0])
+        self.need = _carrying_cotangents(captured, self.placeholders, self.out_nodes, spec.wrt)
+        self.ct_index = [i for i, o in enumerate(self.out_nodes) if isinstance(o, fx.Node) and o in self.need]
+        if spec.seed == "ones" and len(self.ct_index) > 1:
+            raise ValueError("grad needs a function with one scalar tensor output; use vjp for more")
+        for node in self.need:
+            if node.op == "call_function" and node.target is not operator.getitem:
+                rule_for(node)  # fail before tracing, with the user's line
+        self.namer = _Namer()
+        self.current: fx.Node | None = None  # the node being differentiated, for error messages
+        self.dynamic = set(dynamic_nodes(captured))  # data-dependent shapes (x[mask]): see graph/data_dependent.py
+        self.env: dict[fx.Node, Any] = {}  # each captured node's traced value
+        self.memo = Memo()
+        self.tape: list = []  # (node, rule, aux) for each node run through its rule, in order
+        self.ct: dict[fx.Node, Any] = {}  # each node's cotangent so far
 
-        for node, rule, aux in reversed(tape):
-            current[0] = node
-            if isinstance(node.meta.get("val"), (tuple, list)):
-                items = _getitem_users(node)
-                c = tuple(ct.get(items.get(i)) for i in range(len(node.meta["val"])))
-                if all(x is None for x in c):
-                    continue
+    def trace(self) -> fx.GraphModule:
+        """The template traced on FakeTensors like the captured inputs and the cotangents."""
+        placeholder_vals = [p.meta["val"] for p in self.placeholders]
+        ct_vals = [self.out_nodes[i].meta["val"] for i in self.ct_index] if self.spec.seed == "cotangent" else []
+        mode = example_mode(placeholder_vals + ct_vals)
+        examples = [_example(v, mode, keep_strides=True) for v in placeholder_vals]
+        ct_examples = [_example(v, mode) for v in ct_vals]
+        try:
+            return trace_flat(self.template, [*examples, *ct_examples], record_stack_traces=False)
+        except Exception as exc:
+            if is_data_dependent(exc):
+                raise data_dependent_error(exc, self.current) from exc
+            raise
+
+    def name_results(self, gm: fx.GraphModule) -> None:
+        """Name the traced graph's arguments, constants and values after the captured graph's."""
+        _name_arguments(gm, self.placeholders, self.out_nodes, self.ct_index)
+        _copy_constants(self.captured, gm)
+        self.namer.apply(gm.graph)
+
+    def template(self, *flat):
+        """``(*inputs, *cotangents) -> (*outputs, *gradients)``: the forward, then the tape backward."""
+        inputs, cts = flat[: len(self.placeholders)], flat[len(self.placeholders) :]
+        self.env = dict(zip(self.placeholders, inputs))
+        self.memo = Memo()  # repeated calls (identical layers) copy their first trace: see transforms/replay.py
+        self.tape, self.ct = [], {}
+        for node in self.captured.graph.nodes:
+            getattr(self, node.op, self.unsupported)(node)
+        self.seed(cts)
+        for node, rule, aux in reversed(self.tape):
+            self.transpose(node, rule, aux)
+        return (*self.outputs(), *self.gradients())
+
+    # -- forward: one method per opcode
+
+    def placeholder(self, node: fx.Node) -> None:
+        pass  # bound to the template's inputs
+
+    def output(self, node: fx.Node) -> None:
+        pass  # read by ``outputs``
+
+    def get_attr(self, node: fx.Node) -> None:
+        self.env[node] = getattr(self.captured, str(node.target))
+
+    def unsupported(self, node: fx.Node) -> None:
+        raise NotImplementedError(f"fxtools cannot differentiate a graph with {node.op} nodes")
+
+    def call_function(self, node: fx.Node) -> None:
+        """Run ``node``: through its rule's forward (pushed on the tape) if a cotangent flows through it."""
+        self.current = node
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.env.__getitem__)
+        if node.target is torch._C._set_grad_enabled:
+            return
+        # With ``fx.traceback.preserve_node_meta()`` on (fxtools.split), the traced nodes
+        # inherit the op's stack trace and markers; otherwise this is a no-op.
+        with fx_traceback.set_current_meta(node), _value_owner(self.namer, node):
+            if node.target is operator.getitem or node not in self.need:
+                self.env[node] = self.memo.call(node.target, *args, **kwargs)
             else:
-                c = ct.get(node)
-                if c is None:
-                    continue
-                namer(c, f"grad_{node.name}")
-            with namer.owner(f"grad_{node.name}"):
-                with fx_traceback.set_current_meta(node):
-                    dargs = memo.call(rule.bwd, aux, c)
-                if not isinstance(dargs, (tuple, list)) or (
-                    len(node.args) == 1 and isinstance(node.args[0], (list, tuple)) and not isinstance(dargs, tuple)
-                ):
-                    dargs = (dargs,)
-                for a, d in zip(node.args, dargs):
-                    if isinstance(a, (list, tuple)):
-                        for ai, di in zip(a, d if d is not None else [None] * len(a)):
-                            if isinstance(ai, fx.Node):
-                                add(ai, di)
-                    elif isinstance(a, fx.Node):
-                        add(a, d)
+                rule = rule_for(node)
+                self.env[node], aux = self.memo.call(rule.fwd, *args, **kwargs)
+                self.tape.append((node, rule, aux))
+        _name_value(self.namer, self.env[node], node)
+        if node in self.dynamic:
+            tie(self.env[node], node.meta["val"])
 
-        outs = [env[o] if isinstance(o, fx.Node) else o for o in out_nodes]
+    # -- backward
+
+    def add(self, node: fx.Node, c) -> None:
+        """Add cotangent ``c`` into ``node``'s (``None`` adds nothing)."""
+        if c is None or node not in self.need:
+            return
+        if isinstance(c, torch.Tensor) and c.dtype != node.meta["val"].dtype:
+            # a complex cotangent reaching a real value keeps its real part, as in autograd
+            c = self.memo.call(registry.cast_cotangent, c, node.meta["val"].dtype)
+        self.ct[node] = c if node not in self.ct else self.memo.call(operator.add, self.ct[node], c)
+
+    def seed(self, cts) -> None:
+        """The outputs' cotangents: the template's inputs, or ones for a scalar loss."""
+        if self.spec.seed == "ones":
+            for i in self.ct_index:
+                self.add(self.out_nodes[i], torch.ones_like(self.env[self.out_nodes[i]]))
+        else:
+            for i, c in zip(self.ct_index, cts):
+                self.add(self.out_nodes[i], c)
+
+    def cotangent(self, node: fx.Node):
+        """``node``'s cotangent (a tuple for a multi-output op), or None if none reached it."""
+        if isinstance(node.meta.get("val"), (tuple, list)):
+            items = _getitem_users(node)
+            cs = tuple(self.ct.get(items[i]) if i in items else None for i in range(len(node.meta["val"])))
+            return None if all(x is None for x in cs) else cs
+        c = self.ct.get(node)
+        if c is not None:
+            _name_cotangent(self.namer, c, node)
+        return c
+
+    def transpose(self, node: fx.Node, rule, aux) -> None:
+        """Call ``node``'s rule backward and add the cotangents it returns into its arguments'."""
+        self.current = node
+        c = self.cotangent(node)
+        if c is None:
+            return
+        with _cotangent_owner(self.namer, node):
+            with fx_traceback.set_current_meta(node):
+                dargs = self.memo.call(rule.bwd, aux, c)
+            if not isinstance(dargs, (tuple, list)) or (
+                len(node.args) == 1 and isinstance(node.args[0], (list, tuple)) and not isinstance(dargs, tuple)
+            ):
+                dargs = (dargs,)
+            for a, d in zip(node.args, dargs):
+                if isinstance(a, (list, tuple)):
+                    for ai, di in zip(a, d if d is not None else [None] * len(a)):
+                        if isinstance(ai, fx.Node):
+                            self.add(ai, di)
+                elif isinstance(a, fx.Node):
+                    self.add(a, d)
+
+    # -- results
+
+    def outputs(self) -> list:
+        return [self.env[o] if isinstance(o, fx.Node) else o for o in self.out_nodes]
+
+    def gradients(self) -> list:
+        """One gradient per differentiated input: zeros for a floating-point one no cotangent reached."""
         grads = []
-        for p, w in zip(placeholders, spec.wrt):
+        for p, w in zip(self.placeholders, self.spec.wrt):
             if not w:
                 continue
-            g = ct.get(p)
-            if g is None and is_float(env[p]):
-                g = torch.zeros_like(env[p])
+            g = self.ct.get(p)
+            if g is None and is_float(self.env[p]):
+                g = torch.zeros_like(self.env[p])
             if g is not None:
-                namer(g, f"grad_{p.name}")
+                _name_gradient(self.namer, g, p)
             grads.append(g)
-        return (*outs, *grads)
+        return grads
 
-    ct_vals = [out_nodes[i].meta["val"] for i in ct_index] if spec.seed == "cotangent" else []
-    mode = example_mode([p.meta["val"] for p in placeholders] + ct_vals)
-    examples = [_example(p.meta["val"], mode, keep_strides=True) for p in placeholders]
-    ct_examples = [_example(v, mode) for v in ct_vals]
-    try:
-        gm = trace_flat(template, [*examples, *ct_examples], record_stack_traces=False)
-    except Exception as exc:
-        if is_data_dependent(exc):
-            raise data_dependent_error(exc, current[0]) from exc
-        raise
+
+# -- names: values after the captured nodes, cotangents ``grad_<value>``
+
+
+def _value_owner(namer: _Namer, node: fx.Node):
+    """Nodes traced while running ``node`` forward belong to its value."""
+    return namer.owner(node.name)
+
+
+def _cotangent_owner(namer: _Namer, node: fx.Node):
+    """Nodes traced while running ``node``'s rule backward belong to its cotangent."""
+    return namer.owner(f"grad_{node.name}")
+
+
+def _name_value(namer: _Namer, value, node: fx.Node) -> None:
+    # a part of a multi-output op was traced with the op; any other value must be its rule's own
+    owner = None if node.target is operator.getitem else node.name
+    namer(value, node.name, weak=meta.INTERMEDIATE.on(node), owner=owner)
+
+
+def _name_cotangent(namer: _Namer, c, node: fx.Node) -> None:
+    namer(c, f"grad_{node.name}")
+
+
+def _name_gradient(namer: _Namer, g, placeholder: fx.Node) -> None:
+    namer(g, f"grad_{placeholder.name}")
+
+
+def _name_arguments(gm: fx.GraphModule, placeholders, out_nodes, ct_index) -> None:
+    """The template's arguments take the captured inputs' names and ``grad_<output>``."""
     ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, p in zip(ph, placeholders):  # arguments first: values never take their names
         node._rename(p.name)
@@ -293,10 +385,6 @@ def reverse(captured: fx.GraphModule, spec: ReverseSpec) -> ReverseResult:
     for node in gm.graph.nodes:  # the conjugated arguments of holomorphic rules (complex tensors)
         if node.target is aten._conj.default and node.name.startswith("_conj"):
             node._rename(f"{node.args[0].name}_conj")
-    _copy_constants(captured, gm)
-    namer.apply(gm.graph)
-    grad_index = [i for i, w in enumerate(spec.wrt) if w]
-    return ReverseResult(gm, ct_index, grad_index)
 
 
 def single_cotangent_name(out: fx.Node) -> str:
