@@ -73,6 +73,11 @@ INTERMEDIATE: Key[bool] = Key(
     "fxtools_intermediate",
     "A rule's step named after the value it computes and its op (scores_mm): a better name may replace it.",
 )
+RULE_LINES: Key[tuple] = Key(
+    "fxtools_rule_lines",
+    "(file, line) of the rule code that made a node, innermost frame first (capture/names.py, while "
+    "transforms/reverse.py traces rules): the rule's local variable there names the node (xhat).",
+)
 MODULE_OUT: Key[str] = Key(
     "fxtools_module_out", "Path of the outermost module call returning the node's value (capture/names.py)."
 )

@@ -689,7 +689,8 @@ def gelu(ct, out, x, approximate="none"):
         return ct * 0.5 * (1 + t + x * (1 - t * t) * slope)
     cdf = 0.5 * (1 + torch.erf(x * math.sqrt(0.5)))
     pdf = torch.exp(-0.5 * x * x) / _SQRT_2PI
-    return ct * (cdf + x * pdf)
+    slope = cdf + x * pdf
+    return ct * slope
 
 
 @vjp_rule(aten.silu)
