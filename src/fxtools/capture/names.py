@@ -3,13 +3,14 @@
 Captured nodes are named by make_fx after their ops (``div``, ``softmax``, ``linear_5``). This
 module renames them, in order of preference:
 
-1. a value a module call returns, after the module: the shortest unique suffix of its path
-   (``attn_c_proj``, ``h_3_ln_1``, ``fc1``); a value leaving nested modules at once takes the
-   outermost one's name (a block's last add is ``h_3``);
-2. the value a statement of user code assigns, after its target (``scores = q @ k.T / 8``
-   names the division ``scores``; ``q, k, v = x.split(...)`` names the parts); a returned value
-   after its function (or ``loss`` for a scalar returned by the differentiated function itself,
-   else ``out``);
+1. the value a statement of user code assigns, after its target (``scores = q @ k.T / 8``
+   names the division ``scores``; ``logits = self.fc2(h)`` names the module's value ``logits``;
+   ``q, k, v = x.split(...)`` names the parts);
+2. a value a module call returns that no statement assigns, after the module: the shortest
+   unique suffix of its path (``attn_c_proj``, ``h_3_ln_1``, ``fc1``); a value leaving nested
+   modules at once takes the outermost one's name (a block's ``return x + ...`` is ``h_3``);
+   a returned value after its function (or ``loss`` for a scalar returned by the differentiated
+   function itself, else ``out``);
 3. other values of a statement (its intermediates) after the target and their op
    (``scores_matmul``).
 
@@ -284,6 +285,8 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
             if isinstance(whole, fx.Node) and whole in run:
                 value = whole  # a multi-output op assigned whole (``out = torch.max(x, 1)``)
             base = _return_name(key[-1], value, top) if targets[0] == "<return>" else targets[0]
+            if targets[0] != "<return>" and value in module_nodes:
+                names[value] = base  # the user's variable beats the module's path (``logits``, not ``fc2``)
             names.setdefault(value, base)
         else:
             multi = [m for m in run if isinstance(m.meta.get("val"), (tuple, list)) and len(m.meta["val"]) == len(targets)]

@@ -45,8 +45,10 @@ def _tuple(v, n):
 
 def _softmax_grad(ct, probs, dim):
     """Cotangent of x for probs = softmax(x): probs * (ct - E_probs[ct])."""
-    expected = (ct * probs).sum(dim, keepdim=True)
-    return probs * (ct - expected)
+    weighted = ct * probs
+    expected = weighted.sum(dim, keepdim=True)
+    centered = ct - expected
+    return probs * centered
 
 
 def _log_softmax_grad(ct, logp, dim):
@@ -88,8 +90,12 @@ def _log_softmax(ct, out, x, dim, half_to_float):
 def _normalized_grad(dxhat, xhat, rstd, dims):
     """Cotangent of x for xhat = (x - x.mean(dims)) * rstd, given the cotangent dxhat of xhat."""
     mean_dxhat = dxhat.mean(dims, keepdim=True)
-    mean_dxhat_xhat = (dxhat * xhat).mean(dims, keepdim=True)
-    return rstd * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat)
+    dxhat_xhat = dxhat * xhat
+    mean_dxhat_xhat = dxhat_xhat.mean(dims, keepdim=True)
+    centered = dxhat - mean_dxhat
+    projection = xhat * mean_dxhat_xhat
+    dxhat_orth = centered - projection
+    return rstd * dxhat_orth
 
 
 def _stats_grad(ct_mean, ct_rstd, xhat, rstd, n):
@@ -118,7 +124,10 @@ def _layer_norm_grads(ct, x, shape, weight, bias, mean, rstd):
     xhat = centered * rstd
     dxhat = ct * weight if weight is not None else ct
     dx = _normalized_grad(dxhat, xhat, rstd, dims)
-    dw = _sum_leading(ct * xhat, len(shape)) if weight is not None else None
+    dw = None
+    if weight is not None:
+        dy_xhat = ct * xhat
+        dw = _sum_leading(dy_xhat, len(shape))
     db = _sum_leading(ct, len(shape)) if bias is not None else None
     return dx, dw, db
 
@@ -325,7 +334,9 @@ def embedding(ct, out, weight, indices, padding_idx=-1, scale_grad_by_freq=False
             0, flat, torch.ones_like(flat, dtype=ct.dtype)
         )
         grad_rows = grad_rows / counts[flat].unsqueeze(-1)
-    return torch.zeros_like(weight).index_add(0, flat, grad_rows), None
+    table = torch.zeros_like(weight)
+    grad_weight = table.index_add(0, flat, grad_rows)
+    return grad_weight, None
 
 
 def embedding_bag(
@@ -693,7 +704,9 @@ def native_dropout(ct, out, x, p, train):
 
 
 def _attention_probs(q, k, attn_mask, is_causal, scale):
-    scores = q @ k.transpose(-2, -1) * scale
+    kt = k.transpose(-2, -1)
+    qk = q @ kt
+    scores = qk * scale
     if is_causal:
         causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
         mask = causal.logical_not()
@@ -771,7 +784,10 @@ def _class_grad(ct, x, target, weight, reduction, ignore_index, smoothing=0.0):
     if reduction == MEAN:
         count = valid.sum() if weight is None else (w * valid).sum()
         coef = coef / count
-    picked = (-(1 - smoothing) * coef * w).unsqueeze(cdim)
+    scaled = -(1 - smoothing) * coef
+    if weight is not None:
+        scaled = scaled * w
+    picked = scaled.unsqueeze(cdim)
     zeros = torch.zeros_like(x)
     index = target.unsqueeze(cdim)
     dlogp = zeros.scatter(cdim, index, picked)
@@ -833,7 +849,8 @@ def cross_entropy_loss(ct, out, x, target, weight=None, reduction=MEAN, ignore_i
         dlogp = _class_grad(ct, x, target, weight, reduction, ignore_index, label_smoothing)
     probs = torch.softmax(x, cdim)
     total = dlogp.sum(cdim, keepdim=True)
-    grad_x = dlogp - probs * total
+    probs_total = probs * total
+    grad_x = dlogp - probs_total
     return grad_x, grad_target, grad_weight
 
 

@@ -228,6 +228,8 @@ def reverse(captured: fx.GraphModule, spec: ReverseSpec) -> ReverseResult:
                 c = tuple(ct.get(items.get(i)) for i in range(len(node.meta["val"])))
                 if all(x is None for x in c):
                     continue
+                for i, item in items.items():  # the parts' cotangents: ``grad_q`` of ``q, k, v = ...``
+                    namer(ct.get(item), f"grad_{item.name}")
             else:
                 c = ct.get(node)
                 if c is None:
