@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import fxtools
 from fxtools.cli import examples
 from fxtools.functional import functional
+from fxtools.graph import meta
 
 OPS = {n.strip("_") for n in dir(torch.ops.aten) if not n.startswith("__")} | {"getitem", "getattr", "t", "mT"}
 
@@ -122,24 +123,128 @@ def codes(name, model, inputs):
     grads = split.backward(*saved, torch.ones((), dtype=torch.float64))
     for key, w in zip(params, want):
         torch.testing.assert_close(grads[0][key], w, rtol=1e-10, atol=1e-12)
-    return {f"{name} grad": gm.code, f"{name} split backward": split.backward.code}
+    return {f"{name} grad": gm, f"{name} split backward": split.backward}
 
 
 @pytest.fixture(scope="module")
 def generated():
     out = {}
     for name, model, inputs in models():
-        out.update((k, (code, user_words(model))) for k, code in codes(name, model, inputs).items())
+        out.update((k, (gm.code, user_words(model), gm)) for k, gm in codes(name, model, inputs).items())
     return out
 
 
 def test_few_values_are_named_after_ops(generated):
+    """Measured when the rules' variables first named their steps: 12.6% appended, 0% rooted (on
+    main before: 59% appended); the goal is at most 15% and 3%."""
     appended = rooted = total = 0
-    for key, (code, words) in generated.items():
+    for key, (code, words, _) in generated.items():
         a, r, a_names, r_names = name_shares(code, words)
         n = len(assigned(code))
         appended, rooted, total = appended + a * n, rooted + r * n, total + n
-        print(f"{key}: {a:.0%} appended, {r:.0%} rooted of {n}; rooted: {r_names}")
+        print(f"{key}: {a:.0%} appended, {r:.0%} rooted of {n}; appended: {a_names}")
+        assert a <= 0.16 and r <= 0.01, (key, a, r, a_names, r_names, code)
     print(f"all: {appended / total:.1%} appended, {rooted / total:.1%} rooted of {total}")
-    assert appended / total <= 0.99
-    assert rooted / total <= 0.99
+    assert appended / total <= 0.14
+    assert rooted / total <= 0.01
+
+
+def test_the_measure_sees_op_names():
+    code = "def f(x):\n    view_2 = x.view(-1)\n    grad_transpose_1 = view_2.t()\n    x_mul_1 = x * 2\n    h_cdf = x\n"
+    a, r, appended, rooted = name_shares(code, {"x"})
+    assert (appended, rooted) == (["x_mul_1"], ["view_2", "grad_transpose_1"])
+    assert name_shares("def f(norm):\n    norm_xhat = norm * 2\n", {"norm"})[:2] == (0, 0)
+
+
+def test_gradients_alone_are_named_grad(generated):
+    """A value named ``grad_*`` holds a floating gradient: masks and counts are named for what they are."""
+    for key, (_, _, gm) in generated.items():
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            if node.name.startswith("grad_") and isinstance(val, torch.Tensor):
+                assert val.is_floating_point(), (key, node.name, node.format_node())
+
+
+def _vjp_code(f, *args):
+    """The vjp of ``f`` at float64 ``args``, checked against autograd; its code."""
+    gm = fxtools.vjp(f, *args)
+    out = f(*args)
+    ct = torch.randn_like(out)
+    leaves = [a.detach().clone().requires_grad_() for a in args]
+    want = torch.autograd.grad(f(*leaves), leaves, ct)
+    _, got = gm(*args, ct)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    return gm.code
+
+
+def _names(code: str) -> set[str]:
+    return {n for n, _ in assigned(code)}
+
+
+def layer_norm(x, weight, bias):
+    y = F.layer_norm(x, (x.shape[-1],), weight, bias)
+    return y
+
+
+def gelu(x):
+    h = F.gelu(x)
+    return h
+
+
+def softmax(scores):
+    att = torch.softmax(scores, dim=-1)
+    return att
+
+
+def cross_entropy(logits, target):
+    loss = F.cross_entropy(logits, target)
+    return loss
+
+
+def attention(q, k, v):
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return y
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rule_families_name_their_steps_by_role(seed):
+    torch.manual_seed(seed)
+    n, d = 3 + seed, 5 + 2 * seed
+    x, w, b = torch.randn(n, d, dtype=torch.float64), torch.randn(d, dtype=torch.float64), torch.randn(d, dtype=torch.float64)
+    names = _names(_vjp_code(layer_norm, x, w, b))
+    assert {"y_centered", "y_xhat", "y_dxhat", "y_mean_dxhat", "y_mean_dxhat_xhat", "y_dy_xhat", "grad_x"} <= names, names
+    assert {"h_cdf", "h_pdf", "h_slope", "grad_x"} <= _names(_vjp_code(gelu, x)), _vjp_code(gelu, x)
+    assert {"att_weighted", "att_expected", "att_centered", "grad_scores"} <= _names(_vjp_code(softmax, x))
+    target = torch.randint(0, d, (n,))
+    names = _names(_vjp_code(lambda logits: cross_entropy(logits, target), x))
+    assert {"loss_valid", "loss_count", "loss_dlogp", "loss_probs", "loss_total", "grad_logits"} <= names, names
+    q, k, v = torch.randn(3, 2, 2, n, d, dtype=torch.float64).unbind(0)
+    names = _names(_vjp_code(attention, q, k, v))
+    assert {"y_scores", "y_causal", "y_mask", "y_probs", "y_dprobs", "y_dscores", "grad_q", "grad_k", "grad_v"} <= names, names
+    assert not [m for m in names if m.startswith("grad_y_")], names  # the mask is no gradient
+
+
+def test_module_values_take_the_users_variable(generated):
+    """``h = F.gelu(self.norm(self.fc1(x)))`` and ``logits = self.fc2(h)``: ``h`` and ``logits``;
+    values the user did not name keep their module's path (``fc1``, ``norm``)."""
+    split = fxtools.split(MLP().double(), torch.randn(4, 16, dtype=torch.float64), torch.randint(0, 10, (4,)))
+    code = split.forward.code
+    for line in ("fc1 = ", "norm = ", "h = torch.nn.functional.gelu(norm)", "logits = torch.nn.functional.linear(h,"):
+        assert line in code, code
+    assert "fc2 = " not in code, code
+
+
+@pytest.mark.parametrize("policy", ["recompute_cheap", "recompute_all"])
+def test_recomputed_values_keep_the_forwards_names(policy):
+    """What a split's backward recomputes reads as the forward wrote it (``q_1``, ``att_3``), never op names."""
+    model, batch = examples.gpt(attention="explicit", n_layer=1, dtype=torch.float64)
+    split = fxtools.split(model, *batch, policy=(lambda node: "recompute") if policy == "recompute_all" else policy)
+    forward_names = {n.name for n in split.forward.graph.nodes}
+    recomputed = [n for n in split.backward.graph.nodes if meta.PART.get(n) == "recompute"]
+    assert len(recomputed) > 10
+    for node in recomputed:
+        if not isinstance(node.meta.get("val"), (tuple, list)):  # a multi-output op is written unpacked
+            assert node.name in forward_names, (node.name, split.forward.code)
+    a, r, appended, rooted = name_shares(split.backward.code, user_words(model))
+    assert not rooted, rooted
