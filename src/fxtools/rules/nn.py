@@ -92,9 +92,9 @@ def _normalized_grad(dxhat, xhat, rstd, dims):
     mean_dxhat = dxhat.mean(dims, keepdim=True)
     dxhat_xhat = dxhat * xhat
     mean_dxhat_xhat = dxhat_xhat.mean(dims, keepdim=True)
-    centered = dxhat - mean_dxhat
+    dxhat_centered = dxhat - mean_dxhat
     projection = xhat * mean_dxhat_xhat
-    dxhat_orth = centered - projection
+    dxhat_orth = dxhat_centered - projection
     return rstd * dxhat_orth
 
 
