@@ -248,3 +248,29 @@ def test_recomputed_values_keep_the_forwards_names(policy):
             assert node.name in forward_names, (node.name, split.forward.code)
     a, r, appended, rooted = name_shares(split.backward.code, user_words(model))
     assert not rooted, rooted
+
+
+class Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        twice = 2 * x
+        return grad * twice
+
+
+def squared(x):
+    sq = Square.apply(x)
+    return sq
+
+
+def test_a_users_rule_names_its_steps_by_its_variables():
+    x = torch.randn(5, dtype=torch.float64)
+    names = _names(_vjp_code(squared, x))
+    assert {"sq_twice", "grad_x"} <= names, names
+    code = fxtools.grad(lambda x: squared(x).sum(), x).code
+    assert "grad_x = " in code, code  # the gradient equal to a step takes the gradient's name
