@@ -71,7 +71,8 @@ GRAD_OF_CONTROL_FLOW: Key[bool] = Key(
 # What a value is called and what it holds
 INTERMEDIATE: Key[bool] = Key(
     "fxtools_intermediate",
-    "A rule's step named after the value it computes and its op (scores_mm): a better name may replace it.",
+    "A rule's step, named after the rule's variable (ln_f_xhat) or after the value it computes from and its op "
+    "(scores_mm): a better name may replace it.",
 )
 RULE_LINES: Key[tuple] = Key(
     "fxtools_rule_lines",
