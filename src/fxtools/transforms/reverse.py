@@ -228,7 +228,7 @@ def reverse(captured: fx.GraphModule, spec: ReverseSpec) -> ReverseResult:
                 c = tuple(ct.get(items.get(i)) for i in range(len(node.meta["val"])))
                 if all(x is None for x in c):
                     continue
-                for i, item in items.items():  # the parts' cotangents: ``grad_q`` of ``q, k, v = ...``
+                for item in items.values():  # the parts' cotangents: ``grad_q`` of ``q, k, v = ...``
                     namer(ct.get(item), f"grad_{item.name}")
             else:
                 c = ct.get(node)
