@@ -73,7 +73,8 @@ def test_demo_models_are_named_after_modules_and_variables(name):
 def test_module_values_take_the_shortest_unique_suffix_of_their_path():
     f, args = examples.example("gpt", n_layer=2)
     code = fxtools.grad(f, *args).code
-    for name in ("h_0_ln_1", "h_1_ln_2", "h_0_attn_c_attn", "h_1_mlp_c_fc", "ln_f", "lm_head", "wte", "grad_h_0_ln_1"):
+    # ``logits = self.lm_head(...)``: the user's variable beats the module path
+    for name in ("h_0_ln_1", "h_1_ln_2", "h_0_attn_c_attn", "h_1_mlp_c_fc", "ln_f", "logits", "wte", "grad_h_0_ln_1"):
         assert re.search(rf"\b{name}\b", code), name
     # the split's parts are the user's q, k, v; layer norm's statistics are named after it
     assert re.search(r"\bq, k, v = h_0_attn_c_attn\.split\(16, dim=2\)", code), code

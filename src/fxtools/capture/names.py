@@ -3,13 +3,14 @@
 Captured nodes are named by make_fx after their ops (``div``, ``softmax``, ``linear_5``). This
 module renames them, in order of preference:
 
-1. a value a module call returns, after the module: the shortest unique suffix of its path
-   (``attn_c_proj``, ``h_3_ln_1``, ``fc1``); a value leaving nested modules at once takes the
-   outermost one's name (a block's last add is ``h_3``);
-2. the value a statement of user code assigns, after its target (``scores = q @ k.T / 8``
-   names the division ``scores``; ``q, k, v = x.split(...)`` names the parts); a returned value
-   after its function (or ``loss`` for a scalar returned by the differentiated function itself,
-   else ``out``);
+1. the value a statement of user code assigns, after its target (``scores = q @ k.T / 8``
+   names the division ``scores``; ``logits = self.fc2(h)`` names the module's value ``logits``;
+   ``q, k, v = x.split(...)`` names the parts);
+2. a value a module call returns that no statement assigns, after the module: the shortest
+   unique suffix of its path (``attn_c_proj``, ``h_3_ln_1``, ``fc1``); a value leaving nested
+   modules at once takes the outermost one's name (a block's ``return x + ...`` is ``h_3``);
+   a returned value after its function (or ``loss`` for a scalar returned by the differentiated
+   function itself, else ``out``);
 3. other values of a statement (its intermediates) after the target and their op
    (``scores_matmul``).
 
@@ -24,12 +25,16 @@ import ast
 import contextlib
 import linecache
 import operator
+import os
 import re
+import sys
+import sysconfig
 import traceback
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental import proxy_tensor
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..errors import is_user_file
@@ -280,6 +285,8 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
             if isinstance(whole, fx.Node) and whole in run:
                 value = whole  # a multi-output op assigned whole (``out = torch.max(x, 1)``)
             base = _return_name(key[-1], value, top) if targets[0] == "<return>" else targets[0]
+            if targets[0] != "<return>" and value in module_nodes:
+                names[value] = base  # the user's variable beats the module's path (``logits``, not ``fc2``)
             names.setdefault(value, base)
         else:
             multi = [m for m in run if isinstance(m.meta.get("val"), (tuple, list)) and len(m.meta["val"]) == len(targets)]
@@ -301,3 +308,128 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
             names[n] = f"{names[whole]}_{part_name(whole.target, n.args[1])}"
     for n, name in names.items():
         n._rename(identifier(name))
+
+
+# ---------------------------------------------------------------------------------------------
+# a rule's steps, named after the rule's own variables
+
+_FXTOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_RULES = os.path.join(_FXTOOLS, "rules") + os.sep
+_ENGINE = os.path.join(_FXTOOLS, "transforms") + os.sep
+_LIBRARIES = (_FXTOOLS, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep, "<")
+
+
+def _is_rule_code(filename: str) -> bool:
+    """fxtools' rules, or a user's (code outside fxtools, torch and Python's standard library)."""
+    return filename.startswith(_RULES) or not filename.startswith(_LIBRARIES)
+
+
+def _rule_lines(frame) -> tuple:
+    """(file, line) of each frame of rule code calling now, innermost first, up to the engine calling the rule."""
+    lines = []
+    while frame is not None and not frame.f_code.co_filename.startswith(_ENGINE):
+        if _is_rule_code(frame.f_code.co_filename):
+            lines.append((frame.f_code.co_filename, frame.f_lineno))
+        frame = frame.f_back
+    return tuple(lines)
+
+
+class recording_rule_lines(TorchFunctionMode):
+    """While a rule runs under ``make_fx``: mark each node a torch call makes with the lines of rule
+    code making it (``meta.RULE_LINES``), so that ``rule_roles`` can name it after the rule's variable.
+
+    One frame walk per torch call the rule makes (not per traced op): cheap beside tracing, unlike
+    recording full stack traces."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        mode = proxy_tensor.get_innermost_proxy_mode()
+        graph = mode.tracer.graph if mode is not None else None
+        last = graph._root.prev if graph is not None else None
+        out = func(*args, **(kwargs or {}))
+        if graph is not None and graph._root.prev is not last:
+            lines = _rule_lines(sys._getframe(1))
+            node = last.next
+            while lines and node is not graph._root:
+                if not meta.RULE_LINES.on(node):
+                    meta.RULE_LINES.set(node, lines)
+                node = node.next
+        return out
+
+
+def _rule_target(lines: tuple) -> tuple | None:
+    """``(frames, name)``: the rule frames from the first statement assigning one variable outward
+    (outermost first), and that variable; a ``return`` defers to the statement calling the
+    function. ``None``: no variable names the node."""
+    for i, (filename, line) in enumerate(lines):
+        stmt = _statement(filename, line)
+        if isinstance(stmt, ast.Return):
+            continue
+        target = None
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            target = stmt.targets[0]
+        elif isinstance(stmt, (ast.AugAssign, ast.AnnAssign)):
+            target = stmt.target
+        if isinstance(target, ast.Name) and len(target.id.strip("_")) > 1:  # ``g``, ``t``: no role
+            return lines[i:][::-1], target.id.strip("_")
+        return None
+    return None
+
+
+def rule_roles(nodes, owner_of) -> dict:
+    """``node -> (role, value)`` for the nodes rules made: the rule's variable its statement assigns
+    (``xhat``) and the statement's value (its last node; the others are steps inside it, made by
+    the statement itself or by the functions it calls). ``owner_of(node)``: the rule call a node
+    belongs to (a statement never spans two calls)."""
+    runs: list[tuple[tuple, str, list]] = []
+    open_runs: list[tuple[tuple, str, list]] = []
+    for n in nodes:
+        found = _rule_target(meta.RULE_LINES.get(n, ()))
+        if found is None:
+            continue
+        key = (owner_of(n), *found[0])
+        while open_runs and key[: len(open_runs[-1][0])] != open_runs[-1][0]:
+            open_runs.pop()  # a statement ends where a node outside its calls starts
+        if open_runs and open_runs[-1][0] == key:
+            open_runs[-1][2].append(n)
+        else:
+            open_runs.append((key, found[1], [n]))
+            runs.append(open_runs[-1])
+    return {m: (role, run[-1]) for _, role, run in runs for m in run}
+
+
+def role_name(value: str, role: str) -> str:
+    """A rule's variable named after the value whose rule it is: ``ln_f_xhat``; a gradient the
+    rule computes under a ``grad_`` name keeps ``grad_`` first (``grad_y_probs``)."""
+    return f"grad_{value}_{role[5:]}" if role.startswith("grad_") else f"{value}_{role}"
+
+
+def name_rule_steps(graph: fx.Graph, named: set, owners: dict) -> None:
+    """Name the nodes rules made, other than the values and cotangents (``named``): after the rule's
+    variable (``role_name``; a step inside its statement adds its op: ``ln_f_xhat_sub``), else after
+    the named value they compute from and their op (``grad_scores_t``). ``owners[node]``: the value
+    whose rule (``ln_f``) or whose rule's backward (``grad_ln_f``) made the node. Steps of a
+    statement whose value is a result of the rule (a cotangent) are named after what they compute
+    from; a step that is no gradient never takes a ``grad_`` name from its owner alone."""
+    roles = rule_roles(graph.nodes, owners.get)
+    root: dict[fx.Node, str] = {}  # the named value each intermediate derives from
+    for node in graph.nodes:
+        if node.op != "call_function" or node in named or node not in owners:
+            root[node] = node.name
+            continue
+        value = owners[node].removeprefix("grad_")
+        base = next((root[a] for a in node.all_input_nodes if a in root), value)
+        root[node] = base
+        role, whole = roles.get(node, (None, None))
+        if node.target is operator.getitem and isinstance(node.args[1], int):
+            multi = node.args[0]  # one output of a multi-output op: named after its main one
+            first = next((u for u in multi.users if u in named and u.target is operator.getitem), None)
+            base = first.name if first is not None else base
+            node._rename(f"{base}_{part_name(multi.target, node.args[1])}")
+        elif role is not None and whole is node:
+            node._rename(identifier(role_name(value, role)))
+            root[node] = node.name  # steps computing from it are named after it (``y_probs_t``)
+        elif role is not None and whole not in named:
+            node._rename(identifier(f"{role_name(value, role)}_{short_op(node)}"))
+        else:
+            node._rename(f"{base}_{short_op(node)}")
+        meta.INTERMEDIATE.set(node, True)

@@ -71,7 +71,13 @@ GRAD_OF_CONTROL_FLOW: Key[bool] = Key(
 # What a value is called and what it holds
 INTERMEDIATE: Key[bool] = Key(
     "fxtools_intermediate",
-    "A rule's step named after the value it computes and its op (scores_mm): a better name may replace it.",
+    "A rule's step, named after the rule's variable (ln_f_xhat) or after the value it computes from and its op "
+    "(scores_mm): a better name may replace it.",
+)
+RULE_LINES: Key[tuple] = Key(
+    "fxtools_rule_lines",
+    "(file, line) of the rule code that made a node, innermost frame first (capture/names.py, while "
+    "transforms/reverse.py traces rules): the rule's local variable there names the node (xhat).",
 )
 MODULE_OUT: Key[str] = Key(
     "fxtools_module_out", "Path of the outermost module call returning the node's value (capture/names.py)."

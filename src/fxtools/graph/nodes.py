@@ -9,6 +9,8 @@ import re
 import torch
 import torch.fx as fx
 
+from . import meta
+
 aten = torch.ops.aten
 
 
@@ -84,6 +86,8 @@ def has_generic_name(node: fx.Node) -> bool:
     """
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
+    if meta.INTERMEDIATE.on(node):  # a rule's step, also one named after the rule's variable (``h_slope``)
+        return True
     op = re.escape(node.target.overloadpacket.__name__.strip("_"))
     return re.fullmatch(rf"(\w+_)?_*{op}_*(_\d+)?", node.name) is not None
 

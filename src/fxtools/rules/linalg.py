@@ -145,7 +145,13 @@ def linear(ct, out, x, weight, bias=None):
         gx, gw = matmul(ct, out, x, weight)
     else:
         gx = ct @ weight
-        gw = _outer(ct, x) if x.dim() == 1 else _flat(ct).mT @ _flat(x)
+        if x.dim() == 1:
+            gw = _outer(ct, x)
+        else:
+            dy_rows = _flat(ct)
+            dy_cols = dy_rows.mT
+            x_rows = _flat(x)
+            gw = dy_cols @ x_rows
     return gx, gw, unbroadcast(ct, bias)
 
 

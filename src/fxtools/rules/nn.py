@@ -39,38 +39,63 @@ def _tuple(v, n):
 # softmax
 
 
+# The rules' local variables name the values they compute in generated code (``att_expected``,
+# ``ln_f_xhat``: capture/names.py), so they are the textbook's names.
+
+
+def _softmax_grad(ct, probs, dim):
+    """Cotangent of x for probs = softmax(x): probs * (ct - E_probs[ct])."""
+    weighted = ct * probs
+    expected = weighted.sum(dim, keepdim=True)
+    centered = ct - expected
+    return probs * centered
+
+
+def _log_softmax_grad(ct, logp, dim):
+    """Cotangent of x for logp = log_softmax(x): ct - probs * sum(ct)."""
+    probs = logp.exp()
+    total = ct.sum(dim, keepdim=True)
+    return ct - probs * total
+
+
 @vjp_rule(aten.softmax)
 def softmax(ct, out, x, dim, dtype=None):
-    return out * (ct - (ct * out).sum(dim, keepdim=True))
+    return _softmax_grad(ct, out, dim)
 
 
 @vjp_rule(aten._softmax)
 def _softmax(ct, out, x, dim, half_to_float):
-    return out * (ct - (ct * out).sum(dim, keepdim=True))
+    return _softmax_grad(ct, out, dim)
 
 
 @vjp_rule(aten._safe_softmax)
 def _safe_softmax(ct, out, x, dim, dtype=None):
-    return out * (ct - (ct * out).sum(dim, keepdim=True))
+    return _softmax_grad(ct, out, dim)
 
 
 @vjp_rule(aten.log_softmax)
 def log_softmax(ct, out, x, dim, dtype=None):
-    return ct - out.exp() * ct.sum(dim, keepdim=True)
+    return _log_softmax_grad(ct, out, dim)
 
 
 @vjp_rule(aten._log_softmax)
 def _log_softmax(ct, out, x, dim, half_to_float):
-    return ct - out.exp() * ct.sum(dim, keepdim=True)
+    return _log_softmax_grad(ct, out, dim)
 
 
 # ---------------------------------------------------------------------------------------------
 # normalisation
 
 
-def _normalized_grad(g, xhat, rstd, dims):
-    """Cotangent of x for xhat = (x - x.mean(dims)) * rstd, given the cotangent g of xhat."""
-    return rstd * (g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True))
+def _normalized_grad(dxhat, xhat, rstd, dims):
+    """Cotangent of x for xhat = (x - x.mean(dims)) * rstd, given the cotangent dxhat of xhat."""
+    mean_dxhat = dxhat.mean(dims, keepdim=True)
+    dxhat_xhat = dxhat * xhat
+    mean_dxhat_xhat = dxhat_xhat.mean(dims, keepdim=True)
+    dxhat_centered = dxhat - mean_dxhat
+    projection = xhat * mean_dxhat_xhat
+    dxhat_orth = dxhat_centered - projection
+    return rstd * dxhat_orth
 
 
 def _stats_grad(ct_mean, ct_rstd, xhat, rstd, n):
@@ -95,10 +120,14 @@ def _sum_leading(t, ndim):
 
 def _layer_norm_grads(ct, x, shape, weight, bias, mean, rstd):
     dims = list(range(x.dim() - len(shape), x.dim()))
-    xhat = (x - mean) * rstd
-    g = ct * weight if weight is not None else ct
-    dx = _normalized_grad(g, xhat, rstd, dims)
-    dw = _sum_leading(ct * xhat, len(shape)) if weight is not None else None
+    centered = x - mean
+    xhat = centered * rstd
+    dxhat = ct * weight if weight is not None else ct
+    dx = _normalized_grad(dxhat, xhat, rstd, dims)
+    dw = None
+    if weight is not None:
+        dy_xhat = ct * xhat
+        dw = _sum_leading(dy_xhat, len(shape))
     db = _sum_leading(ct, len(shape)) if bias is not None else None
     return dx, dw, db
 
@@ -299,13 +328,15 @@ def embedding(ct, out, weight, indices, padding_idx=-1, scale_grad_by_freq=False
     if padding_idx >= 0:
         ct = ct.masked_fill((indices == padding_idx).unsqueeze(-1), 0)
     flat = indices.reshape(-1)
-    ct = ct.reshape(-1, weight.shape[-1])
+    grad_rows = ct.reshape(-1, weight.shape[-1])
     if scale_grad_by_freq:
         counts = torch.zeros(weight.shape[0], dtype=ct.dtype, device=ct.device).index_add(
             0, flat, torch.ones_like(flat, dtype=ct.dtype)
         )
-        ct = ct / counts[flat].unsqueeze(-1)
-    return torch.zeros_like(weight).index_add(0, flat, ct), None
+        grad_rows = grad_rows / counts[flat].unsqueeze(-1)
+    table = torch.zeros_like(weight)
+    grad_weight = table.index_add(0, flat, grad_rows)
+    return grad_weight, None
 
 
 def embedding_bag(
@@ -673,10 +704,13 @@ def native_dropout(ct, out, x, p, train):
 
 
 def _attention_probs(q, k, attn_mask, is_causal, scale):
-    scores = q @ k.transpose(-2, -1) * scale
+    kt = k.transpose(-2, -1)
+    qk = q @ kt
+    scores = qk * scale
     if is_causal:
         causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(causal.logical_not(), float("-inf"))
+        mask = causal.logical_not()
+        scores = scores.masked_fill(mask, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
@@ -716,15 +750,15 @@ def sdpa_bwd(aux, ct):
     probs = _attention_probs(q, kr, attn_mask, is_causal, scale)
     dropped = probs if keep is None else probs * keep
     grad_v = dropped.transpose(-2, -1) @ ct
-    grad_probs = ct @ vr.transpose(-2, -1)
+    dprobs = ct @ vr.transpose(-2, -1)
     if keep is not None:
-        grad_probs = grad_probs * keep
-    grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True))
-    grad_q = grad_scores @ kr * scale
-    grad_k = grad_scores.transpose(-2, -1) @ q * scale
+        dprobs = dprobs * keep
+    dscores = _softmax_grad(dprobs, probs, -1)
+    grad_q = dscores @ kr * scale
+    grad_k = dscores.transpose(-2, -1) @ q * scale
     grad_mask = None
     if attn_mask is not None and attn_mask.is_floating_point():
-        grad_mask = unbroadcast(grad_scores, attn_mask)
+        grad_mask = unbroadcast(dscores, attn_mask)
     return (unbroadcast(grad_q, q), unbroadcast(_sum_heads(grad_k, k), k), unbroadcast(_sum_heads(grad_v, v), v), grad_mask)
 
 
@@ -743,19 +777,25 @@ def _reduced(ct, reduction, n):
 def _class_grad(ct, x, target, weight, reduction, ignore_index, smoothing=0.0):
     """Cotangent of log-probabilities ``x`` (classes in dim 1, or 0 unbatched) for class-index targets."""
     cdim = 1 if x.dim() > 1 else 0
-    keep = target != ignore_index
-    target = torch.where(keep, target, 0)
+    valid = target != ignore_index
+    target = torch.where(valid, target, 0)
     w = weight[target] if weight is not None else 1.0
-    coef = ct * keep
+    coef = ct * valid
     if reduction == MEAN:
-        coef = coef / (keep.sum() if weight is None else (w * keep).sum())
-    picked = (-(1 - smoothing) * coef * w).unsqueeze(cdim)
-    grad = torch.zeros_like(x).scatter(cdim, target.unsqueeze(cdim), picked)
+        count = valid.sum() if weight is None else (w * valid).sum()
+        coef = coef / count
+    scaled = -(1 - smoothing) * coef
+    if weight is not None:
+        scaled = scaled * w
+    picked = scaled.unsqueeze(cdim)
+    zeros = torch.zeros_like(x)
+    index = target.unsqueeze(cdim)
+    dlogp = zeros.scatter(cdim, index, picked)
     if smoothing:
         classes = x.shape[cdim]
         spread = coef.unsqueeze(cdim) if weight is None else coef.unsqueeze(cdim) * _class_view(weight, x, cdim)
-        grad = grad - smoothing / classes * spread
-    return grad
+        dlogp = dlogp - smoothing / classes * spread
+    return dlogp
 
 
 def _class_view(weight, x, cdim):
@@ -802,12 +842,15 @@ def cross_entropy_loss(ct, out, x, target, weight=None, reduction=MEAN, ignore_i
         log_probs = torch.log_softmax(x, cdim)
         grad_target = -(1 - label_smoothing) * coef * w * log_probs
         smoothed = target * (1 - label_smoothing) + label_smoothing / classes if label_smoothing else target
-        grad = -coef * w * smoothed
+        dlogp = -coef * w * smoothed
         if weight is not None:
             grad_weight = (-coef * smoothed * log_probs).sum([d for d in range(x.dim()) if d != cdim])
     else:
-        grad = _class_grad(ct, x, target, weight, reduction, ignore_index, label_smoothing)
-    grad_x = grad - torch.softmax(x, cdim) * grad.sum(cdim, keepdim=True)
+        dlogp = _class_grad(ct, x, target, weight, reduction, ignore_index, label_smoothing)
+    probs = torch.softmax(x, cdim)
+    total = dlogp.sum(cdim, keepdim=True)
+    probs_total = probs * total
+    grad_x = dlogp - probs_total
     return grad_x, grad_target, grad_weight
 
 

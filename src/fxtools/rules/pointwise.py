@@ -688,8 +688,11 @@ def gelu(ct, out, x, approximate="none"):
         slope = x * x * (3 * c * k) + k
         return ct * 0.5 * (1 + t + x * (1 - t * t) * slope)
     cdf = 0.5 * (1 + torch.erf(x * math.sqrt(0.5)))
-    pdf = torch.exp(-0.5 * x * x) / _SQRT_2PI
-    return ct * (cdf + x * pdf)
+    gauss = torch.exp(-0.5 * x * x)
+    pdf = gauss / _SQRT_2PI
+    x_pdf = x * pdf
+    slope = cdf + x_pdf
+    return ct * slope
 
 
 @vjp_rule(aten.silu)

@@ -26,13 +26,13 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental import proxy_tensor
 
 from .. import registry
+from ..capture.names import name_rule_steps, recording_rule_lines
 from ..capture.trace import data_dependent_error, is_data_dependent, trace_flat
 from ..errors import MissingRuleError, user_line_of
 from ..graph import meta
 from ..graph.data_dependent import cotangent_example, dynamic_nodes, is_dynamic, symbolic_mode, tie
 from ..graph.nodes import is_float
 from ..registry import differentiable_nodes
-from ..signature.naming import part_name, short_op
 from .replay import Memo
 
 aten = torch.ops.aten
@@ -93,7 +93,8 @@ class _Namer:
         graph = mode.tracer.graph if mode is not None else None
         last = graph._root.prev if graph is not None else None
         try:
-            yield
+            with recording_rule_lines():
+                yield
         finally:
             if graph is not None:
                 node = last.next
@@ -123,21 +124,7 @@ class _Namer:
     def apply(self, graph: fx.Graph) -> None:
         for node, name in self.names.items():
             node._rename(name)
-        root: dict[fx.Node, str] = {}  # the named value each intermediate derives from
-        for node in graph.nodes:
-            if node.op != "call_function" or node in self.names or node not in self.owners:
-                root[node] = node.name
-                continue
-            base = next((root[a] for a in node.all_input_nodes if a in root), self.owners[node])
-            root[node] = base
-            if node.target is operator.getitem and isinstance(node.args[1], int):
-                multi = node.args[0]  # one output of a multi-output op: named after its main one
-                first = next((u for u in multi.users if u in self.names and u.target is operator.getitem), None)
-                base = first.name if first is not None else base
-                node._rename(f"{base}_{part_name(multi.target, node.args[1])}")
-            else:
-                node._rename(f"{base}_{short_op(node)}")
-            meta.INTERMEDIATE.set(node, True)
+        name_rule_steps(graph, set(self.names), self.owners)
 
 
 @dataclass
@@ -300,7 +287,11 @@ class _Transposer:
         if isinstance(node.meta.get("val"), (tuple, list)):
             items = _getitem_users(node)
             cs = tuple(self.ct.get(items[i]) if i in items else None for i in range(len(node.meta["val"])))
-            return None if all(x is None for x in cs) else cs
+            if all(x is None for x in cs):
+                return None
+            for item in items.values():  # the parts' cotangents: ``grad_q`` of ``q, k, v = ...``
+                self.namer(self.ct.get(item), f"grad_{item.name}")
+            return cs
         c = self.ct.get(node)
         if c is not None:
             _name_cotangent(self.namer, c, node)
