@@ -18,7 +18,7 @@ from torch._higher_order_ops.scan import scan
 
 import fxtools
 from fxtools.cli import examples
-from fxtools.codegen.draw import PART_KEY
+from fxtools.graph import meta
 from fxtools.errors import FxtoolsError
 from fxtools.training import budget, policies
 
@@ -286,7 +286,7 @@ def test_recomputing_twice_lowers_the_measured_peak():
         assert abs(measured[s] - s.predicted_peak) <= 0.02 * s.predicted_peak + SLACK_BYTES, (s.predicted_peak, measured[s])
     assert measured[twice] < 0.9 * measured[single], measured
     assert twice.recompute_cost > single.recompute_cost and twice.recompute_cost == twice.budget_choice.point.cost
-    names = [n.target for n in twice.backward.graph.nodes if n.meta.get(PART_KEY) == "recompute"]
+    names = [n.target for n in twice.backward.graph.nodes if meta.PART.get(n) == "recompute"]
     assert len(names) > len(set(names))  # an op recomputed more than once
 
 
