@@ -18,8 +18,8 @@ from torch._higher_order_ops.scan import scan
 
 import fxtools
 from fxtools.cli import examples
-from fxtools.graph import meta
 from fxtools.errors import FxtoolsError
+from fxtools.graph import meta
 from fxtools.training import budget, policies
 
 TOL = dict(rtol=1e-9, atol=1e-9)
