@@ -91,13 +91,30 @@ def recording_modules(paths: dict[int, str] | None):
     if paths is None:
         yield
         return
-    paths = dict(paths)
-    stack: list[tuple[torch.nn.Module, int]] = []
-    below: dict[int, dict[int, str]] = {}  # id(module) -> {id(submodule): relative path}
+    recorder = _ModuleRecorder(dict(paths))
+    hooks = [
+        torch.nn.modules.module.register_module_forward_pre_hook(recorder.pre),
+        torch.nn.modules.module.register_module_forward_hook(recorder.post),
+    ]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
-    def path_of(module) -> str:
+
+class _ModuleRecorder:
+    """The forward hooks of ``recording_modules``: the stack of module calls being traced."""
+
+    def __init__(self, paths: dict[int, str]):
+        self.paths = paths
+        self.stack: list[tuple[torch.nn.Module, int]] = []
+        self.below: dict[int, dict[int, str]] = {}  # id(module) -> {id(submodule): relative path}
+
+    def path_of(self, module) -> str:
+        paths, below = self.paths, self.below
         if id(module) not in paths:
-            parent = stack[-1][0] if stack else None
+            parent = self.stack[-1][0] if self.stack else None
             if parent is not None and id(parent) not in below:
                 below[id(parent)] = {id(m): k for k, m in parent.named_modules(remove_duplicate=False) if k}
             name = below[id(parent)].get(id(module)) if parent is not None else None
@@ -108,18 +125,18 @@ def recording_modules(paths: dict[int, str] | None):
                 paths[id(module)] = f"{parent_path}.{name}" if parent_path else name
         return paths[id(module)]
 
-    def pre(module, args):
+    def pre(self, module, args):
         if torch.compiler.is_dynamo_compiling():  # a module called in control flow's function (scan's step)
             return
-        path_of(module)
+        self.path_of(module)
         mode = proxy_tensor.get_proxy_mode()
-        stack.append((module, len(mode.tracer.graph.nodes) if mode is not None else -1))
+        self.stack.append((module, len(mode.tracer.graph.nodes) if mode is not None else -1))
 
-    def post(module, args, out):
-        if torch.compiler.is_dynamo_compiling() or not stack or stack[-1][0] is not module:
+    def post(self, module, args, out):
+        if torch.compiler.is_dynamo_compiling() or not self.stack or self.stack[-1][0] is not module:
             return
-        _, start = stack.pop()
-        path = paths.get(id(module))
+        _, start = self.stack.pop()
+        path = self.paths.get(id(module))
         mode = proxy_tensor.get_proxy_mode()
         if not path or mode is None or start < 0:
             return
@@ -134,16 +151,6 @@ def recording_modules(paths: dict[int, str] | None):
             if node.op == "call_function" and _among_last(mode.tracer.graph, node, made):
                 meta.MODULE_OUT.set(node, path)  # outer modules' hooks run later: the outermost wins
             return  # the first tensor a module returns is its value
-
-    hooks = [
-        torch.nn.modules.module.register_module_forward_pre_hook(pre),
-        torch.nn.modules.module.register_module_forward_hook(post),
-    ]
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def _among_last(graph: fx.Graph, node: fx.Node, count: int) -> bool:
