@@ -141,12 +141,16 @@ CASES = {
 }
 N = r"[A-Za-z_]\w*"  # any name: the names are the naming stage's business, the shape of the formula is folding's
 FORMULAS = {  # what each derivative's code must hold, as a person writes it
-    "layer_norm": [rf"\({N} - {N}\) \* {N}$", rf"{N} - torch\.mean\({N}, \[1\], keepdim=True\)$"],
+    "layer_norm": [
+        rf"= \({N} - {N}\) \* {N}$",
+        rf"= {N} \* \({N} - {N} - {N} \* {N}\)$",
+    ],  # xhat; rstd * (dxhat - mean - xhat * mean)
     "gelu": [
         rf"\(torch\.erf\({N} \* 0\.7071067811865476\) \+ 1\) \* 0\.5$",
-        rf"{N} \* \(torch\.exp\({N} \* -0\.5 \* {N}\) / 2\.5066282746310002\)$",
+        rf"= torch\.exp\({N} \* -0\.5 \* {N}\) / 2\.5066282746310002$",  # pdf, a rule's variable, keeps its line
+        rf"= {N} \* \({N} \+ {N} \* {N}\)$",  # grad * (cdf + x * pdf)
     ],
-    "softmax": [rf"= {N} \* \({N} - torch\.sum\({N} \* {N}, \[-1\], keepdim=True\)\)$"],
+    "softmax": [rf"{N} - torch\.sum\({N} \* {N}, \[-1\], keepdim=True\)$|= {N} \* \({N} - {N}\)$"],
     "cross_entropy": [rf"-\({N} \* {N} / torch\.sum\({N}\)\)", rf"= {N} - {N} \* torch\.sum\({N}, \[1\], keepdim=True\)$"],
     "attention": [rf"torch\.cos\({N}\) @ torch\.transpose\({N}, 1, 2\)$", rf"torch\.softmax\({N} / 2\.8284271247461903, -1\)$"],
 }

@@ -434,6 +434,7 @@ def name_rule_steps(graph: fx.Graph, named: set, owners: dict) -> None:
             node._rename(f"{base}_{part_name(multi.target, node.args[1])}")
         elif role is not None and whole is node:
             node._rename(identifier(role_name(value, role)))
+            meta.ROLE.set(node, role)
             root[node] = node.name  # steps computing from it are named after it (``y_probs_t``)
         elif role is not None and whole not in named:
             node._rename(identifier(f"{role_name(value, role)}_{short_op(node)}"))

@@ -40,10 +40,13 @@ import re
 import torch
 import torch.fx as fx
 
+from ..graph import meta
+
 # Deeper than three nested calls, a formula must be read inside out; longer than 100 characters,
 # it no longer reads at a glance, and ``fxtools.show``'s shape comments still fit in 130.
 MAX_DEPTH = 3
 MAX_LINE = 100
+MAX_ROLE_DEPTH = 1  # a rule's variable folds while it holds at most one folded step: ``x * pdf``
 
 _FLAT = contextvars.ContextVar("flat_code", default=False)
 
@@ -119,7 +122,7 @@ def fold(nodes: list[fx.Node], statements: dict[int, str], frees: dict[int, list
     trees: dict[fx.Node, _Tree] = {}
     folded: set[str] = set()
     for i, u in enumerate(nodes):
-        candidates = [c for c in _operands(u) if _foldable(c, u, parse, pos)] if _may_hold(u) else []
+        candidates = [c for c in _operands(u) if _foldable(c, u, parse, pos, trees)] if _may_hold(u) else []
         stmt = parse(i) if candidates else None
         if stmt is None:
             continue
@@ -238,9 +241,12 @@ def _operands(u: fx.Node) -> list[fx.Node]:
     return found
 
 
-def _foldable(c: fx.Node, u: fx.Node, parse, pos: dict) -> bool:
-    """``c`` may be printed inside ``u``: cheap, pure, one value read once, by ``u`` only."""
-    if list(c.users) != [u] or not _named_by_op(c) or not _cheap(c) or _operands(u).count(c) != 1:
+def _foldable(c: fx.Node, u: fx.Node, parse, pos: dict, trees: dict) -> bool:
+    """``c`` may be printed inside ``u``: cheap, pure, one value read once, by ``u`` only, and
+    named for nothing but its op, or a rule's variable (``meta.ROLE``) small enough to read inside
+    its user (``x * pdf``, not ``cdf``'s whole formula)."""
+    small_role = meta.ROLE.on(c) and (c not in trees or trees[c].depth <= MAX_ROLE_DEPTH)
+    if list(c.users) != [u] or not (_named_by_op(c) or small_role) or not _cheap(c) or _operands(u).count(c) != 1:
         return False
     if u.target is operator.matmul and c.target in _PRODUCTS:
         return False  # ``a / s @ k`` is ``(a / s) @ k``, which few readers see at a glance

@@ -82,6 +82,10 @@ RULE_LINES: Key[tuple] = Key(
 MODULE_OUT: Key[str] = Key(
     "fxtools_module_out", "Path of the outermost module call returning the node's value (capture/names.py)."
 )
+ROLE: Key[str] = Key(
+    "fxtools_role",
+    "The rule's variable a value is named after (xhat, cdf): codegen/fold.py prints a small one inside its one user.",
+)
 NOTE: Key[str] = Key("fxtools_note", "What a value holds, for Split.report (a scan's value at every step).")
 
 # On a GraphModule
