@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test suite: install fxtools with its test dependencies if needed (the active environment, else
 # .venv: scripts/setup.sh), then run pytest on two workers (pytest-xdist). Arguments go to pytest.
-# --dist loadgroup: tests sharing an xdist_group mark (an expensive table, Inductor compiles) run on
+# --dist loadgroup: the groups of tests/conftest.py (an expensive table, Inductor compiles) run on
 # one worker, the largest group first; the other tests go one at a time to whichever worker is free.
 set -euo pipefail
 cd "$(dirname "$0")/.."

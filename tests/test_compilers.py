@@ -194,7 +194,6 @@ def _inductor(spelling, model, rules):
     return torch.compile(model, backend=fxtools.backend(compiler="inductor", rules=rules))
 
 
-@pytest.mark.xdist_group("inductor")  # one worker, so the second spelling finds Inductor's cache filled
 @pytest.mark.parametrize("rules", ["fused", "readable"])
 @pytest.mark.parametrize("spelling", ["compile_fx_inner", "inductor", "torch.compile"])
 def test_inductor_trains_gpt_like_eager(spelling, rules):

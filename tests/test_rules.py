@@ -16,10 +16,6 @@ from fxtools.capture.trace import capture
 from fxtools.errors import DataDependentError
 from fxtools.rules.decompose import expand
 
-# One xdist worker runs these and test_rules_fused.py (``--dist loadgroup``): the table of which
-# OpInfo samples call which op (``cases_for_rule``) costs ~40 s to build, once per worker.
-pytestmark = pytest.mark.xdist_group("opinfo_cases")
-
 HAND_WRITTEN = sorted((op for op, rule in registry.registered_ops().items() if rule.source == "hand-written"), key=str)
 
 

@@ -81,7 +81,6 @@ def _calls_a_fused_kernel(f, args):
     return any("backward" in str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
 
-@pytest.mark.xdist_group("opinfo_cases")  # with test_rules.py: one worker builds cases_for_rule's table
 @pytest.mark.parametrize("op", FUSED, ids=str)
 def test_fused_rule_matches_autograd(op):
     checked, fused_kernel = 0, False

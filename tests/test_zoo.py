@@ -37,10 +37,6 @@ import torch.nn.functional as F  # noqa: E402
 
 import fxtools  # noqa: E402
 
-# One xdist worker trains the zoo, first (``--dist loadgroup`` starts with the largest groups): the
-# patterns share Inductor kernels through its cache, and the long compiles do not end the run.
-pytestmark = pytest.mark.xdist_group("zoo")
-
 TOL = dict(rtol=1e-4, atol=1e-5)
 B, T, D, H, V = 2, 8, 16, 2, 31  # batch, tokens, width, heads, vocabulary
 
