@@ -17,6 +17,36 @@ needs_graphviz = pytest.mark.skipif(
 )
 
 
+# Tests that share expensive state run on one pytest-xdist worker (``scripts/test.sh`` passes
+# ``--dist loadgroup``). Keyed by node id because the controller that schedules never sees marks,
+# and pytest-xdist 3.8's own ``xdist_group`` marks do not group under pytest 9.2.
+XDIST_GROUPS = {
+    # cases_for_rule's table of which OpInfo sample calls which op: ~40 s of CPU per worker
+    "tests/test_rules.py::": "opinfo_cases",
+    "tests/test_rules_fused.py::test_fused_rule_matches_autograd": "opinfo_cases",
+    # Inductor compiles: kernels shared through Inductor's cache, and long units scheduled first
+    "tests/test_zoo.py::": "zoo",
+    "tests/test_compilers.py::test_inductor_trains_gpt_like_eager": "inductor",
+    "tests/test_taylor.py::test_compile_pinn_loss[inductor]": "inductor",
+}
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with the groups above: each group is one unit of work, the largest
+    first; every other test is its own unit, given to whichever worker is free."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Groups(LoadGroupScheduling):
+        def _split_scope(self, nodeid):
+            group = next((g for prefix, g in XDIST_GROUPS.items() if nodeid.startswith(prefix)), None)
+            return group or super()._split_scope(nodeid)
+
+    return Groups(config, log)
+
+
 @pytest.fixture
 def float64():
     """Run a test with float64 as the default dtype (the oracle's precision)."""

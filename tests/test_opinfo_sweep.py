@@ -7,9 +7,10 @@ generated code draws what eager draws (the OpInfos seed inside, with ``torch.man
 ``freeze_rng_state``, which fxtools records). Arguments the samples give as partial views of a
 larger tensor (``as_strided.partial_views``) are passed as those views, and autograd
 differentiates at the same views (see ``opinfo_harness.check_sample``).
-The same in complex128, for every OpInfo whose backward supports it on the CPU: fxtools must
-return autograd's convention (the conjugate Wirtinger derivative), and be exact on at least as
-many OpInfos as ``torch.func.vjp`` on the same samples.
+The same in complex128, for every OpInfo whose backward supports it on the CPU, on its first
+sample (every op still gets one; the float64 sweep covers the other samples' shapes and
+arguments): fxtools must return autograd's convention (the conjugate Wirtinger derivative), and
+be exact on at least as many OpInfos as ``torch.func.vjp`` on the same samples.
 
 OpInfos fxtools deliberately does not support are listed in ``KNOWN_FAILURES`` with the reason
 and the exception they raise (each a clear refusal naming the call, never a wrong value); they
@@ -24,6 +25,7 @@ from fxtools.errors import FxtoolsError
 from fxtools.transforms.check import check_vjp
 
 N_SAMPLES = 3
+N_COMPLEX_SAMPLES = 1  # one per op keeps the complex sweep at a third of its cost
 # At least 99% of the OpInfos must match: the sweep measures 538/540 = 99.6% (KNOWN_FAILURES lists the rest).
 REQUIRED_RATIO = 0.99
 
@@ -66,7 +68,7 @@ def test_opinfo_matches_autograd(opinfo):
 @pytest.mark.slow
 @pytest.mark.parametrize("opinfo", list(_params(torch.complex128)))
 def test_opinfo_complex_matches_autograd(opinfo):
-    for sample in samples(opinfo, N_SAMPLES, torch.complex128):
+    for sample in samples(opinfo, N_COMPLEX_SAMPLES, torch.complex128):
         check_sample(opinfo, sample)
 
 
@@ -79,7 +81,7 @@ def test_complex_at_least_as_many_as_torch_func():
     func_ok = 0
     for opinfo in opinfos:
         try:
-            for sample in samples(opinfo, N_SAMPLES, torch.complex128):
+            for sample in samples(opinfo, N_COMPLEX_SAMPLES, torch.complex128):
                 f, args = sample_function(opinfo, sample)
                 check_vjp(f, *args, gm=func_vjp(f, args), rtol=1e-6, atol=1e-8)
         except Exception:  # noqa: BLE001 - torch.func refuses or differs: not counted
