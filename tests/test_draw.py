@@ -11,6 +11,7 @@ import fxtools
 from fxtools.cli import examples
 from fxtools.cli.main import main
 from fxtools.codegen.draw import COLORS, DrawError, Svg, _is_unpacking, draw
+from fxtools.graph import meta
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -50,7 +51,7 @@ def test_split_of_a_gpt_block_colours_forward_backward_recomputed_and_saved(tmp_
     fw, bw, rc, saved = (COLORS[p][0] for p in ("forward", "backward", "recompute", "saved"))
     for n in compute_nodes(s.forward):
         assert fills[f"forward.{n.name}"] == fw, n
-    recomputed = {n.name for n in compute_nodes(s.backward) if n.meta["fxtools_part"] == "recompute"}
+    recomputed = {n.name for n in compute_nodes(s.backward) if meta.PART.get(n) == "recompute"}
     ops = {getattr(n.target, "__name__", str(n.target)) for n in compute_nodes(s.backward) if n.name in recomputed}
     assert "gelu" in ops and "native_layer_norm" in ops, ops
     for n in compute_nodes(s.backward):
@@ -72,7 +73,7 @@ def test_saving_everything_recomputes_less_and_the_picture_says_so():
         s = fxtools.split(model, *inputs, policy=policy)
         fills = nodes_of(draw(s))
         purple = {k.split(".", 1)[1] for k, v in fills.items() if v == COLORS["recompute"][0] and k.startswith("backward.")}
-        assert purple == {n.name for n in compute_nodes(s.backward) if n.meta["fxtools_part"] == "recompute"}
+        assert purple == {n.name for n in compute_nodes(s.backward) if meta.PART.get(n) == "recompute"}
         pictures[policy] = (purple, len([v for v in fills.values() if v == COLORS["saved"][0]]))
     assert pictures["save_all"][0] < pictures["recompute_cheap"][0]
     assert pictures["save_all"][1] > pictures["recompute_cheap"][1]
@@ -88,7 +89,7 @@ def test_grad_graph_module_is_coloured_forward_and_backward():
     fills = nodes_of(svg)
     fw, bw = COLORS["forward"][0], COLORS["backward"][0]
     names = {n.name: fills[f"gm.{n.name}"] for n in compute_nodes(gm) if not _is_unpacking(n)}
-    assert {"fc1", "act", "fc2"} <= {k for k, v in names.items() if v == fw}  # named after the modules
+    assert {"fc1", "act", "logits"} <= {k for k, v in names.items() if v == fw}  # the user's variable, else the module
     assert "cross_entropy_loss" not in names  # grad does not return the loss: its seed is x.new_ones([])
     assert all(v == bw for k, v in names.items() if k.startswith("grad_"))
     assert set(names.values()) == {fw, bw}
