@@ -55,6 +55,11 @@ def _prepare(f, args, argnums, made_by):
         raise ValueError(f"{made_by} differentiates one argument: argnums must be an int, got {argnums!r}")
     num = argnums_tuple(argnums, len(args))[0]
     x = args[num]
+    if isinstance(x, torch.Tensor) and x.is_complex():
+        raise ValueError(
+            f"{made_by} differentiates real inputs: args[{num}] is {x.dtype}; pass its real and "
+            "imaginary parts (torch.view_as_real) as a real tensor"
+        )
     if not is_float(x):
         raise ValueError(
             f"{made_by} needs args[{num}] to be a floating-point tensor (got {type(x).__name__}); "
