@@ -164,3 +164,26 @@ def test_complex_input_is_refused_at_build():
     for build in (lambda: fxtools.laplacian(lambda z: (z * z).sum(), z), lambda: fxtools.jet(torch.sin, z, order=2)):
         with pytest.raises(ValueError, match="real inputs.*view_as_real"):
             build()
+
+
+W1, W2 = randn(3, 8, seed=30), randn(8, seed=31)
+
+
+def u(x):
+    h = torch.tanh(x @ W1)
+    return h @ W2
+
+
+def test_code_keeps_products_as_written_and_names_the_value():
+    x = randn(3, seed=32)
+    lap, jet = fxtools.laplacian(u, x), fxtools.jet(u, x, order=2)
+    for gm, terms in ((lap, ["u_lap"]), (jet, ["u_d1", "u_d2"])):
+        code = gm.code
+        assert "h_matmul = x @ W1" in code and "u = h @ W2" in code, code
+        assert "unsqueeze" not in code and "torch.mm" not in code and "loss" not in code, code
+        for t in terms:
+            assert f"{t} = " in code, code
+    assert "h_matmul_d1 = series_0 @ W1" in jet.code and "h_matmul_d2 = series_1 @ W1" in jet.code
+    out, delta = lap(x)
+    close(out, u(x))
+    close(delta, trace_of_hessian(u, x))

@@ -286,23 +286,23 @@ def select(x, mask_fn):
 
 
 def _poly_eval(coeffs, y):
-    """``sum_i coeffs[i] * y**i``, written without zero terms."""
+    """``sum_i coeffs[i] * y**i``, written withderiv zero terms."""
     powers = [None, y]
     for _ in range(2, len(coeffs)):
         powers.append(powers[-1] * y)
-    out = None
+    deriv = None
     for i, c in enumerate(coeffs):
         if c == 0:
             continue
         if i == 0:
-            out = c
+            deriv = c
             continue
         term = powers[i] if abs(c) == 1 else abs(c) * powers[i]
-        if out is None:
-            out = term if c > 0 else (-term if c == -1 else c * powers[i])
+        if deriv is None:
+            deriv = term if c > 0 else (-term if c == -1 else c * powers[i])
         else:
-            out = out + term if c > 0 else out - term
-    return out
+            deriv = deriv + term if c > 0 else deriv - term
+    return deriv
 
 
 def _poly_deriv(p):
@@ -323,12 +323,13 @@ def output_ode(coeffs):
 
     def tower(x, y, n):
         d1 = _poly_eval(coeffs, y)
-        out, poly = [d1], list(coeffs)
-        while len(out) < n:
+        derivs, poly = [d1], list(coeffs)
+        while len(derivs) < n:
             slope = _poly_eval(_poly_deriv(poly), y)
-            out.append(d1 if _is_one(slope) else (None if slope is None else slope * d1))
+            next_deriv = d1 if _is_one(slope) else (None if slope is None else slope * d1)
+            derivs.append(next_deriv)
             poly = _poly_mul(_poly_deriv(poly), coeffs)
-        return out
+        return derivs
 
     return tower
 

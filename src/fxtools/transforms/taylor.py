@@ -69,7 +69,21 @@ def _prepare(f, args, argnums, made_by):
     placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
     x_index = wrt.index(True)
     _decompose_ruleless(cap.gm, placeholders[x_index], made_by)
+    _name_value(cap.gm, f)
     return cap, x_index
+
+
+def _name_value(gm: fx.GraphModule, f) -> None:
+    """The function's value is named for what it is, ``u`` for ``def u(x)`` (``out`` for a lambda or a
+    module), not ``loss`` as the capture names a scalar a gradient starts from; its parts with it."""
+    name = getattr(f, "__name__", None)
+    base = name if isinstance(name, str) and name.isidentifier() else "out"
+    code = getattr(f, "__code__", None)
+    if code is not None and "loss" in code.co_varnames:  # the user's own name
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (node.name == "loss" or node.name.startswith("loss_")):
+            node._rename(base + node.name[len("loss") :])
 
 
 def _needed(gm: fx.GraphModule, x_node: fx.Node) -> set[fx.Node]:
@@ -172,7 +186,39 @@ def _trace(cap, x_index, seed, extras, extra_names, outputs_of, made_by):
     out_of_place_views(gm)  # the batched ops' in-place squeeze_ (traced below torch.func)
     functionalize(gm)
     _fold_identity_products(gm)
+    products_as_written(gm)
     return gm
+
+
+def _vector_matrix(node):
+    """``(a, b)`` when ``node`` is ``squeeze(mm(unsqueeze(a, 0), b), 0)``: ``a @ b`` for a vector ``a``."""
+    if node.target not in (aten.squeeze.dim, aten.squeeze.dims) or node.args[1] not in (0, [0]):
+        return None
+    mm = node.args[0]
+    if not isinstance(mm, fx.Node) or mm.target is not aten.mm.default or len(mm.users) != 1:
+        return None
+    a = mm.args[0]
+    if isinstance(a, fx.Node) and a.target is aten.unsqueeze.default and a.args[1] == 0 and a.args[0].meta["val"].dim() == 1:
+        return a.args[0], mm.args[1]
+    return None
+
+
+def _product(node):
+    return node.args if node.target in (aten.mm.default, aten.mv.default, aten.dot.default) else None
+
+
+def products_as_written(gm: fx.GraphModule) -> None:
+    """Products as the user writes them, ``x @ W1``: the decompositions of ``matmul`` that tracing
+    below torch.func records (``unsqueeze``/``mm``/``squeeze`` for a vector-matrix product, ``mm``,
+    ``mv``, ``dot``) become one ``matmul`` each, keeping their names."""
+    for operands_of in (_vector_matrix, _product):
+        for node in list(gm.graph.nodes):
+            operands = operands_of(node)
+            if operands is None:
+                continue
+            node.target, node.args, node.kwargs = aten.matmul.default, tuple(operands), {}
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
 
 
 _ORDER_KEEPING = {
