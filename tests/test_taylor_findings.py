@@ -10,26 +10,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from taylor_oracle import F64, close, randn, trace_of_hessian
 
 import fxtools
 
-F64 = torch.float64
-
 pytestmark = pytest.mark.usefixtures("float64")
-
-
-def close(a, b):
-    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
-
-
-def randn(*shape, seed=0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
-
-
-def trace_of_hessian(f, x):
-    out = f(x)
-    H = torch.func.hessian(f)(x).reshape(*out.shape, x.numel(), x.numel())
-    return H.diagonal(0, -2, -1).sum(-1)
 
 
 def second_derivative(f, x, v, w):

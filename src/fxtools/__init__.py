@@ -27,7 +27,7 @@ from .transforms.check import VjpMismatch, check_vjp, check_vjp_fd
 from .transforms.forward import jvp
 from .transforms.higher import hessian, hvp
 from .transforms.jacobians import jacfwd, jacrev, linearize
-from .transforms.taylor import jet, laplacian
+from .transforms.taylor import bilaplacian, divergence, jet, laplacian
 from .transforms.vjp import grad, value_and_grad, vjp
 
 __all__ = [
@@ -40,6 +40,8 @@ __all__ = [
     "hessian",
     "jet",
     "laplacian",
+    "divergence",
+    "bilaplacian",
     "vmap",
     "jacrev",
     "jacfwd",

@@ -44,7 +44,7 @@ from .vjp import argnums_tuple, prepare
 
 aten = torch.ops.aten
 
-__all__ = ["jet", "laplacian"]
+__all__ = ["bilaplacian", "divergence", "jet", "laplacian"]
 
 _DISTRIBUTIONS = ("rademacher", "normal")
 
@@ -298,17 +298,14 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
 
     ``samples=S``: Hutchinson's estimate ``mean_s v_s^T H v_s`` with ``S`` random directions drawn
     at each call from PyTorch's generator (seed it with ``torch.manual_seed``), ``distribution``
-    ``"rademacher"`` (entries +-1) or ``"normal"``. Unbiased; exact only as ``S`` grows.
+    ``"rademacher"`` (entries +-1) or ``"normal"``. Unbiased; exact only as ``S`` grows. With
+    ``sigma`` too, the directions are ``sigma @ v_s`` (``v_s`` of size ``R``): the weighted
+    operator's estimate.
     """
     made_by = "fxtools.laplacian"
     if not isinstance(args, tuple):
         args = tuple(args)
-    if sigma is not None and samples is not None:
-        raise ValueError(f"{made_by}: pass sigma or samples, not both")
-    if samples is not None and (not isinstance(samples, int) or samples < 1):
-        raise ValueError(f"{made_by}: samples must be a positive int, got {samples!r}")
-    if distribution not in _DISTRIBUTIONS:
-        raise ValueError(f"{made_by}: distribution must be one of {_DISTRIBUTIONS}, got {distribution!r}")
+    _check_samples(samples, distribution, made_by)
     cap, x_index = _prepare(f, args, argnums, made_by)
     x = _x_example(cap, x_index)
     extras = []
@@ -342,19 +339,134 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
     return gm
 
 
+def _check_samples(samples, distribution, made_by):
+    if samples is not None and (not isinstance(samples, int) or samples < 1):
+        raise ValueError(f"{made_by}: samples must be a positive int, got {samples!r}")
+    if distribution not in _DISTRIBUTIONS:
+        raise ValueError(f"{made_by}: distribution must be one of {_DISTRIBUTIONS}, got {distribution!r}")
+
+
+@uses_pipeline(
+    "fxtools.divergence",
+    requires="front: a prepared graph returning one tensor of the input's size; ops have Taylor rules or decompositions",
+    ensures="gm(*args) -> (out, divergence), the divergence a 0-d tensor",
+)
+@transform("fxtools.divergence")
+def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> fx.GraphModule:
+    """The divergence ``sum_i d out_i / d x_i`` of a vector field ``out = f(*args)`` with respect to
+    ``x = args[argnums]`` (``out`` has as many elements as ``x``), as code: ``out, div = gm(*args)``.
+
+    One forward pass carries the first-order terms of the ``D = x.numel()`` directions (forward
+    mode), and the divergence is the trace of the Jacobian they form; continuous normalizing flows
+    and score matching need it. ``samples=S``: Hutchinson's estimate ``mean_s v_s^T J v_s`` with ``S``
+    random directions drawn at each call (``distribution`` ``"rademacher"`` or ``"normal"``).
+    """
+    made_by = "fxtools.divergence"
+    args = tuple(args)
+    _check_samples(samples, distribution, made_by)
+    cap, x_index = _prepare(f, args, argnums, made_by)
+    x = _x_example(cap, x_index)
+    outs = cap.out_leaves
+    if len(outs) != 1 or not is_float(outs[0]) or outs[0].numel() != x.numel():
+        got = [tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__ for o in outs]
+        raise ValueError(
+            f"{made_by}: f must return one floating-point tensor with as many elements as the input "
+            f"({x.numel()}, a vector field), got {got}"
+        )
+    seeds: list = []
+
+    def seed(xv):
+        seeds.append(_directions(xv, (), samples, distribution))
+        return rules.Collapsed(xv, seeds[-1], None)
+
+    def outputs_of(r, i):
+        if not isinstance(r, rules.Collapsed) or r.grad is None:
+            return [_zeros_for(rules.value_of(r)).sum()]
+        n = r.value.numel()
+        if samples:  # mean_s v_s . (J v_s)
+            return [torch.sum(seeds[0].reshape(samples, n) * r.grad.reshape(samples, n)) / samples]
+        return [torch.diagonal(r.grad.reshape(n, n)).sum()]  # the Jacobian's trace
+
+    flat = _trace(cap, x_index, seed, [], [], outputs_of, made_by)
+    value, div = next(n for n in flat.graph.nodes if n.op == "output").args[0]
+    if isinstance(value, fx.Node) and isinstance(div, fx.Node):
+        div._rename(f"{value.name}_div")
+
+    def build(flat_results):
+        return pytree.tree_unflatten(flat_results[:1], cap.out_spec), flat_results[1]
+
+    gm = back(flat, cap, build, made_by=made_by, args=args, collapse_views=True)
+    meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(outs), cap.out_spec))
+    return gm
+
+
+@uses_pipeline(
+    "fxtools.bilaplacian",
+    requires="front: a prepared fxtools.laplacian module; its ops have Taylor rules",
+    ensures="gm(*args) -> (out, bilaplacian), bilaplacian nested as out",
+)
+@transform("fxtools.bilaplacian")
+def bilaplacian(f, *args, argnums=0) -> fx.GraphModule:
+    """The bi-Laplacian ``sum_ij d^4 out / dx_i^2 dx_j^2`` of ``f`` with respect to ``args[argnums]``,
+    as code: ``out, bilap = gm(*args)``.
+
+    Collapsed Taylor mode twice: the Laplacian of the Laplacian's module (``fxtools.laplacian``),
+    so the code is the forward Laplacian of the forward Laplacian, each with ``D`` first-order
+    terms and one summed second-order term per value.
+    """
+    made_by = "fxtools.bilaplacian"
+    args = tuple(args)
+    inner = laplacian(f, *args, argnums=argnums)
+    cap, x_index = _prepare(inner, args, argnums, made_by)
+    n_out = len(cap.out_leaves) // 2  # inner returns (out, lap), each with f's structure
+
+    def seed(xv):
+        return rules.Collapsed(xv, _directions(xv, (), None, "rademacher"), None)
+
+    def outputs_of(r, i):
+        if i < n_out:
+            return []
+        if isinstance(r, rules.Collapsed):
+            return [r.lap if r.lap is not None else _zeros_for(r.value)]
+        v = rules.value_of(r)
+        return [_zeros_for(v)] if is_float(v) else []
+
+    flat = _trace(cap, x_index, seed, [], [], outputs_of, made_by)
+    out_spec = cap.out_spec.child(0)
+    floats = [is_float(o) for o in cap.out_leaves[n_out:]]
+
+    def build(flat_results):
+        it = iter(flat_results[2 * n_out :])
+        bilap = [next(it) if fl else None for fl in floats]
+        return pytree.tree_unflatten(flat_results[:n_out], out_spec), pytree.tree_unflatten(bilap, out_spec)
+
+    gm = back(flat, cap, build, made_by=made_by, args=args, collapse_views=True)
+    meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves[:n_out]), out_spec))
+    return gm
+
+
 def _directions(x, more, samples, distribution):
-    """The first-order terms of the input: the standard basis, sigma's columns, or random draws."""
+    """The first-order terms of the input: the standard basis, sigma's columns, random draws, or
+    sigma times random draws (``samples`` with ``sigma``: ``E[sigma v v^T sigma^T] = C``)."""
     shape = tuple(x.shape)
     if more:
         sigma = more[0]
-        return sigma.t().reshape(sigma.shape[1], *shape)
+        columns = sigma.t().clone(memory_format=torch.contiguous_format)  # sigma of any layout
+        if samples:
+            return (_draw((samples, sigma.shape[1]), x, distribution) @ columns).view(samples, *shape)
+        return columns.view(sigma.shape[1], *shape)
     if samples:
-        if distribution == "normal":
-            return torch.randn((samples, *shape), dtype=x.dtype, device=x.device)
-        bits = torch.randint(0, 2, (samples, *shape), device=x.device)
-        return (2 * bits - 1).to(x.dtype)
+        return _draw((samples, *shape), x, distribution)
     n = math.prod(shape)
     return torch.eye(n, dtype=x.dtype, device=x.device).reshape(n, *shape)
+
+
+def _draw(shape, x, distribution):
+    """Random directions of zero mean and identity covariance, from PyTorch's generator."""
+    if distribution == "normal":
+        return torch.randn(shape, dtype=x.dtype, device=x.device)
+    bits = torch.randint(0, 2, shape, device=x.device)
+    return (2 * bits - 1).to(x.dtype)
 
 
 @uses_pipeline(

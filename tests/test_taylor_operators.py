@@ -1,0 +1,119 @@
+"""Taylor-mode operators beyond the Laplacian (float64, against torch.func): the divergence of a
+vector field (exact and Hutchinson), the bi-Laplacian, randomized weighted Laplacians, sigma of any
+layout, and gradients of losses built on them with respect to parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from taylor_oracle import close, rademacher, randn
+
+import fxtools
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+W1, W2 = randn(4, 6, seed=1) / 2, randn(6, 4, seed=2) / 2
+
+
+def field(x):
+    """A vector field R^4 -> R^4 (a CNF's dynamics, a score)."""
+    return torch.tanh(x @ W1) @ W2 * x.sin() + x.exp().sum()
+
+
+def field_2d(x):
+    return torch.sigmoid(x.reshape(4) @ W1 @ W2).reshape(2, 2) * x
+
+
+def u(x):
+    return torch.tanh(torch.tanh(x.reshape(-1) @ W1) @ W2).sum() * x.cos().sum()
+
+
+@pytest.mark.parametrize("f, shape", [(field, (4,)), (field_2d, (2, 2))])
+def test_divergence_is_the_trace_of_the_jacobian(f, shape):
+    gm = fxtools.divergence(f, randn(*shape, seed=3))
+    for seed in (4, 5):
+        x = randn(*shape, seed=seed)
+        out, div = gm(x)
+        close(out, f(x))
+        close(div, torch.func.jacrev(f)(x).reshape(x.numel(), x.numel()).trace())
+    assert "out_div" in gm.code or "div" in gm.code
+
+
+def test_hutchinson_divergence_is_seeded_and_unbiased():
+    x = randn(4, seed=6)
+    gm = fxtools.divergence(field, x, samples=3)
+    torch.manual_seed(7)
+    _, est = gm(x)
+    torch.manual_seed(7)  # the same draws, made as the generated code makes them
+    v = rademacher((3, 4))
+    J = torch.func.jacrev(field)(x)
+    close(est, torch.einsum("si,ij,sj->", v, J, v) / 3)
+    torch.manual_seed(0)
+    many = fxtools.divergence(field, x, samples=4000, distribution="normal")(x)[1]
+    assert (many - J.trace()).abs() < 0.1 * J.abs().sum()
+
+
+def test_divergence_refuses_other_than_a_vector_field():
+    with pytest.raises(ValueError, match="vector field"):
+        fxtools.divergence(lambda x: x.sum(), randn(4))
+
+
+def test_bilaplacian_matches_fourth_derivatives():
+    x = randn(4, seed=8)
+    gm = fxtools.bilaplacian(u, x)
+    for seed in (9, 10):
+        x = randn(4, seed=seed)
+        out, bilap = gm(x)
+        close(out, u(x))
+        close(bilap, torch.einsum("iijj->", torch.func.hessian(torch.func.hessian(u))(x)))
+
+
+def test_randomized_weighted_laplacian():
+    """``sigma`` with ``samples``: directions ``sigma @ v_s``, an unbiased estimate of ``tr(sigma^T H sigma)``."""
+    x, sigma = randn(4, seed=11), randn(4, 3, seed=12)
+    gm = fxtools.laplacian(u, x, sigma=sigma, samples=5)
+    torch.manual_seed(13)
+    _, est = gm(x, sigma)
+    torch.manual_seed(13)
+    dirs = rademacher((5, 3)) @ sigma.T
+    H = torch.func.hessian(u)(x)
+    close(est, torch.einsum("si,ij,sj->", dirs, H, dirs) / 5)
+
+
+def test_sigma_of_any_layout():
+    x = randn(2, 2, seed=14)
+    H = torch.func.hessian(u)(x).reshape(4, 4)
+    V = randn(5, 4, seed=15)
+    for built in (V.T.contiguous(), V.T):
+        gm = fxtools.laplacian(u, x, sigma=built)
+        for sigma in (V.T, V.T.contiguous(), randn(4, 10, seed=16)[:, ::2], randn(4, 1, seed=17).expand(4, 5)):
+            close(gm(x, sigma)[1], (sigma.T @ H @ sigma).trace())
+
+
+def test_gradients_with_respect_to_parameters():
+    """fxtools.grad of losses built on each operator, against torch.func in float64."""
+    params = {"w1": W1.clone(), "w2": W2.clone()}
+    x = randn(4, seed=18)
+
+    def v(p, x):
+        return torch.tanh(x @ p["w1"]) @ p["w2"] * x.sin()
+
+    def s(p, x):
+        return torch.tanh(torch.tanh(x @ p["w1"]) @ p["w2"]).sum()
+
+    div = fxtools.divergence(v, params, x, argnums=1)
+    bilap = fxtools.bilaplacian(s, params, x, argnums=1)
+
+    def loss(p, x):
+        return div(p, x)[1] ** 2 + bilap(p, x)[1] + (div(p, x)[0] ** 2).sum()
+
+    def loss_ref(p, x):
+        d = torch.func.jacrev(v, argnums=1)(p, x).trace()
+        b = torch.einsum("iijj->", torch.func.hessian(torch.func.hessian(s, argnums=1), argnums=1)(p, x))
+        return d**2 + b + (v(p, x) ** 2).sum()
+
+    close(loss(params, x), loss_ref(params, x))
+    got, want = fxtools.grad(loss, params, x)(params, x), torch.func.grad(loss_ref)(params, x)
+    for k in params:
+        close(got[k], want[k])
