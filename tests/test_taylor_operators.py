@@ -4,9 +4,11 @@ layout, and gradients of losses built on them with respect to parameters."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from taylor_oracle import close, rademacher, randn
+from taylor_oracle import F64, close, rademacher, randn
 
 import fxtools
 
@@ -117,3 +119,68 @@ def test_gradients_with_respect_to_parameters():
     got, want = fxtools.grad(loss, params, x)(params, x), torch.func.grad(loss_ref)(params, x)
     for k in params:
         close(got[k], want[k])
+
+
+def along_curve(f, primals, series):
+    """``d^k/dt^k f(x(t))`` at 0 for every primal moved along ``x + sum_k series[k-1] t^k / k!``
+    (``series[k]`` a tuple with one term per primal), by nested torch.func.jvp."""
+
+    def curve(t):
+        return f(*(x + sum(s[i] * t**k / math.factorial(k) for k, s in enumerate(series, 1)) for i, x in enumerate(primals)))
+
+    g, out = curve, []
+    for _ in series:
+        g = (lambda g: lambda t: torch.func.jvp(g, (t,), (torch.ones((), dtype=F64),))[1])(g)
+        out.append(g(torch.zeros((), dtype=F64)))
+    return out
+
+
+def two(x, y):
+    return (x.sin() * y.sum()).exp() + x @ W1[:3, :3] * y[0]
+
+
+def test_jet_of_several_arguments_pytrees_and_order_zero():
+    x, y = randn(3, seed=20), randn(2, seed=21)
+    series = tuple((randn(2, seed=22 + k), randn(3, seed=32 + k)) for k in range(3))
+    gm = fxtools.jet(two, x, y, order=3, argnums=(1, 0))  # each term: (y's, x's), as argnums
+    out, got = gm(x, y, series)
+    close(out, two(x, y))
+    want = along_curve(two, (x, y), [(s[1], s[0]) for s in series])
+    for k in range(3):
+        close(got[k], want[k])
+    params = {"a": x, "b": y}
+    tree = fxtools.jet(lambda p: two(p["a"], p["b"]), params, order=2)
+    _, got = tree(params, tuple({"a": s[1], "b": s[0]} for s in series[:2]))
+    for k in range(2):
+        close(got[k], want[k] if k == 0 else along_curve(two, (x, y), [(s[1], s[0]) for s in series[:2]])[k])
+    zero = fxtools.jet(two, x, y, order=0)
+    out, got = zero(x, y, ())
+    close(out, two(x, y))
+    assert got == ()
+
+
+@pytest.mark.slow  # Inductor compiles C++: about a minute on 2 cores
+def test_inductor_compiles_a_loss_on_the_divergence_and_bilaplacian():
+    params, x = {"w1": W1.clone(), "w2": W2.clone()}, randn(4, seed=40)
+
+    def v(p, x):
+        return torch.tanh(x @ p["w1"]) @ p["w2"]
+
+    div = fxtools.divergence(v, params, x, argnums=1)
+    bilap = fxtools.bilaplacian(lambda p, x: v(p, x).sum(), params, x, argnums=1)
+
+    def loss(p, x):
+        return div(p, x)[1] ** 2 + bilap(p, x)[1]
+
+    def loss_ref(p, x):
+        b = torch.func.hessian(torch.func.hessian(lambda p, x: v(p, x).sum(), argnums=1), argnums=1)(p, x)
+        return torch.func.jacrev(v, argnums=1)(p, x).trace() ** 2 + torch.einsum("iijj->", b)
+
+    compiled = fxtools.compile(loss, params, x, compiler="inductor")
+    leaves = {k: t.clone().requires_grad_(True) for k, t in params.items()}
+    value = compiled(leaves, x)
+    value.backward()
+    close(value.detach(), loss_ref(params, x))
+    want = torch.func.grad(loss_ref)(params, x)
+    for k in params:
+        close(leaves[k].grad, want[k])

@@ -364,13 +364,17 @@ def power(p):
     return tower
 
 
-def _cycle(first, second):
-    """``sin``/``cos``/``sinh``/``cosh``: the derivatives repeat with period four (two for the hyperbolic)."""
+def _cycle(other, sign):
+    """``sin`` (``other = cos``, ``sign = 1``) and ``cos`` (``sin``, ``-1``): the derivatives
+    ``sign * other(x), -y, -sign * other(x), y`` repeat with period four."""
 
     def tower(x, y, n):
-        a = first(x, y)
-        b = second(x, y)
-        return [[a, b, -a if a is not None else None, -b][k % 4] for k in range(n)]
+        deriv = other(x) if sign > 0 else -other(x)
+        next_deriv = -y
+        derivs = [deriv, next_deriv]
+        if n > 2:
+            derivs += [-deriv, y]
+        return [derivs[k % 4] for k in range(n)]
 
     return tower
 
@@ -476,8 +480,8 @@ TOWERS: dict[Any, Callable] = {
     aten.sigmoid: output_ode([0, 1, -1]),
     aten.tan: output_ode([1, 0, 1]),
     aten.expm1: lambda x, y, n: [torch.exp(x)] * n,
-    aten.sin: _cycle(lambda x, y: torch.cos(x), lambda x, y: -y),
-    aten.cos: _cycle(lambda x, y: -torch.sin(x), lambda x, y: -y),
+    aten.sin: _cycle(torch.cos, 1),
+    aten.cos: _cycle(torch.sin, -1),
     aten.sinh: _hyper(torch.cosh),
     aten.cosh: _hyper(torch.sinh),
     aten.log: _log_like(lambda x: x),

@@ -49,28 +49,35 @@ __all__ = ["bilaplacian", "divergence", "jet", "laplacian"]
 _DISTRIBUTIONS = ("rademacher", "normal")
 
 
-def _prepare(f, args, argnums, made_by):
-    """Capture ``f`` once; the index of the differentiated placeholder; the nodes Taylor terms reach."""
-    if not isinstance(argnums, int):
+def _prepare(f, args, argnums, made_by, several=False):
+    """Capture ``f`` once; the indices of the differentiated placeholders (one tensor, or with
+    ``several`` every tensor leaf of the arguments ``argnums`` names); rule-less ops decomposed."""
+    if not several and not isinstance(argnums, int):
         raise ValueError(f"{made_by} differentiates one argument: argnums must be an int, got {argnums!r}")
-    num = argnums_tuple(argnums, len(args))[0]
-    x = args[num]
+    nums = argnums_tuple(argnums, len(args))
+    for num in nums:
+        for leaf in pytree.tree_leaves(args[num]):
+            _check_real(leaf, num, made_by, several)
+    cap, wrt = prepare(f, args, nums, made_by=made_by)
+    placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
+    x_indices = [i for i, w in enumerate(wrt) if w]
+    _decompose_ruleless(cap.gm, [placeholders[i] for i in x_indices], made_by)
+    _name_value(cap.gm, f)
+    return cap, x_indices
+
+
+def _check_real(x, num, made_by, several):
     if isinstance(x, torch.Tensor) and x.is_complex():
         raise ValueError(
             f"{made_by} differentiates real inputs: args[{num}] is {x.dtype}; pass its real and "
             "imaginary parts (torch.view_as_real) as a real tensor"
         )
     if not is_float(x):
+        what = "floating-point tensors (or pytrees of them)" if several else "a floating-point tensor"
         raise ValueError(
-            f"{made_by} needs args[{num}] to be a floating-point tensor (got {type(x).__name__}); "
-            "pass the input of the differential operator there, as one tensor"
+            f"{made_by} needs args[{num}] to be {what} (got {type(x).__name__}); "
+            "pass the input of the differential operator there"
         )
-    cap, wrt = prepare(f, args, (num,), made_by=made_by)
-    placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
-    x_index = wrt.index(True)
-    _decompose_ruleless(cap.gm, placeholders[x_index], made_by)
-    _name_value(cap.gm, f)
-    return cap, x_index
 
 
 def _name_value(gm: fx.GraphModule, f) -> None:
@@ -86,20 +93,20 @@ def _name_value(gm: fx.GraphModule, f) -> None:
             node._rename(base + node.name[len("loss") :])
 
 
-def _needed(gm: fx.GraphModule, x_node: fx.Node) -> set[fx.Node]:
+def _needed(gm: fx.GraphModule, x_nodes: list) -> set[fx.Node]:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     reach = ancestors(list(output.args[0]))
-    return {n for n in differentiable_nodes(gm, {x_node}) if n in reach}
+    return {n for n in differentiable_nodes(gm, set(x_nodes)) if n in reach}
 
 
 def _lacks_rule(node) -> bool:
     return node.op == "call_function" and node.target is not operator.getitem and not rules.has_rule(node.target)
 
 
-def _decompose_ruleless(gm: fx.GraphModule, x_node: fx.Node, made_by: str) -> None:
+def _decompose_ruleless(gm: fx.GraphModule, x_nodes: list, made_by: str) -> None:
     """Ops the Taylor terms reach that have no Taylor rule: PyTorch's decompositions, until none is left;
     an op with neither is refused, with the user's line."""
-    left = rules.expand(gm, lambda: [n for n in _needed(gm, x_node) if _lacks_rule(n)])
+    left = rules.expand(gm, lambda: [n for n in _needed(gm, x_nodes) if _lacks_rule(n)])
     if left:
         node = left[0]
         raise MissingRuleError(
@@ -135,24 +142,27 @@ def _name_terms(namer, value, name, weak):
         namer(value, name, weak=weak)
 
 
-def _trace(cap, x_index, seed, extras, extra_names, outputs_of, made_by):
+def _trace(cap, x_indices, seed, extras, extra_names, outputs_of, made_by):
     """The flat graph ``(captured inputs..., extras...) -> (outputs..., their terms...)``.
 
-    ``seed(x, *extras)`` makes the differentiated input's Taylor value; ``outputs_of(value, i)``
-    lists the terms returned for output ``i``.
+    ``seed(xs, *extras)`` makes the Taylor values of the differentiated inputs ``xs`` (the
+    placeholders ``x_indices``); ``outputs_of(value, i)`` lists the terms returned for output ``i``.
     """
     graph = cap.gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     out_nodes = list(next(n for n in graph.nodes if n.op == "output").args[0])
-    need = _needed(cap.gm, placeholders[x_index])
+    xs = [placeholders[i] for i in x_indices]
+    need = _needed(cap.gm, xs)
     namer = _Namer()
 
     def template(*flat):
         inputs, more = flat[: len(placeholders)], flat[len(placeholders) :]
         env: dict = dict(zip(placeholders, inputs))
-        with namer.owner(placeholders[x_index].name):
-            env[placeholders[x_index]] = seed(inputs[x_index], *more)
-        _name_terms(namer, env[placeholders[x_index]], placeholders[x_index].name, False)
+        with namer.owner(xs[0].name):
+            seeded = seed([inputs[i] for i in x_indices], *more)
+        for x, value in zip(xs, seeded):
+            env[x] = value
+            _name_terms(namer, value, x.name, False)
         for node in graph.nodes:
             if node.op == "get_attr":
                 env[node] = getattr(cap.gm, node.target)
@@ -163,7 +173,7 @@ def _trace(cap, x_index, seed, extras, extra_names, outputs_of, made_by):
                 with namer.owner(node.name):
                     if node.target is operator.getitem:
                         env[node] = args[0][args[1]]
-                    elif node in need:
+                    elif node in need and any(map(rules.is_taylor, pytree.tree_leaves((args, kwargs), is_leaf=rules.is_taylor))):
                         env[node] = _run(node, args, kwargs, made_by)
                     else:
                         env[node] = node.target(*rules.value_of(list(args)), **{k: rules.value_of(v) for k, v in kwargs.items()})
@@ -261,8 +271,14 @@ def _zeros_for(value):
     return torch.zeros_like(value)
 
 
-def _x_example(cap, x_index):
-    return [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t][x_index]
+def _arg_of(cap, x_indices):
+    """The argument each differentiated placeholder belongs to."""
+    of_placeholder = [a for a, t in zip(cap.arg_of_leaf, cap.tensor_leaf) if t]
+    return [of_placeholder[i] for i in x_indices]
+
+
+def _x_example(cap, x_indices):
+    return [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t][x_indices[0]]
 
 
 def _check_sigma(sigma, x, made_by):
@@ -306,15 +322,15 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
     if not isinstance(args, tuple):
         args = tuple(args)
     _check_samples(samples, distribution, made_by)
-    cap, x_index = _prepare(f, args, argnums, made_by)
-    x = _x_example(cap, x_index)
+    cap, x_indices = _prepare(f, args, argnums, made_by)
+    x = _x_example(cap, x_indices)
     extras = []
     if sigma is not None:
         _check_sigma(sigma, x, made_by)
         extras = [sigma]
 
-    def seed(xv, *more):
-        return rules.Collapsed(xv, _directions(xv, more, samples, distribution), None)
+    def seed(xs, *more):
+        return [rules.Collapsed(xs[0], _directions(xs[0], more, samples, distribution), None)]
 
     def outputs_of(r, i):
         if isinstance(r, rules.Collapsed):
@@ -323,7 +339,7 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
         v = rules.value_of(r)
         return [_zeros_for(v)] if is_float(v) else []
 
-    flat = _trace(cap, x_index, seed, extras, ["sigma"] * len(extras), outputs_of, made_by)
+    flat = _trace(cap, x_indices, seed, extras, ["sigma"] * len(extras), outputs_of, made_by)
     laps = [i for i, o in enumerate(cap.out_leaves) if is_float(o)]
     n_out = len(cap.out_leaves)
 
@@ -364,8 +380,8 @@ def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> 
     made_by = "fxtools.divergence"
     args = tuple(args)
     _check_samples(samples, distribution, made_by)
-    cap, x_index = _prepare(f, args, argnums, made_by)
-    x = _x_example(cap, x_index)
+    cap, x_indices = _prepare(f, args, argnums, made_by)
+    x = _x_example(cap, x_indices)
     outs = cap.out_leaves
     if len(outs) != 1 or not is_float(outs[0]) or outs[0].numel() != x.numel():
         got = [tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__ for o in outs]
@@ -375,9 +391,9 @@ def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> 
         )
     seeds: list = []
 
-    def seed(xv):
-        seeds.append(_directions(xv, (), samples, distribution))
-        return rules.Collapsed(xv, seeds[-1], None)
+    def seed(xs):
+        seeds.append(_directions(xs[0], (), samples, distribution))
+        return [rules.Collapsed(xs[0], seeds[-1], None)]
 
     def outputs_of(r, i):
         if not isinstance(r, rules.Collapsed) or r.grad is None:
@@ -387,7 +403,7 @@ def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> 
             return [torch.sum(seeds[0].reshape(samples, n) * r.grad.reshape(samples, n)) / samples]
         return [torch.diagonal(r.grad.reshape(n, n)).sum()]  # the Jacobian's trace
 
-    flat = _trace(cap, x_index, seed, [], [], outputs_of, made_by)
+    flat = _trace(cap, x_indices, seed, [], [], outputs_of, made_by)
     value, div = next(n for n in flat.graph.nodes if n.op == "output").args[0]
     if isinstance(value, fx.Node) and isinstance(div, fx.Node):
         div._rename(f"{value.name}_div")
@@ -417,11 +433,11 @@ def bilaplacian(f, *args, argnums=0) -> fx.GraphModule:
     made_by = "fxtools.bilaplacian"
     args = tuple(args)
     inner = laplacian(f, *args, argnums=argnums)
-    cap, x_index = _prepare(inner, args, argnums, made_by)
+    cap, x_indices = _prepare(inner, args, argnums, made_by)
     n_out = len(cap.out_leaves) // 2  # inner returns (out, lap), each with f's structure
 
-    def seed(xv):
-        return rules.Collapsed(xv, _directions(xv, (), None, "rademacher"), None)
+    def seed(xs):
+        return [rules.Collapsed(xs[0], _directions(xs[0], (), None, "rademacher"), None)]
 
     def outputs_of(r, i):
         if i < n_out:
@@ -431,7 +447,7 @@ def bilaplacian(f, *args, argnums=0) -> fx.GraphModule:
         v = rules.value_of(r)
         return [_zeros_for(v)] if is_float(v) else []
 
-    flat = _trace(cap, x_index, seed, [], [], outputs_of, made_by)
+    flat = _trace(cap, x_indices, seed, [], [], outputs_of, made_by)
     out_spec = cap.out_spec.child(0)
     floats = [is_float(o) for o in cap.out_leaves[n_out:]]
 
@@ -479,23 +495,36 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
     """Taylor mode along a curve: the derivatives of ``f(x(t))`` at ``t = 0``, as code.
 
     ``x(t) = x + sum_k series[k-1] t^k / k!`` with ``x = args[argnums]``. Returns a GraphModule with
-    ``out, out_series = gm(*args, series)``: ``series`` is a tuple of ``order`` tensors shaped as
+    ``out, out_series = gm(*args, series)``: ``series`` is a tuple of ``order`` terms, each shaped as
     ``x`` (the curve's derivatives), ``out`` is ``f(*args)`` and ``out_series`` has ``out``'s
     structure with, at each floating-point leaf, the tuple of ``d^k/dt^k f(x(t))``, ``k = 1..order``.
     As ``jax.experimental.jet.jet(f, (x,), (series,))``. With ``series = (v, 0, ...)`` the terms are
     the directional derivatives ``d^k f(x + t v) / dt^k``.
+
+    ``x`` may be a pytree of tensors (each term of ``series`` then has its structure), and
+    ``argnums`` a tuple: the curve moves all those arguments, each term of ``series`` is a tuple
+    with one entry per argument. ``order=0`` gives ``f(*args)`` and empty tuples.
     """
     made_by = "fxtools.jet"
     if not isinstance(args, tuple):
         args = tuple(args)
-    if not isinstance(order, int) or order < 1:
-        raise ValueError(f"{made_by}: order must be a positive int, got {order!r}")
-    cap, x_index = _prepare(f, args, argnums, made_by)
-    x = _x_example(cap, x_index)
-    series_example = tuple(torch.zeros_like(x) for _ in range(order))
+    if not isinstance(order, int) or isinstance(order, bool) or order < 0:
+        raise ValueError(f"{made_by}: order must be a non-negative int, got {order!r}")
+    cap, x_indices = _prepare(f, args, argnums, made_by, several=True)
+    nums = argnums_tuple(argnums, len(args))
+    moving = args[argnums] if isinstance(argnums, int) else tuple(args[n] for n in nums)
+    term_example = pytree.tree_map(torch.zeros_like, moving)
+    series_example = tuple(term_example for _ in range(order))
+    width = len(pytree.tree_leaves(term_example))
+    arg_of = _arg_of(cap, x_indices)
+    order_of = [p for n in nums for p, a in enumerate(arg_of) if a == n]  # series leaf j -> its input
 
-    def seed(xv, *more):
-        return rules.Jet([xv, *more])
+    def seed(xs, *more):
+        terms = [[xv] for xv in xs]
+        for k in range(order):
+            for j, p in enumerate(order_of):
+                terms[p].append(more[k * width + j])
+        return [rules.constant_if_zero(rules.Jet(t)) for t in terms]  # order 0: plain values
 
     def outputs_of(r, i):
         if isinstance(r, rules.Jet):
@@ -503,7 +532,8 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
         v = rules.value_of(r)
         return [_zeros_for(v) for _ in range(order)] if is_float(v) else []
 
-    flat = _trace(cap, x_index, seed, list(series_example), [f"series_{k}" for k in range(order)], outputs_of, made_by)
+    series_names = [f"series_{k}" if width == 1 else f"series_{k}_{j}" for k in range(order) for j in range(width)]
+    flat = _trace(cap, x_indices, seed, pytree.tree_leaves(series_example), series_names, outputs_of, made_by)
     n_out = len(cap.out_leaves)
     floats = [is_float(o) for o in cap.out_leaves]
 
@@ -513,7 +543,8 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
         return pytree.tree_unflatten(flat_results[:n_out], cap.out_spec), pytree.tree_unflatten(series, cap.out_spec)
 
     names = cap.arg_names
-    role = {len(args): lambda path: f"the series (the curve's {order} derivatives) of {names[argnums]}"}
+    moved = ", ".join(names[n] for n in nums)
+    role = {len(args): lambda path: f"the series (the curve's {order} derivatives) of {moved}"}
     gm = back(
         flat, cap, build, made_by=made_by, args=args, extra_args=[("series", series_example)], roles=role, collapse_views=True
     )
