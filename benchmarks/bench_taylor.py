@@ -83,6 +83,12 @@ def fxtools_laplacian(f, xs):
     return lambda x: batched(x)[1]
 
 
+def fxtools_inductor(f, xs):
+    """The vmapped Laplacian module compiled by Inductor (``--inductor``)."""
+    lap = fxtools.laplacian(f, xs[0])
+    return torch.compile(fxtools.vmap(lap, xs), backend="inductor")
+
+
 def fxtools_batched(f, xs):
     """The Laplacian of ``u(X)`` on the whole batch, without vmap (rows are independent)."""
     lap = fxtools.laplacian(torch.func.vmap(f), xs)
@@ -120,7 +126,7 @@ def peak_bytes(fn, x) -> int:
     return peak
 
 
-def run(dims, dtypes, repeat):
+def run(dims, dtypes, repeat, inductor=False):
     rows = []
     for dtype in dtypes:
         for d in dims:
@@ -132,12 +138,15 @@ def run(dims, dtypes, repeat):
                 "vmap of hvp": vmap_of_hvp(f),
                 "batched u(X)": fxtools_batched(f, xs) if BATCH * d <= 4096 else None,
                 "jet-for-pytorch": jet_for_pytorch(f, xs),
+                "fxtools + Inductor": fxtools_inductor(f, xs) if inductor else None,
             }
             methods = {name: fn for name, fn in methods.items() if fn is not None}
             ref = methods["trace of hessian"](xs)
             tol = 1e-10 if dtype == torch.float64 else 1e-3
             for name, fn in methods.items():
-                err = ((fn(xs).reshape(ref.shape) - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                got = fn(xs)
+                got = got[1] if isinstance(got, tuple) else got
+                err = ((got.reshape(ref.shape) - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
                 assert err < tol, f"{name}'s Laplacian differs from torch.func's by {err:.3g} (D={d}, {dtype})"
             times = median_times(methods, xs, repeat)
             peaks = {name: peak_bytes(fn, xs) for name, fn in methods.items()}
@@ -146,7 +155,7 @@ def run(dims, dtypes, repeat):
     return rows
 
 
-COLUMNS = ["fxtools", "batched u(X)", "jet-for-pytorch", "trace of hessian", "vmap of hvp"]
+COLUMNS = ["fxtools", "batched u(X)", "jet-for-pytorch", "trace of hessian", "vmap of hvp", "fxtools + Inductor"]
 HEADER = (
     "| dtype | D | "
     + " | ".join(f"{c} ms" for c in COLUMNS)
@@ -178,6 +187,7 @@ def main(argv=None):
     parser.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--inductor", action="store_true", help="add fxtools' module compiled by Inductor")
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     print(
@@ -185,7 +195,7 @@ def main(argv=None):
         f"torch {torch.__version__}, {opts.threads} thread(s), batch {BATCH}, width {WIDTH}, median of {opts.repeat}"
     )
     print(HEADER)
-    run(opts.dims, [getattr(torch, name) for name in opts.dtypes], opts.repeat)
+    run(opts.dims, [getattr(torch, name) for name in opts.dtypes], opts.repeat, opts.inductor)
 
 
 if __name__ == "__main__":
