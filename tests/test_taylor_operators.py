@@ -184,3 +184,20 @@ def test_inductor_compiles_a_loss_on_the_divergence_and_bilaplacian():
     want = torch.func.grad(loss_ref)(params, x)
     for k in params:
         close(leaves[k].grad, want[k])
+
+
+def test_randomized_bilaplacian_is_seeded_and_unbiased():
+    x = randn(3, seed=41)
+
+    def w(x):
+        return (x.sin() * x.sum()).sum() + (x * x).sum() ** 2
+
+    exact = torch.einsum("iijj->", torch.func.hessian(torch.func.hessian(w))(x))
+    gm = fxtools.bilaplacian(w, x, samples=2, distribution="normal")
+    torch.manual_seed(42)
+    first = gm(x)[1]
+    torch.manual_seed(42)
+    close(gm(x)[1], first)  # the draws come from PyTorch's generator
+    torch.manual_seed(0)
+    many = fxtools.bilaplacian(w, x, samples=3000)(x)[1]
+    assert (many - exact).abs() < 0.05 * exact.abs() + 0.5, (many, exact)

@@ -422,28 +422,33 @@ def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> 
     ensures="gm(*args) -> (out, bilaplacian), bilaplacian nested as out",
 )
 @transform("fxtools.bilaplacian")
-def bilaplacian(f, *args, argnums=0) -> fx.GraphModule:
+def bilaplacian(f, *args, argnums=0, samples=None, distribution="rademacher") -> fx.GraphModule:
     """The bi-Laplacian ``sum_ij d^4 out / dx_i^2 dx_j^2`` of ``f`` with respect to ``args[argnums]``,
     as code: ``out, bilap = gm(*args)``.
 
     Collapsed Taylor mode twice: the Laplacian of the Laplacian's module (``fxtools.laplacian``),
     so the code is the forward Laplacian of the forward Laplacian, each with ``D`` first-order
-    terms and one summed second-order term per value.
+    terms and one summed second-order term per value. ``samples=S``: both Laplacians are
+    Hutchinson's estimates with ``S`` random directions each, drawn independently at each call
+    (``distribution`` as ``fxtools.laplacian``'s): unbiased, as the outer estimate is unbiased for
+    the Laplacian of each inner estimate, and the inner one for the Laplacian.
     """
     made_by = "fxtools.bilaplacian"
     args = tuple(args)
-    inner = laplacian(f, *args, argnums=argnums)
+    _check_samples(samples, distribution, made_by)
+    inner = laplacian(f, *args, argnums=argnums, samples=samples, distribution=distribution)
     cap, x_indices = _prepare(inner, args, argnums, made_by)
     n_out = len(cap.out_leaves) // 2  # inner returns (out, lap), each with f's structure
 
     def seed(xs):
-        return [rules.Collapsed(xs[0], _directions(xs[0], (), None, "rademacher"), None)]
+        return [rules.Collapsed(xs[0], _directions(xs[0], (), samples, distribution), None)]
 
     def outputs_of(r, i):
         if i < n_out:
             return []
         if isinstance(r, rules.Collapsed):
-            return [r.lap if r.lap is not None else _zeros_for(r.value)]
+            lap = r.lap if r.lap is not None else _zeros_for(r.value)
+            return [lap / samples if samples else lap]
         v = rules.value_of(r)
         return [_zeros_for(v)] if is_float(v) else []
 
