@@ -9,7 +9,7 @@ the output with respect to each input (``D`` = 16, 64, 256, 1024), in float64 an
 - ``vmap of hvp``: ``torch.func.vmap`` over the batch of the sum over the basis vectors ``e_i`` of
   ``e_i . H e_i``, with ``H e_i`` by ``jvp`` of ``grad`` batched over the basis (``torch.func.vmap``);
 - ``batched u(X)``: ``fxtools.laplacian`` of the network written on the batch, without vmap (its
-  directions are every coordinate of every point; only where ``32 D <= 4096``);
+  rows are independent, so the directions are those of one point, pushed through all rows);
 - ``jet-for-pytorch``: the collapsed Laplacian of "Collapsing Taylor Mode AD" (``jet.laplacian``,
   vmapped over the batch), when ``import jet`` works: run this script with the side environment's
   python (``bash ../shared/anchors/setup_taylor_anchors.sh DIR``, then ``DIR/jet/bin/python``; if
@@ -61,6 +61,7 @@ def make_mlp(d: int, dtype):
         return h @ params["w2"].unsqueeze(1)
 
     f.column = column  # type: ignore[attr-defined]
+    f.params = params  # type: ignore[attr-defined]
     return f
 
 
@@ -90,8 +91,14 @@ def fxtools_inductor(f, xs):
 
 
 def fxtools_batched(f, xs):
-    """The Laplacian of ``u(X)`` on the whole batch, without vmap (rows are independent)."""
-    lap = fxtools.laplacian(torch.func.vmap(f), xs)
+    """The Laplacian of ``u(X)`` written on the whole batch, without vmap (rows are independent)."""
+
+    def u(X):
+        h = torch.tanh(X @ f.params["w0"] + f.params["b0"])
+        h = torch.tanh(h @ f.params["w1"] + f.params["b1"])
+        return h @ f.params["w2"]
+
+    lap = fxtools.laplacian(u, xs)
     return lambda x: lap(x)[1]
 
 
@@ -136,7 +143,7 @@ def run(dims, dtypes, repeat, inductor=False):
                 "fxtools": fxtools_laplacian(f, xs),
                 "trace of hessian": trace_of_hessian(f),
                 "vmap of hvp": vmap_of_hvp(f),
-                "batched u(X)": fxtools_batched(f, xs) if BATCH * d <= 4096 else None,
+                "batched u(X)": fxtools_batched(f, xs),
                 "jet-for-pytorch": jet_for_pytorch(f, xs),
                 "fxtools + Inductor": fxtools_inductor(f, xs) if inductor else None,
             }

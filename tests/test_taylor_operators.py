@@ -201,3 +201,49 @@ def test_randomized_bilaplacian_is_seeded_and_unbiased():
     torch.manual_seed(0)
     many = fxtools.bilaplacian(w, x, samples=3000)(x)[1]
     assert (many - exact).abs() < 0.05 * exact.abs() + 0.5, (many, exact)
+
+
+def per_row_laplacian(f, X):
+    return torch.func.vmap(lambda x: torch.func.hessian(lambda x: f(x[None])[0])(x).reshape(x.numel(), x.numel()).trace())(X)
+
+
+def batch_mlp(X):
+    h = torch.tanh(X @ W1 + 0.1)
+    return (torch.tanh(h @ W2) * X.sin()).sum(-1) + torch.softmax(h, dim=1)[:, 0]
+
+
+@pytest.mark.parametrize("shape", [(5, 4), (3, 2, 2)])
+def test_batch_without_vmap_uses_one_rows_directions(shape):
+    """Rows that depend on their own input row only: the directions of one row, pushed through all rows."""
+
+    def f(X):
+        return batch_mlp(X.reshape(X.shape[0], 4))
+
+    X = randn(*shape, seed=50)
+    gm = fxtools.laplacian(f, X)
+    assert "torch.eye(4," in gm.code and f"torch.eye({X.numel()}," not in gm.code, gm.code
+    for seed in (51, 52):
+        X = randn(*shape, seed=seed)
+        out, lap = gm(X)
+        close(out, f(X))
+        close(lap, per_row_laplacian(f, X))
+
+
+MIXING = {  # rows that see other rows: the exact route over every coordinate of every point
+    "centered": lambda X: torch.tanh((X - X.mean(0)) @ W1).sum(1),
+    "softmax_over_batch": lambda X: torch.softmax(X @ W1, dim=0).sum(1),
+    "gram": lambda X: (X @ X.T).sum(1),
+    "shifted": lambda X: torch.tanh(X.roll(1, 0) @ W1).sum(1) * X[:, 0],
+    "transposed": lambda X: torch.tanh(X.T.reshape(5, 4) @ W1).sum(1),
+}
+
+
+@pytest.mark.parametrize("name", list(MIXING))
+def test_rows_that_mix_take_the_exact_route(name):
+    f = MIXING[name]
+    X = randn(5, 4, seed=53)
+    gm = fxtools.laplacian(f, X)
+    assert "torch.eye(20," in gm.code
+    out, lap = gm(X)
+    H = torch.func.hessian(f)(X).reshape(5, 20, 20)
+    close(lap, H.diagonal(0, -2, -1).sum(-1))

@@ -40,6 +40,7 @@ from ..rules import taylor as rules
 from .calling import transform
 from .pipeline import back, uses_pipeline
 from .reverse import _copy_constants, _example, _Namer, ancestors, example_mode
+from .rows import rows_independent
 from .vjp import argnums_tuple, prepare
 
 aten = torch.ops.aten
@@ -196,6 +197,7 @@ def _trace(cap, x_indices, seed, extras, extra_names, outputs_of, made_by):
     out_of_place_views(gm)  # the batched ops' in-place squeeze_ (traced below torch.func)
     functionalize(gm)
     _fold_identity_products(gm)
+    _fold_row_identity_products(gm)
     products_as_written(gm)
     return gm
 
@@ -267,6 +269,62 @@ def _fold_identity_products(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _same_shape_source(a):
+    """``a`` without the views that keep its shape."""
+    while isinstance(a, fx.Node) and a.target in (*_ORDER_KEEPING, aten.expand.default) and isinstance(a.args[0], fx.Node):
+        src = a.args[0].meta.get("val")
+        if src is None or a.meta.get("val") is None or tuple(src.shape) != tuple(a.meta["val"].shape):
+            break
+        a = a.args[0]
+    return a
+
+
+def _row_basis(a) -> int | None:
+    """``n`` when ``a`` is ``eye(n)`` viewed as ``(n, 1, n)`` and expanded over the rows (``_row_directions``)."""
+    a = _same_shape_source(a)
+    if not (isinstance(a, fx.Node) and a.target is aten.expand.default):
+        return None
+    v = a.args[0]
+    if not (isinstance(v, fx.Node) and v.target in _ORDER_KEEPING and isinstance(v.args[0], fx.Node)):
+        return None
+    eye = v.args[0]
+    n = eye.args[0] if eye.target is aten.eye.default and len(eye.args) == 1 else None
+    if not isinstance(n, int) or list(v.meta["val"].shape) != [n, 1, n]:
+        return None
+    return n
+
+
+def _fold_row_identity_products(gm: fx.GraphModule) -> None:
+    """``bmm(rows' basis, w.expand(n, n, k))`` -> ``w.view(n, 1, k).expand(n, B, k)``: the first
+    layer's first-order terms along one row's basis are its weight's rows, in every row."""
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.bmm.default:
+            continue
+        a, b = node.args[0], _same_shape_source(node.args[1])
+        n = _row_basis(a)
+        if n is None or not (isinstance(b, fx.Node) and b.target is aten.expand.default):
+            continue
+        w = b.args[0]
+        if not isinstance(w, fx.Node):
+            continue
+        wv = getattr(gm, str(w.target)) if w.op == "get_attr" else w.meta.get("val")
+        out = node.meta.get("val")
+        if wv is None or out is None or wv.dim() != 2 or wv.shape[0] != n or wv.dtype != out.dtype:
+            continue
+        with gm.graph.inserting_before(node):
+            rows = gm.graph.call_function(aten.view.default, (w, [n, 1, wv.shape[1]]))
+            rows.meta["val"] = wv.view(n, 1, wv.shape[1])
+            spread = gm.graph.call_function(aten.expand.default, (rows, list(out.shape)))
+            spread.meta["val"] = rows.meta["val"].expand(*out.shape)
+        name = node.name
+        node._rename(f"{name}_product")
+        rows._rename(f"{name}_rows")
+        spread._rename(name)
+        node.replace_all_uses_with(spread)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
 def _zeros_for(value):
     return torch.zeros_like(value)
 
@@ -329,8 +387,12 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
         _check_sigma(sigma, x, made_by)
         extras = [sigma]
 
+    placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
+    by_rows = sigma is None and samples is None and rows_independent(cap.gm, placeholders[x_indices[0]])
+
     def seed(xs, *more):
-        return [rules.Collapsed(xs[0], _directions(xs[0], more, samples, distribution), None)]
+        directions = _row_directions(xs[0]) if by_rows else _directions(xs[0], more, samples, distribution)
+        return [rules.Collapsed(xs[0], directions, None)]
 
     def outputs_of(r, i):
         if isinstance(r, rules.Collapsed):
@@ -480,6 +542,14 @@ def _directions(x, more, samples, distribution):
         return _draw((samples, *shape), x, distribution)
     n = math.prod(shape)
     return torch.eye(n, dtype=x.dtype, device=x.device).reshape(n, *shape)
+
+
+def _row_directions(x):
+    """The standard basis of one row, in every row at once: ``x``'s rows are independent points
+    (``rows.rows_independent``), so each output row sees the directions of its own input row only."""
+    n = math.prod(x.shape[1:])
+    basis = torch.eye(n, dtype=x.dtype, device=x.device).reshape(n, 1, *x.shape[1:])
+    return basis.expand(n, *x.shape)
 
 
 def _draw(shape, x, distribution):
