@@ -33,6 +33,7 @@ import contextlib
 import functools
 import inspect
 import re
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -42,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import FxtoolsError, current_user_line
 from ..graph import meta
-from ..registry import Rule
+from ..registry import Rule, Transform
 
 __all__ = ["custom_vjp", "custom_jvp", "CustomCall", "CustomFunctionError", "capturing", "transform"]
 
@@ -51,7 +52,7 @@ class CustomFunctionError(FxtoolsError):
     """A function with its own backward is used in a way fxtools cannot honour."""
 
 
-_STATE = {"capturing": False, "record": False, "transform": None}
+_STATE: dict[str, Any] = {"capturing": False, "record": False, "transform": None}
 
 
 @contextlib.contextmanager
@@ -74,10 +75,10 @@ def capturing(record: bool):
 
 
 @contextlib.contextmanager
-def transform(name: str):
-    """Name the transform being built (``"fxtools.jvp"``), for what custom calls must refuse."""
+def transform(declared: Transform):
+    """The transform being built (its record: ``forward_mode``, ``batches``), for what custom calls must refuse."""
     saved = _STATE["transform"]
-    _STATE["transform"] = name
+    _STATE["transform"] = declared
     try:
         yield
     finally:
@@ -511,7 +512,8 @@ def _record(kind: _Kind, args, kwargs):
     return pytree.tree_unflatten(result, out_spec)
 
 
-NESTED = "torch.func"  # the transform name while a nested torch.func transform is traced (capture/nested.py)
+# the transform while a nested torch.func transform is traced (capture/nested.py)
+NESTED = Transform("torch.func", requires="a torch.func transform inside the traced program", ensures="its trace, inline")
 
 
 def _forward_is_its_derivative(cls) -> bool:
@@ -535,13 +537,14 @@ def _function_apply(cls, original, args, kwargs):
     base = torch.autograd.Function
     if not _STATE["capturing"]:
         return original.__get__(None, cls)(*args, **kwargs)
-    if _STATE["transform"] == NESTED:
+    building = _STATE["transform"]
+    if building is NESTED:
         if not _forward_is_its_derivative(cls):
             raise _nested_error(f"the torch.autograd.Function {kind.name}", kind.where)
         args, kwargs = kind.bind(args, kwargs)
         with _not_capturing():
             return kind.primal(*args, **kwargs)
-    if _STATE["transform"] == "fxtools.vmap" or not _STATE["record"]:
+    if (building is not None and building.batches) or not _STATE["record"]:
         if cls.vmap is not base.vmap:
             raise CustomFunctionError(
                 f"the torch.autograd.Function {kind.name} (at {kind.where}) defines its own vmap rule, "
@@ -551,10 +554,10 @@ def _function_apply(cls, original, args, kwargs):
         args, kwargs = kind.bind(args, kwargs)
         with _not_capturing():
             return kind.primal(*args, **kwargs)
-    if _STATE["transform"] == "fxtools.jvp" and cls.jvp is not base.jvp:
+    if building is not None and building.forward_mode and cls.jvp is not base.jvp:
         raise CustomFunctionError(
             f"the torch.autograd.Function {kind.name} (at {kind.where}) defines its own jvp, which "
-            "fxtools.jvp does not use (it transposes the backward instead); remove the jvp staticmethod "
+            f"{building.name} does not use (it transposes the backward instead); remove the jvp staticmethod "
             "if its backward is the rule to use"
         )
     args, kwargs = kind.bind(args, kwargs)
@@ -595,7 +598,7 @@ class custom_vjp:  # noqa: N801 - named like jax.custom_vjp
     def __call__(self, *args, **kwargs):
         if not (_STATE["capturing"] and _STATE["record"]):
             return self.fun(*args, **kwargs)
-        if _STATE["transform"] == NESTED:
+        if _STATE["transform"] is NESTED:
             raise _nested_error(f"custom_vjp function {self.__name__}", current_user_line())
         if self.fwd is None:
             raise CustomFunctionError(
