@@ -159,3 +159,16 @@ def test_no_code_compares_transform_names():
                     if isinstance(side, ast.Constant) and isinstance(side.value, str) and side.value.startswith("fxtools."):
                         found.append(f"{mod}:{node.lineno} compares with {side.value!r}")
     assert not found, "compare a transform's record, not its name:\n" + "\n".join(found)
+
+
+def test_one_style_of_state():
+    """State lives in objects passed down or in ContextVars: no ``global`` statement, no
+    ``threading.local``."""
+    found = []
+    for mod, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Global):
+                found.append(f"{mod}:{node.lineno} global {', '.join(node.names)}")
+            elif isinstance(node, ast.Attribute) and node.attr == "local" and getattr(node.value, "id", None) == "threading":
+                found.append(f"{mod}:{node.lineno} threading.local")
+    assert not found, "use a ContextVar or pass the state down:\n" + "\n".join(found)
