@@ -34,12 +34,11 @@ from ..capture.nested import out_of_place_views
 from ..capture.trace import trace_flat
 from ..errors import FxtoolsError, MissingRuleError, user_line_of
 from ..graph import meta
-from ..graph.nodes import is_float
+from ..graph.nodes import ancestors, is_float
 from ..registry import differentiable_nodes
 from ..rules import taylor as rules
-from .calling import transform
 from .pipeline import back, uses_pipeline
-from .reverse import _copy_constants, _example, _Namer, ancestors, example_mode
+from .retrace import Namer, copy_constants, example_mode, fake_example
 from .rows import rows_independent
 from .vjp import argnums_tuple, prepare
 
@@ -154,7 +153,7 @@ def _trace(cap, x_indices, seed, extras, extra_names, outputs_of, made_by):
     out_nodes = list(next(n for n in graph.nodes if n.op == "output").args[0])
     xs = [placeholders[i] for i in x_indices]
     need = _needed(cap.gm, xs)
-    namer = _Namer()
+    namer = Namer()
 
     def template(*flat):
         inputs, more = flat[: len(placeholders)], flat[len(placeholders) :]
@@ -186,13 +185,13 @@ def _trace(cap, x_indices, seed, extras, extra_names, outputs_of, made_by):
         return (*[rules.value_of(r) for r in results], *terms)
 
     mode = example_mode([p.meta["val"] for p in placeholders])
-    examples = [_example(p.meta["val"], mode, keep_strides=True) for p in placeholders]
-    more = [_example(v, mode) for v in extras]
+    examples = [fake_example(p.meta["val"], mode, keep_strides=True) for p in placeholders]
+    more = [fake_example(v, mode) for v in extras]
     gm = trace_flat(template, [*examples, *more], record_stack_traces=False, pre_dispatch=False)
     names = [p.name for p in placeholders] + list(extra_names)
     for node, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], names):
         node._rename(name)
-    _copy_constants(cap.gm, gm)
+    copy_constants(cap.gm, gm)
     namer.apply(gm.graph)
     out_of_place_views(gm)  # the batched ops' in-place squeeze_ (traced below torch.func)
     functionalize(gm)
@@ -356,7 +355,6 @@ def _check_sigma(sigma, x, made_by):
     requires="front: a prepared graph; ops the directions reach have Taylor rules or decompositions",
     ensures="gm(*args[, sigma]) -> (out, laplacian), laplacian nested as out",
 )
-@transform("fxtools.laplacian")
 def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="rademacher") -> fx.GraphModule:
     """The Laplacian of ``f`` with respect to ``args[argnums]``, by collapsed Taylor mode, as code.
 
@@ -429,7 +427,6 @@ def _check_samples(samples, distribution, made_by):
     requires="front: a prepared graph returning one tensor of the input's size; ops have Taylor rules or decompositions",
     ensures="gm(*args) -> (out, divergence), the divergence a 0-d tensor",
 )
-@transform("fxtools.divergence")
 def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> fx.GraphModule:
     """The divergence ``sum_i d out_i / d x_i`` of a vector field ``out = f(*args)`` with respect to
     ``x = args[argnums]`` (``out`` has as many elements as ``x``), as code: ``out, div = gm(*args)``.
@@ -483,7 +480,6 @@ def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> 
     requires="front: a prepared fxtools.laplacian module; its ops have Taylor rules",
     ensures="gm(*args) -> (out, bilaplacian), bilaplacian nested as out",
 )
-@transform("fxtools.bilaplacian")
 def bilaplacian(f, *args, argnums=0, samples=None, distribution="rademacher") -> fx.GraphModule:
     """The bi-Laplacian ``sum_ij d^4 out / dx_i^2 dx_j^2`` of ``f`` with respect to ``args[argnums]``,
     as code: ``out, bilap = gm(*args)``.
@@ -565,7 +561,6 @@ def _draw(shape, x, distribution):
     requires="front: a prepared graph; ops the series reaches have Taylor rules or decompositions",
     ensures="gm(*args, series) -> (out, out_series), out_series nested as out",
 )
-@transform("fxtools.jet")
 def jet(f, *args, order, argnums=0) -> fx.GraphModule:
     """Taylor mode along a curve: the derivatives of ``f(x(t))`` at ``t = 0``, as code.
 
