@@ -44,6 +44,7 @@ import inspect
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..capture.nested import functorch_regions
@@ -700,8 +701,9 @@ def _as_function(gm: fx.GraphModule, example_inputs=()):
         used.add(name)
         names.append(name)
 
-    def fn(*args):
-        return gm(*args)
+    def fn(*args):  # node by node, each traced op given the user's line Dynamo recorded on its node
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(gm).run(*args)
 
     fn.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
     fn.__name__ = fn.__qualname__ = "dynamo_graph"
