@@ -88,7 +88,9 @@ def anomaly(fn, args) -> str:
                 loss = fn(*args)
                 loss.backward()
         except RuntimeError as exc:
-            said = [str(w.message) for w in caught if "anomaly" not in str(w.message).lower() or "Error detected" in str(w.message)]
+            said = [
+                str(w.message) for w in caught if "anomaly" not in str(w.message).lower() or "Error detected" in str(w.message)
+            ]
             return "\n".join([*said, f"RuntimeError: {exc}"])
     grads = [a.grad for a in args if isinstance(a, torch.Tensor) and a.grad is not None]
     bad = sum(int((~torch.isfinite(g)).sum()) for g in grads)

@@ -23,7 +23,6 @@ when that is not finite is the step run again here to locate the first value.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -162,7 +161,7 @@ def _has(s: Summary, what: str) -> bool:
     return getattr(s, what) > 0
 
 
-def _forward_hint(op: str, ins: list[torch.Tensor], out: torch.Tensor, feeds: set[str], sources: set[str]) -> list[str]:
+def _forward_hint(op: str, ins: list, out: torch.Tensor, feeds: set[str], sources: set[str]) -> list[str]:
     """Hints for a forward value computed by ``op`` from ``ins`` (``feeds``: ops reading the value;
     ``sources``: ops that made its operands, a step or two back)."""
     hints = []
@@ -314,7 +313,8 @@ class _Walk(fx.Interpreter):
 
     def finish(self) -> None:
         """After the run: raise ``_Found`` for the first candidate whose non-finite values reach an output."""
-        outs = [x for x in pytree.tree_leaves(self.module.graph.output_node().args) if isinstance(x, fx.Node)]
+        graph: fx.Graph = self.graph
+        outs = [x for x in pytree.tree_leaves(graph.output_node().args) if isinstance(x, fx.Node)]
         reach, stack = set(), [x for x in outs if x in self.bad]
         while stack:
             x = stack.pop()
@@ -337,7 +337,7 @@ class _Walk(fx.Interpreter):
             feeds = {_short(_op_of(u)) for u in n.users}
             hints = _forward_hint(_short(op), ins, val, feeds, _sources(n))
         else:
-            ops, feeds = self.statements.ops.get(trace, set()), self.statements.feeds.get(trace, set())
+            ops, feeds = self.statements.ops.get(trace or "", set()), self.statements.feeds.get(trace or "", set())
             hints = _backward_hints(ops, feeds)
         return NonFiniteReport(
             phase,
@@ -346,7 +346,7 @@ class _Walk(fx.Interpreter):
             filename=frame[0] if frame else None,
             lineno=frame[1] if frame else None,
             op=_op_name(op),
-            statement=_statement(self.module, n.name),
+            statement=_statement(self.module, n.name),  # type: ignore[arg-type]  # Interpreter's module is our GraphModule
             module=self.part,
             value=Summary.of(val),
             operands=operands,
@@ -382,7 +382,8 @@ def locate(sp, leaves, cotangents=None, rng=None) -> NonFiniteReport | None:
                 if any(_bad(x)):
                     raise _Found(_input_report(info.path or info.name, x))
             out, saved = _Walk(sp.forward, "forward", statements).run(*leaves)
-            return _locate_backward(sp, list(saved), cotangents, out, statements)
+            _locate_backward(sp, list(saved), cotangents, out, statements)
+            return None
         except _Found as found:
             return found.report
 
@@ -390,12 +391,14 @@ def locate(sp, leaves, cotangents=None, rng=None) -> NonFiniteReport | None:
 def locate_backward(sp, saved: list, cotangents: list) -> NonFiniteReport | None:
     """The first non-finite value of ``sp``'s backward on ``saved`` and ``cotangents``, or None."""
     try:
-        return _locate_backward(sp, saved, cotangents, None, _Statements([sp.forward, sp.backward]))
+        _locate_backward(sp, saved, cotangents, None, _Statements([sp.forward, sp.backward]))
+        return None
     except _Found as found:
         return found.report
 
 
 def _locate_backward(sp, saved, cotangents, out, statements) -> None:
+    """Check the cotangents, then run the backward (raising ``_Found``); ones for ``out`` if no cotangents."""
     if cotangents is None:
         outs = pytree.tree_leaves(out)
         cotangents = [torch.ones_like(outs[i]) for i in sp.ct_index]
