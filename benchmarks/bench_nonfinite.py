@@ -81,10 +81,11 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny GPT, 3 repetitions")
     parser.add_argument("--inductor", action="store_true", help="also Inductor (compiles for minutes)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results_nonfinite.md"))
+    parser.add_argument("--only", default="", help="only the models whose name contains this (e.g. small)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    models = QUICK if args.quick else MODELS
+    models = {k: v for k, v in (QUICK if args.quick else MODELS).items() if args.only in k}
     reps = 3 if args.quick else args.reps
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -116,7 +117,7 @@ def main(argv=None):
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.quick:
-        with open(args.out, "w") as f:
+        with open(args.out, "a" if os.path.exists(args.out) else "w") as f:
             f.write(text)
 
 

@@ -346,3 +346,18 @@ def test_the_nan_command(tmp_path, capsys, monkeypatch):
     assert main(["nan", "prog.py:loss", "--arg", "x=f32[4]", "--arg", "eps=1.0", "--argnums", "7"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fxtools nan: error: --argnums 7") and err.count("\n") == 1
+
+
+def test_the_cheap_check():
+    from fxtools.training.finite import all_finite
+
+    finite = [torch.randn(3), torch.randn(2, dtype=torch.float64), torch.randn(4).bfloat16(), torch.arange(3)]
+    assert all_finite(finite)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(5)
+        t[3] = bad
+        assert not all_finite([*finite, t])
+        assert all_finite([*finite, t], [False] * 4 + [True]) == (bad == bad)  # NaN-only: an infinity passes
+    # finite values whose sum overflows fail the cheap check (an exact check then clears them)
+    assert not all_finite([torch.full((4,), 3e38)])
+    assert all_finite([torch.full((4,), 60000.0).half()])  # half precision is summed in float32

@@ -376,7 +376,7 @@ def locate(sp, leaves, cotangents=None, rng=None) -> NonFiniteReport | None:
     from .saved import rng_restored
 
     statements = _Statements([sp.forward, sp.backward])
-    with rng_restored(rng) if rng is not None else torch.random.fork_rng(devices=[]):
+    with rng_restored(rng) if rng is not None else torch.random.fork_rng(devices=[]), torch.no_grad():
         try:
             for info, x in zip(sp.signature, leaves):
                 if any(_bad(x)):
@@ -446,9 +446,7 @@ def all_finite(tensors, nan_only=()) -> bool:
     device = (sums or nans)[0].device
     ok = torch.ones((), dtype=torch.bool, device=device)
     if sums:
-        ok = ok & torch.isfinite(
-            torch.stack([s.to(device, torch.float64 if s.dtype == torch.float64 else torch.float32) for s in sums]).sum()
-        )
+        ok = ok & torch.isfinite(torch.stack([s.to(device, torch.float64) for s in sums]).sum())
     if nans:
         ok = ok & ~torch.stack([f.to(device) for f in nans]).any()
     return bool(ok)
