@@ -469,7 +469,8 @@ class Checker:
         """After a forward: raise ``NonFiniteError`` if a value it returns or saves is not finite."""
         kept = [s for s, inp in zip(saved, self.saved_input) if not inp] if len(saved) == len(self.saved_input) else saved
         flags = [f for f, inp in zip(self.saved_nan_only, self.saved_input) if not inp] if kept is not saved else []
-        ok = all_finite(outs, self.out_nan_only) and all_finite(kept, flags)
+        out_flags = list(self.out_nan_only) + [False] * (len(outs) - len(self.out_nan_only))
+        ok = all_finite([*outs, *kept], [*out_flags[: len(outs)], *flags])  # one synchronisation
         if not ok:
             self.fail(locate(self.split, leaves, rng=rng))
 
