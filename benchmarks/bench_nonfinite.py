@@ -45,8 +45,29 @@ def _step(model, inputs, anomaly=False):
         model(*inputs).backward()
 
 
+def check_alone(compiled, model, inputs, reps) -> float:
+    """Median seconds of the cheap check alone (what ``check_finite`` adds to a finite step): the
+    reductions over one forward's outputs and saved values and over the gradients."""
+    from fxtools.training.finite import Checker
+
+    sp = compiled.split
+    checker = Checker(sp)
+    leaves = sp.flatten(dict(compiled.module.named_parameters()), *inputs)
+    with torch.no_grad():
+        out, saved = sp.forward(*leaves)
+    outs, saved = list(torch.utils._pytree.tree_leaves(out)), list(saved)
+    grads = [p.detach().clone() for p in model.parameters()]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        checker.forward(leaves, outs, saved)
+        checker.backward(grads, lambda: None)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measure(overrides, batch, seq, reps, inductor) -> dict[str, float]:
-    """Median seconds per step of each variant."""
+    """Median seconds per step of each variant, and of the check alone."""
     torch.manual_seed(0)
     model, inputs = examples.gpt("tiny", attention="explicit", batch=batch, seq_len=seq, **overrides)
     model.train()
@@ -72,7 +93,9 @@ def measure(overrides, batch, seq, reps, inductor) -> dict[str, float]:
             t0 = time.perf_counter()
             _step(m, inputs, anomaly)
             times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    med["check alone"] = check_alone(variants["fxtools.compile check_finite"][0], model, inputs, 3 * reps)
+    return med
 
 
 def main(argv=None):
@@ -93,11 +116,14 @@ def main(argv=None):
         f"# check_finite against detect_anomaly ({when})",
         "",
         f"Machine: {machine}. GPT with explicit causal attention, float32, training mode; one step is "
-        f"`model(idx, targets).backward()`; {reps} interleaved repetitions per variant, medians.",
+        f"`model(idx, targets).backward()`; {reps} interleaved repetitions per variant, medians. "
+        "`check alone`: the cheap check's reductions over one step's outputs, saved values and gradients, "
+        "timed by themselves (the machine is shared, so the end-to-end ratio is noisier).",
         "",
-        "| model | eager ms | detect_anomaly ms | x eager | fxtools.compile ms | check_finite ms | x compile |"
+        "| model | eager ms | detect_anomaly ms | x eager | fxtools.compile ms | check_finite ms | x compile "
+        "| check alone ms | 1 + check / compile |"
         + (" inductor ms | inductor check_finite ms | x inductor |" if args.inductor else ""),
-        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if args.inductor else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if args.inductor else ""),
     ]
     for name, (overrides, batch, seq) in models.items():
         med = measure(overrides, batch, seq, reps, args.inductor)
@@ -105,7 +131,8 @@ def main(argv=None):
             f"| {name}, batch {batch}, sequence {seq} | {med['eager'] * 1e3:.1f} | {med['eager + detect_anomaly'] * 1e3:.1f} "
             f"| {med['eager + detect_anomaly'] / med['eager']:.2f} | {med['fxtools.compile'] * 1e3:.1f} "
             f"| {med['fxtools.compile check_finite'] * 1e3:.1f} "
-            f"| {med['fxtools.compile check_finite'] / med['fxtools.compile']:.2f} |"
+            f"| {med['fxtools.compile check_finite'] / med['fxtools.compile']:.2f} "
+            f"| {med['check alone'] * 1e3:.2f} | {1 + med['check alone'] / med['fxtools.compile']:.3f} |"
         )
         if args.inductor:
             row += (
