@@ -23,6 +23,7 @@ when that is not finite is the step run again here to locate the first value.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -129,6 +130,8 @@ def _op_of(node: fx.Node):
     op = node.meta.get("original_aten")
     if op is None and isinstance(node.target, torch._ops.OpOverload):
         op = node.target
+    if op is None and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return _op_of(node.args[0])  # an output of a multi-output op: that op's
     return op
 
 
