@@ -249,9 +249,9 @@ class _Runner:
         else:
             rng = rng_state(leaves) if self.checker else None
             with torch.no_grad():
-                outs, saved = self.run_forward(leaves)
+                outs, _ = self.run_forward(leaves)
                 if self.checker:
-                    self.checker.forward(leaves, outs, saved, rng)
+                    self.checker.forward(leaves, outs, rng)
         it = iter(outs)
         full = [next(it) if t else o for t, o in zip(self.out_is_tensor, self.out_leaves)]
         return pytree.tree_unflatten(full, self.split.out_spec)
@@ -380,7 +380,7 @@ class _SplitFunction(torch.autograd.Function):
         outs, saved = runner.run_forward(leaves)
         runner.replay.finish(record)
         if runner.checker:
-            runner.checker.forward(leaves, outs, saved, record.rng)
+            runner.checker.forward(leaves, outs, record.rng)
         runner.saved.pack(ctx, saved)
         tensors = [o for o in outs if isinstance(o, torch.Tensor)]
         non_diff = [o for o in tensors if not is_float(o)]

@@ -14,7 +14,7 @@ backward nodes carry the stack trace of the forward op their rule was called for
 operand's summary, and hints for the classic causes.
 
 ``check_finite`` on training modules (``fxtools.compile``, ``split``, ``backend``) is cheap:
-``Checker.finite`` reduces what a step returns, saves and the gradients to one number per tensor
+``Checker`` reduces what a forward returns and what a backward returns to one number per tensor
 (``x.sum()`` is finite exactly when ``x`` is, unless finite values overflow the sum: then an
 exact check follows), added into one scalar read once per forward and once per backward; only
 when that is not finite is the step run again here to locate the first value.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -456,25 +457,23 @@ def all_finite(tensors, nan_only=()) -> bool:
 
 
 class Checker:
-    """``check_finite`` for the steps of one split: which of its outputs and saved values may hold
-    an intended infinity (checked for NaNs only), the cheap check, and the error on failure."""
+    """``check_finite`` for the steps of one split: which of its outputs may hold an intended
+    infinity (checked for NaNs only), the cheap check, and the error on failure.
+
+    A forward's outputs and a backward's gradients are checked; the saved values are not (they
+    are most of a step's bytes, and a NaN among them reaches the gradients): a non-finite value
+    only the backward shows is raised after the backward, named by the rerun of the whole step,
+    so the report may still be a forward value."""
 
     def __init__(self, sp):
         self.split = sp
         inf = may_hold_inf(sp.forward)
-        out_node = sp.forward.graph.output_node()
-        outs, saved = out_node.args[0]
+        outs, _ = sp.forward.graph.output_node().args[0]
         self.out_nan_only = [isinstance(o, fx.Node) and o.name in inf for o in pytree.tree_leaves(outs)]
-        self.saved_nan_only = [s.name in inf for s in saved]
-        self.saved_input = [s.op == "placeholder" for s in saved]  # the step's inputs: not reduced again
 
-    def forward(self, leaves, outs, saved, rng=None) -> None:
-        """After a forward: raise ``NonFiniteError`` if a value it returns or saves is not finite."""
-        kept = [s for s, inp in zip(saved, self.saved_input) if not inp] if len(saved) == len(self.saved_input) else saved
-        flags = [f for f, inp in zip(self.saved_nan_only, self.saved_input) if not inp] if kept is not saved else []
-        out_flags = list(self.out_nan_only) + [False] * (len(outs) - len(self.out_nan_only))
-        ok = all_finite([*outs, *kept], [*out_flags[: len(outs)], *flags])  # one synchronisation
-        if not ok:
+    def forward(self, leaves, outs, rng=None) -> None:
+        """After a forward: raise ``NonFiniteError`` if a value it returns is not finite."""
+        if not all_finite(outs, self.out_nan_only[: len(outs)]):
             self.fail(locate(self.split, leaves, rng=rng))
 
     def backward(self, grads, redo) -> None:
@@ -490,13 +489,26 @@ class Checker:
 
 def checked_split(sp):
     """``sp`` whose forward and backward modules raise ``NonFiniteError`` at a non-finite step
-    (``fxtools.split(..., check_finite=True)``): forward hooks run the cheap check after each call;
-    the boxed backward keeps its arguments until the check has passed."""
+    (``fxtools.split(..., check_finite=True)``), through module hooks.
+
+    Each forward's inputs and random-number state are kept with its saved values (the last few
+    forwards'), so a backward that fails reruns its whole step; the boxed backward keeps its
+    arguments until the check has passed."""
+    from .saved import rng_state
+
     checker = Checker(sp)
+    steps: list = []  # (weak references to a forward's saved values, its inputs, the generators' state before it)
     pending: dict = {}
 
+    def before_forward(module, args):
+        pending["rng"] = rng_state(args)
+
     def after_forward(module, args, out):
-        checker.forward(list(args), pytree.tree_leaves(out[0]), list(out[1]))
+        rng = pending.pop("rng", None)
+        checker.forward(list(args), pytree.tree_leaves(out[0]), rng)
+        refs = [weakref.ref(t) if isinstance(t, torch.Tensor) else (lambda t=t: t) for t in out[1]]
+        steps.append((refs, list(args), rng))
+        del steps[:-8]
 
     def before_backward(module, args):
         pending["args"] = list(args[0]) if module is sp.backward_boxed else list(args)
@@ -504,8 +516,17 @@ def checked_split(sp):
     def after_backward(module, args, grads):
         saved_and_cts = pending.pop("args")
         n = len(sp.saved)
-        checker.backward(pytree.tree_leaves(grads), lambda: locate_backward(sp, saved_and_cts[:n], saved_and_cts[n:]))
+        saved, cts = saved_and_cts[:n], saved_and_cts[n:]
+        step = next((st for st in steps if len(st[0]) == n and all(r() is v for r, v in zip(st[0], saved))), None)
 
+        def redo():
+            if step is None:  # saved values from elsewhere: their backward alone
+                return locate_backward(sp, saved, cts)
+            return locate(sp, step[1], cts, rng=step[2])
+
+        checker.backward(pytree.tree_leaves(grads), redo)
+
+    sp.forward.register_forward_pre_hook(before_forward)
     sp.forward.register_forward_hook(after_forward)
     for gm in (sp.backward, sp.backward_boxed):
         gm.register_forward_pre_hook(before_backward)
