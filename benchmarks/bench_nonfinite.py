@@ -146,8 +146,9 @@ def main(argv=None):
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.quick:
-        with open(args.out, "a" if os.path.exists(args.out) else "w") as f:
-            f.write(text)
+        appending = os.path.exists(args.out)
+        with open(args.out, "a" if appending else "w") as f:
+            f.write(("\n" if appending else "") + text)
 
 
 if __name__ == "__main__":
