@@ -361,3 +361,21 @@ def test_the_cheap_check():
     # finite values whose sum overflows fail the cheap check (an exact check then clears them)
     assert not all_finite([torch.full((4,), 3e38)])
     assert all_finite([torch.full((4,), 60000.0).half()])  # half precision is summed in float32
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_random_programs_report_nothing_and_name_a_planted_input(index):
+    """Differential: the fuzzer's random programs (finite by construction, eager agrees) report
+    nothing; the same program with a NaN planted in a float input reports that input, by name."""
+    import fuzz_programs
+
+    p = fuzz_programs.program(index, seed=36)
+    assert fxtools.find_nonfinite(p.fn, *p.args) is None, str(p)
+    args = list(p.args)
+    where = p.float_args[index % len(p.float_args)]
+    bad = args[where].clone()
+    bad.view(-1)[bad.numel() // 2] = float("nan")
+    args[where] = bad
+    report = fxtools.find_nonfinite(p.fn, *args)
+    assert report is not None and report.phase == "input", str(p)
+    assert report.name == p.inputs[where].name, str(p)
