@@ -379,3 +379,18 @@ def test_random_programs_report_nothing_and_name_a_planted_input(index):
     report = fxtools.find_nonfinite(p.fn, *args)
     assert report is not None and report.phase == "input", str(p)
     assert report.name == p.inputs[where].name, str(p)
+
+
+def test_check_finite_without_a_backward():
+    """Under no_grad (evaluation) the forward alone is checked, and its rerun leaves the generators alone."""
+    model = SqrtNet().eval()
+    compiled = fxtools.compile(model, check_finite=True)
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), model(x))
+        x[0, 0] = float("inf")
+        state = torch.get_rng_state()
+        with pytest.raises(fxtools.NonFiniteError) as info:
+            compiled(x)
+        assert torch.equal(state, torch.get_rng_state())
+    assert (info.value.report.phase, info.value.report.name) == ("input", "x")
