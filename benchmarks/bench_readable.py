@@ -131,9 +131,7 @@ def main(argv=None):
     overrides = {"vocab_size": 8192, "n_layer": 2} if args.config == "small" else {}
     if args.layers is not None:
         overrides["n_layer"] = args.layers
-    model, inputs = examples.gpt(
-        "gpt2", args.attention, batch=args.batch, seq_len=args.seq, dtype=torch.float32, **overrides
-    )
+    model, inputs = examples.gpt("gpt2", args.attention, batch=args.batch, seq_len=args.seq, dtype=torch.float32, **overrides)
     model.train()
     cfg = model.config
     nparams = sum(p.numel() for p in model.parameters())
