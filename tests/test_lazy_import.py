@@ -22,6 +22,9 @@ SCRIPT = textwrap.dedent(
     assert "sympy" not in new, "sympy loaded by import fxtools"
 
     from fxtools import registry
+    from fxtools.cli import examples  # imports submodules directly: fxtools.functional stays the function
+
+    assert callable(fxtools.functional) and examples.gpt
 
     def sin_fwd(x):
         return torch.sin(x), x

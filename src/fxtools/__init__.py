@@ -18,6 +18,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import registry
+from .errors import DataDependentError, FxtoolsError, MissingRuleError
+from .functional import functional  # before any import of the module fxtools.functional, which would shadow it
+from .registry import mark_nondifferentiable, register_vjp, rule_set
 
 if TYPE_CHECKING:
     from .capture.custom import CustomFunctionError, custom_jvp, custom_vjp
@@ -25,9 +28,6 @@ if TYPE_CHECKING:
     from .codegen.draw import draw
     from .codegen.export import save
     from .codegen.show import show
-    from .errors import DataDependentError, FxtoolsError, MissingRuleError
-    from .functional import functional
-    from .registry import mark_nondifferentiable, register_vjp, rule_set
     from .signature.guards import InputMismatch
     from .signature.sizes import SymbolicSizeError
     from .training import policies  # noqa: F401 - fxtools.policies, as documented
@@ -52,13 +52,6 @@ _LAZY = {
     "draw": ".codegen.draw",
     "save": ".codegen.export",
     "show": ".codegen.show",
-    "DataDependentError": ".errors",
-    "FxtoolsError": ".errors",
-    "MissingRuleError": ".errors",
-    "functional": ".functional",
-    "mark_nondifferentiable": ".registry",
-    "register_vjp": ".registry",
-    "rule_set": ".registry",
     "InputMismatch": ".signature.guards",
     "SymbolicSizeError": ".signature.sizes",
     "policies": ".training.policies",  # the module itself
