@@ -85,16 +85,17 @@ _SUBPACKAGES = {"capture", "cli", "codegen", "graph", "passes", "rules", "signat
 
 
 def __getattr__(name: str) -> Any:
-    """A public name or subpackage (``fxtools.codegen.flat()``), the package imported on first use (PEP 562)."""
-    if (name not in _LAZY and name not in _SUBPACKAGES) or _LOADING:  # while loading: ``from .. import rules``
+    """A public name, its package imported on first use (PEP 562); a subpackage
+    (``fxtools.codegen.flat()``, ``from .. import rules``) just imported."""
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f".{name}", __name__)
+    if name not in _LAZY or _LOADING:
         raise AttributeError(f"module 'fxtools' has no attribute {name!r}")
     _LOADING.append(name)
     try:
         for attr, module in _LAZY.items():
             value = importlib.import_module(module, __name__)
             globals()[attr] = getattr(value, attr) if hasattr(value, attr) else value  # policies: the module
-        if name not in globals():
-            importlib.import_module(f".{name}", __name__)
     finally:
         _LOADING.clear()
     return globals()[name]
