@@ -19,12 +19,13 @@ from __future__ import annotations
 import ast
 import operator
 import re
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 _COUNTER = re.compile(r"^# COUNTER: (\d+)\n$")
-_IN_PLACE = {  # out-of-place scatters whose result has their first argument's shape and dtype
+_IN_PLACE: dict[Any, str] = {  # out-of-place scatters whose result has their first argument's shape and dtype
     torch.index_add: "index_add_",
     torch.index_copy: "index_copy_",
     torch.index_fill: "index_fill_",
