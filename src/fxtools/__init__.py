@@ -18,7 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import registry
-from .errors import DataDependentError, FxtoolsError, MissingRuleError
+from .errors import DataDependentError, FxtoolsError, MissingRuleError, NonFiniteError
 from .functional import functional  # before any import of the module fxtools.functional, which would shadow it
 from .registry import mark_nondifferentiable, register_vjp, rule_set
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .training import policies  # noqa: F401 - fxtools.policies, as documented
     from .training.aten import AtenSplit, Descriptor, to_aten
     from .training.backend import backend, compile  # noqa: A004 - fxtools.compile, like torch.compile
+    from .training.nonfinite import find_nonfinite
     from .training.partition import Split, split
     from .transforms.batching import vmap
     from .transforms.check import VjpMismatch, check_vjp, check_vjp_fd
@@ -60,6 +61,7 @@ _LAZY = {
     "to_aten": ".training.aten",
     "backend": ".training.backend",
     "compile": ".training.backend",
+    "find_nonfinite": ".training.nonfinite",
     "Split": ".training.partition",
     "split": ".training.partition",
     "vmap": ".transforms.batching",
@@ -146,4 +148,6 @@ __all__ = [
     "InputMismatch",
     "SymbolicSizeError",
     "CustomFunctionError",
+    "find_nonfinite",
+    "NonFiniteError",
 ]
