@@ -49,7 +49,7 @@ from ..passes.simplify import simplify
 from ..passes.views import collapse_view_chains
 from ..signature import closures, sizes
 from ..signature.guards import install
-from . import control_flow
+from . import control_flow, tangents
 
 __all__ = ["Built", "Transform", "USERS", "uses_pipeline", "front", "differentiated", "back", "emit", "built_by"]
 
@@ -145,6 +145,7 @@ def _prepare_for_rules(cap: Captured, made_by: str, has_aux: bool) -> None:
     functionalize(cap.gm)
     expand(cap.gm)
     control_flow.prepare(cap.gm)
+    tangents.resolve(cap.gm)  # forward mode the program runs itself (torch.func.jvp in a loss)
     check_supported(cap.gm)
 
 
