@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError, current_user_line
 
-__all__ = ["dual", "tangent", "make_dual", "unpack", "jvp", "forward_ad_levels", "run_jvp_region", "level_line"]
+__all__ = ["dual", "tangent", "make_dual", "unpack", "jvp", "JvpCall", "forward_ad_levels", "run_jvp_region", "level_line"]
 
 _COUNTER = itertools.count()
 _WHERE: dict[int, str] = {}  # level -> the user's line that opened it
@@ -158,6 +158,23 @@ def jvp(func, primals, tangents, argnums=None, *, strict=False, has_aux=False):
         flat_tan.append(t)
     result = (pytree.tree_unflatten(flat_out, spec), pytree.tree_unflatten(flat_tan, spec))
     return (*result, aux) if has_aux else result
+
+
+class JvpCall:
+    """What ``fxtools.jvp(f, *args)`` returns inside a program fxtools captures: called as its module
+    would be, ``(*args, *tangents of argnums)``, it records the JVP with markers like ``jvp``."""
+
+    def __init__(self, f, nargs: int, argnums: tuple, has_aux: bool):
+        self.f, self.nargs, self.argnums, self.has_aux = f, nargs, argnums, has_aux
+
+    def __call__(self, *args_and_tangents):
+        if len(args_and_tangents) != self.nargs + len(self.argnums):
+            raise TypeError(
+                f"the JVP of {getattr(self.f, '__name__', 'f')} takes {self.nargs} arguments and "
+                f"{len(self.argnums)} tangents, got {len(args_and_tangents)} values"
+            )
+        args, tangents = args_and_tangents[: self.nargs], args_and_tangents[self.nargs :]
+        return jvp(self.f, tuple(args), tuple(tangents), self.argnums, has_aux=self.has_aux)
 
 
 class _ForwardAdLevels:

@@ -41,7 +41,7 @@ from ..errors import FxtoolsError, current_user_line, is_data_dependent, user_fr
 from ..passes.views import collapse_view_chains
 from . import custom, dual
 
-__all__ = ["NestedTransformError", "functorch_regions", "nested_transforms", "out_of_place_views", "run_below_functorch"]
+__all__ = ["NestedTransformError", "capturing_program", "functorch_regions", "nested_transforms", "out_of_place_views", "run_below_functorch"]
 
 
 class NestedTransformError(FxtoolsError):
@@ -243,8 +243,12 @@ def _vjp_with_argnums(original):
     return vjp_with_argnums
 
 
-def _at_top() -> bool:
+def capturing_program() -> bool:
     """Whether fxtools is capturing the program itself (not a transform traced below functorch)."""
+    return _at_top()
+
+
+def _at_top() -> bool:
     parent = proxy_tensor._CURRENT_MAKE_FX_TRACER
     return not _below() and parent is not None and parent.pre_dispatch
 

@@ -40,7 +40,7 @@ def count_compute_nodes(gm: fx.GraphModule) -> int:
 # Ops PyTorch tags random that draw nothing when their arguments say so: (index, name, default)
 # of the dropout probability, and of the training flag (None: the op has none).
 _MAY_DRAW = {
-    aten.scaled_dot_product_attention.default: ((3, "dropout_p", 0.0), None),
+    aten.scaled_dot_product_attention.default: ((4, "dropout_p", 0.0), None),
     aten.dropout.default: ((1, "p", None), (2, "train", None)),
     aten.native_dropout.default: ((1, "p", None), (2, "train", None)),
 }

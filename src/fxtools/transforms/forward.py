@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..capture import custom
+from ..capture import custom, dual, nested
 from ..graph import meta
 from ..graph.nodes import is_float
 from ..signature.guards import tangent_role
@@ -68,11 +68,17 @@ def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     ``argnums`` (int or tuple, as on ``grad``): tangents only for those arguments, in that
     order (the others are held constant): ``gm(*args, *tangents_of_argnums)``. ``has_aux=True``:
     ``f`` returns ``(out, aux)`` and ``out, out_tangent, aux = gm(...)``, as torch.func.jvp's.
+
+    Called inside a function fxtools differentiates (a training loss), it returns a callable
+    taking the same arguments, whose JVP becomes part of that function's graph
+    (``docs/jvp_losses.md``).
     """
     args = tuple(args)
     nums = tuple(range(len(args))) if argnums is None else argnums_tuple(argnums, len(args))
     if len(set(nums)) != len(nums):
         raise ValueError(f"argnums {argnums!r} names an argument twice")
+    if nested.capturing_program():  # inside a program fxtools differentiates: forward mode in its graph
+        return dual.JvpCall(f, len(args), nums, has_aux)  # type: ignore[return-value]
     with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored: refuse it
         cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by="fxtools.jvp")
     split = AuxSplit(cap.out_spec, has_aux)

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
+from .. import registry
 from ..capture import dual
 from ..capture.decompose import expand
 from ..capture.functionalize import functionalize
@@ -250,7 +251,9 @@ def _compute_tangents(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
     active, region = _region(graph, level, ys)
     sub, inputs, tangents = _region_graph(gm, region, active, ys, level)
     wrt = [i < len(tangents) for i in range(len(inputs))]
-    with fx_traceback.preserve_node_meta():
+    # fused backward kernels (fxtools.compile's rule set) have no VJP of their own to transpose
+    readable = "readable" if registry.active_rule_set() == "fused" else None
+    with fx_traceback.preserve_node_meta(), registry.rule_set(readable):
         flat = jvp_graph(sub, wrt, list(range(len(tangents))), len(ys))
     results, made = _inline(gm, flat, inputs + tangents, markers[0], len(ys))
     for m, t in zip(markers, results):
