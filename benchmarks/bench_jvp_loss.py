@@ -45,9 +45,11 @@ def steps(args):
     data = batch(args.batch, args.tokens, generator=torch.Generator().manual_seed(0))
     out = {}
 
-    def eager_step(m=copy.deepcopy(loss)):
+    eager = copy.deepcopy(loss)
+
+    def eager_step():
         with sdpa_kernel(SDPBackend.MATH):
-            m(*data).backward()
+            eager(*data).backward()
 
     out["eager (torch.func.jvp, MATH attention)"] = eager_step
     variants = {

@@ -241,7 +241,6 @@ def _jvp_loss_cases(rank: int, train, names_of) -> dict:
     return out
 
 
-
 def _worker(out_dir: str) -> None:
     import datetime
 

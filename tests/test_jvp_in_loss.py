@@ -224,11 +224,24 @@ def test_meanflow_adamw_steps_fxtools_compile_equal_eager(detach):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
 
 
+class PlainMeanFlowLoss(nn.Module):
+    """The issue's loss, as written there."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, z, r, t, v):
+        u, dudt = torch.func.jvp(self.net, (z, r, t), (v, torch.zeros_like(r), torch.ones_like(t)))
+        target = (v - (t - r)[:, None, None] * dudt).detach()
+        return (u - target).pow(2).mean()
+
+
 def test_meanflow_code_reads_like_the_rest():
-    """The user's names, the primal computed once, no product with the zero tangent of ``r``."""
+    """The user's names, the primal computed once, no zeros for the tangent of ``r``."""
     torch.manual_seed(0)
     net = DiT(d=8, attention="plain").double()
-    loss_module = MeanFlowLoss(net, "torch.func.jvp", detach=True)
+    loss_module = PlainMeanFlowLoss(net)
     loss = fxtools.functional(loss_module)
     params = {k: p.detach() for k, p in loss_module.named_parameters()}
     args = batch(0)
@@ -236,7 +249,11 @@ def test_meanflow_code_reads_like_the_rest():
     code = flat_code(gm)
     assert code.count("scaled_dot_product_attention(") == 1, code  # the primal once: the tangent reuses its probabilities
     assert "torch.zeros" not in code and "zeros_like" not in code, code
-    assert "target" in code, code
+    for name in ("u", "dudt", "target"):
+        assert f"\n    {name} = " in code, (name, code)
+    assert "(u - target)" in gm.code, gm.code
+    with sdpa_kernel(SDPBackend.MATH):
+        assert_grads(gm(params, *args), torch.func.grad(loss)(params, *args))
 
 
 def test_inductor_meanflow_step():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -31,6 +32,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError, current_user_line
+from ..graph import meta
 
 __all__ = ["dual", "tangent", "make_dual", "unpack", "jvp", "JvpCall", "forward_ad_levels", "run_jvp_region", "level_line"]
 
@@ -101,7 +103,7 @@ def depends_on_level(node: fx.Node, level: int) -> bool:
         if n.op == "call_function" and n.target is dual:
             if n.args[2] == level:
                 return True
-            stack.append(n.args[0])
+            stack.append(cast(fx.Node, n.args[0]))
         else:
             stack.extend(n.all_input_nodes)
     return False
@@ -121,7 +123,9 @@ def jvp(func, primals, tangents, argnums=None, *, strict=False, has_aux=False):
     from torch._functorch.eager_transforms import _replace_args, _slice_argnums
 
     if not isinstance(primals, tuple):
-        raise RuntimeError("jvp(f, primals, tangents): Expected primals to be a tuple. E.g. it should be valid to call f(*primals).")
+        raise RuntimeError(
+            "jvp(f, primals, tangents): Expected primals to be a tuple. E.g. it should be valid to call f(*primals)."
+        )
     diff_args = primals if argnums is None else _slice_argnums(primals, argnums)
     flat_primals, primals_spec = pytree.tree_flatten(diff_args)
     flat_tangents, tangents_spec = pytree.tree_flatten(tangents)
@@ -140,7 +144,9 @@ def jvp(func, primals, tangents, argnums=None, *, strict=False, has_aux=False):
     aux = None
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
-            raise RuntimeError("jvp(f, primals, tangents): output of function f should be a tuple: (output, aux) if has_aux is True")
+            raise RuntimeError(
+                "jvp(f, primals, tangents): output of function f should be a tuple: (output, aux) if has_aux is True"
+            )
         out, aux = out
     flat_out, spec = pytree.tree_flatten(out)
     if not flat_out or not all(isinstance(o, torch.Tensor) for o in flat_out):
@@ -156,8 +162,21 @@ def jvp(func, primals, tangents, argnums=None, *, strict=False, has_aux=False):
                 )
             t = torch.zeros_like(o)
         flat_tan.append(t)
+    _call_results([*flat_out, *flat_tan], flat_tan)
     result = (pytree.tree_unflatten(flat_out, spec), pytree.tree_unflatten(flat_tan, spec))
     return (*result, aux) if has_aux else result
+
+
+def _call_results(leaves: list, tangents: list) -> None:
+    """Stamp the nodes of a jvp's results with their place in them, so that ``u, dudt = jvp(...)``
+    names them ``u`` and ``dudt`` (``capture/names.py``), wherever the network computed ``u``."""
+    marker = next((_node_of(t) for t in tangents if _node_of(t) is not None), None)
+    trace = marker.meta.get("stack_trace") if marker is not None else None
+    if trace:
+        for k, leaf in enumerate(leaves):
+            node = _node_of(leaf)
+            if node is not None and not meta.CALL_RESULT.on(node):
+                meta.CALL_RESULT.set(node, (trace, k))
 
 
 class JvpCall:

@@ -41,7 +41,14 @@ from ..errors import FxtoolsError, current_user_line, is_data_dependent, user_fr
 from ..passes.views import collapse_view_chains
 from . import custom, dual
 
-__all__ = ["NestedTransformError", "capturing_program", "functorch_regions", "nested_transforms", "out_of_place_views", "run_below_functorch"]
+__all__ = [
+    "NestedTransformError",
+    "capturing_program",
+    "functorch_regions",
+    "nested_transforms",
+    "out_of_place_views",
+    "run_below_functorch",
+]
 
 
 class NestedTransformError(FxtoolsError):

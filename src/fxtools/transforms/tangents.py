@@ -15,6 +15,8 @@ loss does not ``detach`` it.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
@@ -184,6 +186,15 @@ def _is(node: fx.Node, target) -> bool:
     return node.op == "call_function" and node.target is target
 
 
+def _value(marker: fx.Node) -> fx.Node:
+    """A marker's first argument: a dual's primal, the value a tangent is of."""
+    return cast(fx.Node, marker.args[0])
+
+
+def _level(marker: fx.Node) -> int:
+    return cast(int, marker.args[2 if _is(marker, dual.dual) else 1])
+
+
 def resolve(gm: fx.GraphModule) -> bool:
     """Replace forward mode's markers in ``gm`` (a prepared captured graph) by fxtools' own forward
     mode (see the module docstring); whether there were any."""
@@ -246,8 +257,8 @@ def _region(graph: fx.Graph, level: int, ys: list[fx.Node]) -> tuple[list[fx.Nod
 def _compute_tangents(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
     """Replace ``markers`` (tangents of one level) by the JVP of their region, inlined before the first."""
     graph = gm.graph
-    level = markers[0].args[1]
-    ys = [m.args[0] for m in markers]
+    level = _level(markers[0])
+    ys = [_value(m) for m in markers]
     active, region = _region(graph, level, ys)
     sub, inputs, tangents = _region_graph(gm, region, active, ys, level)
     wrt = [i < len(tangents) for i in range(len(inputs))]
@@ -262,7 +273,7 @@ def _compute_tangents(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
         graph.erase_node(m)
         if t in made:
             made.discard(t)
-            t._rename(name)  # ``dudt``: the name the user gave the tangent
+            t.name = name  # ``dudt``, the user's name: the erased marker's, unique and still reserved
 
 
 def _region_graph(gm, region: list[fx.Node], active: list[fx.Node], ys: list[fx.Node], level: int):
@@ -282,9 +293,9 @@ def _region_graph(gm, region: list[fx.Node], active: list[fx.Node], ys: list[fx.
         return p
 
     for d in active:
-        env[d] = placeholder(d.args[0])
+        env[d] = placeholder(_value(d))
     for n in region:
-        reads = [] if n in env else [n.args[0]] if _is(n, dual.dual) else n.all_input_nodes
+        reads = [] if n in env else [_value(n)] if _is(n, dual.dual) else n.all_input_nodes
         for a in reads:
             if a not in inside and a not in env:
                 env[a] = placeholder(a) if a.op != "get_attr" or _is_tensor(gm, a) else _module_attr(sub, gm, a)
@@ -292,7 +303,7 @@ def _region_graph(gm, region: list[fx.Node], active: list[fx.Node], ys: list[fx.
         if n in env:
             continue
         if _is(n, dual.dual):  # another level's, or a zero tangent: its value is its primal
-            env[n] = env[n.args[0]]
+            env[n] = env[_value(n)]
             continue
         env[n] = sub.node_copy(n, env.__getitem__)
     sub.output([env[y] for y in ys])
@@ -382,4 +393,3 @@ def _attr_name(gm: fx.GraphModule, value, name: str) -> str:
         new = f"{name}_{i}"
     setattr(gm, new, value)
     return new
-
