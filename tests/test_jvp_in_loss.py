@@ -345,3 +345,31 @@ def test_backend_of_a_jvp_loss():
     got = torch.autograd.grad(torch.compile(step, backend=fxtools.backend())(x, t), list(lin.parameters()))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOL)
+
+
+def test_a_function_with_its_own_jvp_inside_the_jvp_is_refused():
+    """Its jvp would be ignored (fxtools transposes its backward): refused, as fxtools.jvp refuses it."""
+
+    class Sin(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x.sin()
+
+        @staticmethod
+        def setup_context(ctx, inputs, out):
+            ctx.save_for_backward(inputs[0])
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.saved_tensors[0].cos()
+
+        @staticmethod
+        def jvp(ctx, t):
+            return t * 2
+
+    def loss(x, v):
+        u, du = torch.func.jvp(Sin.apply, (x,), (v,))
+        return (u * du).sum()
+
+    with pytest.raises(fxtools.FxtoolsError, match="defines its own jvp"):
+        fxtools.grad(loss, torch.randn(3), torch.randn(3))

@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError, current_user_line
 from ..graph import meta
+from . import custom
 
 __all__ = ["dual", "tangent", "make_dual", "unpack", "jvp", "JvpCall", "forward_ad_levels", "run_jvp_region", "level_line"]
 
@@ -140,7 +141,8 @@ def jvp(func, primals, tangents, argnums=None, *, strict=False, has_aux=False):
     level = _new_level()
     duals = pytree.tree_unflatten([make_dual(p, t, level) for p, t in zip(flat_primals, flat_tangents)], primals_spec)
     args = duals if argnums is None else _replace_args(primals, duals, argnums)
-    out = func(*args)
+    with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored (its backward is transposed): refuse it
+        out = func(*args)
     aux = None
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
@@ -203,13 +205,17 @@ class _ForwardAdLevels:
 
     def __init__(self):
         self.open: list[int] = []
+        self.refusing: list = []  # custom.transform blocks, one per open level
 
     def enter(self) -> int:
         self.open.append(_new_level())
+        self.refusing.append(custom.transform("fxtools.jvp"))  # as in ``jvp``
+        self.refusing[-1].__enter__()
         return len(self.open) - 1
 
     def exit(self, *, level=None) -> None:
         self.open.pop()
+        self.refusing.pop().__exit__(None, None, None)
 
     def _marker_level(self, level: int) -> int:
         return self.open[level]
