@@ -373,3 +373,32 @@ def test_a_function_with_its_own_jvp_inside_the_jvp_is_refused():
 
     with pytest.raises(fxtools.FxtoolsError, match="defines its own jvp"):
         fxtools.grad(loss, torch.randn(3), torch.randn(3))
+
+
+def test_flex_attention_with_score_mod_and_block_mask_inside_the_jvp():
+    """flex_attention (score_mod, causal block mask) in the JVP'd function, against the same attention
+    written densely under torch.func (which has no forward mode for flex_attention)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    b, h, t, d = 2, 2, 8, 4
+    block_mask = create_block_mask(lambda b_, h_, q, k: q >= k, None, None, t, t, device="cpu")
+
+    def attention(x, w, flex):
+        q = (x @ w).view(b, t, h, d).transpose(1, 2)
+        if flex:
+            a = flex_attention(q, q, q, score_mod=lambda s, b_, h_, i, j: s + 0.1 * (i - j), block_mask=block_mask)
+        else:
+            i = torch.arange(t)
+            s = q @ q.transpose(-1, -2) / d**0.5 + 0.1 * (i[:, None] - i[None, :])
+            a = s.masked_fill(i[:, None] < i[None, :], float("-inf")).softmax(-1) @ q
+        return a.transpose(1, 2).reshape(b, t, h * d)
+
+    def loss(w, x, v, flex=True):
+        u, dudt = torch.func.jvp(lambda x: attention(x, w, flex), (x,), (v,))
+        return (u * dudt).sum()
+
+    g = torch.Generator().manual_seed(0)
+    w, x, v = torch.randn(8, 8, generator=g), torch.randn(b, t, 8, generator=g), torch.randn(b, t, 8, generator=g)
+    w, x, v = w.double(), x.double(), v.double()
+    want = torch.func.grad(lambda w, x, v: loss(w, x, v, flex=False))(w, x, v)
+    torch.testing.assert_close(fxtools.grad(loss, w, x, v)(w, x, v), want, **TOL)
