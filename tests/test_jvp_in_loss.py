@@ -402,3 +402,21 @@ def test_flex_attention_with_score_mod_and_block_mask_inside_the_jvp():
     w, x, v = w.double(), x.double(), v.double()
     want = torch.func.grad(lambda w, x, v: loss(w, x, v, flex=False))(w, x, v)
     torch.testing.assert_close(fxtools.grad(loss, w, x, v)(w, x, v), want, **TOL)
+
+
+def test_jvp_of_a_loss_with_a_jvp_and_dynamic_sizes():
+    """fxtools.jvp of such a loss (forward over forward), and a batch size marked dynamic."""
+    from torch.export import Dim
+
+    def loss(w, x, v):
+        u, dudt = torch.func.jvp(lambda x: torch.tanh(x @ w), (x,), (v,))
+        return (u * dudt).sum()
+
+    g = torch.Generator().manual_seed(3)
+    w, x, v, dw = (torch.randn(s, 3, generator=g, dtype=torch.float64) for s in (3, 4, 4, 3))
+    got = fxtools.jvp(loss, w, x, v)(w, x, v, dw, torch.zeros_like(x), torch.zeros_like(v))[1]
+    torch.testing.assert_close(got, torch.func.jvp(lambda w: loss(w, x, v), (w,), (dw,))[1], **TOL)
+    b = Dim("b")
+    gm = fxtools.grad(loss, w, x, v, dynamic_shapes=(None, {0: b}, {0: b}))
+    x6, v6 = torch.randn(6, 3, generator=g, dtype=torch.float64), torch.randn(6, 3, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(gm(w, x6, v6), torch.func.grad(loss)(w, x6, v6), **TOL)
