@@ -420,3 +420,19 @@ def test_jvp_of_a_loss_with_a_jvp_and_dynamic_sizes():
     gm = fxtools.grad(loss, w, x, v, dynamic_shapes=(None, {0: b}, {0: b}))
     x6, v6 = torch.randn(6, 3, generator=g, dtype=torch.float64), torch.randn(6, 3, generator=g, dtype=torch.float64)
     torch.testing.assert_close(gm(w, x6, v6), torch.func.grad(loss)(w, x6, v6), **TOL)
+
+
+def test_backend_of_the_meanflow_loss_under_the_math_kernel():
+    """Dynamo runs PyTorch's forward mode on fake tensors while it traces, so it needs an attention
+    kernel with a forward-mode formula (MATH); the graph it hands over gets fxtools' own."""
+    torch.manual_seed(0)
+    net = DiT(d=8, attention="causal").double()
+    eager, compiled = PlainMeanFlowLoss(net), PlainMeanFlowLoss(copy.deepcopy(net))
+    args = batch(5)
+    torch._dynamo.reset()
+    step = torch.compile(compiled, backend=fxtools.backend())
+    with sdpa_kernel(SDPBackend.MATH):
+        eager(*args).backward()
+        step(*args).backward()
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
