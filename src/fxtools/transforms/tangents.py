@@ -49,17 +49,22 @@ def tangent_names(gm: fx.GraphModule) -> None:
     """``grad_grad_v`` (cotangent of a cotangent) is the tangent of ``v``: name it so.
 
     Other ``grad_`` names of the second pass are cotangents of backward intermediates, which
-    mean nothing to a reader of forward-mode code: they are named after their first input and op.
+    mean nothing to a reader of forward-mode code: they are steps of a tangent, named after the
+    tangent they compute from and their op (``tangent_h_mul``), not after a chain of steps.
     """
+    stem: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name.startswith("grad_grad_"):
+            stem[node] = "tangent_" + node.name[len("grad_grad_") :]
         if node.op != "call_function" or not node.name.startswith("grad_"):
             continue
         if node.name.startswith("grad_grad_"):
             node._rename("tangent_" + node.name[len("grad_grad_") :])
-        else:  # named after the value it is computed from (renamed already) and its op: tangent_x_mul
-            first = next((a for a in node.all_input_nodes if a.op != "get_attr"), None)
-            base = "tangent" if first is None or first.op == "placeholder" else first.name  # placeholders are renamed later
-            node._rename(f"{base}_{short_op(node)}")
+            stem[node] = node.name
+        else:
+            source = next((a for a in node.all_input_nodes if a in stem), None)
+            stem[node] = stem[source] if source is not None else "tangent"
+            node._rename(f"{stem[node]}_{short_op(node)}")
 
 
 def transpose_vjp(vjp_gm: fx.GraphModule, n_in: int, n_out: int):
