@@ -138,7 +138,8 @@ def front(
 
 def _prepare_for_rules(cap: Captured, made_by: str, has_aux: bool) -> None:
     """The captured graph as the rule-driven transforms take it: sizes as marked, aux stopped,
-    functional, composite ops expanded, control flow with rules, nothing unsupported."""
+    functional, composite ops expanded, control flow with rules, the program's own JVPs computed
+    (``tangents.resolve``), nothing unsupported."""
     sizes.check(cap.symbolic, cap.gm)  # the program itself specialised a marked size
     if has_aux:
         stop_aux_gradients(cap, made_by)
