@@ -436,3 +436,23 @@ def test_backend_of_the_meanflow_loss_under_the_math_kernel():
         step(*args).backward()
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_zero_tangents_of_parameters_are_no_tangents():
+    """Parameters passed as primals with ``zeros_like`` tangents (the issue's functional MLP): no
+    product with zeros, no zeros in the code, the forward once."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+
+    def loss(params, x, v):
+        zeros = {k: torch.zeros_like(p) for k, p in params.items()}
+        u, dudt = torch.func.jvp(lambda p, x: torch.func.functional_call(mlp, p, (x,)), (params, x), (zeros, v))
+        return (u - dudt.detach()).pow(2).mean()
+
+    params = {k: p.detach() for k, p in mlp.named_parameters()}
+    g = torch.Generator().manual_seed(4)
+    x, v = torch.randn(5, 4, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g, dtype=torch.float64)
+    gm = fxtools.grad(loss, params, x, v)
+    code = flat_code(gm)
+    assert "zeros" not in code and code.count("torch.tanh(") == 1, code
+    assert_grads(gm(params, x, v), torch.func.grad(loss)(params, x, v))
