@@ -33,11 +33,17 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError, current_user_line
 from ..graph import meta
+from ..registry import Transform
 from . import custom
 
 __all__ = ["dual", "tangent", "make_dual", "unpack", "jvp", "JvpCall", "forward_ad_levels", "run_jvp_region", "level_line"]
 
 _COUNTER = itertools.count()
+# what custom Functions called in the JVP'd code see: a transform pushing tangents forward (their own
+# jvp would go unused, fxtools transposes their backward: refused)
+FORWARD_MODE = Transform(
+    "torch.func.jvp", requires="a JVP inside the traced program", ensures="dual and tangent markers", forward_mode=True
+)
 _WHERE: dict[int, str] = {}  # level -> the user's line that opened it
 
 
@@ -141,7 +147,7 @@ def jvp(func, primals, tangents, argnums=None, *, strict=False, has_aux=False):
     level = _new_level()
     duals = pytree.tree_unflatten([make_dual(p, t, level) for p, t in zip(flat_primals, flat_tangents)], primals_spec)
     args = duals if argnums is None else _replace_args(primals, duals, argnums)
-    with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored (its backward is transposed): refuse it
+    with custom.transform(FORWARD_MODE):  # a Function's own jvp would be ignored (its backward is transposed): refuse it
         out = func(*args)
     aux = None
     if has_aux:
@@ -209,7 +215,7 @@ class _ForwardAdLevels:
 
     def enter(self) -> int:
         self.open.append(_new_level())
-        self.refusing.append(custom.transform("fxtools.jvp"))  # as in ``jvp``
+        self.refusing.append(custom.transform(FORWARD_MODE))  # as in ``jvp``
         self.refusing[-1].__enter__()
         return len(self.open) - 1
 

@@ -40,8 +40,7 @@ from ..capture import custom, dual, nested
 from ..graph import meta
 from ..graph.nodes import is_float
 from ..signature.guards import tangent_role
-from .calling import transform
-from .pipeline import back, uses_pipeline
+from .pipeline import USERS, back, uses_pipeline
 from .tangents import jvp_graph, tangent_names, transpose_vjp
 from .vjp import AuxSplit, argnums_tuple, prepare
 
@@ -54,8 +53,8 @@ __all__ = ["jvp", "transpose_vjp", "tangent_names"]
     "fxtools.jvp",
     requires="front: a prepared graph with VJP rules (forward mode transposes the VJP)",
     ensures="gm(*args, *tangents) -> (out, out_tangent), out_tangent nested as out",
+    forward_mode=True,
 )
-@transform("fxtools.jvp")
 def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The Jacobian-vector product of ``f`` at example ``args``, as readable PyTorch code.
 
@@ -79,7 +78,7 @@ def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
         raise ValueError(f"argnums {argnums!r} names an argument twice")
     if nested.capturing_program():  # inside a program fxtools differentiates: forward mode in its graph
         return dual.JvpCall(f, len(args), nums, has_aux)  # type: ignore[return-value]
-    with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored: refuse it
+    with custom.transform(USERS["fxtools.jvp"]):  # a Function's own jvp would be ignored: refuse it
         cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by="fxtools.jvp")
     split = AuxSplit(cap.out_spec, has_aux)
     flat_gm = _jvp_graph(cap, wrt, nums, split.n_main)
