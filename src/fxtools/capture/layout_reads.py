@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from ..errors import FxtoolsError, decision_line, is_program_file
-from ..signature.guards import CHECKING, Read, dense_strides
+from ..signature.runtime import CHECKING, Read, dense_strides
 
 _READS = {"stride", "is_contiguous", "storage_offset"}
 # ops that address the storage under a tensor directly: their result (and gradient) follows the

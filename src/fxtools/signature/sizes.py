@@ -166,7 +166,7 @@ class _GuardLines(list):
         self.where: dict[int, str] = {}
 
     def append(self, guard) -> None:
-        from .guards import CHECKING
+        from .runtime import CHECKING
 
         where = decision_line(skip=1)
         if not where.startswith("fxtools'"):  # the program's decisions; fxtools' own are its shape arithmetic
@@ -495,7 +495,7 @@ class _Relations:
 
 
 def _guards_sym():
-    from .guards import Sym
+    from .runtime import Sym
 
     return Sym
 
@@ -506,7 +506,7 @@ def _cond(expr, where: str):
     import sympy
     from torch.utils._sympy.printers import PythonPrinter
 
-    from .guards import Cond
+    from .runtime import Cond
 
     if expr is sympy.true or expr == sympy.true:
         return None
