@@ -26,8 +26,10 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from . import runtime
+from .decisions import Decision, checking
 from .naming import plain_literal
-from .runtime import Cond, Guards, InputMismatch, Leaf, Node, Read, Sym, snapshot_value
+from .runtime import Cond, InputMismatch, Leaf, Node, Read, Sym, snapshot_value
 
 __all__ = [
     "InputMismatch",
@@ -42,6 +44,15 @@ __all__ = [
     "install",
     "is_scalar",
 ]
+
+
+class Guards(runtime.Guards):
+    """``runtime.Guards`` that record the decision each check repeats (``signature/decisions.py``):
+    a module traced inside another (``hvp`` traces a ``grad`` module) passes its decisions on."""
+
+    def deciding(self, where, kind, test, value):
+        with checking(Decision(where, kind)):
+            return test(value)
 
 
 # --------------------------------------------------------------------------------------------

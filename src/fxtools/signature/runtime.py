@@ -62,8 +62,9 @@ a ``Cond`` per decision the program made on symbolic sizes (``x.size(0) % 2 == 0
 user's line; built by ``signature/sizes.py``), evaluated on the ``Sym`` values of each call, and
 ``Leaf.reads`` a ``Read`` per layout fact the program read from that argument
 (``capture/layout_reads.py``: ``is_contiguous()``, strides), checked even where ``layout`` is not.
-``CHECKING`` names the decision being checked while a module is traced inside another (``hvp``
-traces a ``grad`` module), so the outer module keeps it.
+Each such check goes through ``Guards.deciding``, which in fxtools (``signature/guards.py``) records
+the decision being checked while a module is traced inside another (``hvp`` traces a ``grad``
+module; ``signature/decisions.py``), so the outer module keeps it; a saved module just checks.
 
 ``Guards.check(args)`` raises ``InputMismatch`` or returns the tensor leaves in the order of
 ``torch.utils._pytree.tree_flatten`` of the example (``fxtools.split``'s placeholder order), so
@@ -101,9 +102,6 @@ class InputMismatch(FxtoolsError, ValueError):
 # ---- runtime (begin): copied verbatim into modules written by fxtools.save; torch and dataclasses only ----
 
 
-CHECKING: list = []  # where the condition or layout read being checked was decided (innermost last)
-
-
 @dataclasses.dataclass(frozen=True)
 class Sym:
     """A symbolic size: any value in [min, max] (max None: unbounded); equal wherever the name recurs."""
@@ -111,6 +109,9 @@ class Sym:
     name: str
     min: int = 0
     max: int | None = None
+
+    def excludes(self, value) -> bool:
+        return bool(value < self.min or (self.max is not None and value > self.max))
 
 
 @dataclasses.dataclass
@@ -309,13 +310,15 @@ class Guards:
         for spec, value in zip(self.args, args):
             self._walk(spec, value, tensors, bound, layout)
         for cond in self.conditions:
-            CHECKING.append(cond.where)  # a module traced inside another (hvp): its decisions carry over
-            try:
-                if all(n in bound for n in cond.names) and not cond.holds([bound[n][0] for n in cond.names]):
+            if all(n in bound for n in cond.names):
+                if not self.deciding(cond.where, "decided", cond.holds, [bound[n][0] for n in cond.names]):
                     self._cond_fail(cond, bound)
-            finally:
-                CHECKING.pop()
         return tensors
+
+    def deciding(self, where, kind, test, value):
+        """``test(value)``: repeating a decision the trace made at ``where`` (``kind``: "decided" on
+        sizes, or "read" of a layout). fxtools records it while a module is traced inside another."""
+        return test(value)
 
     def _cond_fail(self, cond, bound):
         got = ", ".join(
@@ -450,11 +453,7 @@ class Guards:
             if isinstance(want, Sym):
                 lo, hi = want.min, want.max
                 reason = next((c.where for c in self.conditions if c.names == (want.name,)), "")
-                CHECKING.append(reason)  # (what narrowed the range, for a module traced again)
-                try:
-                    outside = bool(got < lo or (hi is not None and got > hi))
-                finally:
-                    CHECKING.pop()
+                outside = self.deciding(reason, "decided", want.excludes, got)  # (what narrowed the range)
                 if outside:
                     cond = self._narrowed_by(want.name, got)
                     if cond is not None:
@@ -505,12 +504,7 @@ class Guards:
 
     def _reads(self, spec, value):
         for read in spec.reads:
-            CHECKING.append(f"read at {read.where}")
-            try:
-                holds = read.holds(value)
-            finally:
-                CHECKING.pop()
-            if not holds:
+            if not self.deciding(read.where, "read", read.holds, value):
                 self.fail(
                     (
                         f"{spec.path} has storage_offset() {value.storage_offset()}"

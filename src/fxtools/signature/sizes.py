@@ -40,6 +40,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError, decision_line
+from . import decisions
 
 
 class SymbolicSizeError(FxtoolsError):
@@ -166,13 +167,11 @@ class _GuardLines(list):
         self.where: dict[int, str] = {}
 
     def append(self, guard) -> None:
-        from .runtime import CHECKING
-
-        where = decision_line(skip=1)
+        where, checked = decision_line(skip=1), decisions.current()
         if not where.startswith("fxtools'"):  # the program's decisions; fxtools' own are its shape arithmetic
             self.where[id(guard)] = where
-        elif CHECKING and CHECKING[-1]:  # a generated module traced again (hvp): the decision it checks
-            self.where[id(guard)] = CHECKING[-1].removeprefix("decided at ")
+        elif checked is not None and (checked.where or checked.kind == "read"):  # a module traced again (hvp): what it checks
+            self.where[id(guard)] = checked.where if checked.kind == "decided" else f"read at {checked.where}"
         super().append(guard)
 
 
