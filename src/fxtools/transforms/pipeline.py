@@ -242,8 +242,8 @@ def back(
     gm = emit(gm, cap, made_by, remember=False)
     extra = [v for _, v in extra_args] if guard_extra is None else list(guard_extra)
     examples = [*args, *extra]
-    gm = install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
-    sizes.guard_symbolic(gm.guards, cap, examples)
+    gm = install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap.symbolic, examples), roles=roles)
+    sizes.guard_symbolic(gm.guards, cap.traced_sizes(), examples)
     closures.attach(gm, cap.reads, made_by)
     return remember_inputs(gm)
 
