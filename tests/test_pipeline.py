@@ -42,6 +42,8 @@ CALLS = {
     "vmap": (lambda: fxtools.vmap(g, X.reshape(3, 1)), "fxtools.vmap"),
     "jet": (lambda: fxtools.jet(g, X, order=2), "fxtools.jet"),
     "laplacian": (lambda: fxtools.laplacian(f, X, W), "fxtools.laplacian"),
+    "divergence": (lambda: fxtools.divergence(g, X), "fxtools.divergence"),
+    "bilaplacian": (lambda: fxtools.bilaplacian(f, X, W), "fxtools.bilaplacian"),
     "split": (lambda: fxtools.split(f, X, W), "fxtools.split"),
 }
 

@@ -75,7 +75,8 @@ def stride_sensitive_paths(gm: fx.GraphModule, names) -> set:
         node = stack.pop()
         if node not in seen:
             seen.add(node)
-            stack.extend(node.all_input_nodes)
+            if not _fresh_layout(node):
+                stack.extend(node.all_input_nodes)
     paths = set()
     for node in seen:
         keys, cur = [], node
@@ -86,6 +87,15 @@ def stride_sensitive_paths(gm: fx.GraphModule, names) -> set:
         if cur in ph:
             paths.add(ph[cur] + pytree.keystr(tuple(reversed(keys))))
     return paths
+
+
+def _fresh_layout(node) -> bool:
+    """A copy into the contiguous layout: what reads it relies on its strides, not its input's."""
+    return (
+        node.op == "call_function"
+        and node.kwargs.get("memory_format") is torch.contiguous_format
+        and (getattr(node.target, "overloadpacket", node.target) in (torch.ops.aten.clone, torch.clone))
+    )
 
 
 def _layout_op(node) -> bool:
