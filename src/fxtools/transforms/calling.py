@@ -11,6 +11,7 @@ unchanged: keyword arguments and modules the transform itself accepts are not se
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError
 from ..signature.guards import module_call
@@ -50,11 +52,35 @@ def transform(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
         @functools.wraps(fn)
         def checked(*args: P.args, **kwargs: P.kwargs) -> R:
             check_call(name, fn, args, kwargs)
-            return fn(*args, **kwargs)
+            with grad_mode_of_a_transform():
+                args, kwargs = pytree.tree_map_only(torch.Tensor, _ordinary, (args, kwargs))
+                return fn(*args, **kwargs)
 
         return checked
 
     return wrap
+
+
+@contextlib.contextmanager
+def grad_mode_of_a_transform():
+    """Build with grad mode on and inference mode off, whatever the caller's modes are.
+
+    A transform differentiates its function whatever mode it is built in, as torch.func's do
+    (``torch.func.grad`` ignores an outer ``torch.no_grad()`` and honours the function's own
+    blocks). The walkers read grad mode from the graph's ``_set_grad_enabled`` nodes starting
+    from "on": traced under an outer ``no_grad``, the exit of an inner ``no_grad`` block would
+    record "off" for the rest of the program (a silent gradient of 0). Under inference mode,
+    every tensor made while building would be an inference tensor, which tracing refuses.
+    """
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+def _ordinary(t: torch.Tensor) -> torch.Tensor:
+    """An example made under ``torch.inference_mode()`` as an ordinary tensor of the same value
+    (PyTorch cannot trace an inference tensor outside inference mode; the module is built from its
+    shape, dtype and value, and takes inference tensors when called)."""
+    return t.clone() if t.is_inference() else t
 
 
 def check_call(name: str, fn, args: tuple, kwargs: dict) -> None:

@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from ..capture import custom
 from ..capture.decompose import expand
 from ..capture.functionalize import functionalize
+from ..capture.trace import forward_grad_modes
 from ..errors import FxtoolsError
 from ..graph import meta
 from ..graph.nodes import fake_mode_of, is_float
@@ -175,6 +176,7 @@ def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
 def _jvp_graph(cap, wrt: list[bool], nums: tuple, n_main: int) -> fx.GraphModule:
     """The flat JVP graph ``(x..., tangents of nums' float leaves...) -> (out..., J t per main output)``:
     the VJP of ``cap``, transposed, its cotangent inputs replaced by zeros (nothing depends on them)."""
+    forward_grad_modes(cap.gm)
     _true_adjoints(cap.gm)
     rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
     vjp_flat, ct_index = rev.gm, rev.ct_index

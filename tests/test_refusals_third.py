@@ -1,0 +1,240 @@
+"""Issue 32: programs eager PyTorch runs, checked against torch.func / autograd in float64.
+
+Grad-mode contexts around the build and inside the function, inference mode, views under vmap
+of jvp with the batch dimension anywhere, buffers updated in place several times, names that
+collide with fxtools' own, keyword arguments, and the clear refusals of what cannot work."""
+
+import contextlib
+from functools import partial
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+import fxtools
+from fxtools.errors import FxtoolsError
+
+D = torch.float64
+
+
+def _x(*shape, seed=0):
+    return torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(seed))
+
+
+def _close(got, want):
+    got, want = pytree.tree_leaves(got), pytree.tree_leaves(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+# --- grad-mode contexts around the build, the call and inside the function ----------------------
+
+
+def own_no_grad(x):
+    with torch.no_grad():
+        shift = x**2
+    return (x**2 - shift).sin().sum()
+
+
+def enable_inside_no_grad(x):
+    with torch.no_grad():
+        with torch.enable_grad():
+            y = x.sin()
+        z = x.cos()
+    return (y * z).sum()
+
+
+def set_grad_enabled_inside(x):
+    with torch.set_grad_enabled(False):
+        s = x.exp()
+    with torch.inference_mode():
+        t = x.tanh()
+    return (x * s + t).sum()
+
+
+OUTER = {
+    "none": contextlib.nullcontext,
+    "no_grad": torch.no_grad,
+    "enable_grad": torch.enable_grad,
+    "set_grad_enabled(False)": partial(torch.set_grad_enabled, False),
+    "inference_mode": torch.inference_mode,
+}
+
+
+@pytest.mark.parametrize("outer", list(OUTER))
+@pytest.mark.parametrize("f", [own_no_grad, enable_inside_no_grad, set_grad_enabled_inside], ids=lambda f: f.__name__)
+def test_grad_mode_around_build_and_call(f, outer):
+    """torch.func.grad ignores the modes around it and honours the function's own blocks; so do
+    fxtools' modules, built and called under any of them (the silent gradient of 0 of issue 32)."""
+    x = _x(5)
+    want = torch.func.grad(f)(x)
+    with OUTER[outer]():
+        gm = fxtools.grad(f, x)
+    _close(gm(x), want)
+    with OUTER[outer]():
+        _close(gm(x), want)
+
+
+@pytest.mark.parametrize("outer", ["no_grad", "inference_mode"])
+def test_grad_mode_around_every_transform(outer):
+    x, v = _x(4), _x(4, seed=1)
+    with OUTER[outer]():
+        built = {
+            "vjp": fxtools.vjp(own_no_grad, x),
+            "jvp": fxtools.jvp(own_no_grad, x),
+            "hvp": fxtools.hvp(own_no_grad, x),
+            "jacrev": fxtools.jacrev(own_no_grad, x),
+            "jacfwd": fxtools.jacfwd(own_no_grad, x),
+            "hessian": fxtools.hessian(own_no_grad, x),
+            "value_and_grad": fxtools.value_and_grad(own_no_grad, x),
+        }
+    one = torch.ones((), dtype=D)
+    _close(built["vjp"](x, one)[1], torch.func.vjp(own_no_grad, x)[1](one))
+    _close(built["jvp"](x, v), torch.func.jvp(own_no_grad, (x,), (v,)))
+    _close(built["hvp"](x, v), torch.func.jvp(torch.func.grad(own_no_grad), (x,), (v,))[1])
+    _close(built["jacrev"](x), torch.func.jacrev(own_no_grad)(x))
+    _close(built["jacfwd"](x), torch.func.jacfwd(own_no_grad)(x))
+    _close(built["hessian"](x), torch.func.hessian(own_no_grad)(x))
+    _close(built["value_and_grad"](x), torch.func.grad_and_value(own_no_grad)(x)[::-1])
+
+
+def test_inputs_made_under_inference_mode():
+    with torch.inference_mode():
+        x = _x(3, 2)
+    gm = fxtools.grad(lambda x: (x.sin() * x).sum(), x)
+    _close(gm(x), (x.cos() * x + x.sin()).clone())
+    bm = fxtools.vmap(lambda r: r.sin() * 2, x)
+    with torch.inference_mode():
+        _close(bm(x), x.sin() * 2)
+
+
+def test_module_made_under_inference_mode_is_refused_clearly():
+    with torch.inference_mode():
+        lin = nn.Linear(3, 2).to(D)
+    x = _x(4, 3)
+    with pytest.raises(FxtoolsError, match=r"lin\.weight was made under torch\.inference_mode\(\).*outside inference mode"):
+        fxtools.grad(lambda x: lin(x).sum(), x)
+
+
+# --- views under vmap of jvp, batch dimension anywhere -------------------------------------------
+
+
+def row_then_base_copy(a, b):
+    a = a.clone()
+    row = a[0]
+    a.copy_(b)  # the row, taken before, sees b's first row
+    return row, a
+
+
+def row_copy(a, b):
+    a = a.clone()
+    row = a[0]
+    row.copy_(b)  # written through the view: the base sees it
+    return row, a
+
+
+def _push(fn):
+    def pushed(a, b, bt):
+        return torch.func.jvp(partial(fn, a), (b,), (bt,))
+
+    return pushed
+
+
+@pytest.mark.parametrize(
+    "fn, in_dims, shapes",
+    [
+        (row_then_base_copy, (1, 2, 2), [(3, 2, 4), (3, 4, 2), (3, 4, 2)]),
+        (row_then_base_copy, (2, 0, 1), [(3, 4, 2), (2, 3, 4), (3, 2, 4)]),
+        (row_then_base_copy, (0, 0, 0), [(2, 3, 4), (2, 3, 4), (2, 3, 4)]),
+        (row_copy, (1, 1, 1), [(3, 2, 4), (4, 2), (4, 2)]),
+        (row_copy, (2, 1, 0), [(3, 4, 2), (4, 2), (2, 4)]),
+    ],
+)
+def test_vmap_of_jvp_through_views(fn, in_dims, shapes):
+    """The tangent of a view taken before an in-place copy (into the base or through the view)
+    is right whichever dimension is batched (it was silently wrong when the batch was not first)."""
+    args = [_x(*s, seed=i) for i, s in enumerate(shapes)]
+    want = torch.func.vmap(_push(fn), in_dims=in_dims)(*args)
+    gm = fxtools.vmap(_push(fn), *args, in_dims=in_dims)
+    _close(gm(*args), want)
+
+
+# --- buffers updated in place more than once ------------------------------------------------------
+
+
+class Stats(nn.Module):
+    """A step counter, an EMA and hand-written running statistics, as users write them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(3))
+        self.register_buffer("running_mean", torch.zeros(3))
+        self.register_buffer("running_var", torch.ones(3))
+
+    def forward(self, x):
+        self.count += 1
+        self.ema.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        with torch.no_grad():
+            self.running_mean.mul_(0.8)
+            self.running_mean.add_(0.2 * x.mean(0))
+            self.running_var.mul_(0.8).add_(0.2 * x.var(0))
+        self.count.add_(1)
+        return (self.lin(x).tanh() * self.ema).sum()
+
+
+@pytest.mark.parametrize("outer", ["none", "no_grad"])
+def test_buffers_updated_in_place_several_times(outer):
+    torch.manual_seed(0)
+    model, twin = Stats().to(D), Stats().to(D)
+    twin.load_state_dict(model.state_dict())
+    x = _x(5, 3)
+    loss = fxtools.functional(model)
+    params = dict(model.named_parameters())
+    with OUTER[outer]():
+        gm = fxtools.grad(loss, params, x)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    assert all(torch.equal(buffers[k], v) for k, v in twin.named_buffers())  # building changes nothing
+    for _ in range(2):
+        got = gm(params, x)
+        twin.zero_grad()
+        twin(x).backward()  # torch.func refuses mutations of captured buffers: eager autograd is the oracle
+        _close(got, {k: p.grad for k, p in twin.named_parameters()})
+        _close(dict(model.named_buffers()), dict(twin.named_buffers()))
+    assert model.count.item() == 4
+
+
+# --- forward mode and grad-mode switches: as torch.func ------------------------------------------
+
+
+def no_grad_block(x):
+    with torch.no_grad():
+        y = x.sin()  # forward AD ignores no_grad: y carries a tangent; reverse mode stops here
+    return y * x
+
+
+def forward_ad_off(x):
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD._set_fwd_grad_enabled(False):
+        y = x.sin()  # reverse mode ignores this switch; forward AD stops here
+    return y * x
+
+
+def inference_block(x):
+    with torch.inference_mode():
+        y = x.sin()  # stops both
+    return y + x
+
+
+@pytest.mark.parametrize("f", [no_grad_block, forward_ad_off, inference_block], ids=lambda f: f.__name__)
+def test_forward_and_reverse_modes_follow_pytorchs_switches(f):
+    x, v = _x(4), _x(4, seed=1)
+    _close(fxtools.jvp(f, x)(x, v), torch.func.jvp(f, (x,), (v,)))
+    _close(fxtools.linearize(f, x)[1](v), torch.func.jvp(f, (x,), (v,))[1])
+    _close(fxtools.jacfwd(f, x)(x), torch.func.jacfwd(f)(x))
+    _close(fxtools.jacrev(f, x)(x), torch.func.jacrev(f)(x))
+    _close(fxtools.grad(lambda x: f(x).sum(), x)(x), torch.func.grad(lambda x: f(x).sum())(x))
