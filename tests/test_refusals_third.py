@@ -238,3 +238,100 @@ def test_forward_and_reverse_modes_follow_pytorchs_switches(f):
     _close(fxtools.jacfwd(f, x)(x), torch.func.jacfwd(f)(x))
     _close(fxtools.jacrev(f, x)(x), torch.func.jacrev(f)(x))
     _close(fxtools.grad(lambda x: f(x).sum(), x)(x), torch.func.grad(lambda x: f(x).sum())(x))
+
+
+# --- generated names never take the user's --------------------------------------------------------
+
+
+def test_user_names_from_fxtools_vocabulary_keep_their_names():
+    """A user's argument named as fxtools names its own inputs (tangent_x, grad_out, series, x_1)
+    keeps its name in the signature; the generated input gets a suffix."""
+    x, v = _x(3), _x(3, seed=1)
+
+    def f(x, tangent_x):
+        return x.sin() * tangent_x
+
+    out, tan = torch.func.jvp(f, (x, v), (v, x))
+    jv = fxtools.jvp(f, x, v)
+    assert "def forward(self, x, tangent_x, tangent_x_1, tangent_tangent_x):" in jv.code
+    _close(jv(x, v, v, x), (out, tan))
+    _close(jv(x=x, tangent_x=v, tangent_x_1=v, tangent_tangent_x=x), (out, tan))
+    _close(fxtools.linearize(f, x, v)[1](v, x), tan)
+    _close(fxtools.jacfwd(f, x, v)(x, v), torch.func.jacfwd(f)(x, v))
+
+    def g(x, grad_out):
+        return x.sin() * grad_out
+
+    vj = fxtools.vjp(g, x, v)
+    _close(vj(x, v, x), (g(x, v), torch.func.vjp(g, x, v)[1](x)))
+    _close(vj(x=x, grad_out=v, grad_out_1=x), (g(x, v), torch.func.vjp(g, x, v)[1](x)))
+
+    def h(x, series, x_1, grad_x):
+        return (x.sin() * series * x_1 * grad_x).sum()
+
+    args = (x, v, v + 1, v - 1)
+    _close(fxtools.grad(h, *args)(*args), torch.func.grad(h)(*args))
+    _close(fxtools.hvp(h, *args)(*args, v), torch.func.jvp(torch.func.grad(h), args, (v, 0 * v, 0 * v, 0 * v))[1])
+    _close(fxtools.jet(h, *args, order=1)(*args, (v,))[1][0], torch.func.jvp(h, args, (v, 0 * v, 0 * v, 0 * v))[1])
+
+
+# --- how transforms are called ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["vjp", "jvp", "hvp", "laplacian", "jacrev", "vmap"])
+def test_keyword_arguments_of_f_get_an_answer(name):
+    x = _x(3)
+    with pytest.raises(fxtools.FxtoolsError, match=r"keyword argument 'scale'.*functools\.partial\(f, scale=\.\.\.\)"):
+        getattr(fxtools, name)(lambda x, scale=1.0: (x * scale).sin().sum(), x, scale=2.0)
+    gm = fxtools.grad(lambda x, scale=1.0: (x * scale).sin().sum(), x, scale=2.0)  # grad passes them on
+    _close(gm(x, scale=2.0), 2 * (2 * x).cos())
+
+
+@pytest.mark.parametrize("argnums", [1.0, "0", (), (0, 1.5)])
+def test_argnums_of_the_wrong_type_are_named(argnums):
+    with pytest.raises(fxtools.FxtoolsError, match="argnums must be an int or a non-empty tuple of ints"):
+        fxtools.grad(lambda x: x.sum(), _x(3), argnums=argnums)
+
+
+@pytest.mark.parametrize("name", ["jacrev", "jacfwd"])
+def test_jacobians_with_aux(name):
+    x = _x(3)
+
+    def f(x):
+        return x.sin() * x, {"c": x.cos()}
+
+    _close(getattr(fxtools, name)(f, x, has_aux=True)(x), getattr(torch.func, name)(f, has_aux=True)(x))
+    with pytest.raises(ValueError, match=r"output\[1\] \(3\) is not a tensor.*has_aux=True"):
+        getattr(fxtools, name)(lambda x: (x.sin(), 3), x)
+
+
+# --- programs eager runs -----------------------------------------------------------------------------
+
+
+def zero_dim_mask_assignment(x):
+    y = x.sin() * 1
+    y[x.sum() > 0] = 0  # all of y or nothing, decided by the value
+    y[torch.zeros((), dtype=x.dtype) > 0] = 5.0
+    return (y * x).sum()
+
+
+def test_assignment_through_a_0_dim_boolean_mask():
+    for x in (_x(4), -_x(4).abs(), _x(4).abs()):
+        gm = fxtools.grad(zero_dim_mask_assignment, x)
+        for z in (x, -x):
+            _close(gm(z), torch.func.grad(zero_dim_mask_assignment)(z))
+
+
+class NumpySin(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.from_numpy(__import__("numpy").sin(x.numpy()))
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def test_numpy_while_tracing_names_the_line():
+    with pytest.raises(FxtoolsError, match=r"\.numpy\(\) \(at .*test_refusals_third\.py:\d+: .*x\.numpy\(\)"):
+        fxtools.grad(lambda x: NumpySin.apply(x).sum(), _x(3))

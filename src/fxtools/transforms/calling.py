@@ -97,6 +97,7 @@ def check_call(name: str, fn, args: tuple, kwargs: dict) -> None:
             + f": call {usage}, e.g. {name}(f, x)"
         )
     _check_keywords(name, fn, f, kwargs)
+    _check_argnums(name, kwargs.get("argnums"))
     if not examples and _required_positional(f, kwargs):
         raise CallError(
             f"{name}(f) needs example inputs: fxtools builds the code from them (their shapes, dtypes and "
@@ -121,12 +122,39 @@ def check_call(name: str, fn, args: tuple, kwargs: dict) -> None:
 def _check_keywords(name: str, fn, f, kwargs: dict) -> None:
     """A keyword named as torch.func or JAX names it (``argnum``, ``in_axes``) gets fxtools' name,
     unless the transform or ``f`` itself takes a keyword of that name."""
-    accepted = set(inspect.signature(fn).parameters)
+    params = inspect.signature(fn).parameters
+    accepted = set(params)
+    passes_on = any(p.kind is p.VAR_KEYWORD for p in params.values())
     for key in kwargs:
         if key in KEYWORD_NAMES and key not in accepted and not _takes_keyword(f, key):
             better = KEYWORD_NAMES[key]
             has = f" (as in torch.func): {name}(f, *args, {better}=...)" if better in accepted else ""
             raise CallError(f"{name} got an unexpected keyword argument {key!r}; fxtools calls it {better!r}{has}")
+        if key not in accepted and not passes_on:
+            options = ", ".join(p for p in params if params[p].kind is params[p].KEYWORD_ONLY)
+            raise CallError(
+                f"{name} got the keyword argument {key!r}, which is not one of its options ({options}). "
+                f"{name} passes no keyword arguments on to f: the module it builds takes f's arguments, "
+                "then its own inputs (cotangents, tangents, series), positionally. Bind it "
+                f"to f: {name}(functools.partial(f, {key}=...), *args), or make it a positional argument; "
+                "fxtools.grad and fxtools.value_and_grad pass keyword arguments on, as torch.func.grad does"
+            )
+
+
+def _check_argnums(name: str, argnums) -> None:
+    """``argnums`` is None, an int or a non-empty tuple (or list) of ints, as in torch.func."""
+    ok = argnums is None or _is_index(argnums)
+    if isinstance(argnums, (tuple, list)):
+        ok = bool(argnums) and all(_is_index(a) for a in argnums)
+    if not ok:
+        raise CallError(
+            f"{name}: argnums must be an int or a non-empty tuple of ints (the positions of the arguments to "
+            f"differentiate), got {argnums!r} ({type(argnums).__name__}); e.g. argnums=0 or argnums=(0, 1)"
+        )
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, int)
 
 
 def _takes_keyword(f, key: str) -> bool:

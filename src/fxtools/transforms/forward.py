@@ -218,6 +218,7 @@ def _jvp_graph(cap, wrt: list[bool], nums: tuple, n_main: int) -> fx.GraphModule
 
 def _placeholder(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:
     q = graph.placeholder(name)
+    q.target = q.name  # the signature reads targets: the user's own ``tangent_x`` keeps its name, ours gets ``_1``
     q.meta["val"] = like.meta.get("val")
     return q
 

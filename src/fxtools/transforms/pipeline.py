@@ -49,6 +49,7 @@ from ..passes.simplify import simplify
 from ..passes.views import collapse_view_chains
 from ..signature import closures, sizes
 from ..signature.guards import install
+from ..signature.naming import unique
 from . import control_flow
 
 __all__ = ["Built", "Transform", "USERS", "uses_pipeline", "front", "differentiated", "back", "emit", "built_by"]
@@ -236,6 +237,7 @@ def back(
     suffixes fusions left.
     """
     names = cap.arg_names if names is None else names
+    extra_args = list(zip(unique([n for n, _ in extra_args], taken=names), (v for _, v in extra_args)))  # the user's names stay
     gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
     simplify(gm)
     if collapse_views:
