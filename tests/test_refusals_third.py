@@ -335,3 +335,34 @@ class NumpySin(torch.autograd.Function):
 def test_numpy_while_tracing_names_the_line():
     with pytest.raises(FxtoolsError, match=r"\.numpy\(\) \(at .*test_refusals_third\.py:\d+: .*x\.numpy\(\)"):
         fxtools.grad(lambda x: NumpySin.apply(x).sum(), _x(3))
+
+
+# --- closed-over NumPy arrays and dtype errors -------------------------------------------------------
+
+_ARRAY = __import__("numpy").array([1.0, 2.0, 3.0])
+_SHARED = __import__("numpy").array([1.0, 2.0, 3.0])
+
+
+def test_numpy_array_changed_in_place_is_seen():
+    """A value the code baked in from a closed-over array is guarded by value (it was silently stale);
+    an array the code reads through torch.from_numpy shares its memory, and a change is read, as in eager."""
+    x = _x(3)
+    by_value = fxtools.grad(lambda x: (x * float(_ARRAY.sum())).sum(), x)
+    by_reference = fxtools.grad(lambda x: (x * torch.from_numpy(_SHARED)).sum(), x)
+    _close(by_value(x), torch.full((3,), 6.0, dtype=D))
+    _ARRAY[0] = _SHARED[0] = 10.0
+    try:
+        with pytest.raises(fxtools.InputMismatch, match="_ARRAY .*NumPy array whose contents changed"):
+            by_value(x)
+        _close(by_reference(x), torch.from_numpy(_SHARED).clone())
+    finally:
+        _ARRAY[0] = _SHARED[0] = 1.0
+
+
+@pytest.mark.parametrize("name", ["grad", "laplacian", "vmap", "jvp"])
+def test_dtype_error_fails_at_build_naming_the_line(name):
+    def mixed(x):
+        return (x @ torch.ones(3, dtype=torch.float32)).sum()
+
+    with pytest.raises(FxtoolsError, match=r"different dtypes \(float64, float32\) at .*test_refusals_third\.py:\d+"):
+        getattr(fxtools, name)(mixed, _x(3, 3))

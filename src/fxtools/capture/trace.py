@@ -533,15 +533,36 @@ def _tidy(gm: fx.GraphModule, f, tensor_names_: list[str], reads: list, outer) -
     less those tracing itself changed)."""
     check_no_writes(gm)
     check_no_collectives(gm)
+    check_matmul_dtypes(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, tensor_names_):
         node._rename(name)
-    reads = unchanged_by_tracing(reads)
+    reads = _arrays_read_by_value(gm, unchanged_by_tracing(reads))
     _name_constants(gm, tensor_names(reads))
     locate(gm, reads)
     name_values(gm, f, outer)
     gm.recompile()
     return reads
+
+
+def _arrays_read_by_value(gm: fx.GraphModule, reads: list) -> list:
+    """``reads`` less the NumPy arrays the code reads by reference: ``torch.from_numpy(arr)`` is a
+    tensor constant sharing the array's memory, so a later in-place change is what the code reads,
+    as in eager. Other arrays (``float(arr.sum())``) are guarded by value."""
+    import numpy as np
+
+    shared = []
+    for node in gm.graph.nodes:
+        t = getattr(gm, str(node.target), None) if node.op == "get_attr" else None
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor) and t.device.type == "cpu":
+            with contextlib.suppress(TypeError, RuntimeError):  # dtypes NumPy lacks (bfloat16): no array made them
+                shared.append(t.detach().numpy())
+
+    def by_reference(read) -> bool:
+        now = read.get()
+        return isinstance(now, np.ndarray) and any(np.shares_memory(now, t) for t in shared)
+
+    return [r for r in reads if not (r.kind == "value" and by_reference(r))]
 
 
 def check_supported(gm: fx.GraphModule) -> None:
@@ -556,6 +577,37 @@ def check_supported(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator) and not meta.RULE.on(node):
             where = user_line_of(node) or "unknown line"
             raise FxtoolsError(f"{node.target.name()} (from {where}) is not supported by fxtools yet")
+
+
+_SAME_DTYPE_OPS = {
+    "matmul", "mm", "mv", "bmm", "dot", "vdot", "addmm", "addmv", "addbmm", "baddbmm", "linear", "bilinear",
+    "conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+}  # fmt: skip
+
+
+def check_matmul_dtypes(gm: fx.GraphModule) -> None:
+    """Refuse, naming the user's line, a matrix product or convolution of tensors of different
+    dtypes outside autocast: eager PyTorch refuses it when it runs, but FakeTensors compute its
+    shape without checking, so the module would build and fail only when called."""
+    from ..errors import user_line_of
+
+    autocast = 0
+    for node in gm.graph.nodes:
+        if node.target is torch.amp.autocast_mode._enter_autocast:
+            autocast += 1
+        elif node.target is torch.amp.autocast_mode._exit_autocast:
+            autocast -= 1
+        packet = getattr(node.target, "overloadpacket", None)
+        if autocast or node.op != "call_function" or getattr(packet, "__name__", None) not in _SAME_DTYPE_OPS:
+            continue
+        dtypes = [v.dtype for a in node.all_input_nodes if isinstance(v := a.meta.get("val"), torch.Tensor)]
+        if len(set(dtypes)) > 1:
+            shown = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise FxtoolsError(
+                f"{packet.__name__} of tensors of different dtypes ({shown}) at {user_line_of(node) or 'an unknown line'}: "
+                "PyTorch refuses it when it runs (expected both to have the same dtype). Convert one of them "
+                "(.to(other.dtype)), or run it under torch.autocast."
+            )
 
 
 def check_no_collectives(gm: fx.GraphModule) -> None:
