@@ -366,3 +366,28 @@ def test_dtype_error_fails_at_build_naming_the_line(name):
 
     with pytest.raises(FxtoolsError, match=r"different dtypes \(float64, float32\) at .*test_refusals_third\.py:\d+"):
         getattr(fxtools, name)(mixed, _x(3, 3))
+
+
+# --- size 1 on a dynamic size ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["grad", "vjp", "vmap"])
+def test_size_one_on_a_dynamic_batch_is_served(name):
+    from torch.export import Dim
+
+    def f(x, w):
+        return ((x * w).sin() * 2).mean(0).sum() if name != "vmap" else (x * w).sin()
+
+    x, w = _x(4, 3), _x(1, 3, seed=1)
+    shapes = ({0: Dim("batch")}, None)
+    gm = getattr(fxtools, name)(f, x, w, dynamic_shapes=shapes, **({"in_dims": (0, None)} if name == "vmap" else {}))
+    one = torch.ones((), dtype=D)
+    for n in (1, 5, 1):
+        z = _x(n, 3, seed=n)
+        if name == "grad":
+            _close(gm(z, w), torch.func.grad(f)(z, w))
+        elif name == "vjp":
+            _close(gm(z, w, one), (f(z, w), torch.func.vjp(f, z, w)[1](one)))
+        else:
+            _close(gm(z, w), torch.func.vmap(f, in_dims=(0, None))(z, w))
+    assert len(gm._size_one_modules) == 1  # built once, on the first call of size 1

@@ -54,7 +54,10 @@ def transform(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
             check_call(name, fn, args, kwargs)
             with grad_mode_of_a_transform():
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _ordinary, (args, kwargs))
-                return fn(*args, **kwargs)
+                built = fn(*args, **kwargs)
+            if kwargs.get("dynamic_shapes") is not None and isinstance(built, torch.fx.GraphModule):
+                built.size_one_variant = functools.partial(_static_variant, checked, args[0], len(args) - 1, kwargs)
+            return built
 
         return checked
 
@@ -74,6 +77,14 @@ def grad_mode_of_a_transform():
     """
     with torch.inference_mode(False), torch.enable_grad():
         yield
+
+
+def _static_variant(transform_fn, f, n_examples: int, options: dict, call_args: tuple):
+    """The module ``transform_fn`` builds from the call's own arguments (its first ``n_examples``,
+    the function's; the rest are the transform's inputs), with static sizes: what a module made
+    with a dynamic size runs for a call where that size is 1 (``GuardedGraphModule``)."""
+    static = {k: v for k, v in options.items() if k != "dynamic_shapes"}
+    return transform_fn(f, *call_args[:n_examples], **static)
 
 
 def _ordinary(t: torch.Tensor) -> torch.Tensor:
