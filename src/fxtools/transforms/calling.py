@@ -16,7 +16,7 @@ import functools
 import inspect
 import types
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -55,8 +55,9 @@ def transform(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
             with grad_mode_of_a_transform():
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _ordinary, (args, kwargs))
                 built = fn(*args, **kwargs)
-            if kwargs.get("dynamic_shapes") is not None and isinstance(built, torch.fx.GraphModule):
-                built.size_one_variant = functools.partial(_static_variant, checked, args[0], len(args) - 1, kwargs)
+            module: Any = built
+            if kwargs.get("dynamic_shapes") is not None and isinstance(module, torch.fx.GraphModule):
+                module.size_one_variant = functools.partial(_static_variant, checked, args[0], len(args) - 1, kwargs)
             return built
 
         return checked
