@@ -57,7 +57,7 @@ def transform(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
                 built = fn(*args, **kwargs)
             module: Any = built
             if kwargs.get("dynamic_shapes") is not None and isinstance(module, torch.fx.GraphModule):
-                module.size_one_variant = functools.partial(_static_variant, checked, args[0], len(args) - 1, kwargs)
+                module.__dict__["size_one_variant"] = functools.partial(_static_variant, checked, args[0], len(args) - 1, kwargs)
             return built
 
         return checked
