@@ -247,7 +247,13 @@ def trace_batched(
             where = f"where it computes {namer.current.name}"
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         hint = ""
-        if "randomness" in message:
+        if "expected to contain only concrete" in message and dynamic_shapes is not None:
+            hint = (
+                " PyTorch's batching rule of this op needs concrete sizes, and a size marked dynamic is "
+                "symbolic here: leave that size static (no dynamic_shapes entry; a module per size), "
+                "or compute the shape from the input (x.reshape(x.shape[0] * 2, -1) rather than a number)."
+            )
+        elif "randomness" in message:
             hint = (
                 " Random ops (dropout) need randomness='different' (each sample draws its own numbers) "
                 "or randomness='same' (one draw for the whole batch), as in torch.func.vmap."
