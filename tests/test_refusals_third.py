@@ -391,3 +391,23 @@ def test_size_one_on_a_dynamic_batch_is_served(name):
         else:
             _close(gm(z, w), torch.func.vmap(f, in_dims=(0, None))(z, w))
     assert len(gm._size_one_modules) == 1  # built once, on the first call of size 1
+
+
+def test_cond_with_branches_of_different_shapes_is_refused_naming_the_line():
+    def f(x):
+        return torch.cond(x.sum() > 0, lambda x: x[:2] * 2, lambda x: x.sin(), (x,))
+
+    with pytest.raises(
+        FxtoolsError, match=r"torch\.cond at .*test_refusals_third\.py:\d+.*different shapes \(\[\[2\]\] and \[\[3\]\]\)"
+    ):
+        fxtools.vjp(f, _x(3))
+
+
+def test_jvp_of_a_function_with_an_argument_named_grad_out():
+    """fxtools' own names (here the cotangent's) are not read as roles in the user's graph."""
+
+    def f(x, grad_out):
+        return x.sin() * grad_out.cos()
+
+    x, g, t, u = _x(3), _x(3, seed=1), _x(3, seed=2), _x(3, seed=3)
+    _close(fxtools.jvp(f, x, g)(x, g, t, u), torch.func.jvp(f, (x, g), (t, u)))
