@@ -719,33 +719,29 @@ def variant(index: int, seed: int = 0) -> Variant:
     inner = rng.choice(INNER)
     updates = rng.random() < 0.7
     buffer_block = "torch.no_grad()" if rng.random() < 0.5 else "contextlib.nullcontext()"
+    header = f"def g({args}, *, scale=1.0):"
     body = [
-        f"def g({args}, *, scale=1.0):",
         f"    with {inner}:",
         f"        side = {x}.sin() * 2",  # no gradient in reverse mode; a tangent in forward unless inference mode
         f"    out = f({args})",
         f"    extra = ({x} + side).sum() * scale",
+        "    return out, extra",
     ]
-    if updates:
-        body[1:1] = [
-            f"    with {buffer_block}:",
-            "        count.add_(1)",
-            f"        ema.mul_(0.9).add_({x}.detach().mean(0), alpha=0.1)",
-            "        ema.add_(count * 0.01)",
-        ]
-    body.append("    return out, extra")
-    g_source = "\n".join(body) + "\n"
+    buffer_lines = [
+        f"    with {buffer_block}:",
+        "        count.add_(1)",
+        f"        ema.mul_(0.9).add_({x}.detach().mean(0), alpha=0.1)",
+        "        ema.add_(count * 0.01)",
+    ]
+    g_source = "\n".join([header, *(buffer_lines if updates else []), *body]) + "\n"
     shape = p.inputs[next(k for k, v in enumerate(p.inputs) if v.is_float)].shape[1:]
     buffers = {"count": torch.zeros((), dtype=torch.float64), "ema": torch.zeros(shape, dtype=torch.float64)}
     env = {"torch": torch, "F": F, "contextlib": __import__("contextlib"), **buffers}
     full = source + "\n\n" + g_source
     exec(compile(full, f"<fuzz variant {index} (seed {seed})>", "exec"), env)
-    ref_env = {"torch": torch, "F": F, "contextlib": __import__("contextlib")}
-    ref_source = (
-        source + "\n\n" + "\n".join(line for line in body if "count" not in line and "ema" not in line and "buffer" not in line)
-    )
-    ref_source = ref_source.replace(f"    with {buffer_block}:\n", "")
-    exec(compile(ref_source + "\n", f"<fuzz variant reference {index} (seed {seed})>", "exec"), ref_env)
+    ref_env = {"torch": torch, "F": F}
+    ref_source = source + "\n\n" + "\n".join([header, *body]) + "\n"
+    exec(compile(ref_source, f"<fuzz variant reference {index} (seed {seed})>", "exec"), ref_env)
     inputs = [Var(rename[v.name], v.vals, v.is_input) for v in p.inputs]
     g = Program(index, seed, full, env["g"], inputs, p.float_args)
     return Variant(g, ref_env["g"], buffers, rng.choice(OUTER), rng.choice([1.0, 0.5, 2.0]))
