@@ -5,6 +5,7 @@ of jvp with the batch dimension anywhere, buffers updated in place several times
 collide with fxtools' own, keyword arguments, and the clear refusals of what cannot work."""
 
 import contextlib
+import copy
 from functools import partial
 
 import pytest
@@ -411,3 +412,13 @@ def test_jvp_of_a_function_with_an_argument_named_grad_out():
 
     x, g, t, u = _x(3), _x(3, seed=1), _x(3, seed=2), _x(3, seed=3)
     _close(fxtools.jvp(f, x, g)(x, g, t, u), torch.func.jvp(f, (x, g), (t, u)))
+
+
+def test_deepcopy_of_a_module_inside_vmap():
+    lin = nn.Linear(3, 3).to(D)
+
+    def fresh_copy(x):
+        return copy.deepcopy(lin)(x).tanh()
+
+    x = _x(2, 3)
+    _close(fxtools.vmap(fresh_copy, x)(x), torch.func.vmap(fresh_copy)(x))

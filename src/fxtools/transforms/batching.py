@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch._functorch.eager_transforms import enable_inplace_requires_grad
 from torch.utils import _pytree as pytree
 
 from ..capture import custom
@@ -182,7 +183,8 @@ def trace_batched(
     ``same_draws``: the number of chunks of a ``randomness="same"`` vmap (see ``share_draws``)."""
     f = fn if names_of is None else names_of
     try:
-        with custom.transform(USERS["fxtools.vmap"]):  # custom functions just run their forward
+        # requires_grad_ allowed, as eager vmap allows it on unbatched tensors (copy.deepcopy(module))
+        with custom.transform(USERS["fxtools.vmap"]), enable_inplace_requires_grad(True):
             cap = front(
                 fn,
                 args,
