@@ -49,10 +49,12 @@ from torch.utils import _pytree as pytree
 from .. import registry
 from ..capture.checkpoint import checkpoint_regions
 from ..capture.trace import Captured
+from ..codegen.inplace import in_place_body
 from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
 from ..graph import meta
 from ..graph.nodes import fake_mode_of
+from ..passes.accumulate import accumulate_into_scatters
 from ..passes.simplify import simplify
 from ..signature import closures, sizes
 from ..signature.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
@@ -309,7 +311,16 @@ def _name_items(gm: fx.GraphModule) -> None:
 
 
 class _BoxedCodeGen(fx.graph.CodeGen):
-    """``def forward(self, args)``: unpack the list, empty it, then run (each value is dropped after its last use)."""
+    """``def forward(self, args)``: unpack the list, empty it, then run (each value is dropped after
+    its last use; scatters into fresh tensors in place, ``codegen/inplace.py``)."""
+
+    def _gen_python_code(self, nodes, root_module, namespace, **kwargs):
+        node_list = list(nodes)
+        self._body_transformer = lambda body: in_place_body(body, node_list)
+        try:
+            return super()._gen_python_code(node_list, root_module, namespace, **kwargs)
+        finally:
+            self._body_transformer = None
 
     def gen_fn_def(self, free_vars, maybe_return_annotation, *, expanded_def=False):
         names = [v.split(":")[0].strip() for v in free_vars]
@@ -329,21 +340,23 @@ def _install_guards(forward, backward, backward_boxed, args, top, part, signatur
     leaves = [p.meta["val"] for p in part.primals]
     saved_vals, ct_vals = [s.meta["val"] for s in part.saved], [c.meta["val"] for c in part.cts]
     names = [i.path or i.name for i in signature]
+    symbolic = cap.symbolic if cap is not None else None
     forward.guards = build(
-        "fxtools.split forward", names, sizes.concrete(cap, leaves), layout=stride_sensitive_paths(forward, names)
+        "fxtools.split forward", names, sizes.concrete(symbolic, leaves), layout=stride_sensitive_paths(forward, names)
     )
-    saved = build("fxtools.split backward", [s.name for s in part.saved], sizes.concrete(cap, saved_vals))
+    saved = build("fxtools.split backward", [s.name for s in part.saved], sizes.concrete(symbolic, saved_vals))
     cts = build(
         "fxtools.split backward",
         [c.name for c in part.cts],
-        sizes.concrete(cap, ct_vals),
+        sizes.concrete(symbolic, ct_vals),
         layout=stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts]),
         roles={i: (lambda path, what=info.path: f"the cotangent of {what}") for i, info in enumerate(cotangents)},
     )
     if cap is not None:  # symbolic sizes and layout reads (signature/sizes.py)
-        sizes.guard_symbolic(forward.guards, cap, leaves)
-        sizes.guard_symbolic(saved, cap, saved_vals)
-        sizes.guard_symbolic(cts, cap, ct_vals)
+        traced = cap.traced_sizes()
+        sizes.guard_symbolic(forward.guards, traced, leaves)
+        sizes.guard_symbolic(saved, traced, saved_vals)
+        sizes.guard_symbolic(cts, traced, ct_vals)
     backward.guards = Guards("fxtools.split backward", saved.names + cts.names, saved.args + cts.args)
     backward_boxed.guards = _boxed_guards(backward.guards)
 
@@ -456,8 +469,8 @@ def _edited(sp: Split, forward, backward, saved_nodes, saved: list, cts: list) -
     forward, backward = _as_guarded(forward, "SplitForward"), _as_guarded(backward, "SplitBackward")
     backward_boxed = _boxed(backward)
     forward.guards = sp.forward.guards
-    saved_guards = build("fxtools.split backward", [i.name for i in infos], sizes.concrete(sp.captured, list(saved)))
-    ct_guards = build("fxtools.split backward", [c.name for c in sp.cotangents], sizes.concrete(sp.captured, cts))
+    saved_guards = build("fxtools.split backward", [i.name for i in infos], sizes.concrete(sp.captured.symbolic, list(saved)))
+    ct_guards = build("fxtools.split backward", [c.name for c in sp.cotangents], sizes.concrete(sp.captured.symbolic, cts))
     backward.guards = Guards("fxtools.split backward", saved_guards.names + ct_guards.names, saved_guards.args + ct_guards.args)
     backward_boxed.guards = _boxed_guards(backward.guards)
     return replace(
@@ -727,6 +740,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     with fx_traceback.preserve_node_meta():
         rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
     joint = rev.gm
+    accumulate_into_scatters(joint)
     simplify(joint)
     sizes.check(cap.symbolic, joint)
     _name_items(joint)
@@ -848,5 +862,5 @@ def _argument_guards(cap: Captured, args: tuple, part: _Partition, forward, back
     bw_paths = stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts])
     strided = {i.path for i, p in zip(signature, part.primals) if (i.path or i.name) in fw_paths or p.name in bw_paths}
     guards = build("fxtools.split", cap.arg_names, args, layout=strided)
-    sizes.guard_symbolic(guards, cap, args)
+    sizes.guard_symbolic(guards, cap.traced_sizes(), args)
     return guards

@@ -45,13 +45,14 @@ from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..graph import meta
 from ..graph.nodes import is_float
+from ..passes.accumulate import accumulate_into_scatters
 from ..passes.simplify import simplify
 from ..passes.views import collapse_view_chains
 from ..registry import Transform
 from ..signature import closures, sizes
 from ..signature.guards import install
 from ..signature.naming import unique
-from . import control_flow
+from . import control_flow, tangents
 from .calling import transform
 
 __all__ = ["Built", "Transform", "USERS", "uses_pipeline", "front", "differentiated", "back", "emit", "built_by"]
@@ -68,14 +69,14 @@ USERS: dict[str, Transform] = {}
 
 
 def uses_pipeline(
-    name: str, *, requires: str, ensures: str, forward_mode: bool = False, batches: bool = False
+    name: str, *, requires: str, ensures: str, forward_mode: bool = False, batches: bool = False, loss: bool = False
 ) -> Callable[[F], F]:
     """Declare the public transform ``name`` (one ``Transform`` record in ``USERS``) as a user of
     the front and back, its calls checked first (``calling.transform``)."""
-    USERS[name] = Transform(name, requires, ensures, forward_mode=forward_mode, batches=batches)
+    record = USERS[name] = Transform(name, requires, ensures, forward_mode=forward_mode, batches=batches, loss=loss)
 
     def register(fn: F) -> F:
-        return cast(F, transform(name)(fn))
+        return cast(F, transform(name, loss=record.loss)(fn))
 
     return register
 
@@ -134,13 +135,15 @@ def front(
 
 def _prepare_for_rules(cap: Captured, made_by: str, has_aux: bool) -> None:
     """The captured graph as the rule-driven transforms take it: sizes as marked, aux stopped,
-    functional, composite ops expanded, control flow with rules, nothing unsupported."""
+    functional, composite ops expanded, control flow with rules, the program's own JVPs computed
+    (``tangents.resolve``), nothing unsupported."""
     sizes.check(cap.symbolic, cap.gm)  # the program itself specialised a marked size
     if has_aux:
         stop_aux_gradients(cap, made_by)
     functionalize(cap.gm)
     expand(cap.gm)
     control_flow.prepare(cap.gm)
+    tangents.resolve(cap.gm)  # forward mode the program runs itself (torch.func.jvp in a loss)
     check_supported(cap.gm)
 
 
@@ -234,6 +237,7 @@ def back(
     names = cap.arg_names if names is None else names
     extra_args = list(zip(unique([n for n, _ in extra_args], taken=names), (v for _, v in extra_args)))  # the user's names stay
     gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
+    accumulate_into_scatters(gm)
     simplify(gm)
     if collapse_views:
         while collapse_view_chains(gm):
@@ -244,8 +248,8 @@ def back(
     gm = emit(gm, cap, made_by, remember=False)
     extra = [v for _, v in extra_args] if guard_extra is None else list(guard_extra)
     examples = [*args, *extra]
-    gm = install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
-    sizes.guard_symbolic(gm.guards, cap, examples)
+    gm = install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap.symbolic, examples), roles=roles)
+    sizes.guard_symbolic(gm.guards, cap.traced_sizes(), examples)
     closures.attach(gm, cap.reads, made_by)
     return remember_inputs(gm)
 
