@@ -304,29 +304,70 @@ def _compiling():
         torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = old
 
 
+def _mark_forward_grad(state: bool) -> None:
+    """Mark the ``_set_grad_enabled`` node just traced with forward AD's ``state`` (``meta.FORWARD_GRAD``)."""
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    if mode is None:
+        return
+    last = next(reversed(mode.tracer.graph.nodes), None)
+    if last is not None and last.target is torch._C._set_grad_enabled:
+        meta.FORWARD_GRAD.set(last, state)
+
+
 @contextlib.contextmanager
 def _inference_mode_as_no_grad():
-    """Trace ``torch.inference_mode(mode)`` blocks as ``torch.set_grad_enabled(not mode)``.
+    """Trace ``torch.inference_mode(mode)`` blocks as ``torch.set_grad_enabled(not mode)``, and
+    ``fwAD._set_fwd_grad_enabled`` as a grad-mode switch marked for forward mode alone.
 
     Inference mode is no_grad that also skips autograd's bookkeeping; entering it dispatches no
     op, so a trace would not see it and would differentiate the block. Grad mode changes are
-    recorded (``_set_grad_enabled`` nodes), so the block carries no gradient, as in eager.
+    recorded (``_set_grad_enabled`` nodes), so the block carries no gradient, as in eager. Forward
+    AD ignores ``no_grad`` but not inference mode nor its own switch: those nodes carry forward
+    AD's state (``meta.FORWARD_GRAD``; ``forward_grad_modes`` applies it).
     """
     cls = torch.autograd.grad_mode.inference_mode
     old = cls.__enter__, cls.__exit__
+    old_fwd = torch._C._set_fwd_grad_enabled
+    forward = [True]  # forward AD's state while tracing (the trace itself runs without it)
+
+    def switch(grad: bool, fwd: bool) -> None:
+        forward.append(fwd)
+        torch._C._set_grad_enabled(grad)
+        _mark_forward_grad(fwd)
 
     def enter(self):
-        self._fxtools_prev = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(not self.mode)
+        self._fxtools_prev = torch.is_grad_enabled(), forward[-1]
+        switch(not self.mode, forward[-1] and not self.mode)
 
     def exit(self, *exc):
-        torch._C._set_grad_enabled(self._fxtools_prev)
+        switch(*self._fxtools_prev)
+
+    def set_fwd(mode) -> None:
+        old_fwd(mode)
+        if bool(mode) != forward[-1]:
+            switch(torch.is_grad_enabled(), bool(mode))
 
     cls.__enter__, cls.__exit__ = enter, exit
+    torch._C._set_fwd_grad_enabled = set_fwd
     try:
         yield
     finally:
         cls.__enter__, cls.__exit__ = old
+        torch._C._set_fwd_grad_enabled = old_fwd
+
+
+def forward_grad_modes(gm: fx.GraphModule) -> None:
+    """Make ``gm``'s grad-mode switches those of forward-mode AD, for transforms that compute
+    ``torch.func.jvp``'s tangents (``jvp``, ``jacfwd``, ``linearize``): tangents flow through
+    ``no_grad`` blocks and stop in inference mode and where ``fwAD._set_fwd_grad_enabled(False)``
+    turned forward AD off, as in PyTorch."""
+    state = True
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            state = meta.FORWARD_GRAD.get(node, state)
+            node.args = (state,)
 
 
 def _hidden_tensor(obj, depth=0, seen=None) -> str | None:
@@ -406,6 +447,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
     outer = outer_frames()
     reads = outside_reads(f, {n: x for n, x in zip(names, leaves) if isinstance(x, torch.nn.Module)})
+    _refuse_inference_tensors(reads)
     symbolic = None
     if dynamic_shapes is not None:
         from ..signature.sizes import fake_arguments
@@ -434,6 +476,21 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     found = layout_facts(layout.reads, placeholders, [x for x, t in zip(leaves, is_tensor) if t])
     cap.layout_reads = {tensor_paths[i]: tuple(fs) for i, fs in found.items()}
     return cap
+
+
+def _refuse_inference_tensors(reads: list) -> None:
+    """A closed-over tensor made under ``torch.inference_mode()`` (a module built there) cannot be
+    traced: PyTorch refuses inference tensors outside inference mode, and a transform needs it
+    off. Say which tensor, and how to make it an ordinary one."""
+    for read in reads:
+        if read.kind == "tensor" and isinstance(read.expected, torch.Tensor) and read.expected.is_inference():
+            where = f" (read at {read.where})" if read.where else ""
+            raise FxtoolsError(
+                f"{read.what}{where} was made under torch.inference_mode(): it is an inference tensor, which "
+                "PyTorch cannot trace or differentiate outside inference mode. Make it (the module) outside "
+                "inference mode, e.g. under torch.no_grad() instead, or replace it by a clone made outside "
+                "inference mode (with torch.inference_mode(False): t = t.clone())."
+            )
 
 
 def _flat_function(f, leaves: list, is_tensor: list[bool], in_spec, layout: LayoutReads):
@@ -485,15 +542,36 @@ def _tidy(gm: fx.GraphModule, f, tensor_names_: list[str], reads: list, outer) -
     less those tracing itself changed)."""
     check_no_writes(gm)
     check_no_collectives(gm)
+    check_matmul_dtypes(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, tensor_names_):
         node._rename(name)
-    reads = unchanged_by_tracing(reads)
+    reads = _arrays_read_by_value(gm, unchanged_by_tracing(reads))
     _name_constants(gm, tensor_names(reads))
     locate(gm, reads)
     name_values(gm, f, outer)
     gm.recompile()
     return reads
+
+
+def _arrays_read_by_value(gm: fx.GraphModule, reads: list) -> list:
+    """``reads`` less the NumPy arrays the code reads by reference: ``torch.from_numpy(arr)`` is a
+    tensor constant sharing the array's memory, so a later in-place change is what the code reads,
+    as in eager. Other arrays (``float(arr.sum())``) are guarded by value."""
+    import numpy as np
+
+    shared = []
+    for node in gm.graph.nodes:
+        t = getattr(gm, str(node.target), None) if node.op == "get_attr" else None
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor) and t.device.type == "cpu":
+            with contextlib.suppress(TypeError, RuntimeError):  # dtypes NumPy lacks (bfloat16): no array made them
+                shared.append(t.detach().numpy())
+
+    def by_reference(read) -> bool:
+        now = read.get()
+        return isinstance(now, np.ndarray) and any(np.shares_memory(now, t) for t in shared)
+
+    return [r for r in reads if not (r.kind == "value" and by_reference(r))]
 
 
 def check_supported(gm: fx.GraphModule) -> None:
@@ -508,6 +586,37 @@ def check_supported(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator) and not meta.RULE.on(node):
             where = user_line_of(node) or "unknown line"
             raise FxtoolsError(f"{node.target.name()} (from {where}) is not supported by fxtools yet")
+
+
+_SAME_DTYPE_OPS = {
+    "matmul", "mm", "mv", "bmm", "dot", "vdot", "addmm", "addmv", "addbmm", "baddbmm", "linear", "bilinear",
+    "conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+}  # fmt: skip
+
+
+def check_matmul_dtypes(gm: fx.GraphModule) -> None:
+    """Refuse, naming the user's line, a matrix product or convolution of tensors of different
+    dtypes outside autocast: eager PyTorch refuses it when it runs, but FakeTensors compute its
+    shape without checking, so the module would build and fail only when called."""
+    from ..errors import user_line_of
+
+    autocast = 0
+    for node in gm.graph.nodes:
+        if node.target is torch.amp.autocast_mode._enter_autocast:
+            autocast += 1
+        elif node.target is torch.amp.autocast_mode._exit_autocast:
+            autocast -= 1
+        packet = getattr(node.target, "overloadpacket", None)
+        if autocast or node.op != "call_function" or getattr(packet, "__name__", None) not in _SAME_DTYPE_OPS:
+            continue
+        dtypes = [v.dtype for a in node.all_input_nodes if isinstance(v := a.meta.get("val"), torch.Tensor)]
+        if len(set(dtypes)) > 1:
+            shown = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise FxtoolsError(
+                f"{packet.__name__} of tensors of different dtypes ({shown}) at {user_line_of(node) or 'an unknown line'}: "
+                "PyTorch refuses it when it runs (expected both to have the same dtype). Convert one of them "
+                "(.to(other.dtype)), or run it under torch.autocast."
+            )
 
 
 def check_no_collectives(gm: fx.GraphModule) -> None:

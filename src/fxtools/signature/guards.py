@@ -242,6 +242,7 @@ class GuardedGraphModule(fx.GraphModule):
 
     guards: Guards | None = None  # what its calls must pass (``install``)
     closures: Any = None  # a signature.closures.Closures: what it read from outside its arguments
+    size_one_variant: Any = None  # builds the module again for a call with a dynamic size of 1 (transforms/calling.py)
 
     def __repr__(self):
         guards = self.guards
@@ -261,13 +262,29 @@ class GuardedGraphModule(fx.GraphModule):
     def __call__(self, *args, **kwargs):
         guards = self.guards
         if guards is not None:
-            guards.check(args if not kwargs else self._positional(guards, args, kwargs))
+            guards.size_one = False
+            try:
+                guards.check(args if not kwargs else self._positional(guards, args, kwargs))
+            except InputMismatch:
+                if not (guards.size_one and self.size_one_variant is not None and not kwargs):
+                    raise
+                return self._size_one(args)
         if self.closures is not None:  # what the program read from outside its arguments (signature/closures.py)
             self.closures.check(self)
         out = super().__call__(*args, **kwargs)
         if guards is not None and _has_dict(guards.args):
             out = follow_key_orders(args if not kwargs else self._positional(guards, args, kwargs), out)
         return out
+
+    def _size_one(self, args):
+        """The call ``args``, whose dynamic size is 1, run by a module built for their shapes (once per
+        shapes, then kept): torch traces a dynamic size as at least 2 and decides ``size == 1``
+        (broadcasting, a branch) without a trace, so a module traced symbolically cannot serve it."""
+        key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in pytree.tree_leaves(args))
+        built = self.__dict__.setdefault("_size_one_modules", {})
+        if key not in built:
+            built[key] = self.size_one_variant(args)
+        return built[key](*args)
 
     def _positional(self, guards, args, kwargs):
         try:
@@ -279,6 +296,8 @@ class GuardedGraphModule(fx.GraphModule):
     def __reduce__(self):
         _, (body, import_block) = super().__reduce__()
         body.pop("closures", None)  # a saved module is a snapshot of what it read (signature/closures.py)
+        body.pop("size_one_variant", None)  # it holds the user's function; a saved module refuses size 1
+        body.pop("_size_one_modules", None)
         return _restore, (body, import_block)
 
     def __deepcopy__(self, memo):
@@ -289,6 +308,7 @@ class GuardedGraphModule(fx.GraphModule):
             self.closures = closures
         if self.guards is not None:
             res.guards = copy.deepcopy(self.guards, memo)
+        res.size_one_variant = self.size_one_variant  # builds from the user's function, not copied
         return res
 
 

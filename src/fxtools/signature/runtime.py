@@ -458,13 +458,15 @@ class Guards:
                     cond = self._narrowed_by(want.name, got)
                     if cond is not None:
                         self._cond_fail(cond, {want.name: (got, spec.path, d)})
+                    self.size_one = got == 1 and lo == 2  # a module that can build its size-1 variant does
                     self.fail(
                         f"{spec.path}.size({d}) is {got}, outside the range [{lo}, "
                         f"{'inf' if hi is None else hi}] of the dynamic size {want.name} the module was made "
                         "with",
                         f"Build a module from an example of size {got} for such calls: torch traces a dynamic size "
                         "as at least 2 and decides size == 1 (broadcasting, a branch) without a trace, so one "
-                        "module cannot serve both."
+                        "module cannot serve both (a module fxtools' transforms return builds it on the first "
+                        "such call; a saved one cannot)."
                         if got < 2 <= lo
                         else f"Generate the module again with a range that includes {got} "
                         f"(torch.export.Dim({want.name!r}, min=..., max=...)).",

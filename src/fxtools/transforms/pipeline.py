@@ -51,6 +51,7 @@ from ..passes.views import collapse_view_chains
 from ..registry import Transform
 from ..signature import closures, sizes
 from ..signature.guards import install
+from ..signature.naming import unique
 from . import control_flow, tangents
 from .calling import transform
 
@@ -234,6 +235,7 @@ def back(
     suffixes fusions left.
     """
     names = cap.arg_names if names is None else names
+    extra_args = list(zip(unique([n for n, _ in extra_args], taken=names), (v for _, v in extra_args)))  # the user's names stay
     gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
     accumulate_into_scatters(gm)
     simplify(gm)
