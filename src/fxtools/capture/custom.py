@@ -52,6 +52,22 @@ class CustomFunctionError(FxtoolsError):
 
 
 _STATE = {"capturing": False, "record": False, "transform": None}
+_HANDLERS: dict = {}  # Function class -> handler(apply, *args) or None (traced through): function_handlers
+
+
+@contextlib.contextmanager
+def function_handlers(handlers: dict):
+    """While capturing, call ``handler(apply, *args, **kwargs)`` for these ``torch.autograd.Function``
+    classes instead of recording them (``apply`` runs the original, traced through); a handler of
+    None traces the function's forward through (its ops get their own rules). For the autograd
+    functions of tensor subclasses (``capture/subclasses.py``)."""
+    saved = dict(_HANDLERS)
+    _HANDLERS.update(handlers)
+    try:
+        yield
+    finally:
+        _HANDLERS.clear()
+        _HANDLERS.update(saved)
 
 
 @contextlib.contextmanager
@@ -535,6 +551,14 @@ def _function_apply(cls, original, args, kwargs):
     base = torch.autograd.Function
     if not _STATE["capturing"]:
         return original.__get__(None, cls)(*args, **kwargs)
+    if cls in _HANDLERS:
+        handler = _HANDLERS[cls]
+
+        def apply(*args, **kwargs):
+            with _not_capturing():
+                return original.__get__(None, cls)(*args, **kwargs)
+
+        return apply(*args, **kwargs) if handler is None else handler(apply, *args, **kwargs)
     if _STATE["transform"] == NESTED:
         if not _forward_is_its_derivative(cls):
             raise _nested_error(f"the torch.autograd.Function {kind.name}", kind.where)

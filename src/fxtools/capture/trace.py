@@ -463,7 +463,9 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):
-            return trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch)
+            # DTensor's dispatch runs below autograd, as in AOTAutograd (capture/subclasses.py)
+            below = getattr(f, "__fxtools_below_autograd__", False)
+            return trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch and not below)
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if is_data_dependent(exc):
             raise data_dependent_error(exc) from exc
