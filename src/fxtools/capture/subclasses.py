@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 from ..errors import FxtoolsError, current_user_line
 from . import custom
 
-__all__ = ["Layout", "LocalView", "dtensor_functions", "is_subclass", "local_view", "shared_replica"]
+__all__ = ["Layout", "LocalView", "dtensor_functions", "is_mesh", "is_subclass", "local_view", "shared_replica"]
 
 _functional = torch.ops._c10d_functional
 
@@ -55,6 +55,16 @@ def _dtensor():
     except ImportError:  # pragma: no cover - builds without torch.distributed
         return None
     return DTensor
+
+
+def is_mesh(x) -> bool:
+    """Whether ``x`` is a DeviceMesh: a description of ranks (its rank table is a tensor of ints the
+    program reads as one), taken as a constant of the program."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - builds without torch.distributed
+        return False
+    return isinstance(x, DeviceMesh)
 
 
 def is_subclass(x) -> bool:

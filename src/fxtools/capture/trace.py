@@ -38,6 +38,7 @@ from .layout_reads import LayoutReads
 from .layout_reads import facts as layout_facts
 from .names import module_paths, name_values, outer_frames, recording_modules
 from .replacements import Replacing, check_no_writes
+from .subclasses import is_mesh
 
 
 @dataclass
@@ -326,7 +327,7 @@ def _hidden_tensor(obj, depth=0, seen=None) -> str | None:
     if isinstance(obj, torch.Tensor):
         return ""
     seen = set() if seen is None else seen
-    if depth > 6 or id(obj) in seen or isinstance(obj, (type, str, bytes, int, float, complex, bool)):
+    if depth > 6 or id(obj) in seen or isinstance(obj, (type, str, bytes, int, float, complex, bool)) or is_mesh(obj):
         return None
     seen.add(id(obj))
     if isinstance(obj, (set, frozenset)):
