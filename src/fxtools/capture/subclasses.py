@@ -77,6 +77,14 @@ class SubclassError(FxtoolsError):
     """A tensor subclass, or a placement of one, that fxtools cannot trace."""
 
 
+class DTensorInside(Exception):  # noqa: N818 - a signal to capture, not an error
+    """Raised while a program is traced above autograd and makes a DTensor: capture traces it
+    again below autograd, where DTensor's dispatch runs."""
+
+
+_TRACING = {"pre_dispatch": False}
+
+
 @dataclass(frozen=True)
 class Layout:
     """What a DTensor is besides its local tensor: its class, the non-tensor parts (the mesh), the
@@ -238,7 +246,7 @@ def _edge(kind: str):
     """A ``custom_vjp`` identity whose rule is eager's at an edge of the DTensor region."""
 
     def fun(x, replicated, partial):
-        return x.view_as(x)
+        return x
 
     def fwd(x, replicated, partial):
         return fun(x, replicated, partial), (replicated, partial)
@@ -269,6 +277,8 @@ _TO_LOCAL = _edge("to_local")
 
 
 def _from_local(apply, x, mesh, placements, *rest):
+    if _TRACING["pre_dispatch"]:
+        raise DTensorInside
     _check_placements(placements)
     replicated = _groups(mesh, placements, lambda p: p.is_replicate())
     if replicated:
@@ -288,10 +298,14 @@ def _to_local(apply, x, grad_placements=None):
 
 
 @contextlib.contextmanager
-def dtensor_functions():
+def dtensor_functions(pre_dispatch: bool = False):
     """While capturing: DTensor's ``from_local`` / ``to_local`` with eager's rules at the edges of
     the DTensor region, its other autograd functions (redistributions) traced into their local
-    ops and collectives."""
+    ops and collectives. ``pre_dispatch``: the trace is above autograd, where DTensors cannot be
+    traced; making one raises ``DTensorInside``."""
+    if _dtensor() is None:  # pragma: no cover - builds without torch.distributed
+        yield
+        return
     from torch.distributed.tensor import _api, _redistribute
 
     handlers = {
@@ -299,10 +313,12 @@ def dtensor_functions():
         _api._ToTorchTensor: _to_local,
         _redistribute.Redistribute: None,
     }
-    exporting = torch.compiler._is_exporting_flag
-    torch.compiler._is_exporting_flag = False  # DTensors are made as in eager, not recorded as export does
+    exporting, tracing = torch.compiler._is_exporting_flag, _TRACING["pre_dispatch"]
+    if not pre_dispatch:  # DTensors are made as in eager, not recorded as export records them
+        torch.compiler._is_exporting_flag = False
+    _TRACING["pre_dispatch"] = pre_dispatch
     try:
         with custom.function_handlers(handlers):
             yield
     finally:
-        torch.compiler._is_exporting_flag = exporting
+        torch.compiler._is_exporting_flag, _TRACING["pre_dispatch"] = exporting, tracing

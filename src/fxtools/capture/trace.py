@@ -38,7 +38,7 @@ from .layout_reads import LayoutReads
 from .layout_reads import facts as layout_facts
 from .names import module_paths, name_values, outer_frames, recording_modules
 from .replacements import Replacing, check_no_writes
-from .subclasses import is_mesh
+from .subclasses import DTensorInside, dtensor_functions, is_mesh
 
 
 @dataclass
@@ -452,21 +452,24 @@ def _flat_function(f, leaves: list, is_tensor: list[bool], in_spec, layout: Layo
     return flat_f, out_info
 
 
-def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_dispatch: bool) -> fx.GraphModule:
+def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_dispatch: bool, below=False) -> fx.GraphModule:
     """make_fx of ``flat_f`` with the user's program traced as fxtools needs it (custom functions,
     compiler flags, static control flow, inference mode, module calls recorded); a data-dependent
-    failure names the user's line."""
+    failure names the user's line. A program using DTensors is traced below autograd, where
+    DTensor's dispatch runs, as in AOTAutograd (``capture/subclasses.py``)."""
+    below = below or not pre_dispatch or getattr(f, "__fxtools_below_autograd__", False)
     try:
         with (
             _custom_autograd_functions(pre_dispatch),
             _compiling(),
+            dtensor_functions(pre_dispatch=not below),
             _static_control_flow(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):
-            # DTensor's dispatch runs below autograd, as in AOTAutograd (capture/subclasses.py)
-            below = getattr(f, "__fxtools_below_autograd__", False)
-            return trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch and not below)
+            return trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=not below)
+    except DTensorInside:  # the program makes DTensors: trace it again below autograd
+        return _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch, below=True)
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if is_data_dependent(exc):
             raise data_dependent_error(exc) from exc

@@ -47,6 +47,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture.nested import functorch_regions
+from ..errors import FxtoolsError
 from ..functional import functional
 from ..graph.nodes import fake_mode_of, is_float
 from ..signature import closures
@@ -404,7 +405,7 @@ class _SplitFunction(torch.autograd.Function):
         del grad_outs
         if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate
             if subclasses is not None:
-                raise NotImplementedError(subclasses.no_double_backward)
+                raise FxtoolsError(subclasses.no_double_backward)
             grads = runner.replay.vjp(ctx.fxtools_record, cts)
             release(ctx)
             return (None, *grads)
