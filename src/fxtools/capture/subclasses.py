@@ -130,7 +130,9 @@ class Layout:
     def wrap(self, local: torch.Tensor, requires_grad: bool | None = None):
         """The DTensor with this layout around ``local``."""
         ctx = self.ctx if requires_grad is None else (*self.ctx[:-1], requires_grad)
-        return self.cls.__tensor_unflatten__({"_local_tensor": local, **dict(self.others)}, ctx, self.size, self.stride)
+        return self.cls.__tensor_unflatten__(  # type: ignore[attr-defined]
+            {"_local_tensor": local, **dict(self.others)}, ctx, self.size, self.stride
+        )
 
 
 def _check_placements(placements) -> None:
@@ -189,7 +191,7 @@ class LocalView:
             out_leaves = [o if lay is None else _output(local(o), lay) for o, lay in zip(out_leaves, self.out_layouts)]
             return pytree.tree_unflatten(out_leaves, out_spec)
 
-        local_fn.__fxtools_below_autograd__ = True  # type: ignore[attr-defined]
+        local_fn.__fxtools_below_autograd__ = True
         for attr in ("__signature__", "__name__", "__fxtools_module__", "__fxtools_input_kinds__"):
             if hasattr(fn, attr):
                 setattr(local_fn, attr, getattr(fn, attr))

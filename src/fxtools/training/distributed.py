@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 from ..capture.subclasses import LocalView, is_subclass, local, local_view
 from ..errors import FxtoolsError
 
-__all__ = ["SubclassLeaves", "Wrappers", "local_view", "with_subclass_leaves"]
+__all__ = ["SubclassLeaves", "Wrappers", "communicated_bytes", "local_view", "with_subclass_leaves"]
 
 
 @functools.cache
@@ -263,3 +263,22 @@ class SubclassLeaves:
     def gradients(self, grads) -> list:
         layouts = self.view.tensor_layouts
         return [g if lay is None or g is None else lay.grad_layout().wrap(g) for g, lay in zip(grads, layouts)]
+
+
+_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+
+
+def communicated_bytes(gm) -> int:
+    """Bytes the collectives of ``gm`` move per call on one rank, each counted as the larger of its
+    input and output (the whole tensor an all-reduce sums, an all-gather assembles or a
+    reduce-scatter splits). Sizes must be static."""
+    total = 0
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or getattr(target, "namespace", None) != "_c10d_functional":
+            continue
+        if target.__name__.split(".")[0] not in _COLLECTIVES:
+            continue
+        sizes = [v.numel() * v.element_size() for v in (node.meta.get("val"), node.args[0].meta.get("val")) if v is not None]
+        total += int(max(sizes, default=0))
+    return total
