@@ -7,7 +7,7 @@ world size; each rank writes what it found to a JSON file and the tests read the
   down-projection, and a residual block with ``SequenceParallel`` LayerNorm and ``Colwise/RowwiseParallel``
   over a sequence shard, each through ``fxtools.compile`` and
   ``torch.compile(backend=fxtools.backend())``; what fxtools refuses (a ``Partial("max")``
-  placement, a double backward) with the error naming it.
+  placement, a double backward, ``fxtools.grad`` of a DTensor) with the error naming it.
 - 4 processes, a (2, 2) mesh ("dp", "tp"): two residual blocks (LayerNorm, Colwise/Rowwise MLP),
   ``fully_shard`` over "dp" (blocks, then the root), through both paths.
 
@@ -222,6 +222,7 @@ def _refusals(mesh, tp_mlp, inputs) -> dict:
     for case, run in (
         ("Partial('max')", lambda: fxtools.compile(partial_max, torch.randn(3, requires_grad=True))),
         ("double backward", lambda: _double_backward(tp_mlp, inputs)),
+        ("fxtools.grad", lambda: fxtools.grad(lambda w: w.sum(), tp_mlp()[1]["up.weight"])),
     ):
         try:
             run()
@@ -322,6 +323,8 @@ def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
             problems.append(f"rank {rank}: Partial('max'): {message}")
         if "create_graph=True" not in refused["double backward"]:
             problems.append(f"rank {rank}: double backward: {refused['double backward']}")
+        if "argument w is a DTensor" not in refused["fxtools.grad"]:
+            problems.append(f"rank {rank}: fxtools.grad of a DTensor: {refused['fxtools.grad']}")
     assert not problems, "\n".join(problems)
 
 

@@ -43,7 +43,17 @@ from torch.utils import _pytree as pytree
 from ..errors import FxtoolsError, current_user_line
 from . import custom
 
-__all__ = ["Layout", "LocalView", "dtensor_functions", "is_mesh", "is_subclass", "local_view", "shared_replica"]
+__all__ = [
+    "DTensorInside",
+    "Layout",
+    "LocalView",
+    "dtensor_functions",
+    "is_mesh",
+    "is_subclass",
+    "refuse_subclass_arguments",
+    "local_view",
+    "shared_replica",
+]
 
 _functional = torch.ops._c10d_functional
 
@@ -145,6 +155,18 @@ def _check_placements(placements) -> None:
             raise SubclassError(
                 f"fxtools does not differentiate DTensors placed as {p} (at {current_user_line() or 'an argument'}): "
                 "it handles Shard, Replicate and Partial('sum' or 'avg'); see docs/security.md#known-gaps"
+            )
+
+
+def refuse_subclass_arguments(names: list[str], leaves: list) -> None:
+    """DTensor arguments reach capture only as their local tensors (``LocalView``, which
+    ``fxtools.compile`` and the backend use); a transform given one refuses it, naming it."""
+    for name, x in zip(names, leaves):
+        if is_subclass(x):
+            raise SubclassError(
+                f"argument {name} is a DTensor: fxtools.compile and torch.compile(backend=fxtools.backend()) train "
+                "programs taking DTensors; the other transforms take plain tensors (pass x.to_local() or "
+                "x.full_tensor()). See docs/security.md#known-gaps"
             )
 
 

@@ -38,7 +38,7 @@ from .layout_reads import LayoutReads
 from .layout_reads import facts as layout_facts
 from .names import module_paths, name_values, outer_frames, recording_modules
 from .replacements import Replacing, check_no_writes
-from .subclasses import DTensorInside, dtensor_functions, is_mesh
+from .subclasses import DTensorInside, dtensor_functions, is_mesh, refuse_subclass_arguments
 
 
 @dataclass
@@ -392,6 +392,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     top_names = arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
     _refuse_hidden_tensors(paths_leaves, top_names)
     names = leaf_names(paths, top_names)
+    refuse_subclass_arguments(names, leaves)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     layout = LayoutReads()  # strides and contiguity the program reads (capture/layout_reads.py)
     flat_f, out_info = _flat_function(f, leaves, is_tensor, in_spec, layout)
