@@ -22,6 +22,7 @@ Run ``python tests/test_tensor_parallel.py`` to launch the workers by hand and p
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -83,13 +84,15 @@ def _whole(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _train(model, params, inputs):
-    """Gradients (whole) and their placements after the first step, parameters after STEPS AdamW steps."""
+def _train(model, params, inputs, context=contextlib.nullcontext):
+    """Gradients (whole) and their placements after the first step, parameters after STEPS AdamW
+    steps; each step's forward and backward inside ``context()``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     grads = placements = None
     for step in range(STEPS):
         opt.zero_grad()
-        model(*inputs).backward()
+        with context():
+            model(*inputs).backward()
         if step == 0:
             grads = {n: _whole(p.grad) for n, p in params.items()}
             placements = {n: [str(q) for q in getattr(p.grad, "placements", ())] for n, p in params.items()}
@@ -116,14 +119,14 @@ def _compare(got, want, want_placements, probe) -> list[str]:
     return errors
 
 
-def _run_case(results, name, build, reference, inputs, eager_placements):
+def _run_case(results, name, build, reference, inputs, eager_placements, context=contextlib.nullcontext):
     """Train ``build()`` (a model and its parameters by name) and record its differences with ``reference``."""
     torch._dynamo.reset()
     start = time.perf_counter()
     try:
         trained, params = build()
         with Probe() as probe:
-            got = _train(trained, params, inputs)
+            got = _train(trained, params, inputs, context)
         results[name] = {"errors": _compare(got, reference, eager_placements, probe), "runs": probe.runs}
     except Exception as e:  # noqa: BLE001 - reported to the test
         import traceback
@@ -197,9 +200,52 @@ def _tp_cases(rank, mesh) -> dict:
             return make(model, shard), params
 
         _run_case(results, f"SequenceParallel block, {path}", build, reference, shard, eager_placements)
+    _loss_parallel_cases(results, mesh)
     results["backward"] = _backward_code(tp_mlp, (x, y))
     results["refused"] = _refusals(mesh, tp_mlp, (x, y))
     return results
+
+
+class Head(nn.Module):
+    """A projection to logits and their cross-entropy."""
+
+    def __init__(self, d=6, v=8):
+        super().__init__()
+        self.inner = nn.Linear(d, d)
+        self.head = nn.Linear(d, v)
+
+    def forward(self, x, t):
+        return nn.functional.cross_entropy(self.head(torch.tanh(self.inner(x))), t)
+
+
+def _loss_parallel_cases(results, mesh):
+    """``loss_parallel()``: the cross-entropy of logits sharded over the vocabulary."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, loss_parallel, parallelize_module
+
+    torch.manual_seed(3)
+    x, t = torch.randn(4, 6), torch.randint(0, 8, (4,))
+    plan = {
+        "inner": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate(), use_local_output=True),
+        "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+
+    def sharded():
+        model = parallelize_module(_seeded(Head), mesh, plan)
+        return model, dict(model.named_parameters())
+
+    ref = _seeded(Head)
+    reference = _train(ref, dict(ref.named_parameters()), (x, t))
+    eager_model, eager_params = sharded()
+    eager_placements = _train(eager_model, eager_params, (x, t), loss_parallel)[1]
+    for path, make in _paths().items():
+
+        def build(make=make):
+            model, params = sharded()
+            with loss_parallel():
+                return make(model, (x, t)), params
+
+        _run_case(results, f"loss_parallel cross-entropy, {path}", build, reference, (x, t), eager_placements, loss_parallel)
 
 
 def _backward_code(tp_mlp, inputs) -> str:

@@ -5,7 +5,8 @@ as its local tensors). Each rank's graph is differentiated as a function of its 
 a collective's rule is its adjoint across the ranks of its group: the adjoint of gathering is
 scattering the sum (``all_gather_into_tensor`` <-> ``reduce_scatter_tensor``), of summing onto
 every rank summing again (``all_reduce``), and of waiting nothing. An average is a sum divided by
-the group's size, and its adjoint is the same. Other reductions (max, min, product) have no rule.
+the group's size, and its adjoint is the same. The cotangent of a maximum (minimum) goes to the
+ranks holding it, split evenly between ties; a product has no rule.
 
 The one exception keeps the backward communicating where eager's does: an ``all_reduce`` whose
 cotangent is one rank's share ``g / n`` of a gradient ``g`` every rank holds whole (from
@@ -38,12 +39,22 @@ def wait_tensor(ct, out, x):
     return ct
 
 
+def _summed(ct, group_name):
+    """The sum over the group of ``ct``: ``g`` itself for shares ``g / n`` of a replicated ``g``."""
+    whole = shared_replica(ct, group_name)
+    return whole if whole is not None else _wait(c10d.all_reduce(ct, "sum", group_name))
+
+
 @vjp_rule(c10d.all_reduce)
 def all_reduce(ct, out, x, reduce_op, group_name):
+    if reduce_op in ("max", "min"):
+        # the summed cotangent goes to the ranks holding the extreme, split evenly between ties
+        # (as torch.amax's rule splits it between the maxima)
+        hit = (x == out).to(ct.dtype)
+        return _summed(ct, group_name) * hit / _wait(c10d.all_reduce(hit, "sum", group_name))
     _linear(reduce_op, "all_reduce")
-    whole = shared_replica(ct, group_name) if reduce_op == "sum" else None
-    if whole is not None:
-        return whole
+    if reduce_op == "sum":
+        return _summed(ct, group_name)
     return _wait(c10d.all_reduce(ct, reduce_op, group_name))
 
 
