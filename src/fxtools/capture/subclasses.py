@@ -32,7 +32,7 @@ Placements fxtools does not handle are refused when the program is built, naming
 from __future__ import annotations
 
 import contextlib
-import functools
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -58,23 +58,18 @@ __all__ = [
 _functional = torch.ops._c10d_functional
 
 
-@functools.cache
 def _dtensor():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - builds without torch.distributed
-        return None
-    return DTensor
+    """The DTensor class, if the program's process imported it (no DTensor exists otherwise:
+    programs without one pay no import)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def is_mesh(x) -> bool:
     """Whether ``x`` is a DeviceMesh: a description of ranks (its rank table is a tensor of ints the
     program reads as one), taken as a constant of the program."""
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - builds without torch.distributed
-        return False
-    return isinstance(x, DeviceMesh)
+    mesh = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
+    return mesh is not None and isinstance(x, mesh)
 
 
 def is_subclass(x) -> bool:
