@@ -9,7 +9,8 @@ world size; each rank writes what it found to a JSON file and the tests read the
   ``torch.compile(backend=fxtools.backend())``; what fxtools refuses (a ``Partial("max")``
   placement, a double backward, ``fxtools.grad`` of a DTensor) with the error naming it.
 - 4 processes, a (2, 2) mesh ("dp", "tp"): two residual blocks (LayerNorm, Colwise/Rowwise MLP),
-  ``fully_shard`` over "dp" (blocks, then the root), through both paths.
+  ``fully_shard`` over "dp" (blocks, then the root), through both paths; blocks compiled then
+  sharded; ``policies.budget(0.5)``.
 
 Every case trains 5 AdamW steps in float64 and compares every parameter's gradient (of the first
 step, whole: ``DTensor.full_tensor()``) and every parameter after the 5 steps with an unsharded
@@ -291,20 +292,22 @@ def _two_d_cases(rank, mesh) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    import fxtools
+
     results: dict = {}
     torch.manual_seed(1)
     x, y = torch.randn(8, 6), torch.randn(8, 6)
     dp = mesh["dp"].get_local_rank()
     batch = (x.chunk(2)[dp], y.chunk(2)[dp])
 
-    def two_d():  # each dp rank's loss is its batch's mean; FSDP2 averages the gradients over "dp"
+    def two_d(make_block=lambda b: b):  # each dp rank's loss is its batch's mean; FSDP2 averages over "dp"
         model = _seeded(lambda: Blocks(n=2, total=batch[0].numel()))
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh["dp"])
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = fully_shard(make_block(block), mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-        return model, dict(model.named_parameters())
+        return model, {n.replace(".module.", "."): p for n, p in model.named_parameters()}
 
     ref = _seeded(lambda: Blocks(n=2, total=x.numel()))
     reference = _train(ref, dict(ref.named_parameters()), (x, y))
@@ -317,6 +320,16 @@ def _two_d_cases(rank, mesh) -> dict:
             return make(model, batch), params
 
         _run_case(results, f"FSDP2 x TP blocks, {path}", build, reference, batch, eager_placements)
+
+    def per_block():  # the other wrapping order: each block compiled, then sharded
+        return two_d(lambda b: fxtools.compile(b, batch[0]))
+
+    def budget():
+        model, params = two_d()
+        return fxtools.compile(model, *batch, policy=fxtools.policies.budget(0.5)), params
+
+    _run_case(results, "fully_shard(fxtools.compile(TP block)) per block", per_block, reference, batch, eager_placements)
+    _run_case(results, "FSDP2 x TP blocks, fxtools.compile, budget(0.5)", budget, reference, batch, eager_placements)
     return results
 
 
@@ -375,11 +388,13 @@ def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
 
 
 def test_fsdp2_by_tensor_parallel_on_a_2d_mesh_trains_as_unsharded_eager():
-    """4 processes, a (2, 2) mesh: FSDP2 over "dp" x Colwise/Rowwise over "tp", both paths."""
+    """4 processes, a (2, 2) mesh: FSDP2 over "dp" x Colwise/Rowwise over "tp", both paths, both
+    wrapping orders (shard the TP model then compile; compile each TP block then shard it), and
+    a memory budget."""
     ranks = _run(4)
     problems = _problems(ranks)
     for rank, results in enumerate(ranks):
-        if len(results) != 2:
+        if len(results) != 4:
             problems.append(f"rank {rank}: cases run: {sorted(results)}")
     assert not problems, "\n".join(problems)
 

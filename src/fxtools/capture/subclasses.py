@@ -21,8 +21,10 @@ DTensor's autograd functions are captured as ``custom_vjp`` calls with the rule 
   gradient is ``n`` times the share of one rank, so the rule divides it by ``n``; over a
   ``Partial`` dimension eager takes the ranks' gradients as partial sums, and the rule sums them
   (``all_reduce``). The share ``g / n`` is marked, and the rule of an ``all_reduce`` receiving
-  it returns ``g`` itself (the sum of ``n`` equal shares), so no collective runs for it: the
-  backward communicates where eager's does.
+  it returns ``g`` itself (the sum of ``n`` equal shares), so no collective runs for it, as none
+  runs in eager's backward. (Shares DTensor itself makes, such as a replicated bias split to be
+  added to a partial sum, are not recognised: their gradient is all-reduced, where eager's
+  backward needs no collective.)
 - ``DTensor.from_local(x, mesh, [Replicate()])``: the local gradient of a replicated value is a
   partial sum; eager gives each rank the whole gradient, so the rule all-reduces it.
 
@@ -145,11 +147,11 @@ def _check_placements(placements) -> None:
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     for p in placements:
-        ok = type(p) in (Shard, Replicate) or (type(p) is Partial and p.reduce_op in ("sum", "avg"))
+        ok = type(p) in (Shard, Replicate) or (type(p) is Partial and p.reduce_op == "sum")
         if not ok:
             raise SubclassError(
                 f"fxtools does not differentiate DTensors placed as {p} (at {current_user_line() or 'an argument'}): "
-                "it handles Shard, Replicate and Partial('sum' or 'avg'); see docs/security.md#known-gaps"
+                "it handles Shard, Replicate and Partial('sum'); see docs/security.md#known-gaps"
             )
 
 
@@ -280,6 +282,8 @@ def _edge(kind: str):
             return ct, None, None
         for group, n in replicated:
             whole, ct = ct, ct / n
+            for key in [k for k, v in _SHARES.items() if v[0]() is None]:
+                del _SHARES[key]
             _SHARES[id(ct)] = (weakref.ref(ct), whole, group)
         for group, _ in partial:
             ct = _all_reduce(ct, group)
