@@ -34,6 +34,7 @@ Placements fxtools does not handle are refused when the program is built, naming
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 import weakref
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ class DTensorInside(Exception):  # noqa: N818 - a signal to capture, not an erro
     again below autograd, where DTensor's dispatch runs."""
 
 
-_TRACING = {"pre_dispatch": False}
+_ABOVE_AUTOGRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("fxtools_dtensor_above_autograd", default=False)
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,8 @@ def _all_reduce(t, group: str, op: str = "sum"):
     return _functional.wait_tensor(_functional.all_reduce(t, op, group))
 
 
-_SHARES: dict[int, tuple] = {}  # id(share) -> (weakref to the share, whole gradient, group)
+# a cache of the shares to_local's rule made, by identity: id(share) -> (weakref to it, whole gradient, group)
+_SHARES: dict[int, tuple] = {}
 
 
 def shared_replica(ct, group: str):
@@ -300,7 +302,7 @@ _TO_LOCAL = _edge("to_local")
 
 
 def _from_local(apply, x, mesh, placements, *rest):
-    if _TRACING["pre_dispatch"]:
+    if _ABOVE_AUTOGRAD.get():
         raise DTensorInside
     _check_placements(placements)
     replicated = _groups(mesh, placements, lambda p: p.is_replicate())
@@ -336,12 +338,13 @@ def dtensor_functions(pre_dispatch: bool = False):
         _api._ToTorchTensor: _to_local,
         _redistribute.Redistribute: None,
     }
-    exporting, tracing = torch.compiler._is_exporting_flag, _TRACING["pre_dispatch"]
+    exporting = torch.compiler._is_exporting_flag
     if not pre_dispatch:  # DTensors are made as in eager, not recorded as export records them
         torch.compiler._is_exporting_flag = False
-    _TRACING["pre_dispatch"] = pre_dispatch
+    token = _ABOVE_AUTOGRAD.set(pre_dispatch)
     try:
         with custom.function_handlers(handlers):
             yield
     finally:
-        torch.compiler._is_exporting_flag, _TRACING["pre_dispatch"] = exporting, tracing
+        torch.compiler._is_exporting_flag = exporting
+        _ABOVE_AUTOGRAD.reset(token)
