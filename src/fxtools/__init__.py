@@ -13,7 +13,7 @@ from .capture.oplog import log
 from .codegen.draw import draw
 from .codegen.export import save
 from .codegen.show import show
-from .errors import DataDependentError, FxtoolsError, MissingRuleError
+from .errors import DataDependentError, FxtoolsError, MissingRuleError, NonFiniteError
 from .functional import functional
 from .registry import mark_nondifferentiable, register_vjp, rule_set
 from .signature.guards import InputMismatch
@@ -21,6 +21,7 @@ from .signature.sizes import SymbolicSizeError
 from .training import policies  # noqa: F401 - fxtools.policies, as documented
 from .training.aten import AtenSplit, Descriptor, to_aten
 from .training.backend import backend, compile  # noqa: A004 - fxtools.compile, like torch.compile
+from .training.nonfinite import find_nonfinite
 from .training.partition import Split, split
 from .transforms.batching import vmap
 from .transforms.check import VjpMismatch, check_vjp, check_vjp_fd
@@ -69,4 +70,6 @@ __all__ = [
     "InputMismatch",
     "SymbolicSizeError",
     "CustomFunctionError",
+    "find_nonfinite",
+    "NonFiniteError",
 ]

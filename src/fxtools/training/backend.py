@@ -44,6 +44,7 @@ import inspect
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..capture.nested import functorch_regions
@@ -55,8 +56,9 @@ from ..signature.guards import InputMismatch
 from ..signature.naming import identifier
 from .aten import to_aten
 from .distributed import SubclassLeaves, Wrappers, local_view, with_subclass_leaves
+from .finite import Checker, locate
 from .partition import Split, split
-from .saved import Replay, SavedValues, release
+from .saved import Replay, SavedValues, release, rng_state
 
 __all__ = ["compile", "backend", "CompiledModule"]
 
@@ -189,8 +191,9 @@ class _Runner:
     (``_boxed_call``, as Inductor's are).
     """
 
-    def __init__(self, sp: Split, leaves, fw_compiler, bw_compiler, decompositions=None):
+    def __init__(self, sp: Split, leaves, fw_compiler, bw_compiler, decompositions=None, check_finite=False):
         self.split = sp
+        self.checker = Checker(sp) if check_finite else None  # check_finite: training/finite.py
         fw_compiler, bw_compiler = _resolve_compiler(fw_compiler), _resolve_compiler(bw_compiler)
         self.aten = None
         if fw_compiler is not None or bw_compiler is not None:
@@ -231,12 +234,6 @@ class _Runner:
         it = iter(flat[:n])
         return [next(it) if t else o for t, o in zip(self.out_is_tensor, self.out_leaves)], flat[n:m]
 
-    def _forward_outputs(self, leaves):
-        """The forward's outputs without recording anything for a backward."""
-        if self.subclasses is None:
-            return self.run_forward(leaves)[0]
-        return self.subclasses.outputs(self.run_forward(self.subclasses.locals(leaves))[0])
-
     def run_backward(self, saved: list, cts: list):
         if not self.bw_aten:
             args = saved + cts
@@ -252,8 +249,14 @@ class _Runner:
         if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
             outs = _SplitFunction.apply(self, *leaves)
         else:
+            rng = rng_state(leaves) if self.checker else None
             with torch.no_grad():
-                outs = self._forward_outputs(leaves)
+                local = leaves if self.subclasses is None else self.subclasses.locals(leaves)
+                outs, _ = self.run_forward(local)
+                if self.checker:
+                    self.checker.forward(local, outs, rng)
+                if self.subclasses is not None:
+                    outs = self.subclasses.outputs(outs)
         it = iter(outs)
         full = [next(it) if t else o for t, o in zip(self.out_is_tensor, self.out_leaves)]
         return pytree.tree_unflatten(full, self.split.out_spec)
@@ -298,8 +301,10 @@ class _Runners:
         capturing=contextlib.nullcontext,
         decompositions=None,
         split=None,
+        check_finite=False,
     ):
         self.fn, self.fw_compiler, self.bw_compiler, self.policy = fn, fw_compiler, bw_compiler, policy
+        self.check_finite = check_finite
         self.rules, self.decompositions, self.fixed = rules, decompositions, split
         self.dynamic_shapes, self.dynamic, self.skip_first = dynamic_shapes, dynamic, skip_first
         self.capturing = capturing  # the context in which ``fn`` is traced
@@ -344,7 +349,11 @@ class _Runners:
             leaves = self.fixed.guards.check(args)
             if not self.entries:
                 self.entries.append(
-                    (training, None, _Runner(self.fixed, leaves, self.fw_compiler, self.bw_compiler, self.decompositions))
+                    (
+                        training,
+                        None,
+                        _Runner(self.fixed, leaves, self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite),
+                    )
                 )
             return self.entries[0][2], leaves
         mask = _requires_grad(args)
@@ -360,7 +369,7 @@ class _Runners:
             sp = split(fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules, dynamic_shapes=self._marks(args))
         sp.from_module = self.skip_first  # a module's: its parameters come first, by name
         leaves = sp.flatten(*args)
-        runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler, self.decompositions)
+        runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite)
         if view is not None:
             runner.subclasses = SubclassLeaves(view)
         self.entries.append((training, mask, runner))
@@ -386,6 +395,8 @@ class _SplitFunction(torch.autograd.Function):
         ctx.fxtools_record = record = runner.replay.record(leaves)
         outs, saved = runner.run_forward(leaves)
         runner.replay.finish(record)
+        if runner.checker:
+            runner.checker.forward(leaves, outs, record.rng)
         runner.saved.pack(ctx, saved)
         if runner.subclasses is not None:
             outs = runner.subclasses.outputs(outs)
@@ -409,8 +420,11 @@ class _SplitFunction(torch.autograd.Function):
             grads = runner.replay.vjp(ctx.fxtools_record, cts)
             release(ctx)
             return (None, *grads)
+        record = ctx.fxtools_record  # unpack lets go of it
         saved = runner.saved.unpack(ctx)
         grads = runner.run_backward(saved, cts)
+        if runner.checker:  # on failure the whole step runs again, readable and checked node by node
+            runner.checker.backward(grads, lambda: locate(runner.split, record.leaves, cts, rng=record.rng))
         return (None, *(grads if subclasses is None else subclasses.gradients(grads)))
 
 
@@ -446,6 +460,7 @@ class CompiledModule(torch.nn.Module):
         dynamic=False,
         decompositions=None,
         split=None,
+        check_finite=False,
     ):
         super().__init__()
         self.module = model
@@ -462,6 +477,7 @@ class CompiledModule(torch.nn.Module):
             capturing=self._wrappers.capturing,
             decompositions=decompositions,
             split=split,
+            check_finite=check_finite,
         )
 
     def _args(self, inputs, kwargs):
@@ -501,6 +517,7 @@ class CompiledFunction:
         dynamic=False,
         decompositions=None,
         split=None,
+        check_finite=False,
     ):
         self.fn = fn
         self._runners = _Runners(
@@ -513,6 +530,7 @@ class CompiledFunction:
             dynamic,
             decompositions=decompositions,
             split=split,
+            check_finite=check_finite,
         )
 
     def runner(self, *args, **kwargs) -> _Runner:
@@ -583,6 +601,7 @@ def compile(
     compiler=None,
     decompositions=None,
     split=None,
+    check_finite=False,
 ):
     """A module or function whose forward and backward run fxtools' split graphs.
 
@@ -605,10 +624,14 @@ def compile(
 
     ``split``: run this split (``Split.edit`` makes one from edited graphs) instead of making
     splits; calls its guards refuse raise ``InputMismatch``.
+
+    ``check_finite=True``: a step (forward or backward) that computes a NaN or an unintended
+    infinity raises ``fxtools.NonFiniteError`` naming the first (``training/finite.py``; see
+    docs/nonfinite.md for what it checks and costs).
     """
     fw_compiler = compiler if fw_compiler is None else fw_compiler
     bw_compiler = compiler if bw_compiler is None else bw_compiler
-    options = dict(decompositions=decompositions, split=split)
+    options = dict(decompositions=decompositions, split=split, check_finite=check_finite)
     if split is not None and split.from_module != isinstance(model_or_fn, torch.nn.Module):
         made = "a module" if split.from_module else "a function"
         raise ValueError(f"the split was made from {made}; pass the {made[2:]} it was made from")
@@ -701,8 +724,9 @@ def _as_function(gm: fx.GraphModule, example_inputs=()):
         used.add(name)
         names.append(name)
 
-    def fn(*args):
-        return gm(*args)
+    def fn(*args):  # node by node, each traced op given the user's line Dynamo recorded on its node
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(gm).run(*args)
 
     fn.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
     fn.__name__ = fn.__qualname__ = "dynamo_graph"
@@ -713,13 +737,21 @@ def _as_function(gm: fx.GraphModule, example_inputs=()):
     return fn
 
 
-def backend(fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused", compiler=None, decompositions=None):
+def backend(
+    fw_compiler=None,
+    bw_compiler=None,
+    policy="recompute_cheap",
+    rules="fused",
+    compiler=None,
+    decompositions=None,
+    check_finite=False,
+):
     """A ``torch.compile`` backend differentiating Dynamo's graphs with fxtools.
 
     ``torch.compile(model, backend=fxtools.backend())``; the compilers (``compiler="inductor"``
     for both), decompositions, policy and rules are those of ``fxtools.compile``. Each Dynamo graph
     is split as a function of its inputs (and of the parameters it holds, if any), and runs
-    through an autograd.Function.
+    through an autograd.Function. ``check_finite``: as on ``fxtools.compile``.
     """
     fw_compiler = compiler if fw_compiler is None else fw_compiler
     bw_compiler = compiler if bw_compiler is None else bw_compiler
@@ -727,10 +759,18 @@ def backend(fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules=
     def fxtools_backend(gm: fx.GraphModule, example_inputs):
         gm = functorch_regions(_inline_higher_order(gm))
         if any(True for _ in gm.parameters()):
-            compiled = CompiledModule(gm, fw_compiler, bw_compiler, policy, rules, decompositions=decompositions)
+            compiled = CompiledModule(
+                gm, fw_compiler, bw_compiler, policy, rules, decompositions=decompositions, check_finite=check_finite
+            )
         else:  # parameters arrive as inputs: differentiate the graph as a function of them
             compiled = CompiledFunction(
-                _as_function(gm, example_inputs), fw_compiler, bw_compiler, policy, rules, decompositions=decompositions
+                _as_function(gm, example_inputs),
+                fw_compiler,
+                bw_compiler,
+                policy,
+                rules,
+                decompositions=decompositions,
+                check_finite=check_finite,
             )
         with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
             compiled.runner(*example_inputs)

@@ -63,6 +63,7 @@ from ..transforms.vjp import grads_structure
 from . import policies
 from .cuts import INF, backward_nodes, forward_nodes, max_flow_min_cut, nbytes, storage_root
 from .distributed import communicated_bytes
+from .finite import checked_split
 
 # --------------------------------------------------------------------------------------------
 # Descriptions of inputs, saved values and cotangents
@@ -708,7 +709,7 @@ class Split:
     requires="front: a prepared graph with VJP rules; a policy saying what to save",
     ensures="Split: forward(*leaves) -> (out, saved), backward(*saved, *cotangents) -> grads, each guarded",
 )
-def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dynamic_shapes=None) -> Split:
+def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dynamic_shapes=None, check_finite=False) -> Split:
     """Forward and backward graphs of ``f`` at ``args`` (see the module docstring).
 
     ``policy``: ``"recompute_cheap"`` (default), ``"save_all"``, ``"dots_saveable"`` or a function
@@ -717,10 +718,13 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     backward returns ``None`` for the others and saves nothing only they would need.
     ``rules``: the rule set (``"readable"``, ``"fused"``, a dict; see ``fxtools.rule_set``);
     ``None`` (default) uses the one in effect, readable unless a ``rule_set`` block says otherwise.
+    ``check_finite=True``: the forward and backward raise ``fxtools.NonFiniteError`` when a step
+    computes a NaN or an unintended infinity, naming the first (``training/finite.py``).
     """
     if rules is not None:
         with registry.rule_set(rules):
-            return split(f, *args, policy=policy, grad_leaves=grad_leaves, dynamic_shapes=dynamic_shapes)
+            sp = split(f, *args, policy=policy, grad_leaves=grad_leaves, dynamic_shapes=dynamic_shapes)
+        return checked_split(sp) if check_finite else sp
     policies.resolve(policy)  # validate early
     from_module = isinstance(f, torch.nn.Module)
     if from_module:
@@ -741,7 +745,8 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     part = _Partition(joint, sum(cap.tensor_leaf), len(cap.out_leaves), policy)
     forward = _forward_graph(joint, part, cap)
     backward = _backward_graph(joint, part, cap, grads_structure(cap, args, _flat_grads(part, wrt), argnums))
-    return _described(cap, args, part, forward, backward, rev.ct_index, policy, from_module)
+    sp = _described(cap, args, part, forward, backward, rev.ct_index, policy, from_module)
+    return checked_split(sp) if check_finite else sp
 
 
 def _with_grad_leaves(wrt: list[bool], grad_leaves) -> list[bool]:
