@@ -49,10 +49,12 @@ from torch.utils import _pytree as pytree
 from .. import registry
 from ..capture.checkpoint import checkpoint_regions
 from ..capture.trace import Captured
+from ..codegen.inplace import in_place_body
 from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
 from ..graph import meta
 from ..graph.nodes import fake_mode_of
+from ..passes.accumulate import accumulate_into_scatters
 from ..passes.simplify import simplify
 from ..signature import closures, sizes
 from ..signature.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
@@ -310,7 +312,16 @@ def _name_items(gm: fx.GraphModule) -> None:
 
 
 class _BoxedCodeGen(fx.graph.CodeGen):
-    """``def forward(self, args)``: unpack the list, empty it, then run (each value is dropped after its last use)."""
+    """``def forward(self, args)``: unpack the list, empty it, then run (each value is dropped after
+    its last use; scatters into fresh tensors in place, ``codegen/inplace.py``)."""
+
+    def _gen_python_code(self, nodes, root_module, namespace, **kwargs):
+        node_list = list(nodes)
+        self._body_transformer = lambda body: in_place_body(body, node_list)
+        try:
+            return super()._gen_python_code(node_list, root_module, namespace, **kwargs)
+        finally:
+            self._body_transformer = None
 
     def gen_fn_def(self, free_vars, maybe_return_annotation, *, expanded_def=False):
         names = [v.split(":")[0].strip() for v in free_vars]
@@ -739,6 +750,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     with fx_traceback.preserve_node_meta():
         rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
     joint = rev.gm
+    accumulate_into_scatters(joint)
     simplify(joint)
     sizes.check(cap.symbolic, joint)
     _name_items(joint)

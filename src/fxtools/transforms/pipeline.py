@@ -45,6 +45,7 @@ from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..graph import meta
 from ..graph.nodes import is_float
+from ..passes.accumulate import accumulate_into_scatters
 from ..passes.simplify import simplify
 from ..passes.views import collapse_view_chains
 from ..registry import Transform
@@ -232,6 +233,7 @@ def back(
     """
     names = cap.arg_names if names is None else names
     gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
+    accumulate_into_scatters(gm)
     simplify(gm)
     if collapse_views:
         while collapse_view_chains(gm):
