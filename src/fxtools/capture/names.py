@@ -290,6 +290,12 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
     for n, path in module_nodes.items():
         names[n] = short[path]
     top = _top_codes(f)
+    call_results: dict[tuple, dict[int, fx.Node]] = {}
+    for n in nodes:
+        if meta.CALL_RESULT.on(n):
+            trace, k = meta.CALL_RESULT.get(n)
+            at = _frames(trace)
+            call_results.setdefault(at[len(outer) :] if outer and at[: len(outer)] == outer else at, {})[k] = n
     runs: list[tuple[tuple, list[fx.Node]]] = []
     open_runs: list[tuple[tuple, list[fx.Node]]] = []
     for n in nodes:
@@ -324,7 +330,12 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
             names.setdefault(value, base)
         else:
             multi = [m for m in run if isinstance(m.meta.get("val"), (tuple, list)) and len(m.meta["val"]) == len(targets)]
-            if multi:
+            results = call_results.get(key, {})
+            if sorted(results) == list(range(len(targets))):  # u, dudt = torch.func.jvp(...)
+                for k, m in results.items():
+                    if targets[k] and (m not in names or m in module_nodes):
+                        names[m] = targets[k]
+            elif multi:
                 m = multi[-1]
                 for u in m.users:
                     if u.target is operator.getitem and isinstance(u.args[1], int) and targets[u.args[1]]:
