@@ -24,6 +24,8 @@ def g(x):
     return torch.tanh(x) * x
 
 
+fxtools.grad  # noqa: B018 - `import fxtools` is lazy: the first public name loads the transforms, which register here
+
 X, W = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
 
 # name -> (call, the made_by of the front that prepared its program)

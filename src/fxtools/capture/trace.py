@@ -32,6 +32,7 @@ from ..errors import PROGRAM_ENTRIES, DataDependentError, FxtoolsError, is_data_
 from ..graph import meta
 from ..graph.data_dependent import CountsFromExamples
 from ..signature.naming import arg_names, leaf_names
+from ..signature.sizes import TracedSizes
 from .checkpoint import checkpoint_regions
 from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing
 from .layout_reads import LayoutReads
@@ -66,6 +67,14 @@ class Captured:
     @property
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    def traced_sizes(self) -> TracedSizes:
+        """What guards take from this trace (``signature.sizes.guard_symbolic``)."""
+        values = {}
+        if self.symbolic is not None:
+            vals = iter(p.meta["val"] for p in self.placeholders)
+            values = {id(leaf): next(vals) for leaf, t in zip(self.leaves, self.tensor_leaf) if t}
+        return TracedSizes(self.symbolic, self.layout_reads, values)
 
 
 def _name_constants(gm: fx.GraphModule, names: dict[int, str]) -> None:

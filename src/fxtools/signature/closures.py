@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .guards import GuardedGraphModule, InputMismatch, is_scalar, same_value, snapshot_value, tensor_text, value_text
+from .guards import GuardedGraphModule, is_scalar
+from .runtime import InputMismatch, same_value, snapshot_value, tensor_text, value_text
 
 MISSING = object()  # what a getter returns for a name that no longer exists
 

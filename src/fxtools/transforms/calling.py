@@ -28,11 +28,6 @@ R = TypeVar("R")
 # torch.func's / JAX's keyword names, with fxtools' (which are torch.func's where they differ from JAX's)
 KEYWORD_NAMES = {"argnum": "argnums", "in_axes": "in_dims", "out_axes": "out_dims", "aux": "has_aux"}
 
-# transforms of a scalar loss: given an nn.Module with parameters, a user may mean them (as the CLI does);
-# a module without parameters (a generated GraphModule) is a function of its inputs alone
-LOSS_TRANSFORMS = {"fxtools.grad", "fxtools.value_and_grad", "fxtools.hvp", "fxtools.hessian"}
-
-
 # every public transform, by name (``transform`` adds them); the pipeline's users are among them
 TRANSFORMS: set[str] = set()
 
@@ -41,15 +36,15 @@ class CallError(FxtoolsError, TypeError):
     """A transform called the torch.func way (or with its arguments swapped): says the fxtools call."""
 
 
-def transform(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+def transform(name: str, *, loss: bool = False) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate the public transform ``name`` (``"fxtools.grad"``), called ``fn(f, *args, **options)``,
-    so that its calls are checked by ``check_call`` first."""
+    so that its calls are checked by ``check_call`` first (``loss``: ``registry.Transform.loss``)."""
     TRANSFORMS.add(name)
 
     def wrap(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
         def checked(*args: P.args, **kwargs: P.kwargs) -> R:
-            check_call(name, fn, args, kwargs)
+            check_call(name, fn, args, kwargs, loss=loss)
             return fn(*args, **kwargs)
 
         return checked
@@ -57,8 +52,12 @@ def transform(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     return wrap
 
 
-def check_call(name: str, fn, args: tuple, kwargs: dict) -> None:
-    """Raise ``CallError`` for the torch.func and JAX habits that do not work with fxtools."""
+def check_call(name: str, fn, args: tuple, kwargs: dict, *, loss: bool = False) -> None:
+    """Raise ``CallError`` for the torch.func and JAX habits that do not work with fxtools.
+
+    ``loss``: the transform differentiates a scalar loss; given an nn.Module with parameters, a user
+    may mean them (as the CLI does); a module without parameters (a generated GraphModule) is a
+    function of its inputs alone."""
     usage = f"{name}(f, *example_args)"
     if not args:
         raise CallError(f"{name} needs the function and its example inputs: {usage}")
@@ -84,7 +83,7 @@ def check_call(name: str, fn, args: tuple, kwargs: dict) -> None:
                 "tensors themselves, keyed by name to be readable: pass dict(model.named_parameters()) "
                 "to fxtools.functional(model)'s params"
             )
-    if name in LOSS_TRANSFORMS and isinstance(f, torch.nn.Module) and any(True for _ in f.parameters()):
+    if loss and isinstance(f, torch.nn.Module) and any(True for _ in f.parameters()):
         raise CallError(
             f"{name}({type(f).__name__}(...), ...) is ambiguous: for the gradient with respect to the model's "
             f"parameters (what the fxtools CLI computes), call {name}(fxtools.functional(model), "
