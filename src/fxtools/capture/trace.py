@@ -39,6 +39,7 @@ from .layout_reads import LayoutReads
 from .layout_reads import facts as layout_facts
 from .names import module_paths, name_values, outer_frames, recording_modules
 from .replacements import Replacing, check_no_writes
+from .subclasses import DTensorInside, dtensor_functions, is_mesh, refuse_subclass_arguments
 
 
 @dataclass
@@ -376,7 +377,7 @@ def _hidden_tensor(obj, depth=0, seen=None) -> str | None:
     if isinstance(obj, torch.Tensor):
         return ""
     seen = set() if seen is None else seen
-    if depth > 6 or id(obj) in seen or isinstance(obj, (type, str, bytes, int, float, complex, bool)):
+    if depth > 6 or id(obj) in seen or isinstance(obj, (type, str, bytes, int, float, complex, bool)) or is_mesh(obj):
         return None
     seen.add(id(obj))
     if isinstance(obj, (set, frozenset)):
@@ -441,6 +442,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     top_names = arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
     _refuse_hidden_tensors(paths_leaves, top_names)
     names = leaf_names(paths, top_names)
+    refuse_subclass_arguments(names, leaves)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     layout = LayoutReads()  # strides and contiguity the program reads (capture/layout_reads.py)
     flat_f, out_info = _flat_function(f, leaves, is_tensor, in_spec, layout)
@@ -517,19 +519,24 @@ def _flat_function(f, leaves: list, is_tensor: list[bool], in_spec, layout: Layo
     return flat_f, out_info
 
 
-def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_dispatch: bool) -> fx.GraphModule:
+def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_dispatch: bool, below=False) -> fx.GraphModule:
     """make_fx of ``flat_f`` with the user's program traced as fxtools needs it (custom functions,
     compiler flags, static control flow, inference mode, module calls recorded); a data-dependent
-    failure names the user's line."""
+    failure names the user's line. A program using DTensors is traced below autograd, where
+    DTensor's dispatch runs, as in AOTAutograd (``capture/subclasses.py``)."""
+    below = below or not pre_dispatch or getattr(f, "__fxtools_below_autograd__", False)
     try:
         with (
             _custom_autograd_functions(pre_dispatch),
             _compiling(),
+            dtensor_functions(pre_dispatch=not below),
             _static_control_flow(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):
-            return trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch)
+            return trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=not below)
+    except DTensorInside:  # the program makes DTensors: trace it again below autograd
+        return _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch, below=True)
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if is_data_dependent(exc):
             raise data_dependent_error(exc) from exc

@@ -64,6 +64,7 @@ from ..transforms.reverse import ReverseSpec, reverse
 from ..transforms.vjp import grads_structure
 from . import policies
 from .cuts import INF, backward_nodes, forward_nodes, max_flow_min_cut, nbytes, storage_root
+from .distributed import communicated_bytes
 from .finite import checked_split
 
 # --------------------------------------------------------------------------------------------
@@ -594,6 +595,12 @@ class Split:
         return total
 
     @property
+    def communicated_bytes(self) -> dict[str, int]:
+        """Bytes the collectives of the forward and of the backward move per step on one rank
+        (tensor parallel: ``training/distributed.py``)."""
+        return {"forward": communicated_bytes(self.forward), "backward": communicated_bytes(self.backward)}
+
+    @property
     def offloaded_bytes(self) -> int:
         """Bytes of the saved values the policy marked ``"offload"`` (each storage once)."""
         storages = {s.storage for s in self.saved if s.offload and s.kind != "input"}
@@ -665,6 +672,11 @@ class Split:
             f"{len(self.saved)} saved values, {self.saved_bytes:,} bytes beyond the inputs"
             + (f" ({self.offloaded_bytes:,} offloaded)" if any(s.offload for s in self.saved) else "")
         ]
+        moved = self.communicated_bytes
+        if any(moved.values()):
+            lines.append(
+                f"  collectives move {moved['forward']:,} B in the forward, {moved['backward']:,} B in the backward (per rank)"
+            )
         if self._partition is not None:
             lines.append(
                 f"  estimated recompute cost {self.recompute_cost:,} (FLOPs + elements); "
