@@ -368,6 +368,8 @@ class _Runners:
         with self.capturing():
             sp = split(fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules, dynamic_shapes=self._marks(args))
         sp.from_module = self.skip_first  # a module's: its parameters come first, by name
+        if torch.is_grad_enabled():
+            _refuse_closed_over_leaves(sp)
         leaves = sp.flatten(*args)
         runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite)
         if view is not None:
@@ -381,6 +383,22 @@ class _Runners:
     @property
     def latest(self) -> Split:
         return self.entries[-1][2].split
+
+
+def _refuse_closed_over_leaves(sp: Split) -> None:
+    """Refuse a program that reads a tensor requiring grad from outside its arguments: eager
+    autograd would fill its ``.grad``, but the split differentiates the arguments (a module's
+    parameters among them) only, so the gradient would be silently missing."""
+    for read in closures.reads_of(sp.forward):
+        t = read.expected
+        if isinstance(t, torch.Tensor) and t.requires_grad and is_float(t):
+            where = f" at {read.where}" if read.where else ""
+            raise FxtoolsError(
+                f"fxtools.compile: the program reads {read.what}, a tensor that requires grad, from outside its "
+                f"arguments{where}. Eager autograd would give it a gradient; fxtools.compile differentiates the "
+                "arguments and a compiled module's own parameters only. Pass the tensor as an argument, or compile "
+                "the nn.Module that owns it (fxtools.compile(model, ...))."
+            )
 
 
 class _SplitFunction(torch.autograd.Function):
