@@ -108,3 +108,67 @@ def test_the_checks_see_the_imports():
     modules, edges = _imports()
     assert len(modules) > 30 and len(edges) > 150
     assert any(a == PACKAGE and b.endswith(".errors") for a, b, _ in edges)
+
+
+def test_no_private_names_across_modules():
+    """No module takes another fxtools module's private name: neither ``from .x import _y`` nor
+    ``x._y`` on an imported fxtools module (what two modules share gets a public name)."""
+    modules, edges = _imports()
+    private = [
+        f"{a} imports {n} from {b}" for a, b, names in edges for n in names if n.startswith("_") and not n.startswith("__")
+    ]
+    for mod, path in modules.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        aliases = {}  # local name -> fxtools module it names
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    if f"{target}.{alias.name}" in modules:
+                        aliases[alias.asname or alias.name] = f"{target}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in modules and alias.asname:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and aliases[node.value.id] != mod
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                private.append(f"{mod} reads {node.value.id}.{node.attr}")
+    assert not private, "give what another module needs a public name:\n" + "\n".join(sorted(set(private)))
+
+
+def test_no_code_compares_transform_names():
+    """A transform is a record (``registry.Transform``): code asks its properties (``forward_mode``,
+    ``batches``), never compares a string naming it (``made_by == "fxtools.vmap"``)."""
+    found = []
+    for mod, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                for side in [node.left, *node.comparators]:
+                    if isinstance(side, ast.Constant) and isinstance(side.value, str) and side.value.startswith("fxtools."):
+                        found.append(f"{mod}:{node.lineno} compares with {side.value!r}")
+    assert not found, "compare a transform's record, not its name:\n" + "\n".join(found)
+
+
+def test_one_style_of_state():
+    """State lives in objects passed down or in ContextVars: no ``global`` statement, no
+    ``threading.local``."""
+    found = []
+    for mod, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Global):
+                found.append(f"{mod}:{node.lineno} global {', '.join(node.names)}")
+            elif isinstance(node, ast.Attribute) and node.attr == "local" and getattr(node.value, "id", None) == "threading":
+                found.append(f"{mod}:{node.lineno} threading.local")
+    assert not found, "use a ContextVar or pass the state down:\n" + "\n".join(found)

@@ -21,7 +21,8 @@ import types
 import torch
 
 from ..errors import FXTOOLS_DIR, is_user_file
-from ..signature.closures import MISSING, Read, is_constant, reads_of, same_value, snapshot
+from ..signature.closures import MISSING, Read, is_constant, reads_of, snapshot
+from ..signature.guards import same_value
 from ..signature.naming import identifier
 
 _DEPTH = 64  # how deep the walk follows user functions called by name (each code object once)

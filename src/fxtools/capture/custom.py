@@ -30,6 +30,8 @@ argument.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import functools
 import inspect
 import re
@@ -42,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import FxtoolsError, current_user_line
 from ..graph import meta
-from ..registry import Rule
+from ..registry import Rule, Transform
 
 __all__ = ["custom_vjp", "custom_jvp", "CustomCall", "CustomFunctionError", "capturing", "transform"]
 
@@ -51,7 +53,28 @@ class CustomFunctionError(FxtoolsError):
     """A function with its own backward is used in a way fxtools cannot honour."""
 
 
-_STATE = {"capturing": False, "record": False, "transform": None}
+@dataclasses.dataclass(frozen=True)
+class _Building:
+    """What the trace in progress does with custom functions."""
+
+    capturing: bool = False  # capture is tracing: Function.apply goes through _function_apply
+    record: bool = False  # custom calls become nodes (else they just run, as under vmap)
+    transform: Transform | None = None  # the transform being built
+
+
+_STATE: contextvars.ContextVar[_Building] = contextvars.ContextVar(
+    "fxtools_custom_functions",
+    default=_Building(),  # noqa: B039 - frozen
+)
+
+
+@contextlib.contextmanager
+def _building(**changes):
+    token = _STATE.set(dataclasses.replace(_STATE.get(), **changes))
+    try:
+        yield
+    finally:
+        _STATE.reset(token)
 
 
 @contextlib.contextmanager
@@ -63,35 +86,25 @@ def capturing(record: bool):
     def apply(cls, *args, **kwargs):
         return _function_apply(cls, original, args, kwargs)
 
-    saved = dict(_STATE)
-    _STATE.update(capturing=True, record=record)
     function.apply = classmethod(apply)
     try:
-        yield
+        with _building(capturing=True, record=record):
+            yield
     finally:
         function.apply = original
-        _STATE.update(saved)
 
 
 @contextlib.contextmanager
-def transform(name: str):
-    """Name the transform being built (``"fxtools.jvp"``), for what custom calls must refuse."""
-    saved = _STATE["transform"]
-    _STATE["transform"] = name
-    try:
+def transform(declared: Transform):
+    """The transform being built (its record: ``forward_mode``, ``batches``), for what custom calls must refuse."""
+    with _building(transform=declared):
         yield
-    finally:
-        _STATE["transform"] = saved
 
 
 @contextlib.contextmanager
 def _not_capturing():
-    saved = dict(_STATE)
-    _STATE.update(capturing=False, record=False)
-    try:
+    with _building(capturing=False, record=False):
         yield
-    finally:
-        _STATE.update(saved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,7 +524,8 @@ def _record(kind: _Kind, args, kwargs):
     return pytree.tree_unflatten(result, out_spec)
 
 
-NESTED = "torch.func"  # the transform name while a nested torch.func transform is traced (capture/nested.py)
+# the transform while a nested torch.func transform is traced (capture/nested.py)
+NESTED = Transform("torch.func", requires="a torch.func transform inside the traced program", ensures="its trace, inline")
 
 
 def _forward_is_its_derivative(cls) -> bool:
@@ -533,15 +547,16 @@ def _function_apply(cls, original, args, kwargs):
     """``Function.apply`` while fxtools captures."""
     kind = _FunctionKind(cls, current_user_line())
     base = torch.autograd.Function
-    if not _STATE["capturing"]:
+    if not _STATE.get().capturing:
         return original.__get__(None, cls)(*args, **kwargs)
-    if _STATE["transform"] == NESTED:
+    building = _STATE.get().transform
+    if building is NESTED:
         if not _forward_is_its_derivative(cls):
             raise _nested_error(f"the torch.autograd.Function {kind.name}", kind.where)
         args, kwargs = kind.bind(args, kwargs)
         with _not_capturing():
             return kind.primal(*args, **kwargs)
-    if _STATE["transform"] == "fxtools.vmap" or not _STATE["record"]:
+    if (building is not None and building.batches) or not _STATE.get().record:
         if cls.vmap is not base.vmap:
             raise CustomFunctionError(
                 f"the torch.autograd.Function {kind.name} (at {kind.where}) defines its own vmap rule, "
@@ -551,10 +566,10 @@ def _function_apply(cls, original, args, kwargs):
         args, kwargs = kind.bind(args, kwargs)
         with _not_capturing():
             return kind.primal(*args, **kwargs)
-    if _STATE["transform"] == "fxtools.jvp" and cls.jvp is not base.jvp:
+    if building is not None and building.forward_mode and cls.jvp is not base.jvp:
         raise CustomFunctionError(
             f"the torch.autograd.Function {kind.name} (at {kind.where}) defines its own jvp, which "
-            "fxtools.jvp does not use (it transposes the backward instead); remove the jvp staticmethod "
+            f"{building.name} does not use (it transposes the backward instead); remove the jvp staticmethod "
             "if its backward is the rule to use"
         )
     args, kwargs = kind.bind(args, kwargs)
@@ -593,9 +608,9 @@ class custom_vjp:  # noqa: N801 - named like jax.custom_vjp
         return self
 
     def __call__(self, *args, **kwargs):
-        if not (_STATE["capturing"] and _STATE["record"]):
+        if not (_STATE.get().capturing and _STATE.get().record):
             return self.fun(*args, **kwargs)
-        if _STATE["transform"] == NESTED:
+        if _STATE.get().transform is NESTED:
             raise _nested_error(f"custom_vjp function {self.__name__}", current_user_line())
         if self.fwd is None:
             raise CustomFunctionError(
@@ -633,7 +648,7 @@ class custom_jvp:  # noqa: N801 - named like jax.custom_jvp
         return jvp
 
     def __call__(self, *args, **kwargs):
-        if not (_STATE["capturing"] and _STATE["record"]):
+        if not (_STATE.get().capturing and _STATE.get().record):
             return self.fun(*args, **kwargs)
         if self.jvp is None:
             raise CustomFunctionError(

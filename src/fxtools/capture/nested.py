@@ -29,8 +29,8 @@ the same way. ``fxtools.vmap`` traces below functorch already and only shares ``
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import operator
-import threading
 
 import torch
 import torch.fx as fx
@@ -48,21 +48,21 @@ class NestedTransformError(FxtoolsError):
     """A ``torch.func`` transform inside a function fxtools differentiates that it cannot trace."""
 
 
-_state = threading.local()
+_BELOW: contextvars.ContextVar[int] = contextvars.ContextVar("fxtools_traced_below_functorch", default=0)
 
 
 def _below() -> bool:
     """Whether the running code is already traced below functorch (inside a transform's trace)."""
-    return getattr(_state, "below", 0) > 0
+    return _BELOW.get() > 0
 
 
 @contextlib.contextmanager
 def _tracing_below():
-    _state.below = getattr(_state, "below", 0) + 1
+    token = _BELOW.set(_BELOW.get() + 1)
     try:
         yield
     finally:
-        _state.below -= 1
+        _BELOW.reset(token)
 
 
 def _refusal(transform: str) -> NestedTransformError:

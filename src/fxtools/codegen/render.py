@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ..errors import FxtoolsError
 from ..graph import meta
@@ -113,16 +114,20 @@ def _schema_args(op: torch._ops.OpOverload, args, kwargs):
     ], schema
 
 
-def _equal(v, d):
-    if isinstance(v, fx.Node) or isinstance(d, fx.Node):
+def _equal(v, d) -> bool:
+    """Whether argument ``v`` is its schema default ``d`` (then it is left out of the call).
+
+    Only Python values can be defaults: a node or a tensor never is; a size not known until run
+    time (an unbacked symbol) is not known to be one, so it is printed."""
+    if isinstance(v, (fx.Node, torch.Tensor)) or isinstance(d, (fx.Node, torch.Tensor)):
         return False
     try:
-        return (
+        return bool(
             (type(v) is type(d) and v == d)
             or (v is None and d is None)
             or (isinstance(v, (int, float)) and isinstance(d, (int, float)) and not isinstance(v, bool) and v == d)
         )
-    except Exception:  # noqa: BLE001
+    except GuardOnDataDependentSymNode:
         return False
 
 

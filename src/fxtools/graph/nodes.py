@@ -102,3 +102,16 @@ def written_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
     if str(op) in {str(o) for o in STATEFUL_NORMS} and bound.get(names[5]):  # training / use_input_stats
         written += [bound.get(names[3]), bound.get(names[4])]  # running_mean, running_var
     return [w for w in written if w is not None]
+
+
+def ancestors(nodes) -> set[fx.Node]:
+    """``nodes`` and every node they depend on."""
+    seen: set[fx.Node] = set()
+    stack = [n for n in nodes if isinstance(n, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen

@@ -212,7 +212,7 @@ def _native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var
         running_var,
         training,
         eps,
-        lambda: nn._native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps),
+        lambda: nn.native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps),
     )
 
 
@@ -228,7 +228,7 @@ def _native_batch_norm_legit_no_stats(ct, out, x, weight, bias, training, moment
         None,
         True,
         eps,
-        lambda: nn._native_batch_norm_legit_no_stats(ct, out, x, weight, bias, training, momentum, eps),
+        lambda: nn.native_batch_norm_legit_no_stats(ct, out, x, weight, bias, training, momentum, eps),
     )
 
 
@@ -252,7 +252,7 @@ def _convolution(ct, x, weight, bias, stride, padding, dilation, transposed, out
     unbatched = x.dim() == nd + 1
     if unbatched:
         x, ct = x.unsqueeze(0), ct.unsqueeze(0)
-    lists = [nn._tuple(v, nd) for v in (stride, padding, dilation, output_padding)]
+    lists = [nn.ntuple(v, nd) for v in (stride, padding, dilation, output_padding)]
     dx, dw, db = aten.convolution_backward(
         ct,
         x,
@@ -277,7 +277,7 @@ def convolution(ct, out, x, weight, bias, stride, padding, dilation, transposed,
 def conv_nd(ct, out, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     """``padding="same"`` may pad asymmetrically, which the kernel cannot: the readable rule does."""
     if isinstance(padding, str):
-        return nn._conv_nd(ct, out, x, weight, bias, stride, padding, dilation, groups)
+        return nn.conv_nd(ct, out, x, weight, bias, stride, padding, dilation, groups)
     return _convolution(ct, x, weight, bias, stride, padding, dilation, False, 0, groups)
 
 
@@ -298,8 +298,8 @@ def _max_pool_rule(op, nd):
     """Max pooling's forward keeps the argmax indices; the kernel routes cotangents through them."""
 
     def fwd(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-        out, indices = nn._MAX_POOL[nd](x, kernel_size, stride or None, padding, dilation, ceil_mode, return_indices=True)
-        return out, (x, [nn._tuple(v, nd) for v in (kernel_size, stride or kernel_size, padding, dilation)], ceil_mode, indices)
+        out, indices = nn.MAX_POOL[nd](x, kernel_size, stride or None, padding, dilation, ceil_mode, return_indices=True)
+        return out, (x, [nn.ntuple(v, nd) for v in (kernel_size, stride or kernel_size, padding, dilation)], ceil_mode, indices)
 
     def bwd(aux, ct):
         x, (kernel, stride, padding, dilation), ceil_mode, indices = aux
@@ -310,7 +310,7 @@ def _max_pool_rule(op, nd):
 
 def _max_pool_with_indices_rule(op, nd):
     def max_pool_with_indices(ct, out, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-        lists = [nn._tuple(v, nd) for v in (kernel_size, stride or kernel_size, padding, dilation)]
+        lists = [nn.ntuple(v, nd) for v in (kernel_size, stride or kernel_size, padding, dilation)]
         return _MAX_POOL_BACKWARD[nd](ct[0], x, *lists, ceil_mode, out[1])
 
     max_pool_with_indices.__name__ = op.__name__

@@ -28,7 +28,7 @@ aten = torch.ops.aten
 NONE, MEAN, SUM = 0, 1, 2
 
 
-def _tuple(v, n):
+def ntuple(v, n):
     """An int-or-list conv/pool parameter as a list of length n."""
     if isinstance(v, (list, tuple)):
         return list(v) * n if len(v) == 1 else list(v)
@@ -305,12 +305,12 @@ def native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, train
 
 
 @vjp_rule(aten._native_batch_norm_legit.default, complex="real")
-def _native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
+def native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
     return _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, training, eps)
 
 
 @vjp_rule(aten._native_batch_norm_legit.no_stats, complex="real")
-def _native_batch_norm_legit_no_stats(ct, out, x, weight, bias, training, momentum, eps):
+def native_batch_norm_legit_no_stats(ct, out, x, weight, bias, training, momentum, eps):
     return _native_batch_norm_bwd(ct, out, x, weight, bias, None, None, True, eps)
 
 
@@ -400,7 +400,7 @@ def _right_padding(shape, target):
 def _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups, transposed=False):
     """Cotangents (input, weight, bias) of a (transposed) convolution with symmetric padding."""
     nd = weight.dim() - 2
-    stride, padding, dilation = _tuple(stride, nd), _tuple(padding, nd), _tuple(dilation, nd)
+    stride, padding, dilation = ntuple(stride, nd), ntuple(padding, nd), ntuple(dilation, nd)
     unbatched = x.dim() == nd + 1
     if unbatched:
         x, ct = x.unsqueeze(0), ct.unsqueeze(0)
@@ -428,7 +428,7 @@ def _conv_string_padding(ct, x, weight, bias, stride, padding, dilation, groups)
     nd = weight.dim() - 2
     if padding == "valid":
         return _conv_grads(ct, x, weight, bias, stride, 0, dilation, groups)
-    total = [d * (k - 1) for d, k in zip(_tuple(dilation, nd), weight.shape[2:])]
+    total = [d * (k - 1) for d, k in zip(ntuple(dilation, nd), weight.shape[2:])]
     left = [t // 2 for t in total]
     if all(t % 2 == 0 for t in total):
         return _conv_grads(ct, x, weight, bias, stride, left, dilation, groups)
@@ -437,7 +437,7 @@ def _conv_string_padding(ct, x, weight, bias, stride, padding, dilation, groups)
     return dx[(...,) + tuple(slice(0, n) for n in x.shape[-nd:])], dw, db
 
 
-def _conv_nd(ct, out, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+def conv_nd(ct, out, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     if isinstance(padding, str):
         return _conv_string_padding(ct, x, weight, bias, stride, padding, dilation, groups)
     return _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups)
@@ -449,7 +449,7 @@ def _conv_transpose_nd(ct, out, x, weight, bias=None, stride=1, padding=0, outpu
 
 # Complex convolutions: PyTorch's decomposition into real ones (the kernels are real-only).
 for _op in (aten.conv1d, aten.conv2d, aten.conv3d):
-    vjp_rule(_op, complex="real")(_conv_nd)
+    vjp_rule(_op, complex="real")(conv_nd)
 for _op in (aten.conv_transpose1d, aten.conv_transpose2d.input, aten.conv_transpose3d.input):
     vjp_rule(_op, complex="real")(_conv_transpose_nd)
 
@@ -470,12 +470,12 @@ def _scatter_max(ct, x, indices, nd):
     return grad.view_as(x)
 
 
-_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
 
 def _max_pool_rule(op, nd):
     def fwd(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-        out, indices = _MAX_POOL[nd](x, kernel_size, stride or None, padding, dilation, ceil_mode, return_indices=True)
+        out, indices = MAX_POOL[nd](x, kernel_size, stride or None, padding, dilation, ceil_mode, return_indices=True)
         return out, (x, indices)
 
     def bwd(aux, ct):
@@ -510,7 +510,7 @@ for _nd, _op in (
 
 @vjp_rule(aten.avg_pool1d)
 def avg_pool1d(ct, out, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True):
-    k, s, p = _tuple(kernel_size, 1), _tuple(stride or kernel_size, 1), _tuple(padding, 1)
+    k, s, p = ntuple(kernel_size, 1), ntuple(stride or kernel_size, 1), ntuple(padding, 1)
     grad = torch.ops.aten.avg_pool2d_backward(
         ct.unsqueeze(-2), x.unsqueeze(-2), [1, *k], [1, *s], [0, *p], ceil_mode, count_include_pad, None
     )

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .guards import GuardedGraphModule, InputMismatch, _desc, _got, _is_scalar, _same, _snapshot
+from .guards import GuardedGraphModule, InputMismatch, is_scalar, same_value, snapshot_value, tensor_text, value_text
 
 MISSING = object()  # what a getter returns for a name that no longer exists
 
@@ -37,7 +37,7 @@ MISSING = object()  # what a getter returns for a name that no longer exists
 def is_constant(value) -> bool:
     """Whether generated code would hold ``value`` as a constant compared by value (a number,
     bool, string, dtype, None, a tuple of them), as the argument guards do."""
-    return value is None or _is_scalar(value)
+    return value is None or is_scalar(value)
 
 
 def snapshot(value):
@@ -49,15 +49,10 @@ def snapshot(value):
     ):
         return None  # holds tensors: read by reference (capture/closures.py), not compared
     if type(value) is dict:
-        items = tuple((k, _snapshot(v)) for k, v in value.items())
+        items = tuple((k, snapshot_value(v)) for k, v in value.items())
         plain = all(type(k) is str and (s is not None or v is None) for (k, s), v in zip(items, value.values()))
         return ("dict", items) if plain else None
-    return _snapshot(value)
-
-
-def same_value(a, b) -> bool:
-    """Python values as code saw them: same type, floats bitwise (``guards``)."""
-    return _same(a, b)
+    return snapshot_value(value)
 
 
 @dataclasses.dataclass(eq=False)
@@ -97,11 +92,11 @@ class Closures:
         for get, expected, read in self._fixed:
             if get() is not expected:
                 now = get()
-                if read.kind == "same" or now is MISSING or not _same(now, expected):
+                if read.kind == "same" or now is MISSING or not same_value(now, expected):
                     self._changed(read, now)
         for read in self._mutable:
             now = read.get()
-            if now is MISSING or not _same(snapshot(now), read.expected):
+            if now is MISSING or not same_value(snapshot(now), read.expected):
                 self._changed(read, now)
         seen = self.seen
         for i, (get, shape) in enumerate(self._tensor_gets):
@@ -129,11 +124,11 @@ class Closures:
         self.seen[i] = now
 
     def _refuse_tensor(self, read, now) -> None:
-        got = "gone" if now is MISSING else _got(now)
+        got = "gone" if now is MISSING else value_text(now)
         want = read.expected
         self._fail(
             read,
-            f"is now {got}, but the module was made with a tensor {_desc(want.shape, want.dtype, want.device.type)}, "
+            f"is now {got}, but the module was made with a tensor {tensor_text(want.shape, want.dtype, want.device.type)}, "
             "which its code is specialised to (a tensor of that shape, dtype and device would be read in its place)",
         )
 
@@ -141,7 +136,7 @@ class Closures:
         if now is MISSING:
             self._fail(read, "no longer exists")
         if read.kind == "same":
-            self._fail(read, f"was replaced by another object ({_got(now)}) after the module was made from the old one")
+            self._fail(read, f"was replaced by another object ({value_text(now)}) after the module was made from the old one")
         shown = repr(now) if not read.mutable else f"a {type(now).__name__} whose contents changed"
         self._fail(read, f"is now {shown}, but the module was made with {read.expected!r}, a value its code uses as a constant")
 

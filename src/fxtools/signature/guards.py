@@ -100,6 +100,11 @@ __all__ = [
     "install",
     "runtime_source",
     "render",
+    "is_scalar",
+    "tensor_text",
+    "value_text",
+    "snapshot_value",
+    "same_value",
 ]
 
 
@@ -616,6 +621,9 @@ class Guards:
 
 # ---- runtime (end) ----
 
+# The runtime's helpers under public names, for the package (saved modules carry them as written above).
+tensor_text, value_text, snapshot_value, same_value = _desc, _got, _snapshot, _same
+
 
 # --------------------------------------------------------------------------------------------
 # Building guards from example arguments
@@ -659,9 +667,9 @@ def _layout_op(node) -> bool:
     return False
 
 
-def _is_scalar(x) -> bool:
+def is_scalar(x) -> bool:
     return isinstance(x, (bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format, torch.layout)) or (
-        isinstance(x, tuple) and all(map(_is_scalar, x))
+        isinstance(x, tuple) and all(map(is_scalar, x))
     )
 
 
@@ -695,7 +703,7 @@ def _leaf_spec(value, path, layout, role):
         return Leaf(path, "tensor", tuple(_size_spec(n) for n in value.shape), value.dtype, value.device.type, lay, role=role)
     if value is None:
         return Leaf(path, "none", role=role)
-    if _is_scalar(value):
+    if is_scalar(value):
         return Leaf(path, "scalar", value=value, role=role)
     state = _snapshot(value)
     if state is not None:

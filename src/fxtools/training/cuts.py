@@ -11,8 +11,7 @@ import torch
 import torch.fx as fx
 
 from ..graph.data_dependent import upper_bound
-from ..graph.nodes import is_impure
-from ..transforms.reverse import ancestors
+from ..graph.nodes import ancestors, is_impure
 from . import policies
 
 INF = 1 << 62  # the capacity of an edge that is never cut

@@ -57,7 +57,6 @@ from ..passes.simplify import simplify
 from ..signature import closures, sizes
 from ..signature.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
 from ..signature.naming import part_name
-from ..transforms.calling import transform
 from ..transforms.pipeline import differentiated, emit, front, uses_pipeline
 from ..transforms.reverse import ReverseSpec, reverse
 from ..transforms.vjp import grads_structure
@@ -697,7 +696,6 @@ class Split:
     requires="front: a prepared graph with VJP rules; a policy saying what to save",
     ensures="Split: forward(*leaves) -> (out, saved), backward(*saved, *cotangents) -> grads, each guarded",
 )
-@transform("fxtools.split")
 def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dynamic_shapes=None) -> Split:
     """Forward and backward graphs of ``f`` at ``args`` (see the module docstring).
 

@@ -21,21 +21,16 @@ user's line and PyTorch's explanation.
 
 from __future__ import annotations
 
-import inspect
-import operator
-
 import torch
 import torch.fx as fx
-from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
 from ..capture import custom
 from ..capture.trace import is_data_dependent
 from ..errors import FxtoolsError, user_frame
-from ..signature.naming import short_op
-from .calling import transform
-from .pipeline import back, front, uses_pipeline
-from .vjp import _names
+from .pipeline import USERS, back, front, uses_pipeline
+from .retrace import NodeNamer
+from .vjp import argument_names
 
 __all__ = ["vmap", "trace_batched", "check_vmap_options", "describe", "n_chunks", "share_draws"]
 
@@ -92,8 +87,8 @@ _RANDOMNESS = ("error", "different", "same")
     "fxtools.vmap",
     requires="batched front: f traced below torch.func.vmap (PyTorch's batching rules), functionalised",
     ensures="gm(*args) -> f's outputs stacked along out_dims",
+    batches=True,
 )
-@transform("fxtools.vmap")
 def vmap(f, *args, in_dims=0, out_dims=0, randomness="error", chunk_size=None, dynamic_shapes=None) -> fx.GraphModule:
     """``f`` mapped over a batch dimension of its arguments, as one batched GraphModule.
 
@@ -112,7 +107,7 @@ def vmap(f, *args, in_dims=0, out_dims=0, randomness="error", chunk_size=None, d
     if not isinstance(args, tuple):
         args = tuple(args)
     check_vmap_options(randomness, chunk_size)
-    namer = _NodeNamer(vmappable(f), getattr(f, "guards", None)) if isinstance(f, fx.GraphModule) else None
+    namer = NodeNamer(vmappable(f), getattr(f, "guards", None)) if isinstance(f, fx.GraphModule) else None
     batched = torch.func.vmap(
         namer or f, in_dims=_in_dims_for(in_dims, args), out_dims=out_dims, randomness=randomness, chunk_size=chunk_size
     )
@@ -179,47 +174,6 @@ def describe(f) -> str:
     return getattr(f, "__name__", None) or type(f).__name__
 
 
-class _NodeNamer(fx.Interpreter):
-    """Runs a generated GraphModule op by op, noting which traced node computed each of its values.
-
-    Batching traces below vmap, where names would otherwise come from ATen ops (``mul_4``); the
-    batched code of a generated module keeps its names (``grad_linear``) instead: each of its
-    values names the last node traced while computing it.
-    """
-
-    def __init__(self, gm, guards=None):
-        super().__init__(gm)
-        self.names: dict[fx.Node, str] = {}
-        self.current: fx.Node | None = None  # the node being run, for error messages
-        self.guards = guards  # of the module batched: each example must be what it was made for
-        self.__signature__ = inspect.signature(gm.forward)  # argument names for the batched code
-
-    def __call__(self, *args):
-        if self.guards is not None:
-            self.guards.check(args, layout=False)  # vmappable's code reshapes rather than views
-        return self.run(*args)
-
-    def run_node(self, n):
-        mode = proxy_tensor.get_innermost_proxy_mode()
-        graph = mode.tracer.graph if mode is not None else None
-        last = graph._root.prev if graph is not None else None
-        self.current = n
-        out = super().run_node(n)
-        if graph is not None and n.op in ("call_function", "call_method") and graph._root.prev is not last:
-            self.names[graph._root.prev] = n.name
-            made = last.next
-            while made is not graph._root.prev:  # the batched op's helpers: after it and their op
-                self.names.setdefault(made, f"{n.name}_{short_op(made)}")
-                made = made.next
-        return out
-
-    def apply(self, gm: fx.GraphModule) -> None:
-        for node in gm.graph.nodes:
-            name = self.names.get(node)
-            if name is not None and node.op == "call_function" and node.target is not operator.getitem:
-                node._rename(name)
-
-
 def trace_batched(
     fn, args, names_of=None, namer=None, made_by="fxtools.vmap", dynamic_shapes=None, same_draws=None
 ) -> fx.GraphModule:
@@ -228,7 +182,7 @@ def trace_batched(
     ``same_draws``: the number of chunks of a ``randomness="same"`` vmap (see ``share_draws``)."""
     f = fn if names_of is None else names_of
     try:
-        with custom.transform("fxtools.vmap"):  # custom functions just run their forward
+        with custom.transform(USERS["fxtools.vmap"]):  # custom functions just run their forward
             cap = front(
                 fn,
                 args,
@@ -251,7 +205,7 @@ def trace_batched(
             hint = (
                 " Random ops (dropout) need randomness='different' (each sample draws its own numbers) "
                 "or randomness='same' (one draw for the whole batch), as in torch.func.vmap."
-                if made_by == "fxtools.vmap"
+                if made_by in USERS and USERS[made_by].batches
                 else f" {made_by} batches over its basis vectors, which must all see the same random numbers: "
                 "differentiate a function without random ops (a model in eval mode), or use fxtools.vjp / fxtools.jvp."
             )
@@ -265,4 +219,4 @@ def trace_batched(
     def build(flat):
         return pytree.tree_unflatten(flat, cap.out_spec)
 
-    return back(cap.gm, cap, build, made_by=made_by, args=args, names=_names(f, args), collapse_views=True)
+    return back(cap.gm, cap, build, made_by=made_by, args=args, names=argument_names(f, args), collapse_views=True)

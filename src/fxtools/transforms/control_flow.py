@@ -34,12 +34,13 @@ from torch.utils import _pytree as pytree
 
 from ..capture.decompose import expand
 from ..capture.functionalize import functionalize
-from ..capture.trace import Captured, trace_flat
+from ..capture.trace import Captured
 from ..errors import FxtoolsError, user_line_of
 from ..graph import meta
 from ..graph.nodes import is_float
 from ..registry import Rule
-from .reverse import ReverseSpec, _example, example_mode, reverse
+from .retrace import retrace
+from .reverse import ReverseSpec, reverse
 
 hop = torch.ops.higher_order
 
@@ -103,12 +104,6 @@ def _captured(sub: fx.GraphModule, node: fx.Node) -> Captured:
     n = len(leaves)
     names = [p.name for p in ph]
     return Captured(sub, names, sub, in_spec, out_spec, leaves, names, [True] * n, list(range(n)), outs)
-
-
-def _trace(fn, vals) -> fx.GraphModule:
-    """``fn`` traced on FakeTensors like ``vals`` (a subgraph fxtools writes)."""
-    mode = example_mode(vals)
-    return trace_flat(fn, [_example(v, mode) for v in vals], record_stack_traces=False)
 
 
 def _fresh(outs, inputs):
@@ -230,7 +225,7 @@ def _cond_rule(gm, node) -> Rule:
     true_vjp, cap = _vjp_function(getattr(gm, true_n.target), node)
     false_vjp, _ = _vjp_function(getattr(gm, false_n.target), node)
     vals = [*cap.leaves, *_only_floats(cap.out_leaves)]
-    true_bwd, false_bwd = _trace(true_vjp, vals), _trace(false_vjp, vals)
+    true_bwd, false_bwd = retrace(true_vjp, vals), retrace(false_vjp, vals)
 
     def fwd(pred, true_fn, false_fn, operands):
         out = hop.cond(pred, true_fn, false_fn, operands)
@@ -260,7 +255,7 @@ def _scan_rule(gm, node) -> Rule:
     def step_saving_carry(*a):
         return (*step(*a), *(c.clone() for c in a[:n_c]))
 
-    step_fwd = _trace(step_saving_carry, cap.leaves)
+    step_fwd = retrace(step_saving_carry, cap.leaves)
     step_back = _scan_step_backward(step_vjp, carry_v, x_v, const_v, cap.out_leaves[n_c:])
 
     def fwd(step_fn, init, xs, consts):
@@ -295,7 +290,7 @@ def _scan_step_backward(step_vjp, carry_v, x_v, const_v, y_v) -> fx.GraphModule:
         return _fresh((*g_carry, *_accumulate(acc, g_const), *g_x), a)
 
     vals = [*_only_floats(carry_v), *_only_floats(const_v), *carry_v, *x_v, *_only_floats(y_v), *const_v]
-    return _trace(step_bwd, vals)
+    return retrace(step_bwd, vals)
 
 
 def _while_loop_rule(gm, node) -> Rule:
@@ -348,7 +343,7 @@ def _counting_loop(cond_gm, body, carry_v, const_v):
         return (n + 1, *_fresh(body(*carry, *consts), a), *(c.clone() for c in carry))
 
     vals = [torch.zeros((), dtype=torch.int64), *carry_v, *carry_v, *const_v]
-    return _trace(counting_cond, vals), _trace(counting_body, vals)
+    return retrace(counting_cond, vals), retrace(counting_body, vals)
 
 
 def _while_loop_backward(body_vjp, carry_v, const_v):
@@ -369,7 +364,7 @@ def _while_loop_backward(body_vjp, carry_v, const_v):
     count_v = torch.zeros((), dtype=torch.int64)
     steps_v = [torch.empty((2, *v.shape), dtype=v.dtype, device=v.device) for v in carry_v]
     vals = [count_v, *_only_floats(carry_v), *_only_floats(const_v), count_v, *steps_v, *const_v]
-    return _trace(back_cond, vals), _trace(back_body, vals)
+    return retrace(back_cond, vals), retrace(back_body, vals)
 
 
 def _refused_rule(gm, node) -> Rule:

@@ -46,8 +46,7 @@ from ..passes.simplify import dce, simplify
 from ..signature.guards import tangent_role
 from ..signature.naming import short_op
 from . import control_flow
-from .calling import transform
-from .pipeline import back, uses_pipeline
+from .pipeline import USERS, back, uses_pipeline
 from .reverse import ReverseSpec, reverse
 from .vjp import AuxSplit, argnums_tuple, prepare
 
@@ -132,8 +131,8 @@ def _true_adjoints(gm: fx.GraphModule) -> None:
     "fxtools.jvp",
     requires="front: a prepared graph with VJP rules (forward mode transposes the VJP)",
     ensures="gm(*args, *tangents) -> (out, out_tangent), out_tangent nested as out",
+    forward_mode=True,
 )
-@transform("fxtools.jvp")
 def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The Jacobian-vector product of ``f`` at example ``args``, as readable PyTorch code.
 
@@ -151,7 +150,7 @@ def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     nums = tuple(range(len(args))) if argnums is None else argnums_tuple(argnums, len(args))
     if len(set(nums)) != len(nums):
         raise ValueError(f"argnums {argnums!r} names an argument twice")
-    with custom.transform("fxtools.jvp"):  # a Function's own jvp would be ignored: refuse it
+    with custom.transform(USERS["fxtools.jvp"]):  # a Function's own jvp would be ignored: refuse it
         cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by="fxtools.jvp")
     split = AuxSplit(cap.out_spec, has_aux)
     flat_gm = _jvp_graph(cap, wrt, nums, split.n_main)

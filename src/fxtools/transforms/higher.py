@@ -24,11 +24,11 @@ from torch.utils import _pytree as pytree
 from ..capture.trace import capture
 from ..graph.nodes import is_float
 from ..registry import rule_set
-from .batching import _NodeNamer, trace_batched, vmappable
-from .calling import transform
+from .batching import trace_batched, vmappable
 from .pipeline import back, uses_pipeline
+from .retrace import NodeNamer
 from .reverse import ReverseSpec, reverse
-from .vjp import _argnums_tuple, _names, grads_structure, prepare
+from .vjp import argnums_tuple, argument_names, grads_structure, prepare
 
 __all__ = ["hvp", "hessian"]
 
@@ -42,7 +42,6 @@ def _differentiated(args, argnums):
     requires="front of fxtools.grad's module (the readable rules); VJP rules for its backward ops",
     ensures="gm(*args, v) -> H @ v, nested as the differentiated arguments",
 )
-@transform("fxtools.hvp")
 def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     """The Hessian-vector product of scalar ``f``: ``gm(*args, v) -> H @ v``.
 
@@ -57,12 +56,12 @@ def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
 
     if not isinstance(args, tuple):
         args = tuple(args)
-    nums = _argnums_tuple(argnums, len(args))
+    nums = argnums_tuple(argnums, len(args))
     # Always the readable rules: fused backward kernels are first-order only (CPU flash
     # attention's backward has no derivative) and the second derivative should read as math.
     with rule_set("readable"):
         g = grad(f, *args, argnums=argnums, dynamic_shapes=dynamic_shapes)
-        namer = _NodeNamer(g, getattr(g, "guards", None))  # the second pass keeps the first's names
+        namer = NodeNamer(g, getattr(g, "guards", None))  # the second pass keeps the first's names
         cap, wrt = prepare(namer, args, nums, dynamic_shapes, made_by="fxtools.hvp")
         namer.apply(cap.gm)
         rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
@@ -86,7 +85,7 @@ def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
         args=args,
         extra_args=[("v", v_example)],
         roles={len(args): lambda path: "the vector v of the Hessian-vector product"},
-        names=_names(f, args),
+        names=argument_names(f, args),
         collapse_views=True,
     )
     _name_results(gm)
@@ -121,7 +120,6 @@ def _jacfwd_of_jacrev(f, args, argnums) -> fx.GraphModule:
     requires="fxtools.hvp's module (batched by trace_batched's front), or jacfwd(jacrev(f))",
     ensures="gm(*args) -> H, nested as torch.func.hessian's",
 )
-@transform("fxtools.hessian")
 def hessian(f, *args, argnums=0) -> fx.GraphModule:
     """The Hessian of ``f`` with respect to ``args[argnums]``: ``gm(*args) -> H``.
 

@@ -36,11 +36,11 @@ from ..graph import meta
 from ..graph.nodes import is_float
 from ..passes.simplify import simplify
 from ..signature.guards import install, tangent_role
-from .batching import _NodeNamer, check_vmap_options, trace_batched, vmappable
-from .calling import transform
+from .batching import check_vmap_options, trace_batched, vmappable
 from .forward import jvp
 from .pipeline import built_by, emit, uses_pipeline
-from .vjp import _names, argnums_tuple, vjp
+from .retrace import NodeNamer
+from .vjp import argnums_tuple, argument_names, vjp
 
 __all__ = ["jacrev", "jacfwd", "linearize"]
 
@@ -111,7 +111,6 @@ def _first_tensor(leaves, name, what):
     requires="fxtools.vjp's module, batched over the output basis (trace_batched's front)",
     ensures="gm(*args) -> jacobian, nested as torch.func.jacrev's",
 )
-@transform("fxtools.jacrev")
 def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     """The Jacobian of ``f`` at example ``args`` by reverse mode: ``gm(*args) -> jacobian``.
 
@@ -128,7 +127,7 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     out_leaves, out_spec = _float_leaves(meta.OUT_EXAMPLE.get(vjp_gm), "output", "fxtools.jacrev")
     like = _first_tensor(out_leaves, "fxtools.jacrev", "outputs")
     total = sum(v.numel() for v in out_leaves if isinstance(v, torch.Tensor))
-    namer = _NodeNamer(vmappable(vjp_gm), vjp_gm.guards)
+    namer = NodeNamer(vmappable(vjp_gm), vjp_gm.guards)
     ct_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in out_leaves], out_spec)
     in_dims = (*(None,) * len(args), ct_dims)
     # randomness="same": one draw shared by every basis vector, as torch.func.jacrev's forward,
@@ -167,7 +166,6 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     requires="fxtools.jvp's module, batched over the input basis (trace_batched's front)",
     ensures="gm(*args) -> jacobian, nested as torch.func.jacfwd's",
 )
-@transform("fxtools.jacfwd")
 def jacfwd(f, *args, argnums=0, randomness="error", chunk_size=None) -> fx.GraphModule:
     """The Jacobian of ``f`` at example ``args`` by forward mode: ``gm(*args) -> jacobian``.
 
@@ -184,7 +182,7 @@ def jacfwd(f, *args, argnums=0, randomness="error", chunk_size=None) -> fx.Graph
     like = _first_tensor(in_leaves, "fxtools.jacfwd", "differentiated arguments")
     total = sum(v.numel() for v in in_leaves if isinstance(v, torch.Tensor))
     jvp_gm = jvp(f, *args, argnums=nums)
-    namer = _NodeNamer(vmappable(jvp_gm), jvp_gm.guards)
+    namer = NodeNamer(vmappable(jvp_gm), jvp_gm.guards)
     tangent_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in in_leaves], in_spec)
     n_args = len(args)
     mapped = torch.func.vmap(namer, in_dims=(*(None,) * n_args, *tangent_dims), chunk_size=chunk_size, randomness=randomness)
@@ -233,7 +231,6 @@ def _plain(value):
     requires="fxtools.jvp's module (its front and back), run once at args",
     ensures="(out, jvp_gm): jvp_gm(*tangents) -> J @ tangents, the residuals its attributes",
 )
-@transform("fxtools.linearize")
 def linearize(f, *args) -> tuple[object, fx.GraphModule]:
     """``f(*args)`` and its linear map at ``args``: ``out, jvp_gm = linearize(f, *args)``.
 
@@ -258,7 +255,7 @@ def linearize(f, *args) -> tuple[object, fx.GraphModule]:
         "fxtools.linearize",
         [p.name for p in tangent_ph],
         tangent_examples,
-        roles={i: tangent_role(n) for i, n in enumerate(_names(f, args))},
+        roles={i: tangent_role(n) for i, n in enumerate(argument_names(f, args))},
     )
     return out, remember_inputs(gm)
 

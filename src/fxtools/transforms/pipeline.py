@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.fx as fx
@@ -47,9 +47,11 @@ from ..graph import meta
 from ..graph.nodes import is_float
 from ..passes.simplify import simplify
 from ..passes.views import collapse_view_chains
+from ..registry import Transform
 from ..signature import closures, sizes
 from ..signature.guards import install
 from . import control_flow
+from .calling import transform
 
 __all__ = ["Built", "Transform", "USERS", "uses_pipeline", "front", "differentiated", "back", "emit", "built_by"]
 
@@ -61,25 +63,18 @@ F = TypeVar("F", bound=Callable[..., Any])
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Transform:
-    """A public transform as a pipeline stage: what it requires of the front's ``Captured`` and
-    what it ensures of the module the back returns."""
-
-    name: str  # "fxtools.vjp": the made_by of its modules
-    requires: str
-    ensures: str
-
-
 USERS: dict[str, Transform] = {}
 
 
-def uses_pipeline(name: str, *, requires: str, ensures: str) -> Callable[[F], F]:
-    """Register the public transform ``name`` as a user of the front and back (``USERS``)."""
+def uses_pipeline(
+    name: str, *, requires: str, ensures: str, forward_mode: bool = False, batches: bool = False
+) -> Callable[[F], F]:
+    """Declare the public transform ``name`` (one ``Transform`` record in ``USERS``) as a user of
+    the front and back, its calls checked first (``calling.transform``)."""
+    USERS[name] = Transform(name, requires, ensures, forward_mode=forward_mode, batches=batches)
 
     def register(fn: F) -> F:
-        USERS[name] = Transform(name, requires, ensures)
-        return fn
+        return cast(F, transform(name)(fn))
 
     return register
 

@@ -19,6 +19,7 @@ calls that modify an argument in place or that read traced values they were not 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import operator
 import types
 
@@ -51,18 +52,17 @@ _CREATED = frozenset(
     }
 )
 
-_enabled = True
+_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("fxtools_replay_enabled", default=True)
 
 
 @contextlib.contextmanager
 def disabled():
     """Trace every call for real (to compare with replay, or to rule it out)."""
-    global _enabled
-    old, _enabled = _enabled, False
+    token = _ENABLED.set(False)
     try:
         yield
     finally:
-        _enabled = old
+        _ENABLED.reset(token)
 
 
 class _Unkeyable(Exception):
@@ -258,7 +258,7 @@ class Memo:
     def call(self, fn, /, *args, **kwargs):
         """``fn(*args, **kwargs)``, replayed when an equal call was traced before."""
         mode = proxy_tensor.get_innermost_proxy_mode()
-        if not _enabled or mode is None or fn is operator.getitem:
+        if not _ENABLED.get() or mode is None or fn is operator.getitem:
             return fn(*args, **kwargs)
         tracer = mode.tracer
         # Reading tensor metadata under make_fx's torch-function modes costs a dispatch per read.

@@ -15,7 +15,6 @@ what the resulting graph contains. Cotangent nodes are named ``grad_<value>``.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -23,17 +22,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch.fx.experimental import proxy_tensor
 
 from .. import registry
-from ..capture.names import name_rule_steps, recording_rule_lines
-from ..capture.trace import data_dependent_error, is_data_dependent, trace_flat
 from ..errors import MissingRuleError, user_line_of
 from ..graph import meta
-from ..graph.data_dependent import cotangent_example, dynamic_nodes, is_dynamic, symbolic_mode, tie
-from ..graph.nodes import is_float
+from ..graph.data_dependent import dynamic_nodes, tie
+from ..graph.nodes import ancestors, is_float
 from ..registry import differentiable_nodes
 from .replay import Memo
+from .retrace import Namer, Retracer, copy_constants
 
 aten = torch.ops.aten
 
@@ -77,56 +74,6 @@ def _getitem_users(node) -> dict:
     return {u.args[1]: u for u in node.users if u.op == "call_function" and u.target is operator.getitem}
 
 
-class _Namer:
-    """Names the traced nodes holding given tensors (``scores``, ``grad_scores``) once tracing ends,
-    and the other nodes a rule makes after the value it belongs to and their op (``grad_scores_sum``)."""
-
-    def __init__(self):
-        self.names: dict[fx.Node, str] = {}
-        self.owners: dict[fx.Node, str] = {}
-        self.weak: set[fx.Node] = set()
-
-    @contextlib.contextmanager
-    def owner(self, name: str):
-        """Nodes traced inside the block belong to ``name``."""
-        mode = proxy_tensor.get_innermost_proxy_mode()
-        graph = mode.tracer.graph if mode is not None else None
-        last = graph._root.prev if graph is not None else None
-        try:
-            with recording_rule_lines():
-                yield
-        finally:
-            if graph is not None:
-                node = last.next
-                while node is not graph._root:
-                    self.owners.setdefault(node, name)
-                    node = node.next
-
-    def __call__(self, tensor, name: str, weak: bool = False, owner: str | None = None) -> None:
-        """Name the node holding ``tensor``; a ``weak`` name (an intermediate's) yields to a later one.
-        With ``owner``, only a node traced for it (a rule returning its argument names nothing)."""
-        mode = proxy_tensor.get_innermost_proxy_mode()
-        if mode is None or not isinstance(tensor, torch.Tensor):
-            return
-        try:
-            node = proxy_tensor.get_proxy_slot(tensor, mode.tracer).proxy.node
-        except Exception:  # noqa: BLE001 - not a traced tensor: nothing to name
-            return
-        if owner is not None and self.owners.get(node) != owner:
-            return
-        if node.op == "call_function" and (node not in self.names or node in self.weak):
-            self.names[node] = name
-            if weak:
-                self.weak.add(node)
-            else:
-                self.weak.discard(node)
-
-    def apply(self, graph: fx.Graph) -> None:
-        for node, name in self.names.items():
-            node._rename(name)
-        name_rule_steps(graph, set(self.names), self.owners)
-
-
 @dataclass
 class ReverseSpec:
     """What to differentiate: which captured placeholders, and how the output is seeded."""
@@ -152,7 +99,7 @@ class ReverseResult:
 def reverse(captured: fx.GraphModule, spec: ReverseSpec) -> ReverseResult:
     """Build the value-and-VJP graph of ``captured`` (a flat, functional ATen graph)."""
     transposer = _Transposer(captured, spec)
-    gm = transposer.trace()
+    gm = transposer.trace(transposer.cotangent_examples())
     transposer.name_results(gm)
     grad_index = [i for i, w in enumerate(spec.wrt) if w]
     return ReverseResult(gm, transposer.ct_index, grad_index)
@@ -168,19 +115,20 @@ def _carrying_cotangents(captured: fx.GraphModule, placeholders, out_nodes, wrt)
     return {n for n in need if n in reach or n in wrt_nodes}
 
 
-class _Transposer:
+class _Transposer(Retracer):
     """The template ``reverse`` traces: ``(*inputs, *cotangents) -> (*outputs, *gradients)``.
 
-    Runs the captured graph forward one node at a time (one method per opcode, as
+    Runs the captured graph forward one node at a time (``Retracer``: one method per opcode, as
     ``torch.fx.Interpreter``), recording on a tape the rule of each node a cotangent flows
     through; then seeds the outputs' cotangents and walks the tape backward, adding each rule's
     cotangents into its arguments' (as autodidax's ``eval_jaxpr_transposed``).
     """
 
+    verb = "differentiate"
+
     def __init__(self, captured: fx.GraphModule, spec: ReverseSpec):
-        self.captured, self.spec = captured, spec
-        self.placeholders = [n for n in captured.graph.nodes if n.op == "placeholder"]
-        self.out_nodes = list(next(n for n in captured.graph.nodes if n.op == "output").args[0])
+        super().__init__(captured)
+        self.spec = spec
         self.need = _carrying_cotangents(captured, self.placeholders, self.out_nodes, spec.wrt)
         self.ct_index = [i for i, o in enumerate(self.out_nodes) if isinstance(o, fx.Node) and o in self.need]
         if spec.seed == "ones" and len(self.ct_index) > 1:
@@ -188,32 +136,20 @@ class _Transposer:
         for node in self.need:
             if node.op == "call_function" and node.target is not operator.getitem:
                 rule_for(node)  # fail before tracing, with the user's line
-        self.namer = _Namer()
-        self.current: fx.Node | None = None  # the node being differentiated, for error messages
+        self.namer = Namer()
         self.dynamic = set(dynamic_nodes(captured))  # data-dependent shapes (x[mask]): see graph/data_dependent.py
-        self.env: dict[fx.Node, Any] = {}  # each captured node's traced value
         self.memo = Memo()
         self.tape: list = []  # (node, rule, aux) for each node run through its rule, in order
         self.ct: dict[fx.Node, Any] = {}  # each node's cotangent so far
 
-    def trace(self) -> fx.GraphModule:
-        """The template traced on FakeTensors like the captured inputs and the cotangents."""
-        placeholder_vals = [p.meta["val"] for p in self.placeholders]
-        ct_vals = [self.out_nodes[i].meta["val"] for i in self.ct_index] if self.spec.seed == "cotangent" else []
-        mode = example_mode(placeholder_vals + ct_vals)
-        examples = [_example(v, mode, keep_strides=True) for v in placeholder_vals]
-        ct_examples = [_example(v, mode) for v in ct_vals]
-        try:
-            return trace_flat(self.template, [*examples, *ct_examples], record_stack_traces=False)
-        except Exception as exc:
-            if is_data_dependent(exc):
-                raise data_dependent_error(exc, self.current) from exc
-            raise
+    def cotangent_examples(self) -> list:
+        """The values whose cotangents the template takes (none for a scalar loss seeded with ones)."""
+        return [self.out_nodes[i].meta["val"] for i in self.ct_index] if self.spec.seed == "cotangent" else []
 
     def name_results(self, gm: fx.GraphModule) -> None:
         """Name the traced graph's arguments, constants and values after the captured graph's."""
         _name_arguments(gm, self.placeholders, self.out_nodes, self.ct_index)
-        _copy_constants(self.captured, gm)
+        copy_constants(self.captured, gm)
         self.namer.apply(gm.graph)
 
     def template(self, *flat):
@@ -222,26 +158,13 @@ class _Transposer:
         self.env = dict(zip(self.placeholders, inputs))
         self.memo = Memo()  # repeated calls (identical layers) copy their first trace: see transforms/replay.py
         self.tape, self.ct = [], {}
-        for node in self.captured.graph.nodes:
-            getattr(self, node.op, self.unsupported)(node)
+        self.run_nodes()
         self.seed(cts)
         for node, rule, aux in reversed(self.tape):
             self.transpose(node, rule, aux)
         return (*self.outputs(), *self.gradients())
 
-    # -- forward: one method per opcode
-
-    def placeholder(self, node: fx.Node) -> None:
-        pass  # bound to the template's inputs
-
-    def output(self, node: fx.Node) -> None:
-        pass  # read by ``outputs``
-
-    def get_attr(self, node: fx.Node) -> None:
-        self.env[node] = getattr(self.captured, str(node.target))
-
-    def unsupported(self, node: fx.Node) -> None:
-        raise NotImplementedError(f"fxtools cannot differentiate a graph with {node.op} nodes")
+    # -- forward: ``Retracer`` binds placeholders and constants
 
     def call_function(self, node: fx.Node) -> None:
         """Run ``node``: through its rule's forward (pushed on the tape) if a cotangent flows through it."""
@@ -341,27 +264,27 @@ class _Transposer:
 # -- names: values after the captured nodes, cotangents ``grad_<value>``
 
 
-def _value_owner(namer: _Namer, node: fx.Node):
+def _value_owner(namer: Namer, node: fx.Node):
     """Nodes traced while running ``node`` forward belong to its value."""
     return namer.owner(node.name)
 
 
-def _cotangent_owner(namer: _Namer, node: fx.Node):
+def _cotangent_owner(namer: Namer, node: fx.Node):
     """Nodes traced while running ``node``'s rule backward belong to its cotangent."""
     return namer.owner(f"grad_{node.name}")
 
 
-def _name_value(namer: _Namer, value, node: fx.Node) -> None:
+def _name_value(namer: Namer, value, node: fx.Node) -> None:
     # a part of a multi-output op was traced with the op; any other value must be its rule's own
     owner = None if node.target is operator.getitem else node.name
     namer(value, node.name, weak=meta.INTERMEDIATE.on(node), owner=owner)
 
 
-def _name_cotangent(namer: _Namer, c, node: fx.Node) -> None:
+def _name_cotangent(namer: Namer, c, node: fx.Node) -> None:
     namer(c, f"grad_{node.name}")
 
 
-def _name_gradient(namer: _Namer, g, placeholder: fx.Node) -> None:
+def _name_gradient(namer: Namer, g, placeholder: fx.Node) -> None:
     namer(g, f"grad_{placeholder.name}")
 
 
@@ -382,70 +305,3 @@ def single_cotangent_name(out: fx.Node) -> str:
     """The argument holding the cotangent of a function's one output: ``grad_out``, or ``grad_loss``
     when the user's code computes a scalar loss (its ``out`` may then be a value of its own)."""
     return "grad_loss" if isinstance(out, fx.Node) and out.name == "loss" else "grad_out"
-
-
-def ancestors(nodes) -> set[fx.Node]:
-    """``nodes`` and every node they depend on."""
-    seen: set[fx.Node] = set()
-    stack = [n for n in nodes if isinstance(n, fx.Node)]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return seen
-
-
-def example_mode(vals):
-    """The fake mode to re-trace in: the capture's when a value has a data-dependent or a
-    symbolic size (its symbols live there), else a fresh one, as ``make_fx`` would make for real
-    examples."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    for val in vals:
-        if isinstance(val, torch.Tensor) and is_dynamic(val):
-            return val.fake_mode
-    symbolic = symbolic_mode(vals)  # sizes marked dynamic: their symbols live in the capture's mode
-    if symbolic is not None:
-        return symbolic
-    return FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
-
-
-def _example(val, mode, keep_strides=False):
-    """A FakeTensor of ``mode`` standing in for ``val`` when re-tracing.
-
-    Examples stay fake, so nothing is allocated however large the example (a 100000 x 100000
-    argument on the ``meta`` device costs nothing), and the re-trace sees the value's own device.
-
-    With ``keep_strides`` (the function's own arguments) it has the example argument's strides,
-    so the re-traced graph knows which values are contiguous (simplify keeps ``.contiguous()``
-    exactly where a later ``.view`` needs it). Cotangents are contiguous, as callers make them.
-    """
-    if not isinstance(val, torch.Tensor):
-        return val
-    if is_dynamic(val):
-        return cotangent_example(val)  # a FakeTensor with the same data-dependent sizes
-    with mode:
-        if keep_strides:
-            return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
-        return torch.empty(val.shape, dtype=val.dtype, device=val.device)
-
-
-def _copy_constants(src: fx.GraphModule, dst: fx.GraphModule) -> None:
-    """Keep the captured module's attribute names for constants the template re-traced."""
-    by_id = {id(getattr(src, n.target)): n.target for n in src.graph.nodes if n.op == "get_attr"}
-    renames = {}
-    for node in dst.graph.nodes:
-        if node.op == "get_attr" and node.target not in renames:
-            name = by_id.get(id(getattr(dst, node.target)))
-            if name and name != node.target and not hasattr(dst, name):
-                setattr(dst, name, getattr(dst, node.target))
-                renames[node.target] = name
-    for node in dst.graph.nodes:
-        if node.op == "get_attr" and node.target in renames:
-            node.target = renames[node.target]
-            node._rename(node.target)
-    for old in renames:
-        delattr(dst, old)

@@ -34,12 +34,11 @@ from ..capture.nested import out_of_place_views
 from ..capture.trace import trace_flat
 from ..errors import FxtoolsError, MissingRuleError, user_line_of
 from ..graph import meta
-from ..graph.nodes import is_float
+from ..graph.nodes import ancestors, is_float
 from ..registry import differentiable_nodes
 from ..rules import taylor as rules
-from .calling import transform
 from .pipeline import back, uses_pipeline
-from .reverse import _copy_constants, _example, _Namer, ancestors, example_mode
+from .retrace import Namer, copy_constants, example_mode, fake_example
 from .vjp import argnums_tuple, prepare
 
 aten = torch.ops.aten
@@ -126,7 +125,7 @@ def _trace(cap, x_index, seed, extras, extra_names, outputs_of, made_by):
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     out_nodes = list(next(n for n in graph.nodes if n.op == "output").args[0])
     need = _needed(cap.gm, placeholders[x_index])
-    namer = _Namer()
+    namer = Namer()
 
     def template(*flat):
         inputs, more = flat[: len(placeholders)], flat[len(placeholders) :]
@@ -156,13 +155,13 @@ def _trace(cap, x_index, seed, extras, extra_names, outputs_of, made_by):
         return (*[rules.value_of(r) for r in results], *terms)
 
     mode = example_mode([p.meta["val"] for p in placeholders])
-    examples = [_example(p.meta["val"], mode, keep_strides=True) for p in placeholders]
-    more = [_example(v, mode) for v in extras]
+    examples = [fake_example(p.meta["val"], mode, keep_strides=True) for p in placeholders]
+    more = [fake_example(v, mode) for v in extras]
     gm = trace_flat(template, [*examples, *more], record_stack_traces=False, pre_dispatch=False)
     names = [p.name for p in placeholders] + list(extra_names)
     for node, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], names):
         node._rename(name)
-    _copy_constants(cap.gm, gm)
+    copy_constants(cap.gm, gm)
     namer.apply(gm.graph)
     out_of_place_views(gm)  # the batched ops' in-place squeeze_ (traced below torch.func)
     functionalize(gm)
@@ -231,7 +230,6 @@ def _check_sigma(sigma, x, made_by):
     requires="front: a prepared graph; ops the directions reach have Taylor rules or decompositions",
     ensures="gm(*args[, sigma]) -> (out, laplacian), laplacian nested as out",
 )
-@transform("fxtools.laplacian")
 def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="rademacher") -> fx.GraphModule:
     """The Laplacian of ``f`` with respect to ``args[argnums]``, by collapsed Taylor mode, as code.
 
@@ -311,7 +309,6 @@ def _directions(x, more, samples, distribution):
     requires="front: a prepared graph; ops the series reaches have Taylor rules or decompositions",
     ensures="gm(*args, series) -> (out, out_series), out_series nested as out",
 )
-@transform("fxtools.jet")
 def jet(f, *args, order, argnums=0) -> fx.GraphModule:
     """Taylor mode along a curve: the derivatives of ``f(x(t))`` at ``t = 0``, as code.
 

@@ -17,12 +17,11 @@ from torch.utils import _pytree as pytree
 from .. import rules  # noqa: F401  (registers fxtools' own rules)
 from ..capture.trace import Captured
 from ..graph import meta
-from ..graph.nodes import is_float
+from ..graph.nodes import ancestors, is_float
 from ..signature.guards import OptionalTensor, cotangent_role
 from ..signature.naming import arg_names
-from .calling import transform
 from .pipeline import back, describe_leaf, differentiated, front, uses_pipeline
-from .reverse import ReverseSpec, ancestors, reverse, single_cotangent_name
+from .reverse import ReverseSpec, reverse, single_cotangent_name
 
 
 def argnums_tuple(argnums, nargs):
@@ -34,9 +33,6 @@ def argnums_tuple(argnums, nargs):
         if not -nargs <= a < nargs:
             raise ValueError(f"argnums {a} is out of range for a function of {nargs} positional arguments")
     return tuple(a % nargs for a in nums)
-
-
-_argnums_tuple = argnums_tuple  # the name higher.py imports
 
 
 def prepare(f, args, argnums, dynamic_shapes=None, has_aux=False, made_by="fxtools"):
@@ -74,7 +70,8 @@ def grads_structure(cap: Captured, args, grads_flat, argnums):
     return tuple(nested[a] for a in argnums)
 
 
-def _names(f, args):
+def argument_names(f, args) -> list[str]:
+    """One identifier per positional argument of ``f`` (a function or a module's ``forward``)."""
     return arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
 
 
@@ -103,7 +100,6 @@ def _output_structure(cap, out_flat):
     requires="front: a prepared graph; every op reached from a differentiated leaf has a VJP rule",
     ensures="gm(*args, grad_out) -> (out, grads), grads nested as the differentiated arguments",
 )
-@transform("fxtools.vjp")
 def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The vector-Jacobian product of ``f`` at example ``args``, as readable PyTorch code.
 
@@ -183,7 +179,6 @@ def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None, has_aux=False):
     requires="front: a prepared graph returning one floating-point element (and aux)",
     ensures="gm(*args) -> grads (and aux), nested as the differentiated arguments",
 )
-@transform("fxtools.grad")
 def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> fx.GraphModule:
     """The gradient of scalar-valued ``f`` at example ``args``: ``gm(*args) -> grads``.
 
@@ -203,7 +198,6 @@ def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> f
     requires="as fxtools.grad",
     ensures="gm(*args) -> (value, grads), or ((value, aux), grads)",
 )
-@transform("fxtools.value_and_grad")
 def value_and_grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> fx.GraphModule:
     """Like ``grad``, but ``gm(*args) -> (value, grads)``; with ``has_aux=True``,
     ``gm(*args) -> ((value, aux), grads)``, as ``jax.value_and_grad`` (``torch.func.grad_and_value``
