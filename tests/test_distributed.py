@@ -7,8 +7,9 @@ first step) and every parameter after the 5 steps with the same run in eager DDP
 1e-10, and checks that fxtools' forward graphs ran at every step. Sharded gradients and
 parameters are compared whole (``DTensor.full_tensor()``). Each rank also measures the
 activations fxtools' graphs save under FSDP2 against one process (two policies, with and without
-``torch.utils.checkpoint`` blocks), and checks the errors for what fxtools refuses (hooks that
-would run twice, an in-place collective in a differentiated program).
+``torch.utils.checkpoint`` blocks), checks the errors for what fxtools refuses (hooks that
+would run twice, an in-place collective in a differentiated program), and trains a MeanFlow loss
+(``torch.func.jvp`` of the model inside the loss) under DDP and FSDP2 in both wrapping orders.
 
 Memory budgets (``policy=fxtools.policies.budget(b)``) train the same way under DDP and FSDP2: at
 each budget of ``BUDGETS`` and for three wrapping orders, the gradients and parameters equal eager
@@ -176,6 +177,70 @@ def _budget_choices(probe: Probe) -> list[dict] | None:
     return rows
 
 
+JVP_WRAPPINGS = (
+    "ddp(fxtools.compile(loss))",
+    "fxtools.compile(ddp(loss))",
+    "fully_shard(fxtools.compile(loss))",
+    "fxtools.compile(fully_shard(loss))",
+)
+
+
+class _MeanFlow(nn.Module):
+    """A MeanFlow loss (issue 34): ``torch.func.jvp`` of a small time-conditioned MLP inside the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+
+    def velocity(self, z, r, t):
+        return self.net(torch.cat([z, r[:, None], t[:, None]], -1))
+
+    def forward(self, z, r, t, v):
+        u, dudt = torch.func.jvp(self.velocity, (z, r, t), (v, torch.zeros_like(r), torch.ones_like(t)))
+        target = (v - (t - r)[:, None] * dudt).detach()
+        return (u - target).pow(2).mean()
+
+
+def _jvp_loss_cases(rank: int, train, names_of) -> dict:
+    """The MeanFlow loss trained for STEPS AdamW steps under each of ``JVP_WRAPPINGS``, against eager
+    DDP / FSDP2 (gradients of the first step, parameters after the steps, at 1e-10)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fxtools
+
+    def model_and_batch():
+        torch.manual_seed(0)
+        model = _MeanFlow()
+        g = torch.Generator().manual_seed(10 + rank)
+        r, t = torch.rand(4, generator=g), torch.rand(4, generator=g)
+        return model, (torch.randn(4, 4, generator=g), r, t, torch.randn(4, 4, generator=g))
+
+    reference = {}
+    for kind, wrap in (("ddp", DDP), ("fsdp", fully_shard)):
+        model, inputs = model_and_batch()
+        reference[kind] = train(wrap(model), names_of(model), inputs)
+    out = {}
+    for case in JVP_WRAPPINGS:
+        try:
+            model, inputs = model_and_batch()
+            wrapper = DDP if "ddp" in case else fully_shard
+            trained = wrapper(fxtools.compile(model)) if case.startswith(("ddp", "fully")) else fxtools.compile(wrapper(model))
+            grads, params, _ = train(trained, names_of(model), inputs)
+            want_grads, want_params, _ = reference["ddp" if "ddp" in case else "fsdp"]
+            errors = []
+            for what, got, want in (("gradient", grads, want_grads), ("parameter", params, want_params)):
+                for name in want:
+                    try:
+                        torch.testing.assert_close(got.get(name), want[name], **TOL)
+                    except (AssertionError, TypeError) as e:
+                        errors.append(f"{what} {name}: {str(e).splitlines()[-1]}")
+            out[case] = errors
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[case] = [f"{type(e).__name__}: {e}"]
+    return out
+
+
 def _worker(out_dir: str) -> None:
     import datetime
 
@@ -303,6 +368,7 @@ def _worker(out_dir: str) -> None:
 
             results[case] = {"errors": [f"{type(e).__name__}: {e}", traceback.format_exc()[-3000:]], "seconds": None}
     results["memory"] = _memory_cases(shard_blocks, model_and_batch)
+    results["jvp loss"] = _jvp_loss_cases(rank, train, names_of)
     results["refused"] = {}
     for case in ("a hook on the model in DDP", "a hook on a sharded block", "an in-place collective in the model"):
         model, inputs = model_and_batch()
@@ -453,6 +519,16 @@ def test_budgets_under_ddp_and_fsdp2_train_as_eager_within_their_bytes():
             assert len(set(by_wrapping.values())) == 1, f"budget({b}), rank {rank}: choices differ: {by_wrapping}"
 
 
+def test_meanflow_jvp_loss_under_ddp_and_fsdp2_trains_as_eager():
+    """A loss taking torch.func.jvp of the model (MeanFlow) under DDP and FSDP2, both wrapping
+    orders: eager's gradients and parameters after 5 AdamW steps (float64, 1e-10)."""
+    problems = [
+        f"{case} (rank {rank}): {errors}" for rank, res in enumerate(_run()) for case, errors in res["jvp loss"].items() if errors
+    ]
+    assert len(_run()[0]["jvp loss"]) == len(JVP_WRAPPINGS)
+    assert not problems, "\n".join(problems)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         _worker(sys.argv[2])
@@ -460,8 +536,8 @@ if __name__ == "__main__":
         start = time.perf_counter()
         for rank, res in enumerate(_run()):
             for case, r in res.items():
-                if case == "refused":
-                    print(f"rank {rank} refused: {r}")
+                if case in ("refused", "jvp loss"):
+                    print(f"rank {rank} {case}: {r}")
                 elif case == "memory":
                     for variant, row in r.items():
                         print(f"rank {rank} saved activations, {variant}: {row}")

@@ -39,6 +39,10 @@ FUSED_CASES = {
         (lambda x: aten.native_layer_norm(x, [4, 3], None, None, 1e-5)[0], (_t(2, 4, 3),)),
     ],
     aten._safe_softmax: [(lambda x: aten._safe_softmax(x, -1), (_t(3, 4),))],
+    aten.embedding: [  # without padding or frequency scaling, the readable rows scattered into zeros
+        (lambda w: F.embedding(torch.tensor([[0, 2], [2, 3]]), w, padding_idx=2), (_t(5, 3),)),
+        (lambda w: F.embedding(torch.tensor([0, 2, 2, 1]), w, scale_grad_by_freq=True), (_t(5, 3),)),
+    ],
     aten.threshold: [(lambda x: F.threshold(x, 0.2, -1.0), (_t(3, 4),))],
     aten.max_pool2d_with_indices: [(lambda x: F.max_pool2d(x, 3, 2, 1, return_indices=True)[0], (_t(2, 3, 7, 6),))],
     aten.max_pool3d_with_indices: [(lambda x: F.max_pool3d(x, 2, return_indices=True)[0], (_t(1, 2, 4, 4, 5),))],
@@ -205,7 +209,7 @@ def test_gpt_fused_graph_calls_the_kernels_autograd_calls():
     for kernel in (
         "native_layer_norm_backward",
         "gelu_backward",
-        "embedding_dense_backward",
+        ".index_add_(0, ",  # the embedding's rows, scattered into the tied head's gradient (issue 33)
         "_scaled_dot_product_flash_attention_for_cpu_backward",
         "nll_loss_backward",
         "_log_softmax_backward_data",

@@ -25,6 +25,15 @@ class DataDependentError(FxtoolsError):
     """Python control flow depended on the *value* of a tensor, which a trace cannot capture."""
 
 
+class NonFiniteError(FxtoolsError):
+    """A step of a module made with ``check_finite=True`` computed a NaN or an unintended infinity;
+    ``.report`` says which value first, from which line of the user's (``fxtools.find_nonfinite``'s report)."""
+
+    def __init__(self, report):
+        super().__init__(str(report))
+        self.report = report
+
+
 _EXAMPLES = os.path.join(FXTOOLS_DIR, "cli", "examples.py")  # the demo's programs are user code
 
 
@@ -71,8 +80,8 @@ def current_user_line() -> str:
     return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
 
 
-def user_line_of(node) -> str | None:
-    """'file:line: code' of the user call that produced FX `node`, from its recorded stack trace."""
+def user_frame_of(node) -> tuple[str, int, str] | None:
+    """``(filename, lineno, code)`` of the user call that produced FX ``node``, from its recorded stack trace."""
     trace = node.meta.get("stack_trace") if node is not None else None
     if not trace:
         return None
@@ -83,10 +92,16 @@ def user_line_of(node) -> str | None:
         if line.startswith('File "'):
             filename = line.split('"')[1]
             if is_user_file(filename):
-                lineno = line.split("line ")[1].split(",")[0]
+                lineno = int(line.split("line ")[1].split(",")[0])
                 code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-                best = f"{filename}:{lineno}: {code}"
+                best = (filename, lineno, code)
     return best
+
+
+def user_line_of(node) -> str | None:
+    """'file:line: code' of the user call that produced FX `node`, from its recorded stack trace."""
+    frame = user_frame_of(node)
+    return None if frame is None else f"{frame[0]}:{frame[1]}: {frame[2]}"
 
 
 def is_program_file(filename: str) -> bool:

@@ -105,7 +105,22 @@ _RULE_SETS: dict[str, dict[Any, Rule]] = {"readable": {}}  # name -> rules overr
 _ACTIVE = contextvars.ContextVar("fxtools_rule_set", default=("readable", _RULE_SETS["readable"]))
 
 
+_BUILTIN: list[Callable[[], object]] = []  # imports fxtools' own rules (``fxtools/__init__.py`` sets it)
+
+
+def load_builtin_rules_with(loader: Callable[[], object]) -> None:
+    """``loader()`` registers fxtools' own rules: run before any table is read or written, so a
+    user's rule replaces a built-in one however lazily the package was imported."""
+    _BUILTIN[:] = [loader]
+
+
+def _builtin() -> None:
+    while _BUILTIN:
+        _BUILTIN.pop()()  # popped first: the rules' own registrations come back here
+
+
 def _table(rule_set):
+    _builtin()
     return _RULES if rule_set is None else _RULE_SETS.setdefault(rule_set, {})
 
 
@@ -185,6 +200,7 @@ def vjp_rule(op, *, rule_set: str | None = None, complex: str = "holomorphic"):
 
 
 def _find(table, op) -> Rule | None:
+    _builtin()
     rule = table.get(op)
     if rule is None and isinstance(op, torch._ops.OpOverload):
         rule = table.get(op.overloadpacket)
@@ -233,6 +249,7 @@ def readable_rule(op) -> Rule | None:
 
 def rule_sets() -> list[str]:
     """Names of the rule sets ``rule_set`` accepts."""
+    _builtin()
     return list(_RULE_SETS)
 
 
@@ -250,6 +267,7 @@ def rule_set(rules="readable"):
     dict ``{op: (fwd, bwd)}`` of rules overriding the readable ones. Graphs already made are
     unaffected; the setting is per thread (and per asyncio task).
     """
+    _builtin()
     if rules is None:
         yield
         return
@@ -282,10 +300,12 @@ def mark_nondifferentiable(*ops) -> None:
     Like autograd, fxtools then treats their outputs as constants: the gradient through them is
     zero, and no backward code is emitted for them.
     """
+    _builtin()
     _NONDIFFERENTIABLE.update(_key(op) for op in ops)
 
 
 def is_nondifferentiable(op) -> bool:
+    _builtin()
     if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return op in _NONDIFFERENTIABLE
     return op in _NONDIFFERENTIABLE or (isinstance(op, torch._ops.OpOverload) and op.overloadpacket in _NONDIFFERENTIABLE)

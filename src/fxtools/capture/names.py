@@ -5,7 +5,8 @@ module renames them, in order of preference:
 
 1. the value a statement of user code assigns, after its target (``scores = q @ k.T / 8``
    names the division ``scores``; ``logits = self.fc2(h)`` names the module's value ``logits``;
-   ``q, k, v = x.split(...)`` names the parts);
+   ``q, k, v = x.split(...)`` names the parts, ``q, k, v = (t.view(s) for t in (q, k, v))`` the
+   comprehension's elements);
 2. a value a module call returns that no statement assigns, after the module: the shortest
    unique suffix of its path (``attn_c_proj``, ``h_3_ln_1``, ``fc1``); a value leaving nested
    modules at once takes the outermost one's name (a block's ``return x + ...`` is ``h_3``);
@@ -226,6 +227,30 @@ def _targets(frame, top_codes) -> list | None:
     return None
 
 
+def _name_elements(key: tuple, run: list, top_codes, names: dict) -> bool:
+    """``q, k, v = (t.view(s).transpose(1, 2) for t in (q, k, v))``: a comprehension's run of nodes
+    (one per iteration, the same ops each time) named element by element after the tuple's targets:
+    ``q``, ``k``, ``v``, their steps ``q_view``, ... Returns whether it named the run."""
+    if len(key) < 2 or not key[-1][2].startswith("<") or key[-1][2] == "<lambda>" or key[-1][0] != key[-2][0]:
+        return False
+    targets = _targets(key[-2], top_codes)
+    n = len(targets or ())
+    if n < 2 or not all(t and t != "<return>" for t in targets or ()) or len(run) % n:
+        return False
+    size = len(run) // n
+    chunks = [run[i * size : (i + 1) * size] for i in range(n)]
+    if any([m.target for m in c] != [m.target for m in chunks[0]] for c in chunks):
+        return False  # not one iteration per element
+    for target, chunk in zip(targets or (), chunks):
+        *steps, value = chunk
+        names.setdefault(value, target)
+        for m in steps:
+            if m not in names and m.target is not operator.getitem:
+                names[m] = f"{target}_{short_op(m)}"
+                meta.INTERMEDIATE.set(m, True)
+    return True
+
+
 def _return_name(frame, node, top_codes) -> str:
     filename, _, function = frame
     if (filename, function) in top_codes or function == "<lambda>":
@@ -265,6 +290,12 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
     for n, path in module_nodes.items():
         names[n] = short[path]
     top = _top_codes(f)
+    call_results: dict[tuple, dict[int, fx.Node]] = {}
+    for n in nodes:
+        if meta.CALL_RESULT.on(n):
+            trace, k = meta.CALL_RESULT.get(n)
+            at = _frames(trace)
+            call_results.setdefault(at[len(outer) :] if outer and at[: len(outer)] == outer else at, {})[k] = n
     runs: list[tuple[tuple, list[fx.Node]]] = []
     open_runs: list[tuple[tuple, list[fx.Node]]] = []
     for n in nodes:
@@ -282,6 +313,8 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
             open_runs.append(new_run)
             runs.append(new_run)
     for key, run in runs:
+        if _name_elements(key, run, top, names):
+            continue
         targets = _targets(key[-1], top)
         if not targets or (targets[0] is None and len(targets) == 1):
             continue
@@ -297,7 +330,12 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
             names.setdefault(value, base)
         else:
             multi = [m for m in run if isinstance(m.meta.get("val"), (tuple, list)) and len(m.meta["val"]) == len(targets)]
-            if multi:
+            results = call_results.get(key, {})
+            if sorted(results) == list(range(len(targets))):  # u, dudt = torch.func.jvp(...)
+                for k, m in results.items():
+                    if targets[k] and (m not in names or m in module_nodes):
+                        names[m] = targets[k]
+            elif multi:
                 m = multi[-1]
                 for u in m.users:
                     if u.target is operator.getitem and isinstance(u.args[1], int) and targets[u.args[1]]:

@@ -39,9 +39,16 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError, current_user_line, is_data_dependent, user_frame
 from ..passes.views import collapse_view_chains
-from . import custom
+from . import custom, dual
 
-__all__ = ["NestedTransformError", "functorch_regions", "nested_transforms", "out_of_place_views", "run_below_functorch"]
+__all__ = [
+    "NestedTransformError",
+    "capturing_program",
+    "functorch_regions",
+    "nested_transforms",
+    "out_of_place_views",
+    "run_below_functorch",
+]
 
 
 class NestedTransformError(FxtoolsError):
@@ -243,14 +250,32 @@ def _vjp_with_argnums(original):
     return vjp_with_argnums
 
 
+def capturing_program() -> bool:
+    """Whether fxtools is capturing the program itself (not a transform traced below functorch)."""
+    return _at_top()
+
+
+def _at_top() -> bool:
+    parent = proxy_tensor._CURRENT_MAKE_FX_TRACER
+    return not _below() and parent is not None and parent.pre_dispatch
+
+
 def _jvp_with_argnums(original):
     def jvp_with_argnums(func, primals, tangents, argnums=None, *, strict=False, has_aux=False):
-        def call(primals, tangents):
-            return original(func, primals, tangents, argnums, strict=strict, has_aux=has_aux)
-
-        return run_below_functorch("jvp", call, (primals, tangents))
+        if _at_top():  # forward mode in the program: fxtools' own (capture/dual.py)
+            return dual.jvp(func, primals, tangents, argnums, strict=strict, has_aux=has_aux)
+        return original(func, primals, tangents, argnums, strict=strict, has_aux=has_aux)
 
     return jvp_with_argnums
+
+
+def _linearize(original):
+    def linearize(func, *primals):
+        if _at_top():
+            raise _refusal("linearize")
+        return original(func, *primals)
+
+    return linearize
 
 
 @contextlib.contextmanager
@@ -260,21 +285,21 @@ def nested_transforms():
     import torch._functorch.apis as apis
     import torch._functorch.eager_transforms as eager
     import torch._functorch.vmap as vmap
-    import torch.autograd.forward_ad as forward_ad
+    import torch.func
 
     wrappers = [
         (apis, "vmap_impl", _vmap_impl),
         (eager, "grad_and_value_impl", _grad_and_value_impl),
         (eager, "_vjp_with_argnums", _vjp_with_argnums),
         (eager, "_jvp_with_argnums", _jvp_with_argnums),
+        # torch.func.linearize runs forward_ad under its own make_fx, which would trace a wrong graph
+        (eager, "linearize", _linearize),
+        (torch.func, "linearize", _linearize),
     ]
     levels = [
         (vmap, "vmap_increment_nesting", "vmap"),
         (eager, "grad_increment_nesting", "grad/vjp"),
         (eager, "jvp_increment_nesting", "jvp"),
-        # forward-mode AD levels: torch.func.linearize (whose own make_fx would trace a wrong
-        # graph) and torch.autograd.forward_ad used directly
-        (forward_ad, "enter_dual_level", "linearize/forward-mode AD"),
     ]
     saved = [(module, name, getattr(module, name)) for module, name, _ in [*wrappers, *levels]]
     for module, name, wrap in wrappers:
@@ -282,7 +307,8 @@ def nested_transforms():
     for module, name, transform in levels:
         setattr(module, name, _guarded_level(getattr(module, name), transform))
     try:
-        yield
+        with dual.forward_ad_levels(_at_top):  # torch.autograd.forward_ad: fxtools' forward mode too
+            yield
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
@@ -384,5 +410,8 @@ def _outline(gm: fx.GraphModule, region: list[fx.Node], name: str) -> None:
 
 
 def run_functorch_region(kind: str, where: str | None, body: fx.GraphModule, *inputs):
-    """A region of functorch calls from a Dynamo graph (``functorch_regions``)."""
+    """A region of functorch calls from a Dynamo graph (``functorch_regions``); forward mode alone
+    is recorded with fxtools' markers (``capture/dual.py``), as ``torch.func.jvp`` is."""
+    if kind == "jvp" and _at_top() and dual.is_jvp_region(body):
+        return tuple(dual.run_jvp_region(body, inputs))
     return run_below_functorch(kind, body, inputs, where)

@@ -607,3 +607,35 @@ def bench_command(argv) -> int:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main(argv)
+
+
+def nan_command(argv) -> int:
+    """``fxtools nan FILE.py:NAME --arg ...``: the first non-finite value of the value and gradient
+    (``fxtools.find_nonfinite``), printed; exit status 1 if there is one, 0 if every value is finite."""
+    from ..training.nonfinite import find_nonfinite
+
+    p = Parser(
+        prog="fxtools nan",
+        description="Run the value and the gradient of TARGET (path/to/file.py:NAME, a function or an nn.Module "
+        "class instantiated with no arguments) once on the --arg inputs and print the first NaN or unintended "
+        "infinity: its name in the generated code, your line that made it, its operands and hints. "
+        "Exit status 1 if there is one, 0 if every value is finite.",
+        epilog="example: fxtools nan model.py:loss --arg x=f32[4,8] --arg eps=0.0",
+    )
+    p.add_argument("target", metavar="TARGET", help="path/to/file.py:function_or_module")
+    p.add_argument("--arg", action="append", default=[], metavar="[NAME=]SPEC", help=ARG_HELP)
+    p.add_argument("--argnums", help="for a function: the argument(s) to differentiate, e.g. 0 or 0,2 (default: all)")
+    p.add_argument("--dtype", choices=[k for k, v in _DTYPES.items() if v.is_floating_point], help="cast float inputs")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random example inputs (default 0)")
+    a = p.parse_args(argv)
+    target = Target(load_target(a.target), a.arg, a.seed, _DTYPES[a.dtype] if a.dtype else None)
+    argnums = None
+    if a.argnums is not None and target.model is None:
+        argnums = parse_argnums(a.argnums, len(target.args))
+    report = find_nonfinite(target.fn, *target.args, argnums=argnums)
+    if report is None:
+        print(f"# fxtools nan of {a.target}: every value of the forward and the backward is finite")
+        return 0
+    print(f"# fxtools nan of {a.target}: {target.kind}")
+    print(report)
+    return 1

@@ -92,9 +92,10 @@ def ops(argv) -> int:
 
 COMMANDS = {"demo": demo, "ops": ops}
 
-from .commands import bench_command, grad_command, jvp_command, show_command, split_command, vjp_command  # noqa: E402
+from .commands import bench_command, grad_command, jvp_command, nan_command, show_command, split_command, vjp_command  # noqa: E402
 
 COMMANDS.update(grad=grad_command, vjp=vjp_command, jvp=jvp_command, split=split_command, show=show_command, bench=bench_command)
+COMMANDS.update(nan=nan_command)
 
 
 def main(argv=None) -> int:
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
             "  vjp    the vector-Jacobian product of FILE.py:NAME as code\n"
             "  jvp    the Jacobian-vector product of FILE.py:NAME as code\n"
             "  split  forward and backward graphs of FILE.py:NAME and what the forward saves\n"
+            "  nan    where the first NaN (or unintended inf) of FILE.py:NAME's value and gradient comes from\n"
             "  show   print a module written by fxtools.save / --out, or the tensors of a .pt file\n"
             "  bench  benchmarks against PyTorch (AOTAutograd, make_fx, eager autograd)\n"
             "  ops    coverage: how each op of PyTorch's OpInfo samples is differentiated (rule, decomposition, derived)"

@@ -1,6 +1,6 @@
 """How a graph prints as Python: what ``gm.code`` looks like.
 
-torch.fx's code generator is kept, with four changes made to the lines it writes:
+torch.fx's code generator is kept, with five changes made to the lines it writes:
 
 - keyword arguments as PEP 8 writes them: ``stride=[1, 1]``, not ``stride = [1, 1]``;
 - one statement per multi-output op, ``ln_1, mean, rstd = torch.native_layer_norm(...)``, with
@@ -15,7 +15,9 @@ torch.fx's code generator is kept, with four changes made to the lines it writes
   by at most ``SLACK_BYTES``; larger ones free every value fx frees except those whose storage
   lives to the end anyway, so their peak memory is exactly fx's;
 - single-use cheap values named only by their op are written inside their user's expression
-  (``fold.py``): the same ATen calls in the same order, the same frees, fewer lines.
+  (``fold.py``): the same ATen calls in the same order, the same frees, fewer lines;
+- a scatter into a fresh tensor nothing else reads is written with the in-place method
+  (``inplace.py``): ``torch.zeros_like(w).index_add_(0, i, rows)``, one allocation, no copy.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from .fold import fold, folding
+from .inplace import in_place
 
 SLACK_BYTES = 64 * 1024  # at most this many bytes are kept alive longer than fx's frees would keep them
 SMALL_PROGRAM_BYTES = 4 * 1024 * 1024  # ... and only by programs whose values peak below this
@@ -96,6 +99,7 @@ def _transform(body: list[str], nodes: list[fx.Node], frees: bool, folds: bool) 
         statements.update(rewritten)
         names_gone = {nodes[i].name for i in gone}
         keep = {i: [n for n in names if n not in names_gone] for i, names in keep.items()}
+    statements.update(in_place(nodes, statements))
     out = []
     for i, pieces in chunks:
         if i is None:

@@ -82,6 +82,11 @@ RULE_LINES: Key[tuple] = Key(
 MODULE_OUT: Key[str] = Key(
     "fxtools_module_out", "Path of the outermost module call returning the node's value (capture/names.py)."
 )
+CALL_RESULT: Key[tuple] = Key(
+    "fxtools_call_result",
+    "(stack trace of a call, k): the node is the call's k-th result leaf, wherever it was computed "
+    "(capture/dual.py stamps a jvp's u and dudt; capture/names.py names them u, dudt = jvp(...)).",
+)
 ROLE: Key[str] = Key(
     "fxtools_role",
     "The rule's variable a value is named after (xhat, cdf): codegen/fold.py prints a small one inside its one user.",

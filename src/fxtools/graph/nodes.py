@@ -37,6 +37,20 @@ def count_compute_nodes(gm: fx.GraphModule) -> int:
     )
 
 
+# Ops PyTorch tags random that draw nothing when their arguments say so: (index, name, default)
+# of the dropout probability, and of the training flag (None: the op has none).
+_MAY_DRAW = {
+    aten.scaled_dot_product_attention.default: ((4, "dropout_p", 0.0), None),
+    aten.dropout.default: ((1, "p", None), (2, "train", None)),
+    aten.native_dropout.default: ((1, "p", None), (2, "train", None)),
+}
+
+
+def _arg(node: fx.Node, spec):
+    index, name, default = spec
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
 def is_impure(node: fx.Node) -> bool:
     """Nodes dead-code elimination and CSE must keep: mutation, randomness, stateful norms."""
     if node.op in ("placeholder", "output"):
@@ -47,6 +61,9 @@ def is_impure(node: fx.Node) -> bool:
     if t in STATEFUL_NORMS:
         training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
         return bool(training)
+    if t in _MAY_DRAW:  # attention without dropout, dropout with p=0 or in eval mode: pure
+        p, train = _MAY_DRAW[t]
+        return _arg(node, p) != 0 and (train is None or bool(_arg(node, train)))
     if isinstance(t, torch._ops.OpOverload):
         return t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags or node.is_impure()  # _assert_async
     return node.is_impure()

@@ -142,6 +142,12 @@ class _Rewriter:
         return node
 
 
+def fill_value(node):
+    """The number ``node``'s tensor is known to be filled with (``zeros_like(x)``, ``-ones(...) / 2``,
+    their views and conversions), rounded to its dtype; None if not known."""
+    return _Rewriter(node.graph).constant(node) if isinstance(node, fx.Node) else None
+
+
 def _fill_value(node, constant_value):
     """The number ``node`` is filled with (unrounded), asking ``constant_value`` about its inputs."""
     if not isinstance(node, fx.Node) or node.op != "call_function":

@@ -243,6 +243,9 @@ def _native_batch_norm_legit_no_training(ct, out, x, weight, bias, running_mean,
 
 @fused(aten.embedding)
 def embedding(ct, out, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if padding_idx < 0 and not scale_grad_by_freq:  # the readable rows scattered into zeros: the same
+        # kernel (printed in place), and a tied weight's other gradient is accumulated into (passes/accumulate.py)
+        return nn.embedding(ct, out, weight, indices)
     return aten.embedding_dense_backward(ct, indices, weight.shape[0], padding_idx, scale_grad_by_freq), None
 
 

@@ -44,6 +44,7 @@ import inspect
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..capture.nested import functorch_regions
@@ -54,8 +55,9 @@ from ..signature.guards import InputMismatch
 from ..signature.naming import identifier
 from .aten import to_aten
 from .distributed import Wrappers
+from .finite import Checker, locate
 from .partition import Split, split
-from .saved import Replay, SavedValues, release
+from .saved import Replay, SavedValues, release, rng_state
 
 __all__ = ["compile", "backend", "CompiledModule"]
 
@@ -204,8 +206,9 @@ class _Runner:
     (``_boxed_call``, as Inductor's are).
     """
 
-    def __init__(self, sp: Split, leaves, fw_compiler, bw_compiler, decompositions=None):
+    def __init__(self, sp: Split, leaves, fw_compiler, bw_compiler, decompositions=None, check_finite=False):
         self.split = sp
+        self.checker = Checker(sp) if check_finite else None  # check_finite: training/finite.py
         fw_compiler, bw_compiler = _resolve_compiler(fw_compiler), _resolve_compiler(bw_compiler)
         self.aten = None
         if fw_compiler is not None or bw_compiler is not None:
@@ -260,8 +263,11 @@ class _Runner:
         if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
             outs = _SplitFunction.apply(self, *leaves)
         else:
+            rng = rng_state(leaves) if self.checker else None
             with torch.no_grad():
                 outs, _ = self.run_forward(leaves)
+                if self.checker:
+                    self.checker.forward(leaves, outs, rng)
         it = iter(outs)
         full = [next(it) if t else o for t, o in zip(self.out_is_tensor, self.out_leaves)]
         return pytree.tree_unflatten(full, self.split.out_spec)
@@ -306,8 +312,10 @@ class _Runners:
         capturing=contextlib.nullcontext,
         decompositions=None,
         split=None,
+        check_finite=False,
     ):
         self.fn, self.fw_compiler, self.bw_compiler, self.policy = fn, fw_compiler, bw_compiler, policy
+        self.check_finite = check_finite
         self.rules, self.decompositions, self.fixed = rules, decompositions, split
         self.dynamic_shapes, self.dynamic, self.skip_first = dynamic_shapes, dynamic, skip_first
         self.capturing = capturing  # the context in which ``fn`` is traced
@@ -346,7 +354,11 @@ class _Runners:
             leaves = self.fixed.guards.check(args)
             if not self.entries:
                 self.entries.append(
-                    (training, None, _Runner(self.fixed, leaves, self.fw_compiler, self.bw_compiler, self.decompositions))
+                    (
+                        training,
+                        None,
+                        _Runner(self.fixed, leaves, self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite),
+                    )
                 )
             return self.entries[0][2], leaves
         mask = _requires_grad(args)
@@ -361,7 +373,7 @@ class _Runners:
             sp = split(self.fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules, dynamic_shapes=self._marks(args))
         sp.from_module = self.skip_first  # a module's: its parameters come first, by name
         leaves = sp.flatten(*args)
-        runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler, self.decompositions)
+        runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite)
         self.entries.append((training, mask, runner))
         return runner, leaves
 
@@ -383,6 +395,8 @@ class _SplitFunction(torch.autograd.Function):
         ctx.fxtools_record = record = runner.replay.record(leaves)
         outs, saved = runner.run_forward(leaves)
         runner.replay.finish(record)
+        if runner.checker:
+            runner.checker.forward(leaves, outs, record.rng)
         runner.saved.pack(ctx, saved)
         tensors = [o for o in outs if isinstance(o, torch.Tensor)]
         non_diff = [o for o in tensors if not is_float(o)]
@@ -399,8 +413,12 @@ class _SplitFunction(torch.autograd.Function):
             grads = runner.replay.vjp(ctx.fxtools_record, cts)
             release(ctx)
             return (None, *grads)
+        record = ctx.fxtools_record  # unpack lets go of it
         saved = runner.saved.unpack(ctx)
-        return (None, *runner.run_backward(saved, cts))
+        grads = runner.run_backward(saved, cts)
+        if runner.checker:  # on failure the whole step runs again, readable and checked node by node
+            runner.checker.backward(grads, lambda: locate(runner.split, record.leaves, cts, rng=record.rng))
+        return (None, *grads)
 
 
 def _requires_grad(args):
@@ -435,6 +453,7 @@ class CompiledModule(torch.nn.Module):
         dynamic=False,
         decompositions=None,
         split=None,
+        check_finite=False,
     ):
         super().__init__()
         self.module = model
@@ -451,6 +470,7 @@ class CompiledModule(torch.nn.Module):
             capturing=self._wrappers.capturing,
             decompositions=decompositions,
             split=split,
+            check_finite=check_finite,
         )
 
     def _args(self, inputs, kwargs):
@@ -490,6 +510,7 @@ class CompiledFunction:
         dynamic=False,
         decompositions=None,
         split=None,
+        check_finite=False,
     ):
         self.fn = fn
         self._runners = _Runners(
@@ -502,6 +523,7 @@ class CompiledFunction:
             dynamic,
             decompositions=decompositions,
             split=split,
+            check_finite=check_finite,
         )
 
     def runner(self, *args, **kwargs) -> _Runner:
@@ -572,6 +594,7 @@ def compile(
     compiler=None,
     decompositions=None,
     split=None,
+    check_finite=False,
 ):
     """A module or function whose forward and backward run fxtools' split graphs.
 
@@ -594,10 +617,14 @@ def compile(
 
     ``split``: run this split (``Split.edit`` makes one from edited graphs) instead of making
     splits; calls its guards refuse raise ``InputMismatch``.
+
+    ``check_finite=True``: a step (forward or backward) that computes a NaN or an unintended
+    infinity raises ``fxtools.NonFiniteError`` naming the first (``training/finite.py``; see
+    docs/nonfinite.md for what it checks and costs).
     """
     fw_compiler = compiler if fw_compiler is None else fw_compiler
     bw_compiler = compiler if bw_compiler is None else bw_compiler
-    options = dict(decompositions=decompositions, split=split)
+    options = dict(decompositions=decompositions, split=split, check_finite=check_finite)
     if split is not None and split.from_module != isinstance(model_or_fn, torch.nn.Module):
         made = "a module" if split.from_module else "a function"
         raise ValueError(f"the split was made from {made}; pass the {made[2:]} it was made from")
@@ -690,8 +717,9 @@ def _as_function(gm: fx.GraphModule, example_inputs=()):
         used.add(name)
         names.append(name)
 
-    def fn(*args):
-        return gm(*args)
+    def fn(*args):  # node by node, each traced op given the user's line Dynamo recorded on its node
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(gm).run(*args)
 
     fn.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
     fn.__name__ = fn.__qualname__ = "dynamo_graph"
@@ -702,13 +730,21 @@ def _as_function(gm: fx.GraphModule, example_inputs=()):
     return fn
 
 
-def backend(fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules="fused", compiler=None, decompositions=None):
+def backend(
+    fw_compiler=None,
+    bw_compiler=None,
+    policy="recompute_cheap",
+    rules="fused",
+    compiler=None,
+    decompositions=None,
+    check_finite=False,
+):
     """A ``torch.compile`` backend differentiating Dynamo's graphs with fxtools.
 
     ``torch.compile(model, backend=fxtools.backend())``; the compilers (``compiler="inductor"``
     for both), decompositions, policy and rules are those of ``fxtools.compile``. Each Dynamo graph
     is split as a function of its inputs (and of the parameters it holds, if any), and runs
-    through an autograd.Function.
+    through an autograd.Function. ``check_finite``: as on ``fxtools.compile``.
     """
     fw_compiler = compiler if fw_compiler is None else fw_compiler
     bw_compiler = compiler if bw_compiler is None else bw_compiler
@@ -716,10 +752,18 @@ def backend(fw_compiler=None, bw_compiler=None, policy="recompute_cheap", rules=
     def fxtools_backend(gm: fx.GraphModule, example_inputs):
         gm = functorch_regions(_inline_higher_order(gm))
         if any(True for _ in gm.parameters()):
-            compiled = CompiledModule(gm, fw_compiler, bw_compiler, policy, rules, decompositions=decompositions)
+            compiled = CompiledModule(
+                gm, fw_compiler, bw_compiler, policy, rules, decompositions=decompositions, check_finite=check_finite
+            )
         else:  # parameters arrive as inputs: differentiate the graph as a function of them
             compiled = CompiledFunction(
-                _as_function(gm, example_inputs), fw_compiler, bw_compiler, policy, rules, decompositions=decompositions
+                _as_function(gm, example_inputs),
+                fw_compiler,
+                bw_compiler,
+                policy,
+                rules,
+                decompositions=decompositions,
+                check_finite=check_finite,
             )
         with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
             compiled.runner(*example_inputs)

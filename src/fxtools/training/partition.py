@@ -49,10 +49,12 @@ from torch.utils import _pytree as pytree
 from .. import registry
 from ..capture.checkpoint import checkpoint_regions
 from ..capture.trace import Captured
+from ..codegen.inplace import in_place_body
 from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
 from ..graph import meta
 from ..graph.nodes import fake_mode_of
+from ..passes.accumulate import accumulate_into_scatters
 from ..passes.simplify import simplify
 from ..signature import closures, sizes
 from ..signature.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
@@ -62,6 +64,7 @@ from ..transforms.reverse import ReverseSpec, reverse
 from ..transforms.vjp import grads_structure
 from . import policies
 from .cuts import INF, backward_nodes, forward_nodes, max_flow_min_cut, nbytes, storage_root
+from .finite import checked_split
 
 # --------------------------------------------------------------------------------------------
 # Descriptions of inputs, saved values and cotangents
@@ -309,7 +312,16 @@ def _name_items(gm: fx.GraphModule) -> None:
 
 
 class _BoxedCodeGen(fx.graph.CodeGen):
-    """``def forward(self, args)``: unpack the list, empty it, then run (each value is dropped after its last use)."""
+    """``def forward(self, args)``: unpack the list, empty it, then run (each value is dropped after
+    its last use; scatters into fresh tensors in place, ``codegen/inplace.py``)."""
+
+    def _gen_python_code(self, nodes, root_module, namespace, **kwargs):
+        node_list = list(nodes)
+        self._body_transformer = lambda body: in_place_body(body, node_list)
+        try:
+            return super()._gen_python_code(node_list, root_module, namespace, **kwargs)
+        finally:
+            self._body_transformer = None
 
     def gen_fn_def(self, free_vars, maybe_return_annotation, *, expanded_def=False):
         names = [v.split(":")[0].strip() for v in free_vars]
@@ -696,7 +708,7 @@ class Split:
     requires="front: a prepared graph with VJP rules; a policy saying what to save",
     ensures="Split: forward(*leaves) -> (out, saved), backward(*saved, *cotangents) -> grads, each guarded",
 )
-def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dynamic_shapes=None) -> Split:
+def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dynamic_shapes=None, check_finite=False) -> Split:
     """Forward and backward graphs of ``f`` at ``args`` (see the module docstring).
 
     ``policy``: ``"recompute_cheap"`` (default), ``"save_all"``, ``"dots_saveable"`` or a function
@@ -705,10 +717,13 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     backward returns ``None`` for the others and saves nothing only they would need.
     ``rules``: the rule set (``"readable"``, ``"fused"``, a dict; see ``fxtools.rule_set``);
     ``None`` (default) uses the one in effect, readable unless a ``rule_set`` block says otherwise.
+    ``check_finite=True``: the forward and backward raise ``fxtools.NonFiniteError`` when a step
+    computes a NaN or an unintended infinity, naming the first (``training/finite.py``).
     """
     if rules is not None:
         with registry.rule_set(rules):
-            return split(f, *args, policy=policy, grad_leaves=grad_leaves, dynamic_shapes=dynamic_shapes)
+            sp = split(f, *args, policy=policy, grad_leaves=grad_leaves, dynamic_shapes=dynamic_shapes)
+        return checked_split(sp) if check_finite else sp
     policies.resolve(policy)  # validate early
     from_module = isinstance(f, torch.nn.Module)
     if from_module:
@@ -723,13 +738,15 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     with fx_traceback.preserve_node_meta():
         rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
     joint = rev.gm
+    accumulate_into_scatters(joint)
     simplify(joint)
     sizes.check(cap.symbolic, joint)
     _name_items(joint)
     part = _Partition(joint, sum(cap.tensor_leaf), len(cap.out_leaves), policy)
     forward = _forward_graph(joint, part, cap)
     backward = _backward_graph(joint, part, cap, grads_structure(cap, args, _flat_grads(part, wrt), argnums))
-    return _described(cap, args, part, forward, backward, rev.ct_index, policy, from_module)
+    sp = _described(cap, args, part, forward, backward, rev.ct_index, policy, from_module)
+    return checked_split(sp) if check_finite else sp
 
 
 def _with_grad_leaves(wrt: list[bool], grad_leaves) -> list[bool]:

@@ -43,7 +43,7 @@ from ..graph import meta
 from ..graph.nodes import written_args
 from ..passes.subgraphs import subgraphs
 
-__all__ = ["SavedValues", "Replay", "to_host", "to_device"]
+__all__ = ["SavedValues", "Replay", "to_host", "to_device", "rng_state", "rng_restored"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def _custom_calls(gm: fx.GraphModule) -> list[str]:
     )
 
 
-def _rng_state(leaves) -> tuple:
+def rng_state(leaves) -> tuple:
     """The default generators' states: the CPU's, and those of the accelerators ``leaves`` are on."""
     devices = sorted({x.device for x in leaves if isinstance(x, torch.Tensor) and not x.is_cpu}, key=str)
     return torch.get_rng_state(), [(d, torch.get_device_module(d.type).get_rng_state(d)) for d in devices]
@@ -294,7 +294,7 @@ class Replay:
         snapshots = {k: (_attr(fw, k) if isinstance(k, str) else leaves[k]).clone() for k in candidates}
         versions = [x._version if isinstance(x, torch.Tensor) else None for x in leaves]
         attr_versions = {t: _attr(fw, t)._version for t in self.attrs}
-        return _Record(list(leaves), versions, snapshots, attr_versions, _rng_state(leaves))
+        return _Record(list(leaves), versions, snapshots, attr_versions, rng_state(leaves))
 
     def finish(self, record: _Record) -> None:
         """After the forward: what it wrote (kept as copies from before it) and whether it drew."""
@@ -312,7 +312,7 @@ class Replay:
                 del record.attr_versions[t]
             else:
                 record.versions[t] = None
-        record.drew = not _same_rng(record.rng, _rng_state(record.leaves))
+        record.drew = not _same_rng(record.rng, rng_state(record.leaves))
 
     def vjp(self, record: _Record | None, cts: list) -> list:
         """The gradients for ``cts``, recorded by autograd as functions of the inputs and ``cts``:
@@ -323,7 +323,7 @@ class Replay:
         leaves = [copies.get(i, x) for i, x in enumerate(record.leaves)]
         attrs = {k: v for k, v in copies.items() if isinstance(k, str)}
         wrt = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-        with _rng_restored(record.rng), torch.enable_grad():
+        with rng_restored(record.rng), torch.enable_grad():
             for i in wrt:  # one alias per position: an input passed twice gets a gradient per position
                 leaves[i] = leaves[i].view_as(leaves[i])
             outs = pytree.tree_leaves(_ReplayForward(self.program, attrs).run(*leaves))
@@ -389,8 +389,8 @@ def _attr(gm: fx.GraphModule, target: str):
 
 
 @contextlib.contextmanager
-def _rng_restored(rng):
-    """The generators as they were before the forward (``_rng_state``), restored afterwards."""
+def rng_restored(rng):
+    """The generators as they were before the forward (``rng_state``), restored afterwards."""
     cpu, states = rng
     with contextlib.ExitStack() as stack:
         for device_type in sorted({d.type for d, _ in states}) or ["cuda"]:

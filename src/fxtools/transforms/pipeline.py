@@ -45,12 +45,13 @@ from ..codegen.render import render
 from ..codegen.show import remember_inputs
 from ..graph import meta
 from ..graph.nodes import is_float
+from ..passes.accumulate import accumulate_into_scatters
 from ..passes.simplify import simplify
 from ..passes.views import collapse_view_chains
 from ..registry import Transform
 from ..signature import closures, sizes
 from ..signature.guards import install
-from . import control_flow
+from . import control_flow, tangents
 from .calling import transform
 
 __all__ = ["Built", "Transform", "USERS", "uses_pipeline", "front", "differentiated", "back", "emit", "built_by"]
@@ -133,13 +134,15 @@ def front(
 
 def _prepare_for_rules(cap: Captured, made_by: str, has_aux: bool) -> None:
     """The captured graph as the rule-driven transforms take it: sizes as marked, aux stopped,
-    functional, composite ops expanded, control flow with rules, nothing unsupported."""
+    functional, composite ops expanded, control flow with rules, the program's own JVPs computed
+    (``tangents.resolve``), nothing unsupported."""
     sizes.check(cap.symbolic, cap.gm)  # the program itself specialised a marked size
     if has_aux:
         stop_aux_gradients(cap, made_by)
     functionalize(cap.gm)
     expand(cap.gm)
     control_flow.prepare(cap.gm)
+    tangents.resolve(cap.gm)  # forward mode the program runs itself (torch.func.jvp in a loss)
     check_supported(cap.gm)
 
 
@@ -232,6 +235,7 @@ def back(
     """
     names = cap.arg_names if names is None else names
     gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
+    accumulate_into_scatters(gm)
     simplify(gm)
     if collapse_views:
         while collapse_view_chains(gm):

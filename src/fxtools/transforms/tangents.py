@@ -1,0 +1,400 @@
+"""Forward mode's graph: the transposed VJP, for ``fxtools.jvp`` and for JVPs inside a program.
+
+``jvp_graph(gm, wrt, order, n_main)`` is the flat JVP graph of a prepared flat graph: fxtools'
+one forward mode (see ``transforms/forward.py`` for why it transposes the VJP rules).
+``fxtools.jvp`` builds its module from it; ``resolve`` uses it for the forward mode a program
+runs itself (``torch.func.jvp``, ``torch.autograd.forward_ad``, ``fxtools.jvp`` called inside
+the function being differentiated), which capture records as ``dual`` / ``tangent`` markers
+(``capture/dual.py``): each ``tangent(y, level)`` becomes the JVP of the ops between the level's
+duals and ``y``, inlined where the program asked for it, and each dual its primal. The primal
+ops are shared with the program (the copies the JVP graph makes are common subexpressions), a
+tangent that is a known zero (``torch.zeros_like(r)``) is no tangent at all, and the later
+transform differentiates the tangent code like any other: the exact second-order terms where the
+loss does not ``detach`` it.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+
+from .. import registry
+from ..capture import dual
+from ..capture.decompose import expand
+from ..capture.functionalize import functionalize
+from ..errors import FxtoolsError, user_line_of
+from ..graph.nodes import fake_mode_of, is_float, is_impure
+from ..passes.simplify import cse, dce, fill_value, simplify
+from ..signature.naming import short_op
+from . import control_flow
+from .reverse import ReverseSpec, ancestors, reverse
+
+aten = torch.ops.aten
+
+__all__ = ["jvp_graph", "transpose_vjp", "tangent_names", "resolve"]
+
+
+def _prepared(gm: fx.GraphModule) -> fx.GraphModule:
+    """A flat ATen graph (from ``reverse``) made ready to be reversed again."""
+    functionalize(gm)
+    expand(gm)
+    control_flow.prepare(gm)  # the VJP's own cond / scan, differentiated again
+    return gm
+
+
+def tangent_names(gm: fx.GraphModule) -> None:
+    """``grad_grad_v`` (cotangent of a cotangent) is the tangent of ``v``: name it so.
+
+    Other ``grad_`` names of the second pass are cotangents of backward intermediates, which
+    mean nothing to a reader of forward-mode code: they are steps of a tangent, named after the
+    tangent they compute from and their op (``tangent_h_mul``), not after a chain of steps.
+    """
+    stem: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name.startswith("grad_grad_"):
+            stem[node] = "tangent_" + node.name[len("grad_grad_") :]
+        if node.op != "call_function" or not node.name.startswith("grad_"):
+            continue
+        if node.name.startswith("grad_grad_"):
+            node._rename("tangent_" + node.name[len("grad_grad_") :])
+            stem[node] = node.name
+        else:
+            source = next((a for a in node.all_input_nodes if a in stem), None)
+            stem[node] = stem[source] if source is not None else "tangent"
+            node._rename(f"{stem[node]}_{short_op(node)}")
+
+
+def transpose_vjp(vjp_gm: fx.GraphModule, n_in: int, n_out: int):
+    """Transpose the flat VJP graph ``(x..., u...) -> (out..., J^T u...)``.
+
+    ``vjp_gm`` has ``n_in`` primal placeholders followed by cotangent placeholders ``u``, and
+    returns ``n_out`` primal outputs followed by one gradient (or None) per primal input.
+    Returns ``(gm, tangent_of)``: ``gm`` takes ``(x..., u..., t...)`` and returns
+    ``(out..., J^T u..., J t per u)``, and ``tangent_of[k]`` is the primal input index whose
+    tangent is the k-th ``t`` placeholder.
+    """
+    placeholders = [n for n in vjp_gm.graph.nodes if n.op == "placeholder"]
+    n_u = len(placeholders) - n_in
+    wrt = [False] * n_in + [True] * n_u
+    rev = reverse(_prepared(vjp_gm), ReverseSpec(wrt, "cotangent"))
+    flat, ct_index = rev.gm, rev.ct_index
+    for i in ct_index:
+        if i < n_out:
+            raise FxtoolsError("internal error: a primal output depends on the cotangent")
+    return flat, [i - n_out for i in ct_index]
+
+
+def _zeros(graph: fx.Graph, val, fake_mode):
+    node = graph.call_function(aten.zeros.default, (list(val.shape),), {"dtype": val.dtype})
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["val"] = torch.zeros(val.shape, dtype=val.dtype)
+    return node
+
+
+# Ops whose PyTorch gradient is deliberately not the adjoint of their forward, with the
+# arguments that make it so: ``embedding``'s gradient skips the padding row (so training leaves
+# it alone) and may be scaled by word frequency, but its forward reads every row plainly. Forward
+# mode, like torch.func.jvp, gives the derivative of the forward: those arguments are reset
+# (they change only the gradient, never the value).
+_GRADIENT_ONLY_ARGS = {aten.embedding.default: {2: -1, 3: False}}  # padding_idx, scale_grad_by_freq
+
+
+def _true_adjoints(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        reset = _GRADIENT_ONLY_ARGS.get(node.target) if node.op == "call_function" else None
+        if reset:
+            args = list(node.args)
+            for i, value in reset.items():
+                if i < len(args):
+                    args[i] = value
+            node.args = tuple(args)
+
+
+def _outputs(gm: fx.GraphModule) -> list:
+    return list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+
+
+def jvp_graph(gm: fx.GraphModule, wrt: list[bool], order: list[int], n_main: int) -> fx.GraphModule:
+    """The flat JVP graph of ``gm`` (flat, prepared): ``(x..., t...) -> (out..., J t per main output)``.
+
+    ``wrt[i]``: placeholder ``i`` is differentiated; ``order``: the float placeholders of ``wrt``
+    whose tangents ``t`` are, in that order. The VJP of ``gm``, transposed, its cotangent inputs
+    replaced by zeros (nothing depends on them). Outputs after the first ``n_main`` get no tangent.
+    """
+    _true_adjoints(gm)
+    rev = reverse(gm, ReverseSpec(wrt, "cotangent"))
+    vjp_flat, ct_index = rev.gm, rev.ct_index
+    simplify(vjp_flat)
+    x_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out_vals = [o.meta.get("val") if isinstance(o, fx.Node) else o for o in _outputs(gm)]
+    wrt_x = [i for i, w in enumerate(wrt) if w]  # the placeholders with a gradient output, in order
+    n_x, n_out = len(x_ph), len(out_vals)
+    flat, tangent_of = transpose_vjp(vjp_flat, n_x, n_out)
+    tangent_names(flat)
+
+    # Rebuild: placeholders (x..., one tangent per float placeholder of ``order``), outputs (out..., J t...).
+    old_ph = [n for n in flat.graph.nodes if n.op == "placeholder"]
+    x_old, u_ph, t_ph = old_ph[:n_x], old_ph[n_x : n_x + len(ct_index)], old_ph[n_x + len(ct_index) :]
+    graph = fx.Graph()
+    env = {p: _placeholder(graph, p.name, p) for p in x_old}
+    t_new = {i: _placeholder(graph, f"tangent_{x_old[i].name}", x_old[i]) for i in order}
+    for k, p in enumerate(t_ph):
+        env[p] = t_new[wrt_x[tangent_of[k]]]
+    fake_mode = fake_mode_of(flat.graph)
+    for p in u_ph:
+        # J t does not depend on u (the VJP is linear in it); anything left reading u is dead
+        # or multiplied away, and zero is as good a value as any.
+        env[p] = _zeros(graph, p.meta["val"], fake_mode)
+    mapped = graph.graph_copy(flat.graph, env)
+    mapped = list(mapped) if isinstance(mapped, (tuple, list)) else [mapped]
+    outs = mapped[:n_out]
+    jt_of = dict(zip(ct_index, mapped[n_out + len(wrt_x) :]))
+    out_tangents = [_out_tangent(graph, jt_of, outs, i, o) for i, o in enumerate(out_vals[:n_main])]
+    graph.output((*outs, *out_tangents))
+    flat_gm = fx.GraphModule(flat, graph)
+    dce(flat_gm)
+    for n in flat_gm.graph.nodes:
+        if n.op == "placeholder" and n.name.startswith("grad_") and n.users:
+            raise FxtoolsError("internal error: the JVP depends on the cotangent of the VJP")
+    return flat_gm
+
+
+def _placeholder(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:
+    q = graph.placeholder(name)
+    q.meta["val"] = like.meta.get("val")
+    return q
+
+
+def _out_tangent(graph: fx.Graph, jt_of: dict, outs: list, i: int, o):
+    """The tangent of output ``i``: its ``J t``, zeros for a float output no tangent reaches, else None."""
+    if i in jt_of:
+        return jt_of[i]
+    if not is_float(o):
+        return None
+    src = outs[i]
+    if not isinstance(src, fx.Node):
+        return torch.zeros_like(o)
+    z = graph.call_function(aten.zeros_like.default, (src,))
+    z.meta["val"] = src.meta.get("val")
+    return z
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward mode a program runs itself
+
+
+def _is(node: fx.Node, target) -> bool:
+    return node.op == "call_function" and node.target is target
+
+
+def _value(marker: fx.Node) -> fx.Node:
+    """A marker's first argument: a dual's primal, the value a tangent is of."""
+    return cast(fx.Node, marker.args[0])
+
+
+def _level(marker: fx.Node) -> int:
+    return cast(int, marker.args[2 if _is(marker, dual.dual) else 1])
+
+
+def resolve(gm: fx.GraphModule) -> bool:
+    """Replace forward mode's markers in ``gm`` (a prepared captured graph) by fxtools' own forward
+    mode (see the module docstring); whether there were any."""
+    graph = gm.graph
+    if not any(_is(n, dual.dual) or _is(n, dual.tangent) for n in graph.nodes):
+        return False
+    while True:
+        group = _next_group(graph)
+        if not group:
+            break
+        _compute_tangents(gm, group)
+    for node in [n for n in graph.nodes if _is(n, dual.dual)]:
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
+    cse(gm)  # the JVP's copies of the primal ops are the program's own
+    dce(gm)
+    expand(gm)  # the tangent code as the next transform differentiates it
+    control_flow.prepare(gm)
+    gm.recompile()
+    return True
+
+
+def _next_group(graph: fx.Graph) -> list[fx.Node]:
+    """The first ``tangent`` markers of one level that can be computed together: the first one and
+    the level's others whose value is computed before it (one jvp call's outputs)."""
+    markers = [n for n in graph.nodes if _is(n, dual.tangent)]
+    if not markers:
+        return []
+    first = markers[0]
+    before = set()
+    for n in graph.nodes:
+        if n is first:
+            break
+        before.add(n)
+    return [first] + [m for m in markers[1:] if m.args[1] == first.args[1] and m.args[0] in before]
+
+
+def _region(graph: fx.Graph, level: int, ys: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The level's duals with a nonzero tangent, and the nodes between them and ``ys`` in graph order."""
+    active = [n for n in graph.nodes if _is(n, dual.dual) and n.args[2] == level and fill_value(n.args[1]) != 0]
+    down = set(active)
+    for n in graph.nodes:
+        if n in down or n.op == "output":
+            continue
+        inputs = [n.args[0]] if _is(n, dual.dual) else n.all_input_nodes
+        if any(i in down for i in inputs):
+            down.add(n)
+    up = ancestors(ys)
+    region = [n for n in graph.nodes if n in down and n in up]
+    for n in region:
+        if _is(n, dual.tangent):
+            raise FxtoolsError(
+                f"forward mode opened at {dual.level_line(level)} uses the tangent of another level (at "
+                f"{user_line_of(n) or 'an unknown line'}) before that level's tangents are complete; "
+                "take the inner JVP inside a function passed to the outer torch.func.jvp"
+            )
+    return [d for d in active if d in up], region
+
+
+def _compute_tangents(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
+    """Replace ``markers`` (tangents of one level) by the JVP of their region, inlined before the first."""
+    graph = gm.graph
+    level = _level(markers[0])
+    ys = [_value(m) for m in markers]
+    active, region = _region(graph, level, ys)
+    sub, inputs, tangents = _region_graph(gm, region, active, ys, level)
+    wrt = [i < len(tangents) for i in range(len(inputs))]
+    # fused backward kernels (fxtools.compile's rule set) have no VJP of their own to transpose
+    readable = "readable" if registry.active_rule_set() == "fused" else None
+    with fx_traceback.preserve_node_meta(), registry.rule_set(readable):
+        flat = jvp_graph(sub, wrt, list(range(len(tangents))), len(ys))
+    results, made = _inline(gm, flat, inputs + tangents, markers[0], len(ys))
+    for m, t in zip(markers, results):
+        name = m.name
+        m.replace_all_uses_with(t)
+        graph.erase_node(m)
+        if t in made:
+            made.discard(t)
+            t.name = name  # ``dudt``, the user's name: the erased marker's, unique and still reserved
+
+
+def _region_graph(gm, region: list[fx.Node], active: list[fx.Node], ys: list[fx.Node], level: int):
+    """The region as a flat graph: placeholders for the active duals' primals (differentiated), then
+    for what it reads from outside (constant for this JVP); returns it, the outer nodes its
+    placeholders stand for, and the duals' tangents."""
+    inside = set(region)
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[fx.Node] = []
+
+    def placeholder(outer: fx.Node) -> fx.Node:
+        p = sub.placeholder(f"arg{len(inputs)}")
+        p._rename(outer.name)  # tangent steps are named after it
+        p.meta["val"] = outer.meta.get("val")
+        inputs.append(outer)
+        return p
+
+    for d in active:
+        env[d] = placeholder(_value(d))
+    for n in region:
+        reads = [] if n in env else [_value(n)] if _is(n, dual.dual) else n.all_input_nodes
+        for a in reads:
+            if a not in inside and a not in env:
+                env[a] = placeholder(a) if a.op != "get_attr" or _is_tensor(gm, a) else _module_attr(sub, gm, a)
+    for n in region:
+        if n in env:
+            continue
+        if _is(n, dual.dual):  # another level's, or a zero tangent: its value is its primal
+            env[n] = env[_value(n)]
+            continue
+        env[n] = sub.node_copy(n, env.__getitem__)
+    sub.output([env[y] for y in ys])
+    sub_gm = fx.GraphModule(_Attrs(gm, sub), sub)
+    _refuse_random(region, level)
+    return sub_gm, inputs, [d.args[1] for d in active]
+
+
+def _is_tensor(gm, node: fx.Node) -> bool:
+    return isinstance(getattr(gm, str(node.target)), torch.Tensor)
+
+
+def _module_attr(sub: fx.Graph, gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """A submodule (control flow's function) the region calls, read as in ``gm``."""
+    copy = sub.get_attr(str(node.target))
+    copy.meta.update(node.meta)
+    return copy
+
+
+class _Attrs(torch.nn.Module):
+    """The submodules the region graph reads, under their names in the program's module."""
+
+    def __init__(self, gm: fx.GraphModule, graph: fx.Graph):
+        super().__init__()
+        for n in graph.nodes:
+            if n.op == "get_attr":
+                setattr(self, str(n.target), getattr(gm, str(n.target)))
+
+
+def _draws(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (or has another effect a copy would repeat)."""
+    return node.op == "call_function" and not _is(node, dual.dual) and is_impure(node)
+
+
+def _refuse_random(region: list[fx.Node], level: int) -> None:
+    """A random op between duals and a tangent would draw again for the tangent's copy."""
+    for n in region:
+        if _draws(n):
+            op = getattr(n.target, "__name__", str(n.target))
+            raise FxtoolsError(
+                f"{op} (at {user_line_of(n) or 'an unknown line'}) draws random numbers inside the function whose JVP "
+                f"is taken at {dual.level_line(level)}; fxtools cannot give the JVP the same random draw yet. Draw "
+                "outside the jvp and pass the mask in (or use eval mode / p=0 for dropout)."
+            )
+
+
+def _inline(gm: fx.GraphModule, flat: fx.GraphModule, feeds: list[fx.Node], before: fx.Node, n_out: int):
+    """Copy ``flat``'s ops into ``gm`` before ``before``, its placeholders read from ``feeds``;
+    returns the nodes of its tangent outputs and the set of nodes made."""
+    graph = gm.graph
+    env = dict(zip([n for n in flat.graph.nodes if n.op == "placeholder"], feeds))
+    where = before.meta.get("stack_trace")
+    results: list = []
+    made: set[fx.Node] = set()
+    with graph.inserting_before(before):
+        for n in flat.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                results = list(n.args[0])[n_out:]
+                continue
+            if n.op == "get_attr":
+                env[n] = graph.get_attr(_attr_name(gm, getattr(flat, str(n.target)), str(n.target)))
+                env[n].meta.update(n.meta)
+                continue
+            env[n] = graph.node_copy(n, env.__getitem__)
+            if not env[n].meta.get("stack_trace"):
+                env[n].meta["stack_trace"] = where
+            made.add(env[n])
+    out = [env[r] if isinstance(r, fx.Node) else r for r in results]
+    if any(not isinstance(r, fx.Node) for r in out):
+        raise FxtoolsError("internal error: a tangent of forward mode inside the program is not a value")
+    return out, made
+
+
+def _attr_name(gm: fx.GraphModule, value, name: str) -> str:
+    """The name of ``value`` among ``gm``'s attributes, given one if it has none."""
+    for key, v in list(gm.__dict__.get("_buffers", {}).items()) + list(gm.__dict__.get("_modules", {}).items()):
+        if v is value:
+            return key
+    for key, v in vars(gm).items():
+        if v is value:
+            return key
+    new, i = name, 0
+    while hasattr(gm, new):
+        i += 1
+        new = f"{name}_{i}"
+    setattr(gm, new, value)
+    return new
