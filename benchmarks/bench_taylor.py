@@ -7,7 +7,13 @@ the output with respect to each input (``D`` = 16, 64, 256, 1024), in float64 an
   made once, not timed);
 - ``trace of hessian``: ``torch.func.vmap`` over the batch of ``torch.func.hessian(f)(x).trace()``;
 - ``vmap of hvp``: ``torch.func.vmap`` over the batch of the sum over the basis vectors ``e_i`` of
-  ``e_i . H e_i``, with ``H e_i`` by ``jvp`` of ``grad`` batched over the basis (``torch.func.vmap``).
+  ``e_i . H e_i``, with ``H e_i`` by ``jvp`` of ``grad`` batched over the basis (``torch.func.vmap``);
+- ``batched u(X)``: ``fxtools.laplacian`` of the network written on the batch, without vmap (its
+  rows are independent, so the directions are those of one point, pushed through all rows);
+- ``jet-for-pytorch``: the collapsed Laplacian of "Collapsing Taylor Mode AD" (``jet.laplacian``,
+  vmapped over the batch), when ``import jet`` works: run this script with the side environment's
+  python (``bash ../shared/anchors/setup_taylor_anchors.sh DIR``, then ``DIR/jet/bin/python``; if
+  that venv lacks torch, a ``.pth`` file naming this project's site-packages adds it).
 
 One process, one thread (``--threads``), the median of ``--repeat`` calls after a warm-up; peak
 memory is the largest amount of memory the CPU allocator holds during one call (``torch.profiler``
@@ -49,6 +55,13 @@ def make_mlp(d: int, dtype):
         h = torch.tanh(h @ params["w1"] + params["b1"])
         return h @ params["w2"]
 
+    def column(x):  # the same network, its output of shape (1,)
+        h = torch.tanh(x @ params["w0"] + params["b0"])
+        h = torch.tanh(h @ params["w1"] + params["b1"])
+        return h @ params["w2"].unsqueeze(1)
+
+    f.column = column  # type: ignore[attr-defined]
+    f.params = params  # type: ignore[attr-defined]
     return f
 
 
@@ -71,14 +84,43 @@ def fxtools_laplacian(f, xs):
     return lambda x: batched(x)[1]
 
 
-def median_seconds(fn, x, repeat: int) -> float:
-    fn(x)
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
+def fxtools_inductor(f, xs):
+    """The vmapped Laplacian module compiled by Inductor (``--inductor``)."""
+    lap = fxtools.laplacian(f, xs[0])
+    return torch.compile(fxtools.vmap(lap, xs), backend="inductor")
+
+
+def fxtools_batched(f, xs):
+    """The Laplacian of ``u(X)`` written on the whole batch, without vmap (rows are independent)."""
+
+    def u(X):
+        h = torch.tanh(X @ f.params["w0"] + f.params["b0"])
+        h = torch.tanh(h @ f.params["w1"] + f.params["b1"])
+        return h @ f.params["w2"]
+
+    lap = fxtools.laplacian(u, xs)
+    return lambda x: lap(x)[1]
+
+
+def jet_for_pytorch(f, xs):
+    try:
+        import jet
+    except ImportError:
+        return None
+    return torch.func.vmap(jet.laplacian(f.column, (xs[0],)))  # its rules lack dot: the last layer as a matrix
+
+
+def median_times(methods, x, repeat: int) -> dict:
+    """Each method's median time, the methods alternating call by call (the machine is shared)."""
+    for fn in methods.values():
         fn(x)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    times: dict = {name: [] for name in methods}
+    for _ in range(repeat):
+        for name, fn in methods.items():
+            t = time.perf_counter()
+            fn(x)
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def peak_bytes(fn, x) -> int:
@@ -91,7 +133,7 @@ def peak_bytes(fn, x) -> int:
     return peak
 
 
-def run(dims, dtypes, repeat):
+def run(dims, dtypes, repeat, inductor=False):
     rows = []
     for dtype in dtypes:
         for d in dims:
@@ -101,41 +143,58 @@ def run(dims, dtypes, repeat):
                 "fxtools": fxtools_laplacian(f, xs),
                 "trace of hessian": trace_of_hessian(f),
                 "vmap of hvp": vmap_of_hvp(f),
+                "batched u(X)": fxtools_batched(f, xs),
+                "jet-for-pytorch": jet_for_pytorch(f, xs),
+                "fxtools + Inductor": fxtools_inductor(f, xs) if inductor else None,
             }
+            methods = {name: fn for name, fn in methods.items() if fn is not None}
             ref = methods["trace of hessian"](xs)
-            got = methods["fxtools"](xs)
             tol = 1e-10 if dtype == torch.float64 else 1e-3
-            err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-            assert err < tol, f"fxtools' Laplacian differs from torch.func's by {err:.3g} (D={d}, {dtype})"
-            times = {name: median_seconds(fn, xs, repeat) for name, fn in methods.items()}
+            for name, fn in methods.items():
+                got = fn(xs)
+                got = got[1] if isinstance(got, tuple) else got
+                err = ((got.reshape(ref.shape) - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                assert err < tol, f"{name}'s Laplacian differs from torch.func's by {err:.3g} (D={d}, {dtype})"
+            times = median_times(methods, xs, repeat)
             peaks = {name: peak_bytes(fn, xs) for name, fn in methods.items()}
             rows.append((str(dtype).removeprefix("torch."), d, times, peaks))
             print(_row(rows[-1]), flush=True)
     return rows
 
 
+COLUMNS = ["fxtools", "batched u(X)", "jet-for-pytorch", "trace of hessian", "vmap of hvp", "fxtools + Inductor"]
 HEADER = (
-    "| dtype | D | fxtools ms | trace of hessian ms | vmap of hvp ms | fxtools / trace | fxtools / hvp "
-    "| fxtools MB | trace MB | hvp MB |\n|---|---|---|---|---|---|---|---|---|---|"
+    "| dtype | D | "
+    + " | ".join(f"{c} ms" for c in COLUMNS)
+    + " | fxtools / trace | fxtools / jet-for-pytorch | batched / fxtools | fxtools MB | trace MB |\n"
+    + "|---" * (len(COLUMNS) + 7)
+    + "|"
 )
 
 
 def _row(row) -> str:
     dtype, d, t, p = row
-    mb = {k: v / 2**20 for k, v in p.items()}
+
+    def ms(name):
+        return f"{t[name] * 1e3:.2f}" if name in t else "-"
+
+    def ratio(a, b):
+        return f"{t[a] / t[b]:.2f}x" if a in t and b in t else "-"
+
     return (
-        f"| {dtype} | {d} | {t['fxtools'] * 1e3:.2f} | {t['trace of hessian'] * 1e3:.2f} | {t['vmap of hvp'] * 1e3:.2f} "
-        f"| {t['fxtools'] / t['trace of hessian']:.2f}x | {t['fxtools'] / t['vmap of hvp']:.2f}x "
-        f"| {mb['fxtools']:.1f} | {mb['trace of hessian']:.1f} | {mb['vmap of hvp']:.1f} |"
+        f"| {dtype} | {d} | " + " | ".join(ms(c) for c in COLUMNS) + f" | {ratio('fxtools', 'trace of hessian')} "
+        f"| {ratio('fxtools', 'jet-for-pytorch')} | {ratio('batched u(X)', 'fxtools')} "
+        f"| {p['fxtools'] / 2**20:.1f} | {p['trace of hessian'] / 2**20:.1f} |"
     )
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dims", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--dtypes", nargs="+", default=["float64", "float32"])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--inductor", action="store_true", help="add fxtools' module compiled by Inductor")
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     print(
@@ -143,7 +202,7 @@ def main(argv=None):
         f"torch {torch.__version__}, {opts.threads} thread(s), batch {BATCH}, width {WIDTH}, median of {opts.repeat}"
     )
     print(HEADER)
-    run(opts.dims, [getattr(torch, name) for name in opts.dtypes], opts.repeat)
+    run(opts.dims, [getattr(torch, name) for name in opts.dtypes], opts.repeat, opts.inductor)
 
 
 if __name__ == "__main__":

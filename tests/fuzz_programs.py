@@ -680,3 +680,68 @@ if __name__ == "__main__":
     idx = int(sys.argv[1])
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     print(program(idx, seed))
+
+
+# ------------------------------------------------------------------------------------------------
+# Programs as users write them around the straight-line ones (tests/test_fuzz_refusals.py, issue
+# 32): program ``index``'s ``f`` called from a ``g`` whose arguments are named from fxtools' own
+# vocabulary (``grad_x``, ``tangent_x``, ``x_1``, ``series_0``, ``batch``), that takes a keyword
+# argument, computes a term inside a grad-mode block (``no_grad``, ``enable_grad``,
+# ``set_grad_enabled(False)``, ``inference_mode``), and updates closed-over buffers in place several
+# times (a counter and an EMA, sometimes under ``no_grad``). Built and called under an outer
+# grad-mode context too (``outer``).
+
+USER_NAMES = ["grad_x", "tangent_x", "x_1", "series_0", "batch", "grad_out", "tangent_out", "series", "sizes"]
+INNER = ["torch.no_grad()", "torch.enable_grad()", "torch.set_grad_enabled(False)", "torch.inference_mode()"]
+OUTER = ["none", "no_grad", "enable_grad", "inference_mode"]
+
+
+@dataclass
+class Variant:
+    program: Program  # g, with its arguments renamed
+    reference: object  # g without its buffer updates (torch.func refuses updates of captured tensors)
+    buffers: dict  # name -> tensor, updated in place by each call of g
+    outer: str  # the grad-mode context the module is built and called in
+    scale: float  # the keyword argument's value
+
+
+def variant(index: int, seed: int = 0) -> Variant:
+    """Program ``index`` wrapped as described above (deterministic)."""
+    import re
+
+    p = program(index, seed)
+    rng = random.Random(f"fxtools-fuzz-variant-{seed}-{index}")
+    names = rng.sample(USER_NAMES, len(p.inputs))
+    rename = dict(zip([v.name for v in p.inputs], names))
+    source = re.sub(r"\b(x\d+|i\d+)\b", lambda m: rename.get(m.group(1), m.group(1)), p.source)
+    x = next(rename[v.name] for v in p.inputs if v.is_float)
+    args = ", ".join(names)
+    inner = rng.choice(INNER)
+    updates = rng.random() < 0.7
+    buffer_block = "torch.no_grad()" if rng.random() < 0.5 else "contextlib.nullcontext()"
+    header = f"def g({args}, *, scale=1.0):"
+    body = [
+        f"    with {inner}:",
+        f"        side = {x}.sin() * 2",  # no gradient in reverse mode; a tangent in forward unless inference mode
+        f"    out = f({args})",
+        f"    extra = ({x} + side).sum() * scale",
+        "    return out, extra",
+    ]
+    buffer_lines = [
+        f"    with {buffer_block}:",
+        "        count.add_(1)",
+        f"        ema.mul_(0.9).add_({x}.detach().mean(0), alpha=0.1)",
+        "        ema.add_(count * 0.01)",
+    ]
+    g_source = "\n".join([header, *(buffer_lines if updates else []), *body]) + "\n"
+    shape = p.inputs[next(k for k, v in enumerate(p.inputs) if v.is_float)].shape[1:]
+    buffers = {"count": torch.zeros((), dtype=torch.float64), "ema": torch.zeros(shape, dtype=torch.float64)}
+    env = {"torch": torch, "F": F, "contextlib": __import__("contextlib"), **buffers}
+    full = source + "\n\n" + g_source
+    exec(compile(full, f"<fuzz variant {index} (seed {seed})>", "exec"), env)
+    ref_env = {"torch": torch, "F": F}
+    ref_source = source + "\n\n" + "\n".join([header, *body]) + "\n"
+    exec(compile(ref_source, f"<fuzz variant reference {index} (seed {seed})>", "exec"), ref_env)
+    inputs = [Var(rename[v.name], v.vals, v.is_input) for v in p.inputs]
+    g = Program(index, seed, full, env["g"], inputs, p.float_args)
+    return Variant(g, ref_env["g"], buffers, rng.choice(OUTER), rng.choice([1.0, 0.5, 2.0]))

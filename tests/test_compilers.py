@@ -323,3 +323,27 @@ def test_edits_that_break_the_signature_are_refused():
         sp.edit(forward=fw)
     with pytest.raises(ValueError, match="made from a module"):
         fxtools.compile(lambda x: x, split=sp)
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("x_shape", [(5,), (3, 5)])
+def test_vector_matrix_product_under_inductor_decompositions(x_shape):
+    """Inductor's table lowers ``x @ w`` for a vector ``x`` to ``mm(x.unsqueeze(0), w).squeeze_(0)``:
+    the in-place view of an intermediate becomes its view form, not a refusal."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(5, 4))
+
+        def forward(self, x):
+            return torch.tanh(x @ self.w).sum()
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(x_shape)
+    graphs = []
+    compiled = fxtools.compile(model, x, compiler=checking_compiler(graphs), decompositions="inductor")
+    compiled(x).backward()
+    expected = torch.autograd.grad(torch.tanh(x @ model.w).sum(), model.w)[0]
+    torch.testing.assert_close(model.w.grad, expected, rtol=1e-12, atol=1e-12)
+    assert graphs

@@ -406,9 +406,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(out_dir: str, world_size: int = 2, extra_env: dict | None = None) -> list[dict]:
-    """Run ``_worker`` in ``world_size`` processes; their results, or an AssertionError with
-    their output if one fails or they take longer than TIMEOUT seconds."""
+def launch(out_dir: str, world_size: int = 2, extra_env: dict | None = None, script: str = __file__) -> list[dict]:
+    """Run ``script --worker out_dir`` (this file's ``_worker``) in ``world_size`` processes; their
+    results, or an AssertionError with their output if one fails or they take longer than TIMEOUT seconds."""
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -421,7 +421,7 @@ def launch(out_dir: str, world_size: int = 2, extra_env: dict | None = None) -> 
     procs = []
     for rank in range(world_size):
         log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
-        cmd = [sys.executable, __file__, "--worker", out_dir]
+        cmd = [sys.executable, script, "--worker", out_dir]
         procs.append(
             (subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=log), log)
         )

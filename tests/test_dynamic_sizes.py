@@ -267,15 +267,16 @@ def test_sizes_written_with_floor_division_and_views_of_symbolic_bases():
             torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
 
 
-def test_size_one_is_refused_even_when_the_dim_declares_it():
-    """torch traces a dynamic size as >= 2 and settles `size == 1` without a guard; a module
-    serving 1 could take the wrong branch, so it refuses it and says to build one for size 1."""
+def test_size_one_is_served_by_a_module_built_for_it():
+    """torch traces a dynamic size as >= 2 and settles `size == 1` without a guard; the symbolic
+    code could take the wrong branch at 1, so a call of size 1 runs a module built for it (on the
+    first such call), which takes the branch eager takes (issue 32)."""
 
     def f(x):
         return (x * 3).sum() if x.shape[0] == 1 else (x * x).sum()
 
     gm = fxtools.grad(f, torch.randn(4, 3, dtype=torch.float64), dynamic_shapes={"x": {0: BATCH}})
-    with pytest.raises(fxtools.InputMismatch, match="example of size 1"):
-        gm(torch.randn(1, 3, dtype=torch.float64))
+    assert torch.equal(gm(torch.ones(1, 3, dtype=torch.float64)), torch.full((1, 3), 3.0, dtype=torch.float64))
+    assert torch.equal(gm(torch.ones(2, 3, dtype=torch.float64)), torch.full((2, 3), 2.0, dtype=torch.float64))
     one = fxtools.grad(f, torch.randn(1, 3, dtype=torch.float64))
     assert torch.equal(one(torch.ones(1, 3, dtype=torch.float64)), torch.full((1, 3), 3.0, dtype=torch.float64))

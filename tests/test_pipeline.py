@@ -24,6 +24,8 @@ def g(x):
     return torch.tanh(x) * x
 
 
+fxtools.grad  # noqa: B018 - `import fxtools` is lazy: the first public name loads the transforms, which register here
+
 X, W = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
 
 # name -> (call, the made_by of the front that prepared its program)
@@ -40,6 +42,8 @@ CALLS = {
     "vmap": (lambda: fxtools.vmap(g, X.reshape(3, 1)), "fxtools.vmap"),
     "jet": (lambda: fxtools.jet(g, X, order=2), "fxtools.jet"),
     "laplacian": (lambda: fxtools.laplacian(f, X, W), "fxtools.laplacian"),
+    "divergence": (lambda: fxtools.divergence(g, X), "fxtools.divergence"),
+    "bilaplacian": (lambda: fxtools.bilaplacian(f, X, W), "fxtools.bilaplacian"),
     "split": (lambda: fxtools.split(f, X, W), "fxtools.split"),
 }
 

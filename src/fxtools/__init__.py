@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .transforms.forward import jvp
     from .transforms.higher import hessian, hvp
     from .transforms.jacobians import jacfwd, jacrev, linearize
-    from .transforms.taylor import jet, laplacian
+    from .transforms.taylor import bilaplacian, divergence, jet, laplacian
     from .transforms.vjp import grad, value_and_grad, vjp
 
 # Where each public name lives, in the order the package was imported eagerly (rules are
@@ -76,6 +76,8 @@ _LAZY = {
     "linearize": ".transforms.jacobians",
     "jet": ".transforms.taylor",
     "laplacian": ".transforms.taylor",
+    "divergence": ".transforms.taylor",
+    "bilaplacian": ".transforms.taylor",
     "grad": ".transforms.vjp",
     "value_and_grad": ".transforms.vjp",
     "vjp": ".transforms.vjp",
@@ -119,6 +121,8 @@ __all__ = [
     "hessian",
     "jet",
     "laplacian",
+    "divergence",
+    "bilaplacian",
     "vmap",
     "jacrev",
     "jacfwd",

@@ -59,6 +59,7 @@ class Transform:
     ensures: str
     forward_mode: bool = False  # pushes tangents forward: a torch.autograd.Function's own jvp would go unused
     batches: bool = False  # maps f over the user's batch (below torch.func.vmap): custom Functions run their forward
+    loss: bool = False  # differentiates a scalar loss: an nn.Module with parameters as f is ambiguous (calling.check_call)
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import torch
 
 from ..errors import FXTOOLS_DIR, is_user_file
 from ..signature.closures import MISSING, Read, is_constant, reads_of, snapshot
-from ..signature.guards import same_value
 from ..signature.naming import identifier
+from ..signature.runtime import same_value
 
 _DEPTH = 64  # how deep the walk follows user functions called by name (each code object once)
 

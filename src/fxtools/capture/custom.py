@@ -60,6 +60,7 @@ class _Building:
     capturing: bool = False  # capture is tracing: Function.apply goes through _function_apply
     record: bool = False  # custom calls become nodes (else they just run, as under vmap)
     transform: Transform | None = None  # the transform being built
+    handlers: tuple = ()  # (Function class, handler or None): function_handlers
 
 
 _STATE: contextvars.ContextVar[_Building] = contextvars.ContextVar(
@@ -75,6 +76,16 @@ def _building(**changes):
         yield
     finally:
         _STATE.reset(token)
+
+
+@contextlib.contextmanager
+def function_handlers(handlers: dict):
+    """While capturing, call ``handler(apply, *args, **kwargs)`` for these ``torch.autograd.Function``
+    classes instead of recording them (``apply`` runs the original, traced through); a handler of
+    None traces the function's forward through (its ops get their own rules). For the autograd
+    functions of tensor subclasses (``capture/subclasses.py``)."""
+    with _building(handlers=tuple({**dict(_STATE.get().handlers), **handlers}.items())):
+        yield
 
 
 @contextlib.contextmanager
@@ -549,6 +560,15 @@ def _function_apply(cls, original, args, kwargs):
     base = torch.autograd.Function
     if not _STATE.get().capturing:
         return original.__get__(None, cls)(*args, **kwargs)
+    handlers = dict(_STATE.get().handlers)
+    if cls in handlers:
+        handler = handlers[cls]
+
+        def apply(*args, **kwargs):
+            with _not_capturing():
+                return original.__get__(None, cls)(*args, **kwargs)
+
+        return apply(*args, **kwargs) if handler is None else handler(apply, *args, **kwargs)
     building = _STATE.get().transform
     if building is NESTED:
         if not _forward_is_its_derivative(cls):

@@ -70,6 +70,15 @@ def _is_view_op(op) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
 
 
+def _returns_written(op) -> bool:
+    """In-place ops that return the tensor they write (``mul_``: ``buf.mul_(0.9).add_(x)`` chains)."""
+    return (
+        _is_op(op)
+        and _written_args(op) == [0]
+        and any(r.alias_info is not None and r.alias_info.is_write for r in op._schema.returns)
+    )
+
+
 def _arg_names(op):
     return [a.name for a in op._schema.arguments]
 
@@ -160,7 +169,7 @@ def _closed_over_storages(gm: fx.GraphModule):
         src = node.args[0] if node.op == "call_function" and node.args else None
         if isinstance(src, fx.Node) and src.op == "call_function" and node.target is operator.getitem:
             src = src.args[0] if _is_view_op(src.target) and src.args else None
-        elif not (node.op == "call_function" and _is_view_op(node.target)):
+        elif not (node.op == "call_function" and (_is_view_op(node.target) or _returns_written(node.target))):
             src = None
         if isinstance(src, fx.Node) and _storage(_val(src)) in canonical:
             canonical[st] = canonical[_storage(_val(src))]
@@ -273,6 +282,8 @@ class _Step:
 
     def apply(self, b: _Builder, parent):
         """The view regenerated from ``parent``'s current value."""
+        if self.target is aten.as_strided.default and isinstance(self.args[0], fx.Node):
+            return _as_strided_on(b, parent, _val(self.args[0]), self.args[1:], self.kwargs)
         node = b(self.target, parent, *self.args[1:], **self.kwargs)
         if self.index is not None:
             node = b(operator.getitem, node, self.index)
@@ -398,12 +409,70 @@ def _scatter_as_strided(s: _Step, w: _Write):
     """Write through the flat positions the view covers (as_strided_scatter's gradient in
     PyTorch does not give the gradient of this write)."""
     pval, b = w.pval, w.b
-    if not (pval.is_contiguous() and pval.storage_offset() == 0):
+    order = _memory_order(pval)
+    if order is None:
+        raise w.cannot(s)
+    size, stride, offset = _as_strided_args(s.args[1:], s.kwargs, pval)
+    if not _within(pval, size, stride, offset):
         raise w.cannot(s)
     positions = b(aten.arange.default, pval.numel(), dtype=torch.int64, device=pval.device)
-    index = b(aten.as_strided.default, positions, *s.args[1:], **s.kwargs)
-    flat = b(aten.index_put.default, b(aten.reshape.default, w.parent, [-1]), [index], w.child)
-    return b(aten.reshape.default, flat, list(pval.shape))
+    index = b(aten.as_strided.default, positions, size, stride, offset - pval.storage_offset())
+    in_memory = b(aten.permute.default, w.parent, order) if order != list(range(pval.dim())) else w.parent
+    flat = b(aten.index_put.default, b(aten.reshape.default, in_memory, [-1]), [index], w.child)
+    value = b(aten.reshape.default, flat, [pval.shape[d] for d in order])
+    return b(aten.permute.default, value, _inverse(order)) if order != list(range(pval.dim())) else value
+
+
+def _memory_order(val) -> list[int] | None:
+    """``val``'s dimensions from outermost to innermost in memory, when ``val`` covers a span of
+    its storage densely (else None): ``val.permute(order)`` lists its storage in order."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    if not is_non_overlapping_and_dense_or_false(val):
+        return None
+    return sorted(range(val.dim()), key=lambda d: -val.stride(d) if val.shape[d] != 1 else 0)
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inv = [0] * len(order)
+    for i, d in enumerate(order):
+        inv[d] = i
+    return inv
+
+
+def _as_strided_args(args, kwargs, base_val):
+    """``(size, stride, storage_offset)`` of an ``as_strided`` call (the offset defaults to the base's)."""
+    size, stride = list(args[0]), list(args[1])
+    offset = args[2] if len(args) > 2 else kwargs.get("storage_offset")
+    return size, stride, base_val.storage_offset() if offset is None else offset
+
+
+def _within(val, size, stride, offset) -> bool:
+    """Whether an ``as_strided`` view reads only the storage span ``val`` covers."""
+    if any(n == 0 for n in size):
+        return True
+    last = offset + sum((n - 1) * st for n, st in zip(size, stride))
+    return offset >= val.storage_offset() and last < val.storage_offset() + val.numel() and min(stride, default=0) >= 0
+
+
+def _as_strided_on(b: _Builder, value, like, args, kwargs):
+    """``as_strided`` of ``like`` (a FakeTensor of the trace), taken on ``value``, the node now
+    holding its values: a functional rewrite may lay them out differently (``copy_(dst, src)``
+    becomes ``src``, with ``src``'s strides), and ``as_strided`` reads memory, so ``value`` is
+    first laid out in ``like``'s memory order."""
+    vval = _val(value)
+    size, stride, offset = _as_strided_args(args, kwargs, like)
+    if tuple(vval.stride()) == tuple(like.stride()) and vval.storage_offset() == like.storage_offset():
+        return b(aten.as_strided.default, value, size, stride, offset)
+    order = _memory_order(like)
+    if order is None or not _within(like, size, stride, offset):
+        raise _error(
+            b.before,
+            "it reads a tensor's memory through as_strided after an in-place op on that tensor; fxtools "
+            "computes the modified tensor out of place, with another memory layout",
+        )
+    dense = b(aten.clone.default, b(aten.permute.default, value, order), memory_format=torch.contiguous_format)
+    return b(aten.as_strided.default, dense, size, stride, offset - like.storage_offset())
 
 
 _SCATTERS = {
@@ -528,6 +597,13 @@ class _Functionalizer:
             return
         orig_args = self.original[node] = node.args
         self.remap(node)
+        if node.target is aten.as_strided.default and node.args[0] is not orig_args[0]:
+            self.b.before, self.b.trace = node, node.meta.get("stack_trace")
+            relaid = _as_strided_on(self.b, node.args[0], _val(orig_args[0]), node.args[1:], node.kwargs)
+            node.replace_all_uses_with(relaid)
+            self.repl[node] = relaid
+            self.to_erase.append(node)
+            return
         if not is_mutating(node):
             self.register(node)
             return

@@ -28,7 +28,8 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from ..errors import FxtoolsError, decision_line, is_program_file
-from ..signature.guards import CHECKING, Read, dense_strides
+from ..signature import decisions
+from ..signature.runtime import Read, dense_strides
 
 _READS = {"stride", "is_contiguous", "storage_offset"}
 # ops that address the storage under a tensor directly: their result (and gradient) follows the
@@ -83,12 +84,11 @@ class LayoutReads(TorchFunctionMode):
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", None)
         base, batched = _unbatched(args[0]) if name in _READS | _STORAGE_READS and args else (None, False)
-        if isinstance(base, torch._subclasses.FakeTensor) and (
-            _by_program() or (CHECKING and CHECKING[-1].startswith("read at "))
-        ):
+        checked = decisions.current() if base is not None else None  # a module traced again: the read it repeats
+        if isinstance(base, torch._subclasses.FakeTensor) and (_by_program() or (checked is not None and checked.kind == "read")):
             fmt = kwargs.get("memory_format", args[1] if len(args) > 1 and name == "is_contiguous" else None)
             fmt_name = str(fmt or torch.contiguous_format).removeprefix("torch.")
-            where = CHECKING[-1].removeprefix("read at ") if CHECKING else decision_line()  # (a module traced again)
+            where = checked.where if checked is not None else decision_line()
             node = _node_of(base)
             kind = "as_strided" if name in _STORAGE_READS else name
             self.reads.append((kind if not batched else "stride", node, fmt_name, out, where))

@@ -211,7 +211,38 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reducti
     return (res / lengths).mean()
 
 
+def setitem(tensor, index, value):
+    """``y[mask] = v`` with a 0-dimensional boolean ``mask``: all of ``y`` or nothing, which eager
+    decides from the mask's value (a data-dependent shape); here ``y.copy_(torch.where(mask, v, y))``."""
+    mask = index[0] if isinstance(index, tuple) and len(index) == 1 else index
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 0 and mask.dtype == torch.bool):
+        return NotImplemented
+    if isinstance(value, torch.Tensor) and value.dim() > tensor.dim():
+        value = value.reshape(value.shape[value.dim() - tensor.dim() :])  # y[mask] has a leading dim of 1
+    new = torch.where(mask, value, tensor)
+    tensor.copy_(new.to(tensor.dtype) if new.dtype != tensor.dtype else new)
+    return None
+
+
+def numpy(tensor, *args, **kwargs):
+    """``.numpy()`` while fxtools traces: refused, naming the user's line (a trace has shapes, not
+    values, and NumPy's work would not be in the generated code). A real tensor the program
+    closes over has values: its ``.numpy()`` is a constant, as in eager."""
+    try:
+        return torch.Tensor.numpy(tensor, *args, **kwargs)
+    except RuntimeError:
+        pass
+    raise FxtoolsError(
+        f".numpy() (at {current_user_line()}) reads a tensor's values into NumPy. fxtools traces the "
+        "program with shapes alone, and NumPy's operations would not be in the generated code, so it "
+        "cannot capture this step: write it with torch operations (torch.sin, not np.sin), or keep it "
+        "outside the function fxtools transforms and pass its result in as an argument."
+    )
+
+
 REPLACEMENTS = {
+    torch.Tensor.numpy: numpy,
+    torch.Tensor.__setitem__: setitem,
     F.ctc_loss: ctc_loss,
     torch.linalg.lstsq: lstsq,
     torch.cov: cov,

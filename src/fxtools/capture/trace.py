@@ -32,12 +32,14 @@ from ..errors import PROGRAM_ENTRIES, DataDependentError, FxtoolsError, is_data_
 from ..graph import meta
 from ..graph.data_dependent import CountsFromExamples
 from ..signature.naming import arg_names, leaf_names
+from ..signature.sizes import TracedSizes
 from .checkpoint import checkpoint_regions
 from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing
 from .layout_reads import LayoutReads
 from .layout_reads import facts as layout_facts
 from .names import module_paths, name_values, outer_frames, recording_modules
 from .replacements import Replacing, check_no_writes
+from .subclasses import DTensorInside, dtensor_functions, is_mesh, refuse_subclass_arguments
 
 
 @dataclass
@@ -65,6 +67,14 @@ class Captured:
     @property
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    def traced_sizes(self) -> TracedSizes:
+        """What guards take from this trace (``signature.sizes.guard_symbolic``)."""
+        values = {}
+        if self.symbolic is not None:
+            vals = iter(p.meta["val"] for p in self.placeholders)
+            values = {id(leaf): next(vals) for leaf, t in zip(self.leaves, self.tensor_leaf) if t}
+        return TracedSizes(self.symbolic, self.layout_reads, values)
 
 
 def _name_constants(gm: fx.GraphModule, names: dict[int, str]) -> None:
@@ -295,29 +305,70 @@ def _compiling():
         torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = old
 
 
+def _mark_forward_grad(state: bool) -> None:
+    """Mark the ``_set_grad_enabled`` node just traced with forward AD's ``state`` (``meta.FORWARD_GRAD``)."""
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    if mode is None:
+        return
+    last = next(reversed(mode.tracer.graph.nodes), None)
+    if last is not None and last.target is torch._C._set_grad_enabled:
+        meta.FORWARD_GRAD.set(last, state)
+
+
 @contextlib.contextmanager
 def _inference_mode_as_no_grad():
-    """Trace ``torch.inference_mode(mode)`` blocks as ``torch.set_grad_enabled(not mode)``.
+    """Trace ``torch.inference_mode(mode)`` blocks as ``torch.set_grad_enabled(not mode)``, and
+    ``fwAD._set_fwd_grad_enabled`` as a grad-mode switch marked for forward mode alone.
 
     Inference mode is no_grad that also skips autograd's bookkeeping; entering it dispatches no
     op, so a trace would not see it and would differentiate the block. Grad mode changes are
-    recorded (``_set_grad_enabled`` nodes), so the block carries no gradient, as in eager.
+    recorded (``_set_grad_enabled`` nodes), so the block carries no gradient, as in eager. Forward
+    AD ignores ``no_grad`` but not inference mode nor its own switch: those nodes carry forward
+    AD's state (``meta.FORWARD_GRAD``; ``forward_grad_modes`` applies it).
     """
     cls = torch.autograd.grad_mode.inference_mode
     old = cls.__enter__, cls.__exit__
+    old_fwd = torch._C._set_fwd_grad_enabled
+    forward = [True]  # forward AD's state while tracing (the trace itself runs without it)
+
+    def switch(grad: bool, fwd: bool) -> None:
+        forward.append(fwd)
+        torch._C._set_grad_enabled(grad)
+        _mark_forward_grad(fwd)
 
     def enter(self):
-        self._fxtools_prev = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(not self.mode)
+        self._fxtools_prev = torch.is_grad_enabled(), forward[-1]
+        switch(not self.mode, forward[-1] and not self.mode)
 
     def exit(self, *exc):
-        torch._C._set_grad_enabled(self._fxtools_prev)
+        switch(*self._fxtools_prev)
+
+    def set_fwd(mode) -> None:
+        old_fwd(mode)
+        if bool(mode) != forward[-1]:
+            switch(torch.is_grad_enabled(), bool(mode))
 
     cls.__enter__, cls.__exit__ = enter, exit
+    torch._C._set_fwd_grad_enabled = set_fwd
     try:
         yield
     finally:
         cls.__enter__, cls.__exit__ = old
+        torch._C._set_fwd_grad_enabled = old_fwd
+
+
+def forward_grad_modes(gm: fx.GraphModule) -> None:
+    """Make ``gm``'s grad-mode switches those of forward-mode AD, for transforms that compute
+    ``torch.func.jvp``'s tangents (``jvp``, ``jacfwd``, ``linearize``): tangents flow through
+    ``no_grad`` blocks and stop in inference mode and where ``fwAD._set_fwd_grad_enabled(False)``
+    turned forward AD off, as in PyTorch."""
+    state = True
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            state = meta.FORWARD_GRAD.get(node, state)
+            node.args = (state,)
 
 
 def _hidden_tensor(obj, depth=0, seen=None) -> str | None:
@@ -326,7 +377,7 @@ def _hidden_tensor(obj, depth=0, seen=None) -> str | None:
     if isinstance(obj, torch.Tensor):
         return ""
     seen = set() if seen is None else seen
-    if depth > 6 or id(obj) in seen or isinstance(obj, (type, str, bytes, int, float, complex, bool)):
+    if depth > 6 or id(obj) in seen or isinstance(obj, (type, str, bytes, int, float, complex, bool)) or is_mesh(obj):
         return None
     seen.add(id(obj))
     if isinstance(obj, (set, frozenset)):
@@ -391,12 +442,14 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     top_names = arg_names(f.forward if isinstance(f, torch.nn.Module) else f, len(args))
     _refuse_hidden_tensors(paths_leaves, top_names)
     names = leaf_names(paths, top_names)
+    refuse_subclass_arguments(names, leaves)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     layout = LayoutReads()  # strides and contiguity the program reads (capture/layout_reads.py)
     flat_f, out_info = _flat_function(f, leaves, is_tensor, in_spec, layout)
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
     outer = outer_frames()
     reads = outside_reads(f, {n: x for n, x in zip(names, leaves) if isinstance(x, torch.nn.Module)})
+    _refuse_inference_tensors(reads)
     symbolic = None
     if dynamic_shapes is not None:
         from ..signature.sizes import fake_arguments
@@ -427,6 +480,21 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     return cap
 
 
+def _refuse_inference_tensors(reads: list) -> None:
+    """A closed-over tensor made under ``torch.inference_mode()`` (a module built there) cannot be
+    traced: PyTorch refuses inference tensors outside inference mode, and a transform needs it
+    off. Say which tensor, and how to make it an ordinary one."""
+    for read in reads:
+        if read.kind == "tensor" and isinstance(read.expected, torch.Tensor) and read.expected.is_inference():
+            where = f" (read at {read.where})" if read.where else ""
+            raise FxtoolsError(
+                f"{read.what}{where} was made under torch.inference_mode(): it is an inference tensor, which "
+                "PyTorch cannot trace or differentiate outside inference mode. Make it (the module) outside "
+                "inference mode, e.g. under torch.no_grad() instead, or replace it by a clone made outside "
+                "inference mode (with torch.inference_mode(False): t = t.clone())."
+            )
+
+
 def _flat_function(f, leaves: list, is_tensor: list[bool], in_spec, layout: LayoutReads):
     """``f`` as a function of its arguments' tensor leaves returning its output's leaves (what
     make_fx traces), and the dict that receives the output's ``spec`` and ``leaves`` when it runs."""
@@ -451,19 +519,24 @@ def _flat_function(f, leaves: list, is_tensor: list[bool], in_spec, layout: Layo
     return flat_f, out_info
 
 
-def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_dispatch: bool) -> fx.GraphModule:
+def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_dispatch: bool, below=False) -> fx.GraphModule:
     """make_fx of ``flat_f`` with the user's program traced as fxtools needs it (custom functions,
     compiler flags, static control flow, inference mode, module calls recorded); a data-dependent
-    failure names the user's line."""
+    failure names the user's line. A program using DTensors is traced below autograd, where
+    DTensor's dispatch runs, as in AOTAutograd (``capture/subclasses.py``)."""
+    below = below or not pre_dispatch or getattr(f, "__fxtools_below_autograd__", False)
     try:
         with (
             _custom_autograd_functions(pre_dispatch),
             _compiling(),
+            dtensor_functions(pre_dispatch=not below),
             _static_control_flow(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):
-            return trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=pre_dispatch)
+            return trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=not below)
+    except DTensorInside:  # the program makes DTensors: trace it again below autograd
+        return _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch, below=True)
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if is_data_dependent(exc):
             raise data_dependent_error(exc) from exc
@@ -476,15 +549,36 @@ def _tidy(gm: fx.GraphModule, f, tensor_names_: list[str], reads: list, outer) -
     less those tracing itself changed)."""
     check_no_writes(gm)
     check_no_collectives(gm)
+    check_matmul_dtypes(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, tensor_names_):
         node._rename(name)
-    reads = unchanged_by_tracing(reads)
+    reads = _arrays_read_by_value(gm, unchanged_by_tracing(reads))
     _name_constants(gm, tensor_names(reads))
     locate(gm, reads)
     name_values(gm, f, outer)
     gm.recompile()
     return reads
+
+
+def _arrays_read_by_value(gm: fx.GraphModule, reads: list) -> list:
+    """``reads`` less the NumPy arrays the code reads by reference: ``torch.from_numpy(arr)`` is a
+    tensor constant sharing the array's memory, so a later in-place change is what the code reads,
+    as in eager. Other arrays (``float(arr.sum())``) are guarded by value."""
+    import numpy as np
+
+    shared = []
+    for node in gm.graph.nodes:
+        t = getattr(gm, str(node.target), None) if node.op == "get_attr" else None
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor) and t.device.type == "cpu":
+            with contextlib.suppress(TypeError, RuntimeError):  # dtypes NumPy lacks (bfloat16): no array made them
+                shared.append(t.detach().numpy())
+
+    def by_reference(read) -> bool:
+        now = read.get()
+        return isinstance(now, np.ndarray) and any(np.shares_memory(now, t) for t in shared)
+
+    return [r for r in reads if not (r.kind == "value" and by_reference(r))]
 
 
 def check_supported(gm: fx.GraphModule) -> None:
@@ -499,6 +593,37 @@ def check_supported(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator) and not meta.RULE.on(node):
             where = user_line_of(node) or "unknown line"
             raise FxtoolsError(f"{node.target.name()} (from {where}) is not supported by fxtools yet")
+
+
+_SAME_DTYPE_OPS = {
+    "matmul", "mm", "mv", "bmm", "dot", "vdot", "addmm", "addmv", "addbmm", "baddbmm", "linear", "bilinear",
+    "conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+}  # fmt: skip
+
+
+def check_matmul_dtypes(gm: fx.GraphModule) -> None:
+    """Refuse, naming the user's line, a matrix product or convolution of tensors of different
+    dtypes outside autocast: eager PyTorch refuses it when it runs, but FakeTensors compute its
+    shape without checking, so the module would build and fail only when called."""
+    from ..errors import user_line_of
+
+    autocast = 0
+    for node in gm.graph.nodes:
+        if node.target is torch.amp.autocast_mode._enter_autocast:
+            autocast += 1
+        elif node.target is torch.amp.autocast_mode._exit_autocast:
+            autocast -= 1
+        packet = getattr(node.target, "overloadpacket", None)
+        if autocast or node.op != "call_function" or getattr(packet, "__name__", None) not in _SAME_DTYPE_OPS:
+            continue
+        dtypes = [v.dtype for a in node.all_input_nodes if isinstance(v := a.meta.get("val"), torch.Tensor)]
+        if len(set(dtypes)) > 1:
+            shown = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise FxtoolsError(
+                f"{packet.__name__} of tensors of different dtypes ({shown}) at {user_line_of(node) or 'an unknown line'}: "
+                "PyTorch refuses it when it runs (expected both to have the same dtype). Convert one of them "
+                "(.to(other.dtype)), or run it under torch.autocast."
+            )
 
 
 def check_no_collectives(gm: fx.GraphModule) -> None:

@@ -32,8 +32,9 @@ import torch.fx as fx
 
 from ..errors import FxtoolsError
 from ..passes.inline import InlineError, inline_submodules
-from ..signature import guards as _guards
 from ..signature.naming import identifier, is_plain_identifier, is_taken_name, literal, plain_literal
+from ..signature.runtime import Guards
+from . import guard_source
 from .show import describe
 
 __all__ = ["save", "ExportError", "EMBED_LIMIT"]
@@ -285,7 +286,7 @@ class _Function:
             raise ExportError("unexpected code layout: no `def forward(self, ...)` line")
         self.src, self.globals = src, code.globals
         guards = getattr(gm, "guards", None)  # fxtools.signature.guards: written after the code, checked first
-        self.guards = guards if isinstance(guards, _guards.Guards) else None
+        self.guards = guards if isinstance(guards, Guards) else None
         self.accepts = None
 
     def check_first(self, accepts: str) -> None:
@@ -427,9 +428,9 @@ class _Module:
         if self.subfunctions:  # the code reads control flow's functions as it reads constants
             parts += ["", ""] + [f"{self.ns}.{fn.fname} = {fn.fname}" for fn in self.subfunctions]
         if self.guarded:
-            parts += ["", GUARDS_MARKER, "", "", _guards.runtime_source(), ""]
+            parts += ["", GUARDS_MARKER, "", "", guard_source.runtime_source(), ""]
             for fn in self.guarded:
-                parts += ["", f"{fn.accepts} = {_guards.render(fn.guards)}"]
+                parts += ["", f"{fn.accepts} = {guard_source.render(fn.guards)}"]
             parts.append("")
         return "\n".join(parts)
 

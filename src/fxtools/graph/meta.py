@@ -58,6 +58,12 @@ CHECKPOINT: Key[Any] = Key(
     "The torch.utils.checkpoint region a node was traced in; kept inside node.meta['custom'] "
     "(capture/checkpoint.py), where torch.fx copies it; read by training/policies.py.",
 )
+FORWARD_GRAD: Key[bool] = Key(
+    "fxtools_forward_grad",
+    "On a _set_grad_enabled node: forward-mode AD's state after it (inference mode, "
+    "fwAD._set_fwd_grad_enabled); absent: unchanged (no_grad does not stop forward AD). Set in "
+    "capture/trace.py; read by capture/trace.forward_grad_modes.",
+)
 
 # Where a node belongs
 PART: Key[str] = Key(

@@ -14,7 +14,7 @@ that have rules) or, failing that, ``capture/derived.py`` (PyTorch's own derivat
 into code).
 """
 
-from . import linalg, nn, pointwise, reductions, shape  # noqa: F401
+from . import collectives, linalg, nn, pointwise, reductions, shape  # noqa: F401
 
 # isort: split
 from . import fused  # noqa: F401,E402  (after the families: its rules fall back on theirs)

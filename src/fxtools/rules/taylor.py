@@ -38,10 +38,11 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture.decompose import decompositions, inline_decomposition
+from .nn import dropout_fwd, feature_dropout_fwd
 
 aten = torch.ops.aten
 
-__all__ = ["Jet", "Collapsed", "is_taylor", "value_of", "apply", "lookup", "has_rule", "expand", "RULES"]
+__all__ = ["Jet", "Collapsed", "is_taylor", "value_of", "constant_if_zero", "apply", "lookup", "has_rule", "expand", "RULES"]
 
 
 class Jet:
@@ -77,6 +78,17 @@ class Collapsed:
 
 def is_taylor(x) -> bool:
     return isinstance(x, (Jet, Collapsed))
+
+
+def constant_if_zero(x):
+    """A Taylor value all of whose terms are known zero, as its plain value (``x ** 0``): a constant."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(constant_if_zero(v) for v in x)
+    if isinstance(x, Jet) and all(t is None for t in x.terms[1:]):
+        return x.value
+    if isinstance(x, Collapsed) and x.grad is None and x.lap is None:
+        return x.value
+    return x
 
 
 def value_of(x):
@@ -274,23 +286,23 @@ def select(x, mask_fn):
 
 
 def _poly_eval(coeffs, y):
-    """``sum_i coeffs[i] * y**i``, written without zero terms."""
+    """``sum_i coeffs[i] * y**i``, written withderiv zero terms."""
     powers = [None, y]
     for _ in range(2, len(coeffs)):
         powers.append(powers[-1] * y)
-    out = None
+    deriv = None
     for i, c in enumerate(coeffs):
         if c == 0:
             continue
         if i == 0:
-            out = c
+            deriv = c
             continue
         term = powers[i] if abs(c) == 1 else abs(c) * powers[i]
-        if out is None:
-            out = term if c > 0 else (-term if c == -1 else c * powers[i])
+        if deriv is None:
+            deriv = term if c > 0 else (-term if c == -1 else c * powers[i])
         else:
-            out = out + term if c > 0 else out - term
-    return out
+            deriv = deriv + term if c > 0 else deriv - term
+    return deriv
 
 
 def _poly_deriv(p):
@@ -311,12 +323,13 @@ def output_ode(coeffs):
 
     def tower(x, y, n):
         d1 = _poly_eval(coeffs, y)
-        out, poly = [d1], list(coeffs)
-        while len(out) < n:
+        derivs, poly = [d1], list(coeffs)
+        while len(derivs) < n:
             slope = _poly_eval(_poly_deriv(poly), y)
-            out.append(d1 if _is_one(slope) else (None if slope is None else slope * d1))
+            next_deriv = d1 if _is_one(slope) else (None if slope is None else slope * d1)
+            derivs.append(next_deriv)
             poly = _poly_mul(_poly_deriv(poly), coeffs)
-        return out
+        return derivs
 
     return tower
 
@@ -351,13 +364,17 @@ def power(p):
     return tower
 
 
-def _cycle(first, second):
-    """``sin``/``cos``/``sinh``/``cosh``: the derivatives repeat with period four (two for the hyperbolic)."""
+def _cycle(other, sign):
+    """``sin`` (``other = cos``, ``sign = 1``) and ``cos`` (``sin``, ``-1``): the derivatives
+    ``sign * other(x), -y, -sign * other(x), y`` repeat with period four."""
 
     def tower(x, y, n):
-        a = first(x, y)
-        b = second(x, y)
-        return [[a, b, -a if a is not None else None, -b][k % 4] for k in range(n)]
+        deriv = other(x) if sign > 0 else -other(x)
+        next_deriv = -y
+        derivs = [deriv, next_deriv]
+        if n > 2:
+            derivs += [-deriv, y]
+        return [derivs[k % 4] for k in range(n)]
 
     return tower
 
@@ -463,8 +480,8 @@ TOWERS: dict[Any, Callable] = {
     aten.sigmoid: output_ode([0, 1, -1]),
     aten.tan: output_ode([1, 0, 1]),
     aten.expm1: lambda x, y, n: [torch.exp(x)] * n,
-    aten.sin: _cycle(lambda x, y: torch.cos(x), lambda x, y: -y),
-    aten.cos: _cycle(lambda x, y: -torch.sin(x), lambda x, y: -y),
+    aten.sin: _cycle(torch.cos, 1),
+    aten.cos: _cycle(torch.sin, -1),
     aten.sinh: _hyper(torch.cosh),
     aten.cosh: _hyper(torch.sinh),
     aten.log: _log_like(lambda x: x),
@@ -513,7 +530,7 @@ def apply(op, args, kwargs):
     rule = lookup(op)
     if rule is None:
         raise KeyError(op)
-    return rule(op, list(args), dict(kwargs))
+    return constant_if_zero(rule(op, list(args), dict(kwargs)))
 
 
 def call(op, *args, **kwargs):
@@ -571,9 +588,6 @@ LINEAR = [
     aten.chunk,
     aten.index,
     aten.as_strided,
-    aten.expand_as,
-    aten.view_as,
-    aten.reshape_as,
     aten.lift_fresh_copy,
     aten.avg_pool1d,
     aten.avg_pool2d,
@@ -616,6 +630,16 @@ LINEAR = [
 for _op in LINEAR:
     RULES[_op] = _only_first
 
+
+@taylor_rule(aten.expand_as, aten.view_as, aten.reshape_as, aten.type_as)
+def _like_second(op, args, kwargs):
+    """``x.expand_as(y)`` and kin: linear in ``x``; ``y`` is read for its shape (or dtype) only."""
+    x, y = args[0], value_of(args[1])
+    if not is_taylor(x):
+        return op(x, y)
+    return linear(op, [x, y], kwargs)
+
+
 # data positions of affine ops: a constant in one of them contributes to the value only
 AFFINE = {
     aten.cat: (0,),
@@ -635,6 +659,10 @@ AFFINE = {
     aten.lerp: (0, 1),
     aten.copy: (1,),
     aten.fill: (1,),
+    aten._unsafe_index: (0,),
+    aten._unsafe_masked_index: (0, 3),
+    aten._unsafe_index_put: (0, 2),
+    aten._unsafe_masked_index_put_accumulate: (0, 3),
 }
 
 
@@ -839,12 +867,12 @@ def _leaky_relu(op, args, kwargs):
     return _with_value(select(x, lambda t: torch.where(pos, t, slope * t)), op(x.value, *args[1:]))
 
 
-@taylor_rule(aten.maximum, aten.minimum, aten.fmax, aten.fmin)
+@taylor_rule(aten.maximum, aten.minimum, aten.fmax, aten.fmin, aten.max.other, aten.min.other)
 def _maximum(op, args, kwargs):
     """The larger (smaller) argument's terms; at ties the mean of both, as autograd."""
     a, b = args
     va, vb = value_of(a), value_of(b)
-    first = va > vb if op.overloadpacket in (aten.maximum, aten.fmax) else va < vb
+    first = va > vb if op.overloadpacket in (aten.maximum, aten.fmax, aten.max) else va < vb
     w = first.to(va.dtype if isinstance(va, torch.Tensor) else vb.dtype) + 0.5 * (va == vb)
     left = call(aten.mul.Tensor, a, w)
     right = call(aten.mul.Tensor, b, 1 - w)
@@ -1013,7 +1041,7 @@ def _vector_norm(op, args, kwargs):
     if p == 2:
         norm = call(aten.sqrt.default, call(aten.sum.dim_IntList, call(aten.mul.Tensor, x, x), dims, keepdim))
     elif p in (math.inf, -math.inf):
-        norm = call(aten.amax if p > 0 else aten.amin, call(aten.abs.default, x), dims, keepdim)
+        norm = call(aten.amax.default if p > 0 else aten.amin.default, call(aten.abs.default, x), dims, keepdim)
     elif p == 1:
         norm = call(aten.sum.dim_IntList, call(aten.abs.default, x), dims, keepdim)
     elif p > 0:
@@ -1022,6 +1050,35 @@ def _vector_norm(op, args, kwargs):
     else:
         raise NotImplementedError(f"vector norm of order {p}")
     return _with_value(norm, out)
+
+
+@taylor_rule(aten.dropout, aten.feature_dropout)
+def _dropout(op, args, kwargs):
+    """One mask, drawn as eager PyTorch draws it (the same numbers after the same seed), applied to every term."""
+    x, p, train = args[0], args[1], args[2]
+    draw = dropout_fwd if op.overloadpacket is aten.dropout else feature_dropout_fwd
+    _, mask = draw(x.value, p, train)
+    return x if mask is None else call(aten.mul.Tensor, x, mask)
+
+
+@taylor_rule(aten.batch_norm)
+def _batch_norm(op, args, kwargs):
+    """The value by the op itself (it updates the running statistics as eager does, outside autograd);
+    the terms from the batch's moments in training, else from the running statistics."""
+    x, weight, bias, running_mean, running_var, training, _momentum, eps = args[:8]
+    v = x.value
+    out = op(v, *value_of(list(args[1:])), **kwargs)
+    shape = [1, -1] + [1] * (v.dim() - 2)
+    if training or running_mean is None:
+        var, mean = _moments(x, [d for d in range(v.dim()) if d != 1], 0)
+    else:
+        var, mean = call(aten.view.default, running_var, shape), call(aten.view.default, running_mean, shape)
+    y = call(aten.mul.Tensor, call(aten.sub.Tensor, x, mean), call(aten.rsqrt.default, call(aten.add.Tensor, var, eps)))
+    if weight is not None:
+        y = call(aten.mul.Tensor, y, call(aten.view.default, weight, shape))
+    if bias is not None:
+        y = call(aten.add.Tensor, y, call(aten.view.default, bias, shape))
+    return _with_value(y, out)
 
 
 _MAX_PROD = 16

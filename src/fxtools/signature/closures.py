@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .guards import GuardedGraphModule, InputMismatch, is_scalar, same_value, snapshot_value, tensor_text, value_text
+from .guards import GuardedGraphModule, is_scalar
+from .runtime import InputMismatch, same_value, snapshot_value, tensor_text, value_text
 
 MISSING = object()  # what a getter returns for a name that no longer exists
 
@@ -43,6 +44,8 @@ def is_constant(value) -> bool:
 def snapshot(value):
     """A plain object's attributes (or a dict's items) as nested tuples of built-in values, or None
     (``guards``). The object is the user's: its attributes are read by introspection (``vars``)."""
+    if _is_ndarray(value):  # changed in place, it must be seen (a value the code baked in would be stale)
+        return ("ndarray", str(value.dtype), value.shape, value.tobytes())
     inside = value if type(value) is dict else vars(value) if hasattr(value, "__dict__") else None  # a user's object
     if isinstance(value, torch.Tensor) or (
         isinstance(inside, dict) and any(isinstance(v, (torch.Tensor, torch.nn.Module)) for v in inside.values())
@@ -53,6 +56,10 @@ def snapshot(value):
         plain = all(type(k) is str and (s is not None or v is None) for (k, s), v in zip(items, value.values()))
         return ("dict", items) if plain else None
     return snapshot_value(value)
+
+
+def _is_ndarray(value) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ == "ndarray"
 
 
 @dataclasses.dataclass(eq=False)
@@ -137,6 +144,12 @@ class Closures:
             self._fail(read, "no longer exists")
         if read.kind == "same":
             self._fail(read, f"was replaced by another object ({value_text(now)}) after the module was made from the old one")
+        if _is_ndarray(now):
+            self._fail(
+                read,
+                "is a NumPy array whose contents changed (in place, or replaced) after the module was made from "
+                "its old values, which its code uses as constants",
+            )
         shown = repr(now) if not read.mutable else f"a {type(now).__name__} whose contents changed"
         self._fail(read, f"is now {shown}, but the module was made with {read.expected!r}, a value its code uses as a constant")
 

@@ -40,6 +40,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError, decision_line
+from . import decisions
 
 
 class SymbolicSizeError(FxtoolsError):
@@ -166,13 +167,11 @@ class _GuardLines(list):
         self.where: dict[int, str] = {}
 
     def append(self, guard) -> None:
-        from .guards import CHECKING
-
-        where = decision_line(skip=1)
+        where, checked = decision_line(skip=1), decisions.current()
         if not where.startswith("fxtools'"):  # the program's decisions; fxtools' own are its shape arithmetic
             self.where[id(guard)] = where
-        elif CHECKING and CHECKING[-1]:  # a generated module traced again (hvp): the decision it checks
-            self.where[id(guard)] = CHECKING[-1].removeprefix("decided at ")
+        elif checked is not None and (checked.where or checked.kind == "read"):  # a module traced again (hvp): what it checks
+            self.where[id(guard)] = checked.where if checked.kind == "decided" else f"read at {checked.where}"
         super().append(guard)
 
 
@@ -326,11 +325,22 @@ def _sizes(val, sym: Symbolic) -> list:
     return out
 
 
-def concrete(cap, examples):
+@dataclass(frozen=True)
+class TracedSizes:
+    """What a module's guards take from its trace (``guard_symbolic``): the symbolic sizes (None:
+    all static), the layout facts the program read (leaf path -> ``runtime.Read``\\ s), and the
+    symbolic value of the placeholder of each example argument leaf that is a tensor (by ``id``)."""
+
+    symbolic: Symbolic | None
+    layout_reads: dict
+    values: dict
+
+
+def concrete(symbolic: Symbolic | None, examples):
     """``examples`` with FakeTensors (an output's example, for a cotangent) made real tensors of
     their example sizes, to build guards from without specialising their symbols (sizes marked
     dynamic only: data-dependent ones have no example size)."""
-    if cap.symbolic is None:
+    if symbolic is None:
         return examples
 
     def real(x):
@@ -344,7 +354,7 @@ def concrete(cap, examples):
     return pytree.tree_map(real, examples)
 
 
-def guard_symbolic(guards, cap, examples) -> None:
+def guard_symbolic(guards, traced: TracedSizes, examples) -> None:
     """Make the guards of a module traced with symbolic sizes accept every size in range, and only
     the sizes on the example's side of every decision the trace made on them.
 
@@ -355,15 +365,14 @@ def guard_symbolic(guards, cap, examples) -> None:
     derived size (``2*b``: torch.export's Dim arithmetic, or a size the program tied to others)
     is a ``Sym`` of its own with a condition relating it. Every guard the ShapeEnv recorded
     becomes a ``guards.Cond`` (``_Relations.conditions``). The layout facts the program read
-    (``cap.layout_reads``, with or without symbolic sizes) go to their leaves first.
+    (``traced.layout_reads``, with or without symbolic sizes) go to their leaves first.
     """
     if guards is not None:
-        _guard_reads(guards, getattr(cap, "layout_reads", None) or {})
-    sym = cap.symbolic
+        _guard_reads(guards, traced.layout_reads)
+    sym = traced.symbolic
     if sym is None or guards is None:
         return
-    placeholder_vals = iter(p.meta["val"] for p in cap.placeholders)
-    symbolic_of = {id(leaf): next(placeholder_vals) for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t}
+    symbolic_of = traced.values
     values = pytree.tree_leaves(examples)
     leaves = guards.leaves()
     if len(values) != len(leaves):
@@ -495,7 +504,7 @@ class _Relations:
 
 
 def _guards_sym():
-    from .guards import Sym
+    from .runtime import Sym
 
     return Sym
 
@@ -506,7 +515,7 @@ def _cond(expr, where: str):
     import sympy
     from torch.utils._sympy.printers import PythonPrinter
 
-    from .guards import Cond
+    from .runtime import Cond
 
     if expr is sympy.true or expr == sympy.true:
         return None

@@ -350,8 +350,25 @@ def _buffer_name(target: str, placeholders) -> str:
     return name
 
 
+def _out_of_place_views(gm: fx.GraphModule) -> None:
+    """Replace in-place view ops (``squeeze_``, ``unsqueeze_``, ``t_``, ...) that decompositions emit
+    on intermediates (``matmul`` of a vector is ``mm(x.unsqueeze(0), w).squeeze_(0)``) by their
+    view form, where nothing reads the intermediate after it: the same value without a mutation."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in list(gm.graph.nodes):
+        op = n.target
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or torch.Tag.inplace_view not in op.tags:
+            continue
+        base = n.args[0]
+        view = getattr(getattr(torch.ops.aten, op.overloadpacket.__name__.rstrip("_"), None), op._overloadname, None)
+        if view is None or base.op == "placeholder" or any(order[u] > order[n] for u in base.users if u is not n):
+            continue
+        n.target = view
+
+
 def _finish(gm: fx.GraphModule, which: str) -> None:
     gm.graph.eliminate_dead_code()
+    _out_of_place_views(gm)
     _check_functional(gm, which)
     gm.graph.lint()
     gm.recompile()

@@ -48,13 +48,14 @@ import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..capture.nested import functorch_regions
+from ..errors import FxtoolsError
 from ..functional import functional
 from ..graph.nodes import fake_mode_of, is_float
 from ..signature import closures
 from ..signature.guards import InputMismatch
 from ..signature.naming import identifier
 from .aten import to_aten
-from .distributed import Wrappers
+from .distributed import SubclassLeaves, Wrappers, local_view, with_subclass_leaves
 from .finite import Checker, locate
 from .partition import Split, split
 from .saved import Replay, SavedValues, release, rng_state
@@ -234,6 +235,7 @@ class _Runner:
         self.ct_positions = [tensor_positions.index(i) for i in sp.ct_index]
         self.saved = SavedValues(sp.saved)
         self.replay = Replay(sp, compiled_forward=self.aten.forward if self.fw_aten else None)
+        self.subclasses: SubclassLeaves | None = None  # DTensor arguments and outputs (distributed.py)
 
     def run_forward(self, leaves):
         if not self.fw_aten:
@@ -265,9 +267,12 @@ class _Runner:
         else:
             rng = rng_state(leaves) if self.checker else None
             with torch.no_grad():
-                outs, _ = self.run_forward(leaves)
+                local = leaves if self.subclasses is None else self.subclasses.locals(leaves)
+                outs, _ = self.run_forward(local)
                 if self.checker:
-                    self.checker.forward(leaves, outs, rng)
+                    self.checker.forward(local, outs, rng)
+                if self.subclasses is not None:
+                    outs = self.subclasses.outputs(outs)
         it = iter(outs)
         full = [next(it) if t else o for t, o in zip(self.out_is_tensor, self.out_leaves)]
         return pytree.tree_unflatten(full, self.split.out_spec)
@@ -344,12 +349,18 @@ class _Runners:
         )
 
     def __call__(self, args, training):
-        """``(runner, tensor leaves)`` for ``args``."""
-        leaves_and_runner = self._lookup(args, training)
+        """``(runner, tensor leaves)`` for ``args``; DTensor leaves stay DTensors (the runner's
+        autograd function takes them, its graphs their local tensors: ``training/distributed.py``)."""
+        view = local_view(args)
+        if view is None:
+            leaves_and_runner = self._lookup(args, training)
+        else:
+            runner, leaves = self._lookup(view.args(args), (training, view.key), view)
+            leaves_and_runner = runner, with_subclass_leaves(leaves, args)
         closures.check(leaves_and_runner[0].split.forward)  # closed-over state (signature/closures.py)
         return leaves_and_runner
 
-    def _lookup(self, args, training):
+    def _lookup(self, args, training, view=None):
         if self.fixed is not None:  # one given split (an edited one): its guards decide, nothing new is made
             leaves = self.fixed.guards.check(args)
             if not self.entries:
@@ -369,11 +380,14 @@ class _Runners:
                     return runner, runner.split.guards.check(args)
                 except InputMismatch:
                     continue
+        fn = self.fn if view is None else view.function(self.fn)
         with self.capturing():
-            sp = split(self.fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules, dynamic_shapes=self._marks(args))
+            sp = split(fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules, dynamic_shapes=self._marks(args))
         sp.from_module = self.skip_first  # a module's: its parameters come first, by name
         leaves = sp.flatten(*args)
         runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite)
+        if view is not None:
+            runner.subclasses = SubclassLeaves(view)
         self.entries.append((training, mask, runner))
         return runner, leaves
 
@@ -392,12 +406,16 @@ class _SplitFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: _Runner, *leaves):
         ctx.runner = runner
+        if runner.subclasses is not None:
+            leaves = runner.subclasses.locals(leaves)
         ctx.fxtools_record = record = runner.replay.record(leaves)
         outs, saved = runner.run_forward(leaves)
         runner.replay.finish(record)
         if runner.checker:
             runner.checker.forward(leaves, outs, record.rng)
         runner.saved.pack(ctx, saved)
+        if runner.subclasses is not None:
+            outs = runner.subclasses.outputs(outs)
         tensors = [o for o in outs if isinstance(o, torch.Tensor)]
         non_diff = [o for o in tensors if not is_float(o)]
         if non_diff:
@@ -407,9 +425,14 @@ class _SplitFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         runner = ctx.runner
+        subclasses = runner.subclasses
+        if subclasses is not None:
+            grad_outs = subclasses.cotangents(grad_outs)
         cts = [grad_outs[i] for i in runner.ct_positions]
         del grad_outs
         if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate
+            if subclasses is not None:
+                raise FxtoolsError(subclasses.no_double_backward)
             grads = runner.replay.vjp(ctx.fxtools_record, cts)
             release(ctx)
             return (None, *grads)
@@ -418,7 +441,7 @@ class _SplitFunction(torch.autograd.Function):
         grads = runner.run_backward(saved, cts)
         if runner.checker:  # on failure the whole step runs again, readable and checked node by node
             runner.checker.backward(grads, lambda: locate(runner.split, record.leaves, cts, rng=record.rng))
-        return (None, *grads)
+        return (None, *(grads if subclasses is None else subclasses.gradients(grads)))
 
 
 def _requires_grad(args):

@@ -29,11 +29,14 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
+from ..capture.subclasses import LocalView, is_subclass, local, local_view
 from ..errors import FxtoolsError
 
-__all__ = ["Wrappers"]
+__all__ = ["SubclassLeaves", "Wrappers", "communicated_bytes", "local_view", "with_subclass_leaves"]
 
 
 @functools.cache
@@ -211,3 +214,71 @@ def _refuse_own_hooks(module: nn.Module) -> None:
             "around it). Compile the module before wrapping it (DistributedDataParallel(fxtools.compile(m)) "
             "or fully_shard(fxtools.compile(m))), or register the hooks on a submodule."
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor parallel: DTensor arguments and outputs around graphs of their local tensors
+# --------------------------------------------------------------------------------------------
+
+
+def with_subclass_leaves(leaves: list, args) -> list:
+    """The tensor leaves a runner takes: ``leaves`` (the local tensors its guards accepted) with the
+    DTensors of ``args`` in place of theirs, so that autograd reaches the DTensors themselves."""
+    originals = [x for x in pytree.tree_leaves(tuple(args)) if isinstance(x, torch.Tensor)]
+    if len(originals) != len(leaves):  # pragma: no cover - the guards return every tensor leaf
+        raise AssertionError(f"{len(leaves)} tensor leaves for {len(originals)} tensor arguments")
+    return [x if is_subclass(x) else leaf for leaf, x in zip(leaves, originals)]
+
+
+class SubclassLeaves:
+    """How a runner whose program takes DTensors calls its graphs of their local tensors: the
+    autograd function gets the DTensors (``locals``), returns DTensor outputs (``outputs``),
+    takes their cotangents as the graphs' local cotangents (``cotangents``) and gives DTensor
+    gradients with the placements eager gives (``gradients``)."""
+
+    no_double_backward = (
+        "fxtools.compile: a backward with create_graph=True through a program taking DTensors is not "
+        "supported (see docs/security.md#known-gaps)"
+    )
+
+    def __init__(self, view: LocalView):
+        self.view = view
+
+    def locals(self, leaves) -> list:
+        return [local(x) for x in leaves]
+
+    def outputs(self, outs) -> list:
+        layouts = self.view.out_layouts
+        return [o if lay is None else lay.wrap(o, o.requires_grad) for o, lay in zip(outs, layouts)]
+
+    def cotangents(self, grad_outs) -> list:
+        out = []
+        for ct, lay in zip(grad_outs, self.view.out_tensor_layouts):
+            if lay is not None and is_subclass(ct):
+                want = lay.grad_layout().placements
+                ct = local(ct if tuple(ct.placements) == want else ct.redistribute(ct.device_mesh, want))
+            out.append(ct)
+        return out
+
+    def gradients(self, grads) -> list:
+        layouts = self.view.tensor_layouts
+        return [g if lay is None or g is None else lay.grad_layout().wrap(g) for g, lay in zip(grads, layouts)]
+
+
+_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+
+
+def communicated_bytes(gm) -> int:
+    """Bytes the collectives of ``gm`` move per call on one rank, each counted as the larger of its
+    input and output (the whole tensor an all-reduce sums, an all-gather assembles or a
+    reduce-scatter splits). Sizes must be static."""
+    total = 0
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or getattr(target, "namespace", None) != "_c10d_functional":
+            continue
+        if target.__name__.split(".")[0] not in _COLLECTIVES:
+            continue
+        sizes = [v.numel() * v.element_size() for v in (node.meta.get("val"), node.args[0].meta.get("val")) if v is not None]
+        total += int(max(sizes, default=0))
+    return total

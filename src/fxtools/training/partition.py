@@ -64,6 +64,7 @@ from ..transforms.reverse import ReverseSpec, reverse
 from ..transforms.vjp import grads_structure
 from . import policies
 from .cuts import INF, backward_nodes, forward_nodes, max_flow_min_cut, nbytes, storage_root
+from .distributed import communicated_bytes
 from .finite import checked_split
 
 # --------------------------------------------------------------------------------------------
@@ -341,21 +342,23 @@ def _install_guards(forward, backward, backward_boxed, args, top, part, signatur
     leaves = [p.meta["val"] for p in part.primals]
     saved_vals, ct_vals = [s.meta["val"] for s in part.saved], [c.meta["val"] for c in part.cts]
     names = [i.path or i.name for i in signature]
+    symbolic = cap.symbolic if cap is not None else None
     forward.guards = build(
-        "fxtools.split forward", names, sizes.concrete(cap, leaves), layout=stride_sensitive_paths(forward, names)
+        "fxtools.split forward", names, sizes.concrete(symbolic, leaves), layout=stride_sensitive_paths(forward, names)
     )
-    saved = build("fxtools.split backward", [s.name for s in part.saved], sizes.concrete(cap, saved_vals))
+    saved = build("fxtools.split backward", [s.name for s in part.saved], sizes.concrete(symbolic, saved_vals))
     cts = build(
         "fxtools.split backward",
         [c.name for c in part.cts],
-        sizes.concrete(cap, ct_vals),
+        sizes.concrete(symbolic, ct_vals),
         layout=stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts]),
         roles={i: (lambda path, what=info.path: f"the cotangent of {what}") for i, info in enumerate(cotangents)},
     )
     if cap is not None:  # symbolic sizes and layout reads (signature/sizes.py)
-        sizes.guard_symbolic(forward.guards, cap, leaves)
-        sizes.guard_symbolic(saved, cap, saved_vals)
-        sizes.guard_symbolic(cts, cap, ct_vals)
+        traced = cap.traced_sizes()
+        sizes.guard_symbolic(forward.guards, traced, leaves)
+        sizes.guard_symbolic(saved, traced, saved_vals)
+        sizes.guard_symbolic(cts, traced, ct_vals)
     backward.guards = Guards("fxtools.split backward", saved.names + cts.names, saved.args + cts.args)
     backward_boxed.guards = _boxed_guards(backward.guards)
 
@@ -468,8 +471,8 @@ def _edited(sp: Split, forward, backward, saved_nodes, saved: list, cts: list) -
     forward, backward = _as_guarded(forward, "SplitForward"), _as_guarded(backward, "SplitBackward")
     backward_boxed = _boxed(backward)
     forward.guards = sp.forward.guards
-    saved_guards = build("fxtools.split backward", [i.name for i in infos], sizes.concrete(sp.captured, list(saved)))
-    ct_guards = build("fxtools.split backward", [c.name for c in sp.cotangents], sizes.concrete(sp.captured, cts))
+    saved_guards = build("fxtools.split backward", [i.name for i in infos], sizes.concrete(sp.captured.symbolic, list(saved)))
+    ct_guards = build("fxtools.split backward", [c.name for c in sp.cotangents], sizes.concrete(sp.captured.symbolic, cts))
     backward.guards = Guards("fxtools.split backward", saved_guards.names + ct_guards.names, saved_guards.args + ct_guards.args)
     backward_boxed.guards = _boxed_guards(backward.guards)
     return replace(
@@ -593,6 +596,12 @@ class Split:
         return total
 
     @property
+    def communicated_bytes(self) -> dict[str, int]:
+        """Bytes the collectives of the forward and of the backward move per step on one rank
+        (tensor parallel: ``training/distributed.py``)."""
+        return {"forward": communicated_bytes(self.forward), "backward": communicated_bytes(self.backward)}
+
+    @property
     def offloaded_bytes(self) -> int:
         """Bytes of the saved values the policy marked ``"offload"`` (each storage once)."""
         storages = {s.storage for s in self.saved if s.offload and s.kind != "input"}
@@ -663,6 +672,11 @@ class Split:
             f"{len(self.saved)} saved values, {self.saved_bytes:,} bytes beyond the inputs"
             + (f" ({self.offloaded_bytes:,} offloaded)" if any(s.offload for s in self.saved) else "")
         ]
+        moved = self.communicated_bytes
+        if any(moved.values()):
+            lines.append(
+                f"  collectives move {moved['forward']:,} B in the forward, {moved['backward']:,} B in the backward (per rank)"
+            )
         if self._partition is not None:
             lines.append(
                 f"  estimated recompute cost {self.recompute_cost:,} (FLOPs + elements); "
@@ -860,5 +874,5 @@ def _argument_guards(cap: Captured, args: tuple, part: _Partition, forward, back
     bw_paths = stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts])
     strided = {i.path for i, p in zip(signature, part.primals) if (i.path or i.name) in fw_paths or p.name in bw_paths}
     guards = build("fxtools.split", cap.arg_names, args, layout=strided)
-    sizes.guard_symbolic(guards, cap, args)
+    sizes.guard_symbolic(guards, cap.traced_sizes(), args)
     return guards

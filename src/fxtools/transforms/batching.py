@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch._functorch.eager_transforms import enable_inplace_requires_grad
 from torch.utils import _pytree as pytree
 
 from ..capture import custom
@@ -182,7 +183,8 @@ def trace_batched(
     ``same_draws``: the number of chunks of a ``randomness="same"`` vmap (see ``share_draws``)."""
     f = fn if names_of is None else names_of
     try:
-        with custom.transform(USERS["fxtools.vmap"]):  # custom functions just run their forward
+        # requires_grad_ allowed, as eager vmap allows it on unbatched tensors (copy.deepcopy(module))
+        with custom.transform(USERS["fxtools.vmap"]), enable_inplace_requires_grad(True):
             cap = front(
                 fn,
                 args,
@@ -201,7 +203,13 @@ def trace_batched(
             where = f"where it computes {namer.current.name}"
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         hint = ""
-        if "randomness" in message:
+        if "expected to contain only concrete" in message and dynamic_shapes is not None:
+            hint = (
+                " PyTorch's batching rule of this op needs concrete sizes, and a size marked dynamic is "
+                "symbolic here: leave that size static (no dynamic_shapes entry; a module per size), "
+                "or compute the shape from the input (x.reshape(x.shape[0] * 2, -1) rather than a number)."
+            )
+        elif "randomness" in message:
             hint = (
                 " Random ops (dropout) need randomness='different' (each sample draws its own numbers) "
                 "or randomness='same' (one draw for the whole batch), as in torch.func.vmap."

@@ -219,9 +219,28 @@ def _float_cts(ct, outs):
     return [c if c is not None else torch.zeros_like(o) for c, o in zip(ct, outs) if is_float(o)]
 
 
+def _refuse_different_shapes(node, true_gm, false_gm) -> None:
+    """Branches returning different shapes (eager runs one, so it accepts them; the output's size
+    then depends on the predicate's value) are refused, naming the user's line."""
+
+    def shapes(sub):
+        outs = pytree.tree_leaves(next(n for n in sub.graph.nodes if n.op == "output").args[0])
+        return [list(o.meta["val"].shape) if isinstance(o, fx.Node) and "val" in o.meta else None for o in outs]
+
+    a, b = shapes(true_gm), shapes(false_gm)
+    if a != b:
+        raise FxtoolsError(
+            f"torch.cond at {user_line_of(node) or 'an unknown line'}: its branches return different shapes "
+            f"({a} and {b}), so the output's shape depends on the predicate's value. fxtools builds one module "
+            "for every value of the predicate (as torch.export does): make both branches return the same "
+            "shapes (pad, or slice after the cond), or decide with a Python bool."
+        )
+
+
 def _cond_rule(gm, node) -> Rule:
     """``cond``'s rule: the backward is a ``cond`` over the two branches' VJPs."""
     _, true_n, false_n, _ = node.args
+    _refuse_different_shapes(node, getattr(gm, true_n.target), getattr(gm, false_n.target))
     true_vjp, cap = _vjp_function(getattr(gm, true_n.target), node)
     false_vjp, _ = _vjp_function(getattr(gm, false_n.target), node)
     vals = [*cap.leaves, *_only_floats(cap.out_leaves)]

@@ -37,6 +37,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture import custom, dual, nested
+from ..capture.trace import forward_grad_modes
 from ..graph import meta
 from ..graph.nodes import is_float
 from ..signature.guards import tangent_role
@@ -104,4 +105,5 @@ def _jvp_graph(cap, wrt: list[bool], nums: tuple, n_main: int) -> fx.GraphModule
     x_vals = [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t]
     x_arg = [a for a, t in zip(cap.arg_of_leaf, cap.tensor_leaf) if t]
     order = [i for a in nums for i, v in enumerate(x_vals) if x_arg[i] == a and is_float(v)]
+    forward_grad_modes(cap.gm)  # tangents flow through no_grad, as in torch.func.jvp
     return jvp_graph(cap.gm, wrt, order, n_main)

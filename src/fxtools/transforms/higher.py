@@ -41,6 +41,7 @@ def _differentiated(args, argnums):
     "fxtools.hvp",
     requires="front of fxtools.grad's module (the readable rules); VJP rules for its backward ops",
     ensures="gm(*args, v) -> H @ v, nested as the differentiated arguments",
+    loss=True,
 )
 def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     """The Hessian-vector product of scalar ``f``: ``gm(*args, v) -> H @ v``.
@@ -119,6 +120,7 @@ def _jacfwd_of_jacrev(f, args, argnums) -> fx.GraphModule:
     "fxtools.hessian",
     requires="fxtools.hvp's module (batched by trace_batched's front), or jacfwd(jacrev(f))",
     ensures="gm(*args) -> H, nested as torch.func.hessian's",
+    loss=True,
 )
 def hessian(f, *args, argnums=0) -> fx.GraphModule:
     """The Hessian of ``f`` with respect to ``args[argnums]``: ``gm(*args) -> H``.

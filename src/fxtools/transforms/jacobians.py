@@ -55,6 +55,12 @@ def _float_leaves(tree, what, name):
     Jacobians are of real functions)."""
     paths_leaves, spec = pytree.tree_flatten_with_path(tree)
     for path, v in paths_leaves:
+        if what == "output" and not isinstance(v, torch.Tensor):
+            raise ValueError(
+                f"{name} needs f to return tensors only (as torch.func.{name.split('.')[-1]}), but "
+                f"{_describe(what + pytree.keystr(path), v)} is not a tensor; return other values "
+                f"as auxiliary data: f returns (out, aux) and {name}(f, *args, has_aux=True)"
+            )
         if isinstance(v, torch.Tensor) and not (v.is_floating_point() and not v.is_complex()):
             raise ValueError(
                 f"{name} needs real floating-point {what}, but {_describe(what + pytree.keystr(path), v)} is not; "
@@ -111,7 +117,7 @@ def _first_tensor(leaves, name, what):
     requires="fxtools.vjp's module, batched over the output basis (trace_batched's front)",
     ensures="gm(*args) -> jacobian, nested as torch.func.jacrev's",
 )
-def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
+def jacrev(f, *args, argnums=0, has_aux=False, chunk_size=None) -> fx.GraphModule:
     """The Jacobian of ``f`` at example ``args`` by reverse mode: ``gm(*args) -> jacobian``.
 
     As ``torch.func.jacrev(f, argnums, chunk_size=...)(*args)``: for each output leaf (of shape
@@ -119,11 +125,12 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     ``argnums``), with ``O + I``-shaped leaves for each input leaf of shape ``I``. Generated as
     the ``vjp`` code batched over all output elements at once (no loop over basis vectors).
     Random ops (dropout) draw once, for every basis vector, as torch.func.jacrev's forward does.
+    ``has_aux=True``: ``f`` returns ``(out, aux)`` and ``gm(*args) -> (jacobian, aux)``, as torch.func's.
     """
     check_vmap_options("error", chunk_size)
     args = tuple(args)
     nums = argnums_tuple(argnums, len(args))
-    vjp_gm = vjp(f, *args, argnums=argnums)
+    vjp_gm = vjp(f, *args, argnums=argnums, has_aux=has_aux)
     out_leaves, out_spec = _float_leaves(meta.OUT_EXAMPLE.get(vjp_gm), "output", "fxtools.jacrev")
     like = _first_tensor(out_leaves, "fxtools.jacrev", "outputs")
     total = sum(v.numel() for v in out_leaves if isinstance(v, torch.Tensor))
@@ -132,13 +139,14 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     in_dims = (*(None,) * len(args), ct_dims)
     # randomness="same": one draw shared by every basis vector, as torch.func.jacrev's forward,
     # which runs once before its vjp is batched (the same numbers after the same seed)
-    mapped = torch.func.vmap(namer, in_dims=in_dims, chunk_size=chunk_size, randomness="same")
+    out_dims: Any = (0, 0, None) if has_aux else (0, 0)  # aux does not depend on the cotangent
+    mapped = torch.func.vmap(namer, in_dims=in_dims, out_dims=out_dims, chunk_size=chunk_size, randomness="same")
     n_args = len(args)
 
     def jacobian(*a):
         basis = _basis(total, out_leaves, like)
         ct = pytree.tree_unflatten(basis, out_spec)
-        _, grads = mapped(*a[:n_args], ct)
+        _, grads, *aux = mapped(*a[:n_args], ct)
         grad_leaves, grad_spec = pytree.tree_flatten(grads, is_leaf=lambda x: x is None)
         in_leaves = pytree.tree_leaves(tuple(a[i] for i in nums), is_leaf=lambda x: x is None)
         per_out = []
@@ -154,7 +162,7 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
             ]
             per_out.append(pytree.tree_unflatten(blocks, grad_spec))
             offset += n
-        return pytree.tree_unflatten(per_out, out_spec)
+        return (pytree.tree_unflatten(per_out, out_spec), *_plain(aux)) if has_aux else pytree.tree_unflatten(per_out, out_spec)
 
     _sign(jacobian, namer, n_args)
     chunks = -(-total // chunk_size) if chunk_size is not None else None
@@ -166,12 +174,13 @@ def jacrev(f, *args, argnums=0, chunk_size=None) -> fx.GraphModule:
     requires="fxtools.jvp's module, batched over the input basis (trace_batched's front)",
     ensures="gm(*args) -> jacobian, nested as torch.func.jacfwd's",
 )
-def jacfwd(f, *args, argnums=0, randomness="error", chunk_size=None) -> fx.GraphModule:
+def jacfwd(f, *args, argnums=0, has_aux=False, randomness="error", chunk_size=None) -> fx.GraphModule:
     """The Jacobian of ``f`` at example ``args`` by forward mode: ``gm(*args) -> jacobian``.
 
     As ``torch.func.jacfwd(f, argnums, randomness=...)(*args)`` (the structure is ``jacrev``'s).
     Generated as the ``jvp`` code batched over all input elements at once (no loop over basis
     vectors); ``randomness`` as for ``vmap`` (``"same"``: one draw for every basis vector).
+    ``has_aux=True``: ``f`` returns ``(out, aux)`` and ``gm(*args) -> (jacobian, aux)``, as torch.func's.
     """
     check_vmap_options(randomness, chunk_size)
     args = tuple(args)
@@ -181,17 +190,20 @@ def jacfwd(f, *args, argnums=0, randomness="error", chunk_size=None) -> fx.Graph
     in_leaves = [v if isinstance(v, torch.Tensor) else None for v in in_leaves]
     like = _first_tensor(in_leaves, "fxtools.jacfwd", "differentiated arguments")
     total = sum(v.numel() for v in in_leaves if isinstance(v, torch.Tensor))
-    jvp_gm = jvp(f, *args, argnums=nums)
+    jvp_gm = jvp(f, *args, argnums=nums, has_aux=has_aux)
     namer = NodeNamer(vmappable(jvp_gm), jvp_gm.guards)
     tangent_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in in_leaves], in_spec)
     n_args = len(args)
-    mapped = torch.func.vmap(namer, in_dims=(*(None,) * n_args, *tangent_dims), chunk_size=chunk_size, randomness=randomness)
+    out_dims: Any = (0, 0, None) if has_aux else (0, 0)  # aux does not depend on the tangents
+    mapped = torch.func.vmap(
+        namer, in_dims=(*(None,) * n_args, *tangent_dims), out_dims=out_dims, chunk_size=chunk_size, randomness=randomness
+    )
     out_leaves, out_spec = _float_leaves(meta.OUT_EXAMPLE.get(jvp_gm), "output", "fxtools.jacfwd")
 
     def jacobian(*a):
         basis = _basis(total, in_leaves, like)
         tangents = pytree.tree_unflatten(basis, in_spec)
-        _, out_tangent = mapped(*a[:n_args], *tangents)
+        _, out_tangent, *aux = mapped(*a[:n_args], *tangents)
         tangent_leaves = pytree.tree_leaves(out_tangent, is_leaf=lambda x: x is None)
         per_out = []
         for o, t in zip(out_leaves, tangent_leaves):
@@ -207,7 +219,7 @@ def jacfwd(f, *args, argnums=0, randomness="error", chunk_size=None) -> fx.Graph
                 offset += x.numel()
             per_arg = pytree.tree_unflatten(blocks, in_spec)
             per_out.append(per_arg[0] if isinstance(argnums, int) else per_arg)
-        return pytree.tree_unflatten(per_out, out_spec)
+        return (pytree.tree_unflatten(per_out, out_spec), *_plain(aux)) if has_aux else pytree.tree_unflatten(per_out, out_spec)
 
     _sign(jacobian, namer, n_args)
     chunks = -(-total // chunk_size) if chunk_size is not None and randomness == "same" else None

@@ -51,6 +51,7 @@ from ..passes.views import collapse_view_chains
 from ..registry import Transform
 from ..signature import closures, sizes
 from ..signature.guards import install
+from ..signature.naming import unique
 from . import control_flow, tangents
 from .calling import transform
 
@@ -68,14 +69,14 @@ USERS: dict[str, Transform] = {}
 
 
 def uses_pipeline(
-    name: str, *, requires: str, ensures: str, forward_mode: bool = False, batches: bool = False
+    name: str, *, requires: str, ensures: str, forward_mode: bool = False, batches: bool = False, loss: bool = False
 ) -> Callable[[F], F]:
     """Declare the public transform ``name`` (one ``Transform`` record in ``USERS``) as a user of
     the front and back, its calls checked first (``calling.transform``)."""
-    USERS[name] = Transform(name, requires, ensures, forward_mode=forward_mode, batches=batches)
+    record = USERS[name] = Transform(name, requires, ensures, forward_mode=forward_mode, batches=batches, loss=loss)
 
     def register(fn: F) -> F:
-        return cast(F, transform(name)(fn))
+        return cast(F, transform(name, loss=record.loss)(fn))
 
     return register
 
@@ -234,6 +235,7 @@ def back(
     suffixes fusions left.
     """
     names = cap.arg_names if names is None else names
+    extra_args = list(zip(unique([n for n, _ in extra_args], taken=names), (v for _, v in extra_args)))  # the user's names stay
     gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
     accumulate_into_scatters(gm)
     simplify(gm)
@@ -246,8 +248,8 @@ def back(
     gm = emit(gm, cap, made_by, remember=False)
     extra = [v for _, v in extra_args] if guard_extra is None else list(guard_extra)
     examples = [*args, *extra]
-    gm = install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap, examples), roles=roles)
-    sizes.guard_symbolic(gm.guards, cap, examples)
+    gm = install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap.symbolic, examples), roles=roles)
+    sizes.guard_symbolic(gm.guards, cap.traced_sizes(), examples)
     closures.attach(gm, cap.reads, made_by)
     return remember_inputs(gm)
 

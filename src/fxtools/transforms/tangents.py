@@ -156,15 +156,13 @@ def jvp_graph(gm: fx.GraphModule, wrt: list[bool], order: list[int], n_main: int
     out_tangents = [_out_tangent(graph, jt_of, outs, i, o) for i, o in enumerate(out_vals[:n_main])]
     graph.output((*outs, *out_tangents))
     flat_gm = fx.GraphModule(flat, graph)
-    dce(flat_gm)
-    for n in flat_gm.graph.nodes:
-        if n.op == "placeholder" and n.name.startswith("grad_") and n.users:
-            raise FxtoolsError("internal error: the JVP depends on the cotangent of the VJP")
+    dce(flat_gm)  # (its placeholders are the primals and tangents: the cotangents became zeros above)
     return flat_gm
 
 
 def _placeholder(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:
     q = graph.placeholder(name)
+    q.target = q.name  # the signature reads targets: the user's own ``tangent_x`` keeps its name, ours gets ``_1``
     q.meta["val"] = like.meta.get("val")
     return q
 

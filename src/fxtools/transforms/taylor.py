@@ -39,47 +39,74 @@ from ..registry import differentiable_nodes
 from ..rules import taylor as rules
 from .pipeline import back, uses_pipeline
 from .retrace import Namer, copy_constants, example_mode, fake_example
+from .rows import rows_independent
 from .vjp import argnums_tuple, prepare
 
 aten = torch.ops.aten
 
-__all__ = ["jet", "laplacian"]
+__all__ = ["bilaplacian", "divergence", "jet", "laplacian"]
 
 _DISTRIBUTIONS = ("rademacher", "normal")
 
 
-def _prepare(f, args, argnums, made_by):
-    """Capture ``f`` once; the index of the differentiated placeholder; the nodes Taylor terms reach."""
-    if not isinstance(argnums, int):
+def _prepare(f, args, argnums, made_by, several=False):
+    """Capture ``f`` once; the indices of the differentiated placeholders (one tensor, or with
+    ``several`` every tensor leaf of the arguments ``argnums`` names); rule-less ops decomposed."""
+    if not several and not isinstance(argnums, int):
         raise ValueError(f"{made_by} differentiates one argument: argnums must be an int, got {argnums!r}")
-    num = argnums_tuple(argnums, len(args))[0]
-    x = args[num]
-    if not is_float(x):
-        raise ValueError(
-            f"{made_by} needs args[{num}] to be a floating-point tensor (got {type(x).__name__}); "
-            "pass the input of the differential operator there, as one tensor"
-        )
-    cap, wrt = prepare(f, args, (num,), made_by=made_by)
+    nums = argnums_tuple(argnums, len(args))
+    for num in nums:
+        for leaf in pytree.tree_leaves(args[num]):
+            _check_real(leaf, num, made_by, several)
+    cap, wrt = prepare(f, args, nums, made_by=made_by)
     placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
-    x_index = wrt.index(True)
-    _decompose_ruleless(cap.gm, placeholders[x_index], made_by)
-    return cap, x_index
+    x_indices = [i for i, w in enumerate(wrt) if w]
+    _decompose_ruleless(cap.gm, [placeholders[i] for i in x_indices], made_by)
+    _name_value(cap.gm, f)
+    return cap, x_indices
 
 
-def _needed(gm: fx.GraphModule, x_node: fx.Node) -> set[fx.Node]:
+def _check_real(x, num, made_by, several):
+    if isinstance(x, torch.Tensor) and x.is_complex():
+        raise ValueError(
+            f"{made_by} differentiates real inputs: args[{num}] is {x.dtype}; pass its real and "
+            "imaginary parts (torch.view_as_real) as a real tensor"
+        )
+    if not is_float(x):
+        what = "floating-point tensors (or pytrees of them)" if several else "a floating-point tensor"
+        raise ValueError(
+            f"{made_by} needs args[{num}] to be {what} (got {type(x).__name__}); "
+            "pass the input of the differential operator there"
+        )
+
+
+def _name_value(gm: fx.GraphModule, f) -> None:
+    """The function's value is named for what it is, ``u`` for ``def u(x)`` (``out`` for a lambda or a
+    module), not ``loss`` as the capture names a scalar a gradient starts from; its parts with it."""
+    name = getattr(f, "__name__", None)
+    base = name if isinstance(name, str) and name.isidentifier() else "out"
+    code = getattr(f, "__code__", None)
+    if code is not None and "loss" in code.co_varnames:  # the user's own name
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (node.name == "loss" or node.name.startswith("loss_")):
+            node._rename(base + node.name[len("loss") :])
+
+
+def _needed(gm: fx.GraphModule, x_nodes: list) -> set[fx.Node]:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     reach = ancestors(list(output.args[0]))
-    return {n for n in differentiable_nodes(gm, {x_node}) if n in reach}
+    return {n for n in differentiable_nodes(gm, set(x_nodes)) if n in reach}
 
 
 def _lacks_rule(node) -> bool:
     return node.op == "call_function" and node.target is not operator.getitem and not rules.has_rule(node.target)
 
 
-def _decompose_ruleless(gm: fx.GraphModule, x_node: fx.Node, made_by: str) -> None:
+def _decompose_ruleless(gm: fx.GraphModule, x_nodes: list, made_by: str) -> None:
     """Ops the Taylor terms reach that have no Taylor rule: PyTorch's decompositions, until none is left;
     an op with neither is refused, with the user's line."""
-    left = rules.expand(gm, lambda: [n for n in _needed(gm, x_node) if _lacks_rule(n)])
+    left = rules.expand(gm, lambda: [n for n in _needed(gm, x_nodes) if _lacks_rule(n)])
     if left:
         node = left[0]
         raise MissingRuleError(
@@ -115,24 +142,27 @@ def _name_terms(namer, value, name, weak):
         namer(value, name, weak=weak)
 
 
-def _trace(cap, x_index, seed, extras, extra_names, outputs_of, made_by):
+def _trace(cap, x_indices, seed, extras, extra_names, outputs_of, made_by):
     """The flat graph ``(captured inputs..., extras...) -> (outputs..., their terms...)``.
 
-    ``seed(x, *extras)`` makes the differentiated input's Taylor value; ``outputs_of(value, i)``
-    lists the terms returned for output ``i``.
+    ``seed(xs, *extras)`` makes the Taylor values of the differentiated inputs ``xs`` (the
+    placeholders ``x_indices``); ``outputs_of(value, i)`` lists the terms returned for output ``i``.
     """
     graph = cap.gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     out_nodes = list(next(n for n in graph.nodes if n.op == "output").args[0])
-    need = _needed(cap.gm, placeholders[x_index])
+    xs = [placeholders[i] for i in x_indices]
+    need = _needed(cap.gm, xs)
     namer = Namer()
 
     def template(*flat):
         inputs, more = flat[: len(placeholders)], flat[len(placeholders) :]
         env: dict = dict(zip(placeholders, inputs))
-        with namer.owner(placeholders[x_index].name):
-            env[placeholders[x_index]] = seed(inputs[x_index], *more)
-        _name_terms(namer, env[placeholders[x_index]], placeholders[x_index].name, False)
+        with namer.owner(xs[0].name):
+            seeded = seed([inputs[i] for i in x_indices], *more)
+        for x, value in zip(xs, seeded):
+            env[x] = value
+            _name_terms(namer, value, x.name, False)
         for node in graph.nodes:
             if node.op == "get_attr":
                 env[node] = getattr(cap.gm, node.target)
@@ -143,7 +173,7 @@ def _trace(cap, x_index, seed, extras, extra_names, outputs_of, made_by):
                 with namer.owner(node.name):
                     if node.target is operator.getitem:
                         env[node] = args[0][args[1]]
-                    elif node in need:
+                    elif node in need and any(map(rules.is_taylor, pytree.tree_leaves((args, kwargs), is_leaf=rules.is_taylor))):
                         env[node] = _run(node, args, kwargs, made_by)
                     else:
                         env[node] = node.target(*rules.value_of(list(args)), **{k: rules.value_of(v) for k, v in kwargs.items()})
@@ -166,7 +196,40 @@ def _trace(cap, x_index, seed, extras, extra_names, outputs_of, made_by):
     out_of_place_views(gm)  # the batched ops' in-place squeeze_ (traced below torch.func)
     functionalize(gm)
     _fold_identity_products(gm)
+    _fold_row_identity_products(gm)
+    products_as_written(gm)
     return gm
+
+
+def _vector_matrix(node):
+    """``(a, b)`` when ``node`` is ``squeeze(mm(unsqueeze(a, 0), b), 0)``: ``a @ b`` for a vector ``a``."""
+    if node.target not in (aten.squeeze.dim, aten.squeeze.dims) or node.args[1] not in (0, [0]):
+        return None
+    mm = node.args[0]
+    if not isinstance(mm, fx.Node) or mm.target is not aten.mm.default or len(mm.users) != 1:
+        return None
+    a = mm.args[0]
+    if isinstance(a, fx.Node) and a.target is aten.unsqueeze.default and a.args[1] == 0 and a.args[0].meta["val"].dim() == 1:
+        return a.args[0], mm.args[1]
+    return None
+
+
+def _product(node):
+    return node.args if node.target in (aten.mm.default, aten.mv.default, aten.dot.default) else None
+
+
+def products_as_written(gm: fx.GraphModule) -> None:
+    """Products as the user writes them, ``x @ W1``: the decompositions of ``matmul`` that tracing
+    below torch.func records (``unsqueeze``/``mm``/``squeeze`` for a vector-matrix product, ``mm``,
+    ``mv``, ``dot``) become one ``matmul`` each, keeping their names."""
+    for operands_of in (_vector_matrix, _product):
+        for node in list(gm.graph.nodes):
+            operands = operands_of(node)
+            if operands is None:
+                continue
+            node.target, node.args, node.kwargs = aten.matmul.default, tuple(operands), {}
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
 
 
 _ORDER_KEEPING = {
@@ -205,12 +268,74 @@ def _fold_identity_products(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _same_shape_source(a):
+    """``a`` without the views that keep its shape."""
+    while isinstance(a, fx.Node) and a.target in (*_ORDER_KEEPING, aten.expand.default) and isinstance(a.args[0], fx.Node):
+        src = a.args[0].meta.get("val")
+        if src is None or a.meta.get("val") is None or tuple(src.shape) != tuple(a.meta["val"].shape):
+            break
+        a = a.args[0]
+    return a
+
+
+def _row_basis(a) -> int | None:
+    """``n`` when ``a`` is ``eye(n)`` viewed as ``(n, 1, n)`` and expanded over the rows (``_row_directions``)."""
+    a = _same_shape_source(a)
+    if not (isinstance(a, fx.Node) and a.target is aten.expand.default):
+        return None
+    v = a.args[0]
+    if not (isinstance(v, fx.Node) and v.target in _ORDER_KEEPING and isinstance(v.args[0], fx.Node)):
+        return None
+    eye = v.args[0]
+    n = eye.args[0] if eye.target is aten.eye.default and len(eye.args) == 1 else None
+    if not isinstance(n, int) or list(v.meta["val"].shape) != [n, 1, n]:
+        return None
+    return n
+
+
+def _fold_row_identity_products(gm: fx.GraphModule) -> None:
+    """``bmm(rows' basis, w.expand(n, n, k))`` -> ``w.view(n, 1, k).expand(n, B, k)``: the first
+    layer's first-order terms along one row's basis are its weight's rows, in every row."""
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.bmm.default:
+            continue
+        a, b = node.args[0], _same_shape_source(node.args[1])
+        n = _row_basis(a)
+        if n is None or not (isinstance(b, fx.Node) and b.target is aten.expand.default):
+            continue
+        w = b.args[0]
+        if not isinstance(w, fx.Node):
+            continue
+        wv = getattr(gm, str(w.target)) if w.op == "get_attr" else w.meta.get("val")
+        out = node.meta.get("val")
+        if wv is None or out is None or wv.dim() != 2 or wv.shape[0] != n or wv.dtype != out.dtype:
+            continue
+        with gm.graph.inserting_before(node):
+            rows = gm.graph.call_function(aten.view.default, (w, [n, 1, wv.shape[1]]))
+            rows.meta["val"] = wv.view(n, 1, wv.shape[1])
+            spread = gm.graph.call_function(aten.expand.default, (rows, list(out.shape)))
+            spread.meta["val"] = rows.meta["val"].expand(*out.shape)
+        name = node.name
+        node._rename(f"{name}_product")
+        rows._rename(f"{name}_rows")
+        spread._rename(name)
+        node.replace_all_uses_with(spread)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
 def _zeros_for(value):
     return torch.zeros_like(value)
 
 
-def _x_example(cap, x_index):
-    return [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t][x_index]
+def _arg_of(cap, x_indices):
+    """The argument each differentiated placeholder belongs to."""
+    of_placeholder = [a for a, t in zip(cap.arg_of_leaf, cap.tensor_leaf) if t]
+    return [of_placeholder[i] for i in x_indices]
+
+
+def _x_example(cap, x_indices):
+    return [leaf for leaf, t in zip(cap.leaves, cap.tensor_leaf) if t][x_indices[0]]
 
 
 def _check_sigma(sigma, x, made_by):
@@ -245,26 +370,27 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
 
     ``samples=S``: Hutchinson's estimate ``mean_s v_s^T H v_s`` with ``S`` random directions drawn
     at each call from PyTorch's generator (seed it with ``torch.manual_seed``), ``distribution``
-    ``"rademacher"`` (entries +-1) or ``"normal"``. Unbiased; exact only as ``S`` grows.
+    ``"rademacher"`` (entries +-1) or ``"normal"``. Unbiased; exact only as ``S`` grows. With
+    ``sigma`` too, the directions are ``sigma @ v_s`` (``v_s`` of size ``R``): the weighted
+    operator's estimate.
     """
     made_by = "fxtools.laplacian"
     if not isinstance(args, tuple):
         args = tuple(args)
-    if sigma is not None and samples is not None:
-        raise ValueError(f"{made_by}: pass sigma or samples, not both")
-    if samples is not None and (not isinstance(samples, int) or samples < 1):
-        raise ValueError(f"{made_by}: samples must be a positive int, got {samples!r}")
-    if distribution not in _DISTRIBUTIONS:
-        raise ValueError(f"{made_by}: distribution must be one of {_DISTRIBUTIONS}, got {distribution!r}")
-    cap, x_index = _prepare(f, args, argnums, made_by)
-    x = _x_example(cap, x_index)
+    _check_samples(samples, distribution, made_by)
+    cap, x_indices = _prepare(f, args, argnums, made_by)
+    x = _x_example(cap, x_indices)
     extras = []
     if sigma is not None:
         _check_sigma(sigma, x, made_by)
         extras = [sigma]
 
-    def seed(xv, *more):
-        return rules.Collapsed(xv, _directions(xv, more, samples, distribution), None)
+    placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
+    by_rows = sigma is None and samples is None and rows_independent(cap.gm, placeholders[x_indices[0]])
+
+    def seed(xs, *more):
+        directions = _row_directions(xs[0]) if by_rows else _directions(xs[0], more, samples, distribution)
+        return [rules.Collapsed(xs[0], directions, None)]
 
     def outputs_of(r, i):
         if isinstance(r, rules.Collapsed):
@@ -273,7 +399,7 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
         v = rules.value_of(r)
         return [_zeros_for(v)] if is_float(v) else []
 
-    flat = _trace(cap, x_index, seed, extras, ["sigma"] * len(extras), outputs_of, made_by)
+    flat = _trace(cap, x_indices, seed, extras, ["sigma"] * len(extras), outputs_of, made_by)
     laps = [i for i, o in enumerate(cap.out_leaves) if is_float(o)]
     n_out = len(cap.out_leaves)
 
@@ -289,19 +415,145 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
     return gm
 
 
+def _check_samples(samples, distribution, made_by):
+    if samples is not None and (not isinstance(samples, int) or samples < 1):
+        raise ValueError(f"{made_by}: samples must be a positive int, got {samples!r}")
+    if distribution not in _DISTRIBUTIONS:
+        raise ValueError(f"{made_by}: distribution must be one of {_DISTRIBUTIONS}, got {distribution!r}")
+
+
+@uses_pipeline(
+    "fxtools.divergence",
+    requires="front: a prepared graph returning one tensor of the input's size; ops have Taylor rules or decompositions",
+    ensures="gm(*args) -> (out, divergence), the divergence a 0-d tensor",
+)
+def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> fx.GraphModule:
+    """The divergence ``sum_i d out_i / d x_i`` of a vector field ``out = f(*args)`` with respect to
+    ``x = args[argnums]`` (``out`` has as many elements as ``x``), as code: ``out, div = gm(*args)``.
+
+    One forward pass carries the first-order terms of the ``D = x.numel()`` directions (forward
+    mode), and the divergence is the trace of the Jacobian they form; continuous normalizing flows
+    and score matching need it. ``samples=S``: Hutchinson's estimate ``mean_s v_s^T J v_s`` with ``S``
+    random directions drawn at each call (``distribution`` ``"rademacher"`` or ``"normal"``).
+    """
+    made_by = "fxtools.divergence"
+    args = tuple(args)
+    _check_samples(samples, distribution, made_by)
+    cap, x_indices = _prepare(f, args, argnums, made_by)
+    x = _x_example(cap, x_indices)
+    outs = cap.out_leaves
+    if len(outs) != 1 or not is_float(outs[0]) or outs[0].numel() != x.numel():
+        got = [tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__ for o in outs]
+        raise ValueError(
+            f"{made_by}: f must return one floating-point tensor with as many elements as the input "
+            f"({x.numel()}, a vector field), got {got}"
+        )
+    seeds: list = []
+
+    def seed(xs):
+        seeds.append(_directions(xs[0], (), samples, distribution))
+        return [rules.Collapsed(xs[0], seeds[-1], None)]
+
+    def outputs_of(r, i):
+        if not isinstance(r, rules.Collapsed) or r.grad is None:
+            return [_zeros_for(rules.value_of(r)).sum()]
+        n = r.value.numel()
+        if samples:  # mean_s v_s . (J v_s)
+            return [torch.sum(seeds[0].reshape(samples, n) * r.grad.reshape(samples, n)) / samples]
+        return [torch.diagonal(r.grad.reshape(n, n)).sum()]  # the Jacobian's trace
+
+    flat = _trace(cap, x_indices, seed, [], [], outputs_of, made_by)
+    value, div = next(n for n in flat.graph.nodes if n.op == "output").args[0]
+    if isinstance(value, fx.Node) and isinstance(div, fx.Node):
+        div._rename(f"{value.name}_div")
+
+    def build(flat_results):
+        return pytree.tree_unflatten(flat_results[:1], cap.out_spec), flat_results[1]
+
+    gm = back(flat, cap, build, made_by=made_by, args=args, collapse_views=True)
+    meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(outs), cap.out_spec))
+    return gm
+
+
+@uses_pipeline(
+    "fxtools.bilaplacian",
+    requires="front: a prepared fxtools.laplacian module; its ops have Taylor rules",
+    ensures="gm(*args) -> (out, bilaplacian), bilaplacian nested as out",
+)
+def bilaplacian(f, *args, argnums=0, samples=None, distribution="rademacher") -> fx.GraphModule:
+    """The bi-Laplacian ``sum_ij d^4 out / dx_i^2 dx_j^2`` of ``f`` with respect to ``args[argnums]``,
+    as code: ``out, bilap = gm(*args)``.
+
+    Collapsed Taylor mode twice: the Laplacian of the Laplacian's module (``fxtools.laplacian``),
+    so the code is the forward Laplacian of the forward Laplacian, each with ``D`` first-order
+    terms and one summed second-order term per value. ``samples=S``: both Laplacians are
+    Hutchinson's estimates with ``S`` random directions each, drawn independently at each call
+    (``distribution`` as ``fxtools.laplacian``'s): unbiased, as the outer estimate is unbiased for
+    the Laplacian of each inner estimate, and the inner one for the Laplacian.
+    """
+    made_by = "fxtools.bilaplacian"
+    args = tuple(args)
+    _check_samples(samples, distribution, made_by)
+    inner = laplacian(f, *args, argnums=argnums, samples=samples, distribution=distribution)
+    cap, x_indices = _prepare(inner, args, argnums, made_by)
+    n_out = len(cap.out_leaves) // 2  # inner returns (out, lap), each with f's structure
+
+    def seed(xs):
+        return [rules.Collapsed(xs[0], _directions(xs[0], (), samples, distribution), None)]
+
+    def outputs_of(r, i):
+        if i < n_out:
+            return []
+        if isinstance(r, rules.Collapsed):
+            lap = r.lap if r.lap is not None else _zeros_for(r.value)
+            return [lap / samples if samples else lap]
+        v = rules.value_of(r)
+        return [_zeros_for(v)] if is_float(v) else []
+
+    flat = _trace(cap, x_indices, seed, [], [], outputs_of, made_by)
+    out_spec = cap.out_spec.child(0)
+    floats = [is_float(o) for o in cap.out_leaves[n_out:]]
+
+    def build(flat_results):
+        it = iter(flat_results[2 * n_out :])
+        bilap = [next(it) if fl else None for fl in floats]
+        return pytree.tree_unflatten(flat_results[:n_out], out_spec), pytree.tree_unflatten(bilap, out_spec)
+
+    gm = back(flat, cap, build, made_by=made_by, args=args, collapse_views=True)
+    meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves[:n_out]), out_spec))
+    return gm
+
+
 def _directions(x, more, samples, distribution):
-    """The first-order terms of the input: the standard basis, sigma's columns, or random draws."""
+    """The first-order terms of the input: the standard basis, sigma's columns, random draws, or
+    sigma times random draws (``samples`` with ``sigma``: ``E[sigma v v^T sigma^T] = C``)."""
     shape = tuple(x.shape)
     if more:
         sigma = more[0]
-        return sigma.t().reshape(sigma.shape[1], *shape)
+        columns = sigma.t().clone(memory_format=torch.contiguous_format)  # sigma of any layout
+        if samples:
+            return (_draw((samples, sigma.shape[1]), x, distribution) @ columns).view(samples, *shape)
+        return columns.view(sigma.shape[1], *shape)
     if samples:
-        if distribution == "normal":
-            return torch.randn((samples, *shape), dtype=x.dtype, device=x.device)
-        bits = torch.randint(0, 2, (samples, *shape), device=x.device)
-        return (2 * bits - 1).to(x.dtype)
+        return _draw((samples, *shape), x, distribution)
     n = math.prod(shape)
     return torch.eye(n, dtype=x.dtype, device=x.device).reshape(n, *shape)
+
+
+def _row_directions(x):
+    """The standard basis of one row, in every row at once: ``x``'s rows are independent points
+    (``rows.rows_independent``), so each output row sees the directions of its own input row only."""
+    n = math.prod(x.shape[1:])
+    basis = torch.eye(n, dtype=x.dtype, device=x.device).reshape(n, 1, *x.shape[1:])
+    return basis.expand(n, *x.shape)
+
+
+def _draw(shape, x, distribution):
+    """Random directions of zero mean and identity covariance, from PyTorch's generator."""
+    if distribution == "normal":
+        return torch.randn(shape, dtype=x.dtype, device=x.device)
+    bits = torch.randint(0, 2, shape, device=x.device)
+    return (2 * bits - 1).to(x.dtype)
 
 
 @uses_pipeline(
@@ -313,23 +565,36 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
     """Taylor mode along a curve: the derivatives of ``f(x(t))`` at ``t = 0``, as code.
 
     ``x(t) = x + sum_k series[k-1] t^k / k!`` with ``x = args[argnums]``. Returns a GraphModule with
-    ``out, out_series = gm(*args, series)``: ``series`` is a tuple of ``order`` tensors shaped as
+    ``out, out_series = gm(*args, series)``: ``series`` is a tuple of ``order`` terms, each shaped as
     ``x`` (the curve's derivatives), ``out`` is ``f(*args)`` and ``out_series`` has ``out``'s
     structure with, at each floating-point leaf, the tuple of ``d^k/dt^k f(x(t))``, ``k = 1..order``.
     As ``jax.experimental.jet.jet(f, (x,), (series,))``. With ``series = (v, 0, ...)`` the terms are
     the directional derivatives ``d^k f(x + t v) / dt^k``.
+
+    ``x`` may be a pytree of tensors (each term of ``series`` then has its structure), and
+    ``argnums`` a tuple: the curve moves all those arguments, each term of ``series`` is a tuple
+    with one entry per argument. ``order=0`` gives ``f(*args)`` and empty tuples.
     """
     made_by = "fxtools.jet"
     if not isinstance(args, tuple):
         args = tuple(args)
-    if not isinstance(order, int) or order < 1:
-        raise ValueError(f"{made_by}: order must be a positive int, got {order!r}")
-    cap, x_index = _prepare(f, args, argnums, made_by)
-    x = _x_example(cap, x_index)
-    series_example = tuple(torch.zeros_like(x) for _ in range(order))
+    if not isinstance(order, int) or isinstance(order, bool) or order < 0:
+        raise ValueError(f"{made_by}: order must be a non-negative int, got {order!r}")
+    cap, x_indices = _prepare(f, args, argnums, made_by, several=True)
+    nums = argnums_tuple(argnums, len(args))
+    moving = args[argnums] if isinstance(argnums, int) else tuple(args[n] for n in nums)
+    term_example = pytree.tree_map(torch.zeros_like, moving)
+    series_example = tuple(term_example for _ in range(order))
+    width = len(pytree.tree_leaves(term_example))
+    arg_of = _arg_of(cap, x_indices)
+    order_of = [p for n in nums for p, a in enumerate(arg_of) if a == n]  # series leaf j -> its input
 
-    def seed(xv, *more):
-        return rules.Jet([xv, *more])
+    def seed(xs, *more):
+        terms = [[xv] for xv in xs]
+        for k in range(order):
+            for j, p in enumerate(order_of):
+                terms[p].append(more[k * width + j])
+        return [rules.constant_if_zero(rules.Jet(t)) for t in terms]  # order 0: plain values
 
     def outputs_of(r, i):
         if isinstance(r, rules.Jet):
@@ -337,7 +602,8 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
         v = rules.value_of(r)
         return [_zeros_for(v) for _ in range(order)] if is_float(v) else []
 
-    flat = _trace(cap, x_index, seed, list(series_example), [f"series_{k}" for k in range(order)], outputs_of, made_by)
+    series_names = [f"series_{k}" if width == 1 else f"series_{k}_{j}" for k in range(order) for j in range(width)]
+    flat = _trace(cap, x_indices, seed, pytree.tree_leaves(series_example), series_names, outputs_of, made_by)
     n_out = len(cap.out_leaves)
     floats = [is_float(o) for o in cap.out_leaves]
 
@@ -347,7 +613,8 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
         return pytree.tree_unflatten(flat_results[:n_out], cap.out_spec), pytree.tree_unflatten(series, cap.out_spec)
 
     names = cap.arg_names
-    role = {len(args): lambda path: f"the series (the curve's {order} derivatives) of {names[argnums]}"}
+    moved = ", ".join(names[n] for n in nums)
+    role = {len(args): lambda path: f"the series (the curve's {order} derivatives) of {moved}"}
     gm = back(
         flat, cap, build, made_by=made_by, args=args, extra_args=[("series", series_example)], roles=role, collapse_views=True
     )

@@ -178,6 +178,7 @@ def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None, has_aux=False):
     "fxtools.grad",
     requires="front: a prepared graph returning one floating-point element (and aux)",
     ensures="gm(*args) -> grads (and aux), nested as the differentiated arguments",
+    loss=True,
 )
 def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> fx.GraphModule:
     """The gradient of scalar-valued ``f`` at example ``args``: ``gm(*args) -> grads``.
@@ -197,6 +198,7 @@ def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> f
     "fxtools.value_and_grad",
     requires="as fxtools.grad",
     ensures="gm(*args) -> (value, grads), or ((value, aux), grads)",
+    loss=True,
 )
 def value_and_grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> fx.GraphModule:
     """Like ``grad``, but ``gm(*args) -> (value, grads)``; with ``has_aux=True``,

@@ -1,0 +1,350 @@
+"""Tensor subclasses (DTensor) through capture: traced as their local tensors, with collectives.
+
+A program taking DTensors (tensor parallel: ``parallelize_module``'s parameters, ``from_local``
+inputs) is captured as a program of their *local* tensors, as AOTAutograd does with PyTorch's
+subclass protocol (``__tensor_flatten__`` / ``__tensor_unflatten__``): each DTensor argument
+becomes its local tensor, rebuilt into a DTensor inside the traced function, so DTensor's own
+dispatch runs while fxtools traces and the graph holds the local ops and the functional
+collectives (``_c10d_functional.all_gather_into_tensor``, ``reduce_scatter_tensor``,
+``all_reduce``) its redistributions run. DTensor outputs are returned as their local tensors, and
+``LocalView`` rebuilds them (and the DTensor gradients of DTensor arguments) with the placements
+eager gives.
+
+**Which derivative.** Each rank's graph is differentiated as a function of its local tensors:
+the collectives' rules (``rules/collectives.py``) are their adjoints, so the backward computes the
+derivative of the sum over ranks of each rank's objective. DTensor's autograd differentiates the
+*global* program instead, and the two meet at the edges of the DTensor region, where the calls of
+DTensor's autograd functions are captured as ``custom_vjp`` calls with the rule of eager:
+
+- ``to_local()`` of a DTensor replicated over a mesh dimension of ``n`` ranks gives each rank the
+  whole value, and eager takes each rank's gradient of it as the whole gradient: the local
+  gradient is ``n`` times the share of one rank, so the rule divides it by ``n``; over a
+  ``Partial`` dimension eager takes the ranks' gradients as partial sums, and the rule sums them
+  (``all_reduce``). The share ``g / n`` is marked, and the rule of an ``all_reduce`` receiving
+  it returns ``g`` itself (the sum of ``n`` equal shares), so no collective runs for it, as none
+  runs in eager's backward. (Shares DTensor itself makes, such as a replicated bias split to be
+  added to a partial sum, are not recognised: their gradient is all-reduced, where eager's
+  backward needs no collective.)
+- ``DTensor.from_local(x, mesh, [Replicate()])``: the local gradient of a replicated value is a
+  partial sum; eager gives each rank the whole gradient, so the rule all-reduces it.
+
+Placements fxtools does not handle are refused when the program is built, naming the placement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..errors import FxtoolsError, current_user_line
+from . import custom
+
+__all__ = [
+    "DTensorInside",
+    "Layout",
+    "LocalView",
+    "dtensor_functions",
+    "is_mesh",
+    "is_subclass",
+    "refuse_subclass_arguments",
+    "local_view",
+    "shared_replica",
+]
+
+_functional = torch.ops._c10d_functional
+
+
+def _dtensor():
+    """The DTensor class, if the program's process imported it (no DTensor exists otherwise:
+    programs without one pay no import)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def is_mesh(x) -> bool:
+    """Whether ``x`` is a DeviceMesh: a description of ranks (its rank table is a tensor of ints the
+    program reads as one), taken as a constant of the program."""
+    mesh = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
+    return mesh is not None and isinstance(x, mesh)
+
+
+def is_subclass(x) -> bool:
+    """Whether ``x`` is a DTensor (the tensor subclass fxtools traces as its local tensor)."""
+    cls = _dtensor()
+    return cls is not None and isinstance(x, cls)
+
+
+class SubclassError(FxtoolsError):
+    """A tensor subclass, or a placement of one, that fxtools cannot trace."""
+
+
+class DTensorInside(Exception):  # noqa: N818 - a signal to capture, not an error
+    """Raised while a program is traced above autograd and makes a DTensor: capture traces it
+    again below autograd, where DTensor's dispatch runs."""
+
+
+_ABOVE_AUTOGRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("fxtools_dtensor_above_autograd", default=False)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a DTensor is besides its local tensor: its class, the non-tensor parts (the mesh), the
+    flatten context (placements, global metadata), its global size and strides. Layouts compare
+    equal when a graph made for one serves the other."""
+
+    cls: type
+    others: tuple  # (name, value) of the non-tensor inner parts (the DeviceMesh)
+    ctx: Any
+    size: tuple
+    stride: tuple
+
+    @classmethod
+    def of(cls, x) -> Layout:
+        names, ctx = x.__tensor_flatten__()
+        inner = [n for n in names if isinstance(getattr(x, n), torch.Tensor)]
+        if inner != ["_local_tensor"]:
+            raise SubclassError(f"fxtools traces DTensors as their one local tensor; this one has {inner}")
+        _check_placements(x.placements)
+        others = tuple((n, getattr(x, n)) for n in names if n not in inner)
+        return cls(type(x), others, ctx, tuple(x.shape), tuple(x.stride()))
+
+    @property
+    def placements(self) -> tuple:
+        return self.ctx[0]
+
+    @property
+    def mesh(self):
+        return dict(self.others)["device_mesh"]
+
+    def grad_layout(self) -> Layout:
+        """The layout of the gradient eager gives this DTensor (and of the cotangent an output's
+        graph takes): a Partial dimension's is whole (Replicate)."""
+        from torch.distributed.tensor import Replicate
+
+        placements = tuple(Replicate() if p.is_partial() else p for p in self.placements)
+        return Layout(self.cls, self.others, (placements, *self.ctx[1:]), self.size, self.stride)
+
+    def key(self) -> tuple:
+        """What a cached graph is specialised to (the mesh by identity)."""
+        return (self.cls, tuple(id(v) for _, v in self.others), self.ctx[:-1], self.size, self.stride)
+
+    def wrap(self, local: torch.Tensor, requires_grad: bool | None = None):
+        """The DTensor with this layout around ``local``."""
+        ctx = self.ctx if requires_grad is None else (*self.ctx[:-1], requires_grad)
+        return self.cls.__tensor_unflatten__(  # type: ignore[attr-defined]
+            {"_local_tensor": local, **dict(self.others)}, ctx, self.size, self.stride
+        )
+
+
+def _check_placements(placements) -> None:
+    """Refuse placements whose local form fxtools does not differentiate."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    for p in placements:
+        ok = type(p) in (Shard, Replicate) or (type(p) is Partial and p.reduce_op == "sum")
+        if not ok:
+            raise SubclassError(
+                f"fxtools does not differentiate DTensors placed as {p} (at {current_user_line() or 'an argument'}): "
+                "it handles Shard, Replicate and Partial('sum'); see docs/security.md#known-gaps"
+            )
+
+
+def refuse_subclass_arguments(names: list[str], leaves: list) -> None:
+    """DTensor arguments reach capture only as their local tensors (``LocalView``, which
+    ``fxtools.compile`` and the backend use); a transform given one refuses it, naming it."""
+    for name, x in zip(names, leaves):
+        if is_subclass(x):
+            raise SubclassError(
+                f"argument {name} is a DTensor: fxtools.compile and torch.compile(backend=fxtools.backend()) train "
+                "programs taking DTensors; the other transforms take plain tensors (pass x.to_local() or "
+                "x.full_tensor()). See docs/security.md#known-gaps"
+            )
+
+
+def local(x):
+    """The local tensor of a DTensor, anything else as it is."""
+    return x._local_tensor if is_subclass(x) else x
+
+
+class LocalView:
+    """``fn(*args)`` with DTensor leaves as a function of their local tensors.
+
+    ``args(args)`` are the arguments with DTensors replaced by their local tensors;
+    ``function(fn)`` takes those and rebuilds the DTensors before calling ``fn`` (DTensor outputs
+    are returned as local tensors, their layouts kept in ``out_layouts``); ``key`` is what a graph
+    made for ``args`` is specialised to besides the local tensors' own guards."""
+
+    def __init__(self, args):
+        leaves = pytree.tree_leaves(tuple(args))
+        self.layouts = [Layout.of(x) if is_subclass(x) else None for x in leaves]
+        self.tensor_layouts = [lay for lay, x in zip(self.layouts, leaves) if isinstance(x, torch.Tensor)]
+        self.key = tuple(None if lay is None else lay.key() for lay in self.layouts)
+        self.out_layouts: list = []  # of every output leaf (None: not a DTensor)
+        self.out_tensor_layouts: list = []  # of the tensor output leaves
+
+    def args(self, args) -> tuple:
+        """``args`` with each DTensor replaced by its local tensor (requiring grad as the DTensor does)."""
+
+        def plain(x):
+            return x._local_tensor.detach().requires_grad_(x.requires_grad) if is_subclass(x) else x
+
+        return tuple(pytree.tree_map_only(torch.Tensor, plain, tuple(args)))
+
+    def function(self, fn):
+        layouts = self.layouts
+
+        def local_fn(*args):
+            leaves, spec = pytree.tree_flatten(args)
+            with dtensor_functions():
+                full = [leaf if lay is None else lay.wrap(_argument(leaf, lay), False) for leaf, lay in zip(leaves, layouts)]
+                out = fn(*pytree.tree_unflatten(full, spec))
+            out_leaves, out_spec = pytree.tree_flatten(out)
+            self.out_layouts = [Layout.of(o) if is_subclass(o) else None for o in out_leaves]
+            self.out_tensor_layouts = [lay for lay, o in zip(self.out_layouts, out_leaves) if isinstance(o, torch.Tensor)]
+            out_leaves = [o if lay is None else _output(local(o), lay) for o, lay in zip(out_leaves, self.out_layouts)]
+            return pytree.tree_unflatten(out_leaves, out_spec)
+
+        local_fn.__fxtools_below_autograd__ = True
+        for attr in ("__signature__", "__name__", "__fxtools_module__", "__fxtools_input_kinds__"):
+            if hasattr(fn, attr):
+                setattr(local_fn, attr, getattr(fn, attr))
+        return local_fn
+
+
+def _argument(x, layout: Layout):
+    """A DTensor argument's local tensor, its gradient whole over the replicated dimensions (the
+    placements eager gives a replicated parameter's gradient)."""
+    replicated = _groups(layout.mesh, layout.placements, lambda p: p.is_replicate())
+    return _FROM_LOCAL(x, tuple(replicated), ()) if replicated else x
+
+
+def _output(x, layout: Layout):
+    """A DTensor output's local tensor; its cotangent (``grad_placements`` of the layout) is each
+    rank's share over the replicated dimensions."""
+    replicated = _groups(layout.mesh, layout.placements, lambda p: p.is_replicate())
+    return _TO_LOCAL(x, tuple(replicated), ()) if replicated else x
+
+
+def local_view(args) -> LocalView | None:
+    """A ``LocalView`` of ``args`` if any of their leaves is a DTensor, else None."""
+    if _dtensor() is None or not any(is_subclass(x) for x in pytree.tree_leaves(tuple(args))):
+        return None
+    return LocalView(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The edges of the DTensor region: DTensor's autograd functions with eager's rule
+
+
+def _groups(mesh, placements, which) -> list[tuple[str, int]]:
+    """(group name, size) of the mesh dimensions whose placement satisfies ``which``."""
+    return [(mesh.get_group(d).group_name, mesh.size(d)) for d, p in enumerate(placements) if which(p)]
+
+
+def _all_reduce(t, group: str, op: str = "sum"):
+    return _functional.wait_tensor(_functional.all_reduce(t, op, group))
+
+
+# a cache of the shares to_local's rule made, by identity: id(share) -> (weakref to it, whole gradient, group)
+_SHARES: dict[int, tuple] = {}
+
+
+def shared_replica(ct, group: str):
+    """If ``ct`` is ``g / n``, the share of one of ``n`` ranks holding the same gradient ``g`` of a
+    replicated value over ``group`` (made by ``to_local``'s rule), then ``g``, else None."""
+    found = _SHARES.get(id(ct))
+    if found is None or found[0]() is not ct or found[2] != group:
+        return None
+    return found[1]
+
+
+def _edge(kind: str):
+    """A ``custom_vjp`` identity whose rule is eager's at an edge of the DTensor region."""
+
+    def fun(x, replicated, partial):
+        return x
+
+    def fwd(x, replicated, partial):
+        return fun(x, replicated, partial), (replicated, partial)
+
+    def bwd(res, ct):
+        replicated, partial = res
+        if ct is None:
+            return None, None, None
+        if kind == "from_local":
+            for group, _ in replicated:
+                ct = _all_reduce(ct, group)
+            return ct, None, None
+        for group, n in replicated:
+            whole, ct = ct, ct / n
+            for key in [k for k, v in _SHARES.items() if v[0]() is None]:
+                del _SHARES[key]
+            _SHARES[id(ct)] = (weakref.ref(ct), whole, group)
+        for group, _ in partial:
+            ct = _all_reduce(ct, group)
+        return ct, None, None
+
+    fun.__name__ = f"dtensor_{kind}"
+    edge = custom.custom_vjp(fun)
+    edge.defvjp(fwd, bwd)
+    return edge
+
+
+_FROM_LOCAL = _edge("from_local")
+_TO_LOCAL = _edge("to_local")
+
+
+def _from_local(apply, x, mesh, placements, *rest):
+    if _ABOVE_AUTOGRAD.get():
+        raise DTensorInside
+    _check_placements(placements)
+    replicated = _groups(mesh, placements, lambda p: p.is_replicate())
+    if replicated:
+        x = _FROM_LOCAL(x, tuple(replicated), ())
+    return apply(x, mesh, placements, *rest)
+
+
+def _to_local(apply, x, grad_placements=None):
+    placements = tuple(grad_placements or x.placements)
+    _check_placements(placements)
+    out = apply(x, grad_placements)
+    replicated = _groups(x.device_mesh, placements, lambda p: p.is_replicate())
+    partial = _groups(x.device_mesh, placements, lambda p: p.is_partial())
+    if replicated or partial:
+        out = _TO_LOCAL(out, tuple(replicated), tuple(partial))
+    return out
+
+
+@contextlib.contextmanager
+def dtensor_functions(pre_dispatch: bool = False):
+    """While capturing: DTensor's ``from_local`` / ``to_local`` with eager's rules at the edges of
+    the DTensor region, its other autograd functions (redistributions) traced into their local
+    ops and collectives. ``pre_dispatch``: the trace is above autograd, where DTensors cannot be
+    traced; making one raises ``DTensorInside``."""
+    if _dtensor() is None:  # pragma: no cover - builds without torch.distributed
+        yield
+        return
+    from torch.distributed.tensor import _api, _redistribute
+
+    handlers = {
+        _api._FromTorchTensor: _from_local,
+        _api._ToTorchTensor: _to_local,
+        _redistribute.Redistribute: None,
+    }
+    exporting = torch.compiler._is_exporting_flag
+    if not pre_dispatch:  # DTensors are made as in eager, not recorded as export records them
+        torch.compiler._is_exporting_flag = False
+    token = _ABOVE_AUTOGRAD.set(pre_dispatch)
+    try:
+        with custom.function_handlers(handlers):
+            yield
+    finally:
+        torch.compiler._is_exporting_flag = exporting
+        _ABOVE_AUTOGRAD.reset(token)

@@ -1,0 +1,411 @@
+"""Tensor parallel (DTensor) and 2-D (FSDP2 x tensor parallel) training through fxtools.
+
+Two launches (gloo, loopback only; ``test_distributed.launch``), each running every case of its
+world size; each rank writes what it found to a JSON file and the tests read them all:
+
+- 2 processes, a 1-D mesh: an MLP with ``ColwiseParallel`` up-projection and ``RowwiseParallel``
+  down-projection, and a residual block with ``SequenceParallel`` LayerNorm and ``Colwise/RowwiseParallel``
+  over a sequence shard, each through ``fxtools.compile`` and
+  ``torch.compile(backend=fxtools.backend())``; what fxtools refuses (a ``Partial("max")``
+  placement, a double backward, ``fxtools.grad`` of a DTensor) with the error naming it.
+- 4 processes, a (2, 2) mesh ("dp", "tp"): two residual blocks (LayerNorm, Colwise/Rowwise MLP),
+  ``fully_shard`` over "dp" (blocks, then the root), through both paths; blocks compiled then
+  sharded; ``policies.budget(0.5)``.
+
+Every case trains 5 AdamW steps in float64 and compares every parameter's gradient (of the first
+step, whole: ``DTensor.full_tensor()``) and every parameter after the 5 steps with an unsharded
+copy trained in eager on the whole batch, at 1e-10, checks the gradients' placements are those
+eager tensor parallel gives, and that fxtools' forward graphs ran at every step. The generated
+backward of the MLP holds its collectives (``all_reduce`` for the replicated input's gradient).
+
+Run ``python tests/test_tensor_parallel.py`` to launch the workers by hand and print their results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+from test_distributed import TIMEOUT, Probe, launch
+
+STEPS = 5
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+class MLP(nn.Module):
+    def __init__(self, d=6, h=8):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x, y):
+        return ((self.down(torch.relu(self.up(x))) - y) ** 2).mean()
+
+
+class Block(nn.Module):
+    def __init__(self, d=6, h=8):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, h):
+        return h + self.down(torch.relu(self.up(self.norm(h))))
+
+
+class Blocks(nn.Module):
+    """Residual blocks and a squared error summed over the rank's batch (or sequence) shard and
+    divided by the whole batch's size: the ranks' losses add up to the unsharded model's mean."""
+
+    def __init__(self, n=2, total=1):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(n)])
+        self.total = total
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x)
+        return ((x - y) ** 2).sum() / self.total
+
+
+def _seeded(make):
+    torch.manual_seed(0)
+    return make()
+
+
+def _whole(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _train(model, params, inputs, context=contextlib.nullcontext):
+    """Gradients (whole) and their placements after the first step, parameters after STEPS AdamW
+    steps; each step's forward and backward inside ``context()``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grads = placements = None
+    for step in range(STEPS):
+        opt.zero_grad()
+        with context():
+            model(*inputs).backward()
+        if step == 0:
+            grads = {n: _whole(p.grad) for n, p in params.items()}
+            placements = {n: [str(q) for q in getattr(p.grad, "placements", ())] for n, p in params.items()}
+        opt.step()
+    return grads, placements, {n: _whole(p.detach()) for n, p in params.items()}
+
+
+def _compare(got, want, want_placements, probe) -> list[str]:
+    errors = []
+    grads, placements, params = got
+    for what, g, w in (("gradient", grads, want[0]), ("parameter after 5 steps", params, want[2])):
+        for name in w:
+            try:
+                torch.testing.assert_close(g[name], w[name], **TOL)
+            except (AssertionError, KeyError) as e:
+                errors.append(f"{what} {name}: {str(e).splitlines()[-1]}")
+    # eager may leave a replicated parameter's gradient a pending sum (Partial) that the optimizer
+    # reduces; fxtools' backward reduces it (Replicate): the same tensor
+    whole = {n: ["R" if q == "P(sum)" else q for q in ps] for n, ps in want_placements.items()}
+    if placements != whole:
+        errors.append(f"gradient placements {placements} != eager's {want_placements}")
+    if probe.runs < STEPS:
+        errors.append(f"fxtools' forward graphs ran {probe.runs} times in {STEPS} steps")
+    return errors
+
+
+def _run_case(results, name, build, reference, inputs, eager_placements, context=contextlib.nullcontext):
+    """Train ``build()`` (a model and its parameters by name) and record its differences with ``reference``."""
+    torch._dynamo.reset()
+    start = time.perf_counter()
+    try:
+        trained, params = build()
+        with Probe() as probe:
+            got = _train(trained, params, inputs, context)
+        results[name] = {"errors": _compare(got, reference, eager_placements, probe), "runs": probe.runs}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        results[name] = {"errors": [f"{type(e).__name__}: {e}", traceback.format_exc()[-3000:]]}
+    results[name]["seconds"] = round(time.perf_counter() - start, 2)
+
+
+def _paths():
+    import fxtools
+
+    return {"fxtools.compile": lambda m, inputs: fxtools.compile(m, *inputs), "backend": _backend}
+
+
+def _backend(model, inputs):
+    import fxtools
+
+    return torch.compile(model, backend=fxtools.backend())
+
+
+def _tp_cases(rank, mesh) -> dict:
+    """The 2-process cases (module docstring)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    results: dict = {}
+    torch.manual_seed(1)
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+    def tp_mlp():
+        model = parallelize_module(_seeded(MLP), mesh, plan)
+        return model, dict(model.named_parameters())
+
+    ref = _seeded(MLP)
+    reference = _train(ref, dict(ref.named_parameters()), (x, y))
+    eager_model, eager_params = tp_mlp()
+    eager_placements = _train(eager_model, eager_params, (x, y))[1]
+    for path, make in _paths().items():
+
+        def build(make=make):
+            model, params = tp_mlp()
+            return make(model, (x, y)), params
+
+        _run_case(results, f"Colwise/Rowwise MLP, {path}", build, reference, (x, y), eager_placements)
+
+    # sequence parallel: each rank holds a shard of the sequence (dimension 1)
+    torch.manual_seed(2)
+    xs, ys = torch.randn(2, 4, 6), torch.randn(2, 4, 6)
+    shard = (xs.chunk(2, dim=1)[rank], ys.chunk(2, dim=1)[rank])
+    sp_plan = {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+    def sp_blocks():
+        model = _seeded(lambda: Blocks(n=1, total=xs.numel()))
+        for block in model.blocks:
+            parallelize_module(block, mesh, sp_plan)
+        return model, dict(model.named_parameters())
+
+    ref = _seeded(lambda: Blocks(n=1, total=xs.numel()))
+    reference = _train(ref, dict(ref.named_parameters()), (xs, ys))
+    eager_model, eager_params = sp_blocks()
+    eager_placements = _train(eager_model, eager_params, shard)[1]
+    for path, make in _paths().items():
+
+        def build(make=make):
+            model, params = sp_blocks()
+            return make(model, shard), params
+
+        _run_case(results, f"SequenceParallel block, {path}", build, reference, shard, eager_placements)
+    _loss_parallel_cases(results, mesh)
+    results["backward"] = _backward_code(tp_mlp, (x, y))
+    results["refused"] = _refusals(mesh, tp_mlp, (x, y))
+    return results
+
+
+class Head(nn.Module):
+    """A projection to logits and their cross-entropy."""
+
+    def __init__(self, d=6, v=8):
+        super().__init__()
+        self.inner = nn.Linear(d, d)
+        self.head = nn.Linear(d, v)
+
+    def forward(self, x, t):
+        return nn.functional.cross_entropy(self.head(torch.tanh(self.inner(x))), t)
+
+
+def _loss_parallel_cases(results, mesh):
+    """``loss_parallel()``: the cross-entropy of logits sharded over the vocabulary."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, loss_parallel, parallelize_module
+
+    torch.manual_seed(3)
+    x, t = torch.randn(4, 6), torch.randint(0, 8, (4,))
+    plan = {
+        "inner": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate(), use_local_output=True),
+        "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+
+    def sharded():
+        model = parallelize_module(_seeded(Head), mesh, plan)
+        return model, dict(model.named_parameters())
+
+    ref = _seeded(Head)
+    reference = _train(ref, dict(ref.named_parameters()), (x, t))
+    eager_model, eager_params = sharded()
+    eager_placements = _train(eager_model, eager_params, (x, t), loss_parallel)[1]
+    for path, make in _paths().items():
+
+        def build(make=make):
+            model, params = sharded()
+            with loss_parallel():
+                return make(model, (x, t)), params
+
+        _run_case(results, f"loss_parallel cross-entropy, {path}", build, reference, (x, t), eager_placements, loss_parallel)
+
+
+def _backward_code(tp_mlp, inputs) -> str:
+    import fxtools
+
+    model, _ = tp_mlp()
+    return fxtools.compile(model, *inputs).split.backward.code
+
+
+def _refusals(mesh, tp_mlp, inputs) -> dict:
+    from torch.distributed.tensor import DTensor, Partial
+
+    import fxtools
+
+    out = {}
+
+    def partial_max(t):
+        return DTensor.from_local(t, mesh, [Partial("max")]).full_tensor().sum()
+
+    for case, run in (
+        ("Partial('max')", lambda: fxtools.compile(partial_max, torch.randn(3, requires_grad=True))),
+        ("double backward", lambda: _double_backward(tp_mlp, inputs)),
+        ("fxtools.grad", lambda: fxtools.grad(lambda w: w.sum(), tp_mlp()[1]["up.weight"])),
+    ):
+        try:
+            run()
+            out[case] = "not refused"
+        except fxtools.FxtoolsError as e:
+            out[case] = str(e)
+    return out
+
+
+def _double_backward(tp_mlp, inputs):
+    import fxtools
+
+    model, params = tp_mlp()
+    loss = fxtools.compile(model, *inputs)(*inputs)
+    torch.autograd.grad(loss, list(params.values()), create_graph=True)
+
+
+def _two_d_cases(rank, mesh) -> dict:
+    """The 4-process cases: FSDP2 over "dp" x tensor parallel over "tp"."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import fxtools
+
+    results: dict = {}
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    dp = mesh["dp"].get_local_rank()
+    batch = (x.chunk(2)[dp], y.chunk(2)[dp])
+
+    def two_d(make_block=lambda b: b):  # each dp rank's loss is its batch's mean; FSDP2 averages over "dp"
+        model = _seeded(lambda: Blocks(n=2, total=batch[0].numel()))
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = fully_shard(make_block(block), mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return model, {n.replace(".module.", "."): p for n, p in model.named_parameters()}
+
+    ref = _seeded(lambda: Blocks(n=2, total=x.numel()))
+    reference = _train(ref, dict(ref.named_parameters()), (x, y))
+    eager_model, eager_params = two_d()
+    eager_placements = _train(eager_model, eager_params, batch)[1]
+    for path, make in _paths().items():
+
+        def build(make=make):
+            model, params = two_d()
+            return make(model, batch), params
+
+        _run_case(results, f"FSDP2 x TP blocks, {path}", build, reference, batch, eager_placements)
+
+    def per_block():  # the other wrapping order: each block compiled, then sharded
+        return two_d(lambda b: fxtools.compile(b, batch[0]))
+
+    def budget():
+        model, params = two_d()
+        return fxtools.compile(model, *batch, policy=fxtools.policies.budget(0.5)), params
+
+    _run_case(results, "fully_shard(fxtools.compile(TP block)) per block", per_block, reference, batch, eager_placements)
+    _run_case(results, "FSDP2 x TP blocks, fxtools.compile, budget(0.5)", budget, reference, batch, eager_placements)
+    return results
+
+
+def _worker(out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT - 60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 2:
+        results = _tp_cases(rank, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    else:
+        results = _two_d_cases(rank, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+@functools.cache
+def _run(world_size: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out_dir:
+        return launch(out_dir, world_size, script=__file__)
+
+
+def _problems(ranks: list[dict]) -> list[str]:
+    problems = []
+    for rank, results in enumerate(ranks):
+        for case, got in results.items():
+            if isinstance(got, dict) and "errors" in got and got["errors"]:
+                problems.append(f"{case} (rank {rank}):\n  " + "\n  ".join(e[:3000] for e in got["errors"][:6]))
+    return problems
+
+
+def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
+    """2 processes: Colwise/Rowwise MLP and a SequenceParallel block, through fxtools.compile and
+    the backend, equal to the unsharded model in eager; the backward holds its collectives; a
+    ``Partial("max")`` placement and a double backward are refused naming them."""
+    ranks = _run(2)
+    problems = _problems(ranks)
+    for rank, results in enumerate(ranks):
+        for case in ("Colwise/Rowwise MLP, fxtools.compile", "SequenceParallel block, backend"):
+            if case not in results:
+                problems.append(f"{case} (rank {rank}): not run")
+        if "_c10d_functional.all_reduce" not in results["backward"]:
+            problems.append(f"rank {rank}: no all_reduce in the backward:\n{results['backward']}")
+        refused = results["refused"]
+        message = refused["Partial('max')"]
+        if "P(max)" not in message or "DTensor.from_local(t, mesh" not in message:
+            problems.append(f"rank {rank}: Partial('max'): {message}")
+        if "create_graph=True" not in refused["double backward"]:
+            problems.append(f"rank {rank}: double backward: {refused['double backward']}")
+        if "argument w is a DTensor" not in refused["fxtools.grad"]:
+            problems.append(f"rank {rank}: fxtools.grad of a DTensor: {refused['fxtools.grad']}")
+    assert not problems, "\n".join(problems)
+
+
+def test_fsdp2_by_tensor_parallel_on_a_2d_mesh_trains_as_unsharded_eager():
+    """4 processes, a (2, 2) mesh: FSDP2 over "dp" x Colwise/Rowwise over "tp", both paths, both
+    wrapping orders (shard the TP model then compile; compile each TP block then shard it), and
+    a memory budget."""
+    ranks = _run(4)
+    problems = _problems(ranks)
+    for rank, results in enumerate(ranks):
+        if len(results) != 4:
+            problems.append(f"rank {rank}: cases run: {sorted(results)}")
+    assert not problems, "\n".join(problems)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2])
+    else:
+        for world in (2, 4):
+            start = time.perf_counter()
+            for rank, res in enumerate(_run(world)):
+                for case, r in res.items():
+                    print(f"{world} processes, rank {rank} {case}: {r}")
+            print(f"{world} processes: {time.perf_counter() - start:.1f} s")
