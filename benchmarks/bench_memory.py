@@ -119,14 +119,15 @@ def _measure_autograd(model, inputs, reps):
 
 def _measure_fxtools(model, inputs, policy, reps, compiler=None, svg=None):
     """``fxtools.compile(model, policy=policy, compiler=compiler)`` (the training path: fused rules)
-    measured as autograd steps are; returns the split too (its saved bytes and predicted peak)."""
+    measured as autograd steps are; returns the split too (its saved bytes and predicted peak),
+    and the compiled module."""
     import fxtools
 
     compiled = fxtools.compile(model, *inputs, policy=policy, compiler=compiler)
     sp = compiled.split
     if svg:
         sp.frontier([k / 40 for k in range(1, 41)], path=svg)
-    return sp, _measure_autograd(compiled, inputs, reps)
+    return sp, _measure_autograd(compiled, inputs, reps), compiled
 
 
 CONFIGS = {
@@ -141,9 +142,28 @@ CONFIGS = {
 }
 
 
+def _alternating(steps, reps) -> list[float]:
+    """Median CPU time of each of ``steps`` over ``reps`` rounds, one step of each per round in
+    turn: on a shared machine the compared variants see the same load."""
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(reps):
+        for k, step in enumerate(steps):
+            times[k].append(_median_time(step, 1))
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def _step_of(model, inputs):
+    def step():
+        _clear_grads(model)
+        _autograd_step(model, inputs)
+
+    return step
+
+
 def _budget_rows(model, inputs, opts) -> list[dict]:
     """One row per run: eager, torch.compile and fxtools at every budget (per compiler), and
-    fxtools' peak form at torch.compile's peaks."""
+    fxtools' peak form at torch.compile's peaks. At each budget the ``torch.compile`` and fxtools
+    steps are timed alternately (``_alternating``)."""
     import torch._functorch.config as functorch_config
 
     import fxtools
@@ -156,18 +176,26 @@ def _budget_rows(model, inputs, opts) -> list[dict]:
         rows.append(dict(run=run, compiler=compiler, budget=b, saved=saved, peak=peak, time=t, predicted=predicted))
 
     add("eager", "-", "-", _measure_autograd(model, inputs, reps))
-    compilers = [("aot_eager_decomp_partition", None)] + ([("inductor", "inductor")] if opts.inductor else [])
+    compilers = [] if opts.inductor_only else [("aot_eager_decomp_partition", None)]
+    compilers += [("inductor", "inductor")] if opts.inductor or opts.inductor_only else []
     for backend, compiler in compilers:
+        pairs = []
         for b in BUDGETS:
             torch._dynamo.reset()
             with functorch_config.patch(activation_memory_budget=b):
                 compiled = torch.compile(model, backend=backend)
-                add("torch.compile", backend, b, _measure_autograd(compiled, inputs, reps))
+                ref = _measure_autograd(compiled, inputs, 1)
+                svg = opts.svg if b == 1.0 and compiler is None else None
+                sp, ours, ours_module = _measure_fxtools(model, inputs, fxtools.policies.budget(b), 1, compiler, svg)
+                t_ref, t_ours = _alternating([_step_of(compiled, inputs), _step_of(ours_module, inputs)], reps)
+            pairs.append((b, (ref[0], ref[1], t_ref), sp, (ours[0], ours[1], t_ours)))
         torch._dynamo.reset()
-        for b in BUDGETS:
-            svg = opts.svg if b == 1.0 and compiler is None else None
-            sp, measured = _measure_fxtools(model, inputs, fxtools.policies.budget(b), reps, compiler, svg)
-            add("fxtools budget(b)", backend, b, measured, sp)
+        for b, ref, _, _ in pairs:
+            add("torch.compile", backend, b, ref)
+        for b, _, sp, ours in pairs:
+            add("fxtools budget(b)", backend, b, ours, sp)
+    if opts.inductor_only:
+        return rows
     from fxtools.training import budget
 
     first = fxtools.compile(model, *inputs, policy=fxtools.policies.budget(1.0)).split
@@ -176,7 +204,7 @@ def _budget_rows(model, inputs, opts) -> list[dict]:
         target, run = r["peak"], f"fxtools budget(peak=torch.compile {r['budget']}'s)"
         if target < least:
             target, run = least, f"fxtools budget(peak=least), for torch.compile {r['budget']}"
-        sp, measured = _measure_fxtools(model, inputs, fxtools.policies.budget(peak=target), reps)
+        sp, measured, _ = _measure_fxtools(model, inputs, fxtools.policies.budget(peak=target), reps)
         add(run, "aot_eager_decomp_partition", f"{target / 1e6:.2f} MB", measured, sp)
     return rows
 
@@ -222,6 +250,7 @@ def main(argv=None) -> None:
     parser.add_argument("--budgets", action="store_true", help="the memory-budget table instead")
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small", help="with --budgets: the model")
     parser.add_argument("--inductor", action="store_true", help="with --budgets: torch.compile with Inductor too")
+    parser.add_argument("--inductor-only", action="store_true", help="with --budgets: Inductor only (no aot_eager rows)")
     parser.add_argument("--reps", type=int, default=20, help="with --budgets: steps timed per row")
     parser.add_argument("--svg", default=None, help="with --budgets: draw fxtools' frontier to this path")
     opts = parser.parse_args(argv)

@@ -254,6 +254,77 @@ def test_peak_budget_fits_and_is_monotone():
         fxtools.split(f, *args, policy=policies.budget(peak=peaks[0] - 1))
 
 
+PEAK_MODELS = {
+    "mlp": lambda: _mlp(5, 6, 12, batch=16),
+    "gpt": lambda: examples.example("gpt", n_layer=2, n_embd=16, n_head=2, batch=2),
+    "cnn": lambda: examples.example("cnn", batch=2, width=4),
+}
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("name", list(PEAK_MODELS))
+def test_byte_budget_peak_falls_with_the_budget(name):
+    """A smaller byte budget never has a higher predicted peak than a larger one (nor saves
+    more, nor recomputes less), over a 40-point sweep; the splits at a few budgets are what the
+    sweep says and give autograd's gradients exactly, recomputing twice where that is chosen."""
+    f, args = PEAK_MODELS[name]()
+    problem = budget.Problem(fxtools.split(f, *args, policy="save_all")._partition)
+    table = problem.byte_table()
+    save_all_bytes = table[-1][0]
+    assert [b for b, _, _ in table] == sorted(b for b, _, _ in table)
+    assert all(p.bytes <= b for b, p, _ in table)
+    for (b0, p0, k0), (_, p1, k1) in itertools.pairwise(table):  # levels ascending: everything rises together
+        assert p0.bytes <= p1.bytes and p0.cost >= p1.cost
+        assert k0 <= k1 or b0 in problem.unreached  # unreached: the least peak found (see byte_table)
+    assert all(b < 0.1 * save_all_bytes for b in problem.unreached)  # the tiny GPT: 0, 64 and 8,256 of 90,136
+    least = problem.frontier()[0]
+    once = budget.predicted_peak(problem.part, least.saved, least.recomputed)
+    assert table[0][2] <= min(once, table[-1][2])
+    last = None
+    for b in (0.02, 0.1, 0.25, 0.5, 1.0):
+        try:
+            sp = fxtools.split(f, *args, policy=policies.budget(b))
+        except FxtoolsError as e:
+            assert "below the least any split can save" in str(e)
+            continue
+        choice = sp.budget_choice
+        point, peak = problem.byte_choice(choice.limit)
+        assert (sp.saved_bytes, sp.recompute_cost, sp.predicted_peak) == (point.bytes, point.cost, peak)
+        assert sp.saved_bytes <= choice.limit and choice.lower_bound <= sp.recompute_cost
+        if last is not None:
+            assert sp.predicted_peak >= last.predicted_peak or last.saved_bytes in problem.unreached
+            assert sp.saved_bytes >= last.saved_bytes
+            assert sp.recompute_cost <= last.recompute_cost
+        last = sp
+        _check_grads(sp, f, args)
+    assert last is not None
+
+
+@pytest.mark.usefixtures("float64")
+def test_byte_budget_recomputes_twice_where_once_peaks_higher():
+    """On the chain, a byte budget takes a split recomputing twice where the frontier's point
+    within its bytes, recomputing once, peaks above a larger budget's choice: its predicted and
+    measured peaks are at most every larger budget's, its gradients exact."""
+    from fxtools.codegen.pycode import SLACK_BYTES
+
+    model, x = _chain(torch.float64, 256)
+    problem = budget.Problem(fxtools.split(model, x, policy="save_all")._partition)
+    table = problem.byte_table()
+    level, point, peak = [row for row in table if row[1].forget][-1]
+    below = [p for p in problem.frontier() if p.bytes <= level][-1]
+    once = budget.predicted_peak(problem.part, below.saved, below.recomputed)
+    larger = min(pk for b, _, pk in table if b > level)
+    assert peak <= larger < once  # recomputing once would have broken the monotone peak
+    sp = fxtools.split(model, x, policy=policies.budget(level))
+    assert sp._partition.forget and sp.predicted_peak == peak and sp.saved_bytes <= level
+    measured = budget.measure_peak(sp, dict(model.named_parameters()), x)
+    assert abs(measured - peak) <= 0.02 * peak + SLACK_BYTES, (peak, measured)
+    _, grads = sp.vjp(dict(model.named_parameters()), x)
+    want = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    for got, ref in zip(grads[0].values(), want, strict=True):
+        torch.testing.assert_close(got, ref, **TOL)
+
+
 def _chain(dtype, batch):
     """Four MLP blocks (64 -> 512 -> 64): with nothing saved, the backward's first gradient needs the
     whole chain recomputed, and recomputing each value once keeps every block's hidden values

@@ -112,8 +112,24 @@ def _compile(compiler, gm: fx.GraphModule, examples, sp: Split):
         examples = [p.meta["val"] for p in gm.graph.nodes if p.op == "placeholder"]
         mode = fake_mode_of(examples, create=True)
     with tracing(TracingContext(mode)), TracingContext.report_output_strides() as strides, _fixed_layouts(compiler):
+        _joint_graph_passes(compiler, gm, mode)
         compiled = _apply_compiler(compiler, gm, examples)
     return compiled, (list(strides) if strides else None)
+
+
+def _joint_graph_passes(compiler, gm: fx.GraphModule, mode) -> None:
+    """Inductor's joint-graph passes on ``gm`` (in place), as ``torch.compile`` runs them on the
+    joint graph before partitioning it (``compile_fx_inner`` does not): pattern rewrites such as a
+    one-hot ``scatter`` into a zero tensor becoming a fused ``where(iota == index)``, uniform
+    constants folded, no-op views and conversions removed. Without them Inductor materialises
+    what it would have fused (the cross-entropy gradient's one-hot: two more logits-sized buffers
+    at the start of the backward). ``mode``: the fake mode of the ``TracingContext``."""
+    if not _is_inductor(compiler):
+        return
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+
+    with mode:  # the replacements are traced on fake values, as under AOTAutograd
+        joint_graph_passes(gm)
 
 
 def _fixed_layouts(compiler):

@@ -172,6 +172,9 @@ class Problem:
 
         self.part, self.exact_limit, self.method = part, exact_limit, ""
         self.memo = _Memo()
+        self._table: list[tuple[int, Point, int]] | None = None
+        self._refreshed: dict = {}
+        self.unreached: set = set()  # byte_table's levels that took their least peak
         cand, stack = set(), list(part.needed)
         while stack:
             v = stack.pop()
@@ -339,6 +342,91 @@ class Problem:
         out += [self.lower_peak(points[k]) for k in picks]
         return out + [self.refreshed(p, peak) for p, peak in [*(out[k] for k in picks), *out[len(points) :]]]
 
+    def byte_table(self) -> list[tuple[int, Point, int]]:
+        """What a byte budget takes at each level of the frontier: ``(level bytes, point, its
+        predicted peak)``, bytes ascending; a budget ``B`` takes the last level ``<= B``.
+
+        Going down from the largest level, each level takes the least recompute among the
+        candidates that save at most its bytes and at most the bytes of every larger level's
+        choice, and whose predicted peak is at most every larger level's: saved bytes, peak and
+        recompute are all monotone in the budget. The candidates are the frontier's points; where
+        none fits, ``_lower_within`` adds points that recompute values twice (``refreshed``) and
+        that save a few more values within the level's bytes and then recompute twice. If still
+        none fits, the level takes its least peak and is listed in ``unreached``: the one place
+        the peak may rise as the budget falls (a level of a few bytes that cannot save the value
+        whose recomputation makes a larger level's peak)."""
+        if self._table is not None:
+            return self._table
+        points = self.frontier()
+        pool = [(p, predicted_peak(self.part, p.saved, p.recomputed, self.memo)) for p in points]
+        for fill in (True, False):  # generate what the levels need, then choose from a fixed pool
+            table, top_bytes, top_peak, self.unreached = [], math.inf, math.inf, set()
+            for level in reversed(points):
+                room = min(level.bytes, top_bytes)
+                best = _cheapest(pool, room, top_peak)
+                if best is None and fill:
+                    pool += self._lower_within(points, room, top_peak)
+                    best = _cheapest(pool, room, top_peak)
+                if best is None:
+                    best = min((c for c in pool if c[0].bytes <= room), key=lambda c: (c[1], c[0].cost))
+                    self.unreached.add(level.bytes)
+                table.append((level.bytes, *best))
+                top_bytes, top_peak = min(top_bytes, best[0].bytes), min(top_peak, best[1])
+        self._table = table[::-1]
+        return self._table
+
+    def byte_choice(self, limit: int) -> tuple[Point, int]:
+        """The point (and its predicted peak) a byte budget of ``limit`` takes (``byte_table``)."""
+        fits = [(p, pk) for b, p, pk in self.byte_table() if b <= limit]
+        if not fits:
+            raise ValueError(f"{limit} is below the frontier")
+        return fits[-1]
+
+    def _lower_within(self, points: list[Point], room: float, target: float, rounds: int = 3) -> list[tuple[Point, int]]:
+        """Candidates within ``room`` bytes with a lower peak: the frontier's points within it
+        recomputing twice (``refreshed``), then, from the largest such point on, up to
+        ``rounds`` more values saved one at a time (each round the one whose ``refreshed`` peak
+        is least, among values whose saving keeps the bytes within ``room``), until the peak is
+        at most ``target``."""
+        within = [p for p in points if p.bytes <= room][::-1]
+        out = []
+        for p in within:
+            if p not in self._refreshed:
+                self._refreshed[p] = self.refreshed(p, predicted_peak(self.part, p.saved, p.recomputed, self.memo))
+            out.append(self._refreshed[p])
+        if not within or min(pk for _, pk in out) <= target:
+            return out
+        fixed = {n for n in self.cand if n.op == "placeholder" or (self.must_save[n] and self.can_save[n])}
+        for start in out[:]:
+            out += self._save_more(start, fixed, room, target, rounds)
+            if out[-1][1] <= target:
+                break
+        return out
+
+    def _save_more(
+        self, start: tuple[Point, int], fixed: set, room: float, target: float, rounds: int
+    ) -> list[tuple[Point, int]]:
+        """From ``start``, save one more value a round, the one whose ``refreshed`` peak is least."""
+        (point, peak), out = start, []
+        for _ in range(rounds):
+            step = None
+            for v in sorted(point.recomputed & set(self.index), key=self.index.__getitem__):
+                if not (self.can_save[v] and isinstance(v.meta.get("val"), torch.Tensor)):
+                    continue
+                q = self._closure(fixed | point.saved | {v})
+                if q is None or q.bytes > room:
+                    continue
+                r = self.refreshed(q, predicted_peak(self.part, q.saved, q.recomputed, self.memo))
+                if r[1] < (step[1] if step else peak):
+                    step = r
+            if step is None:
+                break
+            out.append(step)
+            point, peak = step
+            if peak <= target:
+                break
+        return out
+
     def refreshed(self, point: Point, peak: int) -> tuple[Point, int]:
         """``point`` with the backward recomputing values again rather than keeping them, where
         that lowers its predicted peak (``refresh``); its cost counts every recomputation."""
@@ -482,6 +570,12 @@ def choose_bytes(points: list[Point], hull: list[Point] | None, limit: int, save
     return fits[-1], p.cost - (limit - p.bytes) * (p.cost - q.cost) / (q.bytes - p.bytes)
 
 
+def _cheapest(pool: list[tuple[Point, int]], room: float, top_peak: float) -> tuple[Point, int] | None:
+    """The least recompute (then fewest bytes) in ``pool`` within ``room`` bytes and ``top_peak``."""
+    fits = [c for c in pool if c[0].bytes <= room and c[1] <= top_peak]
+    return min(fits, key=lambda c: (c[0].cost, c[0].bytes, c[1])) if fits else None
+
+
 def choose_peak(points: list[Point], peaks: list[int], limit: int) -> Point:
     """The cheapest point whose predicted peak fits ``limit``."""
     fits = [p for p, pk in zip(points, peaks) if pk <= limit]
@@ -609,60 +703,78 @@ def predicted_peak(part, saved, recomputed, memo: _Memo | None = None, forget=No
     return max(fw_peak, liveness_peak(bw, start, held, memo))
 
 
-def refresh(part, saved, recomputed, memo: _Memo | None = None, rounds: int = 16) -> tuple[dict, list, int]:
+def refresh(part, saved, recomputed, memo: _Memo | None = None, rounds: int = 48) -> tuple[dict, list, int]:
     """Recompute values again rather than keep them: ``(forget, backward order, its peak)``.
 
     A backward that recomputes a chain (the whole forward, to get the loss's gradient) keeps the
     chain's early values until their own gradients. At the backward's peak, every recomputed
-    value live there but not read there, read before and again after, is forgotten after its last
-    read before the peak (``backward_nodes``' ``forget``) and recomputed just before its next; this
-    repeats while the peak falls (at most ``rounds`` times). Costs more recompute, never more peak."""
+    storage live there but not read there, whose values are read before and again after, may be
+    forgotten after its last read before the peak (``backward_nodes``' ``forget``) and recomputed
+    just before its next. Each round tries all of them at once, then each storage alone, largest
+    first (forgetting everything at once can move the peak to where the recomputation happens),
+    and keeps the first that lowers the peak; at most ``rounds`` rounds. Costs more recompute,
+    never more peak."""
     memo = memo or _Memo()
     start, held = _backward_ends(part, saved)
     forget: dict = {}
     order = backward_nodes(part, saved, recomputed)
     trace = live_trace(order, start, held, memo)
     for _ in range(rounds):
-        more = _dead_at_peak(trace, order, recomputed)
-        if not more:
+        groups = _dead_at_peak(trace, order, recomputed, memo)
+        union: dict = {}
+        for g in groups:
+            union = _merged(union, g)
+        for more in [union, *groups] if len(groups) > 1 else groups:
+            trial = _merged(forget, more)
+            trial_order = backward_nodes(part, saved, recomputed, trial)
+            trial_trace = live_trace(trial_order, start, held, memo)
+            if trial_trace.peak < trace.peak:
+                forget, order, trace = trial, trial_order, trial_trace
+                break
+        else:
             break
-        trial = {u: forget.get(u, frozenset()) | more.get(u, frozenset()) for u in {*forget, *more}}
-        trial_order = backward_nodes(part, saved, recomputed, trial)
-        trial_trace = live_trace(trial_order, start, held, memo)
-        if trial_trace.peak >= trace.peak:
-            break
-        forget, order, trace = trial, trial_order, trial_trace
     return forget, order, trace.peak
 
 
-def _dead_at_peak(trace: Trace, order, recomputed) -> dict:
-    """``node -> inputs`` to forget: for each storage live at the peak whose values (a recomputed
-    value and its views) are not read there, every value read later is forgotten after its last
-    read before the peak; storages with a value first read after the peak are left alone."""
+def _merged(a: dict, b: dict) -> dict:
+    return {u: a.get(u, frozenset()) | b.get(u, frozenset()) for u in {*a, *b}}
+
+
+def _dead_at_peak(trace: Trace, order, recomputed, memo: _Memo) -> list[dict]:
+    """``node -> inputs`` to forget, one dict per storage, largest first: for each storage live at
+    the peak whose values (a recomputed value and its views) are not read there, every value is
+    forgotten after its last read before the peak (those read only before it too: recomputing a
+    later view reads them again); storages with a value first read after the peak are left alone."""
     t = trace.at
     if t < 0:
-        return {}
+        return []
     by_storage: dict = {}
     for k, s in trace.storage.items():
         if s in trace.live:
             by_storage.setdefault(s, []).append(k)
-    out: dict = {}
+    out: list[tuple[int, dict]] = []
     for s, keys in by_storage.items():
         if s[0] not in recomputed or any(t in trace.reads[k] or trace.made[k] == t for k in keys):
             continue
         pairs = []
         for k in keys:
             reads = trace.reads[k]
-            if trace.made[k] > t or not reads or reads[-1] < t:
-                continue  # made after the peak (from the storage's value then), or not read after it
+            if trace.made[k] > t or not reads:
+                continue  # made after the peak (from the storage's value then), or never read
             before = [r for r in reads if r < t]
+            if not before and reads[-1] < t:
+                continue
             if not before or k[0] not in recomputed:
                 pairs = []
                 break
             pairs.append((order[before[-1]], k[0]))
+        group: dict = {}
         for u, v in pairs:
-            out[u] = out.get(u, frozenset()) | {v}
-    return out
+            group[u] = group.get(u, frozenset()) | {v}
+        if group:
+            out.append((memo.size(s[0]), group))
+    out.sort(key=lambda sg: -sg[0])
+    return [g for _, g in out]
 
 
 # --------------------------------------------------------------------------------------------

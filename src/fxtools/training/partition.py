@@ -243,7 +243,8 @@ class _Partition:
         else:
             limit = budget.limit_bytes(spec.limit, save_all_bytes)
             hull = problem.hull() if problem.method == "hull" else None
-            point, lower = budget.choose_bytes(points, hull, limit, save_all_bytes)
+            _, lower = budget.choose_bytes(points, hull, limit, save_all_bytes)
+            point, _ = problem.byte_choice(limit)
         self.choice = budget.Choice(limit, spec.peak, point, lower, save_all_bytes, points, problem.method)
         self.forget = dict(point.forget)
         return set(point.saved), set(point.recomputed)
@@ -646,14 +647,13 @@ class Split:
         part = self._joint()
         problem = budget.Problem(part)
         points = problem.frontier()
-        hull = problem.hull() if problem.method == "hull" else None
         save_all_bytes = problem.saved_bytes(part._by_rule(policies.save_all)[0])
         budgets = [k / 20 for k in range(1, 21)] if budgets is None else budgets
         rows = []
         for b in budgets:
             limit = budget.limit_bytes(b, save_all_bytes)
             if limit >= points[0].bytes:
-                point, _ = budget.choose_bytes(points, hull, limit, save_all_bytes)
+                point, _ = problem.byte_choice(limit)
                 rows.append((limit, point.bytes, point.cost))
         if path is not None:
             budget.draw_frontier(rows, points, path, title=f"saved bytes against recompute ({len(rows)} budgets)")
