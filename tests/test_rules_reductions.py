@@ -238,14 +238,15 @@ def test_no_conversion_when_dtypes_match():
 
 def test_max_dim_scatters_to_index():
     _, code = _code(lambda x: torch.max(x, 1), _x())
-    assert "torch.zeros_like(x)" in code and "torch.scatter(" in code, code
+    # a scatter into a fresh zeros tensor prints as its in-place method (codegen/inplace.py)
+    assert "torch.zeros_like(x).scatter_(" in code, code
     assert "index_put" not in code and "torch.ops" not in code
 
 
 def test_sort_gradient_is_one_scatter():
     gm, code = _code(lambda x: x.sort(1)[0], _x())
     after = code.split("torch.sort(", 1)[1]
-    assert after.count("torch.") == 2, code  # zeros_like, scatter
+    assert after.count("torch.") == 1 and after.count(".scatter_(") == 1, code  # zeros_like(...).scatter_
 
 
 def test_amax_splits_ties_with_one_count():
