@@ -447,6 +447,35 @@ def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
     assert not problems, "\n".join(problems)
 
 
+def test_replicated_values_are_those_computed_alike_on_every_rank():
+    """One process: which traced values ``capture/replicated.py`` takes as the same on every rank
+    of a group (an all-reduce's result and what is computed from it and constants; an asserted
+    value), and which not (an argument, a reduce-scatter's part, a random draw, another group's
+    all-reduce). Taking a differing value as replicated would be a wrong gradient."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxtools.capture.replicated import assert_replicated, replicated
+
+    c10d = torch.ops._c10d_functional
+    seen = {}
+
+    def f(x, y, z):
+        r = c10d.wait_tensor(c10d.all_reduce(x, "sum", "g"))
+        a = torch.relu(r) * 2 + torch.ones(3)
+        assert_replicated(z, ["g"])
+        c = z * a
+        part = c10d.wait_tensor(c10d.reduce_scatter_tensor(c, "sum", 1, "g"))
+        h = c10d.wait_tensor(c10d.all_reduce(y, "sum", "h"))
+        values = {"r": r, "a": a, "a + y": a + y, "c": c, "part": part, "a + rand": torch.rand(3) + a, "x": x, "h": h}
+        seen.update({k: replicated(v, "g") for k, v in values.items()})
+        seen.update({"r over h": replicated(r, "h"), "h over h": replicated(h, "h")})
+        return c, part, h
+
+    make_fx(f, tracing_mode="fake")(torch.randn(3), torch.randn(3), torch.randn(3))
+    want = {"r": True, "a": True, "a + y": False, "c": True, "part": False, "a + rand": False, "x": False, "h": False}
+    assert seen == {**want, "r over h": False, "h over h": True}
+
+
 def test_fsdp2_by_tensor_parallel_on_a_2d_mesh_trains_as_unsharded_eager():
     """4 processes, a (2, 2) mesh: FSDP2 over "dp" x Colwise/Rowwise over "tp", both paths, both
     wrapping orders (shard the TP model then compile; compile each TP block then shard it), and

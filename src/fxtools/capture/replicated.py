@@ -116,4 +116,4 @@ def group_size(group: str) -> int:
     """The number of ranks in process group ``group`` (by name)."""
     from torch.distributed import distributed_c10d
 
-    return distributed_c10d._resolve_process_group(group).size()
+    return distributed_c10d._resolve_process_group(group).size()  # type: ignore[arg-type]

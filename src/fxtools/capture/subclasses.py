@@ -305,6 +305,57 @@ def _summed(ct, group: str, n: int, grad: GradPlacements | None):
     return _all_reduce(ct, group)
 
 
+def _shares(ct, replicated):
+    """The shares ``ct / n`` of the ranks of each group of ``replicated`` (``(name, n)``) in a
+    cotangent ``ct`` every one of them holds whole (as eager DTensor takes it, unchecked), marked
+    so that summing them over the group gives ``ct`` itself (``shared_replica``)."""
+    assert_replicated(ct, [group for group, _ in replicated])
+    for group, n in replicated:
+        whole, ct = ct, ct / n
+        for key in [k for k, v in _SHARES.items() if v[0]() is None]:
+            del _SHARES[key]
+        _SHARES[id(ct)] = (weakref.ref(ct), whole, group)
+    return ct
+
+
+def _partition(x, group, n):
+    return x / n
+
+
+def _partition_fwd(x, group, n):
+    return x / n, (group, n)
+
+
+def _partition_bwd(res, ct):
+    return _shares(ct, [res]), None, None
+
+
+# DTensor's Replicate -> Partial("sum") (a replicated bias added to partial sums): each rank's
+# share of the value; its cotangent, a Partial value's, is the same on every rank
+_PARTITION = custom.custom_vjp(_partition)
+_PARTITION.defvjp(_partition_fwd, _partition_bwd)
+
+
+@contextlib.contextmanager
+def _partitions_as_shares():
+    """While capturing: ``Partial("sum")._partition_value`` (how DTensor turns a replicated value
+    into partial sums) through ``_PARTITION``, whose backward marks the shares it makes."""
+    from torch.distributed.tensor import Partial
+
+    original = Partial._partition_value
+
+    def partition(self, tensor, mesh, mesh_dim):
+        if type(self) is not Partial or self.reduce_op != "sum":
+            return original(self, tensor, mesh, mesh_dim)
+        return _PARTITION(tensor, mesh.get_group(mesh_dim).group_name, mesh.size(mesh_dim))
+
+    Partial._partition_value = partition  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Partial._partition_value = original  # type: ignore[method-assign]
+
+
 def _edge(kind: str):
     """A ``custom_vjp`` identity whose rule is eager's at an edge of the DTensor region."""
 
@@ -322,12 +373,7 @@ def _edge(kind: str):
             for group, n in replicated:
                 ct = _summed(ct, group, n, grad)
             return ct, None, None, None
-        assert_replicated(ct, [group for group, _ in replicated])  # eager's grad_placements: taken, not checked
-        for group, n in replicated:
-            whole, ct = ct, ct / n
-            for key in [k for k, v in _SHARES.items() if v[0]() is None]:
-                del _SHARES[key]
-            _SHARES[id(ct)] = (weakref.ref(ct), whole, group)
+        ct = _shares(ct, replicated)
         for group, _ in partial:
             ct = _all_reduce(ct, group)
         return ct, None, None, None
@@ -384,7 +430,7 @@ def dtensor_functions(pre_dispatch: bool = False):
         torch.compiler._is_exporting_flag = False
     token = _ABOVE_AUTOGRAD.set(pre_dispatch)
     try:
-        with custom.function_handlers(handlers):
+        with custom.function_handlers(handlers), _partitions_as_shares():
             yield
     finally:
         torch.compiler._is_exporting_flag = exporting
