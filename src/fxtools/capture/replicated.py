@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental import proxy_tensor
 
-__all__ = ["assert_replicated", "group_size", "replicated"]
+__all__ = ["assert_replicated", "group_rank", "group_size", "replicated"]
 
 c10d = torch.ops._c10d_functional
 _REPLICATING = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default}
@@ -117,3 +117,12 @@ def group_size(group: str) -> int:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._resolve_process_group(group).size()  # type: ignore[arg-type]
+
+
+def group_rank(group: str) -> int:
+    """This process's rank within process group ``group`` (by name): a constant of its graphs."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    pg = distributed_c10d._resolve_process_group(group)  # type: ignore[arg-type]
+    return dist.get_group_rank(pg, dist.get_rank())

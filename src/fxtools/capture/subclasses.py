@@ -363,6 +363,8 @@ def _edge(kind: str):
         return x
 
     def fwd(x, replicated, partial, grad):
+        if kind == "from_local":  # a value eager takes as replicated, unchecked
+            assert_replicated(x, [group for group, _ in replicated])
         return fun(x, replicated, partial, grad), (replicated, partial, grad)
 
     def bwd(res, ct):
