@@ -349,11 +349,11 @@ def _partitions_as_shares():
             return original(self, tensor, mesh, mesh_dim)
         return _PARTITION(tensor, mesh.get_group(mesh_dim).group_name, mesh.size(mesh_dim))
 
-    Partial._partition_value = partition  # type: ignore[method-assign]
+    Partial._partition_value = partition
     try:
         yield
     finally:
-        Partial._partition_value = original  # type: ignore[method-assign]
+        Partial._partition_value = original
 
 
 def _edge(kind: str):
