@@ -451,7 +451,7 @@ def test_replicated_values_are_those_computed_alike_on_every_rank():
     """One process: which traced values ``capture/replicated.py`` takes as the same on every rank
     of a group (an all-reduce's result and what is computed from it and constants; an asserted
     value), and which not (an argument, a reduce-scatter's part, a random draw, another group's
-    all-reduce). Taking a differing value as replicated would be a wrong gradient."""
+    all-reduce, a constant written into in place). Taking a differing value as replicated would be a wrong gradient."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from fxtools.capture.replicated import assert_replicated, replicated
@@ -466,13 +466,18 @@ def test_replicated_values_are_those_computed_alike_on_every_rank():
         c = z * a
         part = c10d.wait_tensor(c10d.reduce_scatter_tensor(c, "sum", 1, "g"))
         h = c10d.wait_tensor(c10d.all_reduce(y, "sum", "h"))
+        written = torch.zeros(3)
+        view = written.view(3)  # traced before the write: it reads the zeros' node
+        written.add_(y)  # changed after it was made, by a value that differs
         values = {"r": r, "a": a, "a + y": a + y, "c": c, "part": part, "a + rand": torch.rand(3) + a, "x": x, "h": h}
+        values["view of written"] = view
         seen.update({k: replicated(v, "g") for k, v in values.items()})
         seen.update({"r over h": replicated(r, "h"), "h over h": replicated(h, "h")})
         return c, part, h
 
     make_fx(f, tracing_mode="fake")(torch.randn(3), torch.randn(3), torch.randn(3))
     want = {"r": True, "a": True, "a + y": False, "c": True, "part": False, "a + rand": False, "x": False, "h": False}
+    want["view of written"] = False
     assert seen == {**want, "r over h": False, "h over h": True}
 
 

@@ -13,8 +13,9 @@ trace has made so far: a value is replicated over a group when
 - every tensor it is computed from is (a constant is replicated over every group), by an op
   that draws no random numbers.
 
-Anything else (a placeholder nothing asserted, a ``reduce_scatter_tensor`` over the group) is
-taken as differing between ranks: the answer errs on the side of communicating.
+Anything else (a placeholder nothing asserted, a ``reduce_scatter_tensor`` over the group, a value
+an op later writes into in place) is taken as differing between ranks: the answer errs on the
+side of communicating.
 """
 
 from __future__ import annotations
@@ -60,9 +61,23 @@ def _group_of(node: fx.Node):
     return node.args[i] if i < len(node.args) else node.kwargs["group_name"]
 
 
+def _writes(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` is an op writing into ``node`` in place (``zeros.scatter_add_(...)``)."""
+    target = user.target
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return False
+    args = target._schema.arguments
+    return any(
+        a.alias_info is not None and a.alias_info.is_write and i < len(user.args) and user.args[i] is node
+        for i, a in enumerate(args)
+    )
+
+
 def _depends(node: fx.Node, group: str, asserted: dict):
     """``(known, inputs)``: whether ``node`` is replicated by itself (True / False), or None and
     the nodes it is replicated if all of them are."""
+    if any(_writes(user, node) for user in node.users):
+        return False, ()  # its value changes after it is made: not judged by what made it
     if group in asserted.get(node, ()):
         return True, ()
     if node.op == "get_attr":
