@@ -419,9 +419,11 @@ def _problems(ranks: list[dict]) -> list[str]:
 
 
 def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
-    """2 processes: Colwise/Rowwise MLP and a SequenceParallel block, through fxtools.compile and
-    the backend, equal to the unsharded model in eager; the backward holds its collectives; a
-    ``Partial("max")`` placement and a double backward are refused naming them."""
+    """2 processes: Colwise/Rowwise MLP, a SequenceParallel block, loss_parallel and
+    PrepareModuleOutput, through fxtools.compile and the backend, equal to the unsharded model in
+    eager with eager's gradient placements; the MLP's collectives are named after the mesh
+    dimension and move eager's bytes; a ``Partial("max")`` placement and a double backward are
+    refused naming them."""
     ranks = _run(2)
     problems = _problems(ranks)
     for rank, results in enumerate(ranks):
