@@ -7,6 +7,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# the examples' programs and models are imported by the tests that check them (one definition each)
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # Graphviz is optional for users (the scripts never install it system-wide); CI installs it, so
@@ -24,6 +26,10 @@ XDIST_GROUPS = {
     # cases_for_rule's table of which OpInfo sample calls which op: ~40 s of CPU per worker
     "tests/test_rules.py::": "opinfo_cases",
     "tests/test_rules_fused.py::test_fused_rule_matches_autograd": "opinfo_cases",
+    # multi-process launches: each file launches its process group once (a cached result its tests
+    # read), so a file's tests must share a worker; one worker also keeps the launches from overlapping
+    "tests/test_distributed.py::": "processes",
+    "tests/test_tensor_parallel.py::": "processes",
     # Inductor compiles: kernels shared through Inductor's cache, and long units scheduled first
     "tests/test_zoo.py::": "zoo",
     "tests/test_compilers.py::test_inductor_trains_gpt_like_eager": "inductor",
