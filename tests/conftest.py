@@ -30,6 +30,9 @@ XDIST_GROUPS = {
     # read), so a file's tests must share a worker; one worker also keeps the launches from overlapping
     "tests/test_distributed.py::": "processes",
     "tests/test_tensor_parallel.py::": "processes",
+    # the fuzzers' static vjp modules, built once (test_fuzz.static_vjp)
+    "tests/test_fuzz.py::test_fuzz[vjp-": "fuzz_vjp",
+    "tests/test_fuzz_sizes.py::": "fuzz_vjp",
     # Inductor compiles: kernels shared through Inductor's cache, and long units scheduled first
     "tests/test_zoo.py::": "zoo",
     "tests/test_compilers.py::test_inductor_trains_gpt_like_eager": "inductor",
