@@ -250,3 +250,30 @@ def test_rows_that_mix_take_the_exact_route(name):
     out, lap = gm(X)
     H = torch.func.hessian(f)(X).reshape(5, 20, 20)
     close(lap, H.diagonal(0, -2, -1).sum(-1))
+
+
+@pytest.mark.parametrize("order", [1, 3, 4])  # 2: the Laplacian, below
+def test_collapsed_jet_sums_the_highest_term_over_the_curves(order):
+    """Each curve's lower terms, and the sum over the curves of their highest one: ``R`` standard jets
+    (nested torch.func.jvp), the summed highest series term split among the curves (it enters linearly)."""
+    R = 3
+    x, y = randn(3, seed=40), randn(2, seed=41)
+    lower = [(randn(R, 3, seed=42 + k), randn(R, 2, seed=52 + k)) for k in range(order - 1)]
+    top = (randn(3, seed=62), randn(2, seed=63))
+    gm = fxtools.jet(two, x, y, order=order, argnums=(0, 1), directions=R)
+    out, got = gm(x, y, (*lower, top))
+    close(out, two(x, y))
+    per_curve = [along_curve(two, (x, y), [(s[0][r], s[1][r]) for s in lower] + [(top[0] / R, top[1] / R)]) for r in range(R)]
+    for k in range(order - 1):
+        close(got[k], torch.stack([p[k] for p in per_curve]))
+    close(got[order - 1], sum(p[order - 1] for p in per_curve))
+
+
+def test_collapsed_jet_of_order_two_along_the_basis_is_the_laplacian():
+    x = randn(4, seed=43)
+    gm = fxtools.jet(u, x, order=2, directions=4)
+    out, (d1, d2) = gm(x, (torch.eye(4, dtype=F64), torch.zeros(4, dtype=F64)))
+    close(d2, torch.func.hessian(u)(x).trace())
+    close(d1, torch.func.jacrev(u)(x))
+    with pytest.raises(ValueError, match="directions must be a positive int"):
+        fxtools.jet(u, x, order=2, directions=0)

@@ -128,14 +128,14 @@ def _run(node, args, kwargs, made_by):
 
 
 def _name_terms(namer, value, name, weak):
-    """``h``, and its terms ``h_grad``, ``h_lap`` or ``h_d1 ... h_dK``."""
+    """``h``, and its terms ``h_grad``, ``h_lap`` (the forward Laplacian's) or ``h_d1 ... h_dK``."""
     if isinstance(value, (list, tuple)):
         return
-    if isinstance(value, rules.Collapsed):
+    if isinstance(value, rules.Collapsed) and value.order == 2:
         namer(value.value, name, weak=weak)
         namer(value.grad, f"{name}_grad", weak=weak)
         namer(value.lap, f"{name}_lap", weak=weak)
-    elif isinstance(value, rules.Jet):
+    elif rules.is_taylor(value):
         for k, t in enumerate(value.terms):
             namer(t, name if k == 0 else f"{name}_d{k}", weak=weak)
     else:
@@ -328,6 +328,14 @@ def _zeros_for(value):
     return torch.zeros_like(value)
 
 
+def _term_like(value, k, order, directions):
+    """Zeros shaped as the ``k``-th term of ``value``'s jet: with a leading dimension of ``directions``
+    below the highest term of a collapsed jet."""
+    if directions is None or k == order:
+        return torch.zeros_like(value)
+    return torch.zeros((directions, *value.shape), dtype=value.dtype, device=value.device)
+
+
 def _arg_of(cap, x_indices):
     """The argument each differentiated placeholder belongs to."""
     of_placeholder = [a for a, t in zip(cap.arg_of_leaf, cap.tensor_leaf) if t]
@@ -390,7 +398,7 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
 
     def seed(xs, *more):
         directions = _row_directions(xs[0]) if by_rows else _directions(xs[0], more, samples, distribution)
-        return [rules.Collapsed(xs[0], directions, None)]
+        return [rules.Collapsed([xs[0], directions, None])]
 
     def outputs_of(r, i):
         if isinstance(r, rules.Collapsed):
@@ -452,7 +460,7 @@ def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> 
 
     def seed(xs):
         seeds.append(_directions(xs[0], (), samples, distribution))
-        return [rules.Collapsed(xs[0], seeds[-1], None)]
+        return [rules.Collapsed([xs[0], seeds[-1], None])]
 
     def outputs_of(r, i):
         if not isinstance(r, rules.Collapsed) or r.grad is None:
@@ -499,7 +507,7 @@ def bilaplacian(f, *args, argnums=0, samples=None, distribution="rademacher") ->
     n_out = len(cap.out_leaves) // 2  # inner returns (out, lap), each with f's structure
 
     def seed(xs):
-        return [rules.Collapsed(xs[0], _directions(xs[0], (), samples, distribution), None)]
+        return [rules.Collapsed([xs[0], _directions(xs[0], (), samples, distribution), None])]
 
     def outputs_of(r, i):
         if i < n_out:
@@ -561,7 +569,7 @@ def _draw(shape, x, distribution):
     requires="front: a prepared graph; ops the series reaches have Taylor rules or decompositions",
     ensures="gm(*args, series) -> (out, out_series), out_series nested as out",
 )
-def jet(f, *args, order, argnums=0) -> fx.GraphModule:
+def jet(f, *args, order, argnums=0, directions=None) -> fx.GraphModule:
     """Taylor mode along a curve: the derivatives of ``f(x(t))`` at ``t = 0``, as code.
 
     ``x(t) = x + sum_k series[k-1] t^k / k!`` with ``x = args[argnums]``. Returns a GraphModule with
@@ -574,18 +582,26 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
     ``x`` may be a pytree of tensors (each term of ``series`` then has its structure), and
     ``argnums`` a tuple: the curve moves all those arguments, each term of ``series`` is a tuple
     with one entry per argument. ``order=0`` gives ``f(*args)`` and empty tuples.
+
+    ``directions=R``: the *collapsed* jet (Dangel et al., 2025) of ``R`` curves at once, summed in
+    their highest term: ``series[k-1]`` for ``k < order`` has a leading dimension of ``R`` (the
+    ``k``-th derivative of each curve), ``series[order-1]`` has ``x``'s shape (the sum over the
+    curves of their ``order``-th derivative), and so have the returned terms. The highest term
+    enters every rule linearly, so its sum is propagated instead of ``R`` of them: with
+    ``order=2``, the basis as the first terms and a zero second term this is the forward Laplacian.
     """
     made_by = "fxtools.jet"
     if not isinstance(args, tuple):
         args = tuple(args)
     if not isinstance(order, int) or isinstance(order, bool) or order < 0:
         raise ValueError(f"{made_by}: order must be a non-negative int, got {order!r}")
+    if directions is not None and (not isinstance(directions, int) or isinstance(directions, bool) or directions < 1):
+        raise ValueError(f"{made_by}: directions must be a positive int (the number of curves), got {directions!r}")
     cap, x_indices = _prepare(f, args, argnums, made_by, several=True)
     nums = argnums_tuple(argnums, len(args))
     moving = args[argnums] if isinstance(argnums, int) else tuple(args[n] for n in nums)
-    term_example = pytree.tree_map(torch.zeros_like, moving)
-    series_example = tuple(term_example for _ in range(order))
-    width = len(pytree.tree_leaves(term_example))
+    series_example = tuple(pytree.tree_map(lambda a: _term_like(a, k, order, directions), moving) for k in range(1, order + 1))
+    width = len(pytree.tree_leaves(moving))
     arg_of = _arg_of(cap, x_indices)
     order_of = [p for n in nums for p, a in enumerate(arg_of) if a == n]  # series leaf j -> its input
 
@@ -594,13 +610,15 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
         for k in range(order):
             for j, p in enumerate(order_of):
                 terms[p].append(more[k * width + j])
-        return [rules.constant_if_zero(rules.Jet(t)) for t in terms]  # order 0: plain values
+        kind = rules.Jet if directions is None else rules.Collapsed
+        return [rules.constant_if_zero(kind(t)) for t in terms]  # order 0: plain values
 
     def outputs_of(r, i):
-        if isinstance(r, rules.Jet):
-            return [t if t is not None else _zeros_for(r.value) for t in r.terms[1:]]
         v = rules.value_of(r)
-        return [_zeros_for(v) for _ in range(order)] if is_float(v) else []
+        if not rules.is_taylor(r) and not is_float(v):
+            return []
+        terms = r.terms[1:] if rules.is_taylor(r) else [None] * order
+        return [t if t is not None else _term_like(v, k, order, directions) for k, t in enumerate(terms, 1)]
 
     series_names = [f"series_{k}" if width == 1 else f"series_{k}_{j}" for k in range(order) for j in range(width)]
     flat = _trace(cap, x_indices, seed, pytree.tree_leaves(series_example), series_names, outputs_of, made_by)
