@@ -232,6 +232,23 @@ def test_batch_without_vmap_uses_one_rows_directions(shape):
         close(lap, per_row_laplacian(f, X))
 
 
+def test_batch_without_vmap_is_the_vmapped_per_point_module_or_one_rows_directions():
+    """The network on one row is the same program: fxtools.vmap of its per-point module. A program
+    whose constants depend on the batch size (``X.shape[0]``) is not: one row's directions in all rows."""
+
+    def scaled(X):
+        return torch.tanh(X @ W1 * X.shape[0]).sum(1)
+
+    X = randn(5, 4, seed=54)
+    same, other = fxtools.laplacian(batch_mlp, X), fxtools.laplacian(scaled, X)
+    assert "expand(" not in same.code and "expand([4, 5" in other.code, (same.code, other.code)
+    for f, gm in ((batch_mlp, same), (scaled, other)):
+        out, lap = gm(X)
+        close(out, f(X))
+        H = torch.func.hessian(f)(X).reshape(5, 20, 20)
+        close(lap, H.diagonal(0, -2, -1).sum(-1))
+
+
 MIXING = {  # rows that see other rows: the exact route over every coordinate of every point
     "centered": lambda X: torch.tanh((X - X.mean(0)) @ W1).sum(1),
     "softmax_over_batch": lambda X: torch.softmax(X @ W1, dim=0).sum(1),

@@ -22,6 +22,7 @@ trace of the Hessian costs ``D`` Hessian-vector products.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -37,6 +38,7 @@ from ..graph import meta
 from ..graph.nodes import ancestors, is_float
 from ..registry import differentiable_nodes
 from ..rules import taylor as rules
+from .batching import vmap
 from .pipeline import back, uses_pipeline
 from .retrace import Namer, copy_constants, example_mode, fake_example
 from .rows import rows_independent
@@ -387,14 +389,21 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
         args = tuple(args)
     _check_samples(samples, distribution, made_by)
     cap, x_indices = _prepare(f, args, argnums, made_by)
-    x = _x_example(cap, x_indices)
-    extras = []
     if sigma is not None:
-        _check_sigma(sigma, x, made_by)
-        extras = [sigma]
+        _check_sigma(sigma, _x_example(cap, x_indices), made_by)
 
     placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
     by_rows = sigma is None and samples is None and rows_independent(cap.gm, placeholders[x_indices[0]])
+    per_point = _per_row_laplacian(f, args, argnums, cap, made_by) if by_rows else None
+    if per_point is not None:
+        return per_point
+    return _laplacian_of(cap, x_indices, args, sigma, samples, distribution, by_rows, made_by)
+
+
+def _laplacian_of(cap, x_indices, args, sigma, samples, distribution, by_rows, made_by):
+    """The forward Laplacian of a captured program: its directions those of ``x`` (the basis, sigma's
+    columns or random draws) or with ``by_rows`` one row's basis in every row."""
+    extras = [sigma] if sigma is not None else []
 
     def seed(xs, *more):
         directions = _row_directions(xs[0]) if by_rows else _directions(xs[0], more, samples, distribution)
@@ -421,6 +430,85 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
     gm = back(flat, cap, build, made_by=made_by, args=args, extra_args=extra_args, roles=roles, collapse_views=True)
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec))
     return gm
+
+
+def _per_row_laplacian(f, args, argnums, cap, made_by):
+    """For ``f`` whose output rows depend on their own input rows only: ``fxtools.vmap`` over the rows
+    of the Laplacian of ``f`` on one row (the cost of the vmapped per-point module). ``None`` when
+    ``f`` on one row is not the same program (other ops or arguments, other output shapes; the
+    leading size of a view may be the batch's), or fails:
+    then the caller pushes one row's directions through all rows instead (as exact, slower)."""
+    outs = cap.out_leaves
+    batch = args[argnums].shape[0]
+    if not all(is_float(o) and o.dim() >= 1 and o.shape[0] == batch for o in outs):
+        return None
+
+    @functools.wraps(f)
+    def row(*a):
+        a = list(a)
+        a[argnums] = a[argnums].unsqueeze(0)
+        return pytree.tree_map(lambda o: o.squeeze(0) if isinstance(o, torch.Tensor) else o, f(*a))
+
+    row_args = tuple(a[0] if i == argnums else a for i, a in enumerate(args))
+    try:
+        row_cap, row_x = _prepare(row, row_args, argnums, made_by)
+    except Exception:  # noqa: BLE001 - f refuses one row: the route over all rows stays
+        return None
+    same_outputs = [tuple(o.shape) for o in row_cap.out_leaves] == [tuple(o.shape[1:]) for o in outs]
+    if not same_outputs or not _same(_program(row_cap.gm, 1, row=True), _program(cap.gm, batch)):
+        return None
+    per_point = _laplacian_of(row_cap, row_x, row_args, None, None, "rademacher", False, made_by)
+    gm = vmap(per_point, *args, in_dims=tuple(0 if i == argnums else None for i in range(len(args))))
+    meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(outs), cap.out_spec))
+    return gm
+
+
+_SHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+def _program(gm: fx.GraphModule, batch: int, row: bool = False) -> list:
+    """The ops of a captured program in order with their arguments (nodes by position, constants by
+    value, the leading size of a view or expand as ``"batch"`` where it is ``batch``); for the
+    one-row version (``row``) without the ``unsqueeze`` of the input and the ``squeeze`` of the outputs."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    index: dict = {}
+    ops: list = []
+    for n in gm.graph.nodes:
+        if n is output:
+            break
+        if row and n.target is aten.unsqueeze.default and n.args[0].op == "placeholder":
+            index[n] = index[n.args[0]]
+            continue
+        if row and n.target is aten.squeeze.dim and list(n.users) == [output]:
+            continue
+        index[n] = len(ops)
+        if n.op == "get_attr":
+            ops.append(("get_attr", getattr(gm, str(n.target))))
+        elif n.op != "call_function":
+            ops.append((n.op,))
+        else:
+            args = fx.node.map_arg(n.args, lambda a: ("node", index.get(a)))
+            if n.target in _SHAPE_OPS and len(args) > 1 and list(args[1])[:1] == [batch]:
+                args = (args[0], ["batch", *list(args[1])[1:]], *args[2:])
+            ops.append((n.target, args, fx.node.map_arg(n.kwargs, lambda a: ("node", index.get(a)))))
+    outs = fx.node.map_arg(output.args, lambda a: ("node", index.get(a.args[0] if row else a)))
+    return [*ops, ("output", outs)]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a, b))
+        )
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
 
 
 def _check_samples(samples, distribution, made_by):
