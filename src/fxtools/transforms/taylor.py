@@ -457,6 +457,11 @@ def _per_row_laplacian(f, args, argnums, cap, made_by):
     same_outputs = [tuple(o.shape) for o in row_cap.out_leaves] == [tuple(o.shape[1:]) for o in outs]
     if not same_outputs or not _same(_program(row_cap.gm, 1, row=True), _program(cap.gm, batch)):
         return None
+    for node in next(n for n in row_cap.gm.graph.nodes if n.op == "output").args[0]:
+        if isinstance(node, fx.Node) and node.target is aten.squeeze.dim:  # the row's value keeps its name
+            name = node.args[0].name
+            node.args[0]._rename(f"{name}_row")
+            node._rename(name)
     per_point = _laplacian_of(row_cap, row_x, row_args, None, None, "rademacher", False, made_by)
     gm = vmap(per_point, *args, in_dims=tuple(0 if i == argnums else None for i in range(len(args))))
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(outs), cap.out_spec))
