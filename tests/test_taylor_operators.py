@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from taylor_oracle import F64, close, rademacher, randn
+from taylor_oracle import F64, close, rademacher, randn, trace_of_hessian
 
 import fxtools
 
@@ -247,6 +247,10 @@ def test_batch_without_vmap_is_the_vmapped_per_point_module_or_one_rows_directio
         close(out, f(X))
         H = torch.func.hessian(f)(X).reshape(5, 20, 20)
         close(lap, H.diagonal(0, -2, -1).sum(-1))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2)).to(F64)
+    out, lap = fxtools.laplacian(net, X)(X)  # a module with two outputs per row
+    close(out, net(X))
+    close(lap, torch.stack([trace_of_hessian(lambda x: net(x[None])[0], x) for x in X]))
 
 
 MIXING = {  # rows that see other rows: the exact route over every coordinate of every point
