@@ -38,9 +38,9 @@ from ..graph import meta
 from ..graph.nodes import ancestors, is_float
 from ..registry import differentiable_nodes
 from ..rules import taylor as rules
-from .batching import vmap
+from .batching import trace_batched, vmappable
 from .pipeline import back, uses_pipeline
-from .retrace import Namer, copy_constants, example_mode, fake_example
+from .retrace import Namer, NodeNamer, copy_constants, example_mode, fake_example
 from .rows import rows_independent
 from .vjp import argnums_tuple, prepare
 
@@ -463,7 +463,9 @@ def _per_row_laplacian(f, args, argnums, cap, made_by):
             node.args[0]._rename(f"{name}_row")
             node._rename(name)
     per_point = _laplacian_of(row_cap, row_x, row_args, None, None, "rademacher", False, made_by)
-    gm = vmap(per_point, *args, in_dims=tuple(0 if i == argnums else None for i in range(len(args))))
+    namer = NodeNamer(vmappable(per_point), per_point.guards)  # as fxtools.vmap, its errors naming laplacian
+    batched = torch.func.vmap(namer, in_dims=tuple(0 if i == argnums else None for i in range(len(args))))
+    gm = trace_batched(batched, args, names_of=per_point, namer=namer, made_by=made_by)
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(outs), cap.out_spec))
     return gm
 
