@@ -465,3 +465,13 @@ def test_deepcopy_of_a_module_inside_vmap():
 
     x = _x(2, 3)
     _close(fxtools.vmap(fresh_copy, x)(x), torch.func.vmap(fresh_copy)(x))
+
+
+def test_vmap_of_a_generated_module_without_examples_says_how():
+    """``fxtools.vmap(gm)(xs)``, the torch.func habit, on a generated module (whose ``__call__``
+    takes ``*args``) gets fxtools' call, not torch.func's "got no inputs"."""
+    x, xs = _x(3), _x(5, 3, seed=1)
+    gm = fxtools.grad(lambda x: x.sin().sum(), x)
+    with pytest.raises(fxtools.FxtoolsError, match=r"fxtools\.vmap\(f\) needs example inputs.*gm = fxtools\.vmap\(f, x\)"):
+        fxtools.vmap(gm)
+    _close(fxtools.vmap(gm, xs)(xs), xs.cos())

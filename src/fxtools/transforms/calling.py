@@ -248,9 +248,10 @@ def _takes_keyword(f, key: str, uninspectable: bool) -> bool:
 
 def _required_positional(f, kwargs: dict) -> bool:
     """Whether ``f`` has a positional parameter without a default that no keyword of the call
-    names (a transform may pass its keywords on to ``f``); False if ``f`` cannot be inspected."""
+    names (a transform may pass its keywords on to ``f``); False if ``f`` cannot be inspected.
+    A module's are its ``forward``'s (a generated module's ``__call__`` takes ``*args``)."""
     try:
-        params = inspect.signature(f).parameters.values()
+        params = inspect.signature(f.forward if isinstance(f, torch.nn.Module) else f).parameters.values()
     except (TypeError, ValueError):
         return False
     return any(
