@@ -475,3 +475,39 @@ def test_vmap_of_a_generated_module_without_examples_says_how():
     with pytest.raises(fxtools.FxtoolsError, match=r"fxtools\.vmap\(f\) needs example inputs.*gm = fxtools\.vmap\(f, x\)"):
         fxtools.vmap(gm)
     _close(fxtools.vmap(gm, xs)(xs), xs.cos())
+
+
+# --- held-out findings (fourth pass) -----------------------------------------------------------------
+
+
+def detach_inside(x):
+    return ((x.sin().detach() * x) ** 2).sum()
+
+
+def sin_under_no_grad(x):
+    with torch.no_grad():
+        m = x.sin()
+    return (x * m).pow(2).sum()
+
+
+@pytest.mark.parametrize("f", [detach_inside, sin_under_no_grad], ids=lambda f: f.__name__)
+def test_second_derivatives_through_detach_and_no_grad(f):
+    """A detached value is a constant at every order, as in PyTorch (fxtools.hvp differentiated the
+    gradient's code, where the detach was gone: silently wrong). Oracle: torch.func's hvp and
+    hessian (forward over reverse: the tangent passes through no_grad blocks, as fxtools.hvp
+    documents); for detach also torch.autograd.functional.hvp (reverse over reverse)."""
+    x, v = _x(3, 4), _x(3, 4, seed=1)
+    gm = fxtools.hvp(f, x)
+    _close(gm(x, v), torch.func.jvp(torch.func.grad(f), (x,), (v,))[1])
+    _close(fxtools.hessian(f, x)(x), torch.func.hessian(f)(x))
+    if f is detach_inside:
+        _close(gm(x, v), torch.autograd.functional.hvp(f, x, v)[1])
+
+
+def test_a_parameter_made_from_a_batched_input_is_refused_clearly():
+    def f(x):
+        w = nn.Parameter(x * 2)  # a new leaf: its value is outside autograd's view of x
+        return (w**2).sum() * x
+
+    with pytest.raises(FxtoolsError, match=r"made while tracing from values fxtools does not know.*nn\.Parameter\(x\)"):
+        fxtools.vmap(f, _x(5, 3))
