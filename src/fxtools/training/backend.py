@@ -56,6 +56,7 @@ from ..signature import closures
 from ..signature.guards import InputMismatch
 from ..signature.naming import identifier
 from .aten import to_aten
+from .closed_over import ClosedOver, Lifted, register_dict
 from .distributed import SubclassLeaves, Wrappers, local_view, with_subclass_leaves
 from .finite import Checker, locate
 from .partition import Split, split
@@ -360,6 +361,7 @@ class _Runners:
         self.dynamic_shapes, self.dynamic, self.skip_first = dynamic_shapes, dynamic, skip_first
         self.capturing = capturing  # the context in which ``fn`` is traced
         self.entries: list = []  # (training, requires_grad mask, runner)
+        self.lifted: Lifted | None = None  # closed-over tensors requiring grad, passed as inputs (closed_over.py)
 
     def _marks(self, args):
         """dynamic_shapes by position for ``args`` (None: static)."""
@@ -379,7 +381,9 @@ class _Runners:
             return {d: Dim.AUTO for d, n in enumerate(x.shape) if n > 1} or None
 
         return tuple(
-            None if i == 0 and self.skip_first else pytree.tree_map(mark, a, is_leaf=lambda x: isinstance(x, torch.Tensor))
+            None
+            if (i == 0 and self.skip_first) or isinstance(a, ClosedOver)
+            else pytree.tree_map(mark, a, is_leaf=lambda x: isinstance(x, torch.Tensor))
             for i, a in enumerate(args)
         )
 
@@ -388,7 +392,7 @@ class _Runners:
         autograd function takes them, its graphs their local tensors: ``training/distributed.py``)."""
         view = local_view(args)
         if view is None:
-            leaves_and_runner = self._lookup(args, training)
+            leaves_and_runner = self._lookup(self._with_lifted(args), training)
         else:
             runner, leaves = self._lookup(view.args(args), (training, view.key), view)
             leaves_and_runner = runner, with_subclass_leaves(leaves, args)
@@ -419,14 +423,28 @@ class _Runners:
         with self.capturing():
             sp = split(fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules, dynamic_shapes=self._marks(args))
         sp.from_module = self.skip_first  # a module's: its parameters come first, by name
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and view is not None:
             _refuse_closed_over_leaves(sp)
+        elif torch.is_grad_enabled() and self.lifted is None:
+            self.lifted = Lifted.find(sp.forward)
+            if self.lifted is not None:  # traced again, taking them as inputs (their .grad filled as in eager)
+                self.fn = self.lifted.function(self.fn)
+                self.entries.clear()
+                return self._lookup(self._with_lifted(args), training)
         leaves = sp.flatten(*args)
         runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite)
         if view is not None:
             runner.subclasses = SubclassLeaves(view)
         self.entries.append((training, mask, runner))
         return runner, leaves
+
+    def _with_lifted(self, args):
+        """``args`` and the lifted tensors as they are now, before a trailing ``KeywordArguments``."""
+        if self.lifted is None:
+            return args
+        if args and isinstance(args[-1], KeywordArguments):
+            return (*args[:-1], self.lifted.values(), args[-1])
+        return (*args, self.lifted.values())
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -620,13 +638,7 @@ class KeywordArguments(dict):
     dict: each tensor is an input named after its keyword)."""
 
 
-pytree.register_pytree_node(
-    KeywordArguments,
-    lambda d: (list(d.values()), list(d)),
-    lambda values, keys: KeywordArguments(zip(keys, values)),
-    flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.items()], list(d)),
-    serialized_type_name="fxtools.KeywordArguments",
-)
+register_dict(KeywordArguments)
 
 
 def _accepting_keywords(fn):
