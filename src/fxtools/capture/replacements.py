@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -240,7 +242,7 @@ def numpy(tensor, *args, **kwargs):
     )
 
 
-REPLACEMENTS = {
+REPLACEMENTS: dict[Any, Callable[..., Any]] = {
     torch.Tensor.numpy: numpy,
     torch.Tensor.__setitem__: setitem,
     F.ctc_loss: ctc_loss,
@@ -354,7 +356,7 @@ def mark_not_requires_grad(tensor, where: str) -> None:
     proxy_tensor.set_proxy_slot(tensor, mode.tracer, marker_slot)
 
 
-ATTRIBUTES = {
+ATTRIBUTES: dict[Any, Callable[..., Any]] = {
     torch.Tensor.data.__get__: _data,
     torch.Tensor.data.__set__: _set_data,
     torch.Tensor.requires_grad_: _requires_grad_,
@@ -441,7 +443,7 @@ def _traced_set_rng_state(tracer, target, new_state):
     tracer.create_proxy("call_function", target, (proxy,), {})
 
 
-_RNG_TRACED = {
+_RNG_TRACED: dict[str, Callable[..., Any]] = {
     "manual_seed": _traced_manual_seed,
     "get_rng_state": _traced_get_rng_state,
     "set_rng_state": _traced_set_rng_state,
@@ -511,13 +513,13 @@ class Replacing(TorchFunctionMode):
     def __enter__(self):
         _COPIES_OF_VIEWS.clear()
         self._batch_norm = torch.nn.modules.batchnorm._BatchNorm.forward  # restored as found (nested captures)
-        torch.nn.modules.batchnorm._BatchNorm.forward = _batch_norm_forward
+        torch.nn.modules.batchnorm._BatchNorm.forward = _batch_norm_forward  # type: ignore[method-assign]  # patched while tracing
         self._rng = recording_rng_state()
         self._rng.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.nn.modules.batchnorm._BatchNorm.forward = self._batch_norm
+        torch.nn.modules.batchnorm._BatchNorm.forward = self._batch_norm  # type: ignore[method-assign]  # restored
         try:
             return super().__exit__(*exc)
         finally:

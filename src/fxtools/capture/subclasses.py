@@ -211,7 +211,7 @@ class LocalView:
             out_leaves = [o if lay is None else _output(local(o), lay) for o, lay in zip(out_leaves, self.out_layouts)]
             return pytree.tree_unflatten(out_leaves, out_spec)
 
-        local_fn.__fxtools_below_autograd__ = True
+        local_fn.__fxtools_below_autograd__ = True  # type: ignore[attr-defined]  # a marker the capture reads
         for attr in ("__signature__", "__name__", "__fxtools_module__", "__fxtools_input_kinds__"):
             if hasattr(fn, attr):
                 setattr(local_fn, attr, getattr(fn, attr))

@@ -169,11 +169,11 @@ def _spec(value, path, layout, role):
     specs = tuple(_spec(c, path + pytree.keystr((k,)), layout, role) for k, (_, c) in zip(keys, keyed))
     name = type(value).__name__
     if isinstance(value, dict) and all(isinstance(k, pytree.MappingKey) for k in keys):
-        return Node(path, "dict", name, tuple(k.key for k in keys), specs)
+        return Node(path, "dict", name, tuple(k.key for k in keys if isinstance(k, pytree.MappingKey)), specs)
     if isinstance(value, (list, tuple)) and all(isinstance(k, pytree.SequenceKey) for k in keys):
         return Node(path, "tuple" if isinstance(value, tuple) else "list", name, tuple(range(len(keys))), specs)
     if all(isinstance(k, pytree.GetAttrKey) for k in keys):
-        return Node(path, "attrs", name, tuple(k.name for k in keys), specs)
+        return Node(path, "attrs", name, tuple(k.name for k in keys if isinstance(k, pytree.GetAttrKey)), specs)
     raise NotImplementedError(f"fxtools cannot guard an argument of type {type(value).__name__}")
 
 

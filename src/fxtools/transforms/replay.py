@@ -194,7 +194,8 @@ class _Recording:
             return None
         arg_of = {id(t): i for i, t in enumerate(tensors)}
         leaves, spec = pytree.tree_flatten(out)
-        out_leaves, holder = [], {}
+        out_leaves: list[tuple[str, object]] = []
+        holder = {}
         for x in leaves:
             if isinstance(x, torch.Tensor):
                 if id(x) in arg_of:

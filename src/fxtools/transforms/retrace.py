@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -92,12 +92,12 @@ def example_mode(vals):
     """The fake mode to re-trace in: the capture's when a value has a data-dependent or a
     symbolic size (its symbols live there), else a fresh one, as ``make_fx`` would make for real
     examples."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     for val in vals:
         if isinstance(val, torch.Tensor) and is_dynamic(val):
-            return val.fake_mode
+            return cast(FakeTensor, val).fake_mode  # a symbolic size lives on a FakeTensor
     symbolic = symbolic_mode(vals)  # sizes marked dynamic: their symbols live in the capture's mode
     if symbolic is not None:
         return symbolic
