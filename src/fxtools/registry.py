@@ -61,6 +61,9 @@ class Transform:
     batches: bool = False  # maps f over the user's batch (below torch.func.vmap): custom Functions run their forward
     loss: bool = False  # differentiates a scalar loss: an nn.Module with parameters as f is ambiguous (calling.check_call)
 
+    def __str__(self) -> str:
+        return self.name  # how messages name it
+
 
 @dataclass(frozen=True)
 class Rule:

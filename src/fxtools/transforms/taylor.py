@@ -37,7 +37,7 @@ from ..graph import meta
 from ..graph.nodes import ancestors, is_float
 from ..registry import differentiable_nodes
 from ..rules import taylor as rules
-from .pipeline import back, uses_pipeline
+from .pipeline import Inputs, Transform, back, uses_pipeline
 from .retrace import Namer, copy_constants, example_mode, fake_example
 from .rows import rows_independent
 from .vjp import argnums_tuple, prepare
@@ -350,11 +350,14 @@ def _check_sigma(sigma, x, made_by):
         raise ValueError(f"{made_by}: sigma has dtype {sigma.dtype}, the input {x.dtype}: pass sigma.to({x.dtype})")
 
 
-@uses_pipeline(
+LAPLACIAN = Transform(
     "fxtools.laplacian",
     requires="front: a prepared graph; ops the directions reach have Taylor rules or decompositions",
     ensures="gm(*args[, sigma]) -> (out, laplacian), laplacian nested as out",
 )
+
+
+@uses_pipeline(LAPLACIAN)
 def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="rademacher") -> fx.GraphModule:
     """The Laplacian of ``f`` with respect to ``args[argnums]``, by collapsed Taylor mode, as code.
 
@@ -374,7 +377,7 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
     ``sigma`` too, the directions are ``sigma @ v_s`` (``v_s`` of size ``R``): the weighted
     operator's estimate.
     """
-    made_by = "fxtools.laplacian"
+    made_by = LAPLACIAN
     if not isinstance(args, tuple):
         args = tuple(args)
     _check_samples(samples, distribution, made_by)
@@ -410,7 +413,7 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
 
     extra_args = [("sigma", sigma)] if sigma is not None else []
     roles = {len(args): lambda path: "the factor sigma of the weights C = sigma @ sigma.T"} if sigma is not None else None
-    gm = back(flat, cap, build, made_by=made_by, args=args, extra_args=extra_args, roles=roles, collapse_views=True)
+    gm = back(flat, cap, build, made_by, Inputs(args, extra=extra_args, roles=roles), collapse_views=True)
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec))
     return gm
 
@@ -422,11 +425,14 @@ def _check_samples(samples, distribution, made_by):
         raise ValueError(f"{made_by}: distribution must be one of {_DISTRIBUTIONS}, got {distribution!r}")
 
 
-@uses_pipeline(
+DIVERGENCE = Transform(
     "fxtools.divergence",
     requires="front: a prepared graph returning one tensor of the input's size; ops have Taylor rules or decompositions",
     ensures="gm(*args) -> (out, divergence), the divergence a 0-d tensor",
 )
+
+
+@uses_pipeline(DIVERGENCE)
 def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> fx.GraphModule:
     """The divergence ``sum_i d out_i / d x_i`` of a vector field ``out = f(*args)`` with respect to
     ``x = args[argnums]`` (``out`` has as many elements as ``x``), as code: ``out, div = gm(*args)``.
@@ -436,7 +442,7 @@ def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> 
     and score matching need it. ``samples=S``: Hutchinson's estimate ``mean_s v_s^T J v_s`` with ``S``
     random directions drawn at each call (``distribution`` ``"rademacher"`` or ``"normal"``).
     """
-    made_by = "fxtools.divergence"
+    made_by = DIVERGENCE
     args = tuple(args)
     _check_samples(samples, distribution, made_by)
     cap, x_indices = _prepare(f, args, argnums, made_by)
@@ -470,16 +476,19 @@ def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> 
     def build(flat_results):
         return pytree.tree_unflatten(flat_results[:1], cap.out_spec), flat_results[1]
 
-    gm = back(flat, cap, build, made_by=made_by, args=args, collapse_views=True)
+    gm = back(flat, cap, build, made_by, Inputs(args), collapse_views=True)
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(outs), cap.out_spec))
     return gm
 
 
-@uses_pipeline(
+BILAPLACIAN = Transform(
     "fxtools.bilaplacian",
     requires="front: a prepared fxtools.laplacian module; its ops have Taylor rules",
     ensures="gm(*args) -> (out, bilaplacian), bilaplacian nested as out",
 )
+
+
+@uses_pipeline(BILAPLACIAN)
 def bilaplacian(f, *args, argnums=0, samples=None, distribution="rademacher") -> fx.GraphModule:
     """The bi-Laplacian ``sum_ij d^4 out / dx_i^2 dx_j^2`` of ``f`` with respect to ``args[argnums]``,
     as code: ``out, bilap = gm(*args)``.
@@ -491,7 +500,7 @@ def bilaplacian(f, *args, argnums=0, samples=None, distribution="rademacher") ->
     (``distribution`` as ``fxtools.laplacian``'s): unbiased, as the outer estimate is unbiased for
     the Laplacian of each inner estimate, and the inner one for the Laplacian.
     """
-    made_by = "fxtools.bilaplacian"
+    made_by = BILAPLACIAN
     args = tuple(args)
     _check_samples(samples, distribution, made_by)
     inner = laplacian(f, *args, argnums=argnums, samples=samples, distribution=distribution)
@@ -519,7 +528,7 @@ def bilaplacian(f, *args, argnums=0, samples=None, distribution="rademacher") ->
         bilap = [next(it) if fl else None for fl in floats]
         return pytree.tree_unflatten(flat_results[:n_out], out_spec), pytree.tree_unflatten(bilap, out_spec)
 
-    gm = back(flat, cap, build, made_by=made_by, args=args, collapse_views=True)
+    gm = back(flat, cap, build, made_by, Inputs(args), collapse_views=True)
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves[:n_out]), out_spec))
     return gm
 
@@ -556,11 +565,14 @@ def _draw(shape, x, distribution):
     return (2 * bits - 1).to(x.dtype)
 
 
-@uses_pipeline(
+JET = Transform(
     "fxtools.jet",
     requires="front: a prepared graph; ops the series reaches have Taylor rules or decompositions",
     ensures="gm(*args, series) -> (out, out_series), out_series nested as out",
 )
+
+
+@uses_pipeline(JET)
 def jet(f, *args, order, argnums=0) -> fx.GraphModule:
     """Taylor mode along a curve: the derivatives of ``f(x(t))`` at ``t = 0``, as code.
 
@@ -575,7 +587,7 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
     ``argnums`` a tuple: the curve moves all those arguments, each term of ``series`` is a tuple
     with one entry per argument. ``order=0`` gives ``f(*args)`` and empty tuples.
     """
-    made_by = "fxtools.jet"
+    made_by = JET
     if not isinstance(args, tuple):
         args = tuple(args)
     if not isinstance(order, int) or isinstance(order, bool) or order < 0:
@@ -615,8 +627,6 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
     names = cap.arg_names
     moved = ", ".join(names[n] for n in nums)
     role = {len(args): lambda path: f"the series (the curve's {order} derivatives) of {moved}"}
-    gm = back(
-        flat, cap, build, made_by=made_by, args=args, extra_args=[("series", series_example)], roles=role, collapse_views=True
-    )
+    gm = back(flat, cap, build, made_by, Inputs(args, extra=[("series", series_example)], roles=role), collapse_views=True)
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec))
     return gm
