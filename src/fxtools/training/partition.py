@@ -336,7 +336,7 @@ def _copy_meta(new: fx.Node, old: fx.Node) -> fx.Node:
     return new
 
 
-def _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap=None) -> None:
+def _install_guards(forward, backward, backward_boxed, part, signature, cotangents, cap=None) -> None:
     """Guards (``fxtools.signature.guards``) of the three graphs: inputs by their paths in the arguments,
     saved values by name (any layout: they come from the forward), cotangents as the outputs."""
     leaves = [p.meta["val"] for p in part.primals]
@@ -828,7 +828,7 @@ def _described(cap: Captured, args: tuple, part: _Partition, forward, backward, 
     cotangents = [_info(c, "cotangent", "out" + _keystr(out_paths[i])) for c, i in zip(part.cts, ct_index)]
     saved, storage_bytes = _saved_infos(part)
     backward_boxed = _boxed(backward)
-    _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap)
+    _install_guards(forward, backward, backward_boxed, part, signature, cotangents, cap)
     guards = _argument_guards(cap, args, part, forward, backward, signature)
     closures.attach_held(forward, cap.reads, SPLIT.name, holders=(backward,))  # closed-over state, checked on every forward
     out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
