@@ -24,6 +24,7 @@ would escape the trace: ``.data`` (read as ``detach()``, assignment refused) and
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import warnings
 from collections.abc import Callable
@@ -170,7 +171,9 @@ def narrow(input, dim, start, length):
     start = torch.where(start < 0, start + size, start)
     index = torch.arange(length, device=input.device) + (start if start.device == input.device else start.to(input.device))
     out = input.index_select(dim, index)
-    _COPIES_OF_VIEWS.append(StorageWeakRef(out.untyped_storage()))
+    copies = _COPIES_OF_VIEWS.get()
+    if copies is not None:
+        copies.append(StorageWeakRef(out.untyped_storage()))
     return out
 
 
@@ -256,7 +259,8 @@ REPLACEMENTS: dict[Any, Callable[..., Any]] = {
     torch.Tensor.narrow: narrow,
 }
 
-_COPIES_OF_VIEWS: list = []  # storages of replacement results that stand for views
+# the active Replacing's list of storages of replacement results that stand for views
+_COPIES_OF_VIEWS: contextvars.ContextVar[list | None] = contextvars.ContextVar("fxtools_copies_of_views", default=None)
 
 
 def _cumulative_batch_norm(self, input):
@@ -498,7 +502,12 @@ def refuse_compressed_sparse(func, args, kwargs) -> None:
 class Replacing(TorchFunctionMode):
     """Calls the replacement of each function in ``REPLACEMENTS`` and of each attribute access in
     ``ATTRIBUTES`` (active while capturing), and records the generator-state calls
-    (``recording_rng_state``)."""
+    (``recording_rng_state``). ``copies_of_views``: the storages of its replacements' results that
+    stand for views (``narrow`` with a tensor start), for ``check_no_writes`` after the trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies_of_views: list = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -511,7 +520,8 @@ class Replacing(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def __enter__(self):
-        _COPIES_OF_VIEWS.clear()
+        self.copies_of_views.clear()
+        self._copies = _COPIES_OF_VIEWS.set(self.copies_of_views)
         self._batch_norm = torch.nn.modules.batchnorm._BatchNorm.forward  # restored as found (nested captures)
         torch.nn.modules.batchnorm._BatchNorm.forward = _batch_norm_forward  # type: ignore[method-assign]  # patched while tracing
         self._rng = recording_rng_state()
@@ -520,17 +530,18 @@ class Replacing(TorchFunctionMode):
 
     def __exit__(self, *exc):
         torch.nn.modules.batchnorm._BatchNorm.forward = self._batch_norm  # type: ignore[method-assign]  # restored
+        _COPIES_OF_VIEWS.reset(self._copies)
         try:
             return super().__exit__(*exc)
         finally:
             self._rng.__exit__(*exc)
 
 
-def check_no_writes(gm: fx.GraphModule) -> None:
-    """Refuse in-place writes into a replacement's copy of what PyTorch returns as a view: the
-    write would not reach the viewed tensor as it does in eager mode."""
-    copies = set(_COPIES_OF_VIEWS)
-    _COPIES_OF_VIEWS.clear()
+def check_no_writes(gm: fx.GraphModule, copies_of_views: list) -> None:
+    """Refuse in-place writes into a replacement's copy of what PyTorch returns as a view
+    (``Replacing.copies_of_views``): the write would not reach the viewed tensor as it does in
+    eager mode."""
+    copies = set(copies_of_views)
     if not copies:
         return
     for node in gm.graph.nodes:
