@@ -527,10 +527,6 @@ class Split:
     _partition: _Partition | None = None  # the joint graph's partition (None for an edited split)
     aten: dict = field(default_factory=dict)  # to_aten's results, by decomposition table (training/aten.py)
 
-    @property
-    def _saved_kinds(self) -> list[str]:
-        return [s.kind for s in self.saved]
-
     # -- calling helpers ---------------------------------------------------------------------
 
     def flatten(self, *args) -> list[torch.Tensor]:

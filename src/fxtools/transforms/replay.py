@@ -18,7 +18,6 @@ calls that modify an argument in place or that read traced values they were not 
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import operator
 import types
@@ -52,17 +51,8 @@ _CREATED = frozenset(
     }
 )
 
-_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("fxtools_replay_enabled", default=True)
-
-
-@contextlib.contextmanager
-def disabled():
-    """Trace every call for real (to compare with replay, or to rule it out)."""
-    token = _ENABLED.set(False)
-    try:
-        yield
-    finally:
-        _ENABLED.reset(token)
+# False: every call is traced for real (the tests compare replay with it)
+ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("fxtools_replay_enabled", default=True)
 
 
 class _Unkeyable(Exception):
@@ -259,7 +249,7 @@ class Memo:
     def call(self, fn, /, *args, **kwargs):
         """``fn(*args, **kwargs)``, replayed when an equal call was traced before."""
         mode = proxy_tensor.get_innermost_proxy_mode()
-        if not _ENABLED.get() or mode is None or fn is operator.getitem:
+        if not ENABLED.get() or mode is None or fn is operator.getitem:
             return fn(*args, **kwargs)
         tracer = mode.tracer
         # Reading tensor metadata under make_fx's torch-function modes costs a dispatch per read.
