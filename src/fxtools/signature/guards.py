@@ -29,15 +29,10 @@ from torch.utils import _pytree as pytree
 from . import runtime
 from .decisions import Decision, checking
 from .naming import plain_literal
-from .runtime import Cond, InputMismatch, Leaf, Node, Read, Sym, snapshot_value
+from .runtime import InputMismatch, Leaf, Node, Sym, snapshot_value
 
-__all__ = [
+__all__ = [  # the records (Sym, Cond, Read, Leaf, Node) are runtime's
     "InputMismatch",
-    "Sym",
-    "Cond",
-    "Read",
-    "Leaf",
-    "Node",
     "Guards",
     "GuardedGraphModule",
     "build",
