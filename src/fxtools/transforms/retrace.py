@@ -43,6 +43,7 @@ class Retracer:
     """
 
     verb = "transform"  # in the message for a graph with an opcode the transform does not handle
+    pre_dispatch = True  # False: traced below torch.func transforms (rules that call them)
 
     def __init__(self, captured: fx.GraphModule):
         self.captured = captured
@@ -81,7 +82,7 @@ class Retracer:
         examples = [fake_example(v, mode, keep_strides=True) for v in vals]
         examples += [fake_example(v, mode) for v in extra_vals]
         try:
-            return trace_flat(self.template, examples, record_stack_traces=False)
+            return trace_flat(self.template, examples, record_stack_traces=False, pre_dispatch=self.pre_dispatch)
         except Exception as exc:
             if is_data_dependent(exc):
                 raise data_dependent_error(exc, self.current) from exc

@@ -31,14 +31,13 @@ from torch.utils import _pytree as pytree
 
 from ..capture.functionalize import functionalize
 from ..capture.nested import out_of_place_views
-from ..capture.trace import trace_flat
 from ..errors import FxtoolsError, MissingRuleError, user_line_of
 from ..graph import meta
 from ..graph.nodes import ancestors, is_float
 from ..registry import differentiable_nodes
 from ..rules import taylor as rules
 from .pipeline import Inputs, Transform, back, uses_pipeline
-from .retrace import Namer, copy_constants, example_mode, fake_example
+from .retrace import Namer, Retracer, copy_constants
 from .rows import rows_independent
 from .vjp import argnums_tuple, prepare
 
@@ -142,57 +141,61 @@ def _name_terms(namer, value, name, weak):
         namer(value, name, weak=weak)
 
 
-def _trace(cap, x_indices, seed, extras, extra_names, outputs_of, made_by):
-    """The flat graph ``(captured inputs..., extras...) -> (outputs..., their terms...)``.
+class _Walk(Retracer):
+    """Taylor mode's template: the captured graph run once on Taylor values (``rules/taylor.py``),
+    its ops that the differentiated inputs reach pushed through their Taylor rules, the others on
+    plain values. ``seed(xs, *extras)`` makes the Taylor values of the differentiated inputs
+    ``xs``; ``outputs_of(value, i)`` lists the terms returned for output ``i``."""
 
-    ``seed(xs, *extras)`` makes the Taylor values of the differentiated inputs ``xs`` (the
-    placeholders ``x_indices``); ``outputs_of(value, i)`` lists the terms returned for output ``i``.
-    """
-    graph = cap.gm.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    out_nodes = list(next(n for n in graph.nodes if n.op == "output").args[0])
-    xs = [placeholders[i] for i in x_indices]
-    need = _needed(cap.gm, xs)
-    namer = Namer()
+    verb = "push Taylor terms through"
+    pre_dispatch = False
 
-    def template(*flat):
-        inputs, more = flat[: len(placeholders)], flat[len(placeholders) :]
-        env: dict = dict(zip(placeholders, inputs))
-        with namer.owner(xs[0].name):
-            seeded = seed([inputs[i] for i in x_indices], *more)
-        for x, value in zip(xs, seeded):
-            env[x] = value
-            _name_terms(namer, value, x.name, False)
-        for node in graph.nodes:
-            if node.op == "get_attr":
-                env[node] = getattr(cap.gm, node.target)
-            elif node.op == "call_function":
-                args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                if node.target is torch._C._set_grad_enabled:
-                    continue
-                with namer.owner(node.name):
-                    if node.target is operator.getitem:
-                        env[node] = args[0][args[1]]
-                    elif node in need and any(map(rules.is_taylor, pytree.tree_leaves((args, kwargs), is_leaf=rules.is_taylor))):
-                        env[node] = _run(node, args, kwargs, made_by)
-                    else:
-                        env[node] = node.target(*rules.value_of(list(args)), **{k: rules.value_of(v) for k, v in kwargs.items()})
-                _name_terms(namer, env[node], node.name, meta.INTERMEDIATE.on(node))
-        results = [env[o] if isinstance(o, fx.Node) else o for o in out_nodes]
+    def __init__(self, cap, x_indices, seed, outputs_of, made_by):
+        super().__init__(cap.gm)
+        self.x_indices, self.seed, self.outputs_of, self.made_by = x_indices, seed, outputs_of, made_by
+        self.xs = [self.placeholders[i] for i in x_indices]
+        self.need = _needed(cap.gm, self.xs)
+        self.namer = Namer()
+
+    def template(self, *flat):
+        inputs, more = flat[: len(self.placeholders)], flat[len(self.placeholders) :]
+        self.env = dict(zip(self.placeholders, inputs))
+        with self.namer.owner(self.xs[0].name):
+            seeded = self.seed([inputs[i] for i in self.x_indices], *more)
+        for x, value in zip(self.xs, seeded):
+            self.env[x] = value
+            _name_terms(self.namer, value, x.name, False)
+        self.run_nodes()
+        results = [self.env[o] if isinstance(o, fx.Node) else o for o in self.out_nodes]
         terms = []
         for i, r in enumerate(results):
-            terms += outputs_of(r, i)
+            terms += self.outputs_of(r, i)
         return (*[rules.value_of(r) for r in results], *terms)
 
-    mode = example_mode([p.meta["val"] for p in placeholders])
-    examples = [fake_example(p.meta["val"], mode, keep_strides=True) for p in placeholders]
-    more = [fake_example(v, mode) for v in extras]
-    gm = trace_flat(template, [*examples, *more], record_stack_traces=False, pre_dispatch=False)
-    names = [p.name for p in placeholders] + list(extra_names)
+    def call_function(self, node) -> None:  # (node.target: an op, not a method name)
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.env.__getitem__)
+        if node.target is torch._C._set_grad_enabled:
+            return
+        with self.namer.owner(node.name):
+            if node.target is operator.getitem:
+                self.env[node] = args[0][args[1]]
+            elif node in self.need and any(map(rules.is_taylor, pytree.tree_leaves((args, kwargs), is_leaf=rules.is_taylor))):
+                self.env[node] = _run(node, args, kwargs, self.made_by)
+            else:
+                self.env[node] = node.target(*rules.value_of(list(args)), **{k: rules.value_of(v) for k, v in kwargs.items()})
+        _name_terms(self.namer, self.env[node], node.name, meta.INTERMEDIATE.on(node))
+
+
+def _trace(cap, x_indices, seed, extras, extra_names, outputs_of, made_by):
+    """The flat graph ``(captured inputs..., extras...) -> (outputs..., their terms...)``, traced
+    from ``_Walk``'s template (see there for ``seed`` and ``outputs_of``)."""
+    walk = _Walk(cap, x_indices, seed, outputs_of, made_by)
+    gm = walk.trace(extras)
+    names = [p.name for p in walk.placeholders] + list(extra_names)
     for node, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], names):
         node._rename(name)
     copy_constants(cap.gm, gm)
-    namer.apply(gm.graph)
+    walk.namer.apply(gm.graph)
     out_of_place_views(gm)  # the batched ops' in-place squeeze_ (traced below torch.func)
     functionalize(gm)
     _fold_identity_products(gm)
