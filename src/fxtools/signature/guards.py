@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..registry import TRANSFORMS
 from . import runtime
 from .decisions import Decision, checking
 from .naming import plain_literal
@@ -208,21 +209,12 @@ def tangent_role(arg_name):
 
 
 # what each transform's module returns, and the arguments it takes after the function's own
-_RESULTS = {
-    "fxtools.vjp": ("out, grads", ["grad_out"]),
-    "fxtools.grad": ("grads", []),
-    "fxtools.value_and_grad": ("value, grads", []),
-    "fxtools.jvp": ("out, tangent_out", ["tangent_x"]),
-    "fxtools.hvp": ("hvp", ["v"]),
-    "fxtools.linearize": ("tangent_out", []),
-    "fxtools.split": ("out, saved", []),
-}
-
-
 def module_call(made_by: str, names) -> str:
     """How a module ``made_by`` makes is called, as code: ``out, grads = gm(x, grad_out)`` (``names``
-    its arguments, or the function's alone, in which case the transform's own are added)."""
-    result, extra = _RESULTS.get(made_by, ("result", []))
+    its arguments, or the function's alone, in which case the transform's own are added; what it
+    returns and adds is its ``registry.Transform`` record's)."""
+    record = TRANSFORMS.get(made_by)
+    result, extra = (record.returns, list(record.extra)) if record is not None else ("result", [])
     args = list(names) + ([] if len(names) > 1 or not extra or extra[0] in names else extra)
     return f"{result} = gm({', '.join(args)})"
 

@@ -42,6 +42,8 @@ HVP = Transform(
     requires="front of fxtools.grad's module (the readable rules); VJP rules for its backward ops",
     ensures="gm(*args, v) -> H @ v, nested as the differentiated arguments",
     loss=True,
+    returns="hvp",
+    extra=("v",),
 )
 
 

@@ -49,7 +49,7 @@ from ..graph.nodes import is_float
 from ..passes.accumulate import accumulate_into_scatters
 from ..passes.simplify import simplify
 from ..passes.views import collapse_view_chains
-from ..registry import Transform
+from ..registry import TRANSFORMS, Transform
 from ..signature import closures, sizes
 from ..signature.guards import install
 from ..signature.naming import unique
@@ -66,7 +66,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # --------------------------------------------------------------------------------------------
 
 
-USERS: dict[str, Transform] = {}
+USERS: dict[str, Transform] = TRANSFORMS  # the registry's table (signature/ reads it for messages)
 
 
 def uses_pipeline(record: Transform) -> Callable[[F], F]:

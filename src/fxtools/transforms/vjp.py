@@ -99,6 +99,8 @@ VJP = Transform(
     "fxtools.vjp",
     requires="front: a prepared graph; every op reached from a differentiated leaf has a VJP rule",
     ensures="gm(*args, grad_out) -> (out, grads), grads nested as the differentiated arguments",
+    returns="out, grads",
+    extra=("grad_out",),
 )
 
 
@@ -182,6 +184,7 @@ GRAD = Transform(
     requires="front: a prepared graph returning one floating-point element (and aux)",
     ensures="gm(*args) -> grads (and aux), nested as the differentiated arguments",
     loss=True,
+    returns="grads",
 )
 
 
@@ -205,6 +208,7 @@ VALUE_AND_GRAD = Transform(
     requires="as fxtools.grad",
     ensures="gm(*args) -> (value, grads), or ((value, aux), grads)",
     loss=True,
+    returns="value, grads",
 )
 
 
