@@ -718,6 +718,7 @@ SPLIT = Transform(
     requires="front: a prepared graph with VJP rules; a policy saying what to save",
     ensures="Split: forward(*leaves) -> (out, saved), backward(*saved, *cotangents) -> grads, each guarded",
     returns="out, saved",
+    keywords=False,
 )
 
 

@@ -249,6 +249,7 @@ LINEARIZE = Transform(
     requires="fxtools.jvp's module (its front and back), run once at args",
     ensures="(out, jvp_gm): jvp_gm(*tangents) -> J @ tangents, the residuals its attributes",
     returns="tangent_out",
+    keywords=False,
 )
 
 

@@ -77,7 +77,7 @@ def uses_pipeline(record: Transform) -> Callable[[F], F]:
     USERS[record.name] = record
 
     def register(fn: F) -> F:
-        return cast(F, transform(record.name, loss=record.loss)(fn))
+        return cast(F, transform(record.name, loss=record.loss, keywords=record.keywords)(fn))
 
     return register
 
