@@ -167,7 +167,7 @@ def test_boxed_backward_frees_saved_values():
     compiled = fxtools.compile(model, *inputs, bw_compiler=boxed)
     loss = compiled(*inputs)
     loss.backward()
-    kinds = compiled.split._saved_kinds
+    kinds = [s.kind for s in compiled.split.saved]
     activations = [r for r, k in zip(refs, kinds) if k == "activation"]
     assert activations and all(r() is None for r in activations)  # nothing holds them after the backward
 

@@ -11,6 +11,7 @@ LAYERS = ["cli", "training", "transforms", "rules", "capture", "codegen", "signa
 SHARED = {"errors", "registry", "functional"}  # at the root, below every layer
 BOTTOM = "graph"  # node metadata and helpers: below the root modules too
 FACE = {PACKAGE, f"{PACKAGE}.__main__"}  # the public API imports from everywhere
+MAX_LONG_PARAMETER_LISTS = 10  # functions with 9 or more parameters (issue 31)
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -148,17 +149,65 @@ def test_no_private_names_across_modules():
     assert not private, "give what another module needs a public name:\n" + "\n".join(sorted(set(private)))
 
 
+def _names_a_transform(node) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("fxtools.")
+
+
 def test_no_code_compares_transform_names():
     """A transform is a record (``registry.Transform``): code asks its properties (``forward_mode``,
-    ``batches``), never compares a string naming it (``made_by == "fxtools.vmap"``)."""
+    ``batches``), never compares a string naming it (``made_by == "fxtools.vmap"``), and passes the
+    record itself as ``made_by`` (``made_by=JVP``, not ``made_by="fxtools.jvp"``)."""
     found = []
     for mod, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare):
-                for side in [node.left, *node.comparators]:
-                    if isinstance(side, ast.Constant) and isinstance(side.value, str) and side.value.startswith("fxtools."):
-                        found.append(f"{mod}:{node.lineno} compares with {side.value!r}")
-    assert not found, "compare a transform's record, not its name:\n" + "\n".join(found)
+                found += [
+                    f"{mod}:{node.lineno} compares with {s.value!r}"
+                    for s in [node.left, *node.comparators]
+                    if _names_a_transform(s)
+                ]
+            elif isinstance(node, ast.keyword) and node.arg == "made_by" and _names_a_transform(node.value):
+                found.append(f"{mod}:{node.value.lineno} made_by={node.value.value!r}")
+            elif isinstance(node, ast.Assign) and _names_a_transform(node.value):
+                if any(isinstance(t, ast.Name) and t.id == "made_by" for t in node.targets):
+                    found.append(f"{mod}:{node.lineno} made_by = {node.value.value!r}")
+    assert not found, "compare and pass a transform's record, not its name:\n" + "\n".join(found)
+
+
+def _functions():
+    """(module, function node) for every function of the package."""
+    for mod, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield mod, node
+
+
+def _parameters(fn) -> int:
+    a = fn.args
+    n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+    return n - (1 if a.args and a.args[0].arg in ("self", "cls") else 0)
+
+
+def test_few_long_parameter_lists():
+    """Parameters that travel together are one object (``pipeline.Inputs``, ``backend.Options``): at
+    most 10 functions outside ``rules/`` take 9 or more (public signatures that mirror PyTorch's,
+    such as ``compile``). A rule's parameters are its ATen op's schema, as the registry passes them."""
+    long = sorted(
+        f"{mod}:{fn.lineno} {fn.name} ({_parameters(fn)})"
+        for mod, fn in _functions()
+        if _parameters(fn) >= 9 and ".rules" not in mod
+    )
+    assert len(long) <= MAX_LONG_PARAMETER_LISTS, f"{len(long)} functions take 9 or more parameters:\n" + "\n".join(long)
+
+
+def test_short_functions():
+    """Functions at most 80 lines outside ``rules/`` (one function per op there, some tables long)."""
+    long = [
+        f"{mod}:{fn.lineno} {fn.name} ({fn.end_lineno - fn.lineno + 1} lines)"
+        for mod, fn in _functions()
+        if ".rules" not in mod and fn.end_lineno is not None and fn.end_lineno - fn.lineno + 1 > 80
+    ]
+    assert not long, "split these functions:\n" + "\n".join(long)
 
 
 def test_one_style_of_state():

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from measure import replay_disabled
 from torch.fx.experimental import proxy_tensor
 
 import fxtools
@@ -84,7 +85,7 @@ def autograd_grads(model, inputs):
 def test_replay_gives_the_same_code(build):
     model, inputs = build()
     loss_fn, args = examples.as_loss(model, inputs)
-    with replay.disabled():
+    with replay_disabled():
         traced = fxtools.value_and_grad(loss_fn, *args)
         traced_vjp = fxtools.vjp(loss_fn, *args)
     replayed = fxtools.value_and_grad(loss_fn, *args)
@@ -95,7 +96,7 @@ def test_replay_gives_the_same_code(build):
 def test_replay_keeps_split_markers_and_stack_traces():
     model, inputs = stack()
     splits = []
-    for context in (replay.disabled(), contextlib.nullcontext()):
+    for context in (replay_disabled(), contextlib.nullcontext()):
         with context:
             splits.append(fxtools.split(model, *inputs))  # one line: the same stack traces
     traced, replayed = splits
@@ -273,7 +274,7 @@ def test_transposed_and_contiguous_arguments_match_autograd(float64):
         return ((x.t() @ w).tanh() * (y @ w).tanh()).sum()
 
     x, y, w = torch.randn(4, 3), torch.randn(3, 4), torch.randn(4, 4)
-    with replay.disabled():
+    with replay_disabled():
         traced = fxtools.grad(f, x, y, w, argnums=(0, 1, 2))
     gm = fxtools.grad(f, x, y, w, argnums=(0, 1, 2))
     assert gm.code == traced.code

@@ -60,7 +60,15 @@ class Transform:
     forward_mode: bool = False  # pushes tangents forward: a torch.autograd.Function's own jvp would go unused
     batches: bool = False  # maps f over the user's batch (below torch.func.vmap): custom Functions run their forward
     loss: bool = False  # differentiates a scalar loss: an nn.Module with parameters as f is ambiguous (calling.check_call)
-    keywords: bool = False  # passes f's keyword arguments on, as inputs its module takes by keyword (calling.transform)
+    keywords: bool = True  # passes f's keyword arguments on, as inputs its module takes by keyword (calling.transform)
+    returns: str = "result"  # what its modules return, as messages write the call: "out, grads = gm(x, grad_out)"
+    extra: tuple[str, ...] = ()  # the module's own arguments after the function's, in that call
+
+    def __str__(self) -> str:
+        return self.name  # how messages name it
+
+
+TRANSFORMS: dict[str, Transform] = {}  # every public transform's record, by name (``pipeline.uses_pipeline``)
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,8 @@ def checkpoint_regions():
             return out
 
     saved = cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction
-    cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = non_reentrant, Reentrant
+    cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = non_reentrant, Reentrant  # type: ignore[misc, assignment]  # patched while tracing
     try:
         yield
     finally:
-        cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = saved
+        cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = saved  # type: ignore[misc]  # restored

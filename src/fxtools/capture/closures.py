@@ -45,7 +45,7 @@ def _loads(code):
             ins.opname, "attr" if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") else None
         )
         if kind is not None and isinstance(ins.argval, str):
-            yield kind, ins.argval, _line(code, ins.positions.lineno if ins.positions else None)
+            yield kind, ins.argval, _line(code, getattr(getattr(ins, "positions", None), "lineno", None))
     for const in code.co_consts:
         if inspect.iscode(const):
             yield from _loads(const)

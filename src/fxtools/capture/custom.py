@@ -35,6 +35,8 @@ import dataclasses
 import functools
 import inspect
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -146,13 +148,15 @@ class _Kind:
 
 class _VjpKind(_Kind):
     def __init__(self, fn: custom_vjp, where: str):
+        assert fn.fwd is not None and fn.bwd is not None  # custom_vjp.__call__ refuses a function without rules
         self.fn, self.name, self.where = fn, fn.__name__, where
+        self.rule_fwd, self.rule_bwd = fn.fwd, fn.bwd
 
     def primal(self, *args, **kwargs):
         return self.fn.fun(*args, **kwargs)
 
     def fwd(self, *args, **kwargs):
-        result = self.fn.fwd(*args, **kwargs)
+        result = self.rule_fwd(*args, **kwargs)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise CustomFunctionError(
                 f"the forward of custom_vjp function {self.name} must return (output, residuals), got {type(result).__name__}"
@@ -161,7 +165,7 @@ class _VjpKind(_Kind):
 
     def bwd(self, state, out, cts):
         _, spec = pytree.tree_flatten(out)
-        return self.fn.bwd(state, pytree.tree_unflatten(list(cts), spec))
+        return self.rule_bwd(state, pytree.tree_unflatten(list(cts), spec))
 
 
 class _JvpKind(_Kind):
@@ -175,7 +179,9 @@ class _JvpKind(_Kind):
     """
 
     def __init__(self, fn: custom_jvp, where: str):
+        assert fn.jvp is not None  # custom_jvp.__call__ refuses a function without a rule
         self.fn, self.name, self.where = fn, fn.__name__, where
+        self.rule_jvp = fn.jvp
 
     def primal(self, *args, **kwargs):
         return self.fn.fun(*args, **kwargs)
@@ -198,7 +204,7 @@ class _JvpKind(_Kind):
         with torch.enable_grad():
             seeds = {i: torch.zeros_like(leaves[i]).requires_grad_(True) for i in diff}
             tangents = pytree.tree_unflatten([seeds.get(i) for i in range(len(leaves))], spec)
-            result = self.fn.jvp(primals, tangents)
+            result = self.rule_jvp(primals, tangents)
             if not (isinstance(result, tuple) and len(result) == 2):
                 raise CustomFunctionError(
                     f"the jvp rule of custom_jvp function {self.name} (at {self.where}) must return "
@@ -621,7 +627,9 @@ class custom_vjp:  # noqa: N801 - named like jax.custom_vjp
 
     def __init__(self, fun):
         functools.update_wrapper(self, fun)
-        self.fun, self.fwd, self.bwd = fun, None, None
+        self.fun = fun
+        self.fwd: Callable[..., Any] | None = None
+        self.bwd: Callable[..., Any] | None = None
 
     def defvjp(self, fwd, bwd):
         self.fwd, self.bwd = fwd, bwd
@@ -661,7 +669,8 @@ class custom_jvp:  # noqa: N801 - named like jax.custom_jvp
 
     def __init__(self, fun):
         functools.update_wrapper(self, fun)
-        self.fun, self.jvp = fun, None
+        self.fun = fun
+        self.jvp: Callable[..., Any] | None = None
 
     def defjvp(self, jvp):
         self.jvp = jvp

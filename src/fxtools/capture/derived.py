@@ -182,8 +182,8 @@ class _Derivation:
         def bwd(aux, ct):
             a, k = aux
             flat_now, _ = pytree.tree_flatten((a, k))
-            cts = ct if isinstance(ct, tuple) else (ct,)
-            cts = [cts[i] for i in out_float]
+            every = ct if isinstance(ct, tuple) else (ct,)
+            cts = [every[i] for i in out_float]
             cts = [
                 c if c is not None else torch.zeros(out_vals[j].shape, dtype=out_vals[j].dtype) for c, j in zip(cts, out_float)
             ]

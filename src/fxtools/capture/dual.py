@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -240,7 +241,11 @@ def forward_ad_levels(active):
     import torch._functorch.predispatch as predispatch
 
     levels = _ForwardAdLevels()
-    names = {"_enter_dual_level": levels.enter, "_exit_dual_level": levels.exit, "_make_dual": levels.make_dual}
+    names: dict[str, Callable[..., Any]] = {
+        "_enter_dual_level": levels.enter,
+        "_exit_dual_level": levels.exit,
+        "_make_dual": levels.make_dual,
+    }
     names["_unpack_dual"] = levels.unpack_dual
     saved = {name: getattr(predispatch, name) for name in names}
 

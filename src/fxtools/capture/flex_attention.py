@@ -77,8 +77,8 @@ def dense_flex_attention():
     saved = FlexAttentionHOP.__dict__["__call__"], api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
     # the debug flag makes the eager path call the op directly instead of torch.compile-ing it;
     # its results are then in base 2 (as the reference's are)
-    FlexAttentionHOP.__call__, api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = call, True
+    FlexAttentionHOP.__call__, api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = call, True  # type: ignore[method-assign]  # patched while tracing
     try:
         yield
     finally:
-        FlexAttentionHOP.__call__, api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = saved
+        FlexAttentionHOP.__call__, api._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = saved  # type: ignore[method-assign]  # restored

@@ -6,7 +6,7 @@ baked into the graph. ``LayoutReads`` (a TorchFunctionMode active while capturin
 such read the program makes (from a user line, directly or through torch's Python functions:
 torch's own dispatch-level reads are not the program's decisions), on which graph value, and
 what it returned. ``facts`` then turns the reads into layout facts about the input leaves
-(``signature.guards.Read``), which the module checks on every call:
+(``signature.runtime.Read``), which the module checks on every call:
 
 - ``is_contiguous`` / ``storage_offset`` read on an input itself: the same answer;
 - ``as_strided`` on a value computed from inputs (it addresses their storage directly): each

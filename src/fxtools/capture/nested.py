@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -131,7 +132,7 @@ def run_below_functorch(transform: str, fn, args: tuple, where: str | None = Non
     where = where or current_user_line()
     flat, in_spec = pytree.tree_flatten(args)
     is_tensor = [isinstance(x, torch.Tensor) for x in flat]
-    out_info = {}
+    out_info: dict[str, Any] = {}
 
     def flat_fn(*tensors):
         it = iter(tensors)

@@ -24,8 +24,11 @@ would escape the trace: ``.data`` (read as ``detach()``, assignment refused) and
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -168,7 +171,9 @@ def narrow(input, dim, start, length):
     start = torch.where(start < 0, start + size, start)
     index = torch.arange(length, device=input.device) + (start if start.device == input.device else start.to(input.device))
     out = input.index_select(dim, index)
-    _COPIES_OF_VIEWS.append(StorageWeakRef(out.untyped_storage()))
+    copies = _COPIES_OF_VIEWS.get()
+    if copies is not None:
+        copies.append(StorageWeakRef(out.untyped_storage()))
     return out
 
 
@@ -240,7 +245,7 @@ def numpy(tensor, *args, **kwargs):
     )
 
 
-REPLACEMENTS = {
+REPLACEMENTS: dict[Any, Callable[..., Any]] = {
     torch.Tensor.numpy: numpy,
     torch.Tensor.__setitem__: setitem,
     F.ctc_loss: ctc_loss,
@@ -254,7 +259,8 @@ REPLACEMENTS = {
     torch.Tensor.narrow: narrow,
 }
 
-_COPIES_OF_VIEWS: list = []  # storages of replacement results that stand for views
+# the active Replacing's list of storages of replacement results that stand for views
+_COPIES_OF_VIEWS: contextvars.ContextVar[list | None] = contextvars.ContextVar("fxtools_copies_of_views", default=None)
 
 
 def _cumulative_batch_norm(self, input):
@@ -354,7 +360,7 @@ def mark_not_requires_grad(tensor, where: str) -> None:
     proxy_tensor.set_proxy_slot(tensor, mode.tracer, marker_slot)
 
 
-ATTRIBUTES = {
+ATTRIBUTES: dict[Any, Callable[..., Any]] = {
     torch.Tensor.data.__get__: _data,
     torch.Tensor.data.__set__: _set_data,
     torch.Tensor.requires_grad_: _requires_grad_,
@@ -441,7 +447,7 @@ def _traced_set_rng_state(tracer, target, new_state):
     tracer.create_proxy("call_function", target, (proxy,), {})
 
 
-_RNG_TRACED = {
+_RNG_TRACED: dict[str, Callable[..., Any]] = {
     "manual_seed": _traced_manual_seed,
     "get_rng_state": _traced_get_rng_state,
     "set_rng_state": _traced_set_rng_state,
@@ -496,7 +502,12 @@ def refuse_compressed_sparse(func, args, kwargs) -> None:
 class Replacing(TorchFunctionMode):
     """Calls the replacement of each function in ``REPLACEMENTS`` and of each attribute access in
     ``ATTRIBUTES`` (active while capturing), and records the generator-state calls
-    (``recording_rng_state``)."""
+    (``recording_rng_state``). ``copies_of_views``: the storages of its replacements' results that
+    stand for views (``narrow`` with a tensor start), for ``check_no_writes`` after the trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies_of_views: list = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -509,26 +520,28 @@ class Replacing(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def __enter__(self):
-        _COPIES_OF_VIEWS.clear()
+        self.copies_of_views.clear()
+        self._copies = _COPIES_OF_VIEWS.set(self.copies_of_views)
         self._batch_norm = torch.nn.modules.batchnorm._BatchNorm.forward  # restored as found (nested captures)
-        torch.nn.modules.batchnorm._BatchNorm.forward = _batch_norm_forward
+        torch.nn.modules.batchnorm._BatchNorm.forward = _batch_norm_forward  # type: ignore[method-assign]  # patched while tracing
         self._rng = recording_rng_state()
         self._rng.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.nn.modules.batchnorm._BatchNorm.forward = self._batch_norm
+        torch.nn.modules.batchnorm._BatchNorm.forward = self._batch_norm  # type: ignore[method-assign]  # restored
+        _COPIES_OF_VIEWS.reset(self._copies)
         try:
             return super().__exit__(*exc)
         finally:
             self._rng.__exit__(*exc)
 
 
-def check_no_writes(gm: fx.GraphModule) -> None:
-    """Refuse in-place writes into a replacement's copy of what PyTorch returns as a view: the
-    write would not reach the viewed tensor as it does in eager mode."""
-    copies = set(_COPIES_OF_VIEWS)
-    _COPIES_OF_VIEWS.clear()
+def check_no_writes(gm: fx.GraphModule, copies_of_views: list) -> None:
+    """Refuse in-place writes into a replacement's copy of what PyTorch returns as a view
+    (``Replacing.copies_of_views``): the write would not reach the viewed tensor as it does in
+    eager mode."""
+    copies = set(copies_of_views)
     if not copies:
         return
     for node in gm.graph.nodes:

@@ -228,14 +228,14 @@ class LocalView:
             out_leaves = [o if lay is None else _output(local(o), lay) for o, lay in zip(out_leaves, self.out_layouts)]
             return pytree.tree_unflatten(out_leaves, out_spec)
 
-        local_fn.__fxtools_below_autograd__ = True
+        local_fn.__fxtools_below_autograd__ = True  # type: ignore[attr-defined]  # a marker the capture reads
         for attr in ("__signature__", "__name__", "__fxtools_module__", "__fxtools_input_kinds__"):
             if hasattr(fn, attr):
                 setattr(local_fn, attr, getattr(fn, attr))
         return local_fn
 
 
-def _argument(x, layout: Layout, grad: GradPlacements):
+def _argument(x, layout: Layout, grad: GradPlacements | None):
     """A DTensor argument's local tensor, its gradient over the replicated dimensions whole or a
     pending sum as eager gives it (``grad``: which)."""
     replicated = _groups(layout.mesh, layout.placements, lambda p: p.is_replicate())
@@ -349,11 +349,11 @@ def _partitions_as_shares():
             return original(self, tensor, mesh, mesh_dim)
         return _PARTITION(tensor, mesh.get_group(mesh_dim).group_name, mesh.size(mesh_dim))
 
-    Partial._partition_value = partition
+    Partial._partition_value = partition  # type: ignore[method-assign]  # patched while tracing
     try:
         yield
     finally:
-        Partial._partition_value = original
+        Partial._partition_value = original  # type: ignore[method-assign]  # restored
 
 
 def _edge(kind: str):

@@ -452,7 +452,8 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     refuse_subclass_arguments(names, leaves)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     layout = LayoutReads()  # strides and contiguity the program reads (capture/layout_reads.py)
-    flat_f, out_info = _flat_function(f, leaves, is_tensor, in_spec, layout)
+    replacing = Replacing()  # functions that read tensor values (capture/replacements.py)
+    flat_f, out_info = _flat_function(f, leaves, is_tensor, in_spec, (replacing, layout))
     tensors = [x.detach() for x, t in zip(leaves, is_tensor) if t]
     outer = outer_frames()
     reads = outside_reads(f, {n: x for n, x in zip(names, leaves) if isinstance(x, torch.nn.Module)})
@@ -464,6 +465,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
         fake_args, symbolic = fake_arguments(f, tuple(args), dynamic_shapes)
         tensors = [x for x in pytree.tree_leaves(fake_args) if isinstance(x, torch.Tensor)]
     gm = _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch)
+    check_no_writes(gm, replacing.copies_of_views)
     reads = _tidy(gm, f, [n for n, t in zip(names, is_tensor) if t], reads, outer)
     arg_of_leaf = [p[0].idx if p else 0 for p in paths]
     cap = Captured(
@@ -502,20 +504,19 @@ def _refuse_inference_tensors(reads: list) -> None:
             )
 
 
-def _flat_function(f, leaves: list, is_tensor: list[bool], in_spec, layout: LayoutReads):
+def _flat_function(f, leaves: list, is_tensor: list[bool], in_spec, modes: tuple[Replacing, LayoutReads]):
     """``f`` as a function of its arguments' tensor leaves returning its output's leaves (what
-    make_fx traces), and the dict that receives the output's ``spec`` and ``leaves`` when it runs."""
+    make_fx traces), and the dict that receives the output's ``spec`` and ``leaves`` when it runs.
+    ``modes`` are active while it runs: the replacements of functions that read tensor values and
+    the record of the layouts it reads."""
+    replacing, layout = modes
     out_info: dict[str, Any] = {}
 
     def flat_f(*tensors):
         it = iter(tensors)
         full = [next(it) if t else leaf for t, leaf in zip(is_tensor, leaves)]
         reals = [leaf for leaf, t in zip(leaves, is_tensor) if t]
-        with (
-            Replacing(),
-            CountsFromExamples(tensors, reals),
-            layout,
-        ):  # functions that read tensor values (capture/replacements.py)
+        with replacing, CountsFromExamples(tensors, reals), layout:
             out = f(*pytree.tree_unflatten(full, in_spec))
         _check_output_leaves(out)
         out_leaves, out_info["spec"] = pytree.tree_flatten(out)
@@ -551,10 +552,9 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
 
 
 def _tidy(gm: fx.GraphModule, f, tensor_names_: list[str], reads: list, outer) -> list:
-    """Refuse writes and collectives; name placeholders after their leaves, constants after the
+    """Refuse collectives; name placeholders after their leaves, constants after the
     attributes they are and values after the user's variables; locate the outside reads (returned,
     less those tracing itself changed)."""
-    check_no_writes(gm)
     check_no_collectives(gm)
     check_matmul_dtypes(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -181,6 +181,8 @@ def gpt_config(size="tiny", **overrides) -> GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    mask: torch.Tensor  # the causal mask buffer of explicit attention
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         if config.n_embd % config.n_head:

@@ -391,7 +391,7 @@ def power(p):
             for k in range(2, n + 1):
                 coef.append(coef[-1] * (p - (k - 1)))
             return [c * torch.pow(x, p - k) for k, c in enumerate(coef, 1)]
-        out = []
+        out: list[torch.Tensor | None] = []
         c = 1.0
         for k in range(1, n + 1):
             c *= p - k + 1
@@ -834,7 +834,7 @@ def _pow(op, args, kwargs):
 
 def _tower_rule(op, args, kwargs):
     x = args[0]
-    tower = TOWERS.get(op.overloadpacket)
+    tower = TOWERS[op.overloadpacket]
     value = op(x.value, *args[1:], **kwargs)
     return pointwise(x, lambda n: tower(x.value, value, n), value)
 

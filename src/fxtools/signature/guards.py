@@ -26,18 +26,14 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..registry import TRANSFORMS
 from . import runtime
 from .decisions import Decision, checking
 from .naming import plain_literal
-from .runtime import Cond, InputMismatch, Leaf, Node, Read, Sym, snapshot_value
+from .runtime import InputMismatch, Leaf, Node, Sym, snapshot_value
 
-__all__ = [
+__all__ = [  # the records (Sym, Cond, Read, Leaf, Node) are runtime's
     "InputMismatch",
-    "Sym",
-    "Cond",
-    "Read",
-    "Leaf",
-    "Node",
     "Guards",
     "GuardedGraphModule",
     "build",
@@ -169,11 +165,11 @@ def _spec(value, path, layout, role):
     specs = tuple(_spec(c, path + pytree.keystr((k,)), layout, role) for k, (_, c) in zip(keys, keyed))
     name = type(value).__name__
     if isinstance(value, dict) and all(isinstance(k, pytree.MappingKey) for k in keys):
-        return Node(path, "dict", name, tuple(k.key for k in keys), specs)
+        return Node(path, "dict", name, tuple(k.key for k in keys if isinstance(k, pytree.MappingKey)), specs)
     if isinstance(value, (list, tuple)) and all(isinstance(k, pytree.SequenceKey) for k in keys):
         return Node(path, "tuple" if isinstance(value, tuple) else "list", name, tuple(range(len(keys))), specs)
     if all(isinstance(k, pytree.GetAttrKey) for k in keys):
-        return Node(path, "attrs", name, tuple(k.name for k in keys), specs)
+        return Node(path, "attrs", name, tuple(k.name for k in keys if isinstance(k, pytree.GetAttrKey)), specs)
     raise NotImplementedError(f"fxtools cannot guard an argument of type {type(value).__name__}")
 
 
@@ -213,21 +209,12 @@ def tangent_role(arg_name):
 
 
 # what each transform's module returns, and the arguments it takes after the function's own
-_RESULTS = {
-    "fxtools.vjp": ("out, grads", ["grad_out"]),
-    "fxtools.grad": ("grads", []),
-    "fxtools.value_and_grad": ("value, grads", []),
-    "fxtools.jvp": ("out, tangent_out", ["tangent_x"]),
-    "fxtools.hvp": ("hvp", ["v"]),
-    "fxtools.linearize": ("tangent_out", []),
-    "fxtools.split": ("out, saved", []),
-}
-
-
 def module_call(made_by: str, names) -> str:
     """How a module ``made_by`` makes is called, as code: ``out, grads = gm(x, grad_out)`` (``names``
-    its arguments, or the function's alone, in which case the transform's own are added)."""
-    result, extra = _RESULTS.get(made_by, ("result", []))
+    its arguments, or the function's alone, in which case the transform's own are added; what it
+    returns and adds is its ``registry.Transform`` record's)."""
+    record = TRANSFORMS.get(made_by)
+    result, extra = (record.returns, list(record.extra)) if record is not None else ("result", [])
     args = list(names) + ([] if len(names) > 1 or not extra or extra[0] in names else extra)
     return f"{result} = gm({', '.join(args)})"
 

@@ -364,7 +364,7 @@ def guard_symbolic(guards, traced: TracedSizes, examples) -> None:
     the user's ``Dim`` (or ``x.size(0)``, where the size was first seen, for ``Dim.AUTO``). A
     derived size (``2*b``: torch.export's Dim arithmetic, or a size the program tied to others)
     is a ``Sym`` of its own with a condition relating it. Every guard the ShapeEnv recorded
-    becomes a ``guards.Cond`` (``_Relations.conditions``). The layout facts the program read
+    becomes a ``runtime.Cond`` (``_Relations.conditions``). The layout facts the program read
     (``traced.layout_reads``, with or without symbolic sizes) go to their leaves first.
     """
     if guards is not None:
@@ -510,7 +510,7 @@ def _guards_sym():
 
 
 def _cond(expr, where: str):
-    """``expr`` (a sympy condition over printing symbols named after Syms) as a ``guards.Cond``,
+    """``expr`` (a sympy condition over printing symbols named after Syms) as a ``runtime.Cond``,
     or None if it always holds."""
     import sympy
     from torch.utils._sympy.printers import PythonPrinter

@@ -42,6 +42,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -329,6 +331,26 @@ def _restrided(t, stride):
     return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
+@dataclass(frozen=True)
+class Options:
+    """How ``fxtools.compile`` (and ``backend``) split and compile: its keyword arguments, which
+    travel together from the call to every split it makes (see ``compile``)."""
+
+    fw_compiler: Any = None
+    bw_compiler: Any = None
+    policy: Any = "recompute_cheap"
+    rules: Any = "fused"
+    dynamic_shapes: Any = None
+    dynamic: bool = False
+    decompositions: Any = None
+    split: Any = None  # one given split (``Split.edit``) run instead of making splits
+    check_finite: bool = False
+
+    def running(self) -> tuple:
+        """What a ``_Runner`` takes of them: ``(fw_compiler, bw_compiler, decompositions, check_finite)``."""
+        return self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite
+
+
 class _Runners:
     """The split graphs of ``fn``. A call runs the first whose guards (``Split.guards``, as every
     generated module checks them: structure, sizes, dtypes, devices, layouts where the code needs
@@ -340,38 +362,21 @@ class _Runners:
     accepts (its guards check the symbols' ranges); others get a new split.
     """
 
-    def __init__(
-        self,
-        fn,
-        fw_compiler,
-        bw_compiler,
-        policy,
-        rules="fused",
-        dynamic_shapes=None,
-        dynamic=False,
-        skip_first=False,
-        capturing=contextlib.nullcontext,
-        decompositions=None,
-        split=None,
-        check_finite=False,
-    ):
-        self.fn, self.fw_compiler, self.bw_compiler, self.policy = fn, fw_compiler, bw_compiler, policy
-        self.check_finite = check_finite
-        self.rules, self.decompositions, self.fixed = rules, decompositions, split
-        self.dynamic_shapes, self.dynamic, self.skip_first = dynamic_shapes, dynamic, skip_first
+    def __init__(self, fn, options: Options, skip_first=False, capturing=contextlib.nullcontext):
+        self.fn, self.options, self.fixed, self.skip_first = fn, options, options.split, skip_first
         self.capturing = capturing  # the context in which ``fn`` is traced
         self.entries: list = []  # (training, requires_grad mask, runner)
         self.lifted: Lifted | None = None  # closed-over tensors requiring grad, passed as inputs (closed_over.py)
 
     def _marks(self, args):
         """dynamic_shapes by position for ``args`` (None: static)."""
-        if self.dynamic_shapes is not None:
-            marks = self.dynamic_shapes
+        if self.options.dynamic_shapes is not None:
+            marks = self.options.dynamic_shapes
             if isinstance(marks, dict):
                 return marks
             marks = tuple(marks)
             return (None, *marks) if self.skip_first else marks
-        if not self.dynamic:
+        if not self.options.dynamic:
             return None
         from torch.export import Dim
 
@@ -407,7 +412,7 @@ class _Runners:
                     (
                         training,
                         None,
-                        _Runner(self.fixed, leaves, self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite),
+                        _Runner(self.fixed, leaves, *self.options.running()),
                     )
                 )
             return self.entries[0][2], leaves
@@ -421,7 +426,14 @@ class _Runners:
                     continue
         fn = self.fn if view is None else view.function(self.fn)
         with self.capturing():
-            sp = split(fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules, dynamic_shapes=self._marks(args))
+            sp = split(
+                fn,
+                *args,
+                policy=self.options.policy,
+                grad_leaves=mask,
+                rules=self.options.rules,
+                dynamic_shapes=self._marks(args),
+            )
         sp.from_module = self.skip_first  # a module's: its parameters come first, by name
         if torch.is_grad_enabled() and view is not None:
             _refuse_closed_over_leaves(sp)
@@ -432,7 +444,7 @@ class _Runners:
                 self.entries.clear()
                 return self._lookup(self._with_lifted(args), training)
         leaves = sp.flatten(*args)
-        runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite)
+        runner = _Runner(sp, leaves, *self.options.running())
         if view is not None:
             runner.subclasses = SubclassLeaves(view)
         self.entries.append((training, mask, runner))
@@ -536,35 +548,15 @@ class CompiledModule(torch.nn.Module):
     captured without its wrappers, which run around the graphs (``training/distributed.py``).
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        fw_compiler=None,
-        bw_compiler=None,
-        policy="recompute_cheap",
-        rules="fused",
-        dynamic_shapes=None,
-        dynamic=False,
-        decompositions=None,
-        split=None,
-        check_finite=False,
-    ):
+    def __init__(self, model: torch.nn.Module, options: Options | None = None):
         super().__init__()
         self.module = model
         self._wrappers = Wrappers(model)
         self._runners = _Runners(
             _accepting_keywords(functional(self._wrappers.inner)),
-            fw_compiler,
-            bw_compiler,
-            policy,
-            rules,
-            dynamic_shapes,
-            dynamic,
+            Options() if options is None else options,
             skip_first=True,
             capturing=self._wrappers.capturing,
-            decompositions=decompositions,
-            split=split,
-            check_finite=check_finite,
         )
 
     def _args(self, inputs, kwargs):
@@ -593,32 +585,9 @@ class CompiledModule(torch.nn.Module):
 class CompiledFunction:
     """``fn`` whose calls run fxtools' split graphs inside an autograd.Function."""
 
-    def __init__(
-        self,
-        fn,
-        fw_compiler=None,
-        bw_compiler=None,
-        policy="recompute_cheap",
-        rules="fused",
-        dynamic_shapes=None,
-        dynamic=False,
-        decompositions=None,
-        split=None,
-        check_finite=False,
-    ):
+    def __init__(self, fn, options: Options | None = None):
         self.fn = fn
-        self._runners = _Runners(
-            _accepting_keywords(fn),
-            fw_compiler,
-            bw_compiler,
-            policy,
-            rules,
-            dynamic_shapes,
-            dynamic,
-            decompositions=decompositions,
-            split=split,
-            check_finite=check_finite,
-        )
+        self._runners = _Runners(_accepting_keywords(fn), Options() if options is None else options)
 
     def runner(self, *args, **kwargs) -> _Runner:
         return self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)[0]
@@ -712,14 +681,14 @@ def compile(
     """
     fw_compiler = compiler if fw_compiler is None else fw_compiler
     bw_compiler = compiler if bw_compiler is None else bw_compiler
-    options = dict(decompositions=decompositions, split=split, check_finite=check_finite)
+    options = Options(fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic, decompositions, split, check_finite)
     if split is not None and split.from_module != isinstance(model_or_fn, torch.nn.Module):
         made = "a module" if split.from_module else "a function"
         raise ValueError(f"the split was made from {made}; pass the {made[2:]} it was made from")
     if isinstance(model_or_fn, torch.nn.Module):
-        compiled = CompiledModule(model_or_fn, fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic, **options)
+        compiled = CompiledModule(model_or_fn, options)
     else:
-        compiled = CompiledFunction(model_or_fn, fw_compiler, bw_compiler, policy, rules, dynamic_shapes, dynamic, **options)
+        compiled = CompiledFunction(model_or_fn, options)
     if example_args or example_kwargs:
         compiled.runner(*example_args, **(example_kwargs or {}))
     return compiled
@@ -837,22 +806,14 @@ def backend(
     fw_compiler = compiler if fw_compiler is None else fw_compiler
     bw_compiler = compiler if bw_compiler is None else bw_compiler
 
+    options = Options(fw_compiler, bw_compiler, policy, rules, decompositions=decompositions, check_finite=check_finite)
+
     def fxtools_backend(gm: fx.GraphModule, example_inputs):
         gm = functorch_regions(_inline_higher_order(gm))
         if any(True for _ in gm.parameters()):
-            compiled = CompiledModule(
-                gm, fw_compiler, bw_compiler, policy, rules, decompositions=decompositions, check_finite=check_finite
-            )
+            compiled: CompiledModule | CompiledFunction = CompiledModule(gm, options)
         else:  # parameters arrive as inputs: differentiate the graph as a function of them
-            compiled = CompiledFunction(
-                _as_function(gm, example_inputs),
-                fw_compiler,
-                bw_compiler,
-                policy,
-                rules,
-                decompositions=decompositions,
-                check_finite=check_finite,
-            )
+            compiled = CompiledFunction(_as_function(gm, example_inputs), options)
         with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
             compiled.runner(*example_inputs)
 

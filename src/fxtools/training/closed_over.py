@@ -108,7 +108,7 @@ class Lifted:
             params = [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)]
         if not any(p.kind is p.VAR_POSITIONAL for p in params):
             params.append(inspect.Parameter("closed_over", inspect.Parameter.POSITIONAL_OR_KEYWORD))
-        lifted.__signature__ = inspect.Signature(params)
+        lifted.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # what inspect reads
         lifted.__name__ = getattr(fn, "__name__", "fn")
         for attr in ("__fxtools_module__", "__fxtools_input_kinds__"):  # for names and descriptors
             if hasattr(fn, attr):

@@ -59,7 +59,7 @@ from ..passes.simplify import simplify
 from ..signature import closures, sizes
 from ..signature.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
 from ..signature.naming import part_name
-from ..transforms.pipeline import differentiated, emit, front, uses_pipeline
+from ..transforms.pipeline import Transform, differentiated, emit, front, uses_pipeline
 from ..transforms.reverse import ReverseSpec, reverse
 from ..transforms.vjp import grads_structure
 from . import policies
@@ -336,7 +336,7 @@ def _copy_meta(new: fx.Node, old: fx.Node) -> fx.Node:
     return new
 
 
-def _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap=None) -> None:
+def _install_guards(forward, backward, backward_boxed, part, signature, cotangents, cap=None) -> None:
     """Guards (``fxtools.signature.guards``) of the three graphs: inputs by their paths in the arguments,
     saved values by name (any layout: they come from the forward), cotangents as the outputs."""
     leaves = [p.meta["val"] for p in part.primals]
@@ -527,10 +527,6 @@ class Split:
     _partition: _Partition | None = None  # the joint graph's partition (None for an edited split)
     aten: dict = field(default_factory=dict)  # to_aten's results, by decomposition table (training/aten.py)
 
-    @property
-    def _saved_kinds(self) -> list[str]:
-        return [s.kind for s in self.saved]
-
     # -- calling helpers ---------------------------------------------------------------------
 
     def flatten(self, *args) -> list[torch.Tensor]:
@@ -717,12 +713,16 @@ class Split:
         )
 
 
-@uses_pipeline(
+SPLIT = Transform(
     "fxtools.split",
     requires="front: a prepared graph with VJP rules; a policy saying what to save",
     ensures="Split: forward(*leaves) -> (out, saved), backward(*saved, *cotangents) -> grads, each guarded",
+    returns="out, saved",
     keywords=False,
 )
+
+
+@uses_pipeline(SPLIT)
 def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dynamic_shapes=None, check_finite=False) -> Split:
     """Forward and backward graphs of ``f`` at ``args`` (see the module docstring).
 
@@ -748,7 +748,7 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         f = functional(f)
     argnums = tuple(range(len(args)))
     with checkpoint_regions():
-        cap = front(f, args, made_by="fxtools.split", argnums=argnums, dynamic_shapes=dynamic_shapes)
+        cap = front(f, args, made_by=SPLIT, argnums=argnums, dynamic_shapes=dynamic_shapes)
     wrt = _with_grad_leaves(differentiated(cap, argnums), grad_leaves)
     with fx_traceback.preserve_node_meta():
         rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
@@ -785,7 +785,7 @@ def _forward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured) -> fx
         meta.PART.set(env[n], "forward")
     out_struct = pytree.tree_unflatten([env[o] if isinstance(o, fx.Node) else o for o in part.fw_outs], cap.out_spec)
     fg.output((out_struct, tuple(env[s] for s in part.saved)))
-    return emit(GuardedGraphModule(joint, fg, class_name="SplitForward"), cap, "fxtools.split")
+    return emit(GuardedGraphModule(joint, fg, class_name="SplitForward"), cap, SPLIT)
 
 
 def _flat_grads(part: _Partition, wrt: list[bool]) -> list:
@@ -808,7 +808,7 @@ def _backward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured, grad
         benv[v] = bg.node_copy(v, benv.__getitem__)
         meta.PART.set(benv[v], "recompute" if v in keep else "backward")  # computed in both graphs
     bg.output(pytree.tree_map(lambda g: benv[g] if isinstance(g, fx.Node) else g, grads))
-    return emit(GuardedGraphModule(joint, bg, class_name="SplitBackward"), cap, "fxtools.split")
+    return emit(GuardedGraphModule(joint, bg, class_name="SplitBackward"), cap, SPLIT)
 
 
 def _described(cap: Captured, args: tuple, part: _Partition, forward, backward, ct_index, policy, from_module) -> Split:
@@ -826,9 +826,9 @@ def _described(cap: Captured, args: tuple, part: _Partition, forward, backward, 
     cotangents = [_info(c, "cotangent", "out" + _keystr(out_paths[i])) for c, i in zip(part.cts, ct_index)]
     saved, storage_bytes = _saved_infos(part)
     backward_boxed = _boxed(backward)
-    _install_guards(forward, backward, backward_boxed, args, top, part, signature, cotangents, cap)
+    _install_guards(forward, backward, backward_boxed, part, signature, cotangents, cap)
     guards = _argument_guards(cap, args, part, forward, backward, signature)
-    closures.attach_held(forward, cap.reads, "fxtools.split", holders=(backward,))  # closed-over state, checked on every forward
+    closures.attach_held(forward, cap.reads, SPLIT.name, holders=(backward,))  # closed-over state, checked on every forward
     out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
     return Split(
         forward,
@@ -874,6 +874,6 @@ def _argument_guards(cap: Captured, args: tuple, part: _Partition, forward, back
     fw_paths = stride_sensitive_paths(forward, [i.path or i.name for i in signature])
     bw_paths = stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts])
     strided = {i.path for i, p in zip(signature, part.primals) if (i.path or i.name) in fw_paths or p.name in bw_paths}
-    guards = build("fxtools.split", cap.arg_names, args, layout=strided)
+    guards = build(SPLIT.name, cap.arg_names, args, layout=strided)
     sizes.guard_symbolic(guards, cap.traced_sizes(), args)
     return guards

@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from ..capture import custom
 from ..capture.trace import is_data_dependent
 from ..errors import FxtoolsError, user_frame
-from .pipeline import USERS, back, front, uses_pipeline
+from .pipeline import Inputs, Transform, back, front, uses_pipeline
 from .retrace import NodeNamer
 from .vjp import argument_names
 
@@ -84,12 +84,15 @@ def _in_dims_for(in_dims, args):
 _RANDOMNESS = ("error", "different", "same")
 
 
-@uses_pipeline(
+VMAP = Transform(
     "fxtools.vmap",
     requires="batched front: f traced below torch.func.vmap (PyTorch's batching rules), functionalised",
     ensures="gm(*args) -> f's outputs stacked along out_dims",
     batches=True,
 )
+
+
+@uses_pipeline(VMAP)
 def vmap(f, *args, in_dims=0, out_dims=0, randomness="error", chunk_size=None, dynamic_shapes=None) -> fx.GraphModule:
     """``f`` mapped over a batch dimension of its arguments, as one batched GraphModule.
 
@@ -113,9 +116,7 @@ def vmap(f, *args, in_dims=0, out_dims=0, randomness="error", chunk_size=None, d
         namer or f, in_dims=_in_dims_for(in_dims, args), out_dims=out_dims, randomness=randomness, chunk_size=chunk_size
     )
     chunks = n_chunks(f, in_dims, args, chunk_size) if randomness == "same" and chunk_size is not None else None
-    return trace_batched(
-        batched, args, names_of=f, namer=namer, made_by="fxtools.vmap", dynamic_shapes=dynamic_shapes, same_draws=chunks
-    )
+    return trace_batched(batched, args, names_of=f, namer=namer, made_by=VMAP, dynamic_shapes=dynamic_shapes, same_draws=chunks)
 
 
 def n_chunks(f, in_dims, args, chunk_size) -> int:
@@ -176,15 +177,16 @@ def describe(f) -> str:
 
 
 def trace_batched(
-    fn, args, names_of=None, namer=None, made_by="fxtools.vmap", dynamic_shapes=None, same_draws=None
+    fn, args, names_of=None, namer=None, made_by: Transform | None = None, dynamic_shapes=None, same_draws=None
 ) -> fx.GraphModule:
     """Trace ``fn`` (which may call torch.func transforms) into a readable GraphModule.
 
     ``same_draws``: the number of chunks of a ``randomness="same"`` vmap (see ``share_draws``)."""
     f = fn if names_of is None else names_of
+    made_by = VMAP if made_by is None else made_by
     try:
         # requires_grad_ allowed, as eager vmap allows it on unbatched tensors (copy.deepcopy(module))
-        with custom.transform(USERS["fxtools.vmap"]), enable_inplace_requires_grad(True):
+        with custom.transform(VMAP), enable_inplace_requires_grad(True):
             cap = front(
                 fn,
                 args,
@@ -213,7 +215,7 @@ def trace_batched(
             hint = (
                 " Random ops (dropout) need randomness='different' (each sample draws its own numbers) "
                 "or randomness='same' (one draw for the whole batch), as in torch.func.vmap."
-                if made_by in USERS and USERS[made_by].batches
+                if made_by.batches
                 else f" {made_by} batches over its basis vectors, which must all see the same random numbers: "
                 "differentiate a function without random ops (a model in eval mode), or use fxtools.vjp / fxtools.jvp."
             )
@@ -227,4 +229,4 @@ def trace_batched(
     def build(flat):
         return pytree.tree_unflatten(flat, cap.out_spec)
 
-    return back(cap.gm, cap, build, made_by=made_by, args=args, names=argument_names(f, args), collapse_views=True)
+    return back(cap.gm, cap, build, made_by, Inputs(args, names=argument_names(f, args)), collapse_views=True)

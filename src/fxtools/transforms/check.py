@@ -121,12 +121,12 @@ def check_vjp(f, *args, gm=None, rtol=None, atol=None, seed=0):
     out_pairs = list(zip(pytree.tree_leaves(want_out), pytree.tree_leaves(ct)))
     diff_out = [(o, c) for o, c in out_pairs if is_float(o) and o.requires_grad]
     inputs = [x for x, d in zip(ref_leaves, diff) if d]
-    want = (
+    grads = (
         torch.autograd.grad([o for o, _ in diff_out], inputs, [c for _, c in diff_out], allow_unused=True)
         if diff_out and inputs
         else [None] * len(inputs)
     )
-    want = [torch.zeros_like(x) if w is None else w for w, x in zip(want, inputs)]
+    want = [torch.zeros_like(x) if w is None else w for w, x in zip(grads, inputs)]
     torch.manual_seed(seed)
     got_out, got_grads = gm(*args, _cotangent_for(gm, len(args), ct))
     out_paths = [_path("out", p) for p, _ in pytree.tree_flatten_with_path(want_out)[0]]
@@ -140,7 +140,7 @@ def check_vjp(f, *args, gm=None, rtol=None, atol=None, seed=0):
         rtol,
         atol,
     )
-    arg_paths = [names[p[0].idx] + pytree.keystr(p[1:]) for p, _ in pytree.tree_flatten_with_path(args)[0]]
+    arg_paths = [names[i] + pytree.keystr(p) for i, a in enumerate(args) for p, _ in pytree.tree_flatten_with_path(a)[0]]
     got = [g for g, d in zip(pytree.tree_leaves(got_grads, is_leaf=lambda v: v is None), diff) if d]
     paths = [f"gradient of {p}" for p, d in zip(arg_paths, diff) if d]
     _report("gradient", list(zip(paths, got, want)), rtol, atol)

@@ -41,7 +41,7 @@ from ..capture.trace import forward_grad_modes
 from ..graph import meta
 from ..graph.nodes import is_float
 from ..signature.guards import tangent_role
-from .pipeline import USERS, back, uses_pipeline
+from .pipeline import Inputs, Transform, back, uses_pipeline
 from .tangents import jvp_graph, tangent_names, transpose_vjp
 from .vjp import AuxSplit, argnums_tuple, prepare
 
@@ -50,12 +50,17 @@ aten = torch.ops.aten
 __all__ = ["jvp", "transpose_vjp", "tangent_names"]
 
 
-@uses_pipeline(
+JVP = Transform(
     "fxtools.jvp",
     requires="front: a prepared graph with VJP rules (forward mode transposes the VJP)",
     ensures="gm(*args, *tangents) -> (out, out_tangent), out_tangent nested as out",
     forward_mode=True,
+    returns="out, tangent_out",
+    extra=("tangent_x",),
 )
+
+
+@uses_pipeline(JVP)
 def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The Jacobian-vector product of ``f`` at example ``args``, as readable PyTorch code.
 
@@ -79,8 +84,8 @@ def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
         raise ValueError(f"argnums {argnums!r} names an argument twice")
     if nested.capturing_program():  # inside a program fxtools differentiates: forward mode in its graph
         return dual.JvpCall(f, len(args), nums, has_aux)  # type: ignore[return-value]
-    with custom.transform(USERS["fxtools.jvp"]):  # a Function's own jvp would be ignored: refuse it
-        cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by="fxtools.jvp")
+    with custom.transform(JVP):  # a Function's own jvp would be ignored: refuse it
+        cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by=JVP)
     split = AuxSplit(cap.out_spec, has_aux)
     flat_gm = _jvp_graph(cap, wrt, nums, split.n_main)
     names, n_out = cap.arg_names, len(cap.out_leaves)
@@ -93,9 +98,7 @@ def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
         return pytree.tree_unflatten(flat_results[:n_out], cap.out_spec), tan
 
     roles = {len(args) + i: tangent_role(names[a]) for i, a in enumerate(nums)}
-    gm = back(
-        flat_gm, cap, build, made_by="fxtools.jvp", args=args, extra_args=tangent_examples, roles=roles, collapse_views=True
-    )
+    gm = back(flat_gm, cap, build, JVP, Inputs(args, extra=tangent_examples, roles=roles), collapse_views=True)
     meta.OUT_EXAMPLE.set(gm, split.main(list(cap.out_leaves)))
     return gm
 

@@ -25,7 +25,7 @@ from ..capture.trace import capture
 from ..graph.nodes import is_float
 from ..registry import rule_set
 from .batching import trace_batched, vmappable
-from .pipeline import back, uses_pipeline
+from .pipeline import Inputs, Transform, back, uses_pipeline
 from .retrace import NodeNamer
 from .reverse import ReverseSpec, reverse
 from .vjp import argnums_tuple, argument_names, grads_structure, prepare
@@ -37,12 +37,17 @@ def _differentiated(args, argnums):
     return args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
 
 
-@uses_pipeline(
+HVP = Transform(
     "fxtools.hvp",
     requires="front of fxtools.grad's module (the readable rules); VJP rules for its backward ops",
     ensures="gm(*args, v) -> H @ v, nested as the differentiated arguments",
     loss=True,
+    returns="hvp",
+    extra=("v",),
 )
+
+
+@uses_pipeline(HVP)
 def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     """The Hessian-vector product of scalar ``f``: ``gm(*args, v) -> H @ v``.
 
@@ -63,7 +68,7 @@ def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     with rule_set("readable"):
         g = grad(f, *args, argnums=argnums, dynamic_shapes=dynamic_shapes)
         namer = NodeNamer(g, getattr(g, "guards", None))  # the second pass keeps the first's names
-        cap, wrt = prepare(namer, args, nums, dynamic_shapes, made_by="fxtools.hvp")
+        cap, wrt = prepare(namer, args, nums, dynamic_shapes, made_by=HVP)
         namer.apply(cap.gm)
         rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
         flat, ct_index = rev.gm, rev.ct_index
@@ -78,17 +83,9 @@ def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
         hv = grads_structure(cap, args, flat_results, nums)
         return hv[0] if isinstance(argnums, int) else hv
 
-    gm = back(
-        flat,
-        cap,
-        build,
-        made_by="fxtools.hvp",
-        args=args,
-        extra_args=[("v", v_example)],
-        roles={len(args): lambda path: "the vector v of the Hessian-vector product"},
-        names=argument_names(f, args),
-        collapse_views=True,
-    )
+    role = {len(args): lambda path: "the vector v of the Hessian-vector product"}
+    inputs = Inputs(args, extra=[("v", v_example)], roles=role, names=argument_names(f, args))
+    gm = back(flat, cap, build, HVP, inputs, collapse_views=True)
     _name_results(gm)
     return gm
 
@@ -116,12 +113,15 @@ def _jacfwd_of_jacrev(f, args, argnums) -> fx.GraphModule:
     return jacfwd(jacrev(f, *args, argnums=argnums), *args, argnums=argnums)
 
 
-@uses_pipeline(
+HESSIAN = Transform(
     "fxtools.hessian",
     requires="fxtools.hvp's module (batched by trace_batched's front), or jacfwd(jacrev(f))",
     ensures="gm(*args) -> H, nested as torch.func.hessian's",
     loss=True,
 )
+
+
+@uses_pipeline(HESSIAN)
 def hessian(f, *args, argnums=0) -> fx.GraphModule:
     """The Hessian of ``f`` with respect to ``args[argnums]``: ``gm(*args) -> H``.
 
@@ -177,4 +177,4 @@ def hessian(f, *args, argnums=0) -> fx.GraphModule:
     except (TypeError, ValueError):
         pass
     hessian_of.__name__ = getattr(f, "__name__", "hessian")
-    return trace_batched(hessian_of, args, names_of=f, made_by="fxtools.hessian")
+    return trace_batched(hessian_of, args, names_of=f, made_by=HESSIAN)

@@ -38,7 +38,7 @@ from ..passes.simplify import simplify
 from ..signature.guards import install, tangent_role
 from .batching import check_vmap_options, trace_batched, vmappable
 from .forward import jvp
-from .pipeline import built_by, emit, uses_pipeline
+from .pipeline import Transform, built_by, emit, uses_pipeline
 from .retrace import NodeNamer
 from .vjp import argnums_tuple, argument_names, vjp
 
@@ -112,11 +112,14 @@ def _first_tensor(leaves, name, what):
     return tensors[0]
 
 
-@uses_pipeline(
+JACREV = Transform(
     "fxtools.jacrev",
     requires="fxtools.vjp's module, batched over the output basis (trace_batched's front)",
     ensures="gm(*args) -> jacobian, nested as torch.func.jacrev's",
 )
+
+
+@uses_pipeline(JACREV)
 def jacrev(f, *args, argnums=0, has_aux=False, chunk_size=None) -> fx.GraphModule:
     """The Jacobian of ``f`` at example ``args`` by reverse mode: ``gm(*args) -> jacobian``.
 
@@ -131,8 +134,8 @@ def jacrev(f, *args, argnums=0, has_aux=False, chunk_size=None) -> fx.GraphModul
     args = tuple(args)
     nums = argnums_tuple(argnums, len(args))
     vjp_gm = vjp(f, *args, argnums=argnums, has_aux=has_aux)
-    out_leaves, out_spec = _float_leaves(meta.OUT_EXAMPLE.get(vjp_gm), "output", "fxtools.jacrev")
-    like = _first_tensor(out_leaves, "fxtools.jacrev", "outputs")
+    out_leaves, out_spec = _float_leaves(meta.OUT_EXAMPLE.get(vjp_gm), "output", JACREV.name)
+    like = _first_tensor(out_leaves, JACREV.name, "outputs")
     total = sum(v.numel() for v in out_leaves if isinstance(v, torch.Tensor))
     namer = NodeNamer(vmappable(vjp_gm), vjp_gm.guards)
     ct_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in out_leaves], out_spec)
@@ -166,14 +169,17 @@ def jacrev(f, *args, argnums=0, has_aux=False, chunk_size=None) -> fx.GraphModul
 
     _sign(jacobian, namer, n_args)
     chunks = -(-total // chunk_size) if chunk_size is not None else None
-    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacrev", same_draws=chunks)
+    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by=JACREV, same_draws=chunks)
 
 
-@uses_pipeline(
+JACFWD = Transform(
     "fxtools.jacfwd",
     requires="fxtools.jvp's module, batched over the input basis (trace_batched's front)",
     ensures="gm(*args) -> jacobian, nested as torch.func.jacfwd's",
 )
+
+
+@uses_pipeline(JACFWD)
 def jacfwd(f, *args, argnums=0, has_aux=False, randomness="error", chunk_size=None) -> fx.GraphModule:
     """The Jacobian of ``f`` at example ``args`` by forward mode: ``gm(*args) -> jacobian``.
 
@@ -186,9 +192,9 @@ def jacfwd(f, *args, argnums=0, has_aux=False, randomness="error", chunk_size=No
     args = tuple(args)
     nums = argnums_tuple(argnums, len(args))
     differentiated = tuple(args[i] for i in nums)
-    in_leaves, in_spec = _float_leaves(differentiated, "input", "fxtools.jacfwd")
+    in_leaves, in_spec = _float_leaves(differentiated, "input", JACFWD.name)
     in_leaves = [v if isinstance(v, torch.Tensor) else None for v in in_leaves]
-    like = _first_tensor(in_leaves, "fxtools.jacfwd", "differentiated arguments")
+    like = _first_tensor(in_leaves, JACFWD.name, "differentiated arguments")
     total = sum(v.numel() for v in in_leaves if isinstance(v, torch.Tensor))
     jvp_gm = jvp(f, *args, argnums=nums, has_aux=has_aux)
     namer = NodeNamer(vmappable(jvp_gm), jvp_gm.guards)
@@ -198,7 +204,7 @@ def jacfwd(f, *args, argnums=0, has_aux=False, randomness="error", chunk_size=No
     mapped = torch.func.vmap(
         namer, in_dims=(*(None,) * n_args, *tangent_dims), out_dims=out_dims, chunk_size=chunk_size, randomness=randomness
     )
-    out_leaves, out_spec = _float_leaves(meta.OUT_EXAMPLE.get(jvp_gm), "output", "fxtools.jacfwd")
+    out_leaves, out_spec = _float_leaves(meta.OUT_EXAMPLE.get(jvp_gm), "output", JACFWD.name)
 
     def jacobian(*a):
         basis = _basis(total, in_leaves, like)
@@ -223,7 +229,7 @@ def jacfwd(f, *args, argnums=0, has_aux=False, randomness="error", chunk_size=No
 
     _sign(jacobian, namer, n_args)
     chunks = -(-total // chunk_size) if chunk_size is not None and randomness == "same" else None
-    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by="fxtools.jacfwd", same_draws=chunks)
+    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by=JACFWD, same_draws=chunks)
 
 
 def _plain(value):
@@ -238,12 +244,16 @@ def _plain(value):
     return value
 
 
-@uses_pipeline(
+LINEARIZE = Transform(
     "fxtools.linearize",
     requires="fxtools.jvp's module (its front and back), run once at args",
     ensures="(out, jvp_gm): jvp_gm(*tangents) -> J @ tangents, the residuals its attributes",
+    returns="tangent_out",
     keywords=False,
 )
+
+
+@uses_pipeline(LINEARIZE)
 def linearize(f, *args) -> tuple[object, fx.GraphModule]:
     """``f(*args)`` and its linear map at ``args``: ``out, jvp_gm = linearize(f, *args)``.
 
@@ -262,10 +272,10 @@ def linearize(f, *args) -> tuple[object, fx.GraphModule]:
     gm = _linear_part(full.graph, tangent_ph, dependent, values)
     simplify(gm)
     built = built_by(full)
-    gm = emit(gm, None, "fxtools.linearize", front=built.front if built is not None else None, remember=False)
+    gm = emit(gm, None, LINEARIZE, front=built.front if built is not None else None, remember=False)
     gm = install(
         gm,
-        "fxtools.linearize",
+        LINEARIZE.name,
         [p.name for p in tangent_ph],
         tangent_examples,
         roles={i: tangent_role(n) for i, n in enumerate(argument_names(f, args))},

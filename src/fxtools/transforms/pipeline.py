@@ -11,14 +11,15 @@
 - the transform: whatever it does to ``cap.gm`` (``reverse``, the transpose of a VJP, a Taylor
   walk, a min-cut), it returns a *flat* graph: one placeholder per tensor leaf of the
   arguments (then its own extra inputs), and a flat list of outputs.
-- ``back(flat_gm, cap, build, made_by=...)``: the flat graph as the user's module: the pytree
+- ``back(flat_gm, cap, build, made_by, Inputs(args, ...))``: the flat graph as the user's module: the pytree
   signature (``codegen/assemble.py``, ``build`` nests the flat results), simplification, public
   PyTorch spellings and names, symbolic size names, guards of the arguments and of what the
   program read from outside them. ``emit`` is its last step alone, for modules whose signature
   a transform builds itself (``split``'s two graphs, ``linearize``'s map).
 
 Every module the back finishes is stamped (``meta.BUILT_BY``: which transform's front prepared
-its program, which transform finished it). ``USERS`` registers each public transform with what
+its program, which transform finished it). A transform is a ``Transform`` record, declared once
+in its module and passed as ``made_by`` (never its name). ``USERS`` registers each public transform with what
 it requires of the front and ensures of the module it returns (in the spirit of torch.fx's
 ``PassBase``); ``tests/test_pipeline.py`` checks that every public transform is registered and
 that what it returns carries the stamp.
@@ -48,14 +49,14 @@ from ..graph.nodes import is_float
 from ..passes.accumulate import accumulate_into_scatters
 from ..passes.simplify import simplify
 from ..passes.views import collapse_view_chains
-from ..registry import Transform
+from ..registry import TRANSFORMS, Transform
 from ..signature import closures, sizes
 from ..signature.guards import install
 from ..signature.naming import unique
 from . import control_flow, tangents
 from .calling import transform
 
-__all__ = ["Built", "Transform", "USERS", "uses_pipeline", "front", "differentiated", "back", "emit", "built_by"]
+__all__ = ["Built", "Inputs", "Transform", "USERS", "uses_pipeline", "front", "differentiated", "back", "emit", "built_by"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,27 +66,18 @@ F = TypeVar("F", bound=Callable[..., Any])
 # --------------------------------------------------------------------------------------------
 
 
-USERS: dict[str, Transform] = {}
+USERS: dict[str, Transform] = TRANSFORMS  # the registry's table (signature/ reads it for messages)
 
 
-def uses_pipeline(
-    name: str,
-    *,
-    requires: str,
-    ensures: str,
-    forward_mode: bool = False,
-    batches: bool = False,
-    loss: bool = False,
-    keywords: bool = True,
-) -> Callable[[F], F]:
-    """Declare the public transform ``name`` (one ``Transform`` record in ``USERS``) as a user of
-    the front and back, its calls checked first (``calling.transform``)."""
-    record = USERS[name] = Transform(
-        name, requires, ensures, forward_mode=forward_mode, batches=batches, loss=loss, keywords=keywords
-    )
+def uses_pipeline(record: Transform) -> Callable[[F], F]:
+    """Declare the public transform ``record`` (its module's one ``Transform``, kept in ``USERS``
+    by name) as a user of the front and back, its calls checked first (``calling.transform``).
+    The record is the transform's identity: the front, the back and ``emit`` take it as
+    ``made_by``; only messages and stamps use its name."""
+    USERS[record.name] = record
 
     def register(fn: F) -> F:
-        return cast(F, transform(name, loss=record.loss, keywords=record.keywords)(fn))
+        return cast(F, transform(record.name, loss=record.loss, keywords=record.keywords)(fn))
 
     return register
 
@@ -112,7 +104,7 @@ def front(
     f,
     args: tuple,
     *,
-    made_by: str,
+    made_by: Transform,
     argnums: Sequence[int] = (),
     dynamic_shapes=None,
     has_aux: bool = False,
@@ -138,11 +130,11 @@ def front(
         functionalize(cap.gm)
     else:
         _prepare_for_rules(cap, made_by, has_aux)
-    cap.front = made_by
+    cap.front = made_by.name
     return cap
 
 
-def _prepare_for_rules(cap: Captured, made_by: str, has_aux: bool) -> None:
+def _prepare_for_rules(cap: Captured, made_by: Transform, has_aux: bool) -> None:
     """The captured graph as the rule-driven transforms take it: sizes as marked, aux stopped,
     functional, composite ops expanded, control flow with rules, the program's own JVPs computed
     (``tangents.resolve``), nothing unsupported."""
@@ -156,7 +148,7 @@ def _prepare_for_rules(cap: Captured, made_by: str, has_aux: bool) -> None:
     check_supported(cap.gm)
 
 
-def _refuse_module_arguments(f, args: tuple, argnums: Sequence[int], made_by: str) -> None:
+def _refuse_module_arguments(f, args: tuple, argnums: Sequence[int], made_by: Transform) -> None:
     from ..signature.naming import arg_names
 
     for i in argnums:
@@ -169,7 +161,7 @@ def _refuse_module_arguments(f, args: tuple, argnums: Sequence[int], made_by: st
             )
 
 
-def stop_aux_gradients(cap: Captured, made_by: str) -> None:
+def stop_aux_gradients(cap: Captured, made_by: Transform) -> None:
     """For ``has_aux=True``: check that ``f`` returns a pair ``(out, aux)`` and stop gradients at
     ``aux``'s tensors (as torch.func does: aux carries no cotangent), by reading them through
     ``detach`` (which the generated code does not show: it runs without autograd)."""
@@ -220,31 +212,41 @@ def differentiated(cap: Captured, argnums: Sequence[int]) -> list[bool]:
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What the module the back finishes is called with: the user's ``args``, then the
+    transform's own ``extra`` inputs (``(name, example)``: cotangents, tangents, series).
+    ``guard_extra``: what the guards accept for the extra inputs (default: their examples);
+    ``roles``: how messages describe them (by argument index); ``names``: the arguments' names
+    when ``cap.f`` is a wrapper the transform traced in place of the user's function."""
+
+    args: tuple
+    extra: Sequence[tuple[str, Any]] = ()
+    guard_extra: Sequence[Any] | None = None
+    roles: dict | None = None
+    names: list[str] | None = None
+
+
 def back(
     flat_gm: fx.GraphModule,
     cap: Captured,
     build: Callable[[list], Any],
+    made_by: Transform,
+    inputs: Inputs,
     *,
-    made_by: str,
-    args: tuple,
-    extra_args: Sequence[tuple[str, Any]] = (),
-    guard_extra: Sequence[Any] | None = None,
-    roles: dict | None = None,
-    names: list[str] | None = None,
     collapse_views: bool = False,
 ) -> fx.GraphModule:
     """The user's module from a transform's flat graph (see the module docstring).
 
-    ``build`` nests the flat results as the module returns them; ``extra_args`` are the
-    transform's own inputs after ``args`` (``(name, example)``: cotangents, tangents, series),
-    ``guard_extra`` what the guards accept for them (default: their examples), ``roles`` how
-    messages describe them. ``names``: the arguments' names when ``cap.f`` is a wrapper the
-    transform traced in place of the user's function. ``collapse_views``: also collapse chains of
-    reshapes that end where they started (batched and forward-mode code), and drop ``_1``
-    suffixes fusions left.
+    ``build`` nests the flat results as the module returns them; ``inputs`` says what the module
+    is called with. ``collapse_views``: also collapse chains of reshapes that end where they
+    started (batched and forward-mode code), and drop ``_1`` suffixes fusions left.
     """
-    names = cap.arg_names if names is None else names
-    extra_args = list(zip(unique([n for n, _ in extra_args], taken=names), (v for _, v in extra_args)))  # the user's names stay
+    args, roles, guard_extra = inputs.args, inputs.roles, inputs.guard_extra
+    names = cap.arg_names if inputs.names is None else inputs.names
+    extra_args = list(
+        zip(unique([n for n, _ in inputs.extra], taken=names), (v for _, v in inputs.extra))
+    )  # the user's names stay
     gm = assemble(flat_gm, names, args, cap.tensor_leaf, cap.names, build, extra_args)
     accumulate_into_scatters(gm)
     simplify(gm)
@@ -257,13 +259,15 @@ def back(
     gm = emit(gm, cap, made_by, remember=False)
     extra = [v for _, v in extra_args] if guard_extra is None else list(guard_extra)
     examples = [*args, *extra]
-    gm = install(gm, made_by, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap.symbolic, examples), roles=roles)
+    gm = install(gm, made_by.name, [*names, *(n for n, _ in extra_args)], sizes.concrete(cap.symbolic, examples), roles=roles)
     sizes.guard_symbolic(gm.guards, cap.traced_sizes(), examples)
-    closures.attach(gm, cap.reads, made_by)
+    closures.attach(gm, cap.reads, made_by.name)
     return remember_inputs(gm)
 
 
-def emit(gm: fx.GraphModule, cap: Captured | None, made_by: str, *, front: str | None = None, remember=True) -> fx.GraphModule:
+def emit(
+    gm: fx.GraphModule, cap: Captured | None, made_by: Transform, *, front: str | None = None, remember=True
+) -> fx.GraphModule:
     """The back's last step: public spellings and names (``codegen/render.py``), symbolic sizes
     named, the graph checked, its code generated, the module stamped (``meta.BUILT_BY``: ``front``,
     default ``cap.front``) and its example inputs remembered (``fxtools.show``)."""
@@ -271,7 +275,7 @@ def emit(gm: fx.GraphModule, cap: Captured | None, made_by: str, *, front: str |
     sizes.name_sizes(gm, cap.symbolic if cap is not None else None)
     gm.graph.lint()
     gm.recompile()
-    meta.BUILT_BY.set(gm, Built(cap.front if front is None and cap is not None else front, made_by))
+    meta.BUILT_BY.set(gm, Built(cap.front if front is None and cap is not None else front, made_by.name))
     return remember_inputs(gm) if remember else gm
 
 

@@ -19,7 +19,6 @@ calls that modify an argument in place or that read traced values they were not 
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import operator
 import types
@@ -53,17 +52,8 @@ _CREATED = frozenset(
     }
 )
 
-_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("fxtools_replay_enabled", default=True)
-
-
-@contextlib.contextmanager
-def disabled():
-    """Trace every call for real (to compare with replay, or to rule it out)."""
-    token = _ENABLED.set(False)
-    try:
-        yield
-    finally:
-        _ENABLED.reset(token)
+# False: every call is traced for real (the tests compare replay with it)
+ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("fxtools_replay_enabled", default=True)
 
 
 class _Unkeyable(Exception):
@@ -195,7 +185,8 @@ class _Recording:
             return None
         arg_of = {id(t): i for i, t in enumerate(tensors)}
         leaves, spec = pytree.tree_flatten(out)
-        out_leaves, holder = [], {}
+        out_leaves: list[tuple[str, object]] = []
+        holder = {}
         for x in leaves:
             if isinstance(x, torch.Tensor):
                 if id(x) in arg_of:
@@ -259,7 +250,7 @@ class Memo:
     def call(self, fn, /, *args, **kwargs):
         """``fn(*args, **kwargs)``, replayed when an equal call was traced before."""
         mode = proxy_tensor.get_innermost_proxy_mode()
-        if not _ENABLED.get() or mode is None or fn is operator.getitem or not getattr(fn, "replayable", True):
+        if not ENABLED.get() or mode is None or fn is operator.getitem or not getattr(fn, "replayable", True):
             return fn(*args, **kwargs)
         tracer = mode.tracer
         # Reading tensor metadata under make_fx's torch-function modes costs a dispatch per read.

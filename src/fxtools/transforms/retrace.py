@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -43,6 +43,7 @@ class Retracer:
     """
 
     verb = "transform"  # in the message for a graph with an opcode the transform does not handle
+    pre_dispatch = True  # False: traced below torch.func transforms (rules that call them)
 
     def __init__(self, captured: fx.GraphModule):
         self.captured = captured
@@ -81,7 +82,7 @@ class Retracer:
         examples = [fake_example(v, mode, keep_strides=True) for v in vals]
         examples += [fake_example(v, mode) for v in extra_vals]
         try:
-            return trace_flat(self.template, examples, record_stack_traces=False)
+            return trace_flat(self.template, examples, record_stack_traces=False, pre_dispatch=self.pre_dispatch)
         except Exception as exc:
             if is_data_dependent(exc):
                 raise data_dependent_error(exc, self.current) from exc
@@ -92,12 +93,12 @@ def example_mode(vals):
     """The fake mode to re-trace in: the capture's when a value has a data-dependent or a
     symbolic size (its symbols live there), else a fresh one, as ``make_fx`` would make for real
     examples."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     for val in vals:
         if isinstance(val, torch.Tensor) and is_dynamic(val):
-            return val.fake_mode
+            return cast(FakeTensor, val).fake_mode  # a symbolic size lives on a FakeTensor
     symbolic = symbolic_mode(vals)  # sizes marked dynamic: their symbols live in the capture's mode
     if symbolic is not None:
         return symbolic

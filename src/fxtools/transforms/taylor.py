@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -32,15 +33,14 @@ from torch.utils import _pytree as pytree
 
 from ..capture.functionalize import functionalize
 from ..capture.nested import out_of_place_views
-from ..capture.trace import trace_flat
 from ..errors import FxtoolsError, MissingRuleError, user_line_of
 from ..graph import meta
 from ..graph.nodes import ancestors, is_float
 from ..registry import differentiable_nodes
 from ..rules import taylor as rules
 from .batching import trace_batched, vmappable
-from .pipeline import back, uses_pipeline
-from .retrace import Namer, NodeNamer, copy_constants, example_mode, fake_example
+from .pipeline import Inputs, Transform, back, uses_pipeline
+from .retrace import Namer, NodeNamer, Retracer, copy_constants
 from .rows import rows_independent
 from .vjp import argnums_tuple, prepare
 
@@ -144,57 +144,61 @@ def _name_terms(namer, value, name, weak):
         namer(value, name, weak=weak)
 
 
-def _trace(cap, x_indices, seed, extras, extra_names, outputs_of, made_by):
-    """The flat graph ``(captured inputs..., extras...) -> (outputs..., their terms...)``.
+class _Walk(Retracer):
+    """Taylor mode's template: the captured graph run once on Taylor values (``rules/taylor.py``),
+    its ops that the differentiated inputs reach pushed through their Taylor rules, the others on
+    plain values. ``seed(xs, *extras)`` makes the Taylor values of the differentiated inputs
+    ``xs``; ``outputs_of(value, i)`` lists the terms returned for output ``i``."""
 
-    ``seed(xs, *extras)`` makes the Taylor values of the differentiated inputs ``xs`` (the
-    placeholders ``x_indices``); ``outputs_of(value, i)`` lists the terms returned for output ``i``.
-    """
-    graph = cap.gm.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    out_nodes = list(next(n for n in graph.nodes if n.op == "output").args[0])
-    xs = [placeholders[i] for i in x_indices]
-    need = _needed(cap.gm, xs)
-    namer = Namer()
+    verb = "push Taylor terms through"
+    pre_dispatch = False
 
-    def template(*flat):
-        inputs, more = flat[: len(placeholders)], flat[len(placeholders) :]
-        env: dict = dict(zip(placeholders, inputs))
-        with namer.owner(xs[0].name):
-            seeded = seed([inputs[i] for i in x_indices], *more)
-        for x, value in zip(xs, seeded):
-            env[x] = value
-            _name_terms(namer, value, x.name, False)
-        for node in graph.nodes:
-            if node.op == "get_attr":
-                env[node] = getattr(cap.gm, node.target)
-            elif node.op == "call_function":
-                args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                if node.target is torch._C._set_grad_enabled:
-                    continue
-                with namer.owner(node.name):
-                    if node.target is operator.getitem:
-                        env[node] = args[0][args[1]]
-                    elif node in need and any(map(rules.is_taylor, pytree.tree_leaves((args, kwargs), is_leaf=rules.is_taylor))):
-                        env[node] = _run(node, args, kwargs, made_by)
-                    else:
-                        env[node] = node.target(*rules.value_of(list(args)), **{k: rules.value_of(v) for k, v in kwargs.items()})
-                _name_terms(namer, env[node], node.name, meta.INTERMEDIATE.on(node))
-        results = [env[o] if isinstance(o, fx.Node) else o for o in out_nodes]
+    def __init__(self, cap, x_indices, seed, outputs_of, made_by):
+        super().__init__(cap.gm)
+        self.x_indices, self.seed, self.outputs_of, self.made_by = x_indices, seed, outputs_of, made_by
+        self.xs = [self.placeholders[i] for i in x_indices]
+        self.need = _needed(cap.gm, self.xs)
+        self.namer = Namer()
+
+    def template(self, *flat):
+        inputs, more = flat[: len(self.placeholders)], flat[len(self.placeholders) :]
+        self.env = dict(zip(self.placeholders, inputs))
+        with self.namer.owner(self.xs[0].name):
+            seeded = self.seed([inputs[i] for i in self.x_indices], *more)
+        for x, value in zip(self.xs, seeded):
+            self.env[x] = value
+            _name_terms(self.namer, value, x.name, False)
+        self.run_nodes()
+        results = [self.env[o] if isinstance(o, fx.Node) else o for o in self.out_nodes]
         terms = []
         for i, r in enumerate(results):
-            terms += outputs_of(r, i)
+            terms += self.outputs_of(r, i)
         return (*[rules.value_of(r) for r in results], *terms)
 
-    mode = example_mode([p.meta["val"] for p in placeholders])
-    examples = [fake_example(p.meta["val"], mode, keep_strides=True) for p in placeholders]
-    more = [fake_example(v, mode) for v in extras]
-    gm = trace_flat(template, [*examples, *more], record_stack_traces=False, pre_dispatch=False)
-    names = [p.name for p in placeholders] + list(extra_names)
+    def call_function(self, node) -> None:  # (node.target: an op, not a method name)
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.env.__getitem__)
+        if node.target is torch._C._set_grad_enabled:
+            return
+        with self.namer.owner(node.name):
+            if node.target is operator.getitem:
+                self.env[node] = args[0][args[1]]
+            elif node in self.need and any(map(rules.is_taylor, pytree.tree_leaves((args, kwargs), is_leaf=rules.is_taylor))):
+                self.env[node] = _run(node, args, kwargs, self.made_by)
+            else:
+                self.env[node] = node.target(*rules.value_of(list(args)), **{k: rules.value_of(v) for k, v in kwargs.items()})
+        _name_terms(self.namer, self.env[node], node.name, meta.INTERMEDIATE.on(node))
+
+
+def _trace(cap, x_indices, seed, extras, extra_names, outputs_of, made_by):
+    """The flat graph ``(captured inputs..., extras...) -> (outputs..., their terms...)``, traced
+    from ``_Walk``'s template (see there for ``seed`` and ``outputs_of``)."""
+    walk = _Walk(cap, x_indices, seed, outputs_of, made_by)
+    gm = walk.trace(extras)
+    names = [p.name for p in walk.placeholders] + list(extra_names)
     for node, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], names):
         node._rename(name)
     copy_constants(cap.gm, gm)
-    namer.apply(gm.graph)
+    walk.namer.apply(gm.graph)
     out_of_place_views(gm)  # the batched ops' in-place squeeze_ (traced below torch.func)
     functionalize(gm)
     _fold_identity_products(gm)
@@ -360,11 +364,14 @@ def _check_sigma(sigma, x, made_by):
         raise ValueError(f"{made_by}: sigma has dtype {sigma.dtype}, the input {x.dtype}: pass sigma.to({x.dtype})")
 
 
-@uses_pipeline(
+LAPLACIAN = Transform(
     "fxtools.laplacian",
     requires="front: a prepared graph; ops the directions reach have Taylor rules or decompositions",
     ensures="gm(*args[, sigma]) -> (out, laplacian), laplacian nested as out",
 )
+
+
+@uses_pipeline(LAPLACIAN)
 def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="rademacher") -> fx.GraphModule:
     """The Laplacian of ``f`` with respect to ``args[argnums]``, by collapsed Taylor mode, as code.
 
@@ -384,7 +391,7 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
     ``sigma`` too, the directions are ``sigma @ v_s`` (``v_s`` of size ``R``): the weighted
     operator's estimate.
     """
-    made_by = "fxtools.laplacian"
+    made_by = LAPLACIAN
     if not isinstance(args, tuple):
         args = tuple(args)
     _check_samples(samples, distribution, made_by)
@@ -427,7 +434,7 @@ def _laplacian_of(cap, x_indices, args, sigma, samples, distribution, by_rows, m
 
     extra_args = [("sigma", sigma)] if sigma is not None else []
     roles = {len(args): lambda path: "the factor sigma of the weights C = sigma @ sigma.T"} if sigma is not None else None
-    gm = back(flat, cap, build, made_by=made_by, args=args, extra_args=extra_args, roles=roles, collapse_views=True)
+    gm = back(flat, cap, build, made_by, Inputs(args, extra=extra_args, roles=roles), collapse_views=True)
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec))
     return gm
 
@@ -444,8 +451,8 @@ def _per_row_laplacian(f, args, argnums, cap, made_by):
         return None
 
     @functools.wraps(f)
-    def row(*a):
-        a = list(a)
+    def row(*given):
+        a = list(given)
         a[argnums] = a[argnums].unsqueeze(0)
         return pytree.tree_map(lambda o: o.squeeze(0) if isinstance(o, torch.Tensor) else o, f(*a))
 
@@ -459,8 +466,9 @@ def _per_row_laplacian(f, args, argnums, cap, made_by):
         return None
     for node in next(n for n in row_cap.gm.graph.nodes if n.op == "output").args[0]:
         if isinstance(node, fx.Node) and node.target is aten.squeeze.dim:  # the row's value keeps its name
-            name = node.args[0].name
-            node.args[0]._rename(f"{name}_row")
+            value = cast(fx.Node, node.args[0])
+            name = value.name
+            value._rename(f"{name}_row")
             node._rename(name)
     per_point = _laplacian_of(row_cap, row_x, row_args, None, None, "rademacher", False, made_by)
     namer = NodeNamer(vmappable(per_point), per_point.guards)  # as fxtools.vmap, its errors naming laplacian
@@ -525,11 +533,14 @@ def _check_samples(samples, distribution, made_by):
         raise ValueError(f"{made_by}: distribution must be one of {_DISTRIBUTIONS}, got {distribution!r}")
 
 
-@uses_pipeline(
+DIVERGENCE = Transform(
     "fxtools.divergence",
     requires="front: a prepared graph returning one tensor of the input's size; ops have Taylor rules or decompositions",
     ensures="gm(*args) -> (out, divergence), the divergence a 0-d tensor",
 )
+
+
+@uses_pipeline(DIVERGENCE)
 def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> fx.GraphModule:
     """The divergence ``sum_i d out_i / d x_i`` of a vector field ``out = f(*args)`` with respect to
     ``x = args[argnums]`` (``out`` has as many elements as ``x``), as code: ``out, div = gm(*args)``.
@@ -539,7 +550,7 @@ def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> 
     and score matching need it. ``samples=S``: Hutchinson's estimate ``mean_s v_s^T J v_s`` with ``S``
     random directions drawn at each call (``distribution`` ``"rademacher"`` or ``"normal"``).
     """
-    made_by = "fxtools.divergence"
+    made_by = DIVERGENCE
     args = tuple(args)
     _check_samples(samples, distribution, made_by)
     cap, x_indices = _prepare(f, args, argnums, made_by)
@@ -573,16 +584,19 @@ def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> 
     def build(flat_results):
         return pytree.tree_unflatten(flat_results[:1], cap.out_spec), flat_results[1]
 
-    gm = back(flat, cap, build, made_by=made_by, args=args, collapse_views=True)
+    gm = back(flat, cap, build, made_by, Inputs(args), collapse_views=True)
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(outs), cap.out_spec))
     return gm
 
 
-@uses_pipeline(
+BILAPLACIAN = Transform(
     "fxtools.bilaplacian",
     requires="front: a prepared fxtools.laplacian module; its ops have Taylor rules",
     ensures="gm(*args) -> (out, bilaplacian), bilaplacian nested as out",
 )
+
+
+@uses_pipeline(BILAPLACIAN)
 def bilaplacian(f, *args, argnums=0, samples=None, distribution="rademacher") -> fx.GraphModule:
     """The bi-Laplacian ``sum_ij d^4 out / dx_i^2 dx_j^2`` of ``f`` with respect to ``args[argnums]``,
     as code: ``out, bilap = gm(*args)``.
@@ -594,7 +608,7 @@ def bilaplacian(f, *args, argnums=0, samples=None, distribution="rademacher") ->
     (``distribution`` as ``fxtools.laplacian``'s): unbiased, as the outer estimate is unbiased for
     the Laplacian of each inner estimate, and the inner one for the Laplacian.
     """
-    made_by = "fxtools.bilaplacian"
+    made_by = BILAPLACIAN
     args = tuple(args)
     _check_samples(samples, distribution, made_by)
     inner = laplacian(f, *args, argnums=argnums, samples=samples, distribution=distribution)
@@ -622,7 +636,7 @@ def bilaplacian(f, *args, argnums=0, samples=None, distribution="rademacher") ->
         bilap = [next(it) if fl else None for fl in floats]
         return pytree.tree_unflatten(flat_results[:n_out], out_spec), pytree.tree_unflatten(bilap, out_spec)
 
-    gm = back(flat, cap, build, made_by=made_by, args=args, collapse_views=True)
+    gm = back(flat, cap, build, made_by, Inputs(args), collapse_views=True)
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves[:n_out]), out_spec))
     return gm
 
@@ -659,11 +673,14 @@ def _draw(shape, x, distribution):
     return (2 * bits - 1).to(x.dtype)
 
 
-@uses_pipeline(
+JET = Transform(
     "fxtools.jet",
     requires="front: a prepared graph; ops the series reaches have Taylor rules or decompositions",
     ensures="gm(*args, series) -> (out, out_series), out_series nested as out",
 )
+
+
+@uses_pipeline(JET)
 def jet(f, *args, order, argnums=0, directions=None) -> fx.GraphModule:
     """Taylor mode along a curve: the derivatives of ``f(x(t))`` at ``t = 0``, as code.
 
@@ -685,7 +702,7 @@ def jet(f, *args, order, argnums=0, directions=None) -> fx.GraphModule:
     enters every rule linearly, so its sum is propagated instead of ``R`` of them: with
     ``order=2``, the basis as the first terms and a zero second term this is the forward Laplacian.
     """
-    made_by = "fxtools.jet"
+    made_by = JET
     if not isinstance(args, tuple):
         args = tuple(args)
     if not isinstance(order, int) or isinstance(order, bool) or order < 0:
@@ -728,8 +745,6 @@ def jet(f, *args, order, argnums=0, directions=None) -> fx.GraphModule:
     names = cap.arg_names
     moved = ", ".join(names[n] for n in nums)
     role = {len(args): lambda path: f"the series (the curve's {order} derivatives) of {moved}"}
-    gm = back(
-        flat, cap, build, made_by=made_by, args=args, extra_args=[("series", series_example)], roles=role, collapse_views=True
-    )
+    gm = back(flat, cap, build, made_by, Inputs(args, extra=[("series", series_example)], roles=role), collapse_views=True)
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec))
     return gm

@@ -18,7 +18,7 @@ from ..graph import meta
 from ..graph.nodes import ancestors, is_float
 from ..signature.guards import OptionalTensor, cotangent_role
 from ..signature.naming import arg_names
-from .pipeline import back, describe_leaf, differentiated, front, uses_pipeline
+from .pipeline import Inputs, Transform, back, describe_leaf, differentiated, front, uses_pipeline
 from .reverse import ReverseSpec, reverse, single_cotangent_name
 
 
@@ -33,7 +33,7 @@ def argnums_tuple(argnums, nargs):
     return tuple(a % nargs for a in nums)
 
 
-def prepare(f, args, argnums, dynamic_shapes=None, has_aux=False, made_by="fxtools"):
+def prepare(f, args, argnums, dynamic_shapes=None, has_aux=False, *, made_by: Transform):
     """The shared front (``pipeline.front``) and which tensor leaves ``argnums`` differentiates."""
     cap = front(f, args, made_by=made_by, argnums=argnums, dynamic_shapes=dynamic_shapes, has_aux=has_aux)
     return cap, differentiated(cap, argnums)
@@ -86,18 +86,23 @@ def _finish(cap, flat_gm, args, build, made_by, extra_args=(), guard_extra=None)
     """The shared back, the forward and backward parts of ``flat_gm`` marked first (for ``fxtools.draw``)."""
     mark_parts(flat_gm, len(cap.out_leaves))
     roles = {len(args) + i: cotangent_role() for i, _ in enumerate(extra_args)}
-    return back(flat_gm, cap, build, made_by=made_by, args=args, extra_args=extra_args, guard_extra=guard_extra, roles=roles)
+    return back(flat_gm, cap, build, made_by, Inputs(args, extra=extra_args, guard_extra=guard_extra, roles=roles))
 
 
 def _output_structure(cap, out_flat):
     return pytree.tree_unflatten(out_flat, cap.out_spec)
 
 
-@uses_pipeline(
+VJP = Transform(
     "fxtools.vjp",
     requires="front: a prepared graph; every op reached from a differentiated leaf has a VJP rule",
     ensures="gm(*args, grad_out) -> (out, grads), grads nested as the differentiated arguments",
+    returns="out, grads",
+    extra=("grad_out",),
 )
+
+
+@uses_pipeline(VJP)
 def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The vector-Jacobian product of ``f`` at example ``args``, as readable PyTorch code.
 
@@ -116,7 +121,7 @@ def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     keeps the marked sizes symbolic: the module then serves every size in their range.
     """
     nums = tuple(range(len(args))) if argnums is None else argnums_tuple(argnums, len(args))
-    cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by="fxtools.vjp")
+    cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by=VJP)
     rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
     flat_gm, ct_index = rev.gm, rev.ct_index
     n_out = len(cap.out_leaves)
@@ -137,13 +142,13 @@ def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     accepts = split.main([o if i in ct_index else OptionalTensor(o) if is_float(o) else None for i, o in enumerate(main_leaves)])
     outs = list(cap.gm.graph.output_node().args[0])[: split.n_main]
     ct_name = single_cotangent_name(outs[0]) if len(outs) == 1 else "grad_out"
-    gm = _finish(cap, flat_gm, args, build, "fxtools.vjp", extra_args=[(ct_name, ct_example)], guard_extra=[accepts])
+    gm = _finish(cap, flat_gm, args, build, VJP, extra_args=[(ct_name, ct_example)], guard_extra=[accepts])
     meta.OUT_EXAMPLE.set(gm, split.main(cap.out_leaves))
     return gm
 
 
 def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None, has_aux=False):
-    made_by = "fxtools.value_and_grad" if with_value else "fxtools.grad"
+    made_by = VALUE_AND_GRAD if with_value else GRAD
     nums = argnums_tuple(argnums, len(args))
     cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by=made_by)
     split = AuxSplit(cap.out_spec, has_aux)
@@ -172,12 +177,16 @@ def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None, has_aux=False):
     return _finish(cap, flat_gm, args, build, made_by)
 
 
-@uses_pipeline(
+GRAD = Transform(
     "fxtools.grad",
     requires="front: a prepared graph returning one floating-point element (and aux)",
     ensures="gm(*args) -> grads (and aux), nested as the differentiated arguments",
     loss=True,
+    returns="grads",
 )
+
+
+@uses_pipeline(GRAD)
 def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The gradient of scalar-valued ``f`` at example ``args``: ``gm(*args) -> grads``.
 
@@ -191,12 +200,16 @@ def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None) -> fx.GraphMod
     return _grad_gm(f, args, argnums, with_value=False, dynamic_shapes=dynamic_shapes, has_aux=has_aux)
 
 
-@uses_pipeline(
+VALUE_AND_GRAD = Transform(
     "fxtools.value_and_grad",
     requires="as fxtools.grad",
     ensures="gm(*args) -> (value, grads), or ((value, aux), grads)",
     loss=True,
+    returns="value, grads",
 )
+
+
+@uses_pipeline(VALUE_AND_GRAD)
 def value_and_grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """Like ``grad``, but ``gm(*args) -> (value, grads)``; with ``has_aux=True``,
     ``gm(*args) -> ((value, aux), grads)``, as ``jax.value_and_grad`` (``torch.func.grad_and_value``
