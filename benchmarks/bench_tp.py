@@ -3,7 +3,7 @@ torch.compile: step time and bytes the tensor-parallel collectives move.
 
 Run on 4 processes (a (2, 2) mesh; gloo on CPU, nccl on CUDA):
 
-    torchrun --nproc_per_node 4 benchmarks/bench_tp.py [--steps 10] [--width 256] [--blocks 4]
+    torchrun --nproc_per_node 4 benchmarks/bench_tp.py [--steps 10] [--width 256] [--blocks 4] [--code]
 
 The model is ``--blocks`` residual blocks (LayerNorm, ``ColwiseParallel`` up-projection to 4x the
 width, ``RowwiseParallel`` down-projection) over "tp", each block and the root ``fully_shard`` over
@@ -97,6 +97,7 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--code", action="store_true", help="print fxtools.compile's backward graph (rank 0)")
     args = parser.parse_args()
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -134,6 +135,8 @@ def main():
             runs[v][2].append(time.perf_counter() - start)
     if dist.get_rank() == 0:
         report(variants, runs, moved, args, device)
+        if args.code:
+            print(runs["fxtools.compile"][0].split.backward.code)
     dist.destroy_process_group()
 
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# the examples' programs and models are imported by the tests that check them (one definition each)
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # Graphviz is optional for users (the scripts never install it system-wide); CI installs it, so
@@ -24,18 +26,52 @@ XDIST_GROUPS = {
     # cases_for_rule's table of which OpInfo sample calls which op: ~40 s of CPU per worker
     "tests/test_rules.py::": "opinfo_cases",
     "tests/test_rules_fused.py::test_fused_rule_matches_autograd": "opinfo_cases",
+    # multi-process launches: each file launches its process group once (a cached result its tests
+    # read), so a file's tests must share a worker; one worker also keeps the launches from overlapping
+    "tests/test_distributed.py::": "processes",
+    "tests/test_tensor_parallel.py::": "processes",
+    # the fuzzers' static vjp modules, built once (test_fuzz.static_vjp)
+    "tests/test_fuzz.py::test_fuzz[vjp-": "fuzz_vjp",
+    "tests/test_fuzz_sizes.py::": "fuzz_vjp",
     # Inductor compiles: kernels shared through Inductor's cache, and long units scheduled first
     "tests/test_zoo.py::": "zoo",
     "tests/test_compilers.py::test_inductor_trains_gpt_like_eager": "inductor",
     "tests/test_taylor.py::test_compile_pinn_loss[inductor]": "inductor",
     "tests/test_nonfinite.py::test_check_finite_raises_at_the_right_step_and_matches_unchecked[inductor]": "inductor",
+    "tests/test_jvp_in_loss.py::test_inductor_meanflow_step": "inductor",
+    "tests/test_taylor_operators.py::test_inductor_compiles_a_loss_on_the_divergence_and_bilaplacian": "inductor",
 }
+
+# Seconds a test takes on one of CI's two workers, where far from the typical half second
+# (measured: pytest --durations of a fresh-clone run). Only the order of the work depends on
+# them: the longest units go first so that neither worker is left with a long test at the end.
+SECONDS = {
+    "tests/test_distributed.py::": 45,
+    "tests/test_tensor_parallel.py::": 30,
+    "tests/test_budget.py::test_byte_budget_peak_falls_with_the_budget[gpt]": 55,
+    "tests/test_budget.py::test_sweep_is_monotone": 25,
+    "tests/test_fuzz_sizes.py::": 35,
+    "tests/test_fuzz.py::test_fuzz[hvp": 16,
+    "tests/test_fuzz.py::": 5,
+    "tests/test_fuzz_refusals.py::": 8,
+    "tests/test_zoo.py::test_trains_like_eager_with_inductor": 20,
+    "tests/test_hf_zoo.py::": 5,
+    "tests/test_rules.py::test_rule_matches_autograd[aten._adaptive_avg_pool2d]": 34,
+    "tests/test_jvp_in_loss.py::test_inductor_meanflow_step": 40,
+    "tests/test_taylor_operators.py::test_inductor": 18,
+    "tests/test_compilers.py::test_inductor_trains_gpt_like_eager": 15,
+}
+
+
+def _seconds(nodeid: str) -> float:
+    return next((t for prefix, t in SECONDS.items() if nodeid.startswith(prefix)), 0.5)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadgroup`` with the groups above: each group is one unit of work, the largest
-    first; every other test is its own unit, given to whichever worker is free."""
+    """``--dist loadgroup`` with the groups above: each group is one unit of work; every other
+    test is its own unit; a free worker takes the longest unit left (``SECONDS``, else half a
+    second a test)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling
@@ -44,6 +80,14 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid):
             group = next((g for prefix, g in XDIST_GROUPS.items() if nodeid.startswith(prefix)), None)
             return group or super()._split_scope(nodeid)
+
+        def _assign_work_unit(self, node):
+            if not getattr(self, "_longest_first", False):  # once, before the first unit is handed out
+                self._longest_first = True
+                units = sorted(self.workqueue.items(), key=lambda unit: -sum(map(_seconds, unit[1])))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
 
     return Groups(config, log)
 

@@ -389,29 +389,3 @@ def test_torch_compile_of_a_generated_module_keeps_its_closure_checks():
 
 
 COMPILED: dict = {}
-
-
-@pytest.mark.parametrize("requires_grad", [True, False])
-def test_compile_of_a_function_reading_a_tensor_that_requires_grad(requires_grad):
-    """Eager autograd fills ``.grad`` of a closed-over leaf; fxtools.compile differentiates the
-    arguments only, so it refuses such a program at build rather than leave the gradient out."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(5, 1).double().requires_grad_(requires_grad)
-
-    def loss_fn(x):
-        return model(x).pow(2).mean()
-
-    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    if requires_grad:
-        with pytest.raises(fxtools.FxtoolsError, match=r"reads model\.weight, a tensor that requires grad.*return model\(x\)"):
-            fxtools.compile(loss_fn, x)
-        fxtools.compile(model, x)(x).pow(2).mean().backward()  # the module itself trains
-        assert model.weight.grad is not None
-        return
-    compiled = fxtools.compile(loss_fn, x)
-    compiled(x).backward()
-    expected = torch.autograd.grad(loss_fn(x), x)[0]
-    torch.testing.assert_close(x.grad, expected, rtol=1e-12, atol=1e-12)
-    with torch.no_grad():  # evaluation: nothing to differentiate, nothing refused
-        model.weight.requires_grad_(True)
-        torch.testing.assert_close(fxtools.compile(loss_fn, x)(x), loss_fn(x))

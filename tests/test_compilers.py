@@ -347,3 +347,32 @@ def test_vector_matrix_product_under_inductor_decompositions(x_shape):
     expected = torch.autograd.grad(torch.tanh(x @ model.w).sum(), model.w)[0]
     torch.testing.assert_close(model.w.grad, expected, rtol=1e-12, atol=1e-12)
     assert graphs
+
+
+def test_inductor_reuses_saved_memory_only_when_nothing_else_holds_it():
+    """Inductor's backward may write over the saved values it owns (AOTAutograd's donated
+    buffers, ``AtenSplit.donated``): the log-probabilities become the loss's gradient in place.
+    A value something else still holds is passed as a copy: a retained graph's second backward
+    and a saved-tensor hook's reference see the values the forward saved (float64, exact)."""
+    model, inputs = examples.mlp("gelu", batch=32, n_out=64, dtype=torch.float64)
+    compiled = fxtools.compile(model, *inputs, compiler="inductor")
+    runner = compiled._runners.entries[0][2]
+    assert runner.donated and runner.donated == runner.aten.donated()
+    want = torch.autograd.grad(model(*inputs), list(model.parameters()))
+    kept: list = []
+
+    def pack(t):
+        kept.append((t, t.clone()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = compiled(*inputs)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert kept and all(torch.equal(t, copy_) for t, copy_ in kept)
+    for p, w in zip(model.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, 2 * w, **TOL64)
+    model.zero_grad()
+    compiled(*inputs).backward()
+    for p, w in zip(model.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, w, **TOL64)

@@ -37,6 +37,17 @@ def program(i):
     return _programs[i]
 
 
+_static_vjps = {}
+
+
+def static_vjp(p):
+    """``fxtools.vjp`` of program ``p`` at its example, built once per process: the vjp axis calls
+    it at the example, ``test_fuzz_sizes`` at other sizes (tests/conftest.py puts both on one worker)."""
+    if p.index not in _static_vjps:
+        _static_vjps[p.index] = fxtools.vjp(p.fn, *p.args)
+    return _static_vjps[p.index]
+
+
 def close(got, want, what):
     got_l, want_l = pytree.tree_leaves(got), pytree.tree_leaves(want)
     assert len(got_l) == len(want_l), f"{what}: {len(got_l)} leaves, expected {len(want_l)}"
@@ -88,7 +99,7 @@ def check_vjp(p, gen):
     args = p.args
     out = p.fn(*args)
     ct = randn_like_floats(out, gen)
-    got_out, grads = fxtools.vjp(p.fn, *args)(*args, ct)
+    got_out, grads = static_vjp(p)(*args, ct)
     close(got_out, out, "out")
     floats = [args[k] for k in p.float_args]
     _, pullback = torch.func.vjp(lambda *fl: float_leaves(of_floats(p)(*fl)), *floats)

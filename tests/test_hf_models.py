@@ -61,6 +61,17 @@ def hf_loss(f, params, *inputs, keys):
 # --------------------------------------------------------------------------------------------
 
 
+class _Later:
+    """``later.Name(...)`` calls ``transformers.Name(...)``, looked up then: collecting the tests
+    imports no model's module (transformers imports each on first use, a second or more each)."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: getattr(transformers, name)(*args, **kwargs)
+
+
+later = _Later()
+
+
 def _causal_lm(model_cls, config_cls, **config):
     def build(attention, dtype):
         model = model_cls(config_cls(vocab_size=VOCAB, attn_implementation=attention, **config))
@@ -84,8 +95,8 @@ _DECODER = dict(
 )
 
 gpt2 = _causal_lm(
-    transformers.GPT2LMHeadModel,
-    transformers.GPT2Config,
+    later.GPT2LMHeadModel,
+    later.GPT2Config,
     n_positions=32,
     n_embd=32,
     n_layer=2,
@@ -94,12 +105,12 @@ gpt2 = _causal_lm(
     embd_pdrop=0.0,
     attn_pdrop=0.0,
 )
-llama = _causal_lm(transformers.LlamaForCausalLM, transformers.LlamaConfig, **_DECODER)
-mistral = _causal_lm(transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=4, **_DECODER)
-qwen2 = _causal_lm(transformers.Qwen2ForCausalLM, transformers.Qwen2Config, **_DECODER)
+llama = _causal_lm(later.LlamaForCausalLM, later.LlamaConfig, **_DECODER)
+mistral = _causal_lm(later.MistralForCausalLM, later.MistralConfig, sliding_window=4, **_DECODER)
+qwen2 = _causal_lm(later.Qwen2ForCausalLM, later.Qwen2Config, **_DECODER)
 opt = _causal_lm(
-    transformers.OPTForCausalLM,
-    transformers.OPTConfig,
+    later.OPTForCausalLM,
+    later.OPTConfig,
     hidden_size=32,
     ffn_dim=64,
     num_hidden_layers=2,
@@ -128,16 +139,16 @@ def _moe(model_cls, config_cls, **config):
     return build
 
 
-mixtral = _moe(transformers.MixtralForCausalLM, transformers.MixtralConfig, num_local_experts=4, **_DECODER)
+mixtral = _moe(later.MixtralForCausalLM, later.MixtralConfig, num_local_experts=4, **_DECODER)
 qwen2_moe = _moe(
-    transformers.Qwen2MoeForCausalLM,
-    transformers.Qwen2MoeConfig,
+    later.Qwen2MoeForCausalLM,
+    later.Qwen2MoeConfig,
     num_experts=4,
     moe_intermediate_size=32,
     shared_expert_intermediate_size=32,
     **_DECODER,
 )
-stablelm = _causal_lm(transformers.StableLmForCausalLM, transformers.StableLmConfig, **_DECODER)
+stablelm = _causal_lm(later.StableLmForCausalLM, later.StableLmConfig, **_DECODER)
 
 _BERT = dict(
     vocab_size=VOCAB,
@@ -181,8 +192,8 @@ def _seq2seq(model_cls, config_cls, **config):
 
 
 bart = _seq2seq(
-    transformers.BartForConditionalGeneration,
-    transformers.BartConfig,
+    later.BartForConditionalGeneration,
+    later.BartConfig,
     d_model=32,
     encoder_layers=1,
     decoder_layers=1,
@@ -196,8 +207,8 @@ bart = _seq2seq(
     activation_dropout=0.0,
 )
 t5 = _seq2seq(
-    transformers.T5ForConditionalGeneration,
-    transformers.T5Config,
+    later.T5ForConditionalGeneration,
+    later.T5Config,
     d_model=32,
     d_kv=8,
     d_ff=64,

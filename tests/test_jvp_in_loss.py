@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import random
 
+import meanflow
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -224,24 +225,11 @@ def test_meanflow_adamw_steps_fxtools_compile_equal_eager(detach):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
 
 
-class PlainMeanFlowLoss(nn.Module):
-    """The issue's loss, as written there."""
-
-    def __init__(self, net):
-        super().__init__()
-        self.net = net
-
-    def forward(self, z, r, t, v):
-        u, dudt = torch.func.jvp(self.net, (z, r, t), (v, torch.zeros_like(r), torch.ones_like(t)))
-        target = (v - (t - r)[:, None, None] * dudt).detach()
-        return (u - target).pow(2).mean()
-
-
 def test_meanflow_code_reads_like_the_rest():
     """The user's names, the primal computed once, no zeros for the tangent of ``r``."""
     torch.manual_seed(0)
     net = DiT(d=8, attention="plain").double()
-    loss_module = PlainMeanFlowLoss(net)
+    loss_module = meanflow.MeanFlowLoss(net)  # the issue's loss, as examples/meanflow.py writes it
     loss = fxtools.functional(loss_module)
     params = {k: p.detach() for k, p in loss_module.named_parameters()}
     args = batch(0)
@@ -427,7 +415,7 @@ def test_backend_of_the_meanflow_loss_under_the_math_kernel():
     kernel with a forward-mode formula (MATH); the graph it hands over gets fxtools' own."""
     torch.manual_seed(0)
     net = DiT(d=8, attention="causal").double()
-    eager, compiled = PlainMeanFlowLoss(net), PlainMeanFlowLoss(copy.deepcopy(net))
+    eager, compiled = meanflow.MeanFlowLoss(net), meanflow.MeanFlowLoss(copy.deepcopy(net))
     args = batch(5)
     torch._dynamo.reset()
     step = torch.compile(compiled, backend=fxtools.backend())

@@ -6,6 +6,7 @@ inputs, and the report must name the phase, the value and the user's statement; 
 import copy
 import inspect
 
+import nan_causes as causes  # examples/: the programs docs/nonfinite.md shows
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from fxtools.cli.main import main
 
 
 def _line(fn, text):
-    """The line number in this file of the statement ``text`` inside ``fn``."""
+    """The line number in ``fn``'s file of the statement ``text`` inside ``fn``."""
     lines, start = inspect.getsourcelines(fn)
     return start + next(i for i, line in enumerate(lines) if text in line)
 
@@ -26,39 +27,14 @@ def _line(fn, text):
 # --------------------------------------------------------------------------------------------
 
 
-def log_at_zero(x):
-    y = torch.log(x)
-    return y.sum()
-
-
-def sqrt_negative(x):
+def sqrt_of_x(x):
     r = torch.sqrt(x)
-    return r.sum()
-
-
-def sqrt_at_zero(x):
-    r = torch.sqrt(x)
-    return r.sum()
-
-
-def pow_at_zero(x):
-    r = x**0.5
     return r.sum()
 
 
 def pow_negative_exponent(x):
     r = x**-1.0
     return r.sum()
-
-
-def zero_over_zero(a, b):
-    q = a / b
-    return q.sum()
-
-
-def normalize(x):
-    u = x / x.norm()
-    return (u * u).sum()
 
 
 def norm_written_out(x):
@@ -71,30 +47,9 @@ def norm_at_zero(x):
     return n
 
 
-def softmax_masked(s, keep):
-    s = s.masked_fill(~keep, float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    return p[:, 0].sum()
-
-
-def exp_overflow(x):
-    e = torch.exp(x)
-    return e.sum()
-
-
-def acos_outside(x):
-    a = torch.acos(x)
-    return a.sum()
-
-
 def asin_at_one(x):
     a = torch.asin(x)
     return a.sum()
-
-
-def where_log(x):
-    y = torch.where(x > 0, torch.log(x), 0.0)
-    return y.sum()
 
 
 def where_sqrt(x):
@@ -108,22 +63,23 @@ KEEP = torch.tensor([[True, False, True], [False, False, False]])
 
 # (program, args, phase, name, the user's statement, a word of the hint)
 CASES = [
-    (log_at_zero, (ONE_ZERO,), "forward", "y", "y = torch.log(x)", "log at 0"),
-    (log_at_zero, (-ONE_ZERO,), "forward", "y", "y = torch.log(x)", "log at 0"),
-    (sqrt_negative, (-ONE_ZERO - 1,), "forward", "r", "r = torch.sqrt(x)", "sqrt of a negative"),
-    (sqrt_at_zero, (ONE_ZERO,), "backward", None, "r = torch.sqrt(x)", "derivative of sqrt at 0"),
-    (pow_at_zero, (ONE_ZERO,), "backward", None, "r = x**0.5", "x ** p at x = 0"),
+    (causes.log_at_zero, (ONE_ZERO,), "forward", "logp", "logp = torch.log(p)", "log at 0"),
+    (causes.log_at_zero, (-ONE_ZERO,), "forward", "logp", "logp = torch.log(p)", "log at 0"),
+    (sqrt_of_x, (-ONE_ZERO - 1,), "forward", "r", "r = torch.sqrt(x)", "sqrt of a negative"),
+    (sqrt_of_x, (ONE_ZERO,), "backward", None, "r = torch.sqrt(x)", "derivative of sqrt at 0"),
+    (causes.sqrt_at_zero, (ONE_ZERO,), "backward", None, "r = torch.sqrt(x * x)", "derivative of sqrt at 0"),
+    (causes.pow_at_zero, (ONE_ZERO,), "backward", None, "r = x**0.5", "x ** p at x = 0"),
     (pow_negative_exponent, (ONE_ZERO,), "forward", "r", "r = x**-1.0", "pow at 0"),
-    (zero_over_zero, (Z, Z), "forward", "q", "q = a / b", "0/0"),
-    (zero_over_zero, (ONE_ZERO + 1, ONE_ZERO), "forward", "q", "q = a / b", "division by 0"),
-    (normalize, (Z,), "forward", "u", "u = x / x.norm()", "x / x.norm() at x = 0"),
+    (causes.zero_over_zero, (Z, Z), "forward", "q", "q = a / b", "0/0"),
+    (causes.zero_over_zero, (ONE_ZERO + 1, ONE_ZERO), "forward", "q", "q = a / b", "division by 0"),
+    (causes.normalize, (Z,), "forward", "u", "u = x / x.norm()", "x / x.norm() at x = 0"),
     (norm_written_out, (Z,), "backward", None, "n = torch.sqrt((x * x).sum())", "derivative of sqrt at 0"),
-    (softmax_masked, (torch.randn(2, 3), KEEP), "forward", "p", "p = torch.softmax(s, dim=-1)", "all -inf"),
-    (exp_overflow, (torch.tensor([1.0, 100.0]),), "forward", "e", "e = torch.exp(x)", "exp overflows float32"),
-    (acos_outside, (torch.tensor([0.5, 1.5]),), "forward", "a", "a = torch.acos(x)", "outside [-1, 1]"),
-    (acos_outside, (torch.tensor([0.5, 1.0]),), "backward", None, "a = torch.acos(x)", "acos/asin at +-1"),
+    (causes.softmax_all_masked, (torch.randn(2, 3), KEEP), "forward", "p", "p = torch.softmax(scores, dim=-1)", "all -inf"),
+    (causes.exp_overflow, (torch.tensor([1.0, 100.0]),), "forward", "e", "e = torch.exp(x)", "exp overflows float32"),
+    (causes.acos_at_one, (torch.tensor([0.5, 1.5]),), "forward", "angle", "angle = torch.acos(x)", "outside [-1, 1]"),
+    (causes.acos_at_one, (torch.tensor([0.5, 1.0]),), "backward", None, "angle = torch.acos(x)", "acos/asin at +-1"),
     (asin_at_one, (torch.tensor([-1.0, 0.2]),), "backward", None, "a = torch.asin(x)", "acos/asin at +-1"),
-    (where_log, (ONE_ZERO,), "forward", None, "torch.where(x > 0, torch.log(x), 0.0)", "torch.where"),
+    (causes.where_unselected, (ONE_ZERO,), "forward", None, "torch.where(x > 0, torch.log(x), 0.0)", "torch.where"),
     (where_sqrt, (ONE_ZERO,), "backward", None, "torch.where(x > 0, torch.sqrt(x), 0.0)", "torch.where"),
 ]
 
@@ -138,7 +94,7 @@ def test_each_classic_cause_is_named_by_phase_value_and_line(fn, args, phase, na
     else:  # a backward value (or a rule's step) is named after the value it is the gradient of, or its step
         assert report.name.isidentifier()
     assert statement in report.line
-    assert report.filename == __file__ and report.lineno == _line(fn, statement)
+    assert report.filename == fn.__code__.co_filename and report.lineno == _line(fn, statement)
     text = str(report)
     assert report.statement and report.statement.startswith(f"{report.name} = ") and report.statement in text
     assert statement in text and hint in text and "NaNs" in text

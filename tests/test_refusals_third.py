@@ -279,13 +279,56 @@ def test_user_names_from_fxtools_vocabulary_keep_their_names():
 # --- how transforms are called ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["vjp", "jvp", "hvp", "laplacian", "jacrev", "vmap"])
-def test_keyword_arguments_of_f_get_an_answer(name):
-    x = _x(3)
-    with pytest.raises(fxtools.FxtoolsError, match=r"keyword argument 'scale'.*functools\.partial\(f, scale=\.\.\.\)"):
-        getattr(fxtools, name)(lambda x, scale=1.0: (x * scale).sin().sum(), x, scale=2.0)
-    gm = fxtools.grad(lambda x, scale=1.0: (x * scale).sin().sum(), x, scale=2.0)  # grad passes them on
-    _close(gm(x, scale=2.0), 2 * (2 * x).cos())
+def scaled(x, scale=1.0, w=None):
+    return (x * scale).sin() * (1.0 if w is None else w)
+
+
+def scaled_sum(x, scale=1.0, w=None):
+    return scaled(x, scale, w).sum()
+
+
+# each transform: how its module is called (after the function's arguments) and the torch.func oracle,
+# on the function with its keywords bound (torch.func's vjp, jvp, jacrev, jacfwd take none at call time)
+KEYWORD_CASES = {
+    "grad": (scaled_sum, lambda x, v: (), lambda g, x, v: torch.func.grad(g)(x)),
+    "vjp": (scaled, lambda x, v: (v,), lambda g, x, v: (g(x), torch.func.vjp(g, x)[1](v))),
+    "jvp": (scaled, lambda x, v: (v,), lambda g, x, v: torch.func.jvp(g, (x,), (v,))),
+    "hvp": (scaled_sum, lambda x, v: (v,), lambda g, x, v: torch.func.jvp(torch.func.grad(g), (x,), (v,))[1]),
+    "jacrev": (scaled, lambda x, v: (), lambda g, x, v: torch.func.jacrev(g)(x)),
+    "jacfwd": (scaled, lambda x, v: (), lambda g, x, v: torch.func.jacfwd(g)(x)),
+    "hessian": (scaled_sum, lambda x, v: (), lambda g, x, v: torch.func.hessian(g)(x)),
+    "laplacian": (scaled_sum, lambda x, v: (), lambda g, x, v: (g(x), torch.func.hessian(g)(x).trace())),
+    "vmap": (scaled, lambda x, v: (), lambda g, x, v: torch.func.vmap(g)(x)),
+}
+
+
+@pytest.mark.parametrize("name", list(KEYWORD_CASES))
+def test_keyword_arguments_of_f_in_every_transform(name):
+    """Keyword arguments are passed on to f, as torch.func.grad passes them: inputs of the module
+    after f's positional ones, neither differentiated nor batched, given by keyword when it is
+    called; a number among them is a constant of the code, guarded, a tensor is read each call."""
+    f, extra, oracle = KEYWORD_CASES[name]
+    x, v, w = _x(3), _x(3, seed=1), _x(3, seed=2)
+    gm = getattr(fxtools, name)(f, x, scale=2.0, w=w)
+    for w_now in (w, w * 3):
+        want = oracle(partial(f, scale=2.0, w=w_now), x, v)
+        _close(gm(x, *extra(x, v), scale=2.0, w=w_now), want)
+        _close(gm(x, 2.0, w_now, *extra(x, v)), want)  # positionally, in the order of gm.code
+    with pytest.raises(fxtools.InputMismatch, match="scale is float 3.0, but the module was made with scale = 2.0"):
+        gm(x, *extra(x, v), scale=3.0, w=w)
+    with pytest.raises(
+        fxtools.InputMismatch, match=r"made with the function's keyword arguments scale=\.\.\., w=\.\.\. and got no w"
+    ):
+        gm(x, *extra(x, v), scale=2.0)
+
+
+def test_keyword_arguments_refused_where_the_module_cannot_take_them():
+    with pytest.raises(FxtoolsError, match=r"fxtools\.split passes no keyword.*functools\.partial\(f, scale=\.\.\.\)"):
+        fxtools.split(scaled_sum, _x(3), scale=2.0)
+    with pytest.raises(
+        FxtoolsError, match="'scal', which is neither one of its options .* nor a parameter of the function scaled"
+    ):
+        fxtools.vjp(scaled, _x(3), scal=2.0)
 
 
 @pytest.mark.parametrize("argnums", [1.0, "0", (), (0, 1.5)])
@@ -422,3 +465,49 @@ def test_deepcopy_of_a_module_inside_vmap():
 
     x = _x(2, 3)
     _close(fxtools.vmap(fresh_copy, x)(x), torch.func.vmap(fresh_copy)(x))
+
+
+def test_vmap_of_a_generated_module_without_examples_says_how():
+    """``fxtools.vmap(gm)(xs)``, the torch.func habit, on a generated module (whose ``__call__``
+    takes ``*args``) gets fxtools' call, not torch.func's "got no inputs"."""
+    x, xs = _x(3), _x(5, 3, seed=1)
+    gm = fxtools.grad(lambda x: x.sin().sum(), x)
+    with pytest.raises(fxtools.FxtoolsError, match=r"fxtools\.vmap\(f\) needs example inputs.*gm = fxtools\.vmap\(f, x\)"):
+        fxtools.vmap(gm)
+    _close(fxtools.vmap(gm, xs)(xs), xs.cos())
+
+
+# --- held-out findings (fourth pass) -----------------------------------------------------------------
+
+
+def detach_inside(x):
+    return ((x.sin().detach() * x) ** 2).sum()
+
+
+def sin_under_no_grad(x):
+    with torch.no_grad():
+        m = x.sin()
+    return (x * m).pow(2).sum()
+
+
+@pytest.mark.parametrize("f", [detach_inside, sin_under_no_grad], ids=lambda f: f.__name__)
+def test_second_derivatives_through_detach_and_no_grad(f):
+    """A detached value is a constant at every order, as in PyTorch (fxtools.hvp differentiated the
+    gradient's code, where the detach was gone: silently wrong). Oracle: torch.func's hvp and
+    hessian (forward over reverse: the tangent passes through no_grad blocks, as fxtools.hvp
+    documents); for detach also torch.autograd.functional.hvp (reverse over reverse)."""
+    x, v = _x(3, 4), _x(3, 4, seed=1)
+    gm = fxtools.hvp(f, x)
+    _close(gm(x, v), torch.func.jvp(torch.func.grad(f), (x,), (v,))[1])
+    _close(fxtools.hessian(f, x)(x), torch.func.hessian(f)(x))
+    if f is detach_inside:
+        _close(gm(x, v), torch.autograd.functional.hvp(f, x, v)[1])
+
+
+def test_a_parameter_made_from_a_batched_input_is_refused_clearly():
+    def f(x):
+        w = nn.Parameter(x * 2)  # a new leaf: its value is outside autograd's view of x
+        return (w**2).sum() * x
+
+    with pytest.raises(FxtoolsError, match=r"made while tracing from values fxtools does not know.*nn\.Parameter\(x\)"):
+        fxtools.vmap(f, _x(5, 3))

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from taylor_oracle import F64, close, rademacher, randn
+from taylor_oracle import F64, close, rademacher, randn, trace_of_hessian
 
 import fxtools
 
@@ -232,6 +232,27 @@ def test_batch_without_vmap_uses_one_rows_directions(shape):
         close(lap, per_row_laplacian(f, X))
 
 
+def test_batch_without_vmap_is_the_vmapped_per_point_module_or_one_rows_directions():
+    """The network on one row is the same program: fxtools.vmap of its per-point module. A program
+    whose constants depend on the batch size (``X.shape[0]``) is not: one row's directions in all rows."""
+
+    def scaled(X):
+        return torch.tanh(X @ W1 * X.shape[0]).sum(1)
+
+    X = randn(5, 4, seed=54)
+    same, other = fxtools.laplacian(batch_mlp, X), fxtools.laplacian(scaled, X)
+    assert "expand(" not in same.code and "expand([4, 5" in other.code, (same.code, other.code)
+    for f, gm in ((batch_mlp, same), (scaled, other)):
+        out, lap = gm(X)
+        close(out, f(X))
+        H = torch.func.hessian(f)(X).reshape(5, 20, 20)
+        close(lap, H.diagonal(0, -2, -1).sum(-1))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2)).to(F64)
+    out, lap = fxtools.laplacian(net, X)(X)  # a module with two outputs per row
+    close(out, net(X))
+    close(lap, torch.stack([trace_of_hessian(lambda x: net(x[None])[0], x) for x in X]))
+
+
 MIXING = {  # rows that see other rows: the exact route over every coordinate of every point
     "centered": lambda X: torch.tanh((X - X.mean(0)) @ W1).sum(1),
     "softmax_over_batch": lambda X: torch.softmax(X @ W1, dim=0).sum(1),
@@ -250,3 +271,30 @@ def test_rows_that_mix_take_the_exact_route(name):
     out, lap = gm(X)
     H = torch.func.hessian(f)(X).reshape(5, 20, 20)
     close(lap, H.diagonal(0, -2, -1).sum(-1))
+
+
+@pytest.mark.parametrize("order", [1, 3, 4])  # 2: the Laplacian, below
+def test_collapsed_jet_sums_the_highest_term_over_the_curves(order):
+    """Each curve's lower terms, and the sum over the curves of their highest one: ``R`` standard jets
+    (nested torch.func.jvp), the summed highest series term split among the curves (it enters linearly)."""
+    R = 3
+    x, y = randn(3, seed=40), randn(2, seed=41)
+    lower = [(randn(R, 3, seed=42 + k), randn(R, 2, seed=52 + k)) for k in range(order - 1)]
+    top = (randn(3, seed=62), randn(2, seed=63))
+    gm = fxtools.jet(two, x, y, order=order, argnums=(0, 1), directions=R)
+    out, got = gm(x, y, (*lower, top))
+    close(out, two(x, y))
+    per_curve = [along_curve(two, (x, y), [(s[0][r], s[1][r]) for s in lower] + [(top[0] / R, top[1] / R)]) for r in range(R)]
+    for k in range(order - 1):
+        close(got[k], torch.stack([p[k] for p in per_curve]))
+    close(got[order - 1], sum(p[order - 1] for p in per_curve))
+
+
+def test_collapsed_jet_of_order_two_along_the_basis_is_the_laplacian():
+    x = randn(4, seed=43)
+    gm = fxtools.jet(u, x, order=2, directions=4)
+    out, (d1, d2) = gm(x, (torch.eye(4, dtype=F64), torch.zeros(4, dtype=F64)))
+    close(d2, torch.func.hessian(u)(x).trace())
+    close(d1, torch.func.jacrev(u)(x))
+    with pytest.raises(ValueError, match="directions must be a positive int"):
+        fxtools.jet(u, x, order=2, directions=0)

@@ -4,8 +4,9 @@ Two launches (gloo, loopback only; ``test_distributed.launch``), each running ev
 world size; each rank writes what it found to a JSON file and the tests read them all:
 
 - 2 processes, a 1-D mesh: an MLP with ``ColwiseParallel`` up-projection and ``RowwiseParallel``
-  down-projection, and a residual block with ``SequenceParallel`` LayerNorm and ``Colwise/RowwiseParallel``
-  over a sequence shard, each through ``fxtools.compile`` and
+  down-projection, a residual block with ``SequenceParallel`` LayerNorm and ``Colwise/RowwiseParallel``
+  over a sequence shard, the ``loss_parallel()`` cross-entropy, and an MLP whose output a
+  ``PrepareModuleOutput`` plan gathers, each through ``fxtools.compile`` and
   ``torch.compile(backend=fxtools.backend())``; what fxtools refuses (a ``Partial("max")``
   placement, a double backward, ``fxtools.grad`` of a DTensor) with the error naming it.
 - 4 processes, a (2, 2) mesh ("dp", "tp"): two residual blocks (LayerNorm, Colwise/Rowwise MLP),
@@ -14,9 +15,10 @@ world size; each rank writes what it found to a JSON file and the tests read the
 
 Every case trains 5 AdamW steps in float64 and compares every parameter's gradient (of the first
 step, whole: ``DTensor.full_tensor()``) and every parameter after the 5 steps with an unsharded
-copy trained in eager on the whole batch, at 1e-10, checks the gradients' placements are those
-eager tensor parallel gives, and that fxtools' forward graphs ran at every step. The generated
-backward of the MLP holds its collectives (``all_reduce`` for the replicated input's gradient).
+copy trained in eager on the whole batch, at 1e-10, checks the gradients' placements are exactly
+those eager tensor parallel gives (``Partial`` where eager leaves a pending sum), and that
+fxtools' forward graphs ran at every step. The MLP's generated forward names its all-reduce after
+the mesh dimension (``loss_all_reduce_tp``), and its backward communicates nothing, as eager's.
 
 Run ``python tests/test_tensor_parallel.py`` to launch the workers by hand and print their results.
 """
@@ -110,10 +112,7 @@ def _compare(got, want, want_placements, probe) -> list[str]:
                 torch.testing.assert_close(g[name], w[name], **TOL)
             except (AssertionError, KeyError) as e:
                 errors.append(f"{what} {name}: {str(e).splitlines()[-1]}")
-    # eager may leave a replicated parameter's gradient a pending sum (Partial) that the optimizer
-    # reduces; fxtools' backward reduces it (Replicate): the same tensor
-    whole = {n: ["R" if q == "P(sum)" else q for q in ps] for n, ps in want_placements.items()}
-    if placements != whole:
+    if placements != want_placements:
         errors.append(f"gradient placements {placements} != eager's {want_placements}")
     if probe.runs < STEPS:
         errors.append(f"fxtools' forward graphs ran {probe.runs} times in {STEPS} steps")
@@ -202,7 +201,8 @@ def _tp_cases(rank, mesh) -> dict:
 
         _run_case(results, f"SequenceParallel block, {path}", build, reference, shard, eager_placements)
     _loss_parallel_cases(results, mesh)
-    results["backward"] = _backward_code(tp_mlp, (x, y))
+    _prepare_output_cases(results, mesh)
+    results["code"] = _code(tp_mlp, (x, y))
     results["refused"] = _refusals(mesh, tp_mlp, (x, y))
     return results
 
@@ -249,11 +249,65 @@ def _loss_parallel_cases(results, mesh):
         _run_case(results, f"loss_parallel cross-entropy, {path}", build, reference, (x, t), eager_placements, loss_parallel)
 
 
-def _backward_code(tp_mlp, inputs) -> str:
+class Inner(nn.Module):
+    def __init__(self, d=6, h=8):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class Outer(nn.Module):
+    """An MLP inside a module whose output a plan prepares (``PrepareModuleOutput``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+
+    def forward(self, x, y):
+        return ((self.inner(x) - y) ** 2).mean()
+
+
+def _prepare_output_cases(results, mesh):
+    """``PrepareModuleOutput``: the down-projection's output left sharded over columns (a
+    reduce-scatter of the partial sums), gathered whole by its parent's output plan."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(4)
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    plan = {
+        "inner.up": ColwiseParallel(),
+        "inner.down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "inner": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
+    }
+
+    def sharded():
+        model = parallelize_module(_seeded(Outer), mesh, plan)
+        return model, dict(model.named_parameters())
+
+    ref = _seeded(Outer)
+    reference = _train(ref, dict(ref.named_parameters()), (x, y))
+    eager_model, eager_params = sharded()
+    eager_placements = _train(eager_model, eager_params, (x, y))[1]
+    for path, make in _paths().items():
+
+        def build(make=make):
+            model, params = sharded()
+            return make(model, (x, y)), params
+
+        _run_case(results, f"PrepareModuleOutput, {path}", build, reference, (x, y), eager_placements)
+
+
+def _code(tp_mlp, inputs) -> dict:
+    """The MLP's generated forward and backward, and the bytes their collectives move."""
     import fxtools
 
     model, _ = tp_mlp()
-    return fxtools.compile(model, *inputs).split.backward.code
+    sp = fxtools.compile(model, *inputs).split
+    return {"forward": sp.forward.code, "backward": sp.backward.code, "bytes": sp.communicated_bytes}
 
 
 def _refusals(mesh, tp_mlp, inputs) -> dict:
@@ -365,17 +419,25 @@ def _problems(ranks: list[dict]) -> list[str]:
 
 
 def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
-    """2 processes: Colwise/Rowwise MLP and a SequenceParallel block, through fxtools.compile and
-    the backend, equal to the unsharded model in eager; the backward holds its collectives; a
-    ``Partial("max")`` placement and a double backward are refused naming them."""
+    """2 processes: Colwise/Rowwise MLP, a SequenceParallel block, loss_parallel and
+    PrepareModuleOutput, through fxtools.compile and the backend, equal to the unsharded model in
+    eager with eager's gradient placements; the MLP's collectives are named after the mesh
+    dimension and move eager's bytes; a ``Partial("max")`` placement and a double backward are
+    refused naming them."""
     ranks = _run(2)
     problems = _problems(ranks)
     for rank, results in enumerate(ranks):
         for case in ("Colwise/Rowwise MLP, fxtools.compile", "SequenceParallel block, backend"):
             if case not in results:
                 problems.append(f"{case} (rank {rank}): not run")
-        if "_c10d_functional.all_reduce" not in results["backward"]:
-            problems.append(f"rank {rank}: no all_reduce in the backward:\n{results['backward']}")
+        code = results["code"]
+        # the forward all-reduces the down-projection's partial sums over "tp", named so; the
+        # backward communicates nothing, as eager's (the down-projection's bias gradient is
+        # the same on every rank: no all-reduce)
+        if "loss_all_reduce_tp = torch.ops._c10d_functional.all_reduce" not in code["forward"]:
+            problems.append(f"rank {rank}: no all_reduce named after 'tp' in the forward:\n{code['forward']}")
+        if code["bytes"] != {"forward": 4 * 6 * 8, "backward": 0}:
+            problems.append(f"rank {rank}: collectives move {code['bytes']} (eager: 192 B forward, 0 backward)")
         refused = results["refused"]
         message = refused["Partial('max')"]
         if "P(max)" not in message or "DTensor.from_local(t, mesh" not in message:
@@ -385,6 +447,40 @@ def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
         if "argument w is a DTensor" not in refused["fxtools.grad"]:
             problems.append(f"rank {rank}: fxtools.grad of a DTensor: {refused['fxtools.grad']}")
     assert not problems, "\n".join(problems)
+
+
+def test_replicated_values_are_those_computed_alike_on_every_rank():
+    """One process: which traced values ``capture/replicated.py`` takes as the same on every rank
+    of a group (an all-reduce's result and what is computed from it and constants; an asserted
+    value), and which not (an argument, a reduce-scatter's part, a random draw, another group's
+    all-reduce, a constant written into in place). Taking a differing value as replicated would be a wrong gradient."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxtools.capture.replicated import assert_replicated, replicated
+
+    c10d = torch.ops._c10d_functional
+    seen = {}
+
+    def f(x, y, z):
+        r = c10d.wait_tensor(c10d.all_reduce(x, "sum", "g"))
+        a = torch.relu(r) * 2 + torch.ones(3)
+        assert_replicated(z, ["g"])
+        c = z * a
+        part = c10d.wait_tensor(c10d.reduce_scatter_tensor(c, "sum", 1, "g"))
+        h = c10d.wait_tensor(c10d.all_reduce(y, "sum", "h"))
+        written = torch.zeros(3)
+        view = written.view(3)  # traced before the write: it reads the zeros' node
+        written.add_(y)  # changed after it was made, by a value that differs
+        values = {"r": r, "a": a, "a + y": a + y, "c": c, "part": part, "a + rand": torch.rand(3) + a, "x": x, "h": h}
+        values["view of written"] = view
+        seen.update({k: replicated(v, "g") for k, v in values.items()})
+        seen.update({"r over h": replicated(r, "h"), "h over h": replicated(h, "h")})
+        return c, part, h
+
+    make_fx(f, tracing_mode="fake")(torch.randn(3), torch.randn(3), torch.randn(3))
+    want = {"r": True, "a": True, "a + y": False, "c": True, "part": False, "a + rand": False, "x": False, "h": False}
+    want["view of written"] = False
+    assert seen == {**want, "r over h": False, "h over h": True}
 
 
 def test_fsdp2_by_tensor_parallel_on_a_2d_mesh_trains_as_unsharded_eager():

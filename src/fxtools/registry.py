@@ -60,6 +60,7 @@ class Transform:
     forward_mode: bool = False  # pushes tangents forward: a torch.autograd.Function's own jvp would go unused
     batches: bool = False  # maps f over the user's batch (below torch.func.vmap): custom Functions run their forward
     loss: bool = False  # differentiates a scalar loss: an nn.Module with parameters as f is ambiguous (calling.check_call)
+    keywords: bool = False  # passes f's keyword arguments on, as inputs its module takes by keyword (calling.transform)
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def register_vjp(
     return rule
 
 
-def vjp_rule(op, *, rule_set: str | None = None, complex: str = "holomorphic"):
+def vjp_rule(op, *, rule_set: str | None = None, complex: str = "holomorphic", replay: bool = True):
     """Decorator for the common rule shape: the forward is the op itself.
 
     The decorated function is ``bwd(ct, out, *args, **kwargs) -> arg cotangents`` and sees the
@@ -178,6 +179,9 @@ def vjp_rule(op, *, rule_set: str | None = None, complex: str = "holomorphic"):
 
     ``complex`` says how the rule treats complex tensors (module docstring): ``"holomorphic"``
     (conjugated arguments and output), ``"convention"``, ``"real"`` or ``"complex"``.
+    ``replay=False``: the backward depends on more than its arguments' metadata (it reads the
+    graph traced so far), so reverse mode never replays it from an earlier call
+    (``transforms/replay.py``).
     """
     _check_complex_mode(complex)
 
@@ -190,6 +194,7 @@ def vjp_rule(op, *, rule_set: str | None = None, complex: str = "holomorphic"):
             out, args, kwargs = conj_complex_leaves(aux) if complex == "holomorphic" else aux
             return bwd_of_inputs(ct, out, *args, **kwargs)
 
+        bwd.replayable = replay  # type: ignore[attr-defined]
         fwd.__name__ = bwd.__name__ = bwd_of_inputs.__name__
         fwd.__qualname__ = bwd.__qualname__ = bwd_of_inputs.__qualname__
         _table(rule_set)[_key(op)] = Rule(

@@ -258,3 +258,21 @@ def locate(gm, reads: list[Read]) -> None:
             read = by_id.get(id(getattr(gm, node.target, None)))
             if read is not None:
                 read.where = user_line_of(next(iter(node.users)))
+
+
+def setter(read: Read):
+    """A function putting a value where ``read.get`` reads it (the global, the closure cell, the
+    module's parameter table, the object's attribute), or None if the walk read it otherwise:
+    ``fxtools.compile`` passes closed-over tensors that require grad in their place while tracing."""
+    get = read.get
+    if not isinstance(get, functools.partial):
+        return None
+    if get.func is _get_item:
+        table, key = get.args
+        return functools.partial(table.__setitem__, key)
+    if get.func is _cell_get:
+        (cell,) = get.args
+        return functools.partial(setattr, cell, "cell_contents")
+    if get.func is getattr and hasattr(get.args[0], "__dict__"):
+        return functools.partial(vars(get.args[0]).__setitem__, get.args[1])
+    return None

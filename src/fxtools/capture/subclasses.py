@@ -44,10 +44,14 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError, current_user_line
+from ..signature.naming import record_mesh_dims
 from . import custom
+from .replicated import assert_replicated
+from .replicated import replicated as is_replicated
 
 __all__ = [
     "DTensorInside",
+    "GradPlacements",
     "Layout",
     "LocalView",
     "dtensor_functions",
@@ -112,6 +116,7 @@ class Layout:
         if inner != ["_local_tensor"]:
             raise SubclassError(f"fxtools traces DTensors as their one local tensor; this one has {inner}")
         _check_placements(x.placements)
+        record_mesh_dims(x.device_mesh)  # collectives over its groups are named after its dimensions
         others = tuple((n, getattr(x, n)) for n in names if n not in inner)
         return cls(type(x), others, ctx, tuple(x.shape), tuple(x.stride()))
 
@@ -123,12 +128,18 @@ class Layout:
     def mesh(self):
         return dict(self.others)["device_mesh"]
 
-    def grad_layout(self) -> Layout:
+    def grad_layout(self, partial: set[str] | frozenset[str] = frozenset()) -> Layout:
         """The layout of the gradient eager gives this DTensor (and of the cotangent an output's
-        graph takes): a Partial dimension's is whole (Replicate)."""
-        from torch.distributed.tensor import Replicate
+        graph takes): a Partial dimension's is whole (Replicate); a replicated dimension's is a
+        pending sum if its group is among ``partial`` (``GradPlacements``)."""
+        from torch.distributed.tensor import Partial, Replicate
 
-        placements = tuple(Replicate() if p.is_partial() else p for p in self.placements)
+        def grad(d, p):
+            if p.is_partial():
+                return Replicate()
+            return Partial() if p.is_replicate() and self.mesh.get_group(d).group_name in partial else p
+
+        placements = tuple(grad(d, p) for d, p in enumerate(self.placements))
         return Layout(self.cls, self.others, (placements, *self.ctx[1:]), self.size, self.stride)
 
     def key(self) -> tuple:
@@ -186,6 +197,9 @@ class LocalView:
         self.layouts = [Layout.of(x) if is_subclass(x) else None for x in leaves]
         self.tensor_layouts = [lay for lay, x in zip(self.layouts, leaves) if isinstance(x, torch.Tensor)]
         self.key = tuple(None if lay is None else lay.key() for lay in self.layouts)
+        # which replicated dimensions of each DTensor argument's gradient eager leaves pending sums
+        self.grad_placements = [None if lay is None else GradPlacements() for lay in self.layouts]
+        self.tensor_grad_placements = [g for g, x in zip(self.grad_placements, leaves) if isinstance(x, torch.Tensor)]
         self.out_layouts: list = []  # of every output leaf (None: not a DTensor)
         self.out_tensor_layouts: list = []  # of the tensor output leaves
 
@@ -203,7 +217,10 @@ class LocalView:
         def local_fn(*args):
             leaves, spec = pytree.tree_flatten(args)
             with dtensor_functions():
-                full = [leaf if lay is None else lay.wrap(_argument(leaf, lay), False) for leaf, lay in zip(leaves, layouts)]
+                full = [
+                    leaf if lay is None else lay.wrap(_argument(leaf, lay, grad), False)
+                    for leaf, lay, grad in zip(leaves, layouts, self.grad_placements)
+                ]
                 out = fn(*pytree.tree_unflatten(full, spec))
             out_leaves, out_spec = pytree.tree_flatten(out)
             self.out_layouts = [Layout.of(o) if is_subclass(o) else None for o in out_leaves]
@@ -218,18 +235,18 @@ class LocalView:
         return local_fn
 
 
-def _argument(x, layout: Layout):
-    """A DTensor argument's local tensor, its gradient whole over the replicated dimensions (the
-    placements eager gives a replicated parameter's gradient)."""
+def _argument(x, layout: Layout, grad: GradPlacements):
+    """A DTensor argument's local tensor, its gradient over the replicated dimensions whole or a
+    pending sum as eager gives it (``grad``: which)."""
     replicated = _groups(layout.mesh, layout.placements, lambda p: p.is_replicate())
-    return _FROM_LOCAL(x, tuple(replicated), ()) if replicated else x
+    return _FROM_LOCAL(x, tuple(replicated), (), grad) if replicated else x
 
 
 def _output(x, layout: Layout):
     """A DTensor output's local tensor; its cotangent (``grad_placements`` of the layout) is each
     rank's share over the replicated dimensions."""
     replicated = _groups(layout.mesh, layout.placements, lambda p: p.is_replicate())
-    return _TO_LOCAL(x, tuple(replicated), ()) if replicated else x
+    return _TO_LOCAL(x, tuple(replicated), (), None) if replicated else x
 
 
 def local_view(args) -> LocalView | None:
@@ -265,31 +282,103 @@ def shared_replica(ct, group: str):
     return found[1]
 
 
+class GradPlacements:
+    """The mesh dimensions (by group name) over which a replicated argument's gradient is left a
+    pending sum (``Partial``), as eager leaves it where it is computed from sharded values."""
+
+    def __init__(self):
+        self.partial: set[str] = set()
+
+
+def _summed(ct, group: str, n: int, grad: GradPlacements | None):
+    """The sum over ``group`` of the ranks' cotangents ``ct`` of a replicated value: ``g`` for the
+    shares ``g / n`` of a replicated ``g``, ``n * ct`` for a replicated ``ct`` (no collective);
+    else left a pending sum for an argument (``grad``, as eager leaves it), or all-reduced."""
+    whole = shared_replica(ct, group)
+    if whole is not None:
+        return whole
+    if is_replicated(ct, group):
+        return ct * n
+    if grad is not None:
+        grad.partial.add(group)
+        return ct
+    return _all_reduce(ct, group)
+
+
+def _shares(ct, replicated):
+    """The shares ``ct / n`` of the ranks of each group of ``replicated`` (``(name, n)``) in a
+    cotangent ``ct`` every one of them holds whole (as eager DTensor takes it, unchecked), marked
+    so that summing them over the group gives ``ct`` itself (``shared_replica``)."""
+    assert_replicated(ct, [group for group, _ in replicated])
+    for group, n in replicated:
+        whole, ct = ct, ct / n
+        for key in [k for k, v in _SHARES.items() if v[0]() is None]:
+            del _SHARES[key]
+        _SHARES[id(ct)] = (weakref.ref(ct), whole, group)
+    return ct
+
+
+def _partition(x, group, n):
+    return x / n
+
+
+def _partition_fwd(x, group, n):
+    return x / n, (group, n)
+
+
+def _partition_bwd(res, ct):
+    return _shares(ct, [res]), None, None
+
+
+# DTensor's Replicate -> Partial("sum") (a replicated bias added to partial sums): each rank's
+# share of the value; its cotangent, a Partial value's, is the same on every rank
+_PARTITION = custom.custom_vjp(_partition)
+_PARTITION.defvjp(_partition_fwd, _partition_bwd)
+
+
+@contextlib.contextmanager
+def _partitions_as_shares():
+    """While capturing: ``Partial("sum")._partition_value`` (how DTensor turns a replicated value
+    into partial sums) through ``_PARTITION``, whose backward marks the shares it makes."""
+    from torch.distributed.tensor import Partial
+
+    original = Partial._partition_value
+
+    def partition(self, tensor, mesh, mesh_dim):
+        if type(self) is not Partial or self.reduce_op != "sum":
+            return original(self, tensor, mesh, mesh_dim)
+        return _PARTITION(tensor, mesh.get_group(mesh_dim).group_name, mesh.size(mesh_dim))
+
+    Partial._partition_value = partition
+    try:
+        yield
+    finally:
+        Partial._partition_value = original
+
+
 def _edge(kind: str):
     """A ``custom_vjp`` identity whose rule is eager's at an edge of the DTensor region."""
 
-    def fun(x, replicated, partial):
+    def fun(x, replicated, partial, grad):
         return x
 
-    def fwd(x, replicated, partial):
-        return fun(x, replicated, partial), (replicated, partial)
+    def fwd(x, replicated, partial, grad):
+        if kind == "from_local":  # a value eager takes as replicated, unchecked
+            assert_replicated(x, [group for group, _ in replicated])
+        return fun(x, replicated, partial, grad), (replicated, partial, grad)
 
     def bwd(res, ct):
-        replicated, partial = res
+        replicated, partial, grad = res
         if ct is None:
-            return None, None, None
+            return None, None, None, None
         if kind == "from_local":
-            for group, _ in replicated:
-                ct = _all_reduce(ct, group)
-            return ct, None, None
-        for group, n in replicated:
-            whole, ct = ct, ct / n
-            for key in [k for k, v in _SHARES.items() if v[0]() is None]:
-                del _SHARES[key]
-            _SHARES[id(ct)] = (weakref.ref(ct), whole, group)
+            for group, n in replicated:
+                ct = _summed(ct, group, n, grad)
+            return ct, None, None, None
+        ct = _shares(ct, replicated)
         for group, _ in partial:
             ct = _all_reduce(ct, group)
-        return ct, None, None
+        return ct, None, None, None
 
     fun.__name__ = f"dtensor_{kind}"
     edge = custom.custom_vjp(fun)
@@ -307,7 +396,7 @@ def _from_local(apply, x, mesh, placements, *rest):
     _check_placements(placements)
     replicated = _groups(mesh, placements, lambda p: p.is_replicate())
     if replicated:
-        x = _FROM_LOCAL(x, tuple(replicated), ())
+        x = _FROM_LOCAL(x, tuple(replicated), (), None)
     return apply(x, mesh, placements, *rest)
 
 
@@ -318,7 +407,7 @@ def _to_local(apply, x, grad_placements=None):
     replicated = _groups(x.device_mesh, placements, lambda p: p.is_replicate())
     partial = _groups(x.device_mesh, placements, lambda p: p.is_partial())
     if replicated or partial:
-        out = _TO_LOCAL(out, tuple(replicated), tuple(partial))
+        out = _TO_LOCAL(out, tuple(replicated), tuple(partial), None)
     return out
 
 
@@ -343,7 +432,7 @@ def dtensor_functions(pre_dispatch: bool = False):
         torch.compiler._is_exporting_flag = False
     token = _ABOVE_AUTOGRAD.set(pre_dispatch)
     try:
-        with custom.function_handlers(handlers):
+        with custom.function_handlers(handlers), _partitions_as_shares():
             yield
     finally:
         torch.compiler._is_exporting_flag = exporting

@@ -207,15 +207,22 @@ def realize_constants(gm: fx.GraphModule) -> fx.GraphModule:
     """Replace FakeTensor attributes (constants made while tracing in fake mode) by their real values.
 
     Fake mode keeps the real value of small constants it creates (``fake.constant``); generated
-    code must hold real tensors, so a constant without a known value is an error.
+    code must hold real tensors, so a constant without a known value is an error (a tensor made
+    from the input's values outside autograd's view, such as ``nn.Parameter(x * 2)`` under vmap).
     """
+    from ..errors import user_line_of
+
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = getattr(gm, node.target)
             if isinstance(value, torch._subclasses.FakeTensor):
                 if value.constant is None:
+                    where = next((w for w in map(user_line_of, node.users) if w), None) or "an unknown line"
                     raise FxtoolsError(
-                        f"a tensor constant of shape {list(value.shape)} was created while tracing, and its value is unknown"
+                        f"a tensor of shape {list(value.shape)} used at {where} was made while tracing from values "
+                        "fxtools does not know (outside autograd's view of the inputs, e.g. nn.Parameter(x) or "
+                        "x.data of an input): generated code cannot hold it. Compute it from the inputs with "
+                        "ordinary ops, or pass it as an argument"
                     )
                 setattr(gm, node.target, value.constant)
     return gm

@@ -334,6 +334,27 @@ def check_grad(target: Target, gm, argnums) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def _target_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    """A command's parser with its TARGET and --arg options (the commands that load a target)."""
+    p = Parser(prog=prog, description=description, epilog=epilog)
+    p.add_argument("target", metavar="TARGET", help="path/to/file.py:function_or_module")
+    p.add_argument("--arg", action="append", default=[], metavar="[NAME=]SPEC", help=ARG_HELP)
+    return p
+
+
+def _dtype_and_seed(p: argparse.ArgumentParser, dtype_help: str) -> None:
+    p.add_argument("--dtype", choices=[k for k, v in _DTYPES.items() if v.is_floating_point], help=dtype_help)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random example inputs (default 0)")
+
+
+def _load(a, argnums_text, default):
+    """The target of parsed arguments ``a`` and its argnums (``default`` unless given for a function)."""
+    target = Target(load_target(a.target), a.arg, a.seed, _DTYPES[a.dtype] if a.dtype else None)
+    if argnums_text is not None and target.model is None:
+        return target, parse_argnums(argnums_text, len(target.args))
+    return target, default
+
+
 def _transform_parser(kind: str) -> argparse.ArgumentParser:
     what = {
         "grad": "the gradient of a scalar-valued function or model loss",
@@ -342,17 +363,15 @@ def _transform_parser(kind: str) -> argparse.ArgumentParser:
         "split": "separate forward and backward graphs (forward(*leaves) -> (out, saved); "
         "backward(*saved, *cotangents) -> grads) and what the forward saves",
     }[kind]
-    p = Parser(
-        prog=f"fxtools {kind}",
-        description=f"Print {what} as readable PyTorch code, with the shape of every value. "
+    p = _target_parser(
+        f"fxtools {kind}",
+        f"Print {what} as readable PyTorch code, with the shape of every value. "
         "TARGET is path/to/file.py:NAME where NAME is a function or an nn.Module class "
         "(instantiated with no arguments and differentiated with respect to its parameters; "
         "the --arg values are then the inputs of its forward).",
-        epilog=f"example: fxtools {kind} model.py:Net --arg x=f32[4,8] --arg y=i64[4]%3 --out g.py --check",  # not %-formatted
+        f"example: fxtools {kind} model.py:Net --arg x=f32[4,8] --arg y=i64[4]%3 --out g.py --check",  # not %-formatted
     )
     p.set_defaults(policy=None)
-    p.add_argument("target", metavar="TARGET", help="path/to/file.py:function_or_module")
-    p.add_argument("--arg", action="append", default=[], metavar="[NAME=]SPEC", help=ARG_HELP)
     if kind == "grad":
         p.add_argument(
             "--argnums",
@@ -364,12 +383,7 @@ def _transform_parser(kind: str) -> argparse.ArgumentParser:
         p.add_argument(
             "--policy", default="recompute_cheap", help="what to save: recompute_cheap (default), save_all or dots_saveable"
         )
-    p.add_argument(
-        "--dtype",
-        choices=[k for k, v in _DTYPES.items() if v.is_floating_point],
-        help="cast the module's parameters and every floating-point --arg tensor to this dtype",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random example inputs (default 0)")
+    _dtype_and_seed(p, "cast the module's parameters and every floating-point --arg tensor to this dtype")
     p.add_argument("--out", metavar="FILE.py", help="also write the code as a standalone module (imports only torch)")
     p.add_argument(
         "--svg",
@@ -401,11 +415,7 @@ def _run_transform(kind: str, argv) -> int:
     check_output_path(a.out, ".py", "--out")
     check_output_path(a.svg, ".svg", "--svg")
     progress(f"loading {a.target}")
-    obj = load_target(a.target)
-    target = Target(obj, a.arg, a.seed, _DTYPES[a.dtype] if a.dtype else None)
-    argnums = 0
-    if kind == "grad" and target.model is None:
-        argnums = parse_argnums(a.argnums, len(target.args))
+    target, argnums = _load(a, a.argnums if kind == "grad" else None, 0)
     gm = _transform(kind, target, argnums, a.policy)
     if not a.quiet:
         _print_code(kind, a.target, target, gm)
@@ -614,24 +624,18 @@ def nan_command(argv) -> int:
     (``fxtools.find_nonfinite``), printed; exit status 1 if there is one, 0 if every value is finite."""
     from ..training.nonfinite import find_nonfinite
 
-    p = Parser(
-        prog="fxtools nan",
-        description="Run the value and the gradient of TARGET (path/to/file.py:NAME, a function or an nn.Module "
+    p = _target_parser(
+        "fxtools nan",
+        "Run the value and the gradient of TARGET (path/to/file.py:NAME, a function or an nn.Module "
         "class instantiated with no arguments) once on the --arg inputs and print the first NaN or unintended "
         "infinity: its name in the generated code, your line that made it, its operands and hints. "
         "Exit status 1 if there is one, 0 if every value is finite.",
-        epilog="example: fxtools nan model.py:loss --arg x=f32[4,8] --arg eps=0.0",
+        "example: fxtools nan model.py:loss --arg x=f32[4,8] --arg eps=0.0",
     )
-    p.add_argument("target", metavar="TARGET", help="path/to/file.py:function_or_module")
-    p.add_argument("--arg", action="append", default=[], metavar="[NAME=]SPEC", help=ARG_HELP)
     p.add_argument("--argnums", help="for a function: the argument(s) to differentiate, e.g. 0 or 0,2 (default: all)")
-    p.add_argument("--dtype", choices=[k for k, v in _DTYPES.items() if v.is_floating_point], help="cast float inputs")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random example inputs (default 0)")
+    _dtype_and_seed(p, "cast float inputs")
     a = p.parse_args(argv)
-    target = Target(load_target(a.target), a.arg, a.seed, _DTYPES[a.dtype] if a.dtype else None)
-    argnums = None
-    if a.argnums is not None and target.model is None:
-        argnums = parse_argnums(a.argnums, len(target.args))
+    target, argnums = _load(a, a.argnums, None)
     report = find_nonfinite(target.fn, *target.args, argnums=argnums)
     if report is None:
         print(f"# fxtools nan of {a.target}: every value of the forward and the backward is finite")

@@ -344,8 +344,23 @@ def _double_negation(node, rw):
 
 
 def _detach(node, rw):
-    """Generated code runs without autograd: ``detach`` only blocks gradients, already handled."""
-    return node.args[0]
+    """``detach`` of a constant is the constant. Of a value computed from the inputs it stays: the
+    generated code's own derivative (``fxtools.hvp`` and ``hessian`` differentiate a gradient's code,
+    and so does autograd run over it) must see the value as a constant, as PyTorch does at every order."""
+    x = node.args[0]
+    if isinstance(x, fx.Node) and any(a.op == "placeholder" for a in _ancestors(x)):
+        return None
+    return x
+
+
+def _ancestors(node: fx.Node) -> set:
+    seen, stack = {node}, [node]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
 
 
 def _no_op_view(node, rw):
@@ -354,6 +369,8 @@ def _no_op_view(node, rw):
     ``contiguous()`` of a transposed tensor is not a no-op: a later ``.view`` needs it.
     """
     x, t = node.args[0], node.target
+    if t is aten.detach.default:
+        return _detach(node, rw)
     if (
         isinstance(x, fx.Node)
         and _same_type(x, node)

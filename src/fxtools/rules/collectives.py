@@ -8,15 +8,19 @@ every rank summing again (``all_reduce``), and of waiting nothing. An average is
 the group's size, and its adjoint is the same. The cotangent of a maximum (minimum) goes to the
 ranks holding it, split evenly between ties; a product has no rule.
 
-The one exception keeps the backward communicating where eager's does: an ``all_reduce`` whose
-cotangent is one rank's share ``g / n`` of a gradient ``g`` every rank holds whole (from
-``to_local`` of a replicated DTensor) returns ``g``, which the sum of the ``n`` shares is.
+The backward communicates where eager's does: the sum an ``all_reduce``'s or an
+``all_gather_into_tensor``'s rule needs is no collective when its cotangent is the same on every
+rank of the group (``capture/replicated.py``): ``n * ct``, or ``g`` itself for the shares
+``g / n`` of a gradient ``g`` every rank holds whole (from ``to_local`` of a replicated DTensor);
+the all-gather's then takes this rank's part of it. That reads the graph traced so far, not only
+the arguments' metadata, so these rules are never replayed from an earlier call (``replay=False``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..capture.replicated import group_rank, group_size, replicated
 from ..capture.subclasses import shared_replica
 from ..registry import vjp_rule
 
@@ -40,12 +44,17 @@ def wait_tensor(ct, out, x):
 
 
 def _summed(ct, group_name):
-    """The sum over the group of ``ct``: ``g`` itself for shares ``g / n`` of a replicated ``g``."""
+    """The sum over the group of ``ct``: ``g`` itself for shares ``g / n`` of a replicated ``g``,
+    ``n * ct`` for a replicated ``ct``."""
     whole = shared_replica(ct, group_name)
-    return whole if whole is not None else _wait(c10d.all_reduce(ct, "sum", group_name))
+    if whole is not None:
+        return whole
+    if replicated(ct, group_name):
+        return ct * group_size(group_name)
+    return _wait(c10d.all_reduce(ct, "sum", group_name))
 
 
-@vjp_rule(c10d.all_reduce)
+@vjp_rule(c10d.all_reduce, replay=False)
 def all_reduce(ct, out, x, reduce_op, group_name):
     if reduce_op in ("max", "min"):
         # the summed cotangent goes to the ranks holding the extreme, split evenly between ties
@@ -58,8 +67,15 @@ def all_reduce(ct, out, x, reduce_op, group_name):
     return _wait(c10d.all_reduce(ct, reduce_op, group_name))
 
 
-@vjp_rule(c10d.all_gather_into_tensor)
+@vjp_rule(c10d.all_gather_into_tensor, replay=False)
 def all_gather_into_tensor(ct, out, x, group_size, group_name):
+    # a replicated cotangent's sum over the group, scattered: this rank's part of it, no collective
+    whole = shared_replica(ct, group_name)
+    if whole is None and replicated(ct, group_name):
+        whole = ct * group_size
+    if whole is not None:
+        n = x.shape[0]
+        return whole.narrow(0, group_rank(group_name) * n, n)
     return _wait(c10d.reduce_scatter_tensor(ct.contiguous(), "sum", group_size, group_name))
 
 

@@ -4,9 +4,11 @@ A value carried through Taylor mode is one of two kinds:
 
 - ``Jet``: a univariate Taylor polynomial, ``terms[k] = d^k/dt^k x(t)`` at ``t = 0`` (the
   derivative convention of ``jax.experimental.jet``); ``terms[0]`` is the value.
-- ``Collapsed``: the collapsed second-order expansion of a Laplacian-like operator: the value,
-  ``grad`` (the first-order terms of ``D`` directions, stacked in a leading dimension of size
-  ``D``) and ``lap`` (the second-order terms, summed over the directions).
+- ``Collapsed``: a collapsed jet of order ``K`` (Dangel et al., 2025): ``terms[0]`` the value,
+  ``terms[1..K-1]`` the lower terms of ``R`` directions each (stacked in a leading dimension of
+  size ``R``) and ``terms[K]`` the highest term *summed* over the directions (it enters every rule
+  linearly, so the sum is propagated instead of each direction's). ``K = 2`` is the forward
+  Laplacian: ``grad`` (the first-order terms of the ``D`` directions) and ``lap``.
 
 ``None`` stands for a term known to be zero: no code is written for it.
 
@@ -65,15 +67,44 @@ class Jet:
 
 
 class Collapsed:
-    """The value, the first-order terms of ``D`` directions (``grad``, leading dimension ``D``) and
-    the summed second-order term (``lap``) of one value."""
+    """A collapsed jet: the value, the lower terms of ``R`` directions (leading dimension ``R``) and
+    the highest term summed over them; ``Collapsed([value, grad, lap])`` is the forward Laplacian's."""
 
-    def __init__(self, value, grad, lap):
-        self.value, self.grad, self.lap = value, grad, lap
+    def __init__(self, terms):
+        self.terms = list(terms)
+
+    @property
+    def value(self):
+        return self.terms[0]
+
+    @property
+    def order(self) -> int:
+        return len(self.terms) - 1
+
+    @property
+    def grad(self):
+        """The first-order terms of the directions (``None`` when known zero)."""
+        return self.terms[1] if self.order > 1 else None
+
+    @property
+    def lap(self):
+        """The highest term, summed over the directions."""
+        return self.terms[-1] if self.order > 0 else None
 
     def map(self, fn):
-        """A linear ``fn`` applied to every term (to each direction of ``grad``)."""
-        return Collapsed(fn(self.value), torch.vmap(fn)(self.grad), None if self.lap is None else fn(self.lap))
+        """A linear ``fn`` applied to every term (to each direction of the lower ones)."""
+        return Collapsed(_collapsed_terms(self, fn(self.value), fn))
+
+
+def _collapsed_terms(x, value, fn):
+    """``value`` and the linear ``fn`` of each term of the collapsed jet ``x`` (of each direction of
+    the lower ones), ``None`` kept."""
+    vfn = torch.vmap(fn)
+    return [value, *(_none_or(fn if k == x.order else vfn, t) for k, t in enumerate(x.terms[1:], 1))]
+
+
+def _none_or(fn, t):
+    return None if t is None else fn(t)
 
 
 def is_taylor(x) -> bool:
@@ -86,7 +117,7 @@ def constant_if_zero(x):
         return type(x)(constant_if_zero(v) for v in x)
     if isinstance(x, Jet) and all(t is None for t in x.terms[1:]):
         return x.value
-    if isinstance(x, Collapsed) and x.grad is None and x.lap is None:
+    if isinstance(x, Collapsed) and all(t is None for t in x.terms[1:]):
         return x.value
     return x
 
@@ -140,13 +171,12 @@ def _map_multi(x, fn):
     if isinstance(out, torch.Tensor):
         if isinstance(x, Jet):
             return Jet([out] + [None if t is None else fn(t) for t in x.terms[1:]])
-        return Collapsed(out, torch.vmap(fn)(x.grad), None if x.lap is None else fn(x.lap))
+        return Collapsed(_collapsed_terms(x, out, fn))
     if isinstance(x, Jet):
         terms = [out] + [None if t is None else fn(t) for t in x.terms[1:]]
-        return [Jet([t[i] if t is not None else None for t in terms]) for i in range(len(out))]
-    grads = torch.vmap(fn)(x.grad)
-    laps = fn(x.lap) if x.lap is not None else [None] * len(out)
-    return [Collapsed(v, g, lp) for v, g, lp in zip(out, grads, laps)]
+    else:
+        terms = _collapsed_terms(x, out, fn)
+    return [type(x)([t[i] if t is not None else None for t in terms]) for i in range(len(out))]
 
 
 def _slots(args, data):
@@ -175,27 +205,23 @@ def affine(op, args, kwargs, data):
     slots = _slots(args, data)
     xs = [args[p] if i is None else args[p][i] for p, i in slots]
     value = op(*_fill(args, slots, [value_of(x) for x in xs]), **kwargs)
-    taylor = [x for x in xs if is_taylor(x)]
-    if isinstance(taylor[0], Jet):
-        terms = [value]
-        for k in range(1, taylor[0].order + 1):
-            parts = [x.terms[k] if is_taylor(x) else None for x in xs]
-            if all(t is None for t in parts):
-                terms.append(None)
-            else:
-                filled = [t if t is not None else _zero(x) for t, x in zip(parts, xs)]
-                terms.append(op(*_fill(args, slots, filled), **kwargs))
-        return Jet(terms)
+    first = next(x for x in xs if is_taylor(x))
 
-    def term(vals):
-        return op(*_fill(args, slots, vals), **kwargs)
+    def term(vals, batched=None):
+        if batched is None or not any(batched):
+            return op(*_fill(args, slots, vals), **kwargs)
+        return torch.vmap(lambda *g: term(list(g)), in_dims=tuple(0 if b else None for b in batched))(*vals)
 
-    batched = [is_taylor(x) for x in xs]
-    grads = [x.grad if b else _zero(x) for x, b in zip(xs, batched)]
-    grad = torch.vmap(lambda *g: term(list(g)), in_dims=tuple(0 if b else None for b in batched))(*grads)
-    laps = [x.lap if is_taylor(x) else None for x in xs]
-    lap = None if all(lp is None for lp in laps) else term([lp if lp is not None else _zero(x) for lp, x in zip(laps, xs)])
-    return Collapsed(value, grad, lap)
+    terms = [value]
+    for k in range(1, first.order + 1):
+        parts = [x.terms[k] if is_taylor(x) else None for x in xs]
+        if all(t is None for t in parts):
+            terms.append(None)
+            continue
+        filled = [t if t is not None else _zero(x) for t, x in zip(parts, xs)]
+        lower = isinstance(first, Collapsed) and k < first.order
+        terms.append(term(filled, [lower and t is not None for t in parts]))
+    return type(first)(terms)
 
 
 def bilinear(op, a, b, value=None):
@@ -205,20 +231,25 @@ def bilinear(op, a, b, value=None):
     if not is_taylor(b):
         return a.map(lambda t: op(t, b))
     value = op(a.value, b.value) if value is None else value
-    if isinstance(a, Jet):
-        terms = [value]
-        for k in range(1, a.order + 1):
-            parts = [_both(op, math.comb(k, i), a.terms[i], b.terms[k - i]) for i in range(k + 1)]
-            terms.append(_sum(parts))
-        return Jet(terms)
-    grad = torch.vmap(op, in_dims=(0, None))(a.grad, b.value) + torch.vmap(op, in_dims=(None, 0))(a.value, b.grad)
-    cross = torch.vmap(op)(a.grad, b.grad).sum(0)
-    lap = _sum([_both(op, 1, a.lap, b.value), _both(op, 1, a.value, b.lap), 2 * cross])
-    return Collapsed(value, grad, lap)
+    terms = [value]
+    for k in range(1, a.order + 1):
+        terms.append(_sum(_leibniz(op, a, b, k, i) for i in range(k, -1, -1)))
+    return type(a)(terms)
 
 
-def _both(op, c, x, y):
-    return None if x is None or y is None else _scale(c, op(x, y))
+def _leibniz(op, a, b, k, i):
+    """``C(k, i) op(a_i, b_(k-i))``; in a collapsed jet over the directions of the lower terms
+    (batched), and summed over them in its highest term."""
+    x, y = a.terms[i], b.terms[k - i]
+    if x is None or y is None:
+        return None
+    c = math.comb(k, i)
+    top = a.order
+    bx, by = isinstance(a, Collapsed) and 0 < i < top, isinstance(a, Collapsed) and 0 < k - i < top
+    if not (bx or by):
+        return _scale(c, op(x, y))
+    out = torch.vmap(op, in_dims=(0 if bx else None, 0 if by else None))(x, y)
+    return _scale(c, out.sum(0) if k == top else out)
 
 
 def _partitions(k: int, n: int):
@@ -263,16 +294,29 @@ def pointwise(x, tower: Callable[[int], list], value):
         for k in range(1, x.order + 1):
             terms.append(_sum(_times(d[n - 1], bell(k, n, x.terms)) for n in range(1, k + 1)))
         return Jet(terms)
-    d1, d2 = tower(2)
-    grad = _times(d1, x.grad)
-    lap = _sum([_times(d1, x.lap), _times(d2, (x.grad * x.grad).sum(0))])
-    return Collapsed(value, grad, lap)
+    top = x.order
+    d = tower(top)
+    terms = [value]
+    for k in range(1, top):  # each direction's lower terms
+        terms.append(_sum(_each(d[n - 1], bell(k, n, x.terms)) for n in range(1, k + 1)))
+    summed = [_times(d[n - 1], _none_or(lambda t: t.sum(0), bell(top, n, x.terms))) for n in range(2, top + 1)]
+    terms.append(_sum([_times(d[0], x.lap), *summed]))  # f'(x) * lap + f''(x) * sum_d grad_d**2 (K = 2)
+    return Collapsed(terms)
 
 
 def _times(d, t):
     if d is None or t is None:
         return None
     return d * t
+
+
+def _each(d, t):
+    """``d * t`` for each direction of ``t`` (leading dimension), ``d`` shaped as the value."""
+    if d is None or t is None:
+        return None
+    if not isinstance(d, torch.Tensor) or d.dim() < t.dim():
+        return d * t
+    return torch.vmap(lambda u: d * u)(t)
 
 
 def select(x, mask_fn):
@@ -687,15 +731,8 @@ def _add_sub(op, args, kwargs):
     shape = value.shape
     parts = [_broadcast(x, shape) for x in (a, b)]
     taylor = next(x for x in parts if x is not None)
-    if isinstance(taylor, Jet):
-        terms = [value] + [
-            _add(_scale(sa, _term(parts[0], k)), _scale(sb, _term(parts[1], k))) for k in range(1, taylor.order + 1)
-        ]
-        return Jet(terms)
-    grads = [_scale(s, x.grad) if x is not None else None for s, x in zip((sa, sb), parts)]
-    grad = grads[0] if grads[1] is None else grads[1] if grads[0] is None else grads[0] + grads[1]
-    laps = [_scale(s, x.lap) if x is not None else None for s, x in zip((sa, sb), parts)]
-    return Collapsed(value, grad, _add(*laps))
+    terms = [value] + [_add(_scale(sa, _term(parts[0], k)), _scale(sb, _term(parts[1], k))) for k in range(1, taylor.order + 1)]
+    return type(taylor)(terms)
 
 
 def _term(x, k):
@@ -938,9 +975,7 @@ def _dim_arg(op, args, kwargs):
 
 def _with_value(t, value):
     """``t`` with its value replaced by ``value`` (the op itself, rather than its rule's spelling)."""
-    if isinstance(t, Jet):
-        return Jet([value, *t.terms[1:]])
-    return Collapsed(value, t.grad, t.lap)
+    return type(t)([value, *t.terms[1:]])
 
 
 # composites

@@ -243,6 +243,7 @@ class GuardedGraphModule(fx.GraphModule):
     guards: Guards | None = None  # what its calls must pass (``install``)
     closures: Any = None  # a signature.closures.Closures: what it read from outside its arguments
     size_one_variant: Any = None  # builds the module again for a call with a dynamic size of 1 (transforms/calling.py)
+    keywords: tuple[str, ...] = ()  # its inputs that are the function's keyword arguments (transforms/calling.py)
 
     def __init__(self, root, graph, class_name: str = "GraphModule", *, generate_code: bool = True):
         """As ``fx.GraphModule``'s; ``generate_code=False`` leaves the code to the caller's own
@@ -276,6 +277,8 @@ class GuardedGraphModule(fx.GraphModule):
 
     def __call__(self, *args, **kwargs):
         guards = self.guards
+        if self.keywords:
+            args, kwargs = self._keywords_in_place(args, kwargs), {}
         if guards is not None:
             guards.size_one = False
             try:
@@ -300,6 +303,24 @@ class GuardedGraphModule(fx.GraphModule):
         if key not in built:
             built[key] = self.size_one_variant(args)
         return built[key](*args)
+
+    def _keywords_in_place(self, args, kwargs):
+        """``gm(x, grad_out, scale=2.0)`` as ``gm(x, scale, grad_out)``: the function's keyword
+        arguments are inputs after its positional ones (``keywords``), passed by keyword as torch.func
+        passes them; the positional arguments fill the other inputs in order."""
+        params = list(inspect.signature(self.forward).parameters)
+        rest = [p for p in params if p not in kwargs]
+        missing = [k for k in self.keywords if k not in kwargs]
+        if len(args) == len(rest) - len(missing) and missing and self.guards is not None:
+            made = ", ".join(f"{k}=..." for k in self.keywords)
+            self.guards.fail(
+                f"it was made with the function's keyword arguments {made} and got no {', '.join(missing)}",
+                f"Pass them as when it was made: gm(..., {made}).",
+            )
+        if set(kwargs) - set(params) or len(args) != len(rest):
+            return self._positional(self.guards, args, kwargs) if self.guards is not None else args
+        given = dict(zip(rest, args), **kwargs)
+        return tuple(given[p] for p in params)
 
     def _positional(self, guards, args, kwargs):
         try:

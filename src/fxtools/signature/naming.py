@@ -265,9 +265,46 @@ _SHORT_OPS = {"transpose": "t", "mT": "t", "numpy_T": "t", "to_copy": "to", "sym
 
 
 def short_op(node) -> str:
-    """A short name for a node's op, for the intermediate values named after it (``v_t``)."""
+    """A short name for a node's op, for the intermediate values named after it (``v_t``); a
+    collective's adds the mesh dimension it runs over (``all_reduce_tp``)."""
     base = op_base(node)
-    return _SHORT_OPS.get(base, base)
+    return _SHORT_OPS.get(base, base) + mesh_dim_suffix(node)
+
+
+# process group name -> the names of the DeviceMesh dimensions it serves, from the DTensors
+# capture has seen (a 1-D mesh over every rank uses the default group, described by no dimension)
+_MESH_DIMS: dict[str, set[str]] = {}
+
+
+def record_mesh_dims(mesh) -> None:
+    """Remember which process group serves each named dimension of DeviceMesh ``mesh``."""
+    for d, dim in enumerate(mesh.mesh_dim_names or ()):
+        _MESH_DIMS.setdefault(mesh.get_group(d).group_name, set()).add(dim)
+
+
+def mesh_dim_suffix(node) -> str:
+    """``_tp`` for a functional collective (``_c10d_functional``) over the process group of the
+    DeviceMesh dimension named "tp" (recorded, or the ``mesh_<dim>`` description
+    ``init_device_mesh`` gives its groups), else nothing."""
+    target = node.target
+    if getattr(target, "namespace", None) != "_c10d_functional":
+        return ""
+    names = [a.name for a in target._schema.arguments]
+    if "group_name" not in names:
+        return ""
+    i = names.index("group_name")
+    group = node.args[i] if i < len(node.args) else node.kwargs.get("group_name")
+    dims = _MESH_DIMS.get(group, set())
+    if not dims:
+        try:
+            from torch.distributed import distributed_c10d
+
+            desc = distributed_c10d._resolve_process_group(group).group_desc
+        except Exception:  # noqa: BLE001 - no such group in this process: no suffix
+            return ""
+        if desc.startswith("mesh_") and desc != "mesh_default":
+            dims = {desc.removeprefix("mesh_")}
+    return f"_{identifier(next(iter(dims)))}" if len(dims) == 1 else ""
 
 
 _PARTS = {  # what the outputs of multi-output ops are, where the schema does not name them

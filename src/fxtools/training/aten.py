@@ -234,10 +234,40 @@ class AtenSplit:
     def backward_outputs(self) -> list[Descriptor]:
         return next(n for n in self.backward.graph.nodes if n.op == "output").meta["desc"]
 
+    def donated(self) -> list[int]:
+        """Positions of the saved values (the backward's first inputs) whose memory nothing else
+        shares: not an input, output or updated buffer of the forward, nor another saved value,
+        nor a gradient the backward returns. Once the backward starts it holds the only reference
+        (``training/saved.py`` lets go of the rest), so a compiler may reuse that memory after the
+        value's last use, as Inductor does with AOTAutograd's donated buffers (``bw_donated_idxs``)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        def storage(v):
+            ok = isinstance(v, torch.Tensor) and v.layout == torch.strided
+            return StorageWeakRef(v.untyped_storage()) if ok else None
+
+        fw_vals = [n.meta.get("val") for n in self.forward.graph.find_nodes(op="placeholder")]
+        fw_vals += [getattr(o, "meta", {}).get("val") for o in _output_values(self.forward)]
+        saved = fw_vals[len(fw_vals) - len(_output_values(self.forward)) :][self.n_outputs : self.n_outputs + self.n_saved]
+        count: dict = {}
+        for v in fw_vals:
+            count[storage(v)] = count.get(storage(v), 0) + 1
+        bw_in = [n.meta.get("val") for n in self.backward.graph.find_nodes(op="placeholder")]
+        bw_out = {storage(getattr(o, "meta", {}).get("val")) for o in _output_values(self.backward)}
+        return [
+            i
+            for i, v in enumerate(saved)
+            if storage(v) is not None and count[storage(v)] == 1 and storage(bw_in[i]) not in bw_out
+        ]
+
     def __repr__(self):
         fw = sum(n.op == "call_function" for n in self.forward.graph.nodes)
         bw = sum(n.op == "call_function" for n in self.backward.graph.nodes)
         return f"AtenSplit(forward: {fw} ops, backward: {bw} ops, {len(self.buffers)} buffers, {len(self.mutated)} updated)"
+
+
+def _output_values(gm: fx.GraphModule) -> list:
+    return list(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
 
 
 def _input_descs(sp: Split) -> list[Descriptor]:

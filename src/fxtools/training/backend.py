@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 
 import torch
 import torch.fx as fx
@@ -55,10 +56,11 @@ from ..signature import closures
 from ..signature.guards import InputMismatch
 from ..signature.naming import identifier
 from .aten import to_aten
+from .closed_over import ClosedOver, Lifted, register_dict
 from .distributed import SubclassLeaves, Wrappers, local_view, with_subclass_leaves
 from .finite import Checker, locate
 from .partition import Split, split
-from .saved import Replay, SavedValues, release, rng_state
+from .saved import Replay, SavedValues, graph_kept, release, rng_state
 
 __all__ = ["compile", "backend", "CompiledModule"]
 
@@ -93,14 +95,18 @@ def _apply_compiler(compiler, gm, example_inputs):
     return compiler(gm, example_inputs) if two else compiler(gm)
 
 
-def _compile(compiler, gm: fx.GraphModule, examples, sp: Split):
+def _compile(compiler, gm: fx.GraphModule, examples, sp: Split, donated=None):
     """``compiler(gm, example_inputs)`` as AOTAutograd calls it: the example inputs are FakeTensors
     of a fake mode with a ShapeEnv, which a ``TracingContext`` holds (Inductor's FX graph cache
     needs it). With symbolic sizes, the split's own fake values and mode.
 
     Returns the compiled graph and the strides of its outputs where the compiler reports them
     (Inductor does: it may lay out saved activations as it likes, e.g. channels-last after a
-    convolution, and the backward must be compiled for the layout it will get), else None."""
+    convolution, and the backward must be compiled for the layout it will get), else None.
+
+    ``donated`` (a backward's): the inputs whose memory the graph may reuse after their last use
+    (``AtenSplit.donated``); Inductor reads them from the ``TracingContext`` as AOTAutograd
+    leaves them there, and compiles the graph as a backward (``is_backward``)."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -111,10 +117,24 @@ def _compile(compiler, gm: fx.GraphModule, examples, sp: Split):
     else:
         examples = [p.meta["val"] for p in gm.graph.nodes if p.op == "placeholder"]
         mode = fake_mode_of(examples, create=True)
-    with tracing(TracingContext(mode)), TracingContext.report_output_strides() as strides, _fixed_layouts(compiler):
+    context = TracingContext(mode)
+    with tracing(context), TracingContext.report_output_strides() as strides, _fixed_layouts(compiler):
         _joint_graph_passes(compiler, gm, mode)
-        compiled = _apply_compiler(compiler, gm, examples)
+        if donated is not None:
+            context.fw_metadata = _Donated(list(donated))
+            compiled = compiler(gm, examples, is_backward=True)
+        else:
+            compiled = _apply_compiler(compiler, gm, examples)
     return compiled, (list(strides) if strides else None)
+
+
+class _Donated:
+    """What Inductor reads of AOTAutograd's ``ViewAndMutationMeta`` while compiling a backward
+    (``torch._inductor.utils.get_donated_idxs``): its donated inputs."""
+
+    def __init__(self, bw_donated_idxs: list[int]):
+        self.bw_donated_idxs = bw_donated_idxs
+        self.static_input_indices: list[int] = []
 
 
 def _joint_graph_passes(compiler, gm: fx.GraphModule, mode) -> None:
@@ -151,7 +171,7 @@ def _example(val, stride=None):
     return torch.empty_strided(val.shape, stride, dtype=val.dtype, device=val.device).zero_()
 
 
-def _compile_backward(compiler, aten, sp: Split, saved_strides):
+def _compile_backward(compiler, aten, sp: Split, saved_strides, donated=None):
     """The compiled ATen backward, called as ``bw(*saved, *cotangents)`` (it is handed the tensors
     it holds itself, ``aten.backward_buffers``), and the strides it was made for (None where
     symbolic). ``saved_strides``: the layouts the compiled forward gives the saved values."""
@@ -162,7 +182,7 @@ def _compile_backward(compiler, aten, sp: Split, saved_strides):
         examples = [_example(v, s) for v, s in zip(vals, strides)]
     else:
         examples = vals
-    compiled, _ = _compile(compiler, aten.backward, examples, sp)
+    compiled, _ = _compile(compiler, aten.backward, examples, sp, donated)
     return _with_buffers(compiled, aten.backward_buffers), [_static_stride(x) for x in examples]
 
 
@@ -211,7 +231,7 @@ class _Runner:
         self.split = sp
         self.checker = Checker(sp) if check_finite else None  # check_finite: training/finite.py
         fw_compiler, bw_compiler = _resolve_compiler(fw_compiler), _resolve_compiler(bw_compiler)
-        self.aten = None
+        self.aten, self.donated = None, None
         if fw_compiler is not None or bw_compiler is not None:
             if decompositions is None and (_is_inductor(fw_compiler) or _is_inductor(bw_compiler)):
                 decompositions = "inductor"
@@ -226,7 +246,9 @@ class _Runner:
             self.bw, self.bw_aten = sp.backward_boxed.forward, False
         else:
             saved_strides = out_strides[self.aten.n_outputs :] if out_strides else None
-            (self.bw, strides), self.bw_aten = _compile_backward(bw_compiler, self.aten, sp, saved_strides), True
+            self.donated = self.aten.donated() if _is_inductor(bw_compiler) else None
+            backward = _compile_backward(bw_compiler, self.aten, sp, saved_strides, self.donated)
+            (self.bw, strides), self.bw_aten = backward, True
             self.ct_strides = strides[len(sp.saved) : len(sp.saved) + len(sp.cotangents)]
         cap = sp.captured
         self.out_leaves = cap.out_leaves
@@ -256,6 +278,7 @@ class _Runner:
             saved.clear()
             return self.split.flat_grads(self.bw(args))
         cts = [_restrided(c, s) for c, s in zip(cts, self.ct_strides)]
+        _own(saved, self.donated or ())
         args = saved + cts
         saved.clear()
         return list(_call(self.bw, args))
@@ -276,6 +299,19 @@ class _Runner:
         it = iter(outs)
         full = [next(it) if t else o for t, o in zip(self.out_is_tensor, self.out_leaves)]
         return pytree.tree_unflatten(full, self.split.out_spec)
+
+
+def _own(saved: list, donated) -> None:
+    """Make each of ``saved[donated]`` memory the compiled backward may overwrite: one that
+    something else still refers to (the graph kept for another backward, a saved-tensor hook's
+    reference, a view) is replaced by a copy."""
+    keep = graph_kept()
+    for i in donated:
+        t = saved[i]
+        # references: the list, ``t``, getrefcount's argument; the storage: ``t`` and its Python object
+        if keep or sys.getrefcount(t) > 3 or torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2:
+            saved[i] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+        del t
 
 
 def _static_stride(val):
@@ -325,6 +361,7 @@ class _Runners:
         self.dynamic_shapes, self.dynamic, self.skip_first = dynamic_shapes, dynamic, skip_first
         self.capturing = capturing  # the context in which ``fn`` is traced
         self.entries: list = []  # (training, requires_grad mask, runner)
+        self.lifted: Lifted | None = None  # closed-over tensors requiring grad, passed as inputs (closed_over.py)
 
     def _marks(self, args):
         """dynamic_shapes by position for ``args`` (None: static)."""
@@ -344,7 +381,9 @@ class _Runners:
             return {d: Dim.AUTO for d, n in enumerate(x.shape) if n > 1} or None
 
         return tuple(
-            None if i == 0 and self.skip_first else pytree.tree_map(mark, a, is_leaf=lambda x: isinstance(x, torch.Tensor))
+            None
+            if (i == 0 and self.skip_first) or isinstance(a, ClosedOver)
+            else pytree.tree_map(mark, a, is_leaf=lambda x: isinstance(x, torch.Tensor))
             for i, a in enumerate(args)
         )
 
@@ -353,7 +392,7 @@ class _Runners:
         autograd function takes them, its graphs their local tensors: ``training/distributed.py``)."""
         view = local_view(args)
         if view is None:
-            leaves_and_runner = self._lookup(args, training)
+            leaves_and_runner = self._lookup(self._with_lifted(args), training)
         else:
             runner, leaves = self._lookup(view.args(args), (training, view.key), view)
             leaves_and_runner = runner, with_subclass_leaves(leaves, args)
@@ -384,14 +423,28 @@ class _Runners:
         with self.capturing():
             sp = split(fn, *args, policy=self.policy, grad_leaves=mask, rules=self.rules, dynamic_shapes=self._marks(args))
         sp.from_module = self.skip_first  # a module's: its parameters come first, by name
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and view is not None:
             _refuse_closed_over_leaves(sp)
+        elif torch.is_grad_enabled() and self.lifted is None:
+            self.lifted = Lifted.find(sp.forward)
+            if self.lifted is not None:  # traced again, taking them as inputs (their .grad filled as in eager)
+                self.fn = self.lifted.function(self.fn)
+                self.entries.clear()
+                return self._lookup(self._with_lifted(args), training)
         leaves = sp.flatten(*args)
         runner = _Runner(sp, leaves, self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite)
         if view is not None:
             runner.subclasses = SubclassLeaves(view)
         self.entries.append((training, mask, runner))
         return runner, leaves
+
+    def _with_lifted(self, args):
+        """``args`` and the lifted tensors as they are now, before a trailing ``KeywordArguments``."""
+        if self.lifted is None:
+            return args
+        if args and isinstance(args[-1], KeywordArguments):
+            return (*args[:-1], self.lifted.values(), args[-1])
+        return (*args, self.lifted.values())
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -585,13 +638,7 @@ class KeywordArguments(dict):
     dict: each tensor is an input named after its keyword)."""
 
 
-pytree.register_pytree_node(
-    KeywordArguments,
-    lambda d: (list(d.values()), list(d)),
-    lambda values, keys: KeywordArguments(zip(keys, values)),
-    flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.items()], list(d)),
-    serialized_type_name="fxtools.KeywordArguments",
-)
+register_dict(KeywordArguments)
 
 
 def _accepting_keywords(fn):

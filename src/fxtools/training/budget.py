@@ -97,7 +97,7 @@ def _flops(node: fx.Node) -> int:
     """FLOPs ``torch.utils.flop_counter`` counts for running ``node`` once on its fake values."""
 
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
-    vals = [v for v in fx.node.map_aggregate((args, kwargs), lambda v: v) if isinstance(v, torch.Tensor)]
+    vals = [v for v in pytree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
     target = node.target
     if not vals or not callable(target):
         return 0

@@ -261,8 +261,10 @@ class SubclassLeaves:
         return out
 
     def gradients(self, grads) -> list:
-        layouts = self.view.tensor_layouts
-        return [g if lay is None or g is None else lay.grad_layout().wrap(g) for g, lay in zip(grads, layouts)]
+        layouts, partial = self.view.tensor_layouts, self.view.tensor_grad_placements
+        return [
+            g if lay is None or g is None else lay.grad_layout(p.partial).wrap(g) for g, lay, p in zip(grads, layouts, partial)
+        ]
 
 
 _COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")

@@ -721,6 +721,7 @@ class Split:
     "fxtools.split",
     requires="front: a prepared graph with VJP rules; a policy saying what to save",
     ensures="Split: forward(*leaves) -> (out, saved), backward(*saved, *cotangents) -> grads, each guarded",
+    keywords=False,
 )
 def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dynamic_shapes=None, check_finite=False) -> Split:
     """Forward and backward graphs of ``f`` at ``args`` (see the module docstring).

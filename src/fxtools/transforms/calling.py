@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError
 from ..signature.guards import module_call
+from ..signature.naming import arg_names
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -38,21 +39,36 @@ class CallError(FxtoolsError, TypeError):
     """A transform called the torch.func way (or with its arguments swapped): says the fxtools call."""
 
 
-def transform(name: str, *, loss: bool = False) -> Callable[[Callable[P, R]], Callable[P, R]]:
+def transform(name: str, *, loss: bool = False, keywords: bool = False) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate the public transform ``name`` (``"fxtools.grad"``), called ``fn(f, *args, **options)``,
-    so that its calls are checked by ``check_call`` first (``loss``: ``registry.Transform.loss``)."""
+    so that its calls are checked by ``check_call`` first (``loss``, ``keywords``: ``registry.Transform``'s).
+
+    With ``keywords``, a keyword that is not one of ``fn``'s options is ``f``'s, as torch.func.grad
+    passes them on (``with_keywords``): an input of the module after ``f``'s positional ones,
+    neither differentiated nor batched, called by keyword (``gm(x, grad_out, scale=2.0)``)."""
     TRANSFORMS.add(name)
 
     def wrap(fn: Callable[P, R]) -> Callable[P, R]:
+        options = inspect.signature(fn).parameters
+
         @functools.wraps(fn)
         def checked(*args: P.args, **kwargs: P.kwargs) -> R:
-            check_call(name, fn, args, kwargs, loss=loss)
+            check_call(name, fn, args, kwargs, loss=loss, keywords=keywords)
+            own = {k: v for k, v in kwargs.items() if k not in options}
             with grad_mode_of_a_transform():
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _ordinary, (args, kwargs))
-                built = fn(*args, **kwargs)
+                call_args: tuple = args
+                call_options: dict = kwargs
+                if own:
+                    call_args, call_options = keywords_as_arguments(options, args, kwargs, tuple(own))
+                built = fn(*call_args, **call_options)
             module: Any = built
+            if isinstance(module, torch.fx.GraphModule) and own:
+                module.__dict__["keywords"] = tuple(own)
             if kwargs.get("dynamic_shapes") is not None and isinstance(module, torch.fx.GraphModule):
-                module.__dict__["size_one_variant"] = functools.partial(_static_variant, checked, args[0], len(args) - 1, kwargs)
+                module.__dict__["size_one_variant"] = functools.partial(
+                    _static_variant, checked, args[0], len(args) - 1, kwargs, tuple(own)
+                )
             return built
 
         return checked
@@ -75,12 +91,60 @@ def grad_mode_of_a_transform():
         yield
 
 
-def _static_variant(transform_fn, f, n_examples: int, options: dict, call_args: tuple):
+def _static_variant(transform_fn, f, n_examples: int, options: dict, own: tuple, call_args: tuple):
     """The module ``transform_fn`` builds from the call's own arguments (its first ``n_examples``,
-    the function's; the rest are the transform's inputs), with static sizes: what a module made
-    with a dynamic size runs for a call where that size is 1 (``GuardedGraphModule``)."""
+    the function's, then its keywords ``own``; the rest are the transform's inputs), with static
+    sizes: what a module made with a dynamic size runs for a call where that size is 1
+    (``GuardedGraphModule``)."""
     static = {k: v for k, v in options.items() if k != "dynamic_shapes"}
+    static.update(zip(own, call_args[n_examples : n_examples + len(own)]))
     return transform_fn(f, *call_args[:n_examples], **static)
+
+
+def keywords_as_arguments(options, args: tuple, kwargs: dict, own: tuple) -> tuple[tuple, dict]:
+    """The call ``fn(*args, **kwargs)`` of a transform with ``options``, ``f``'s keywords ``own``
+    (among ``kwargs``) turned into further positional arguments (``with_keywords``): ``argnums``
+    count ``f``'s positional arguments alone (None, all of them), ``in_dims`` and tuple
+    ``dynamic_shapes`` get ``None`` for each keyword (not batched, static)."""
+    f, examples = args[0], args[1:]
+    n, k = len(examples), len(own)
+    opts = {key: v for key, v in kwargs.items() if key not in own}
+    if "argnums" in options:
+        nums = opts.get("argnums", options["argnums"].default)
+        opts["argnums"] = tuple(range(n)) if nums is None else _within(nums, n)
+    if "in_dims" in options:
+        dims = opts.get("in_dims", options["in_dims"].default)
+        opts["in_dims"] = (tuple(dims) if isinstance(dims, (tuple, list)) else (dims,) * n) + (None,) * k
+    if isinstance(opts.get("dynamic_shapes"), (tuple, list)):
+        opts["dynamic_shapes"] = tuple(opts["dynamic_shapes"]) + (None,) * k
+    g, examples = with_keywords(f, examples, {key: kwargs[key] for key in own})
+    return (g, *examples), opts
+
+
+def _within(argnums, n: int):
+    """``argnums`` with negative indices counted from the end of ``f``'s ``n`` positional arguments."""
+    if isinstance(argnums, (tuple, list)):
+        return type(argnums)(_within(a, n) for a in argnums)
+    return argnums % n if isinstance(argnums, int) and -n <= argnums < 0 else argnums
+
+
+def with_keywords(f, args: tuple, kwargs: dict):
+    """``f`` taking its keyword arguments ``kwargs`` as further positional arguments named by
+    their keywords (so the generated module's signature is ``(*args, *keywords, ...)`` and it may
+    be called with them by keyword), and the example arguments to match."""
+    n, keys = len(args), tuple(kwargs)
+    names = arg_names(f.forward if isinstance(f, torch.nn.Module) else f, n)
+    clash = sorted(set(keys) & set(names))
+    if clash:
+        raise TypeError(f"{getattr(f, '__name__', 'f')}() got multiple values for argument {clash[0]!r}")
+
+    def call(*a):
+        return f(*a[:n], **dict(zip(keys, a[n:])))
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    call.__signature__ = inspect.Signature([inspect.Parameter(k, kind) for k in (*names, *keys)])  # type: ignore[attr-defined]
+    call.__name__ = getattr(f, "__name__", type(f).__name__)
+    return call, (*args, *kwargs.values())
 
 
 def _ordinary(t: torch.Tensor) -> torch.Tensor:
@@ -90,7 +154,7 @@ def _ordinary(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.is_inference() else t
 
 
-def check_call(name: str, fn, args: tuple, kwargs: dict, *, loss: bool = False) -> None:
+def check_call(name: str, fn, args: tuple, kwargs: dict, *, loss: bool = False, keywords: bool = False) -> None:
     """Raise ``CallError`` for the torch.func and JAX habits that do not work with fxtools.
 
     ``loss``: the transform differentiates a scalar loss; given an nn.Module with parameters, a user
@@ -107,7 +171,7 @@ def check_call(name: str, fn, args: tuple, kwargs: dict, *, loss: bool = False) 
             + ("; the arguments look swapped" if swapped else "")
             + f": call {usage}, e.g. {name}(f, x)"
         )
-    _check_keywords(name, fn, f, kwargs)
+    _check_keywords(name, fn, f, kwargs, keywords)
     _check_argnums(name, kwargs.get("argnums"))
     if not examples and _required_positional(f, kwargs):
         raise CallError(
@@ -130,25 +194,30 @@ def check_call(name: str, fn, args: tuple, kwargs: dict, *, loss: bool = False) 
         )
 
 
-def _check_keywords(name: str, fn, f, kwargs: dict) -> None:
+def _check_keywords(name: str, fn, f, kwargs: dict, keywords: bool) -> None:
     """A keyword named as torch.func or JAX names it (``argnum``, ``in_axes``) gets fxtools' name,
-    unless the transform or ``f`` itself takes a keyword of that name."""
+    unless the transform or ``f`` itself takes a keyword of that name; any other keyword that is
+    not an option of the transform is ``f``'s (``keywords``), which ``f`` must take."""
     params = inspect.signature(fn).parameters
     accepted = set(params)
-    passes_on = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    options = ", ".join(p for p in params if params[p].kind is params[p].KEYWORD_ONLY)
     for key in kwargs:
-        if key in KEYWORD_NAMES and key not in accepted and not _takes_keyword(f, key):
+        if key in KEYWORD_NAMES and key not in accepted and not _takes_keyword(f, key, False):
             better = KEYWORD_NAMES[key]
             has = f" (as in torch.func): {name}(f, *args, {better}=...)" if better in accepted else ""
             raise CallError(f"{name} got an unexpected keyword argument {key!r}; fxtools calls it {better!r}{has}")
-        if key not in accepted and not passes_on:
-            options = ", ".join(p for p in params if params[p].kind is params[p].KEYWORD_ONLY)
+        if key in accepted:
+            continue
+        if not keywords:
             raise CallError(
                 f"{name} got the keyword argument {key!r}, which is not one of its options ({options}). "
-                f"{name} passes no keyword arguments on to f: the module it builds takes f's arguments, "
-                "then its own inputs (cotangents, tangents, series), positionally. Bind it "
-                f"to f: {name}(functools.partial(f, {key}=...), *args), or make it a positional argument; "
-                "fxtools.grad and fxtools.value_and_grad pass keyword arguments on, as torch.func.grad does"
+                f"{name} passes no keyword arguments on to f: its module takes f's arguments, then its "
+                f"own inputs, positionally. Bind it to f: {name}(functools.partial(f, {key}=...), *args)"
+            )
+        if not _takes_keyword(f, key, True):
+            raise CallError(
+                f"{name} got the keyword argument {key!r}, which is neither one of its options ({options}) "
+                f"nor a parameter of the function {getattr(f, '__name__', 'f')}"
             )
 
 
@@ -168,19 +237,21 @@ def _is_index(value) -> bool:
     return isinstance(value, int)
 
 
-def _takes_keyword(f, key: str) -> bool:
+def _takes_keyword(f, key: str, uninspectable: bool) -> bool:
+    """Whether ``f`` takes the keyword ``key`` (``uninspectable`` if its signature cannot be read)."""
     try:
         params = inspect.signature(f).parameters.values()
     except (TypeError, ValueError):
-        return False
+        return uninspectable
     return any(p.name == key or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _required_positional(f, kwargs: dict) -> bool:
     """Whether ``f`` has a positional parameter without a default that no keyword of the call
-    names (a transform may pass its keywords on to ``f``); False if ``f`` cannot be inspected."""
+    names (a transform may pass its keywords on to ``f``); False if ``f`` cannot be inspected.
+    A module's are its ``forward``'s (a generated module's ``__call__`` takes ``*args``)."""
     try:
-        params = inspect.signature(f).parameters.values()
+        params = inspect.signature(f.forward if isinstance(f, torch.nn.Module) else f).parameters.values()
     except (TypeError, ValueError):
         return False
     return any(

@@ -242,6 +242,7 @@ def _plain(value):
     "fxtools.linearize",
     requires="fxtools.jvp's module (its front and back), run once at args",
     ensures="(out, jvp_gm): jvp_gm(*tangents) -> J @ tangents, the residuals its attributes",
+    keywords=False,
 )
 def linearize(f, *args) -> tuple[object, fx.GraphModule]:
     """``f(*args)`` and its linear map at ``args``: ``out, jvp_gm = linearize(f, *args)``.

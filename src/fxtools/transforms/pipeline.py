@@ -69,14 +69,23 @@ USERS: dict[str, Transform] = {}
 
 
 def uses_pipeline(
-    name: str, *, requires: str, ensures: str, forward_mode: bool = False, batches: bool = False, loss: bool = False
+    name: str,
+    *,
+    requires: str,
+    ensures: str,
+    forward_mode: bool = False,
+    batches: bool = False,
+    loss: bool = False,
+    keywords: bool = True,
 ) -> Callable[[F], F]:
     """Declare the public transform ``name`` (one ``Transform`` record in ``USERS``) as a user of
     the front and back, its calls checked first (``calling.transform``)."""
-    record = USERS[name] = Transform(name, requires, ensures, forward_mode=forward_mode, batches=batches, loss=loss)
+    record = USERS[name] = Transform(
+        name, requires, ensures, forward_mode=forward_mode, batches=batches, loss=loss, keywords=keywords
+    )
 
     def register(fn: F) -> F:
-        return cast(F, transform(name, loss=record.loss)(fn))
+        return cast(F, transform(name, loss=record.loss, keywords=record.keywords)(fn))
 
     return register
 

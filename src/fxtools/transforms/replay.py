@@ -11,7 +11,8 @@ The copies are made through the tracer's ``create_node``, so ``fx.traceback.set_
 (``fxtools.split``'s stack traces and markers) applies to them as to traced nodes, and they get
 the names tracing would give them. Random ops are copied as new nodes: independent draws.
 
-Whatever cannot be keyed or replayed faithfully is simply called: arguments that are not
+Whatever cannot be keyed or replayed faithfully is simply called: rules marked ``replayable =
+False`` (``registry.vjp_rule(..., replay=False)``: they read the traced graph), arguments that are not
 FakeTensors of this trace or plain Python values, symbolic sizes, constants known to the tracer,
 calls that modify an argument in place or that read traced values they were not given.
 """
@@ -263,7 +264,7 @@ class Memo:
     def call(self, fn, /, *args, **kwargs):
         """``fn(*args, **kwargs)``, replayed when an equal call was traced before."""
         mode = proxy_tensor.get_innermost_proxy_mode()
-        if not _ENABLED.get() or mode is None or fn is operator.getitem:
+        if not _ENABLED.get() or mode is None or fn is operator.getitem or not getattr(fn, "replayable", True):
             return fn(*args, **kwargs)
         tracer = mode.tracer
         # Reading tensor metadata under make_fx's torch-function modes costs a dispatch per read.

@@ -22,6 +22,7 @@ trace of the Hessian costs ``D`` Hessian-vector products.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -37,8 +38,9 @@ from ..graph import meta
 from ..graph.nodes import ancestors, is_float
 from ..registry import differentiable_nodes
 from ..rules import taylor as rules
+from .batching import trace_batched, vmappable
 from .pipeline import back, uses_pipeline
-from .retrace import Namer, copy_constants, example_mode, fake_example
+from .retrace import Namer, NodeNamer, copy_constants, example_mode, fake_example
 from .rows import rows_independent
 from .vjp import argnums_tuple, prepare
 
@@ -128,14 +130,14 @@ def _run(node, args, kwargs, made_by):
 
 
 def _name_terms(namer, value, name, weak):
-    """``h``, and its terms ``h_grad``, ``h_lap`` or ``h_d1 ... h_dK``."""
+    """``h``, and its terms ``h_grad``, ``h_lap`` (the forward Laplacian's) or ``h_d1 ... h_dK``."""
     if isinstance(value, (list, tuple)):
         return
-    if isinstance(value, rules.Collapsed):
+    if isinstance(value, rules.Collapsed) and value.order == 2:
         namer(value.value, name, weak=weak)
         namer(value.grad, f"{name}_grad", weak=weak)
         namer(value.lap, f"{name}_lap", weak=weak)
-    elif isinstance(value, rules.Jet):
+    elif rules.is_taylor(value):
         for k, t in enumerate(value.terms):
             namer(t, name if k == 0 else f"{name}_d{k}", weak=weak)
     else:
@@ -328,6 +330,14 @@ def _zeros_for(value):
     return torch.zeros_like(value)
 
 
+def _term_like(value, k, order, directions):
+    """Zeros shaped as the ``k``-th term of ``value``'s jet: with a leading dimension of ``directions``
+    below the highest term of a collapsed jet."""
+    if directions is None or k == order:
+        return torch.zeros_like(value)
+    return torch.zeros((directions, *value.shape), dtype=value.dtype, device=value.device)
+
+
 def _arg_of(cap, x_indices):
     """The argument each differentiated placeholder belongs to."""
     of_placeholder = [a for a, t in zip(cap.arg_of_leaf, cap.tensor_leaf) if t]
@@ -379,18 +389,25 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
         args = tuple(args)
     _check_samples(samples, distribution, made_by)
     cap, x_indices = _prepare(f, args, argnums, made_by)
-    x = _x_example(cap, x_indices)
-    extras = []
     if sigma is not None:
-        _check_sigma(sigma, x, made_by)
-        extras = [sigma]
+        _check_sigma(sigma, _x_example(cap, x_indices), made_by)
 
     placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
     by_rows = sigma is None and samples is None and rows_independent(cap.gm, placeholders[x_indices[0]])
+    per_point = _per_row_laplacian(f, args, argnums, cap, made_by) if by_rows else None
+    if per_point is not None:
+        return per_point
+    return _laplacian_of(cap, x_indices, args, sigma, samples, distribution, by_rows, made_by)
+
+
+def _laplacian_of(cap, x_indices, args, sigma, samples, distribution, by_rows, made_by):
+    """The forward Laplacian of a captured program: its directions those of ``x`` (the basis, sigma's
+    columns or random draws) or with ``by_rows`` one row's basis in every row."""
+    extras = [sigma] if sigma is not None else []
 
     def seed(xs, *more):
         directions = _row_directions(xs[0]) if by_rows else _directions(xs[0], more, samples, distribution)
-        return [rules.Collapsed(xs[0], directions, None)]
+        return [rules.Collapsed([xs[0], directions, None])]
 
     def outputs_of(r, i):
         if isinstance(r, rules.Collapsed):
@@ -413,6 +430,92 @@ def laplacian(f, *args, argnums=0, sigma=None, samples=None, distribution="radem
     gm = back(flat, cap, build, made_by=made_by, args=args, extra_args=extra_args, roles=roles, collapse_views=True)
     meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(cap.out_leaves), cap.out_spec))
     return gm
+
+
+def _per_row_laplacian(f, args, argnums, cap, made_by):
+    """For ``f`` whose output rows depend on their own input rows only: ``fxtools.vmap`` over the rows
+    of the Laplacian of ``f`` on one row (the cost of the vmapped per-point module). ``None`` when
+    ``f`` on one row is not the same program (other ops or arguments, other output shapes; the
+    leading size of a view may be the batch's), or fails:
+    then the caller pushes one row's directions through all rows instead (as exact, slower)."""
+    outs = cap.out_leaves
+    batch = args[argnums].shape[0]
+    if not all(is_float(o) and o.dim() >= 1 and o.shape[0] == batch for o in outs):
+        return None
+
+    @functools.wraps(f)
+    def row(*a):
+        a = list(a)
+        a[argnums] = a[argnums].unsqueeze(0)
+        return pytree.tree_map(lambda o: o.squeeze(0) if isinstance(o, torch.Tensor) else o, f(*a))
+
+    row_args = tuple(a[0] if i == argnums else a for i, a in enumerate(args))
+    try:
+        row_cap, row_x = _prepare(row, row_args, argnums, made_by)
+    except Exception:  # noqa: BLE001 - f refuses one row: the route over all rows stays
+        return None
+    same_outputs = [tuple(o.shape) for o in row_cap.out_leaves] == [tuple(o.shape[1:]) for o in outs]
+    if not same_outputs or not _same(_program(row_cap.gm, 1, row=True), _program(cap.gm, batch)):
+        return None
+    for node in next(n for n in row_cap.gm.graph.nodes if n.op == "output").args[0]:
+        if isinstance(node, fx.Node) and node.target is aten.squeeze.dim:  # the row's value keeps its name
+            name = node.args[0].name
+            node.args[0]._rename(f"{name}_row")
+            node._rename(name)
+    per_point = _laplacian_of(row_cap, row_x, row_args, None, None, "rademacher", False, made_by)
+    namer = NodeNamer(vmappable(per_point), per_point.guards)  # as fxtools.vmap, its errors naming laplacian
+    batched = torch.func.vmap(namer, in_dims=tuple(0 if i == argnums else None for i in range(len(args))))
+    gm = trace_batched(batched, args, names_of=per_point, namer=namer, made_by=made_by)
+    meta.OUT_EXAMPLE.set(gm, pytree.tree_unflatten(list(outs), cap.out_spec))
+    return gm
+
+
+_SHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+def _program(gm: fx.GraphModule, batch: int, row: bool = False) -> list:
+    """The ops of a captured program in order with their arguments (nodes by position, constants by
+    value, the leading size of a view or expand as ``"batch"`` where it is ``batch``); for the
+    one-row version (``row``) without the ``unsqueeze`` of the input and the ``squeeze`` of the outputs."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    index: dict = {}
+    ops: list = []
+    for n in gm.graph.nodes:
+        if n is output:
+            break
+        if row and n.target is aten.unsqueeze.default and n.args[0].op == "placeholder":
+            index[n] = index[n.args[0]]
+            continue
+        if row and n.target is aten.squeeze.dim and list(n.users) == [output]:
+            continue
+        index[n] = len(ops)
+        if n.op == "get_attr":
+            ops.append(("get_attr", getattr(gm, str(n.target))))
+        elif n.op != "call_function":
+            ops.append((n.op,))
+        else:
+            args = fx.node.map_arg(n.args, lambda a: ("node", index.get(a)))
+            if n.target in _SHAPE_OPS and len(args) > 1 and list(args[1])[:1] == [batch]:
+                args = (args[0], ["batch", *list(args[1])[1:]], *args[2:])
+            ops.append((n.target, args, fx.node.map_arg(n.kwargs, lambda a: ("node", index.get(a)))))
+    outs = fx.node.map_arg(output.args, lambda a: ("node", index.get(a.args[0] if row else a)))
+    return [*ops, ("output", outs)]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a, b))
+        )
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
 
 
 def _check_samples(samples, distribution, made_by):
@@ -452,7 +555,7 @@ def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> 
 
     def seed(xs):
         seeds.append(_directions(xs[0], (), samples, distribution))
-        return [rules.Collapsed(xs[0], seeds[-1], None)]
+        return [rules.Collapsed([xs[0], seeds[-1], None])]
 
     def outputs_of(r, i):
         if not isinstance(r, rules.Collapsed) or r.grad is None:
@@ -499,7 +602,7 @@ def bilaplacian(f, *args, argnums=0, samples=None, distribution="rademacher") ->
     n_out = len(cap.out_leaves) // 2  # inner returns (out, lap), each with f's structure
 
     def seed(xs):
-        return [rules.Collapsed(xs[0], _directions(xs[0], (), samples, distribution), None)]
+        return [rules.Collapsed([xs[0], _directions(xs[0], (), samples, distribution), None])]
 
     def outputs_of(r, i):
         if i < n_out:
@@ -561,7 +664,7 @@ def _draw(shape, x, distribution):
     requires="front: a prepared graph; ops the series reaches have Taylor rules or decompositions",
     ensures="gm(*args, series) -> (out, out_series), out_series nested as out",
 )
-def jet(f, *args, order, argnums=0) -> fx.GraphModule:
+def jet(f, *args, order, argnums=0, directions=None) -> fx.GraphModule:
     """Taylor mode along a curve: the derivatives of ``f(x(t))`` at ``t = 0``, as code.
 
     ``x(t) = x + sum_k series[k-1] t^k / k!`` with ``x = args[argnums]``. Returns a GraphModule with
@@ -574,18 +677,26 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
     ``x`` may be a pytree of tensors (each term of ``series`` then has its structure), and
     ``argnums`` a tuple: the curve moves all those arguments, each term of ``series`` is a tuple
     with one entry per argument. ``order=0`` gives ``f(*args)`` and empty tuples.
+
+    ``directions=R``: the *collapsed* jet (Dangel et al., 2025) of ``R`` curves at once, summed in
+    their highest term: ``series[k-1]`` for ``k < order`` has a leading dimension of ``R`` (the
+    ``k``-th derivative of each curve), ``series[order-1]`` has ``x``'s shape (the sum over the
+    curves of their ``order``-th derivative), and so have the returned terms. The highest term
+    enters every rule linearly, so its sum is propagated instead of ``R`` of them: with
+    ``order=2``, the basis as the first terms and a zero second term this is the forward Laplacian.
     """
     made_by = "fxtools.jet"
     if not isinstance(args, tuple):
         args = tuple(args)
     if not isinstance(order, int) or isinstance(order, bool) or order < 0:
         raise ValueError(f"{made_by}: order must be a non-negative int, got {order!r}")
+    if directions is not None and (not isinstance(directions, int) or isinstance(directions, bool) or directions < 1):
+        raise ValueError(f"{made_by}: directions must be a positive int (the number of curves), got {directions!r}")
     cap, x_indices = _prepare(f, args, argnums, made_by, several=True)
     nums = argnums_tuple(argnums, len(args))
     moving = args[argnums] if isinstance(argnums, int) else tuple(args[n] for n in nums)
-    term_example = pytree.tree_map(torch.zeros_like, moving)
-    series_example = tuple(term_example for _ in range(order))
-    width = len(pytree.tree_leaves(term_example))
+    series_example = tuple(pytree.tree_map(lambda a: _term_like(a, k, order, directions), moving) for k in range(1, order + 1))
+    width = len(pytree.tree_leaves(moving))
     arg_of = _arg_of(cap, x_indices)
     order_of = [p for n in nums for p, a in enumerate(arg_of) if a == n]  # series leaf j -> its input
 
@@ -594,13 +705,15 @@ def jet(f, *args, order, argnums=0) -> fx.GraphModule:
         for k in range(order):
             for j, p in enumerate(order_of):
                 terms[p].append(more[k * width + j])
-        return [rules.constant_if_zero(rules.Jet(t)) for t in terms]  # order 0: plain values
+        kind = rules.Jet if directions is None else rules.Collapsed
+        return [rules.constant_if_zero(kind(t)) for t in terms]  # order 0: plain values
 
     def outputs_of(r, i):
-        if isinstance(r, rules.Jet):
-            return [t if t is not None else _zeros_for(r.value) for t in r.terms[1:]]
         v = rules.value_of(r)
-        return [_zeros_for(v) for _ in range(order)] if is_float(v) else []
+        if not rules.is_taylor(r) and not is_float(v):
+            return []
+        terms = r.terms[1:] if rules.is_taylor(r) else [None] * order
+        return [t if t is not None else _term_like(v, k, order, directions) for k, t in enumerate(terms, 1)]
 
     series_names = [f"series_{k}" if width == 1 else f"series_{k}_{j}" for k in range(order) for j in range(width)]
     flat = _trace(cap, x_indices, seed, pytree.tree_leaves(series_example), series_names, outputs_of, made_by)

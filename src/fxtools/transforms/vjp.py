@@ -8,8 +8,6 @@ whose calls first check that the arguments are what it was made for (``fxtools.s
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
@@ -180,7 +178,7 @@ def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None, has_aux=False):
     ensures="gm(*args) -> grads (and aux), nested as the differentiated arguments",
     loss=True,
 )
-def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> fx.GraphModule:
+def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """The gradient of scalar-valued ``f`` at example ``args``: ``gm(*args) -> grads``.
 
     As ``torch.func.grad``: ``argnums`` (int or tuple) picks the arguments differentiated;
@@ -190,7 +188,6 @@ def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> f
     differentiated, as torch.func passes them: ``fxtools.grad(f, x, scale=2.0)`` makes a module
     called as ``gm(x, scale=2.0)``.
     """
-    f, args = with_keywords(f, args, kwargs)
     return _grad_gm(f, args, argnums, with_value=False, dynamic_shapes=dynamic_shapes, has_aux=has_aux)
 
 
@@ -200,30 +197,8 @@ def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> f
     ensures="gm(*args) -> (value, grads), or ((value, aux), grads)",
     loss=True,
 )
-def value_and_grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None, **kwargs) -> fx.GraphModule:
+def value_and_grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None) -> fx.GraphModule:
     """Like ``grad``, but ``gm(*args) -> (value, grads)``; with ``has_aux=True``,
     ``gm(*args) -> ((value, aux), grads)``, as ``jax.value_and_grad`` (``torch.func.grad_and_value``
     returns the same two items the other way round). Keyword arguments as on ``grad``."""
-    f, args = with_keywords(f, args, kwargs)
     return _grad_gm(f, args, argnums, with_value=True, dynamic_shapes=dynamic_shapes, has_aux=has_aux)
-
-
-def with_keywords(f, args: tuple, kwargs: dict):
-    """``f`` taking its keyword arguments ``kwargs`` as further positional arguments named by
-    their keywords (so the generated module's signature is ``(*args, *keywords)`` and it may be
-    called with them by keyword), and the example arguments to match."""
-    if not kwargs:
-        return f, args
-    n, keys = len(args), tuple(kwargs)
-    names = arg_names(f.forward if isinstance(f, torch.nn.Module) else f, n)
-    clash = sorted(set(keys) & set(names))
-    if clash:
-        raise TypeError(f"{getattr(f, '__name__', 'f')}() got multiple values for argument {clash[0]!r}")
-
-    def call(*a):
-        return f(*a[:n], **dict(zip(keys, a[n:])))
-
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    call.__signature__ = inspect.Signature([inspect.Parameter(k, kind) for k in (*names, *keys)])  # type: ignore[attr-defined]
-    call.__name__ = getattr(f, "__name__", type(f).__name__)
-    return call, (*args, *kwargs.values())
