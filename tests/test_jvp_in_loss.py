@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 
 import meanflow
 import pytest
@@ -306,14 +307,92 @@ def test_hvp_and_vjp_of_a_loss_with_a_jvp():
     torch.testing.assert_close(gw, torch.func.grad(loss)(w, x, v), **TOL)
 
 
-def test_random_op_inside_the_jvp_is_refused_with_the_line():
+def test_dropout_inside_the_jvp_applies_the_primal_mask():
+    """Dropout and attention dropout (GQA, causal) between a JVP's primals and outputs: one draw, as
+    eager PyTorch draws it, whose mask the tangent applies too; equal to torch.func under the same
+    seed, through fxtools.grad and fxtools.compile (its fused rules)."""
+    b, t = 2, 5
+
+    def attention(x, w, wk):
+        q = (x @ w).view(b, t, 2, 2).transpose(1, 2)
+        k = (x @ wk).view(b, t, 1, 2).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, k * 2, dropout_p=0.3, enable_gqa=True, is_causal=True)
+        return F.dropout(a.transpose(1, 2).reshape(b, t, 4), 0.5, training=True)
+
+    def loss(w, wk, x, v):
+        u, du = torch.func.jvp(lambda x: attention(x, w, wk), (x,), (v,))
+        return (u * du).sum() + F.dropout(u, 0.2).pow(2).sum()
+
+    g = torch.Generator().manual_seed(0)
+    w, wk = torch.randn(4, 4, generator=g, dtype=torch.float64), torch.randn(4, 2, generator=g, dtype=torch.float64)
+    x, v = (torch.randn(b, t, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    gm = fxtools.grad(loss, w, wk, x, v)
+    code = flat_code(gm)
+    assert len(re.findall(r"bernoulli_?\(", code)) == 3, code  # one draw per dropout: the tangent reads the primal's mask
+    torch.manual_seed(5)
+    got = gm(w, wk, x, v)
+    with sdpa_kernel(SDPBackend.MATH):
+        torch.manual_seed(5)
+        want = torch.func.grad(loss)(w, wk, x, v)
+    torch.testing.assert_close(got, want, **TOL)
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.wk = nn.Parameter(w.clone()), nn.Parameter(wk.clone())
+
+        def forward(self, x, v):
+            return loss(self.w, self.wk, x, v)
+
+    module = Loss()
+    torch.manual_seed(5)
+    fxtools.compile(module)(x, v).backward()
+    torch.testing.assert_close(module.w.grad, want, **TOL)
+
+
+def test_batch_norm_in_training_inside_the_jvp():
+    """The JVP differentiates through the batch's statistics; the running statistics are updated once
+    (by the program's own call). PyTorch's reverse over its forward-mode formula drops the statistics'
+    second-order terms (as for LayerNorm, module docstring): checked against central differences."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(4).double()
+
     def loss(w, x, v):
-        u, du = torch.func.jvp(lambda x: F.dropout(x @ w, 0.5, training=True), (x,), (v,))
+        with fwAD.dual_level():
+            u, du = fwAD.unpack_dual(bn(torch.tanh(fwAD.make_dual(x, v) @ w)))
         return (u * du).sum()
 
-    w = torch.randn(3, 3)
-    with pytest.raises(fxtools.FxtoolsError, match=r"dropout.*F.dropout\(x @ w, 0.5, training=True\)"):
-        fxtools.grad(loss, w, w, w)
+    g = torch.Generator().manual_seed(1)
+    w, x, v, d = (torch.randn(4, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    got = fxtools.grad(loss, w, x, v)(w, x, v)
+    once = bn.running_mean.clone()
+    bn.reset_running_stats()
+    loss(w, x, v)
+    torch.testing.assert_close(once, bn.running_mean, rtol=0, atol=1e-15)
+    eps = 1e-6
+    fd = (loss(w + eps * d, x, v) - loss(w - eps * d, x, v)) / (2 * eps)
+    torch.testing.assert_close((got * d).sum(), fd, rtol=1e-6, atol=1e-8)
+
+
+def test_random_draws_without_a_mask_inside_the_jvp():
+    """A draw of the primal's values alone (``torch.normal(mean)``) has a zero tangent; a random op whose
+    tangent needs its draw (``rrelu``'s slopes) is refused at build time naming the op and the line."""
+
+    def noisy(w, x, v):
+        u, du = torch.func.jvp(lambda x: torch.normal(x @ w, 1.0) + x, (x,), (v,))
+        return (u * du).sum()
+
+    def rrelu(w, x, v):
+        u, du = torch.func.jvp(lambda x: F.rrelu(x @ w, training=True), (x,), (v,))
+        return (u * du).sum()
+
+    w = torch.randn(3, 3, dtype=torch.float64)
+    torch.manual_seed(2)
+    got = fxtools.grad(noisy, w, w, w)(w, w, w)
+    torch.manual_seed(2)
+    torch.testing.assert_close(got, torch.func.grad(noisy)(w, w, w), **TOL)
+    with pytest.raises(fxtools.FxtoolsError, match=r"rrelu.*F.rrelu\(x @ w, training=True\)"):
+        fxtools.grad(rrelu, w, w, w)
 
 
 def test_backend_of_a_jvp_loss():

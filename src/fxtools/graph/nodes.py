@@ -41,6 +41,10 @@ def count_compute_nodes(gm: fx.GraphModule) -> int:
 # of the dropout probability, and of the training flag (None: the op has none).
 _MAY_DRAW = {
     aten.scaled_dot_product_attention.default: ((4, "dropout_p", 0.0), None),
+    aten._scaled_dot_product_attention_math.default: ((4, "dropout_p", 0.0), None),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: ((3, "dropout_p", 0.0), None),
+    aten._scaled_dot_product_flash_attention.default: ((3, "dropout_p", 0.0), None),
+    aten._scaled_dot_product_efficient_attention.default: ((5, "dropout_p", 0.0), None),
     aten.dropout.default: ((1, "p", None), (2, "train", None)),
     aten.native_dropout.default: ((1, "p", None), (2, "train", None)),
 }

@@ -621,6 +621,27 @@ def _hashable(x):
     return (type(x).__name__, x)
 
 
+def _arguments(node: fx.Node) -> tuple:
+    """``node``'s arguments, hashable; an op's bound to its schema with the defaults filled in, so
+    that ``sdpa(q, k, v)`` and ``sdpa(q, k, v, None, 0.0, False)`` are the same call."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return _hashable(node.args), _hashable(node.kwargs)
+    bound = []
+    for i, arg in enumerate(target._schema.arguments):
+        if i < len(node.args) and not arg.kwarg_only:
+            bound.append(node.args[i])
+        elif arg.name in node.kwargs:
+            bound.append(node.kwargs[arg.name])
+        elif arg.has_default_value():
+            bound.append(arg.default_value)
+        else:
+            return _hashable(node.args), _hashable(node.kwargs)  # not a call of this schema: as written
+    if len(node.args) > len(bound) or any(k not in {a.name for a in target._schema.arguments} for k in node.kwargs):
+        return _hashable(node.args), _hashable(node.kwargs)
+    return _hashable(bound), ()
+
+
 def cse(gm: fx.GraphModule) -> bool:
     seen, changed = {}, False
     written = {a for n in gm.graph.nodes if _mutates(n) for a in n.all_input_nodes}
@@ -633,7 +654,7 @@ def cse(gm: fx.GraphModule) -> bool:
         if node.op not in ("call_function", "call_method", "get_attr") or is_impure(node):
             continue
         try:
-            key = (node.op, node.target, _hashable(node.args), _hashable(node.kwargs))
+            key = (node.op, node.target, *_arguments(node))
             hash(key)
         except TypeError:
             continue

@@ -733,10 +733,10 @@ def _sum_heads(g, t):
 
 
 def sdpa_fwd(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    given, scale = scale, 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     keep = None
-    if dropout_p == 0:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if dropout_p == 0:  # the call as written (``scale`` as given): the same call as the program's, shared
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=given, enable_gqa=enable_gqa)
     else:
         probs = _attention_probs(q, _repeat_heads(k, q, enable_gqa), attn_mask, is_causal, scale)
         keep = torch.empty_like(probs).bernoulli_(1 - dropout_p) / (1 - dropout_p)

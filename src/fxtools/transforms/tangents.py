@@ -23,7 +23,7 @@ import torch.fx.traceback as fx_traceback
 
 from .. import registry
 from ..capture import dual
-from ..capture.decompose import expand
+from ..capture.decompose import expand, inline_decomposition
 from ..capture.functionalize import functionalize
 from ..errors import FxtoolsError, user_line_of
 from ..graph.nodes import fake_mode_of, is_float, is_impure
@@ -240,8 +240,8 @@ def _region(graph: fx.Graph, level: int, ys: list[fx.Node]) -> tuple[list[fx.Nod
     active = [n for n in graph.nodes if _is(n, dual.dual) and n.args[2] == level and fill_value(n.args[1]) != 0]
     down = set(active)
     for n in graph.nodes:
-        if n in down or n.op == "output":
-            continue
+        if n in down or n.op == "output" or (n.op == "call_function" and registry.is_nondifferentiable(n.target)):
+            continue  # (a random draw, ``detach``: a constant of the JVP)
         inputs = [n.args[0]] if _is(n, dual.dual) else n.all_input_nodes
         if any(i in down for i in inputs):
             down.add(n)
@@ -263,6 +263,9 @@ def _compute_tangents(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
     level = _level(markers[0])
     ys = [_value(m) for m in markers]
     active, region = _region(graph, level, ys)
+    if _lower_draws(gm, region):
+        ys = [_value(m) for m in markers]
+        active, region = _region(graph, level, ys)
     sub, inputs, tangents = _region_graph(gm, region, active, ys, level)
     wrt = [i < len(tangents) for i in range(len(inputs))]
     # fused backward kernels (fxtools.compile's rule set) have no VJP of their own to transpose
@@ -309,6 +312,11 @@ def _region_graph(gm, region: list[fx.Node], active: list[fx.Node], ys: list[fx.
             env[n] = env[_value(n)]
             continue
         env[n] = sub.node_copy(n, env.__getitem__)
+        if _updates_statistics(n):  # the program's own call updates them, once
+            env[n].args = tuple(None if i in _STATISTICS else a for i, a in enumerate(env[n].args))
+    for y in ys:
+        if y not in env:  # no tangent reaches it (a random draw of the duals' values): zero
+            env[y] = placeholder(y)
     sub.output([env[y] for y in ys])
     sub_gm = fx.GraphModule(_Attrs(gm, sub), sub)
     _refuse_random(region, level)
@@ -336,15 +344,41 @@ class _Attrs(torch.nn.Module):
                 setattr(self, str(n.target), getattr(gm, str(n.target)))
 
 
+_STATISTICS = (3, 4)  # the running mean and variance batch norms update in training
+_UPDATING = {aten.batch_norm.default, aten.instance_norm.default, aten.native_batch_norm.default}
+
+
+def _updates_statistics(node: fx.Node) -> bool:
+    return node.target in _UPDATING and is_impure(node) and all(isinstance(node.args[i], fx.Node) for i in _STATISTICS)
+
+
 def _draws(node: fx.Node) -> bool:
-    """Whether ``node`` draws random numbers (or has another effect a copy would repeat)."""
-    return node.op == "call_function" and not _is(node, dual.dual) and is_impure(node)
+    """Whether ``node`` draws random numbers (or has another effect a copy would repeat) and
+    carries a tangent (a draw alone, ``bernoulli``, is a constant of the JVP)."""
+    return (
+        node.op == "call_function"
+        and not _is(node, dual.dual)
+        and is_impure(node)
+        and not registry.is_nondifferentiable(node.target)
+    )
+
+
+def _lower_draws(gm: fx.GraphModule, region: list[fx.Node]) -> bool:
+    """Random ops of the region (dropout, attention with dropout) replaced in the program by their
+    rule's forward: the draw (``bernoulli``, as eager PyTorch draws it), then ops of the primal and
+    the mask. The draw is a constant of the JVP, so the tangent applies the primal's mask."""
+    changed = False
+    for n in region:
+        rule = registry.readable_rule(n.target) if _draws(n) else None
+        if rule is not None and inline_decomposition(gm, n, lambda *a, rule=rule, **k: rule.fwd(*a, **k)[0]):
+            changed = True
+    return changed
 
 
 def _refuse_random(region: list[fx.Node], level: int) -> None:
     """A random op between duals and a tangent would draw again for the tangent's copy."""
     for n in region:
-        if _draws(n):
+        if _draws(n) and not _updates_statistics(n):
             op = getattr(n.target, "__name__", str(n.target))
             raise FxtoolsError(
                 f"{op} (at {user_line_of(n) or 'an unknown line'}) draws random numbers inside the function whose JVP "
