@@ -154,3 +154,27 @@ def test_layer_norm_whose_statistics_nothing_reads_is_written_as_users_write_it(
     want = torch.autograd.grad(loss(params, *args[1:]), list(params.values()))
     for got, w in zip(grads[0].values(), want):
         torch.testing.assert_close(got, w, rtol=1e-10, atol=1e-12)
+
+
+def test_stack_trace_lists_every_user_frame_of_the_call():
+    """A node's stack trace (the user's line in errors and names) lists the user's frames from the
+    outermost to the op's line, as ``traceback.extract_stack`` sees them (capture reads them from
+    the interpreter's frames rather than symbolizing torch's and fxtools' own too)."""
+    import traceback
+
+    from fxtools.errors import is_user_file
+
+    seen = []
+
+    def inner(x):
+        seen.append(traceback.extract_stack())
+        waved = torch.sin(x)  # the line after the one extract_stack read
+        return waved * 2
+
+    sp = fxtools.split(inner, torch.randn(3))
+    frames = [f for f in seen[-1] if is_user_file(f.filename)]
+    last = frames[-1]
+    frames[-1] = traceback.FrameSummary(last.filename, last.lineno + 1, last.name)
+    want = "".join(traceback.StackSummary.from_list(frames).format()).strip()
+    (node,) = [n for n in sp.forward.graph.nodes if n.name == "waved"]
+    assert node.meta["stack_trace"] == want

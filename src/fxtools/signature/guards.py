@@ -232,6 +232,21 @@ class GuardedGraphModule(fx.GraphModule):
     size_one_variant: Any = None  # builds the module again for a call with a dynamic size of 1 (transforms/calling.py)
     keywords: tuple[str, ...] = ()  # its inputs that are the function's keyword arguments (transforms/calling.py)
 
+    def __init__(self, root, graph, class_name: str = "GraphModule", *, generate_code: bool = True):
+        """As ``fx.GraphModule``'s; ``generate_code=False`` leaves the code to the caller's own
+        ``recompile()`` (``pipeline.emit``, once the graph is respelled and renamed) instead of
+        generating it here too, only to be thrown away."""
+        self.__dict__["_code_deferred"] = not generate_code
+        try:
+            super().__init__(root, graph, class_name)
+        finally:
+            del self.__dict__["_code_deferred"]
+
+    def recompile(self):
+        if self.__dict__.get("_code_deferred"):
+            return None
+        return super().recompile()
+
     def __repr__(self):
         guards = self.guards
         if guards is None:

@@ -785,7 +785,7 @@ def _forward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured) -> fx
         meta.PART.set(env[n], "forward")
     out_struct = pytree.tree_unflatten([env[o] if isinstance(o, fx.Node) else o for o in part.fw_outs], cap.out_spec)
     fg.output((out_struct, tuple(env[s] for s in part.saved)))
-    return emit(GuardedGraphModule(joint, fg, class_name="SplitForward"), cap, SPLIT)
+    return emit(GuardedGraphModule(joint, fg, class_name="SplitForward", generate_code=False), cap, SPLIT)
 
 
 def _flat_grads(part: _Partition, wrt: list[bool]) -> list:
@@ -808,7 +808,7 @@ def _backward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured, grad
         benv[v] = bg.node_copy(v, benv.__getitem__)
         meta.PART.set(benv[v], "recompute" if v in keep else "backward")  # computed in both graphs
     bg.output(pytree.tree_map(lambda g: benv[g] if isinstance(g, fx.Node) else g, grads))
-    return emit(GuardedGraphModule(joint, bg, class_name="SplitBackward"), cap, SPLIT)
+    return emit(GuardedGraphModule(joint, bg, class_name="SplitBackward", generate_code=False), cap, SPLIT)
 
 
 def _described(cap: Captured, args: tuple, part: _Partition, forward, backward, ct_index, policy, from_module) -> Split:

@@ -123,9 +123,10 @@ def _key(fn, args, kwargs, tracer):
     return key, tensors, nodes
 
 
-def _fresh(val):
-    """Two new FakeTensors with ``val``'s metadata (storage offset and size included), untraced:
-    one to trace, and the snapshot of it that ``node.meta["val"]`` keeps (as make_fx does).
+def _fresh(val, n=2):
+    """``n`` new FakeTensors with ``val``'s metadata (storage offset and size included), untraced:
+    one to trace, and the snapshot of it that ``node.meta["val"]`` keeps (as make_fx does); only
+    the snapshot (``n=1``) for a value the call does not return, which nothing traces.
 
     Made as FakeTensorMode makes its own (``fast_detach``): a meta tensor wrapped in FakeTensors
     of ``val``'s mode (each wrapper has its own metadata), without a trip through the modes.
@@ -136,7 +137,7 @@ def _fresh(val):
         if val.storage_offset() != 0 or meta.untyped_storage().nbytes() != val.untyped_storage().nbytes():
             base = aten.empty.memory_format([size], dtype=val.dtype, device="meta")
             meta = aten.as_strided.default(base, val.shape, val.stride(), val.storage_offset())
-    return FakeTensor(mode, meta, val.device), FakeTensor(mode, meta, val.device)
+    return tuple(FakeTensor(mode, meta, val.device) for _ in range(n))
 
 
 def _same_meta(t, val) -> bool:
@@ -176,6 +177,7 @@ class _Recording:
         self.inputs = inputs  # the argument nodes they read (by tensor index)
         self.out_leaves = out_leaves  # ("arg", i) | ("node", node) | ("value", v)
         self.out_spec = out_spec
+        self.returned = {x for kind, x in out_leaves if kind == "node"}
 
     @classmethod
     def make(cls, nodes, inputs, tensors, out, tracer):
@@ -224,14 +226,17 @@ class _Recording:
                 vals[old] = type(val)(t for t, _ in pairs)
                 new.meta["val"] = type(val)(snapshot for _, snapshot in pairs)
             else:
-                if old.target is operator.getitem:
-                    t = vals[old.args[0]][old.args[1]]
-                    snapshot = fast_detach(t.fake_mode, t)
+                if old.target is not operator.getitem and old not in self.returned:
+                    (new.meta["val"],) = _fresh(val, 1)  # a value inside the call: nothing traces it
                 else:
-                    t, snapshot = _fresh(val)
-                vals[old] = t
-                proxy_tensor.track_tensor(t, tracer.proxy(new), constant=None, tracer=tracer)
-                new.meta["val"] = snapshot
+                    if old.target is operator.getitem:
+                        t = vals[old.args[0]][old.args[1]]
+                        snapshot = fast_detach(t.fake_mode, t)
+                    else:
+                        t, snapshot = _fresh(val)
+                    vals[old] = t
+                    proxy_tensor.track_tensor(t, tracer.proxy(new), constant=None, tracer=tracer)
+                    new.meta["val"] = snapshot
             for k, v in old.meta.items():  # tensor_meta: the same metadata
                 if k not in _CREATED and k not in new.meta:
                     new.meta[k] = v
