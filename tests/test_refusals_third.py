@@ -490,18 +490,27 @@ def sin_under_no_grad(x):
     return (x * m).pow(2).sum()
 
 
-@pytest.mark.parametrize("f", [detach_inside, sin_under_no_grad], ids=lambda f: f.__name__)
+def max_under_no_grad(x):
+    with torch.no_grad():
+        m = x.max()  # couples the elements: the gradient's Jacobian is not symmetric
+    return ((x - m).exp() * m).sum()
+
+
+@pytest.mark.parametrize("f", [detach_inside, sin_under_no_grad, max_under_no_grad], ids=lambda f: f.__name__)
 def test_second_derivatives_through_detach_and_no_grad(f):
-    """A detached value is a constant at every order, as in PyTorch (fxtools.hvp differentiated the
-    gradient's code, where the detach was gone: silently wrong). Oracle: torch.func's hvp and
-    hessian (forward over reverse: the tangent passes through no_grad blocks, as fxtools.hvp
-    documents); for detach also torch.autograd.functional.hvp (reverse over reverse)."""
+    """A detached value, or one computed under ``no_grad``, is a constant at every order, as in
+    PyTorch's reverse mode (fxtools.hvp differentiated the gradient's code, where the detach and
+    the no_grad block were gone: silently wrong). Oracle: torch.func's reverse over reverse and
+    torch.autograd.functional's hvp and hessian. torch.func.jvp(grad(f)) differs under no_grad
+    (forward AD ignores no_grad), as fxtools.hvp documents."""
     x, v = _x(3, 4), _x(3, 4, seed=1)
     gm = fxtools.hvp(f, x)
-    _close(gm(x, v), torch.func.jvp(torch.func.grad(f), (x,), (v,))[1])
-    _close(fxtools.hessian(f, x)(x), torch.func.hessian(f)(x))
-    if f is detach_inside:
-        _close(gm(x, v), torch.autograd.functional.hvp(f, x, v)[1])
+    _close(gm(x, v), torch.func.vjp(torch.func.grad(f), x)[1](v)[0])
+    _close(gm(x, v), torch.autograd.functional.hvp(f, x, v)[1])
+    _close(fxtools.hessian(f, x)(x), torch.autograd.functional.hessian(f, x))
+    g = fxtools.grad(f, x)  # autograd over the generated gradient: eager's double backward
+    xg = x.clone().requires_grad_()
+    _close(torch.autograd.grad(g(xg), xg, v)[0], torch.func.vjp(torch.func.grad(f), x)[1](v)[0])
 
 
 def test_a_parameter_made_from_a_batched_input_is_refused_clearly():

@@ -55,7 +55,8 @@ def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     them for a tuple ``argnums``), and so has the result. As
     ``torch.func.jvp(torch.func.grad(f, argnums), args, tangents)[1]`` with ``v`` as the tangent
     of the differentiated arguments, wherever PyTorch's gradient is the derivative of ``f``.
-    Where it deliberately is not (``embedding`` skips its padding row), the two orders of
+    Where it deliberately is not (``embedding`` skips its padding row, a value computed inside
+    ``torch.no_grad()`` is a constant, which forward AD ignores), the two orders of
     differentiation differ, and this equals torch.func's reverse over reverse.
     """
     from .vjp import grad

@@ -211,6 +211,20 @@ class Namer:
             else:
                 self.weak.discard(node)
 
+    def hand_over(self, tensor, to) -> None:
+        """``to`` (a copy standing in for ``tensor``, as a detached value) takes ``tensor``'s name."""
+        mode = proxy_tensor.get_innermost_proxy_mode()
+        if mode is None:
+            return
+        try:
+            node = proxy_tensor.get_proxy_slot(tensor, mode.tracer).proxy.node
+        except Exception:  # noqa: BLE001 - not a traced tensor: nothing to hand over
+            return
+        name = self.names.pop(node, None)
+        self.weak.discard(node)
+        if name is not None:
+            self(to, name)
+
     def apply(self, graph: fx.Graph) -> None:
         for node, name in self.names.items():
             node._rename(name)

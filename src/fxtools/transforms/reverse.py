@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
 
 from .. import registry
 from ..errors import MissingRuleError, user_line_of
@@ -115,6 +116,27 @@ def _carrying_cotangents(captured: fx.GraphModule, placeholders, out_nodes, wrt)
     return {n for n in need if n in reach or n in wrt_nodes}
 
 
+def _cut_by_no_grad(captured: fx.GraphModule, need: set[fx.Node]) -> set[fx.Node]:
+    """The floating values computed from a differentiated input inside a ``torch.no_grad()`` region,
+    and those computed from them alone: they carry no cotangent. Where a differentiated value uses
+    one, the generated code detaches it, so that code's own derivative (``fxtools.hvp``,
+    ``hessian``, autograd run over it) sees a constant too, as PyTorch does at every order."""
+    cut: set[fx.Node] = set()
+    grad_enabled = True
+    for node in captured.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._set_grad_enabled:
+            grad_enabled = bool(node.args[0])
+            continue
+        if node in need or not any(is_float(v) for v in pytree.tree_leaves(node.meta.get("val"))):
+            continue
+        inputs = node.all_input_nodes
+        if any(a in cut for a in inputs) or (not grad_enabled and any(a in need for a in inputs)):
+            cut.add(node)
+    return cut
+
+
 class _Transposer(Retracer):
     """The template ``reverse`` traces: ``(*inputs, *cotangents) -> (*outputs, *gradients)``.
 
@@ -130,6 +152,7 @@ class _Transposer(Retracer):
         super().__init__(captured)
         self.spec = spec
         self.need = _carrying_cotangents(captured, self.placeholders, self.out_nodes, spec.wrt)
+        self.cut = _cut_by_no_grad(captured, self.need)
         self.ct_index = [i for i, o in enumerate(self.out_nodes) if isinstance(o, fx.Node) and o in self.need]
         if spec.seed == "ones" and len(self.ct_index) > 1:
             raise ValueError("grad needs a function with one scalar tensor output; use vjp for more")
@@ -169,9 +192,10 @@ class _Transposer(Retracer):
     def call_function(self, node: fx.Node) -> None:
         """Run ``node``: through its rule's forward (pushed on the tape) if a cotangent flows through it."""
         self.current = node
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.env.__getitem__)
         if node.target is torch._C._set_grad_enabled:
             return
+        value = self.constant_for_gradients if node in self.need else self.env.__getitem__
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
         # With ``fx.traceback.preserve_node_meta()`` on (fxtools.split), the traced nodes
         # inherit the op's stack trace and markers; otherwise this is a no-op.
         with fx_traceback.set_current_meta(node), _value_owner(self.namer, node):
@@ -184,6 +208,15 @@ class _Transposer(Retracer):
         _name_value(self.namer, self.env[node], node)
         if node in self.dynamic:
             tie(self.env[node], node.meta["val"])
+
+    def constant_for_gradients(self, node: fx.Node):
+        """``node``'s value, detached if a ``no_grad`` region cut it off the gradient (``_cut_by_no_grad``)."""
+        value = self.env[node]
+        if node not in self.cut or not isinstance(value, torch.Tensor) or node.target is aten.detach.default:
+            return value
+        detached = self.memo.call(aten.detach.default, value)
+        self.namer.hand_over(value, detached)
+        return detached
 
     # -- backward
 
