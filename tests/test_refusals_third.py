@@ -513,6 +513,31 @@ def test_second_derivatives_through_detach_and_no_grad(f):
     _close(torch.autograd.grad(g(xg), xg, v)[0], torch.func.vjp(torch.func.grad(f), x)[1](v)[0])
 
 
+def test_an_in_place_op_reading_part_of_the_memory_it_writes_is_refused():
+    """``y[..., 1:].mul_(y[..., :-1])``: eager's result depends on its kernel's order (it refuses the
+    contiguous case, runs the strided one), so fxtools refuses it, naming the line; the same view
+    (``y.mul_(y)``) and disjoint or interleaved views of one storage are exact as eager."""
+
+    def shifted(x):
+        y = x.exp()
+        y[..., 1:].mul_(y[..., :-1].detach())
+        return y
+
+    def interleaved(x):
+        y = (x * 2).reshape(-1)
+        y[::2].add_(y[1::2])
+        return y * y.clone().mul_(y)
+
+    x = _x(3, 4)
+    for transform in (fxtools.vjp, fxtools.jvp, fxtools.vmap):
+        with pytest.raises(FxtoolsError, match=r"y\[\.\.\., 1:\]\.mul_.*same memory.*clone"):
+            transform(shifted, x)
+    xg = x.clone().requires_grad_()
+    want = torch.autograd.grad(interleaved(xg), xg, torch.ones(12, dtype=x.dtype))[0]
+    _close(fxtools.grad(lambda x: interleaved(x).sum(), x)(x), want)
+    _close(fxtools.vmap(interleaved, _x(5, 3, 4))(_x(5, 3, 4)), torch.stack([interleaved(r) for r in _x(5, 3, 4)]))
+
+
 def test_a_parameter_made_from_a_batched_input_is_refused_clearly():
     def f(x):
         w = nn.Parameter(x * 2)  # a new leaf: its value is outside autograd's view of x

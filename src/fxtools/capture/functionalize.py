@@ -30,6 +30,8 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import FxtoolsError, user_line_of
@@ -423,6 +425,48 @@ def _scatter_as_strided(s: _Step, w: _Write):
     return b(aten.permute.default, value, _inverse(order)) if order != list(range(pval.dim())) else value
 
 
+def _refuse_partial_overlap(node: fx.Node, written, args, storage) -> None:
+    """An in-place op reading memory that partly overlaps the memory it writes (``y[1:].mul_(y[:-1])``)
+    has no defined result: eager's depends on its kernel's order (PyTorch refuses it where it can
+    tell), so it is refused rather than computed from the values before the write."""
+    st = storage(written)
+    if st is None:
+        return
+    for arg in pytree.tree_leaves((args, node.kwargs)):
+        val = _val(arg)
+        if val is written or not isinstance(val, torch.Tensor) or storage(val) != st:
+            continue
+        if _overlap_partly(written, val):
+            raise _error(
+                node,
+                "some elements it reads and some it writes are the same memory (a view of the value "
+                "written), so the result depends on the order the kernel runs in; eager PyTorch "
+                "refuses this where it can tell. Clone the input first (`y[1:].mul_(y[:-1].clone())`)",
+            )
+
+
+def _overlap_partly(a, b) -> bool:
+    """Whether strided views ``a`` and ``b`` of one storage share some elements but are not the
+    same view (the same view, as in ``x.mul_(x)``, is fine)."""
+    layouts = [(t.storage_offset(), list(t.shape), list(t.stride())) for t in (a, b)]
+    if not all(isinstance(n, int) for n in pytree.tree_leaves(layouts)):
+        return False  # symbolic sizes: reading them as numbers would specialise the graph
+    la, lb = layouts
+    if la == lb or a.numel() == 0 or b.numel() == 0:
+        return False
+    spans = [(o, o + sum((n - 1) * abs(d) for n, d in zip(shape, stride))) for o, shape, stride in (la, lb)]
+    if spans[0][1] < spans[1][0] or spans[1][1] < spans[0][0]:
+        return False
+    end = max(spans[0][1], spans[1][1]) + 1
+    if end > 1 << 24:
+        return True  # too large to list: the spans meet
+    with unset_fake_temporarily():
+        every = torch.arange(end)
+        ia = torch.as_strided(every, la[1], la[2], la[0]).reshape(-1)
+        ib = torch.as_strided(every, lb[1], lb[2], lb[0]).reshape(-1)
+        return bool(torch.isin(ia, ib).any())
+
+
 def _memory_order(val) -> list[int] | None:
     """``val``'s dimensions from outermost to innermost in memory, when ``val`` covers a span of
     its storage densely (else None): ``val.permute(order)`` lists its storage in order."""
@@ -611,6 +655,7 @@ class _Functionalizer:
         written = _written_args(node.target)
         target = _arg_at(node, written[0], orig_args)
         st = self.storage(_val(target))
+        _refuse_partial_overlap(node, _val(target), orig_args, self.storage)
         if st is None or st in self.input_storages or not isinstance(target, fx.Node):
             self.keep(node, written, st)
         else:
