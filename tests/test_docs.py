@@ -29,7 +29,9 @@ def test_blocks_are_found_as_a_reader_sees_them():
 
 @pytest.fixture
 def rules_restored():
-    """Pages may register rules (fxtools.register_vjp): the tables are restored afterwards."""
+    """Pages may register rules (fxtools.register_vjp): the tables are restored afterwards. The
+    built-in rules load on first use: loaded before the snapshot, or restoring it would drop them."""
+    registry._builtin()
     tables = {name: dict(table) for name, table in registry._RULE_SETS.items()}
     rules, nondiff = dict(registry._RULES), set(registry._NONDIFFERENTIABLE)
     yield
