@@ -52,12 +52,10 @@ from .graph.nodes import calls_with_grad_mode, is_float
 @dataclass(frozen=True)
 class Transform:
     """A public transform, declared once (``transforms.pipeline.uses_pipeline``): its name (the
-    ``made_by`` of its modules, in messages and stamps), what its front requires and what the
-    module it returns ensures, and the properties other stages ask about instead of its name."""
+    ``made_by`` of its modules, in messages and stamps) and the properties other stages ask about
+    instead of its name (what the module returns is its function's docstring)."""
 
     name: str  # "fxtools.vjp"
-    requires: str
-    ensures: str
     forward_mode: bool = False  # pushes tangents forward: a torch.autograd.Function's own jvp would go unused
     batches: bool = False  # maps f over the user's batch (below torch.func.vmap): custom Functions run their forward
     loss: bool = False  # differentiates a scalar loss: an nn.Module with parameters as f is ambiguous (calling.check_call)
