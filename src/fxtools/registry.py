@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,18 +46,16 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .graph.nodes import is_float
+from .graph.nodes import calls_with_grad_mode, is_float
 
 
 @dataclass(frozen=True)
 class Transform:
     """A public transform, declared once (``transforms.pipeline.uses_pipeline``): its name (the
-    ``made_by`` of its modules, in messages and stamps), what its front requires and what the
-    module it returns ensures, and the properties other stages ask about instead of its name."""
+    ``made_by`` of its modules, in messages and stamps) and the properties other stages ask about
+    instead of its name (what the module returns is its function's docstring)."""
 
     name: str  # "fxtools.vjp"
-    requires: str
-    ensures: str
     forward_mode: bool = False  # pushes tangents forward: a torch.autograd.Function's own jvp would go unused
     batches: bool = False  # maps f over the user's batch (below torch.func.vmap): custom Functions run their forward
     loss: bool = False  # differentiates a scalar loss: an nn.Module with parameters as f is ambiguous (calling.check_call)
@@ -174,6 +173,45 @@ def register_vjp(
     return rule
 
 
+def _schema_names(op, n_args: int, keywords) -> list[str]:
+    """The argument names of the overload of ``op`` a call with ``n_args`` positional arguments and
+    these keywords binds to (a packet's overloads, such as ``conv2d``'s int and string padding,
+    are tried in order)."""
+    overloads = [op] if isinstance(op, torch._ops.OpOverload) else [getattr(op, name) for name in op.overloads()]
+    for overload in overloads:
+        names = [a.name for a in overload._schema.arguments if not a.is_out]
+        if n_args <= len(names) and set(keywords) <= set(names):
+            return names
+    raise TypeError(f"{op} takes no {n_args} positional arguments with keywords {sorted(keywords)}")
+
+
+def by_schema(op, fn: Callable, lead: int = 0) -> Callable:
+    """``fn``, whose parameters end in ``**config``, called with the arguments of a call of ``op``:
+    the op's arguments past ``fn``'s named parameters reach ``config`` under their schema names, as
+    the call gave them (absent ones stay absent: ``fn`` supplies their defaults). This is how a rule
+    receives an op's non-tensor configuration (a convolution's stride, padding, ...; a norm's
+    momentum and eps) as one unit, to pass on to a backward kernel taking the same. ``lead``: the
+    parameters before the op's arguments (a ``vjp_rule`` backward's ``ct, out``)."""
+    named = [p for p in inspect.signature(fn).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    n_named = len(named) - lead
+
+    def call(*args, **kwargs):
+        head, args = args[:lead], args[lead:]
+        names = _schema_names(op, len(args), kwargs)
+        config = dict(zip(names[n_named:], args[n_named:]))
+        config.update((k, v) for k, v in kwargs.items() if k not in names[:n_named])
+        named_kwargs = {k: v for k, v in kwargs.items() if k in names[:n_named]}
+        return fn(*head, *args[:n_named], **named_kwargs, **config)
+
+    return call
+
+
+def _takes_config(fn) -> bool:
+    """Whether ``fn``'s parameters end in ``**config`` with no ``*args`` (``by_schema``'s functions)."""
+    kinds = [p.kind for p in inspect.signature(fn).parameters.values()]
+    return inspect.Parameter.VAR_KEYWORD in kinds and inspect.Parameter.VAR_POSITIONAL not in kinds
+
+
 def vjp_rule(op, *, rule_set: str | None = None, complex: str = "holomorphic", replay: bool = True):
     """Decorator for the common rule shape: the forward is the op itself.
 
@@ -185,6 +223,9 @@ def vjp_rule(op, *, rule_set: str | None = None, complex: str = "holomorphic", r
         def sin(ct, out, x):
             return ct * torch.cos(x)
 
+    A backward whose parameters end in ``**config`` receives the op's arguments past its named
+    ones by their schema names (``by_schema``): ``def convolution(ct, out, x, weight, bias, **conv)``.
+
     ``complex`` says how the rule treats complex tensors (module docstring): ``"holomorphic"``
     (conjugated arguments and output), ``"convention"``, ``"real"`` or ``"complex"``.
     ``replay=False``: the backward depends on more than its arguments' metadata (it reads the
@@ -194,13 +235,15 @@ def vjp_rule(op, *, rule_set: str | None = None, complex: str = "holomorphic", r
     _check_complex_mode(complex)
 
     def register(bwd_of_inputs):
+        rule = by_schema(op, bwd_of_inputs, lead=2) if _takes_config(bwd_of_inputs) else bwd_of_inputs
+
         def fwd(*args, **kwargs):
             out = op(*args, **kwargs)
             return out, (out, args, kwargs)
 
         def bwd(aux, ct):
             out, args, kwargs = conj_complex_leaves(aux) if complex == "holomorphic" else aux
-            return bwd_of_inputs(ct, out, *args, **kwargs)
+            return rule(ct, out, *args, **kwargs)
 
         bwd.replayable = replay  # type: ignore[attr-defined]
         fwd.__name__ = bwd.__name__ = bwd_of_inputs.__name__
@@ -332,13 +375,7 @@ def differentiable_nodes(gm: fx.GraphModule, wrt: set[fx.Node]) -> set[fx.Node]:
     ``floor``, comparisons), and inside ``torch.no_grad()`` regions.
     """
     need = set(wrt)
-    grad_enabled = True
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is torch._C._set_grad_enabled:
-            grad_enabled = bool(node.args[0])
-            continue
+    for node, grad_enabled in calls_with_grad_mode(gm.graph):
         if not grad_enabled or is_nondifferentiable(node.target):
             continue
         inputs = node.all_input_nodes

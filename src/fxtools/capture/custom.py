@@ -542,7 +542,7 @@ def _record(kind: _Kind, args, kwargs):
 
 
 # the transform while a nested torch.func transform is traced (capture/nested.py)
-NESTED = Transform("torch.func", requires="a torch.func transform inside the traced program", ensures="its trace, inline")
+NESTED = Transform("torch.func")
 
 
 def _forward_is_its_derivative(cls) -> bool:

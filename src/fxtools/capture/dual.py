@@ -42,9 +42,7 @@ __all__ = ["dual", "tangent", "make_dual", "unpack", "jvp", "JvpCall", "forward_
 _COUNTER = itertools.count()
 # what custom Functions called in the JVP'd code see: a transform pushing tangents forward (their own
 # jvp would go unused, fxtools transposes their backward: refused)
-FORWARD_MODE = Transform(
-    "torch.func.jvp", requires="a JVP inside the traced program", ensures="dual and tangent markers", forward_mode=True
-)
+FORWARD_MODE = Transform("torch.func.jvp", forward_mode=True)
 _WHERE: dict[int, str] = {}  # level -> the user's line that opened it
 
 

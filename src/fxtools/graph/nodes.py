@@ -28,6 +28,20 @@ STATEFUL_NORMS = {
 }
 
 
+def calls_with_grad_mode(graph: fx.Graph):
+    """``(node, grad_enabled)`` for each ``call_function`` node of ``graph``, with the grad mode it
+    runs in: the graph's ``torch._C._set_grad_enabled`` nodes (not yielded) switch it, starting
+    from on, as a transform builds (``no_grad`` blocks of the program are what turns it off)."""
+    grad_enabled = True
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._set_grad_enabled:
+            grad_enabled = bool(node.args[0])
+            continue
+        yield node, grad_enabled
+
+
 def count_compute_nodes(gm: fx.GraphModule) -> int:
     """Nodes doing work: calls other than getitem, getattr (``x.device``) and placeholder plumbing."""
     return sum(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import register_vjp, vjp_rule
+from ..registry import by_schema, register_vjp, vjp_rule
 from . import nn
 
 aten = torch.ops.aten
@@ -155,12 +155,12 @@ def native_layer_norm(ct, out, x, normalized_shape, weight, bias, eps):
     return dx, None, dw, db
 
 
-def batch_norm_fwd(x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled=True):
+def batch_norm_fwd(x, weight, bias, running_mean, running_var, **norm):
     """``native_batch_norm`` in both modes: in training it also returns the batch mean and
     inverse std (and updates the running statistics in place); in evaluation the backward reads
-    the running statistics."""
-    training = training or running_mean is None
-    out, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps)
+    the running statistics. ``norm``: training, momentum, eps, cudnn_enabled."""
+    training, eps = norm["training"] or running_mean is None, norm["eps"]
+    out, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var, training, norm["momentum"], eps)
     stats = (None, None, mean, invstd) if training else (running_mean, running_var, None, None)
     return out, (x, weight, bias, stats, training, eps)
 
@@ -171,70 +171,54 @@ def batch_norm_bwd(aux, ct):
     return dx, dw, db, None, None
 
 
-register_vjp(aten.batch_norm, batch_norm_fwd, batch_norm_bwd, source=FUSED, rule_set=FUSED, complex="real")
+register_vjp(
+    aten.batch_norm, by_schema(aten.batch_norm, batch_norm_fwd), batch_norm_bwd, source=FUSED, rule_set=FUSED, complex="real"
+)
 
 
-def _native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, training, eps, readable):
+def _native_batch_norm(ct, out, x, weight, bias, running, eps, readable):
+    """``running``: the running (mean, var) evaluation normalises with; None in training.
+    ``readable()``: the readable rule, for the statistics' cotangents."""
+    training = running is None
     if training and (ct[1] is not None or ct[2] is not None):  # statistics' cotangents: second derivatives
         return readable()
     if ct[0] is None:
         return None
-    stats = (None, None, out[1], out[2]) if training else (running_mean, running_var, None, None)
+    stats = (None, None, out[1], out[2]) if training else (*running, None, None)
     return aten.native_batch_norm_backward(ct[0], x, weight, *stats, training, eps, _mask(x, weight, bias))
 
 
 @fused(aten.native_batch_norm)
-def native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
-    training = training or running_mean is None
-    return _native_batch_norm(
-        ct,
-        out,
-        x,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        training,
-        eps,
-        lambda: nn.native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps),
-    )
+def native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, **norm):
+    running = None if norm["training"] or running_mean is None else (running_mean, running_var)
+
+    def readable():
+        return nn.native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, **norm)
+
+    return _native_batch_norm(ct, out, x, weight, bias, running, norm["eps"], readable)
 
 
 @fused(aten._native_batch_norm_legit.default)
-def _native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
-    return _native_batch_norm(
-        ct,
-        out,
-        x,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        training,
-        eps,
-        lambda: nn.native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps),
-    )
+def _native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, **norm):
+    running = None if norm["training"] else (running_mean, running_var)
+
+    def readable():
+        return nn.native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, **norm)
+
+    return _native_batch_norm(ct, out, x, weight, bias, running, norm["eps"], readable)
 
 
 @fused(aten._native_batch_norm_legit.no_stats)
 def _native_batch_norm_legit_no_stats(ct, out, x, weight, bias, training, momentum, eps):
-    return _native_batch_norm(
-        ct,
-        out,
-        x,
-        weight,
-        bias,
-        None,
-        None,
-        True,
-        eps,
-        lambda: nn.native_batch_norm_legit_no_stats(ct, out, x, weight, bias, training, momentum, eps),
-    )
+    def readable():
+        return nn.native_batch_norm_legit_no_stats(ct, out, x, weight, bias, training, momentum, eps)
+
+    return _native_batch_norm(ct, out, x, weight, bias, None, eps, readable)
 
 
 @fused(aten._native_batch_norm_legit_no_training)
-def _native_batch_norm_legit_no_training(ct, out, x, weight, bias, running_mean, running_var, momentum, eps):
-    return _native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, False, eps, None)
+def _native_batch_norm_legit_no_training(ct, out, x, weight, bias, running_mean, running_var, **norm):
+    return _native_batch_norm(ct, out, x, weight, bias, (running_mean, running_var), norm["eps"], None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,43 +233,31 @@ def embedding(ct, out, weight, indices, padding_idx=-1, scale_grad_by_freq=False
     return aten.embedding_dense_backward(ct, indices, weight.shape[0], padding_idx, scale_grad_by_freq), None
 
 
-def _convolution(ct, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+def _convolution(ct, x, weight, bias, conv: nn.Conv):
     """``convolution_backward`` (which wants a batch dimension and explicit lists)."""
     nd = weight.dim() - 2
     unbatched = x.dim() == nd + 1
     if unbatched:
         x, ct = x.unsqueeze(0), ct.unsqueeze(0)
-    lists = [nn.ntuple(v, nd) for v in (stride, padding, dilation, output_padding)]
-    dx, dw, db = aten.convolution_backward(
-        ct,
-        x,
-        weight,
-        None if bias is None else list(bias.shape),
-        lists[0],
-        lists[1],
-        lists[2],
-        transposed,
-        lists[3],
-        groups,
-        _mask(x, weight, bias),
-    )
+    bias_sizes = None if bias is None else list(bias.shape)
+    dx, dw, db = aten.convolution_backward(ct, x, weight, bias_sizes, *conv.expanded(nd), _mask(x, weight, bias))
     return (dx.squeeze(0) if unbatched else dx), dw, db
 
 
 @fused(aten.convolution)
-def convolution(ct, out, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    return _convolution(ct, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+def convolution(ct, out, x, weight, bias, **conv):
+    return _convolution(ct, x, weight, bias, nn.Conv(**conv))
 
 
-def conv_nd(ct, out, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+def conv_nd(ct, out, x, weight, bias=None, **conv):
     """``padding="same"`` may pad asymmetrically, which the kernel cannot: the readable rule does."""
-    if isinstance(padding, str):
-        return nn.conv_nd(ct, out, x, weight, bias, stride, padding, dilation, groups)
-    return _convolution(ct, x, weight, bias, stride, padding, dilation, False, 0, groups)
+    if isinstance(conv.get("padding"), str):
+        return nn.conv_nd(ct, out, x, weight, bias, **conv)
+    return _convolution(ct, x, weight, bias, nn.Conv(**conv))
 
 
-def conv_transpose_nd(ct, out, x, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
-    return _convolution(ct, x, weight, bias, stride, padding, dilation, True, output_padding, groups)
+def conv_transpose_nd(ct, out, x, weight, bias=None, **conv):
+    return _convolution(ct, x, weight, bias, nn.Conv(**conv, transposed=True))
 
 
 for _op in (aten.conv1d, aten.conv2d, aten.conv3d):

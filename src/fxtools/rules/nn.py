@@ -7,6 +7,9 @@ Conventions used below:
 - the backward of a normalisation is written once, in ``_normalized_grad``;
 - ops with randomness (dropout) draw their mask once in the forward and reuse it;
 - losses take ``reduction`` as PyTorch's enum: 0 none, 1 mean, 2 sum;
+- an op's configuration past its tensors (a convolution's stride, padding, ...; a norm's training,
+  momentum and eps) reaches its rule as ``**config`` under the schema's names (``registry.by_schema``),
+  to be passed on as one unit (``Conv``, ``Pool``);
 - complex tensors: the normalisations, attention, convolutions and ``l1_loss`` are written for real
   tensors (``complex="real"``); their complex calls use PyTorch's decompositions (a complex
   convolution is three real ones) or formulas.
@@ -15,12 +18,13 @@ Conventions used below:
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 import torch.nn.modules.linear_cross_entropy  # noqa: F401 - registers torch_nn._linear_cross_entropy_*
 
-from ..registry import register_vjp, vjp_rule
+from ..registry import by_schema, register_vjp, vjp_rule
 from .common import unbroadcast
 
 aten = torch.ops.aten
@@ -187,10 +191,13 @@ def _channel_shape(x):
     return [1, x.shape[1]] + [1] * (x.dim() - 2)
 
 
-def _group_norm_grads(ct, x, weight, bias, groups, mean, rstd, ct_mean=None, ct_rstd=None):
+def _group_norm_grads(ct, x, weight, bias, groups, stats, ct_stats=(None, None)):
+    """Cotangents (x, weight, bias) of group norm; ``stats`` (mean, rstd) and their cotangents
+    ``ct_stats`` are per sample and group."""
     n = x.shape[0]
     xg = x.reshape(n, groups, -1)
-    mean, rstd = mean.reshape(n, groups, 1), rstd.reshape(n, groups, 1)
+    mean, rstd = (s.reshape(n, groups, 1) for s in stats)
+    ct_mean, ct_rstd = ct_stats
     xhat = (xg - mean) * rstd
     g = ct * weight.view(_channel_shape(x)) if weight is not None else ct
     dx = _normalized_grad(g.reshape(n, groups, -1), xhat, rstd, [-1])
@@ -219,7 +226,7 @@ def group_norm_fwd(x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enable
 
 def group_norm_bwd(aux, ct):
     x, groups, weight, bias, mean, rstd = aux
-    dx, dw, db = _group_norm_grads(ct, x, weight, bias, groups, mean, rstd)
+    dx, dw, db = _group_norm_grads(ct, x, weight, bias, groups, (mean, rstd))
     return dx, None, dw, db
 
 
@@ -227,12 +234,12 @@ register_vjp(aten.group_norm, group_norm_fwd, group_norm_bwd, source="hand-writt
 
 
 @vjp_rule(aten.native_group_norm, complex="real")
-def native_group_norm(ct, out, x, weight, bias, N, C, HxW, group, eps):
-    _, mean, rstd = out
-    ct_out, ct_mean, ct_rstd = ct
+def native_group_norm(ct, out, x, weight, bias, **norm):
+    """``norm``: N, C, HxW, group, eps."""
+    ct_out, *ct_stats = ct
     if ct_out is None:
         ct_out = torch.zeros_like(x)
-    dx, dw, db = _group_norm_grads(ct_out, x, weight, bias, group, mean, rstd, ct_mean, ct_rstd)
+    dx, dw, db = _group_norm_grads(ct_out, x, weight, bias, norm["group"], out[1:], ct_stats)
     return dx, dw, db
 
 
@@ -251,13 +258,15 @@ def _batch_norm_grads(ct, x, weight, bias, mean, rstd, training):
     return dx, dw, db
 
 
-def batch_norm_fwd(x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled=True):
+def batch_norm_fwd(x, weight, bias, running_mean, running_var, **norm):
+    """``norm``: training, momentum, eps, cudnn_enabled."""
+    training, momentum, eps = norm["training"], norm["momentum"], norm["eps"]
     if training or running_mean is None:
         # One call: it normalises with the batch statistics, returns them, and updates the
         # running statistics in place.
         out, mean, rstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var, True, momentum, eps)
     else:
-        out = torch.batch_norm(x, weight, bias, running_mean, running_var, False, momentum, eps, cudnn_enabled)
+        out = torch.batch_norm(x, weight, bias, running_mean, running_var, False, momentum, eps, norm.get("cudnn_enabled", True))
         mean, rstd = running_mean, torch.rsqrt(running_var + eps)
     return out, (x, weight, bias, mean, rstd, training or running_mean is None)
 
@@ -268,16 +277,18 @@ def batch_norm_bwd(aux, ct):
     return dx, dw, db, None, None
 
 
-register_vjp(aten.batch_norm, batch_norm_fwd, batch_norm_bwd, source="hand-written", complex="real")
+register_vjp(aten.batch_norm, by_schema(aten.batch_norm, batch_norm_fwd), batch_norm_bwd, source="hand-written", complex="real")
 
 
-def _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, training, eps):
+def _native_batch_norm_bwd(ct, out, x, weight, bias, running, eps):
+    """``running``: the running (mean, var) evaluation normalises with; None in training."""
     # In training the batch statistics (outputs 1 and 2) are functions of x too: generated
     # backward code reads them, so differentiating it again (hvp, jvp) needs their cotangents.
+    training = running is None
     if training:
         mean, rstd = out[1], out[2]
     else:
-        mean, rstd = running_mean, torch.rsqrt(running_var + eps)
+        mean, rstd = running[0], torch.rsqrt(running[1] + eps)
     dx = dw = db = None
     if ct[0] is not None:
         dx, dw, db = _batch_norm_grads(ct[0], x, weight, bias, mean, rstd, training)
@@ -299,24 +310,26 @@ def _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, 
 
 
 @vjp_rule(aten.native_batch_norm, complex="real")
-def native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
-    training = training or running_mean is None
-    return _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, training, eps)
+def native_batch_norm(ct, out, x, weight, bias, running_mean, running_var, **norm):
+    """``norm``: training, momentum, eps (as for the other batch norms)."""
+    running = None if norm["training"] or running_mean is None else (running_mean, running_var)
+    return _native_batch_norm_bwd(ct, out, x, weight, bias, running, norm["eps"])
 
 
 @vjp_rule(aten._native_batch_norm_legit.default, complex="real")
-def native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, training, momentum, eps):
-    return _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, training, eps)
+def native_batch_norm_legit(ct, out, x, weight, bias, running_mean, running_var, **norm):
+    running = None if norm["training"] else (running_mean, running_var)
+    return _native_batch_norm_bwd(ct, out, x, weight, bias, running, norm["eps"])
 
 
 @vjp_rule(aten._native_batch_norm_legit.no_stats, complex="real")
 def native_batch_norm_legit_no_stats(ct, out, x, weight, bias, training, momentum, eps):
-    return _native_batch_norm_bwd(ct, out, x, weight, bias, None, None, True, eps)
+    return _native_batch_norm_bwd(ct, out, x, weight, bias, None, eps)
 
 
 @vjp_rule(aten._native_batch_norm_legit_no_training, complex="real")
-def _native_batch_norm_legit_no_training(ct, out, x, weight, bias, running_mean, running_var, momentum, eps):
-    return _native_batch_norm_bwd(ct, out, x, weight, bias, running_mean, running_var, False, eps)
+def _native_batch_norm_legit_no_training(ct, out, x, weight, bias, running_mean, running_var, **norm):
+    return _native_batch_norm_bwd(ct, out, x, weight, bias, (running_mean, running_var), norm["eps"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,20 +352,10 @@ def embedding(ct, out, weight, indices, padding_idx=-1, scale_grad_by_freq=False
     return grad_weight, None
 
 
-def embedding_bag(
-    ct,
-    out,
-    weight,
-    indices,
-    offsets,
-    scale_grad_by_freq=False,
-    mode=0,
-    sparse=False,
-    per_sample_weights=None,
-    include_last_offset=False,
-    padding_idx=-1,
-):
-    """Bags of embeddings reduced by sum (mode 0), mean (1) or max (2); ``indices`` is 1-D."""
+def embedding_bag(ct, out, weight, indices, offsets, **config):
+    """Bags of embeddings reduced by sum (mode 0), mean (1) or max (2); ``indices`` is 1-D. ``config``:
+    scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx."""
+    mode, per_sample_weights, padding_idx = config.get("mode", 0), config.get("per_sample_weights"), config.get("padding_idx", -1)
     ct = ct[0]
     if mode == 2:  # each output element came from one row, its argmax (empty bags: none)
         filled = (out[2] > 0).unsqueeze(-1)
@@ -369,7 +372,7 @@ def embedding_bag(
     if per_sample_weights is not None:
         grad_psw = (grad * weight[indices]).sum(-1)
         grad = grad * per_sample_weights.unsqueeze(-1)
-    if scale_grad_by_freq:
+    if config.get("scale_grad_by_freq", False):
         counts = torch.zeros(weight.shape[0], dtype=ct.dtype, device=ct.device).index_add(
             0, indices, torch.ones_like(indices, dtype=ct.dtype)
         )
@@ -397,10 +400,29 @@ def _right_padding(shape, target):
     return pad
 
 
-def _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups, transposed=False):
+class Conv(NamedTuple):
+    """A convolution's configuration: ``aten.convolution``'s arguments after its tensors (the
+    ``**conv`` of the rules below), in the order ``aten.convolution_backward`` takes them."""
+
+    stride: Any = 1
+    padding: Any = 0
+    dilation: Any = 1
+    transposed: bool = False
+    output_padding: Any = 0
+    groups: int = 1
+
+    def expanded(self, nd: int) -> Conv:
+        """The sizes as lists of ``nd`` (what the backward kernels take)."""
+        stride, padding, dilation, output_padding = (
+            ntuple(v, nd) for v in (self.stride, self.padding, self.dilation, self.output_padding)
+        )
+        return self._replace(stride=stride, padding=padding, dilation=dilation, output_padding=output_padding)
+
+
+def _conv_grads(ct, x, weight, bias, conv: Conv):
     """Cotangents (input, weight, bias) of a (transposed) convolution with symmetric padding."""
     nd = weight.dim() - 2
-    stride, padding, dilation = ntuple(stride, nd), ntuple(padding, nd), ntuple(dilation, nd)
+    stride, padding, dilation, transposed, _, groups = conv.expanded(nd)
     unbatched = x.dim() == nd + 1
     if unbatched:
         x, ct = x.unsqueeze(0), ct.unsqueeze(0)
@@ -423,28 +445,30 @@ def _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups, transpos
     return (dx.squeeze(0) if unbatched else dx), dw, db
 
 
-def _conv_string_padding(ct, x, weight, bias, stride, padding, dilation, groups):
+def _conv_string_padding(ct, x, weight, bias, conv: Conv):
     """padding='valid' or 'same' ('same' pads one more on the right when the total is odd)."""
     nd = weight.dim() - 2
-    if padding == "valid":
-        return _conv_grads(ct, x, weight, bias, stride, 0, dilation, groups)
-    total = [d * (k - 1) for d, k in zip(ntuple(dilation, nd), weight.shape[2:])]
-    left = [t // 2 for t in total]
+    if conv.padding == "valid":
+        return _conv_grads(ct, x, weight, bias, conv._replace(padding=0))
+    total = [d * (k - 1) for d, k in zip(ntuple(conv.dilation, nd), weight.shape[2:])]
+    left = conv._replace(padding=[t // 2 for t in total])
     if all(t % 2 == 0 for t in total):
-        return _conv_grads(ct, x, weight, bias, stride, left, dilation, groups)
+        return _conv_grads(ct, x, weight, bias, left)
     extra = [n + t % 2 for n, t in zip(x.shape[-nd:], total)]
-    dx, dw, db = _conv_grads(ct, F.pad(x, _right_padding(x.shape[-nd:], extra)), weight, bias, stride, left, dilation, groups)
+    dx, dw, db = _conv_grads(ct, F.pad(x, _right_padding(x.shape[-nd:], extra)), weight, bias, left)
     return dx[(...,) + tuple(slice(0, n) for n in x.shape[-nd:])], dw, db
 
 
-def conv_nd(ct, out, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    if isinstance(padding, str):
-        return _conv_string_padding(ct, x, weight, bias, stride, padding, dilation, groups)
-    return _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups)
+def conv_nd(ct, out, x, weight, bias=None, **conv):
+    """``conv``: stride, padding (sizes, or "valid" / "same"), dilation, groups."""
+    if isinstance(conv.get("padding"), str):
+        return _conv_string_padding(ct, x, weight, bias, Conv(**conv))
+    return _conv_grads(ct, x, weight, bias, Conv(**conv))
 
 
-def _conv_transpose_nd(ct, out, x, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
-    return _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups, transposed=True)
+def _conv_transpose_nd(ct, out, x, weight, bias=None, **conv):
+    """``conv``: stride, padding, output_padding, groups, dilation."""
+    return _conv_grads(ct, x, weight, bias, Conv(**conv, transposed=True))
 
 
 # Complex convolutions: PyTorch's decomposition into real ones (the kernels are real-only).
@@ -455,8 +479,8 @@ for _op in (aten.conv_transpose1d, aten.conv_transpose2d.input, aten.conv_transp
 
 
 @vjp_rule(aten.convolution, complex="real")
-def convolution(ct, out, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    return _conv_grads(ct, x, weight, bias, stride, padding, dilation, groups, transposed)
+def convolution(ct, out, x, weight, bias, **conv):
+    return _conv_grads(ct, x, weight, bias, Conv(**conv))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,18 +541,27 @@ def avg_pool1d(ct, out, x, kernel_size, stride=(), padding=0, ceil_mode=False, c
     return grad.squeeze(-2)
 
 
+class Pool(NamedTuple):
+    """An average pooling's configuration after its kernel size (the ``**pool`` of its rules), in
+    the order its backward kernel takes it."""
+
+    stride: Any = ()  # empty: the kernel size
+    padding: Any = 0
+    ceil_mode: bool = False
+    count_include_pad: bool = True
+    divisor_override: Any = None
+
+
 @vjp_rule(aten.avg_pool2d)
-def avg_pool2d(ct, out, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
-    return torch.ops.aten.avg_pool2d_backward(
-        ct, x, kernel_size, stride or kernel_size, padding, ceil_mode, count_include_pad, divisor_override
-    )
+def avg_pool2d(ct, out, x, kernel_size, **pool):
+    stride, *rest = Pool(**pool)
+    return torch.ops.aten.avg_pool2d_backward(ct, x, kernel_size, stride or kernel_size, *rest)
 
 
 @vjp_rule(aten.avg_pool3d)
-def avg_pool3d(ct, out, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
-    return torch.ops.aten.avg_pool3d_backward(
-        ct, x, kernel_size, stride or kernel_size, padding, ceil_mode, count_include_pad, divisor_override
-    )
+def avg_pool3d(ct, out, x, kernel_size, **pool):
+    stride, *rest = Pool(**pool)
+    return torch.ops.aten.avg_pool3d_backward(ct, x, kernel_size, stride or kernel_size, *rest)
 
 
 def _adaptive_avg_grad(ct, x, nd):

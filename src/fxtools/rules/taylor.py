@@ -47,8 +47,8 @@ aten = torch.ops.aten
 __all__ = ["Jet", "Collapsed", "is_taylor", "value_of", "constant_if_zero", "apply", "lookup", "has_rule", "expand", "RULES"]
 
 
-class Jet:
-    """``x(t) = sum_k terms[k] t^k / k!``: the value and its first ``order`` derivatives along a curve."""
+class _Terms:
+    """A value and its Taylor terms (``None``: known zero): what ``Jet`` and ``Collapsed`` share."""
 
     def __init__(self, terms):
         self.terms = list(terms)
@@ -60,26 +60,19 @@ class Jet:
     @property
     def order(self) -> int:
         return len(self.terms) - 1
+
+
+class Jet(_Terms):
+    """``x(t) = sum_k terms[k] t^k / k!``: the value and its first ``order`` derivatives along a curve."""
 
     def map(self, fn):
         """A linear ``fn`` applied to every term."""
         return Jet([None if t is None else fn(t) for t in self.terms])
 
 
-class Collapsed:
+class Collapsed(_Terms):
     """A collapsed jet: the value, the lower terms of ``R`` directions (leading dimension ``R``) and
     the highest term summed over them; ``Collapsed([value, grad, lap])`` is the forward Laplacian's."""
-
-    def __init__(self, terms):
-        self.terms = list(terms)
-
-    @property
-    def value(self):
-        return self.terms[0]
-
-    @property
-    def order(self) -> int:
-        return len(self.terms) - 1
 
     @property
     def grad(self):

@@ -715,8 +715,6 @@ class Split:
 
 SPLIT = Transform(
     "fxtools.split",
-    requires="front: a prepared graph with VJP rules; a policy saying what to save",
-    ensures="Split: forward(*leaves) -> (out, saved), backward(*saved, *cotangents) -> grads, each guarded",
     returns="out, saved",
     keywords=False,
 )

@@ -86,8 +86,6 @@ _RANDOMNESS = ("error", "different", "same")
 
 VMAP = Transform(
     "fxtools.vmap",
-    requires="batched front: f traced below torch.func.vmap (PyTorch's batching rules), functionalised",
-    ensures="gm(*args) -> f's outputs stacked along out_dims",
     batches=True,
 )
 

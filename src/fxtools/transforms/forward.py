@@ -52,8 +52,6 @@ __all__ = ["jvp", "transpose_vjp", "tangent_names"]
 
 JVP = Transform(
     "fxtools.jvp",
-    requires="front: a prepared graph with VJP rules (forward mode transposes the VJP)",
-    ensures="gm(*args, *tangents) -> (out, out_tangent), out_tangent nested as out",
     forward_mode=True,
     returns="out, tangent_out",
     extra=("tangent_x",),

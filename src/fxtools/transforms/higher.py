@@ -39,8 +39,6 @@ def _differentiated(args, argnums):
 
 HVP = Transform(
     "fxtools.hvp",
-    requires="front of fxtools.grad's module (the readable rules); VJP rules for its backward ops",
-    ensures="gm(*args, v) -> H @ v, nested as the differentiated arguments",
     loss=True,
     returns="hvp",
     extra=("v",),
@@ -116,8 +114,6 @@ def _jacfwd_of_jacrev(f, args, argnums) -> fx.GraphModule:
 
 HESSIAN = Transform(
     "fxtools.hessian",
-    requires="fxtools.hvp's module (batched by trace_batched's front), or jacfwd(jacrev(f))",
-    ensures="gm(*args) -> H, nested as torch.func.hessian's",
     loss=True,
 )
 

@@ -112,11 +112,7 @@ def _first_tensor(leaves, name, what):
     return tensors[0]
 
 
-JACREV = Transform(
-    "fxtools.jacrev",
-    requires="fxtools.vjp's module, batched over the output basis (trace_batched's front)",
-    ensures="gm(*args) -> jacobian, nested as torch.func.jacrev's",
-)
+JACREV = Transform("fxtools.jacrev")
 
 
 @uses_pipeline(JACREV)
@@ -172,11 +168,7 @@ def jacrev(f, *args, argnums=0, has_aux=False, chunk_size=None) -> fx.GraphModul
     return trace_batched(jacobian, args, names_of=f, namer=namer, made_by=JACREV, same_draws=chunks)
 
 
-JACFWD = Transform(
-    "fxtools.jacfwd",
-    requires="fxtools.jvp's module, batched over the input basis (trace_batched's front)",
-    ensures="gm(*args) -> jacobian, nested as torch.func.jacfwd's",
-)
+JACFWD = Transform("fxtools.jacfwd")
 
 
 @uses_pipeline(JACFWD)
@@ -246,8 +238,6 @@ def _plain(value):
 
 LINEARIZE = Transform(
     "fxtools.linearize",
-    requires="fxtools.jvp's module (its front and back), run once at args",
-    ensures="(out, jvp_gm): jvp_gm(*tangents) -> J @ tangents, the residuals its attributes",
     returns="tangent_out",
     keywords=False,
 )

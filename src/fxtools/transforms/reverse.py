@@ -28,7 +28,7 @@ from .. import registry
 from ..errors import MissingRuleError, user_line_of
 from ..graph import meta
 from ..graph.data_dependent import dynamic_nodes, tie
-from ..graph.nodes import ancestors, is_float
+from ..graph.nodes import ancestors, calls_with_grad_mode, is_float
 from ..registry import differentiable_nodes
 from .replay import Memo
 from .retrace import Namer, Retracer, copy_constants
@@ -122,13 +122,7 @@ def _cut_by_no_grad(captured: fx.GraphModule, need: set[fx.Node]) -> set[fx.Node
     one, the generated code detaches it, so that code's own derivative (``fxtools.hvp``,
     ``hessian``, autograd run over it) sees a constant too, as PyTorch does at every order."""
     cut: set[fx.Node] = set()
-    grad_enabled = True
-    for node in captured.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is torch._C._set_grad_enabled:
-            grad_enabled = bool(node.args[0])
-            continue
+    for node, grad_enabled in calls_with_grad_mode(captured.graph):
         if node in need or not any(is_float(v) for v in pytree.tree_leaves(node.meta.get("val"))):
             continue
         inputs = node.all_input_nodes

@@ -364,11 +364,7 @@ def _check_sigma(sigma, x, made_by):
         raise ValueError(f"{made_by}: sigma has dtype {sigma.dtype}, the input {x.dtype}: pass sigma.to({x.dtype})")
 
 
-LAPLACIAN = Transform(
-    "fxtools.laplacian",
-    requires="front: a prepared graph; ops the directions reach have Taylor rules or decompositions",
-    ensures="gm(*args[, sigma]) -> (out, laplacian), laplacian nested as out",
-)
+LAPLACIAN = Transform("fxtools.laplacian")
 
 
 @uses_pipeline(LAPLACIAN)
@@ -533,11 +529,7 @@ def _check_samples(samples, distribution, made_by):
         raise ValueError(f"{made_by}: distribution must be one of {_DISTRIBUTIONS}, got {distribution!r}")
 
 
-DIVERGENCE = Transform(
-    "fxtools.divergence",
-    requires="front: a prepared graph returning one tensor of the input's size; ops have Taylor rules or decompositions",
-    ensures="gm(*args) -> (out, divergence), the divergence a 0-d tensor",
-)
+DIVERGENCE = Transform("fxtools.divergence")
 
 
 @uses_pipeline(DIVERGENCE)
@@ -589,11 +581,7 @@ def divergence(f, *args, argnums=0, samples=None, distribution="rademacher") -> 
     return gm
 
 
-BILAPLACIAN = Transform(
-    "fxtools.bilaplacian",
-    requires="front: a prepared fxtools.laplacian module; its ops have Taylor rules",
-    ensures="gm(*args) -> (out, bilaplacian), bilaplacian nested as out",
-)
+BILAPLACIAN = Transform("fxtools.bilaplacian")
 
 
 @uses_pipeline(BILAPLACIAN)
@@ -673,11 +661,7 @@ def _draw(shape, x, distribution):
     return (2 * bits - 1).to(x.dtype)
 
 
-JET = Transform(
-    "fxtools.jet",
-    requires="front: a prepared graph; ops the series reaches have Taylor rules or decompositions",
-    ensures="gm(*args, series) -> (out, out_series), out_series nested as out",
-)
+JET = Transform("fxtools.jet")
 
 
 @uses_pipeline(JET)

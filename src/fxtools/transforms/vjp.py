@@ -95,8 +95,6 @@ def _output_structure(cap, out_flat):
 
 VJP = Transform(
     "fxtools.vjp",
-    requires="front: a prepared graph; every op reached from a differentiated leaf has a VJP rule",
-    ensures="gm(*args, grad_out) -> (out, grads), grads nested as the differentiated arguments",
     returns="out, grads",
     extra=("grad_out",),
 )
@@ -179,8 +177,6 @@ def _grad_gm(f, args, argnums, with_value, dynamic_shapes=None, has_aux=False):
 
 GRAD = Transform(
     "fxtools.grad",
-    requires="front: a prepared graph returning one floating-point element (and aux)",
-    ensures="gm(*args) -> grads (and aux), nested as the differentiated arguments",
     loss=True,
     returns="grads",
 )
@@ -202,8 +198,6 @@ def grad(f, *args, argnums=0, has_aux=False, dynamic_shapes=None) -> fx.GraphMod
 
 VALUE_AND_GRAD = Transform(
     "fxtools.value_and_grad",
-    requires="as fxtools.grad",
-    ensures="gm(*args) -> (value, grads), or ((value, aux), grads)",
     loss=True,
     returns="value, grads",
 )
