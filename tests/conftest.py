@@ -56,6 +56,7 @@ SECONDS = {
     "tests/test_fuzz_refusals.py::": 8,
     "tests/test_zoo.py::test_trains_like_eager_with_inductor": 20,
     "tests/test_hf_zoo.py::": 5,
+    # the first test of test_rules.py (ops sort by name) builds cases_for_rule's table: ~28 s of CPU
     "tests/test_rules.py::test_rule_matches_autograd[aten._adaptive_avg_pool2d]": 34,
     "tests/test_jvp_in_loss.py::test_inductor_meanflow_step": 40,
     "tests/test_taylor_operators.py::test_inductor": 18,
