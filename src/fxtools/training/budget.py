@@ -346,25 +346,25 @@ class Problem:
         """What a byte budget takes at each level of the frontier: ``(level bytes, point, its
         predicted peak)``, bytes ascending; a budget ``B`` takes the last level ``<= B``.
 
-        Going down from the largest level, each level takes the least recompute among the
-        candidates that save at most its bytes and at most the bytes of every larger level's
-        choice, and whose predicted peak is at most every larger level's: saved bytes, peak and
-        recompute are all monotone in the budget (``_descend``; among equal recompute, the fewest
-        bytes, then the highest peak, which leaves the smaller levels the most room). The
-        candidates are the frontier's points, each after every round of recomputing values twice
-        (``refresh_steps``: a little more recompute for a little less peak, so a level need not
-        take more peak reduction, and more recompute, than the larger levels require); where none
-        fits, ``_lower_within`` adds points that save a few more values within the level's bytes
-        and then recompute twice. If still none fits, the level takes its least peak and is listed
-        in ``unreached``: the one place the peak may rise as the budget falls (a level of a few
-        bytes that cannot save the value whose recomputation makes a larger level's peak)."""
+        Every level's choice saves at most its bytes, and a smaller level's choice never saves
+        more, never recomputes less and never has a higher predicted peak than a larger level's:
+        saved bytes, peak and recompute are all monotone in the budget. Among the chains of
+        choices that are, the levels take the one with the least recompute summed over the
+        budgets (each level weighted by the bytes of budgets that take it: ``_least_total``).
+        The candidates are the frontier's points, each after every round of recomputing values
+        twice (``refresh_steps``: a little more recompute for a little less peak), and what a
+        greedy descent (``_descend``) adds where nothing fits. A level no chain reaches is
+        chosen greedily (``_descend``): it takes its least peak and is listed in ``unreached``,
+        the one place the peak may rise as the budget falls (a level of a few bytes that cannot
+        save the value whose recomputation makes a larger level's peak)."""
         if self._table is not None:
             return self._table
         points = self.frontier()
         pool = [(p, predicted_peak(self.part, p.saved, p.recomputed, self.memo)) for p in points]
         pool += [c for p in points for fine in (False, True) for c in self.refresh_steps(p, fine)]
         self._descend([p.bytes for p in points], pool, fill=True)  # adds what the levels need
-        self._table = self._descend([p.bytes for p in points], pool, fill=False)  # from a fixed pool
+        distinct = {(p.bytes, p.cost, pk): (p, pk) for p, pk in pool}
+        self._table = self._least_total([p.bytes for p in points], sorted(distinct.values(), key=lambda c: c[1]))
         return self._table
 
     def _descend(self, levels: list[int], pool: list, fill: bool, top=(math.inf, math.inf, 0)):
@@ -388,6 +388,53 @@ class Problem:
             table.append((level, *best))
             top_bytes, top_peak, floor = min(top_bytes, best[0].bytes), min(top_peak, best[1]), best[0].cost
         return table[::-1]
+
+    def _least_total(self, levels: list[int], pool: list) -> list[tuple[int, Point, int]]:
+        """The monotone chain of choices (see ``byte_table``) with the least recompute summed
+        over the levels, each weighted by the bytes from it to the next (dynamic programming
+        from the largest level down; ties: the lower peak). From the first level no chain
+        reaches, the levels are chosen by ``_descend``."""
+        import numpy as np
+
+        nb = np.array([p.bytes for p, _ in pool], dtype=np.float64)
+        nc = np.array([p.cost for p, _ in pool], dtype=np.float64)
+        nk = np.array([pk for _, pk in pool], dtype=np.float64)
+        scale = max(levels[-1], 1) * max(float(nc.max()), 1.0)
+        total = np.zeros(len(pool))
+        alive = np.ones(len(pool), dtype=bool)  # the chains above may end at each candidate
+        backs: list[np.ndarray] = []
+        for i in range(len(levels) - 1, -1, -1):
+            weight = (levels[i + 1] - levels[i] if i + 1 < len(levels) else 0) + 1
+            new_total, back = np.full(len(pool), np.inf), np.full(len(pool), -1)
+            for k in np.flatnonzero(nb <= levels[i]):
+                ok = alive & (nb >= nb[k]) & (nc <= nc[k]) & (nk >= nk[k]) if backs else np.ones(len(pool), dtype=bool)
+                if ok.any():
+                    j = int(np.flatnonzero(ok)[np.argmin(total[ok])]) if backs else k
+                    new_total[k] = (total[j] if backs else 0.0) + weight * nc[k] / scale
+                    back[k] = j
+            if not np.isfinite(new_total).any():
+                return self._chain(levels, pool, backs, total, i)
+            total, alive = new_total, np.isfinite(new_total)
+            backs.append(back)
+        return self._chain(levels, pool, backs, total, -1)
+
+    def _chain(self, levels, pool, backs, total, stop: int) -> list[tuple[int, Point, int]]:
+        """The best chain (``_least_total``) for the levels above ``stop``, and ``_descend``'s
+        choices below them; ``backs[t]`` links the ``t``-th level from the top to the one above."""
+        import numpy as np
+
+        chosen: dict[int, tuple[Point, int]] = {}
+        k = int(np.argmin(total))
+        for t in range(len(backs) - 1, -1, -1):
+            chosen[len(levels) - 1 - t] = pool[k]
+            k = int(backs[t][k])
+        self.unreached = set()
+        top = (math.inf, math.inf, 0)
+        if stop + 1 in chosen:
+            p, pk = chosen[stop + 1]
+            top = (p.bytes, pk, p.cost)
+        below = self._descend(levels[: stop + 1], pool, fill=False, top=top) if stop >= 0 else []
+        return below + [(levels[i], *chosen[i]) for i in range(stop + 1, len(levels))]
 
     def byte_choice(self, limit: int) -> tuple[Point, int]:
         """The point (and its predicted peak) a byte budget of ``limit`` takes (``byte_table``)."""
@@ -597,8 +644,8 @@ def choose_bytes(points: list[Point], hull: list[Point] | None, limit: int, save
 
 
 def _cheapest(pool: list[tuple[Point, int]], room: float, top_peak: float, floor: int = 0) -> tuple[Point, int] | None:
-    """The least recompute (then fewest bytes, then highest peak) in ``pool`` within ``room``
-    bytes and ``top_peak``, recomputing at least ``floor``."""
+    """The least recompute (then fewest bytes) in ``pool`` within ``room`` bytes and ``top_peak``,
+    recomputing at least ``floor``."""
     fits = [c for c in pool if c[0].bytes <= room and c[1] <= top_peak and c[0].cost >= floor]
     return min(fits, key=lambda c: (c[0].cost, c[0].bytes, -c[1])) if fits else None
 
