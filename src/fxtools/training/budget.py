@@ -27,9 +27,10 @@ joint graph's min-cut structure (the one ``recompute_cheap`` uses):
   ``(b1, c1)`` (``b0 <= B < b1``) its cost exceeds the optimum by at most ``c0 - c1``, and no
   saved set within ``B`` recomputes less than the Lagrangian bound
   ``c0 - (B - b0) (c0 - c1) / (b1 - b0)`` (``Choice.lower_bound``, printed by the report).
-- **monotone by construction.** The points are ordered (bytes up, cost down) and a budget picks
-  the last that fits: a smaller budget never saves more bytes and never recomputes less; the
-  same holds for the exact frontier.
+- **monotone by construction.** The points are ordered (bytes up, cost down); a byte budget
+  takes its level's choice in ``Problem.byte_table``: a smaller budget never saves more bytes,
+  never recomputes less and never peaks higher (predicted), and among such chains of choices
+  the levels take the one with the least recompute summed over the budgets.
 - **infeasible budgets.** Below the frontier's first point (every recomputable value recomputed)
   no split fits: ``FxtoolsError`` says the minimum, in bytes and as a fraction.
 
