@@ -446,3 +446,31 @@ def test_compile_trains_with_a_budget():
     model(*inputs).sum().backward()
     for g, p in zip(got, model.parameters(), strict=True):
         torch.testing.assert_close(g, p.grad, **TOL)
+
+
+def test_liveness_keeps_an_item_until_the_multi_output_result_gives_its_last():
+    """``native_layer_norm``'s output, used early, stays alive while its result is still to give
+    ``rstd`` (the generated code holds the result until its last item is taken): liveness in the
+    order where ``rstd`` is taken last counts it at the ``exp``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w, b):
+        out, _, rstd = torch.ops.aten.native_layer_norm(x, [256], w, b, 1e-5)
+        return out.sin().exp() * rstd
+
+    x, w, b = torch.randn(64, 256), torch.randn(256), torch.randn(256)
+    gm = make_fx(f)(x, w, b)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    ln = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.native_layer_norm.default)
+    items = {n.args[1]: n for n in ln.users}
+    sin, exp, mul = (
+        next(n for n in gm.graph.nodes if n.target is t)
+        for t in (torch.ops.aten.sin.default, torch.ops.aten.exp.default, torch.ops.aten.mul.Tensor)
+    )
+    placeholders = [n for n in nodes.values() if n.op == "placeholder"]
+    order = [ln, items[0], sin, exp, items[2], mul]
+    size = 64 * 256 * 4
+    peak = budget.liveness_peak(order, placeholders, [*placeholders, mul])
+    assert peak >= sum(budget.nbytes(p.meta["val"]) for p in placeholders) + 3 * size  # out, sin and exp together
+    early = budget.liveness_peak([ln, items[0], items[2], sin, exp, mul], placeholders, [*placeholders, mul])
+    assert early < peak  # taken early, the item is freed after its last use

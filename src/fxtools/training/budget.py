@@ -27,9 +27,10 @@ joint graph's min-cut structure (the one ``recompute_cheap`` uses):
   ``(b1, c1)`` (``b0 <= B < b1``) its cost exceeds the optimum by at most ``c0 - c1``, and no
   saved set within ``B`` recomputes less than the Lagrangian bound
   ``c0 - (B - b0) (c0 - c1) / (b1 - b0)`` (``Choice.lower_bound``, printed by the report).
-- **monotone by construction.** The points are ordered (bytes up, cost down) and a budget picks
-  the last that fits: a smaller budget never saves more bytes and never recomputes less; the
-  same holds for the exact frontier.
+- **monotone by construction.** The points are ordered (bytes up, cost down); a byte budget
+  takes its level's choice in ``Problem.byte_table``: a smaller budget never saves more bytes,
+  never recomputes less and never peaks higher (predicted), and among such chains of choices
+  the levels take the one with the least recompute summed over the budgets.
 - **infeasible budgets.** Below the frontier's first point (every recomputable value recomputed)
   no split fits: ``FxtoolsError`` says the minimum, in bytes and as a fraction.
 
@@ -346,34 +347,95 @@ class Problem:
         """What a byte budget takes at each level of the frontier: ``(level bytes, point, its
         predicted peak)``, bytes ascending; a budget ``B`` takes the last level ``<= B``.
 
-        Going down from the largest level, each level takes the least recompute among the
-        candidates that save at most its bytes and at most the bytes of every larger level's
-        choice, and whose predicted peak is at most every larger level's: saved bytes, peak and
-        recompute are all monotone in the budget. The candidates are the frontier's points; where
-        none fits, ``_lower_within`` adds points that recompute values twice (``refreshed``) and
-        that save a few more values within the level's bytes and then recompute twice. If still
-        none fits, the level takes its least peak and is listed in ``unreached``: the one place
-        the peak may rise as the budget falls (a level of a few bytes that cannot save the value
-        whose recomputation makes a larger level's peak)."""
+        Every level's choice saves at most its bytes, and a smaller level's choice never saves
+        more, never recomputes less and never has a higher predicted peak than a larger level's:
+        saved bytes, peak and recompute are all monotone in the budget. Among the chains of
+        choices that are, the levels take the one with the least recompute summed over the
+        budgets (each level weighted by the bytes of budgets that take it: ``_least_total``).
+        The candidates are the frontier's points, each after every round of recomputing values
+        twice (``refresh_steps``: a little more recompute for a little less peak), and what a
+        greedy descent (``_descend``) adds where nothing fits. A level no chain reaches is
+        chosen greedily (``_descend``): it takes its least peak and is listed in ``unreached``,
+        the one place the peak may rise as the budget falls (a level of a few bytes that cannot
+        save the value whose recomputation makes a larger level's peak)."""
         if self._table is not None:
             return self._table
         points = self.frontier()
         pool = [(p, predicted_peak(self.part, p.saved, p.recomputed, self.memo)) for p in points]
-        for fill in (True, False):  # generate what the levels need, then choose from a fixed pool
-            table, top_bytes, top_peak, self.unreached = [], math.inf, math.inf, set()
-            for level in reversed(points):
-                room = min(level.bytes, top_bytes)
-                best = _cheapest(pool, room, top_peak)
-                if best is None and fill:
-                    pool += self._lower_within(points, room, top_peak)
-                    best = _cheapest(pool, room, top_peak)
-                if best is None:
-                    best = min((c for c in pool if c[0].bytes <= room), key=lambda c: (c[1], c[0].cost))
-                    self.unreached.add(level.bytes)
-                table.append((level.bytes, *best))
-                top_bytes, top_peak = min(top_bytes, best[0].bytes), min(top_peak, best[1])
-        self._table = table[::-1]
+        pool += [c for p in points for fine in (False, True) for c in self.refresh_steps(p, fine)]
+        self._descend([p.bytes for p in points], pool, fill=True)  # adds what the levels need
+        distinct = {(p.bytes, p.cost, pk): (p, pk) for p, pk in pool}
+        self._table = self._least_total([p.bytes for p in points], sorted(distinct.values(), key=lambda c: c[1]))
         return self._table
+
+    def _descend(self, levels: list[int], pool: list, fill: bool, top=(math.inf, math.inf, 0)):
+        """Going down from the largest level, each takes the least recompute that saves at most
+        its bytes and the larger levels' choices' bytes, peaks at most at their peaks and
+        recomputes at least what they do (``top``: bytes, peak, cost above). With ``fill``,
+        where nothing fits, ``_lower_within`` adds to ``pool`` points that recompute values
+        twice and that save a few more values within the level's bytes. Where still nothing
+        fits, the level takes its least peak (``unreached``)."""
+        table, self.unreached = [], set()
+        top_bytes, top_peak, floor = top
+        for level in reversed(levels):
+            room = min(level, top_bytes)
+            best = _cheapest(pool, room, top_peak, floor)
+            if best is None and fill:
+                pool += self._lower_within(self.frontier(), room, top_peak)
+                best = _cheapest(pool, room, top_peak, floor)
+            if best is None:
+                best = min((c for c in pool if c[0].bytes <= room and c[0].cost >= floor), key=lambda c: (c[1], c[0].cost))
+                self.unreached.add(level)
+            table.append((level, *best))
+            top_bytes, top_peak, floor = min(top_bytes, best[0].bytes), min(top_peak, best[1]), best[0].cost
+        return table[::-1]
+
+    def _least_total(self, levels: list[int], pool: list) -> list[tuple[int, Point, int]]:
+        """The monotone chain of choices (see ``byte_table``) with the least recompute summed
+        over the levels, each weighted by the bytes from it to the next (dynamic programming
+        from the largest level down; ties: the lower peak). From the first level no chain
+        reaches, the levels are chosen by ``_descend``."""
+        import numpy as np
+
+        nb = np.array([p.bytes for p, _ in pool], dtype=np.float64)
+        nc = np.array([p.cost for p, _ in pool], dtype=np.float64)
+        nk = np.array([pk for _, pk in pool], dtype=np.float64)
+        scale = max(levels[-1], 1) * max(float(nc.max()), 1.0)
+        total = np.zeros(len(pool))
+        alive = np.ones(len(pool), dtype=bool)  # the chains above may end at each candidate
+        backs: list[np.ndarray] = []
+        for i in range(len(levels) - 1, -1, -1):
+            weight = (levels[i + 1] - levels[i] if i + 1 < len(levels) else 0) + 1
+            new_total, back = np.full(len(pool), np.inf), np.full(len(pool), -1)
+            for k in np.flatnonzero(nb <= levels[i]):
+                ok = alive & (nb >= nb[k]) & (nc <= nc[k]) & (nk >= nk[k]) if backs else np.ones(len(pool), dtype=bool)
+                if ok.any():
+                    j = int(np.flatnonzero(ok)[np.argmin(total[ok])]) if backs else k
+                    new_total[k] = (total[j] if backs else 0.0) + weight * nc[k] / scale
+                    back[k] = j
+            if not np.isfinite(new_total).any():
+                return self._chain(levels, pool, backs, total, i)
+            total, alive = new_total, np.isfinite(new_total)
+            backs.append(back)
+        return self._chain(levels, pool, backs, total, -1)
+
+    def _chain(self, levels, pool, backs, total, stop: int) -> list[tuple[int, Point, int]]:
+        """The best chain (``_least_total``) for the levels above ``stop``, and ``_descend``'s
+        choices below them; ``backs[t]`` links the ``t``-th level from the top to the one above."""
+        import numpy as np
+
+        chosen: dict[int, tuple[Point, int]] = {}
+        k = int(np.argmin(total))
+        for t in range(len(backs) - 1, -1, -1):
+            chosen[len(levels) - 1 - t] = pool[k]
+            k = int(backs[t][k])
+        self.unreached = set()
+        top = (math.inf, math.inf, 0)
+        if stop + 1 in chosen:
+            p, pk = chosen[stop + 1]
+            top = (p.bytes, pk, p.cost)
+        below = self._descend(levels[: stop + 1], pool, fill=False, top=top) if stop >= 0 else []
+        return below + [(levels[i], *chosen[i]) for i in range(stop + 1, len(levels))]
 
     def byte_choice(self, limit: int) -> tuple[Point, int]:
         """The point (and its predicted peak) a byte budget of ``limit`` takes (``byte_table``)."""
@@ -391,17 +453,16 @@ class Problem:
         within = [p for p in points if p.bytes <= room][::-1]
         out = []
         for p in within:
-            if p not in self._refreshed:
-                self._refreshed[p] = self.refreshed(p, predicted_peak(self.part, p.saved, p.recomputed, self.memo))
-            out.append(self._refreshed[p])
+            out.append(self.refreshed(p, predicted_peak(self.part, p.saved, p.recomputed, self.memo)))
+        steps = [c for p in within for fine in (False, True) for c in self.refresh_steps(p, fine)]
         if not within or min(pk for _, pk in out) <= target:
-            return out
+            return out + steps
         fixed = {n for n in self.cand if n.op == "placeholder" or (self.must_save[n] and self.can_save[n])}
         for start in out[:]:
             out += self._save_more(start, fixed, room, target, rounds)
             if out[-1][1] <= target:
                 break
-        return out
+        return out + steps
 
     def _save_more(
         self, start: tuple[Point, int], fixed: set, room: float, target: float, rounds: int
@@ -429,13 +490,26 @@ class Problem:
 
     def refreshed(self, point: Point, peak: int) -> tuple[Point, int]:
         """``point`` with the backward recomputing values again rather than keeping them, where
-        that lowers its predicted peak (``refresh``); its cost counts every recomputation."""
-        forget, order, bw_peak = refresh(self.part, point.saved, point.recomputed, self.memo)
-        new_peak = max(bw_peak, predicted_peak(self.part, point.saved, point.recomputed, self.memo, forget))
-        if not forget or new_peak >= peak:
-            return point, peak
-        cost = sum(self.cost.get(n, 0) for n in order if n not in self.part.bw)
-        return Point(point.bytes, cost, point.saved, point.recomputed, forget), new_peak
+        that lowers its predicted peak (``refresh``) the most; its cost counts every recomputation."""
+        steps = self.refresh_steps(point)
+        return steps[-1] if steps and steps[-1][1] < peak else (point, peak)
+
+    def refresh_steps(self, point: Point, singles_first: bool = False) -> list[tuple[Point, int]]:
+        """``point`` after each round of ``refresh`` that lowers its predicted peak, with that peak:
+        recompute up, peak down."""
+        key = (point, singles_first)
+        if key not in self._refreshed:
+            out: list[tuple[Point, int]] = []
+            fw_peak = forward_peak(self.part, point.saved, self.memo)
+            steps = refresh(self.part, point.saved, point.recomputed, self.memo, singles_first=singles_first, trail=True)
+            least = max(fw_peak, steps[0][2])
+            for forget, order, bw_peak in steps[1:]:
+                if max(fw_peak, bw_peak) < least:
+                    least = max(fw_peak, bw_peak)
+                    cost = sum(self.cost.get(n, 0) for n in order if n not in self.part.bw)
+                    out.append((Point(point.bytes, cost, point.saved, point.recomputed, forget), least))
+            self._refreshed[key] = out
+        return self._refreshed[key]
 
     def _between(self, a: Point, b: Point) -> list[Point]:
         """Hull points strictly between ``a`` (fewer bytes) and ``b`` (less cost)."""
@@ -570,10 +644,11 @@ def choose_bytes(points: list[Point], hull: list[Point] | None, limit: int, save
     return fits[-1], p.cost - (limit - p.bytes) * (p.cost - q.cost) / (q.bytes - p.bytes)
 
 
-def _cheapest(pool: list[tuple[Point, int]], room: float, top_peak: float) -> tuple[Point, int] | None:
-    """The least recompute (then fewest bytes) in ``pool`` within ``room`` bytes and ``top_peak``."""
-    fits = [c for c in pool if c[0].bytes <= room and c[1] <= top_peak]
-    return min(fits, key=lambda c: (c[0].cost, c[0].bytes, c[1])) if fits else None
+def _cheapest(pool: list[tuple[Point, int]], room: float, top_peak: float, floor: int = 0) -> tuple[Point, int] | None:
+    """The least recompute (then fewest bytes) in ``pool`` within ``room`` bytes and ``top_peak``,
+    recomputing at least ``floor``."""
+    fits = [c for c in pool if c[0].bytes <= room and c[1] <= top_peak and c[0].cost >= floor]
+    return min(fits, key=lambda c: (c[0].cost, c[0].bytes, -c[1])) if fits else None
 
 
 def choose_peak(points: list[Point], peaks: list[int], limit: int) -> Point:
@@ -598,6 +673,7 @@ class _Memo:
     def __init__(self):
         self.roots: dict = {}
         self.sizes: dict = {}
+        self.forward: dict = {}  # saved set -> the forward's peak
 
     def root(self, n: fx.Node) -> fx.Node:
 
@@ -634,12 +710,15 @@ def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
     count: dict = {}
     trace = Trace(0, -1, set(), {}, {}, {})
     size: dict = {}
+    taken_from: dict = {}  # an item of a multi-output op's result -> that result
 
     def make(n, at):
         occ = count[n] = count.get(n, -1) + 1
         key = current[n] = (n, occ)
         r = memo.root(n)
         s = key if r is n else trace.storage[value(r, at)]
+        if r is n and n.target is operator.getitem and n.args[0] in current and trace.made[current[n.args[0]]] >= 0:
+            taken_from[key] = current[n.args[0]]
         trace.storage[key], trace.made[key], trace.reads[key] = s, at, []
         size[s] = max(size.get(s, 0), memo.size(r), memo.size(n))
         return key
@@ -657,6 +736,9 @@ def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
             last[trace.storage[k]] = i
         made_storage.append(trace.storage[make(n, i)])
         last[made_storage[-1]] = i
+    for k, whole in taken_from.items():  # the result holds every item until its last is taken
+        s = trace.storage[k]
+        last[s] = max(last[s], last[trace.storage[whole]])
     held_roots = {memo.root(h) for h in held if isinstance(h, fx.Node)}
     frees: dict[int, list] = {}
     for s, i in last.items():
@@ -690,21 +772,33 @@ def _backward_ends(part, saved):
     return [*part.primals, *outs, *saved, *part.cts], [*part.primals, *outs, *grads]
 
 
+def forward_peak(part, saved, memo: _Memo | None = None) -> int:
+    """Peak bytes of running the forward on ``part``, saving ``saved`` (kept in ``memo``)."""
+    memo = memo or _Memo()
+    key = frozenset(saved)
+    if key not in memo.forward:
+        primals = list(part.primals)
+        outs = [o for o in part.fw_outs if isinstance(o, fx.Node)]
+        memo.forward[key] = liveness_peak(forward_nodes(part, saved), primals, [*primals, *outs, *saved], memo)
+    return memo.forward[key]
+
+
 def predicted_peak(part, saved, recomputed, memo: _Memo | None = None, forget=None) -> int:
     """Peak bytes of running the forward, then the backward (``backward_boxed``), on ``part``."""
 
     memo = memo or _Memo()
-    primals = list(part.primals)
-    outs = [o for o in part.fw_outs if isinstance(o, fx.Node)]
-    fw = forward_nodes(part, saved)
-    fw_peak = liveness_peak(fw, primals, [*primals, *outs, *saved], memo)
+    fw_peak = forward_peak(part, saved, memo)
     bw = backward_nodes(part, saved, recomputed, forget)
     start, held = _backward_ends(part, saved)
     return max(fw_peak, liveness_peak(bw, start, held, memo))
 
 
-def refresh(part, saved, recomputed, memo: _Memo | None = None, rounds: int = 48) -> tuple[dict, list, int]:
-    """Recompute values again rather than keep them: ``(forget, backward order, its peak)``.
+def refresh(
+    part, saved, recomputed, memo: _Memo | None = None, rounds: int = 48, singles_first: bool = False, trail: bool = False
+) -> list[tuple[dict, list, int]]:
+    """Recompute values again rather than keep them: ``(forget, backward order, its peak)`` after
+    each round that lowered the peak, the first recomputing least (empty: none did); with
+    ``trail``, the backward recomputing once first.
 
     A backward that recomputes a chain (the whole forward, to get the loss's gradient) keeps the
     chain's early values until their own gradients. At the backward's peak, every recomputed
@@ -712,28 +806,32 @@ def refresh(part, saved, recomputed, memo: _Memo | None = None, rounds: int = 48
     forgotten after its last read before the peak (``backward_nodes``' ``forget``) and recomputed
     just before its next. Each round tries all of them at once, then each storage alone, largest
     first (forgetting everything at once can move the peak to where the recomputation happens),
-    and keeps the first that lowers the peak; at most ``rounds`` rounds. Costs more recompute,
-    never more peak."""
+    and keeps the first that lowers the peak; at most ``rounds`` rounds. Each round costs more
+    recompute for less peak: a budget takes the first round whose peak fits. ``singles_first``
+    tries each storage alone before all at once: smaller steps, each recomputing less."""
     memo = memo or _Memo()
     start, held = _backward_ends(part, saved)
     forget: dict = {}
     order = backward_nodes(part, saved, recomputed)
     trace = live_trace(order, start, held, memo)
+    steps = [(forget, order, trace.peak)] if trail else []
     for _ in range(rounds):
         groups = _dead_at_peak(trace, order, recomputed, memo)
         union: dict = {}
         for g in groups:
             union = _merged(union, g)
-        for more in [union, *groups] if len(groups) > 1 else groups:
+        trials = ([*groups, union] if singles_first else [union, *groups]) if len(groups) > 1 else groups
+        for more in trials:
             trial = _merged(forget, more)
             trial_order = backward_nodes(part, saved, recomputed, trial)
             trial_trace = live_trace(trial_order, start, held, memo)
             if trial_trace.peak < trace.peak:
                 forget, order, trace = trial, trial_order, trial_trace
+                steps.append((forget, order, trace.peak))
                 break
         else:
             break
-    return forget, order, trace.peak
+    return steps
 
 
 def _merged(a: dict, b: dict) -> dict:
