@@ -360,11 +360,11 @@ def _edge(kind: str):
     """A ``custom_vjp`` identity whose rule is eager's at an edge of the DTensor region."""
 
     def fun(x, replicated, partial, grad):
+        if kind == "from_local":  # a value eager takes as replicated, unchecked (differentiated or not)
+            assert_replicated(x, [group for group, _ in replicated])
         return x
 
     def fwd(x, replicated, partial, grad):
-        if kind == "from_local":  # a value eager takes as replicated, unchecked
-            assert_replicated(x, [group for group, _ in replicated])
         return fun(x, replicated, partial, grad), (replicated, partial, grad)
 
     def bwd(res, ct):
