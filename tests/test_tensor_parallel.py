@@ -147,6 +147,37 @@ def _backend(model, inputs):
     return torch.compile(model, backend=fxtools.backend())
 
 
+def _parallelized(make, mesh, plan):
+    """A function making ``make()`` (seeded) parallelized by ``plan`` over ``mesh``, and its parameters by name."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    def sharded():
+        model = parallelize_module(_seeded(make), mesh, plan)
+        return model, dict(model.named_parameters())
+
+    return sharded
+
+
+def _cases(results, label, sharded, unsharded, whole, local, context=contextlib.nullcontext):
+    """Train ``sharded()`` (a model and its parameters by name, on this rank's ``local`` inputs)
+    through each fxtools path, each step inside ``context()``, against ``unsharded()`` trained in
+    eager on the ``whole`` inputs and the placements of ``sharded()``'s gradients in eager; the
+    reference and eager's placements, for further cases."""
+    ref = unsharded()
+    reference = _train(ref, dict(ref.named_parameters()), whole)
+    eager_model, eager_params = sharded()
+    eager_placements = _train(eager_model, eager_params, local, context)[1]
+    for path, make in _paths().items():
+
+        def build(make=make):
+            model, params = sharded()
+            with context():
+                return make(model, local), params
+
+        _run_case(results, f"{label}, {path}", build, reference, local, eager_placements, context)
+    return reference, eager_placements
+
+
 def _tp_cases(rank, mesh) -> dict:
     """The 2-process cases (module docstring)."""
     from torch.distributed.tensor import Shard
@@ -155,23 +186,8 @@ def _tp_cases(rank, mesh) -> dict:
     results: dict = {}
     torch.manual_seed(1)
     x, y = torch.randn(4, 6), torch.randn(4, 6)
-    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
-
-    def tp_mlp():
-        model = parallelize_module(_seeded(MLP), mesh, plan)
-        return model, dict(model.named_parameters())
-
-    ref = _seeded(MLP)
-    reference = _train(ref, dict(ref.named_parameters()), (x, y))
-    eager_model, eager_params = tp_mlp()
-    eager_placements = _train(eager_model, eager_params, (x, y))[1]
-    for path, make in _paths().items():
-
-        def build(make=make):
-            model, params = tp_mlp()
-            return make(model, (x, y)), params
-
-        _run_case(results, f"Colwise/Rowwise MLP, {path}", build, reference, (x, y), eager_placements)
+    tp_mlp = _parallelized(MLP, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    _cases(results, "Colwise/Rowwise MLP", tp_mlp, lambda: _seeded(MLP), (x, y), (x, y))
 
     # sequence parallel: each rank holds a shard of the sequence (dimension 1)
     torch.manual_seed(2)
@@ -189,17 +205,7 @@ def _tp_cases(rank, mesh) -> dict:
             parallelize_module(block, mesh, sp_plan)
         return model, dict(model.named_parameters())
 
-    ref = _seeded(lambda: Blocks(n=1, total=xs.numel()))
-    reference = _train(ref, dict(ref.named_parameters()), (xs, ys))
-    eager_model, eager_params = sp_blocks()
-    eager_placements = _train(eager_model, eager_params, shard)[1]
-    for path, make in _paths().items():
-
-        def build(make=make):
-            model, params = sp_blocks()
-            return make(model, shard), params
-
-        _run_case(results, f"SequenceParallel block, {path}", build, reference, shard, eager_placements)
+    _cases(results, "SequenceParallel block", sp_blocks, lambda: _seeded(lambda: Blocks(n=1, total=xs.numel())), (xs, ys), shard)
     _loss_parallel_cases(results, mesh)
     _prepare_output_cases(results, mesh)
     results["code"] = _code(tp_mlp, (x, y))
@@ -222,7 +228,7 @@ class Head(nn.Module):
 def _loss_parallel_cases(results, mesh):
     """``loss_parallel()``: the cross-entropy of logits sharded over the vocabulary."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, loss_parallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, loss_parallel
 
     torch.manual_seed(3)
     x, t = torch.randn(4, 6), torch.randint(0, 8, (4,))
@@ -231,22 +237,9 @@ def _loss_parallel_cases(results, mesh):
         "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
 
-    def sharded():
-        model = parallelize_module(_seeded(Head), mesh, plan)
-        return model, dict(model.named_parameters())
-
-    ref = _seeded(Head)
-    reference = _train(ref, dict(ref.named_parameters()), (x, t))
-    eager_model, eager_params = sharded()
-    eager_placements = _train(eager_model, eager_params, (x, t), loss_parallel)[1]
-    for path, make in _paths().items():
-
-        def build(make=make):
-            model, params = sharded()
-            with loss_parallel():
-                return make(model, (x, t)), params
-
-        _run_case(results, f"loss_parallel cross-entropy, {path}", build, reference, (x, t), eager_placements, loss_parallel)
+    sharded = _parallelized(Head, mesh, plan)
+    _cases(results, "loss_parallel cross-entropy", sharded, lambda: _seeded(Head), (x, t), (x, t), loss_parallel)
+    results["loss_parallel bytes"] = _code(sharded, (x, t), loss_parallel)["bytes"]
 
 
 class Inner(nn.Module):
@@ -274,7 +267,7 @@ def _prepare_output_cases(results, mesh):
     """``PrepareModuleOutput``: the down-projection's output left sharded over columns (a
     reduce-scatter of the partial sums), gathered whole by its parent's output plan."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
 
     torch.manual_seed(4)
     x, y = torch.randn(4, 6), torch.randn(4, 6)
@@ -284,29 +277,16 @@ def _prepare_output_cases(results, mesh):
         "inner": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
     }
 
-    def sharded():
-        model = parallelize_module(_seeded(Outer), mesh, plan)
-        return model, dict(model.named_parameters())
-
-    ref = _seeded(Outer)
-    reference = _train(ref, dict(ref.named_parameters()), (x, y))
-    eager_model, eager_params = sharded()
-    eager_placements = _train(eager_model, eager_params, (x, y))[1]
-    for path, make in _paths().items():
-
-        def build(make=make):
-            model, params = sharded()
-            return make(model, (x, y)), params
-
-        _run_case(results, f"PrepareModuleOutput, {path}", build, reference, (x, y), eager_placements)
+    _cases(results, "PrepareModuleOutput", _parallelized(Outer, mesh, plan), lambda: _seeded(Outer), (x, y), (x, y))
 
 
-def _code(tp_mlp, inputs) -> dict:
-    """The MLP's generated forward and backward, and the bytes their collectives move."""
+def _code(sharded, inputs, context=contextlib.nullcontext) -> dict:
+    """The generated forward and backward of ``sharded()``'s model, and the bytes their collectives move."""
     import fxtools
 
-    model, _ = tp_mlp()
-    sp = fxtools.compile(model, *inputs).split
+    model, _ = sharded()
+    with context():
+        sp = fxtools.compile(model, *inputs).split
     return {"forward": sp.forward.code, "backward": sp.backward.code, "bytes": sp.communicated_bytes}
 
 
@@ -363,17 +343,8 @@ def _two_d_cases(rank, mesh) -> dict:
         fully_shard(model, mesh=mesh["dp"])
         return model, {n.replace(".module.", "."): p for n, p in model.named_parameters()}
 
-    ref = _seeded(lambda: Blocks(n=2, total=x.numel()))
-    reference = _train(ref, dict(ref.named_parameters()), (x, y))
-    eager_model, eager_params = two_d()
-    eager_placements = _train(eager_model, eager_params, batch)[1]
-    for path, make in _paths().items():
-
-        def build(make=make):
-            model, params = two_d()
-            return make(model, batch), params
-
-        _run_case(results, f"FSDP2 x TP blocks, {path}", build, reference, batch, eager_placements)
+    unsharded = lambda: _seeded(lambda: Blocks(n=2, total=x.numel()))  # noqa: E731
+    reference, eager_placements = _cases(results, "FSDP2 x TP blocks", two_d, unsharded, (x, y), batch)
 
     def per_block():  # the other wrapping order: each block compiled, then sharded
         return two_d(lambda b: fxtools.compile(b, batch[0]))
@@ -438,6 +409,10 @@ def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
             problems.append(f"rank {rank}: no all_reduce named after 'tp' in the forward:\n{code['forward']}")
         if code["bytes"] != {"forward": 4 * 6 * 8, "backward": 0}:
             problems.append(f"rank {rank}: collectives move {code['bytes']} (eager: 192 B forward, 0 backward)")
+        # eager's loss_parallel() moves 96 B forward (the logsumexp's maximum and sum, the target's
+        # logit: 4 rows each) and 192 B backward (the tanh's gradient), counted with bench_tp.CountBytes
+        if results["loss_parallel bytes"] != {"forward": 128, "backward": 256}:
+            problems.append(f"rank {rank}: loss_parallel() collectives move {results['loss_parallel bytes']}")
         refused = results["refused"]
         message = refused["Partial('max')"]
         if "P(max)" not in message or "DTensor.from_local(t, mesh" not in message:
