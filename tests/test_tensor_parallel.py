@@ -209,7 +209,8 @@ def _tp_cases(rank, mesh) -> dict:
     _loss_parallel_cases(results, mesh)
     _prepare_output_cases(results, mesh)
     results["code"] = _code(tp_mlp, (x, y))
-    results["refused"] = _refusals(mesh, tp_mlp, (x, y))
+    results["refused"] = _refusals(mesh, tp_mlp)
+    _double_backward_cases(results, mesh, tp_mlp, (x, y))
     return results
 
 
@@ -290,7 +291,7 @@ def _code(sharded, inputs, context=contextlib.nullcontext) -> dict:
     return {"forward": sp.forward.code, "backward": sp.backward.code, "bytes": sp.communicated_bytes}
 
 
-def _refusals(mesh, tp_mlp, inputs) -> dict:
+def _refusals(mesh, tp_mlp) -> dict:
     from torch.distributed.tensor import DTensor, Partial
 
     import fxtools
@@ -302,7 +303,6 @@ def _refusals(mesh, tp_mlp, inputs) -> dict:
 
     for case, run in (
         ("Partial('max')", lambda: fxtools.compile(partial_max, torch.randn(3, requires_grad=True))),
-        ("double backward", lambda: _double_backward(tp_mlp, inputs)),
         ("fxtools.grad", lambda: fxtools.grad(lambda w: w.sum(), tp_mlp()[1]["up.weight"])),
     ):
         try:
@@ -313,12 +313,41 @@ def _refusals(mesh, tp_mlp, inputs) -> dict:
     return out
 
 
-def _double_backward(tp_mlp, inputs):
-    import fxtools
+def _hvp(model, params, inputs, vs):
+    """The gradient (``create_graph=True``) and the Hessian of ``model(*inputs)`` times ``vs`` (by
+    parameter name), each whole."""
+    names = list(params)
+    grads = torch.autograd.grad(model(*inputs), [params[n] for n in names], create_graph=True)
+    dot = sum((g * vs[n]).sum() for g, n in zip(grads, names))
+    hvps = torch.autograd.grad(dot, [params[n] for n in names])
+    return {n: _whole(g) for n, g in zip(names, grads)}, {n: _whole(h) for n, h in zip(names, hvps)}
 
-    model, params = tp_mlp()
-    loss = fxtools.compile(model, *inputs)(*inputs)
-    torch.autograd.grad(loss, list(params.values()), create_graph=True)
+
+def _double_backward_cases(results, mesh, tp_mlp, inputs):
+    """A backward with ``create_graph=True`` through the Colwise/Rowwise MLP (both paths), then a
+    backward of the gradients' dot product with a direction: equal to the unsharded model's
+    gradient and Hessian-vector product."""
+    from torch.distributed.tensor import distribute_tensor
+
+    ref = _seeded(MLP)
+    torch.manual_seed(5)
+    vs = {n: torch.randn_like(p) for n, p in ref.named_parameters()}
+    want = _hvp(ref, dict(ref.named_parameters()), inputs, vs)
+    for path, make in _paths().items():
+        errors = []
+        try:
+            model, params = tp_mlp()
+            directions = {n: distribute_tensor(vs[n], mesh, p.placements) for n, p in params.items()}
+            got = _hvp(make(model, inputs), params, inputs, directions)
+            for what, g, w in zip(("gradient", "Hessian-vector product"), got, want):
+                for name in w:
+                    try:
+                        torch.testing.assert_close(g[name], w[name], **TOL)
+                    except AssertionError as e:
+                        errors.append(f"{what} {name}: {str(e).splitlines()[-1]}")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            errors.append(f"{type(e).__name__}: {e}")
+        results[f"double backward, Colwise/Rowwise MLP, {path}"] = {"errors": errors}
 
 
 def _two_d_cases(rank, mesh) -> dict:
@@ -417,8 +446,9 @@ def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
         message = refused["Partial('max')"]
         if "P(max)" not in message or "DTensor.from_local(t, mesh" not in message:
             problems.append(f"rank {rank}: Partial('max'): {message}")
-        if "create_graph=True" not in refused["double backward"]:
-            problems.append(f"rank {rank}: double backward: {refused['double backward']}")
+        for case in ("double backward, Colwise/Rowwise MLP, fxtools.compile", "double backward, Colwise/Rowwise MLP, backend"):
+            if case not in results:
+                problems.append(f"{case} (rank {rank}): not run")
         if "argument w is a DTensor" not in refused["fxtools.grad"]:
             problems.append(f"rank {rank}: fxtools.grad of a DTensor: {refused['fxtools.grad']}")
     assert not problems, "\n".join(problems)

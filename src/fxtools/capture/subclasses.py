@@ -202,6 +202,7 @@ class LocalView:
         self.tensor_grad_placements = [g for g, x in zip(self.grad_placements, leaves) if isinstance(x, torch.Tensor)]
         self.out_layouts: list = []  # of every output leaf (None: not a DTensor)
         self.out_tensor_layouts: list = []  # of the tensor output leaves
+        self.fn: Any = None  # the program (``function``)
 
     def args(self, args) -> tuple:
         """``args`` with each DTensor replaced by its local tensor (requiring grad as the DTensor does)."""
@@ -213,6 +214,7 @@ class LocalView:
 
     def function(self, fn):
         layouts = self.layouts
+        self.fn = fn  # the program of DTensors, run again by a differentiable backward
 
         def local_fn(*args):
             leaves, spec = pytree.tree_flatten(args)

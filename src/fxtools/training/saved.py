@@ -166,7 +166,7 @@ def release(ctx) -> None:
     """Unless the running backward keeps the graph, drop what ``ctx`` holds for a backward."""
     if not graph_kept():
         ctx.maybe_clear_saved_tensors()
-        ctx.fxtools_plain = ctx.fxtools_record = None
+        ctx.fxtools_plain = ctx.fxtools_record = ctx.fxtools_inputs = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,6 +335,23 @@ class Replay:
         for i, g in zip(wrt, grads):
             flat[i] = g
         return flat
+
+    def check_unchanged(self, record: _Record | None) -> None:
+        """Refuse a differentiable backward of a forward whose graph was freed, or whose inputs
+        were modified in place since it ran (``SubclassLeaves.differentiable_backward`` replays
+        the user's program, not the captured one: the captured program's own checks do not apply)."""
+        what = "double backward (create_graph=True) through fxtools.compile"
+        if record is None:
+            raise FxtoolsError(
+                f"{what}: this graph was freed by an earlier backward; pass retain_graph=True (or create_graph=True) "
+                "to the earlier one"
+            )
+        if record.drew:
+            raise FxtoolsError(
+                f"{what}: the forward of a program taking DTensors drew random numbers, which its differentiable "
+                "backward, eager's on the DTensors, would draw anew: make the program deterministic (model.eval(), dropout p=0)"
+            )
+        self._check_versions(record)
 
     def _names(self, keys) -> str:
         return ", ".join(k if isinstance(k, str) else self.split.signature[k].path or self.split.signature[k].name for k in keys)
