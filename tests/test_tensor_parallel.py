@@ -7,8 +7,10 @@ world size; each rank writes what it found to a JSON file and the tests read the
   down-projection, a residual block with ``SequenceParallel`` LayerNorm and ``Colwise/RowwiseParallel``
   over a sequence shard, the ``loss_parallel()`` cross-entropy, and an MLP whose output a
   ``PrepareModuleOutput`` plan gathers, each through ``fxtools.compile`` and
-  ``torch.compile(backend=fxtools.backend())``; what fxtools refuses (a ``Partial("max")``
-  placement, a double backward, ``fxtools.grad`` of a DTensor) with the error naming it.
+  ``torch.compile(backend=fxtools.backend())``; a double backward (``create_graph=True``) through
+  the MLP, then the gradient's dot product with a direction differentiated, equal to the unsharded
+  model's gradient and Hessian-vector product; what fxtools refuses (a ``Partial("max")``
+  placement, ``fxtools.grad`` of a DTensor) with the error naming it.
 - 4 processes, a (2, 2) mesh ("dp", "tp"): two residual blocks (LayerNorm, Colwise/Rowwise MLP),
   ``fully_shard`` over "dp" (blocks, then the root), through both paths; blocks compiled then
   sharded; ``policies.budget(0.5)``.
@@ -18,7 +20,8 @@ step, whole: ``DTensor.full_tensor()``) and every parameter after the 5 steps wi
 copy trained in eager on the whole batch, at 1e-10, checks the gradients' placements are exactly
 those eager tensor parallel gives (``Partial`` where eager leaves a pending sum), and that
 fxtools' forward graphs ran at every step. The MLP's generated forward names its all-reduce after
-the mesh dimension (``loss_all_reduce_tp``), and its backward communicates nothing, as eager's.
+the mesh dimension (``loss_all_reduce_tp``), and its backward communicates nothing, as eager's;
+the ``loss_parallel()`` graphs move eager's bytes too.
 
 Run ``python tests/test_tensor_parallel.py`` to launch the workers by hand and print their results.
 """
@@ -421,9 +424,10 @@ def _problems(ranks: list[dict]) -> list[str]:
 def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
     """2 processes: Colwise/Rowwise MLP, a SequenceParallel block, loss_parallel and
     PrepareModuleOutput, through fxtools.compile and the backend, equal to the unsharded model in
-    eager with eager's gradient placements; the MLP's collectives are named after the mesh
-    dimension and move eager's bytes; a ``Partial("max")`` placement and a double backward are
-    refused naming them."""
+    eager with eager's gradient placements; the MLP's and loss_parallel's collectives move eager's
+    bytes, the MLP's named after the mesh dimension; a double backward through the MLP equal to
+    the unsharded model's Hessian-vector product; a ``Partial("max")`` placement and a DTensor
+    argument of ``fxtools.grad`` refused naming them."""
     ranks = _run(2)
     problems = _problems(ranks)
     for rank, results in enumerate(ranks):

@@ -28,6 +28,10 @@ DTensor's autograd functions are captured as ``custom_vjp`` calls with the rule 
 - ``DTensor.from_local(x, mesh, [Replicate()])``: the local gradient of a replicated value is a
   partial sum; eager gives each rank the whole gradient, so the rule all-reduces it.
 
+Ops DTensor computes with handlers of its own (``loss_parallel()``'s log-softmax and NLL loss)
+are captured as one custom call each, whose rule is eager's backward handler on the DTensors
+(``_EAGER_BACKWARDS``): eager's fused backward, which needs no collective.
+
 Placements fxtools does not handle are refused when the program is built, naming the placement.
 """
 

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture.subclasses import LocalView, is_subclass, local, local_view
 from ..errors import FxtoolsError
+from .saved import differentiated
 
 __all__ = ["SubclassLeaves", "Wrappers", "communicated_bytes", "local_view", "with_subclass_leaves"]
 
@@ -263,23 +264,16 @@ class SubclassLeaves:
         functions of the arguments and cotangents, differentiable again as eager's are. (The
         graphs are of the local tensors: autograd does not differentiate their collectives, and
         their derivative is that of each rank's share, not DTensor's of the whole program.)"""
-        wrt = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-        xs = list(leaves)
-        with torch.enable_grad(), self.capturing():
-            for i in wrt:  # one alias per position: an argument passed twice gets a gradient per position
-                xs[i] = xs[i].view_as(xs[i])
+
+        def run(xs):
             it = iter(xs)
             full = [next(it) if t else x for x, t in zip(captured.leaves, captured.tensor_leaf)]
             outs = pytree.tree_leaves(self.view.fn(*pytree.tree_unflatten(full, captured.in_spec)))
             outs = [o for o in outs if isinstance(o, torch.Tensor)]
-            pairs = [(o, ct) for o, ct in zip(outs, grad_outs) if o.requires_grad and ct is not None]
-            grads = torch.autograd.grad(
-                [o for o, _ in pairs], [xs[i] for i in wrt], [ct for _, ct in pairs], create_graph=True, allow_unused=True
-            )
-        flat: list = [None] * len(leaves)
-        for i, g in zip(wrt, grads):
-            flat[i] = g
-        return flat
+            return [(o, ct) for o, ct in zip(outs, grad_outs) if o.requires_grad and ct is not None]
+
+        with self.capturing():
+            return differentiated(leaves, run)
 
     def gradients(self, grads) -> list:
         layouts, partial = self.view.tensor_layouts, self.view.tensor_grad_placements
