@@ -408,12 +408,14 @@ def _with_eager_backward(handlers: dict, handler):
         def rebuild(locals_, specs_):
             return [t if sp is None else _dtensor()(t, sp, requires_grad=False) for t, sp in zip(locals_, specs_)]
 
-        def call(*tensors):
+        def arguments(tensors):
             full = list(leaves)
             for i, t in zip(tensor_pos, rebuild(tensors, specs)):
                 full[i] = t
-            a, k = pytree.tree_unflatten(full, spec)
-            outs = handler(op, a, k)
+            return pytree.tree_unflatten(full, spec)
+
+        def call(*tensors):
+            outs = handler(op, *arguments(tensors))
             outs = list(outs) if isinstance(outs, tuple) else [outs]
             out_specs[:] = [getattr(o, "_spec", None) for o in outs]
             return tuple(local(o) for o in outs)
@@ -424,10 +426,7 @@ def _with_eager_backward(handlers: dict, handler):
 
         def bwd(res, cts):
             tensors, outs = res
-            full = list(leaves)
-            for i, t in zip(tensor_pos, rebuild(tensors, specs)):
-                full[i] = t
-            a, _ = pytree.tree_unflatten(full, spec)
+            a, _ = arguments(tensors)
             cts = [ct if sp is None else _eager_cotangent(ct, sp) for ct, sp in zip(cts, out_specs)]
             grad, placements = _EAGER_BACKWARDS[op](handlers, op, a, rebuild(cts, out_specs), rebuild(outs, out_specs))
             return (_local_cotangent(grad, specs[0], placements), *(None for _ in tensors[1:]))
