@@ -57,13 +57,20 @@ class Net(nn.Module):
 
 
 class CountBytes(TorchDispatchMode):
-    """Bytes the functional collectives dispatched while active move (larger of input and output)."""
+    """Bytes the functional collectives dispatched while active move (larger of input and output),
+    also those DTensor's dispatch runs (an op on DTensors is left to it, with this mode still
+    active, as ``CommDebugMode`` does: else the collectives of its custom handlers, such as
+    ``loss_parallel()``'s, would run unseen)."""
 
     def __init__(self):
         super().__init__()
         self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in COLLECTIVES:
             sizes = [t.numel() * t.element_size() for t in (out, args[0]) if isinstance(t, torch.Tensor)]

@@ -7,8 +7,10 @@ world size; each rank writes what it found to a JSON file and the tests read the
   down-projection, a residual block with ``SequenceParallel`` LayerNorm and ``Colwise/RowwiseParallel``
   over a sequence shard, the ``loss_parallel()`` cross-entropy, and an MLP whose output a
   ``PrepareModuleOutput`` plan gathers, each through ``fxtools.compile`` and
-  ``torch.compile(backend=fxtools.backend())``; what fxtools refuses (a ``Partial("max")``
-  placement, a double backward, ``fxtools.grad`` of a DTensor) with the error naming it.
+  ``torch.compile(backend=fxtools.backend())``; a double backward (``create_graph=True``) through
+  the MLP, then the gradient's dot product with a direction differentiated, equal to the unsharded
+  model's gradient and Hessian-vector product; what fxtools refuses (a ``Partial("max")``
+  placement, ``fxtools.grad`` of a DTensor) with the error naming it.
 - 4 processes, a (2, 2) mesh ("dp", "tp"): two residual blocks (LayerNorm, Colwise/Rowwise MLP),
   ``fully_shard`` over "dp" (blocks, then the root), through both paths; blocks compiled then
   sharded; ``policies.budget(0.5)``.
@@ -18,7 +20,8 @@ step, whole: ``DTensor.full_tensor()``) and every parameter after the 5 steps wi
 copy trained in eager on the whole batch, at 1e-10, checks the gradients' placements are exactly
 those eager tensor parallel gives (``Partial`` where eager leaves a pending sum), and that
 fxtools' forward graphs ran at every step. The MLP's generated forward names its all-reduce after
-the mesh dimension (``loss_all_reduce_tp``), and its backward communicates nothing, as eager's.
+the mesh dimension (``loss_all_reduce_tp``), and its backward communicates nothing, as eager's;
+the ``loss_parallel()`` graphs move eager's bytes too.
 
 Run ``python tests/test_tensor_parallel.py`` to launch the workers by hand and print their results.
 """
@@ -147,6 +150,37 @@ def _backend(model, inputs):
     return torch.compile(model, backend=fxtools.backend())
 
 
+def _parallelized(make, mesh, plan):
+    """A function making ``make()`` (seeded) parallelized by ``plan`` over ``mesh``, and its parameters by name."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    def sharded():
+        model = parallelize_module(_seeded(make), mesh, plan)
+        return model, dict(model.named_parameters())
+
+    return sharded
+
+
+def _cases(results, label, sharded, unsharded, whole, local, context=contextlib.nullcontext):
+    """Train ``sharded()`` (a model and its parameters by name, on this rank's ``local`` inputs)
+    through each fxtools path, each step inside ``context()``, against ``unsharded()`` trained in
+    eager on the ``whole`` inputs and the placements of ``sharded()``'s gradients in eager; the
+    reference and eager's placements, for further cases."""
+    ref = unsharded()
+    reference = _train(ref, dict(ref.named_parameters()), whole)
+    eager_model, eager_params = sharded()
+    eager_placements = _train(eager_model, eager_params, local, context)[1]
+    for path, make in _paths().items():
+
+        def build(make=make):
+            model, params = sharded()
+            with context():
+                return make(model, local), params
+
+        _run_case(results, f"{label}, {path}", build, reference, local, eager_placements, context)
+    return reference, eager_placements
+
+
 def _tp_cases(rank, mesh) -> dict:
     """The 2-process cases (module docstring)."""
     from torch.distributed.tensor import Shard
@@ -155,23 +189,8 @@ def _tp_cases(rank, mesh) -> dict:
     results: dict = {}
     torch.manual_seed(1)
     x, y = torch.randn(4, 6), torch.randn(4, 6)
-    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
-
-    def tp_mlp():
-        model = parallelize_module(_seeded(MLP), mesh, plan)
-        return model, dict(model.named_parameters())
-
-    ref = _seeded(MLP)
-    reference = _train(ref, dict(ref.named_parameters()), (x, y))
-    eager_model, eager_params = tp_mlp()
-    eager_placements = _train(eager_model, eager_params, (x, y))[1]
-    for path, make in _paths().items():
-
-        def build(make=make):
-            model, params = tp_mlp()
-            return make(model, (x, y)), params
-
-        _run_case(results, f"Colwise/Rowwise MLP, {path}", build, reference, (x, y), eager_placements)
+    tp_mlp = _parallelized(MLP, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    _cases(results, "Colwise/Rowwise MLP", tp_mlp, lambda: _seeded(MLP), (x, y), (x, y))
 
     # sequence parallel: each rank holds a shard of the sequence (dimension 1)
     torch.manual_seed(2)
@@ -189,21 +208,12 @@ def _tp_cases(rank, mesh) -> dict:
             parallelize_module(block, mesh, sp_plan)
         return model, dict(model.named_parameters())
 
-    ref = _seeded(lambda: Blocks(n=1, total=xs.numel()))
-    reference = _train(ref, dict(ref.named_parameters()), (xs, ys))
-    eager_model, eager_params = sp_blocks()
-    eager_placements = _train(eager_model, eager_params, shard)[1]
-    for path, make in _paths().items():
-
-        def build(make=make):
-            model, params = sp_blocks()
-            return make(model, shard), params
-
-        _run_case(results, f"SequenceParallel block, {path}", build, reference, shard, eager_placements)
+    _cases(results, "SequenceParallel block", sp_blocks, lambda: _seeded(lambda: Blocks(n=1, total=xs.numel())), (xs, ys), shard)
     _loss_parallel_cases(results, mesh)
     _prepare_output_cases(results, mesh)
     results["code"] = _code(tp_mlp, (x, y))
-    results["refused"] = _refusals(mesh, tp_mlp, (x, y))
+    results["refused"] = _refusals(mesh, tp_mlp)
+    _double_backward_cases(results, mesh, tp_mlp, (x, y))
     return results
 
 
@@ -222,7 +232,7 @@ class Head(nn.Module):
 def _loss_parallel_cases(results, mesh):
     """``loss_parallel()``: the cross-entropy of logits sharded over the vocabulary."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, loss_parallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, loss_parallel
 
     torch.manual_seed(3)
     x, t = torch.randn(4, 6), torch.randint(0, 8, (4,))
@@ -231,22 +241,9 @@ def _loss_parallel_cases(results, mesh):
         "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
 
-    def sharded():
-        model = parallelize_module(_seeded(Head), mesh, plan)
-        return model, dict(model.named_parameters())
-
-    ref = _seeded(Head)
-    reference = _train(ref, dict(ref.named_parameters()), (x, t))
-    eager_model, eager_params = sharded()
-    eager_placements = _train(eager_model, eager_params, (x, t), loss_parallel)[1]
-    for path, make in _paths().items():
-
-        def build(make=make):
-            model, params = sharded()
-            with loss_parallel():
-                return make(model, (x, t)), params
-
-        _run_case(results, f"loss_parallel cross-entropy, {path}", build, reference, (x, t), eager_placements, loss_parallel)
+    sharded = _parallelized(Head, mesh, plan)
+    _cases(results, "loss_parallel cross-entropy", sharded, lambda: _seeded(Head), (x, t), (x, t), loss_parallel)
+    results["loss_parallel bytes"] = _code(sharded, (x, t), loss_parallel)["bytes"]
 
 
 class Inner(nn.Module):
@@ -274,7 +271,7 @@ def _prepare_output_cases(results, mesh):
     """``PrepareModuleOutput``: the down-projection's output left sharded over columns (a
     reduce-scatter of the partial sums), gathered whole by its parent's output plan."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
 
     torch.manual_seed(4)
     x, y = torch.randn(4, 6), torch.randn(4, 6)
@@ -284,33 +281,20 @@ def _prepare_output_cases(results, mesh):
         "inner": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
     }
 
-    def sharded():
-        model = parallelize_module(_seeded(Outer), mesh, plan)
-        return model, dict(model.named_parameters())
-
-    ref = _seeded(Outer)
-    reference = _train(ref, dict(ref.named_parameters()), (x, y))
-    eager_model, eager_params = sharded()
-    eager_placements = _train(eager_model, eager_params, (x, y))[1]
-    for path, make in _paths().items():
-
-        def build(make=make):
-            model, params = sharded()
-            return make(model, (x, y)), params
-
-        _run_case(results, f"PrepareModuleOutput, {path}", build, reference, (x, y), eager_placements)
+    _cases(results, "PrepareModuleOutput", _parallelized(Outer, mesh, plan), lambda: _seeded(Outer), (x, y), (x, y))
 
 
-def _code(tp_mlp, inputs) -> dict:
-    """The MLP's generated forward and backward, and the bytes their collectives move."""
+def _code(sharded, inputs, context=contextlib.nullcontext) -> dict:
+    """The generated forward and backward of ``sharded()``'s model, and the bytes their collectives move."""
     import fxtools
 
-    model, _ = tp_mlp()
-    sp = fxtools.compile(model, *inputs).split
+    model, _ = sharded()
+    with context():
+        sp = fxtools.compile(model, *inputs).split
     return {"forward": sp.forward.code, "backward": sp.backward.code, "bytes": sp.communicated_bytes}
 
 
-def _refusals(mesh, tp_mlp, inputs) -> dict:
+def _refusals(mesh, tp_mlp) -> dict:
     from torch.distributed.tensor import DTensor, Partial
 
     import fxtools
@@ -322,7 +306,6 @@ def _refusals(mesh, tp_mlp, inputs) -> dict:
 
     for case, run in (
         ("Partial('max')", lambda: fxtools.compile(partial_max, torch.randn(3, requires_grad=True))),
-        ("double backward", lambda: _double_backward(tp_mlp, inputs)),
         ("fxtools.grad", lambda: fxtools.grad(lambda w: w.sum(), tp_mlp()[1]["up.weight"])),
     ):
         try:
@@ -333,12 +316,41 @@ def _refusals(mesh, tp_mlp, inputs) -> dict:
     return out
 
 
-def _double_backward(tp_mlp, inputs):
-    import fxtools
+def _hvp(model, params, inputs, vs):
+    """The gradient (``create_graph=True``) and the Hessian of ``model(*inputs)`` times ``vs`` (by
+    parameter name), each whole."""
+    names = list(params)
+    grads = torch.autograd.grad(model(*inputs), [params[n] for n in names], create_graph=True)
+    dot = sum((g * vs[n]).sum() for g, n in zip(grads, names))
+    hvps = torch.autograd.grad(dot, [params[n] for n in names])
+    return {n: _whole(g) for n, g in zip(names, grads)}, {n: _whole(h) for n, h in zip(names, hvps)}
 
-    model, params = tp_mlp()
-    loss = fxtools.compile(model, *inputs)(*inputs)
-    torch.autograd.grad(loss, list(params.values()), create_graph=True)
+
+def _double_backward_cases(results, mesh, tp_mlp, inputs):
+    """A backward with ``create_graph=True`` through the Colwise/Rowwise MLP (both paths), then a
+    backward of the gradients' dot product with a direction: equal to the unsharded model's
+    gradient and Hessian-vector product."""
+    from torch.distributed.tensor import distribute_tensor
+
+    ref = _seeded(MLP)
+    torch.manual_seed(5)
+    vs = {n: torch.randn_like(p) for n, p in ref.named_parameters()}
+    want = _hvp(ref, dict(ref.named_parameters()), inputs, vs)
+    for path, make in _paths().items():
+        errors = []
+        try:
+            model, params = tp_mlp()
+            directions = {n: distribute_tensor(vs[n], mesh, p.placements) for n, p in params.items()}
+            got = _hvp(make(model, inputs), params, inputs, directions)
+            for what, g, w in zip(("gradient", "Hessian-vector product"), got, want):
+                for name in w:
+                    try:
+                        torch.testing.assert_close(g[name], w[name], **TOL)
+                    except AssertionError as e:
+                        errors.append(f"{what} {name}: {str(e).splitlines()[-1]}")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            errors.append(f"{type(e).__name__}: {e}")
+        results[f"double backward, Colwise/Rowwise MLP, {path}"] = {"errors": errors}
 
 
 def _two_d_cases(rank, mesh) -> dict:
@@ -363,17 +375,8 @@ def _two_d_cases(rank, mesh) -> dict:
         fully_shard(model, mesh=mesh["dp"])
         return model, {n.replace(".module.", "."): p for n, p in model.named_parameters()}
 
-    ref = _seeded(lambda: Blocks(n=2, total=x.numel()))
-    reference = _train(ref, dict(ref.named_parameters()), (x, y))
-    eager_model, eager_params = two_d()
-    eager_placements = _train(eager_model, eager_params, batch)[1]
-    for path, make in _paths().items():
-
-        def build(make=make):
-            model, params = two_d()
-            return make(model, batch), params
-
-        _run_case(results, f"FSDP2 x TP blocks, {path}", build, reference, batch, eager_placements)
+    unsharded = lambda: _seeded(lambda: Blocks(n=2, total=x.numel()))  # noqa: E731
+    reference, eager_placements = _cases(results, "FSDP2 x TP blocks", two_d, unsharded, (x, y), batch)
 
     def per_block():  # the other wrapping order: each block compiled, then sharded
         return two_d(lambda b: fxtools.compile(b, batch[0]))
@@ -421,9 +424,10 @@ def _problems(ranks: list[dict]) -> list[str]:
 def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
     """2 processes: Colwise/Rowwise MLP, a SequenceParallel block, loss_parallel and
     PrepareModuleOutput, through fxtools.compile and the backend, equal to the unsharded model in
-    eager with eager's gradient placements; the MLP's collectives are named after the mesh
-    dimension and move eager's bytes; a ``Partial("max")`` placement and a double backward are
-    refused naming them."""
+    eager with eager's gradient placements; the MLP's and loss_parallel's collectives move eager's
+    bytes, the MLP's named after the mesh dimension; a double backward through the MLP equal to
+    the unsharded model's Hessian-vector product; a ``Partial("max")`` placement and a DTensor
+    argument of ``fxtools.grad`` refused naming them."""
     ranks = _run(2)
     problems = _problems(ranks)
     for rank, results in enumerate(ranks):
@@ -438,12 +442,17 @@ def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
             problems.append(f"rank {rank}: no all_reduce named after 'tp' in the forward:\n{code['forward']}")
         if code["bytes"] != {"forward": 4 * 6 * 8, "backward": 0}:
             problems.append(f"rank {rank}: collectives move {code['bytes']} (eager: 192 B forward, 0 backward)")
+        # as eager's loss_parallel(): 96 B forward (the logsumexp's maximum and sum, the target's
+        # logit: 4 rows each), 192 B backward (the tanh's gradient), counted with bench_tp.CountBytes
+        if results["loss_parallel bytes"] != {"forward": 96, "backward": 192}:
+            problems.append(f"rank {rank}: loss_parallel() collectives move {results['loss_parallel bytes']}")
         refused = results["refused"]
         message = refused["Partial('max')"]
         if "P(max)" not in message or "DTensor.from_local(t, mesh" not in message:
             problems.append(f"rank {rank}: Partial('max'): {message}")
-        if "create_graph=True" not in refused["double backward"]:
-            problems.append(f"rank {rank}: double backward: {refused['double backward']}")
+        for case in ("double backward, Colwise/Rowwise MLP, fxtools.compile", "double backward, Colwise/Rowwise MLP, backend"):
+            if case not in results:
+                problems.append(f"{case} (rank {rank}): not run")
         if "argument w is a DTensor" not in refused["fxtools.grad"]:
             problems.append(f"rank {rank}: fxtools.grad of a DTensor: {refused['fxtools.grad']}")
     assert not problems, "\n".join(problems)

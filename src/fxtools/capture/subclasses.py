@@ -28,6 +28,10 @@ DTensor's autograd functions are captured as ``custom_vjp`` calls with the rule 
 - ``DTensor.from_local(x, mesh, [Replicate()])``: the local gradient of a replicated value is a
   partial sum; eager gives each rank the whole gradient, so the rule all-reduces it.
 
+Ops DTensor computes with handlers of its own (``loss_parallel()``'s log-softmax and NLL loss)
+are captured as one custom call each, whose rule is eager's backward handler on the DTensors
+(``_EAGER_BACKWARDS``): eager's fused backward, which needs no collective.
+
 Placements fxtools does not handle are refused when the program is built, naming the placement.
 """
 
@@ -202,6 +206,7 @@ class LocalView:
         self.tensor_grad_placements = [g for g, x in zip(self.grad_placements, leaves) if isinstance(x, torch.Tensor)]
         self.out_layouts: list = []  # of every output leaf (None: not a DTensor)
         self.out_tensor_layouts: list = []  # of the tensor output leaves
+        self.fn: Any = None  # the program (``function``)
 
     def args(self, args) -> tuple:
         """``args`` with each DTensor replaced by its local tensor (requiring grad as the DTensor does)."""
@@ -213,6 +218,7 @@ class LocalView:
 
     def function(self, fn):
         layouts = self.layouts
+        self.fn = fn  # the program of DTensors, run again by a differentiable backward
 
         def local_fn(*args):
             leaves, spec = pytree.tree_flatten(args)
@@ -356,15 +362,132 @@ def _partitions_as_shares():
         Partial._partition_value = original  # type: ignore[method-assign]  # restored
 
 
+# ---------------------------------------------------------------------------------------------
+# Ops DTensor computes with handlers of its own (``loss_parallel()``'s log-softmax and NLL loss):
+# one custom call each, whose backward is eager's, the op's derivative formula on DTensors. Their
+# local ops alone would be differentiated as each rank's share: the logsumexp's maximum and the
+# one-hot target's sum would need collectives eager's fused backward does without.
+
+_aten = torch.ops.aten
+
+
+def _log_softmax_backward(handlers, op, args, grads, outs):
+    # loss_parallel()'s handler of _log_softmax_backward_data passes the cotangent through: the
+    # NLL loss's backward, fused, computed the log-softmax's (as in eager)
+    return local(grads[0]).to(args[0].dtype), grads[0].placements
+
+
+def _nll_loss_backward(handlers, op, args, grads, outs):
+    back = _BACKWARD_OPS[op]
+    grad = handlers[back](back, (grads[0], *args[:5], outs[1]), {})
+    return local(grad), grad.placements
+
+
+_BACKWARD_OPS = {  # whose handlers eager's backward runs (those of loss_parallel())
+    _aten._log_softmax.default: _aten._log_softmax_backward_data.default,
+    _aten.nll_loss_forward.default: _aten.nll_loss_backward.default,
+    _aten.nll_loss2d_forward.default: _aten.nll_loss2d_backward.default,
+}
+_EAGER_BACKWARDS = {
+    _aten._log_softmax.default: _log_softmax_backward,
+    _aten.nll_loss_forward.default: _nll_loss_backward,
+    _aten.nll_loss2d_forward.default: _nll_loss_backward,
+}
+
+
+def _with_eager_backward(handlers: dict, handler):
+    """``handler`` (DTensor's, of an op in ``_EAGER_BACKWARDS``) as one ``custom_vjp`` call of its
+    arguments' local tensors, whose rule dispatches the op's backward on DTensors (``handlers``)."""
+
+    def handle(op, args, kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensor_pos = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)]
+        specs = [getattr(leaves[i], "_spec", None) for i in tensor_pos]
+        out_specs: list = []
+
+        def rebuild(locals_, specs_):
+            return [t if sp is None else _dtensor()(t, sp, requires_grad=False) for t, sp in zip(locals_, specs_)]
+
+        def arguments(tensors):
+            full = list(leaves)
+            for i, t in zip(tensor_pos, rebuild(tensors, specs)):
+                full[i] = t
+            return pytree.tree_unflatten(full, spec)
+
+        def call(*tensors):
+            outs = handler(op, *arguments(tensors))
+            outs = list(outs) if isinstance(outs, tuple) else [outs]
+            out_specs[:] = [getattr(o, "_spec", None) for o in outs]
+            return tuple(local(o) for o in outs)
+
+        def fwd(*tensors):
+            outs = call(*tensors)
+            return outs, (tensors, outs)
+
+        def bwd(res, cts):
+            tensors, outs = res
+            a, _ = arguments(tensors)
+            cts = [ct if sp is None else _eager_cotangent(ct, sp) for ct, sp in zip(cts, out_specs)]
+            grad, placements = _EAGER_BACKWARDS[op](handlers, op, a, rebuild(cts, out_specs), rebuild(outs, out_specs))
+            return (_local_cotangent(grad, specs[0], placements), *(None for _ in tensors[1:]))
+
+        call.__name__ = _snake_op(op)
+        fn = custom.custom_vjp(call)
+        fn.defvjp(fwd, bwd)
+        outs = fn(*(local(leaves[i]) for i in tensor_pos))
+        wrapped = rebuild(list(outs), out_specs)
+        return tuple(wrapped) if len(wrapped) > 1 else wrapped[0]
+
+    return handle
+
+
+def _eager_cotangent(ct, spec):
+    """The cotangent eager's backward takes for a DTensor output (whole over its replicated mesh
+    dimensions) from each rank's share of it (``capture/subclasses.py``'s derivative: of the sum
+    over ranks)."""
+    for group, n in _groups(spec.mesh, spec.placements, lambda p: p.is_replicate()):
+        ct = _summed(ct, group, n, None)
+    return ct
+
+
+def _local_cotangent(grad, spec, placements):
+    """Each rank's share of the gradient eager's backward gives a DTensor argument (``spec``):
+    over a replicated mesh dimension where eager's gradient is whole, ``1 / n`` of it."""
+    groups = _groups(spec.mesh, spec.placements, lambda p: True)
+    shared = [g for g, q, p in zip(groups, spec.placements, placements) if q.is_replicate() and p.is_replicate()]
+    return _shares(grad, shared) if shared else grad
+
+
+def _snake_op(op) -> str:
+    return op._schema.name.split("::")[-1].strip("_")
+
+
+@contextlib.contextmanager
+def _eager_backwards():
+    """While capturing: the ops of ``_EAGER_BACKWARDS`` DTensor has handlers for (while
+    ``loss_parallel()`` is active) as custom calls with eager's backward."""
+    handlers = _dtensor()._op_dispatcher._custom_op_handlers
+    originals = {op: handlers[op] for op in _EAGER_BACKWARDS if op in handlers and _BACKWARD_OPS[op] in handlers}
+    snapshot = dict(handlers)
+    for op, handler in originals.items():
+        handlers[op] = _with_eager_backward(snapshot, handler)
+    try:
+        yield
+    finally:
+        for op, handler in originals.items():
+            if op in handlers:
+                handlers[op] = handler
+
+
 def _edge(kind: str):
     """A ``custom_vjp`` identity whose rule is eager's at an edge of the DTensor region."""
 
     def fun(x, replicated, partial, grad):
+        if kind == "from_local":  # a value eager takes as replicated, unchecked (differentiated or not)
+            assert_replicated(x, [group for group, _ in replicated])
         return x
 
     def fwd(x, replicated, partial, grad):
-        if kind == "from_local":  # a value eager takes as replicated, unchecked
-            assert_replicated(x, [group for group, _ in replicated])
         return fun(x, replicated, partial, grad), (replicated, partial, grad)
 
     def bwd(res, ct):
@@ -432,7 +555,7 @@ def dtensor_functions(pre_dispatch: bool = False):
         torch.compiler._is_exporting_flag = False
     token = _ABOVE_AUTOGRAD.set(pre_dispatch)
     try:
-        with custom.function_handlers(handlers), _partitions_as_shares():
+        with custom.function_handlers(handlers), _partitions_as_shares(), _eager_backwards():
             yield
     finally:
         torch.compiler._is_exporting_flag = exporting

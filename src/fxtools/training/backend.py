@@ -446,7 +446,7 @@ class _Runners:
         leaves = sp.flatten(*args)
         runner = _Runner(sp, leaves, *self.options.running())
         if view is not None:
-            runner.subclasses = SubclassLeaves(view)
+            runner.subclasses = SubclassLeaves(view, self.capturing)
         self.entries.append((training, mask, runner))
         return runner, leaves
 
@@ -490,6 +490,7 @@ class _SplitFunction(torch.autograd.Function):
     def forward(ctx, runner: _Runner, *leaves):
         ctx.runner = runner
         if runner.subclasses is not None:
+            ctx.fxtools_inputs = leaves  # the DTensors, for a differentiable backward
             leaves = runner.subclasses.locals(leaves)
         ctx.fxtools_record = record = runner.replay.record(leaves)
         outs, saved = runner.run_forward(leaves)
@@ -509,13 +510,16 @@ class _SplitFunction(torch.autograd.Function):
     def backward(ctx, *grad_outs):
         runner = ctx.runner
         subclasses = runner.subclasses
+        if torch.is_grad_enabled() and subclasses is not None:  # create_graph=True through DTensors: eager's
+            runner.replay.check_unchanged(ctx.fxtools_record)
+            grads = subclasses.differentiable_backward(runner.split.captured, ctx.fxtools_inputs, grad_outs)
+            release(ctx)
+            return (None, *grads)
         if subclasses is not None:
             grad_outs = subclasses.cotangents(grad_outs)
         cts = [grad_outs[i] for i in runner.ct_positions]
         del grad_outs
         if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate
-            if subclasses is not None:
-                raise FxtoolsError(subclasses.no_double_backward)
             grads = runner.replay.vjp(ctx.fxtools_record, cts)
             release(ctx)
             return (None, *grads)

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture.subclasses import LocalView, is_subclass, local, local_view
 from ..errors import FxtoolsError
+from .saved import differentiated
 
 __all__ = ["SubclassLeaves", "Wrappers", "communicated_bytes", "local_view", "with_subclass_leaves"]
 
@@ -236,13 +237,9 @@ class SubclassLeaves:
     takes their cotangents as the graphs' local cotangents (``cotangents``) and gives DTensor
     gradients with the placements eager gives (``gradients``)."""
 
-    no_double_backward = (
-        "fxtools.compile: a backward with create_graph=True through a program taking DTensors is not "
-        "supported (see docs/security.md#known-gaps)"
-    )
-
-    def __init__(self, view: LocalView):
+    def __init__(self, view: LocalView, capturing: Callable[[], Any] = contextlib.nullcontext):
         self.view = view
+        self.capturing = capturing  # the context the program was traced in (FSDP2's hooks quiet)
 
     def locals(self, leaves) -> list:
         return [local(x) for x in leaves]
@@ -259,6 +256,24 @@ class SubclassLeaves:
                 ct = local(ct if tuple(ct.placements) == want else ct.redistribute(ct.device_mesh, want))
             out.append(ct)
         return out
+
+    def differentiable_backward(self, captured, leaves: list, grad_outs) -> list:
+        """The gradients for ``grad_outs`` in a backward with ``create_graph=True``: eager's, of the
+        user's program run again on the DTensor arguments ``leaves`` (the tensor leaves of the
+        arguments ``captured`` was traced with) with autograd recording, so that they are PyTorch
+        functions of the arguments and cotangents, differentiable again as eager's are. (The
+        graphs are of the local tensors: autograd does not differentiate their collectives, and
+        their derivative is that of each rank's share, not DTensor's of the whole program.)"""
+
+        def run(xs):
+            it = iter(xs)
+            full = [next(it) if t else x for x, t in zip(captured.leaves, captured.tensor_leaf)]
+            outs = pytree.tree_leaves(self.view.fn(*pytree.tree_unflatten(full, captured.in_spec)))
+            outs = [o for o in outs if isinstance(o, torch.Tensor)]
+            return [(o, ct) for o, ct in zip(outs, grad_outs) if o.requires_grad and ct is not None]
+
+        with self.capturing():
+            return differentiated(leaves, run)
 
     def gradients(self, grads) -> list:
         layouts, partial = self.view.tensor_layouts, self.view.tensor_grad_placements

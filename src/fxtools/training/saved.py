@@ -43,7 +43,7 @@ from ..graph import meta
 from ..graph.nodes import written_args
 from ..passes.subgraphs import subgraphs
 
-__all__ = ["SavedValues", "Replay", "to_host", "to_device", "rng_state", "rng_restored"]
+__all__ = ["SavedValues", "Replay", "differentiated", "to_host", "to_device", "rng_state", "rng_restored"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def release(ctx) -> None:
     """Unless the running backward keeps the graph, drop what ``ctx`` holds for a backward."""
     if not graph_kept():
         ctx.maybe_clear_saved_tensors()
-        ctx.fxtools_plain = ctx.fxtools_record = None
+        ctx.fxtools_plain = ctx.fxtools_record = ctx.fxtools_inputs = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,19 +322,30 @@ class Replay:
         copies = {k: v.clone() for k, v in record.snapshots.items()}
         leaves = [copies.get(i, x) for i, x in enumerate(record.leaves)]
         attrs = {k: v for k, v in copies.items() if isinstance(k, str)}
-        wrt = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-        with rng_restored(record.rng), torch.enable_grad():
-            for i in wrt:  # one alias per position: an input passed twice gets a gradient per position
-                leaves[i] = leaves[i].view_as(leaves[i])
-            outs = pytree.tree_leaves(_ReplayForward(self.program, attrs).run(*leaves))
-            pairs = [(outs[i], ct) for i, ct in zip(self.split.ct_index, cts) if outs[i].requires_grad]
-            grads = torch.autograd.grad(
-                [y for y, _ in pairs], [leaves[i] for i in wrt], [ct for _, ct in pairs], create_graph=True, allow_unused=True
+
+        def run(xs):
+            outs = pytree.tree_leaves(_ReplayForward(self.program, attrs).run(*xs))
+            return [(outs[i], ct) for i, ct in zip(self.split.ct_index, cts) if outs[i].requires_grad]
+
+        with rng_restored(record.rng):
+            return differentiated(leaves, run)
+
+    def check_unchanged(self, record: _Record | None) -> None:
+        """Refuse a differentiable backward of a forward whose graph was freed, or whose inputs
+        were modified in place since it ran (``SubclassLeaves.differentiable_backward`` replays
+        the user's program, not the captured one: the captured program's own checks do not apply)."""
+        what = "double backward (create_graph=True) through fxtools.compile"
+        if record is None:
+            raise FxtoolsError(
+                f"{what}: this graph was freed by an earlier backward; pass retain_graph=True (or create_graph=True) "
+                "to the earlier one"
             )
-        flat: list = [None] * len(leaves)
-        for i, g in zip(wrt, grads):
-            flat[i] = g
-        return flat
+        if record.drew:
+            raise FxtoolsError(
+                f"{what}: the forward of a program taking DTensors drew random numbers, which its differentiable "
+                "backward, eager's on the DTensors, would draw anew: make the program deterministic (model.eval(), dropout p=0)"
+            )
+        self._check_versions(record)
 
     def _names(self, keys) -> str:
         return ", ".join(k if isinstance(k, str) else self.split.signature[k].path or self.split.signature[k].name for k in keys)
@@ -379,6 +390,25 @@ class Replay:
                 f"double backward through fxtools.compile: {self._names(changed)} modified in place after the forward, "
                 "which the differentiable backward replays: modify a copy, or run the backward first"
             )
+
+
+def differentiated(leaves: list, run) -> list:
+    """Autograd's gradients, recorded (``create_graph=True``), of the ``(output, cotangent)`` pairs
+    ``run(xs)`` returns, with respect to the ``leaves`` that require grad (``xs``: one alias of each,
+    so that an input passed twice gets a gradient per position); None for the other leaves."""
+    wrt = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    xs = list(leaves)
+    with torch.enable_grad():
+        for i in wrt:
+            xs[i] = xs[i].view_as(xs[i])
+        pairs = run(xs)
+        grads = torch.autograd.grad(
+            [y for y, _ in pairs], [xs[i] for i in wrt], [ct for _, ct in pairs], create_graph=True, allow_unused=True
+        )
+    flat: list = [None] * len(leaves)
+    for i, g in zip(wrt, grads):
+        flat[i] = g
+    return flat
 
 
 def _attr(gm: fx.GraphModule, target: str):
