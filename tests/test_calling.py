@@ -185,7 +185,6 @@ def test_functional_still_takes_dicts_of_parameters_and_buffers():
     torch.testing.assert_close(got, model(x))
 
 
-
 def test_a_build_leaves_the_garbage_collector_as_it_found_it():
     """Builds pause Python's cyclic collector (transforms/calling.cyclic_gc_paused) and give it back
     as it was: on after a nested build (hvp builds a grad inside) and after a refused call, off if
