@@ -183,3 +183,26 @@ def test_functional_still_takes_dicts_of_parameters_and_buffers():
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     got = fxtools.functional(model)((params, buffers), x)
     torch.testing.assert_close(got, model(x))
+
+
+def test_a_build_leaves_the_garbage_collector_as_it_found_it():
+    """Builds pause Python's cyclic collector (transforms/calling.cyclic_gc_paused) and give it back
+    as it was: on after a nested build (hvp builds a grad inside) and after a refused call, off if
+    the caller had turned it off; the module built still computes the Hessian-vector product."""
+    import gc
+
+    was = gc.isenabled()
+    x, v = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    try:
+        gc.enable()
+        gm = fxtools.hvp(_f, x)
+        assert gc.isenabled()
+        with pytest.raises(ValueError):
+            fxtools.grad(lambda x: x, x)  # not a scalar: refused while building
+        assert gc.isenabled()
+        gc.disable()
+        fxtools.grad(_f, x)
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+    torch.testing.assert_close(gm(x, v), torch.func.jvp(torch.func.grad(_f), (x,), (v,))[1])

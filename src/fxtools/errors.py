@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import traceback
@@ -50,6 +51,7 @@ def is_data_dependent(exc: BaseException) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every frame of every traced call's stack
 def is_user_file(filename: str) -> bool:
     return filename == _EXAMPLES or not (
         filename.startswith(_TORCH_DIR)

@@ -627,19 +627,35 @@ def _arguments(node: fx.Node) -> tuple:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return _hashable(node.args), _hashable(node.kwargs)
+    arguments, names = _schema_arguments(target)
     bound = []
-    for i, arg in enumerate(target._schema.arguments):
-        if i < len(node.args) and not arg.kwarg_only:
+    for i, (name, kwarg_only, has_default, default) in enumerate(arguments):
+        if i < len(node.args) and not kwarg_only:
             bound.append(node.args[i])
-        elif arg.name in node.kwargs:
-            bound.append(node.kwargs[arg.name])
-        elif arg.has_default_value():
-            bound.append(arg.default_value)
+        elif name in node.kwargs:
+            bound.append(node.kwargs[name])
+        elif has_default:
+            bound.append(default)
         else:
             return _hashable(node.args), _hashable(node.kwargs)  # not a call of this schema: as written
-    if len(node.args) > len(bound) or any(k not in {a.name for a in target._schema.arguments} for k in node.kwargs):
+    if len(node.args) > len(bound) or any(k not in names for k in node.kwargs):
         return _hashable(node.args), _hashable(node.kwargs)
     return _hashable(bound), ()
+
+
+_SCHEMAS: dict[int, tuple] = {}  # id(op) -> (op, its arguments, their names): read once per op
+
+
+def _schema_arguments(op: torch._ops.OpOverload) -> tuple[list[tuple], frozenset]:
+    """``op``'s arguments as ``(name, kwarg_only, has_default, default)`` and the set of their names."""
+    entry = _SCHEMAS.get(id(op))
+    if entry is None or entry[0] is not op:
+        arguments = [
+            (a.name, a.kwarg_only, a.has_default_value(), a.default_value if a.has_default_value() else None)
+            for a in op._schema.arguments
+        ]
+        entry = _SCHEMAS[id(op)] = (op, arguments, frozenset(a[0] for a in arguments))
+    return entry[1], entry[2]
 
 
 def cse(gm: fx.GraphModule) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import types
 from collections.abc import Callable
@@ -55,7 +56,7 @@ def transform(name: str, *, loss: bool = False, keywords: bool = False) -> Calla
         def checked(*args: P.args, **kwargs: P.kwargs) -> R:
             check_call(name, fn, args, kwargs, loss=loss, keywords=keywords)
             own = {k: v for k, v in kwargs.items() if k not in options}
-            with grad_mode_of_a_transform():
+            with grad_mode_of_a_transform(), cyclic_gc_paused():
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _ordinary, (args, kwargs))
                 call_args: tuple = args
                 call_options: dict = kwargs
@@ -89,6 +90,27 @@ def grad_mode_of_a_transform():
     """
     with torch.inference_mode(False), torch.enable_grad():
         yield
+
+
+@contextlib.contextmanager
+def cyclic_gc_paused():
+    """Build without Python's cyclic garbage collector (as ``torch.distributed.checkpoint``'s
+    ``state_dict`` does while it makes many Python objects), re-enabled on the way out if it was on.
+
+    A build makes hundreds of thousands of Python objects (graph nodes, their metadata,
+    FakeTensors) that mostly stay alive, so the collector's passes during it find little and
+    each older-generation pass walks every object of the process: about a tenth of a GPT-2-sized
+    ``fxtools.split`` (``benchmarks/bench_issue33.py``). The build's own cyclic garbage (tens of
+    thousands of objects) is left to the next collection. Nothing a build does depends on when
+    garbage is collected; nested builds (``hvp`` building a ``grad``) leave it to the outermost.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _static_variant(transform_fn, f, n_examples: int, options: dict, own: tuple, call_args: tuple):
