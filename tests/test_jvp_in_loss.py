@@ -523,3 +523,18 @@ def test_zero_tangents_of_parameters_are_no_tangents():
     code = flat_code(gm)
     assert "zeros" not in code and code.count("torch.tanh(") == 1, code
     assert_grads(gm(params, x, v), torch.func.grad(loss)(params, x, v))
+
+
+def test_a_jvp_inside_no_grad_is_a_constant_and_not_merged_with_its_twin_outside():
+    """The JVP's copy of ``x @ w`` inside ``no_grad`` and the loss's own outside are the same op on the
+    same values, but only the outside one carries a gradient: merging them (common subexpressions
+    across grad modes) made the whole loss a constant, a gradient of 0."""
+
+    def loss(w, x, v):
+        with torch.no_grad():
+            u, du = torch.func.jvp(lambda x: torch.tanh(x @ w), (x,), (v,))
+        return (torch.tanh(x @ w) - du).pow(2).sum() + (x @ w * u).sum()
+
+    g = torch.Generator().manual_seed(3)
+    w, x, v = (torch.randn(3, 3, generator=g, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(fxtools.grad(loss, w, x, v)(w, x, v), torch.func.grad(loss)(w, x, v), **TOL)
