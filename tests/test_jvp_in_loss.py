@@ -538,3 +538,21 @@ def test_a_jvp_inside_no_grad_is_a_constant_and_not_merged_with_its_twin_outside
     g = torch.Generator().manual_seed(3)
     w, x, v = (torch.randn(3, 3, generator=g, dtype=torch.float64) for _ in range(3))
     torch.testing.assert_close(fxtools.grad(loss, w, x, v)(w, x, v), torch.func.grad(loss)(w, x, v), **TOL)
+
+
+def test_fxtools_jvp_inside_a_loss_torch_compile_traces():
+    """``fxtools.jvp`` called in a loss that ``torch.compile(backend=fxtools.backend())`` compiles: Dynamo
+    traced into fxtools' own capture and failed (an AttributeError from make_fx's internals); it is
+    traced as ``torch.func.jvp``, whose markers the backend computes."""
+    g = torch.Generator().manual_seed(4)
+    w, x, v = (torch.randn(3, 3, generator=g, dtype=torch.float64) for _ in range(3))
+
+    def loss(w, x, v):
+        out, tan = fxtools.jvp(lambda x, s: torch.sin(x @ w) * s, x, 2.0, argnums=0)(x, 2.0, v)
+        return (out * tan).sum()
+
+    torch._dynamo.reset()
+    want = torch.autograd.grad(loss(w.requires_grad_(), x, v), w)[0]
+    w2 = w.detach().clone().requires_grad_()
+    got = torch.autograd.grad(torch.compile(loss, backend=fxtools.backend())(w2, x, v), w2)[0]
+    torch.testing.assert_close(got, want, **TOL)
