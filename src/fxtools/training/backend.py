@@ -483,6 +483,12 @@ def _refuse_closed_over_leaves(sp: Split) -> None:
             )
 
 
+_aten = torch.ops.aten
+# ops whose result autograd does not connect to their tensor inputs (``detach``, ``zeros_like(p)``)
+_NO_PATH = {_aten.detach, _aten.zeros_like, _aten.ones_like, _aten.empty_like, _aten.full_like, _aten.rand_like}
+_NO_PATH |= {_aten.randn_like, _aten.randint_like, _aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_full}
+
+
 def unreached_leaves(gm: fx.GraphModule) -> list[bool]:
     """Per placeholder of the captured graph ``gm``: whether no chain of floating-point values
     computed with grad mode on (``detach`` ends one) leads from it to an output. Eager autograd
@@ -496,7 +502,7 @@ def unreached_leaves(gm: fx.GraphModule) -> list[bool]:
             carries.add(node)
         elif node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             grad_enabled = bool(node.args[0])
-        elif node.op == "call_function" and grad_enabled and node.target is not torch.ops.aten.detach.default:
+        elif node.op == "call_function" and grad_enabled and getattr(node.target, "overloadpacket", None) not in _NO_PATH:
             floats = any(is_float(v) for v in pytree.tree_leaves(node.meta.get("val")))
             if floats and any(a in carries for a in node.all_input_nodes):
                 carries.add(node)
