@@ -523,3 +523,36 @@ def test_zero_tangents_of_parameters_are_no_tangents():
     code = flat_code(gm)
     assert "zeros" not in code and code.count("torch.tanh(") == 1, code
     assert_grads(gm(params, x, v), torch.func.grad(loss)(params, x, v))
+
+
+def test_a_jvp_inside_no_grad_is_a_constant_and_not_merged_with_its_twin_outside():
+    """The JVP's copy of ``x @ w`` inside ``no_grad`` and the loss's own outside are the same op on the
+    same values, but only the outside one carries a gradient: merging them (common subexpressions
+    across grad modes) made the whole loss a constant, a gradient of 0."""
+
+    def loss(w, x, v):
+        with torch.no_grad():
+            u, du = torch.func.jvp(lambda x: torch.tanh(x @ w), (x,), (v,))
+        return (torch.tanh(x @ w) - du).pow(2).sum() + (x @ w * u).sum()
+
+    g = torch.Generator().manual_seed(3)
+    w, x, v = (torch.randn(3, 3, generator=g, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(fxtools.grad(loss, w, x, v)(w, x, v), torch.func.grad(loss)(w, x, v), **TOL)
+
+
+def test_fxtools_jvp_inside_a_loss_torch_compile_traces():
+    """``fxtools.jvp`` called in a loss that ``torch.compile(backend=fxtools.backend())`` compiles: Dynamo
+    traced into fxtools' own capture and failed (an AttributeError from make_fx's internals); it is
+    traced as ``torch.func.jvp``, whose markers the backend computes."""
+    g = torch.Generator().manual_seed(4)
+    w, x, v = (torch.randn(3, 3, generator=g, dtype=torch.float64) for _ in range(3))
+
+    def loss(w, x, v):
+        out, tan = fxtools.jvp(lambda x, s: torch.sin(x @ w) * s, x, 2.0, argnums=0)(x, 2.0, v)
+        return (out * tan).sum()
+
+    torch._dynamo.reset()
+    want = torch.autograd.grad(loss(w.requires_grad_(), x, v), w)[0]
+    w2 = w.detach().clone().requires_grad_()
+    got = torch.autograd.grad(torch.compile(loss, backend=fxtools.backend())(w2, x, v), w2)[0]
+    torch.testing.assert_close(got, want, **TOL)

@@ -246,3 +246,36 @@ def test_compile_takes_keyword_arguments():
     loss, logits = compiled(input_values=x, labels=y, return_dict=False)  # another flag: another split
     assert len(compiled._runners) == 2
     torch.testing.assert_close(loss, want["loss"], rtol=0, atol=1e-14)
+
+
+class _PartlyUsed(nn.Module):
+    """An unused head, a bias read only by a JVP's discarded primal, a value read only detached."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head, self.c = nn.Linear(3, 3), nn.Linear(3, 2), nn.Linear(3, 3)
+
+    def forward(self, x):
+        _, d = torch.func.jvp(self.a, (x,), (x,))
+        return d.pow(2).sum() + (x * self.c(x).detach()).sum() + torch.zeros_like(self.head.bias).sum()
+
+
+def test_compile_leaves_grad_none_where_eager_does():
+    """Eager leaves ``.grad`` None for a parameter no gradient path reaches, and optimizers skip it
+    (no weight decay, no momentum); zeros there made AdamW and SGD with momentum drift from eager."""
+    torch.manual_seed(0)
+    eager = _PartlyUsed().double()
+    model = copy.deepcopy(eager)
+    compiled = fxtools.compile(model)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(3)]
+    for net, run in ((eager, eager), (model, compiled)):
+        opt = torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.5)
+        for x in xs:
+            opt.zero_grad()
+            run(x).backward()
+            opt.step()
+    assert [p.grad is None for p in model.parameters()] == [p.grad is None for p in eager.parameters()]
+    assert model.head.weight.grad is None and model.a.bias.grad is None and model.c.weight.grad is None
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)

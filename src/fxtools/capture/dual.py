@@ -200,7 +200,17 @@ class JvpCall:
                 f"{len(self.argnums)} tangents, got {len(args_and_tangents)} values"
             )
         args, tangents = args_and_tangents[: self.nargs], args_and_tangents[self.nargs :]
-        return jvp(self.f, tuple(args), tuple(tangents), self.argnums, has_aux=self.has_aux)
+        if not torch.compiler.is_dynamo_compiling():
+            return jvp(self.f, tuple(args), tuple(tangents), self.argnums, has_aux=self.has_aux)
+
+        def of_argnums(*primals):  # Dynamo traces torch.func.jvp into the graph a backend gets
+            full = list(args)
+            for a, p in zip(self.argnums, primals):
+                full[a] = p
+            return self.f(*full)
+
+        primals = tuple(args[a] for a in self.argnums)
+        return torch.func.jvp(of_argnums, primals, tuple(tangents), has_aux=self.has_aux)
 
 
 class _ForwardAdLevels:

@@ -659,9 +659,14 @@ def _schema_arguments(op: torch._ops.OpOverload) -> tuple[list[tuple], frozenset
 
 
 def cse(gm: fx.GraphModule) -> bool:
+    """Merge each op with an earlier twin (same op, same arguments, same grad mode): a twin
+    computed in a ``no_grad`` block is a constant of the reverse pass, the other is not."""
     seen, changed = {}, False
     written = {a for n in gm.graph.nodes if _mutates(n) for a in n.all_input_nodes}
+    grad_enabled = True
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            grad_enabled = bool(node.args[0])
         if node in written:
             continue  # its value changes in place later: it is not interchangeable with a twin
         if _mutates(node):
@@ -670,7 +675,7 @@ def cse(gm: fx.GraphModule) -> bool:
         if node.op not in ("call_function", "call_method", "get_attr") or is_impure(node):
             continue
         try:
-            key = (node.op, node.target, *_arguments(node))
+            key = (grad_enabled and node.op != "get_attr", node.op, node.target, *_arguments(node))
             hash(key)
         except TypeError:
             continue

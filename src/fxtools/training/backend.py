@@ -258,6 +258,7 @@ class _Runner:
         tensor_positions = [i for i, t in enumerate(self.out_is_tensor) if t]
         self.ct_positions = [tensor_positions.index(i) for i in sp.ct_index]
         self.saved = SavedValues(sp.saved)
+        self.unreached = unreached_leaves(cap.gm)
         self.replay = Replay(sp, compiled_forward=self.aten.forward if self.fw_aten else None)
         self.subclasses: SubclassLeaves | None = None  # DTensor arguments and outputs (distributed.py)
 
@@ -482,6 +483,45 @@ def _refuse_closed_over_leaves(sp: Split) -> None:
             )
 
 
+_aten = torch.ops.aten
+# ops whose result autograd does not connect to their tensor inputs (``detach``, ``zeros_like(p)``)
+_NO_PATH = {_aten.detach, _aten.zeros_like, _aten.ones_like, _aten.empty_like, _aten.full_like, _aten.rand_like}
+_NO_PATH |= {_aten.randn_like, _aten.randint_like, _aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_full}
+
+
+def unreached_leaves(gm: fx.GraphModule) -> list[bool]:
+    """Per placeholder of the captured graph ``gm``: whether no chain of floating-point values
+    computed with grad mode on (``detach`` ends one) leads from it to an output. Eager autograd
+    leaves such a leaf's ``.grad`` None (a module's unused head, a bias only the discarded primal
+    of a JVP reads), and optimizers skip a parameter whose ``.grad`` is None (no weight decay, no
+    momentum): the backward must give None there, not the zeros the split computes."""
+    carries: set[fx.Node] = set()
+    grad_enabled = True
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            carries.add(node)
+        elif node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            grad_enabled = bool(node.args[0])
+        elif node.op == "call_function" and grad_enabled and getattr(node.target, "overloadpacket", None) not in _NO_PATH:
+            floats = any(is_float(v) for v in pytree.tree_leaves(node.meta.get("val")))
+            if floats and any(a in carries for a in node.all_input_nodes):
+                carries.add(node)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    reached, stack = set(), [a for a in output.all_input_nodes if a in carries]
+    while stack:
+        node = stack.pop()
+        if node not in reached:
+            reached.add(node)
+            stack.extend(a for a in node.all_input_nodes if a in carries)
+    return [n not in reached for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _drop_unreached(grads, unreached: list[bool]) -> list:
+    if len(grads) != len(unreached):
+        return list(grads)
+    return [None if u else g for g, u in zip(grads, unreached)]
+
+
 class _SplitFunction(torch.autograd.Function):
     """A split's forward and backward as one autograd node (``training/saved.py``: what it saves,
     offloads, and how its backward is differentiated when ``create_graph=True``)."""
@@ -522,12 +562,13 @@ class _SplitFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: a backward autograd can differentiate
             grads = runner.replay.vjp(ctx.fxtools_record, cts)
             release(ctx)
-            return (None, *grads)
+            return (None, *_drop_unreached(grads, runner.unreached))
         record = ctx.fxtools_record  # unpack lets go of it
         saved = runner.saved.unpack(ctx)
         grads = runner.run_backward(saved, cts)
         if runner.checker:  # on failure the whole step runs again, readable and checked node by node
             runner.checker.backward(grads, lambda: locate(runner.split, record.leaves, cts, rng=record.rng))
+        grads = _drop_unreached(grads, runner.unreached)
         return (None, *(grads if subclasses is None else subclasses.gradients(grads)))
 
 

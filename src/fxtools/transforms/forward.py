@@ -80,7 +80,7 @@ def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     nums = tuple(range(len(args))) if argnums is None else argnums_tuple(argnums, len(args))
     if len(set(nums)) != len(nums):
         raise ValueError(f"argnums {argnums!r} names an argument twice")
-    if nested.capturing_program():  # inside a program fxtools differentiates: forward mode in its graph
+    if nested.capturing_program() or torch.compiler.is_dynamo_compiling():  # forward mode in the program's graph
         return dual.JvpCall(f, len(args), nums, has_aux)  # type: ignore[return-value]
     with custom.transform(JVP):  # a Function's own jvp would be ignored: refuse it
         cap, wrt = prepare(f, args, nums, dynamic_shapes, has_aux=has_aux, made_by=JVP)
