@@ -680,11 +680,25 @@ def cse(gm: fx.GraphModule) -> bool:
         except TypeError:
             continue
         if key in seen:
+            _first_name(seen[key], node)
             node.replace_all_uses_with(seen[key])
             changed = True
         else:
             seen[key] = node
     return changed
+
+
+def _name_order(name: str) -> tuple[str, tuple[int, ...]]:
+    """``norm_1_mean_2`` -> (``norm_mean``, (1, 2)): a name and the counters that made it unique."""
+    return re.sub(r"_\d+(?=_|$)", "", name), tuple(int(n) for n in re.findall(r"_(\d+)(?=_|$)", name))
+
+
+def _first_name(kept: fx.Node, twin: fx.Node) -> None:
+    """Of twins named alike, the one kept takes the name given first: the program's ``norm``, not
+    ``norm_2``, a copy of it that forward mode's code computes before the program's own."""
+    (base, k), (twin_base, t) = _name_order(kept.name), _name_order(twin.name)
+    if base == twin_base and (len(t), t) < (len(k), k):
+        kept.name, twin.name = twin.name, kept.name
 
 
 def _mutates(node: fx.Node) -> bool:

@@ -15,6 +15,8 @@ loss does not ``detach`` it.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from typing import cast
 
 import torch
@@ -204,6 +206,7 @@ def resolve(gm: fx.GraphModule) -> bool:
     graph = gm.graph
     if not any(_is(n, dual.dual) or _is(n, dual.tangent) for n in graph.nodes):
         return False
+    program = set(graph.nodes)
     while True:
         group = _next_group(graph)
         if not group:
@@ -214,10 +217,57 @@ def resolve(gm: fx.GraphModule) -> bool:
         graph.erase_node(node)
     cse(gm)  # the JVP's copies of the primal ops are the program's own
     dce(gm)
+    _interleave(graph, program)
     expand(gm)  # the tangent code as the next transform differentiates it
     control_flow.prepare(gm)
     gm.recompile()
     return True
+
+
+def _interleave(graph: fx.Graph, program: set[fx.Node]) -> None:
+    """Move each op of the JVPs' code up to just after the computed values it reads, as forward
+    mode runs; an op of inputs alone (a weight's transpose) goes just before its first reader.
+
+    Inlined where the program asked for the tangent (after the whole primal), the tangent of a
+    layer would be computed far from the layer's own ops; next to them, the values both read are
+    still hot, and a compiler fuses the two (one pass computes GELU's value and slope). The
+    program's own ops keep their order; the JVP's keep theirs among themselves.
+    """
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    movable = {n for n in graph.nodes if n not in program and n.op in ("call_function", "get_attr") and not is_impure(n)}
+    free: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n in movable and all(i.op == "placeholder" or i in free for i in n.all_input_nodes):
+            free.add(n)
+    waiting = {n: sum(1 for i in n.all_input_nodes if i not in free) for n in movable - free}
+    ready = [(index[n], n) for n, count in waiting.items() if not count]
+    heapq.heapify(ready)
+    order: list[fx.Node] = []
+    done: set[fx.Node] = set()
+
+    def emit(n: fx.Node) -> None:
+        for i in n.all_input_nodes:
+            if i in free and i not in done:
+                emit(i)
+        order.append(n)
+        done.add(n)
+        for u in n.users:
+            if u in waiting and n not in free:
+                waiting[u] -= 1
+                if not waiting[u]:
+                    heapq.heappush(ready, (index[u], u))
+
+    for n in list(graph.nodes):
+        if n in movable:
+            continue
+        emit(n)
+        while ready and n.op not in ("placeholder", "output"):
+            emit(heapq.heappop(ready)[1])
+    if len(order) != len(index):
+        raise FxtoolsError("internal error: forward mode's code could not be placed beside the program's")
+    for prev, n in itertools.pairwise(order):
+        if prev.next is not n:
+            prev.append(n)
 
 
 def _next_group(graph: fx.Graph) -> list[fx.Node]:
