@@ -315,7 +315,9 @@ def test_code_reading_no_layout_serves_every_layout():
     for a in [torch.randn(3, 2).t(), torch.randn(1, 3).expand(2, 3)]:
         assert _outcome(jac, torch.func.jacrev(flat), a) == "exact"
         # torch.func's forward mode cannot write tangents into an expanded primal: the same values, contiguous
-        assert _outcome(lambda a: lap(a)[1], lambda a: torch.func.hessian(loss)(a.contiguous()).reshape(6, 6).trace(), a) == "exact"
+        assert (
+            _outcome(lambda a: lap(a)[1], lambda a: torch.func.hessian(loss)(a.contiguous()).reshape(6, 6).trace(), a) == "exact"
+        )
 
 
 @pytest.mark.parametrize("offset", [0, 1, 3])
