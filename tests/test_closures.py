@@ -433,3 +433,33 @@ def test_values_read_through_modules_classes_defaults_and_dicts_are_guarded(tmp_
                 gm(x)
     finally:
         Scaled.factor = 2.0
+
+
+def test_values_of_a_closed_over_tensor_read_into_python_are_guarded():
+    """``self.temp.item()``, ``float(t)``, ``int(n)`` of a closed-over tensor become constants of
+    the code: the same values are served exactly, changed ones (in place) are refused naming the
+    tensor (they were silently stale: tensors are otherwise read by reference)."""
+
+    class Tempered(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("temp", torch.tensor(2.0))
+
+        def forward(self, x):
+            return (x[: int(n)].sin() / self.temp.item() * float(t)).sum()
+
+    t, n = torch.tensor(3.0), torch.tensor(2)
+    model, x = Tempered(), torch.randn(4, 3)
+    gm = fxtools.grad(model.forward, x)
+    close(gm(x), torch.func.grad(model.forward)(x))
+    for tensor, named in [
+        (model.temp, r"the values of Tempered\.temp"),
+        (t, "the values of the closure variable t"),
+        (n, "closure variable n"),
+    ]:
+        old = tensor.clone()
+        tensor.add_(1)
+        with pytest.raises(fxtools.InputMismatch, match=named):
+            gm(x)
+        tensor.copy_(old)
+    close(gm(x), torch.func.grad(model.forward)(x))

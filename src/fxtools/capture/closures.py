@@ -288,6 +288,27 @@ def _same_value(read, now) -> bool:
     return now is not MISSING and same_value(snapshot(now) if read.mutable else now, read.expected)
 
 
+def _values_of(get):
+    """The values of the tensor ``get()`` reads, as Python numbers (a tuple for more than one)."""
+    t = get()
+    if not isinstance(t, torch.Tensor):
+        return MISSING
+    return t.item() if t.numel() == 1 else tuple(t.detach().flatten().tolist())
+
+
+def with_value_reads(reads: list[Read], read_as_values: dict) -> list[Read]:
+    """``reads`` and, for each closed-over tensor whose values the program read into Python
+    (``id -> line``: ``float(t)``, ``t.item()``), a guard on those values: the code holds them as
+    constants, so a change (``t.fill_(3.0)``) is refused instead of silently ignored."""
+    extra = []
+    for read in reads:
+        where = read_as_values.get(id(read.expected)) if read.kind == "tensor" else None
+        if where is not None:
+            get = functools.partial(_values_of, read.get)
+            extra.append(Read(f"the values of {read.what}", get, "value", get(), where))
+    return reads + extra
+
+
 def tensor_names(reads: list[Read]) -> dict[int, str]:
     """id(tensor) -> the identifier the code gives it (``model_fc_weight``, ``w``)."""
     names: dict[int, str] = {}
