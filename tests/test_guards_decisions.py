@@ -298,22 +298,16 @@ def test_vmap_layout_read_guarded():
 
 
 def test_code_reading_no_layout_serves_every_layout():
-    """A reshape traced below torch.func (vmap, jacrev, jacfwd trace it as a view) and an ``eye``
-    made on ``x.device`` (jacobians, laplacian) tie the code to no layout of ``x``: a transposed or
-    expanded argument, which torch.func takes, is served exactly (both were refused)."""
-
-    def flat(x):
-        return (x.reshape(-1) * 2).sin()
+    """An ``eye`` made on ``x.device`` (laplacian's basis) ties the code to no layout of ``x``: a
+    transposed or expanded argument is served exactly (both were refused: the guard walked from the
+    eye's ``.view`` through ``x.device`` to ``x``)."""
 
     def loss(x):
         return (x.sin() * x).square().sum()
 
-    xs = torch.randn(3, 2, 4)
-    assert _outcome(fxtools.vmap(flat, xs), torch.func.vmap(flat), xs.transpose(0, 2).contiguous().transpose(0, 2)) == "exact"
     x = torch.randn(2, 3)
-    jac, lap = fxtools.jacrev(flat, x), fxtools.laplacian(loss, x)
+    lap = fxtools.laplacian(loss, x)
     for a in [torch.randn(3, 2).t(), torch.randn(1, 3).expand(2, 3)]:
-        assert _outcome(jac, torch.func.jacrev(flat), a) == "exact"
         # torch.func's forward mode cannot write tangents into an expanded primal: the same values, contiguous
         assert (
             _outcome(lambda a: lap(a)[1], lambda a: torch.func.hessian(loss)(a.contiguous()).reshape(6, 6).trace(), a) == "exact"

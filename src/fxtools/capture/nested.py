@@ -208,17 +208,6 @@ def out_of_place_views(gm: fx.GraphModule) -> None:
                 node.target = _INPLACE_VIEWS[node.target]
 
 
-def views_as_reshapes(gm: fx.GraphModule) -> None:
-    """Below torch.func, ``reshape`` is traced as the ``view`` it was at the example's layout (and
-    batching rules view their results freely). In the functional graph a reshape computes the same
-    values at every layout, where a view would tie the module to the example's strides and refuse
-    the others (a transposed batch torch.func.vmap takes)."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
-            node.target = aten.reshape.default
-    gm.recompile()
-
-
 def _vmap_impl(original):
     def vmap_impl(func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs):
         def call(args, kwargs):

@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 from .. import rules  # noqa: F401  (registers fxtools' own rules)
 from ..capture.decompose import expand
 from ..capture.functionalize import functionalize
-from ..capture.nested import out_of_place_views, views_as_reshapes
+from ..capture.nested import out_of_place_views
 from ..capture.trace import Captured, capture, check_supported, realize_constants
 from ..codegen.assemble import assemble
 from ..codegen.render import render
@@ -128,7 +128,6 @@ def front(
         realize_constants(cap.gm)
         out_of_place_views(cap.gm)
         functionalize(cap.gm)
-        views_as_reshapes(cap.gm)
     else:
         _prepare_for_rules(cap, made_by, has_aux)
     cap.front = made_by.name
