@@ -7,6 +7,7 @@ then changes them: every answer is exact or an InputMismatch.
 """
 
 import copy
+import importlib
 import pickle
 
 import fuzz_programs
@@ -389,3 +390,76 @@ def test_torch_compile_of_a_generated_module_keeps_its_closure_checks():
 
 
 COMPILED: dict = {}
+
+
+class Scaled:
+    factor = 2.0  # a class attribute, read through self
+
+    def __call__(self, x):
+        return (x.sin() * self.factor).sum()
+
+
+def test_values_read_through_modules_classes_defaults_and_dicts_are_guarded(tmp_path, monkeypatch):
+    """A user module's attribute (``config.factor``), a class attribute read through ``self``, a
+    parameter's default and a function in a dict, each changed after the module was made: refused
+    naming it (all four were silently stale)."""
+    (tmp_path / "adv_config.py").write_text("factor = 2.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = importlib.import_module("adv_config")
+    ops = {"act": torch.sin}
+
+    def from_config(x):
+        return (x.sin() * config.factor).sum()
+
+    def with_default(x, scale=[2.0]):  # noqa: B006 - the mutable default is the point
+        return (x.sin() * scale[0]).sum()
+
+    def from_dict(x):
+        return ops["act"](x).sum()
+
+    x = torch.randn(4, 3)
+    cases = [
+        (from_config, lambda: setattr(config, "factor", 3.0), r"config\.factor is now 3\.0"),
+        (Scaled(), lambda: setattr(Scaled, "factor", 3.0), r"factor is now 3\.0"),
+        (with_default, lambda: with_default.__defaults__[0].__setitem__(0, 3.0), "the default of scale"),
+        (from_dict, lambda: ops.__setitem__("act", torch.cos), r"ops\['act'\] was replaced"),
+    ]
+    try:
+        for f, change, named in cases:
+            gm = fxtools.grad(f, x)
+            close(gm(x), torch.func.grad(f)(x))
+            change()
+            with pytest.raises(fxtools.InputMismatch, match=named):
+                gm(x)
+    finally:
+        Scaled.factor = 2.0
+
+
+def test_values_of_a_closed_over_tensor_read_into_python_are_guarded():
+    """``self.temp.item()``, ``float(t)``, ``int(n)`` of a closed-over tensor become constants of
+    the code: the same values are served exactly, changed ones (in place) are refused naming the
+    tensor (they were silently stale: tensors are otherwise read by reference)."""
+
+    class Tempered(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("temp", torch.tensor(2.0))
+
+        def forward(self, x):
+            return (x[: int(n)].sin() / self.temp.item() * float(t)).sum()
+
+    t, n = torch.tensor(3.0), torch.tensor(2)
+    model, x = Tempered(), torch.randn(4, 3)
+    gm = fxtools.grad(model.forward, x)
+    close(gm(x), torch.func.grad(model.forward)(x))
+    for tensor, named in [
+        (model.temp, r"the values of Tempered\.temp"),
+        (t, "the values of the closure variable t"),
+        (n, "closure variable n"),
+    ]:
+        old = tensor.clone()
+        tensor.add_(1)
+        with pytest.raises(fxtools.InputMismatch, match=named):
+            gm(x)
+        tensor.copy_(old)
+    close(gm(x), torch.func.grad(model.forward)(x))

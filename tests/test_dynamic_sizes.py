@@ -280,3 +280,19 @@ def test_size_one_is_served_by_a_module_built_for_it():
     assert torch.equal(gm(torch.ones(2, 3, dtype=torch.float64)), torch.full((2, 3), 2.0, dtype=torch.float64))
     one = fxtools.grad(f, torch.randn(1, 3, dtype=torch.float64))
     assert torch.equal(one(torch.ones(1, 3, dtype=torch.float64)), torch.full((1, 3), 3.0, dtype=torch.float64))
+
+
+def test_slice_ending_at_a_symbolic_size_is_exact_at_odd_sizes():
+    """``x[n : 2 * n]`` with ``n = x.shape[0] // 2``, made at an even size: the slice's transpose
+    was ``slice_scatter``, whose decomposition decided on the example that the slice reaches the
+    end; jvp and hvp were silently wrong at odd sizes. Now exact at both."""
+
+    def f(x):
+        n = x.shape[0] // 2
+        return (x[:n] * x[n : 2 * n]).sum(0) + x[-1]
+
+    marks = {"x": {0: Dim.AUTO}}
+    jvp = fxtools.jvp(f, torch.randn(4, 3, dtype=torch.float64), dynamic_shapes=marks)
+    for n in (4, 7):
+        x, t = torch.randn(n, 3, dtype=torch.float64), torch.randn(n, 3, dtype=torch.float64)
+        torch.testing.assert_close(jvp(x, t), torch.func.jvp(f, (x,), (t,)))

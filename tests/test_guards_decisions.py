@@ -297,6 +297,23 @@ def test_vmap_layout_read_guarded():
         assert _outcome(gm, torch.func.vmap(f), x) == want
 
 
+def test_code_reading_no_layout_serves_every_layout():
+    """An ``eye`` made on ``x.device`` (laplacian's basis) ties the code to no layout of ``x``: a
+    transposed or expanded argument is served exactly (both were refused: the guard walked from the
+    eye's ``.view`` through ``x.device`` to ``x``)."""
+
+    def loss(x):
+        return (x.sin() * x).square().sum()
+
+    x = torch.randn(2, 3)
+    lap = fxtools.laplacian(loss, x)
+    for a in [torch.randn(3, 2).t(), torch.randn(1, 3).expand(2, 3)]:
+        # torch.func's forward mode cannot write tangents into an expanded primal: the same values, contiguous
+        assert (
+            _outcome(lambda a: lap(a)[1], lambda a: torch.func.hessian(loss)(a.contiguous()).reshape(6, 6).trace(), a) == "exact"
+        )
+
+
 @pytest.mark.parametrize("offset", [0, 1, 3])
 def test_as_strided_reads_the_arguments_storage_offset(offset):
     """as_strided with an explicit storage_offset addresses the storage, not the view: a module made

@@ -603,3 +603,17 @@ def test_rrelu_split_reuses_the_drawn_slopes(policy):
     want = f(xe)
     torch.testing.assert_close(out, want.detach(), rtol=0, atol=0)
     torch.testing.assert_close(grad, torch.autograd.grad(want, xe)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_python_random_draw_is_refused_naming_the_line():
+    """``random.uniform`` while tracing would be a constant of the code (every call the same number,
+    where eager draws anew: it was silently so); refused naming the line. Draws outside the
+    program's trace are untouched."""
+    import random
+
+    def jitter(x):
+        return (x.sin() * random.uniform(0.5, 1.5)).sum()
+
+    with pytest.raises(FxtoolsError, match=r"random\.uniform\(\) at .*test_idioms\.py:\d+: .*random\.uniform"):
+        fxtools.grad(jitter, torch.randn(3))
+    assert 0.5 <= random.uniform(0.5, 1.5) <= 1.5  # restored

@@ -286,3 +286,32 @@ def test_backward_uses_public_torch_calls(f):
     _, code = _code(f, _x())
     backward = [line for line in code.splitlines() if "grad" in line or "torch.ops" in line]
     assert not [line for line in backward if "torch.ops" in line and "linalg_vector_norm.default(x" not in line], code
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, 0.5, 3.0, math.inf])
+def test_cdist_jacobian_and_second_order_match_autograd(p):
+    """cdist's rule is written in torch ops: jacrev (PyTorch's vmap of ``_cdist_backward`` gave
+    zeros, silently) equals autograd's row-by-row Jacobian, with a zero distance and ties; hvp
+    (``_cdist_backward`` has no derivative) equals the pairwise norm's, written out."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 3, dtype=torch.float64, generator=g), torch.randn(2, 3, dtype=torch.float64, generator=g)
+    x[1], y[0] = 1.0, 1.0  # a zero distance, and ties for p = inf
+
+    def f(x, y):
+        return torch.cdist(x, y, p=p)
+
+    got = fxtools.jacrev(f, x, y, argnums=(0, 1))(x, y)
+    want = torch.autograd.functional.jacobian(f, (x, y))  # eager autograd, one row at a time
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    if p == 2.0:
+        v = torch.randn(4, 3, dtype=torch.float64, generator=g)
+
+        def loss(x, dist):
+            return dist(x, x[:2] + 1.0).square().sum() + dist(x, 2 * x[1:3] + 0.5).sum()
+
+        def written_out(a, b):
+            return ((a[:, None] - b[None]) ** 2).sum(-1).sqrt()
+
+        hv = fxtools.hvp(lambda x: loss(x, torch.cdist), x)(x, v)
+        torch.testing.assert_close(hv, torch.autograd.functional.hvp(lambda x: loss(x, written_out), x, v)[1])

@@ -16,6 +16,8 @@ import dis
 import functools
 import inspect
 import linecache
+import sys
+import sysconfig
 import types
 
 import torch
@@ -56,6 +58,36 @@ def _attributes(obj) -> dict:
     objects by introspection (their attribute dicts, as ``vars`` gives them): they are foreign
     objects, whose state is what the program read."""
     return vars(obj) if hasattr(obj, "__dict__") else {}
+
+
+def _own_file(obj) -> bool:
+    """A module (or a class) of the user's own files, not torch's, the standard library's or an
+    installed package's: its attributes are the program's configuration (``config.lr``)."""
+    module = obj if isinstance(obj, types.ModuleType) else sys.modules.get(getattr(obj, "__module__", ""), None)
+    path = getattr(module, "__file__", None) or ""
+    return bool(path) and is_user_file(path) and "-packages/" not in path and not path.startswith(_STDLIB)
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def _class_attributes(obj) -> dict:
+    """The attributes ``obj.name`` finds on its user-defined classes (``class Net: scale = 2.0``)
+    and not in its own ``__dict__``: getters reading them through the object, as the code does."""
+    own = _attributes(obj)
+    found: dict = {}
+    for cls in type(obj).__mro__ if not isinstance(obj, type) else ():
+        if _own_file(cls):
+            for name, value in vars(cls).items():
+                if name not in own and name not in found and not hasattr(type(value), "__get__"):  # no methods, properties
+                    found[name] = functools.partial(getattr, obj, name, MISSING)
+    return found
+
+
+def _default(fn, i):
+    """The ``i``-th default of ``fn``'s positional parameters, as a call would take it now."""
+    defaults = fn.__defaults__ or ()
+    return defaults[i] if i < len(defaults) else MISSING
 
 
 def _cell_get(cell):
@@ -106,6 +138,8 @@ class _Walk:
             self._wrapper_cells(cells, depth)
             return
         user = is_user_file(code.co_filename) or code.co_filename.startswith("<")  # exec'd code, the REPL
+        if user:
+            self._defaults(fn, code, depth)
         for kind, name, where in _loads(code):
             if kind == "attr":
                 self.attr_names.add(name)
@@ -119,6 +153,15 @@ class _Walk:
                 if value is not MISSING:
                     get = functools.partial(_cell_get, cells[name])
                     self.value(value, get, f"the closure variable {name}", where, name, depth)
+
+    def _defaults(self, fn, code, depth) -> None:
+        """Default values of ``fn``'s parameters (``def loss(x, cfg=CONFIG)``): read like globals,
+        whether or not a call passes the parameter (over-approximated, as the walk is)."""
+        defaults = getattr(fn, "__defaults__", None) or ()
+        names = code.co_varnames[code.co_argcount - len(defaults) : code.co_argcount]
+        for i, (name, value) in enumerate(zip(names, defaults)):
+            get = functools.partial(_default, fn, i)
+            self.value(value, get, f"the default of {name}", _line(code, code.co_firstlineno), name, depth)
 
     def _wrapper_cells(self, cells, depth) -> None:
         """fxtools' own wrappers (a transform of a generated module): follow what they call, whose
@@ -135,6 +178,8 @@ class _Walk:
         if isinstance(value, torch.Tensor):
             self.reads.append(Read(what, get, "tensor", value, where, identifier(name)))
         elif isinstance(value, (types.ModuleType, type)) or inspect.isbuiltin(value):
+            if isinstance(value, (types.ModuleType, type)) and _own_file(value) and id(value) not in self.seen:
+                self.obj(value, name + ".", name + ".")  # config.lr, Net.scale: named attributes guarded
             return
         elif is_constant(value):
             self.reads.append(Read(what, get, "value", value, where))
@@ -176,6 +221,9 @@ class _Walk:
                 if isinstance(key, str) and isinstance(value, (torch.Tensor, torch.nn.Module)):
                     get = functools.partial(_get_item, obj, key)
                     self.value(value, get, f"{label[:-1]}[{key!r}]", None, f"{prefix}{key}", _DEPTH)
+                elif callable(value) and not isinstance(value, type):  # OPS = {"act": torch.sin}: the same one
+                    get = functools.partial(_get_item, obj, key)
+                    self.reads.append(Read(f"{label[:-1]}[{key!r}]", get, "same", value))
         else:
             for name, value in list(_attributes(obj).items()):
                 if isinstance(value, (torch.Tensor, torch.nn.Module)):
@@ -200,10 +248,12 @@ class _Walk:
         """The Python values among the reached objects' attributes that some walked code names."""
         for obj, label in self.objects:
             attributes = _attributes(obj)
-            for name, value in list(attributes.items()):
-                if name not in self.attr_names or isinstance(value, torch.Tensor):
+            getters = {name: functools.partial(_get_item, attributes, name) for name in attributes}
+            getters.update(_class_attributes(obj))
+            for name, get in getters.items():
+                value = get() if name in self.attr_names else None
+                if value is None or isinstance(value, torch.Tensor):
                     continue
-                get = functools.partial(_get_item, attributes, name)
                 if is_constant(value):
                     self.reads.append(Read(label + name, get, "value", value))
                 elif not callable(value) and snapshot(value) is not None:
@@ -236,6 +286,27 @@ def unchanged_by_tracing(reads: list[Read]) -> list[Read]:
 
 def _same_value(read, now) -> bool:
     return now is not MISSING and same_value(snapshot(now) if read.mutable else now, read.expected)
+
+
+def _values_of(get):
+    """The values of the tensor ``get()`` reads, as Python numbers (a tuple for more than one)."""
+    t = get()
+    if not isinstance(t, torch.Tensor):
+        return MISSING
+    return t.item() if t.numel() == 1 else tuple(t.detach().flatten().tolist())
+
+
+def with_value_reads(reads: list[Read], read_as_values: dict) -> list[Read]:
+    """``reads`` and, for each closed-over tensor whose values the program read into Python
+    (``id -> line``: ``float(t)``, ``t.item()``), a guard on those values: the code holds them as
+    constants, so a change (``t.fill_(3.0)``) is refused instead of silently ignored."""
+    extra = []
+    for read in reads:
+        where = read_as_values.get(id(read.expected)) if read.kind == "tensor" else None
+        if where is not None:
+            get = functools.partial(_values_of, read.get)
+            extra.append(Read(f"the values of {read.what}", get, "value", get(), where))
+    return reads + extra
 
 
 def tensor_names(reads: list[Read]) -> dict[int, str]:

@@ -32,6 +32,8 @@ from ..signature import decisions
 from ..signature.runtime import Read, dense_strides
 
 _READS = {"stride", "is_contiguous", "storage_offset"}
+# reads of a tensor's values into Python: of a tensor the program closes over, they are constants of the code
+_VALUE_READS = {"item", "tolist", "__float__", "__int__", "__index__", "__bool__", "__complex__"}
 # ops that address the storage under a tensor directly: their result (and gradient) follows the
 # tensor's strides and storage offset, which the program thereby reads
 _STORAGE_READS = {"as_strided", "as_strided_", "as_strided_scatter"}
@@ -78,11 +80,14 @@ class LayoutReads(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.reads: list = []
+        self.values: list = []  # (tensor, its node or None, line): values the program read into Python
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", None)
+        if name in _VALUE_READS and args and isinstance(args[0], torch.Tensor) and _by_program():
+            self.values.append((args[0], _node_of(args[0]), decision_line()))
         base, batched = _unbatched(args[0]) if name in _READS | _STORAGE_READS and args else (None, False)
         checked = decisions.current() if base is not None else None  # a module traced again: the read it repeats
         if isinstance(base, torch._subclasses.FakeTensor) and (_by_program() or (checked is not None and checked.kind == "read")):
@@ -93,6 +98,25 @@ class LayoutReads(TorchFunctionMode):
             kind = "as_strided" if name in _STORAGE_READS else name
             self.reads.append((kind if not batched else "stride", node, fmt_name, out, where))
         return out
+
+
+def constants_read_as_values(reads: list, gm: fx.GraphModule) -> dict:
+    """id -> line for the constant tensors (closed-over ones) whose values the program read into
+    Python (``float(t)``, ``t.item()``, ``int(t[0])``), directly or through ops on them."""
+    found: dict = {}
+    for t, node, where in reads:
+        if node is None:
+            found.setdefault(id(t), where)
+            continue
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                if n.op == "get_attr":
+                    found.setdefault(id(getattr(gm, str(n.target), None)), where)
+                stack.extend(n.all_input_nodes)
+    return found
 
 
 def _inputs_of(node: fx.Node | None, placeholders: list) -> list:

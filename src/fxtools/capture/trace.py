@@ -29,14 +29,23 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 from torch.utils import _pytree as pytree
 
-from ..errors import PROGRAM_ENTRIES, DataDependentError, FxtoolsError, is_data_dependent, is_user_file, user_frame
+from ..errors import (
+    PROGRAM_ENTRIES,
+    DataDependentError,
+    FxtoolsError,
+    current_user_line,
+    is_data_dependent,
+    is_program_file,
+    is_user_file,
+    user_frame,
+)
 from ..graph import meta
 from ..graph.data_dependent import CountsFromExamples
 from ..signature.naming import arg_names, leaf_names
 from ..signature.sizes import TracedSizes
 from .checkpoint import checkpoint_regions
-from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing
-from .layout_reads import LayoutReads
+from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing, with_value_reads
+from .layout_reads import LayoutReads, constants_read_as_values
 from .layout_reads import facts as layout_facts
 from .names import module_paths, name_values, outer_frames, recording_modules
 from .replacements import Replacing, check_no_writes
@@ -328,6 +337,44 @@ def _static_control_flow():
         yield
 
 
+_PY_RANDOM = (
+    "random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
+    "normalvariate", "lognormvariate", "expovariate", "betavariate", "gammavariate", "triangular",
+    "paretovariate", "weibullvariate", "vonmisesvariate", "getrandbits", "randbytes", "binomialvariate",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _python_random_refused():
+    """A draw from Python's ``random`` module by the program while it is traced would be a constant
+    of the code (each call of the module the same number, where eager draws anew): refused, naming
+    the line. Draws by torch or fxtools themselves (a file name) go through."""
+    import random
+
+    def refusing(name, original):
+        def draw(*args, **kwargs):
+            frame = sys._getframe(1)
+            if is_program_file(frame.f_code.co_filename):
+                raise FxtoolsError(
+                    f"random.{name}() at {current_user_line()}: a draw from Python's random module while fxtools "
+                    "traces becomes a constant of the generated code (every call would reuse it, where eager "
+                    "draws anew). Draw with torch (torch.rand, torch.randint, torch.randperm: the code draws "
+                    "them as eager does), or pass the number as an argument (a 0-dim tensor)."
+                )
+            return original(*args, **kwargs)
+
+        return draw
+
+    saved = {n: getattr(random, n) for n in _PY_RANDOM if hasattr(random, n)}
+    for name, original in saved.items():
+        setattr(random, name, refusing(name, original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(random, name, original)
+
+
 @contextlib.contextmanager
 def _compiling():
     """Make ``torch.compiler.is_compiling()`` and ``is_exporting()`` true while the user's code is
@@ -501,6 +548,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     gm = _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch)
     check_no_writes(gm, replacing.copies_of_views)
     reads = _tidy(gm, f, [n for n, t in zip(names, is_tensor) if t], reads, outer)
+    reads = with_value_reads(reads, constants_read_as_values(layout.values, gm))
     arg_of_leaf = [p[0].idx if p else 0 for p in paths]
     cap = Captured(
         f,
@@ -573,6 +621,7 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             _compiling(),
             dtensor_functions(pre_dispatch=not below),
             _static_control_flow(),
+            _python_random_refused(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):

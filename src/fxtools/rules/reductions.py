@@ -415,4 +415,30 @@ def linalg_vector_norm(ct, out, x, ord=2, dim=None, keepdim=False, *, dtype=None
     return _norm_grad(ct, out, x, ord, dim, keepdim)
 
 
+@vjp_rule(aten._cdist_forward.default)
+def _cdist_forward(ct, out, x1, x2, p, compute_mode=None):
+    """PyTorch's ``_cdist_backward``, in torch ops: that op has no derivative (hvp, jvp) and its vmap
+    (jacrev) returns wrong values. Per pair, the gradient of ``|x1_i - x2_j|_p`` with PyTorch's
+    conventions (0 where the distance is 0; p = inf: every coordinate at the maximum)."""
+    if p == 0:
+        return torch.zeros_like(x1), torch.zeros_like(x2)
+    if p == 2:
+        w = (ct / out).masked_fill(out == 0, 0)
+        g1 = w.sum(-1, keepdim=True) * x1 - w @ x2
+        g2 = w.sum(-2).unsqueeze(-1) * x2 - w.transpose(-1, -2) @ x1
+        return g1.sum_to_size(x1.shape), g2.sum_to_size(x2.shape)
+    diff = x1.unsqueeze(-2) - x2.unsqueeze(-3)
+    ct, dist = ct.unsqueeze(-1), out.unsqueeze(-1)
+    if p == 1:
+        g = ct * torch.sign(diff)
+    elif math.isinf(p):
+        g = ct * torch.sign(diff) * (diff.abs() == dist)
+    elif p < 2:
+        g = torch.sign(diff) * diff.abs().pow(p - 1) * ct / dist.pow(p - 1)
+        g = g.masked_fill((dist == 0) | ((diff == 0) & (p < 1)), 0)
+    else:
+        g = (diff * diff.abs().pow(p - 2) * ct / dist.pow(p - 1)).masked_fill(dist == 0, 0)
+    return g.sum(-2).sum_to_size(x1.shape), (-g.sum(-3)).sum_to_size(x2.shape)
+
+
 mark_nondifferentiable(aten.count_nonzero, aten.argmax, aten.argmin, aten.any, aten.all, aten.argsort)

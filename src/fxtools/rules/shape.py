@@ -13,7 +13,7 @@ nothing to conjugate); the two that multiply by argument values (``index_add``'s
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols, statically_known_true
 
 from ..registry import vjp_rule as _vjp_rule
 from .common import is_tensor, known_equal, same_shape, unbroadcast
@@ -247,8 +247,14 @@ def narrow(ct, out, x, dim, start, length):
 @vjp_rule(aten.slice.Tensor)
 def slice_(ct, out, x, dim=0, start=None, end=None, step=1):
     dim %= x.dim()
-    if isinstance(start, torch.SymInt) or isinstance(end, torch.SymInt):  # bounds read from a tensor
-        return torch.slice_scatter(_zeros(x), ct, dim, start, end, step)
+    if isinstance(start, torch.SymInt) or isinstance(end, torch.SymInt):  # symbolic bounds
+        if step == 1 and not any(has_free_unbacked_symbols(n) for n in (start, end) if isinstance(n, torch.SymInt)):
+            # sizes marked dynamic (x[n : 2 * n]): padding holds at every size, where slice_scatter's
+            # decomposition decides on the example whether the slice reaches the end
+            size = x.shape[dim]
+            begin = 0 if start is None else start + size if start < 0 else start
+            return _pad_dim(ct, dim, begin, size - begin - ct.shape[dim])
+        return torch.slice_scatter(_zeros(x), ct, dim, start, end, step)  # bounds read from a tensor
     picked = range(x.shape[dim])[slice(start, end, step)]
     if step == 1 and len(picked):
         return _pad_dim(ct, dim, picked.start, x.shape[dim] - picked.stop)

@@ -72,7 +72,7 @@ def stride_sensitive_paths(gm: fx.GraphModule, names) -> set:
         if node not in seen:
             seen.add(node)
             if not _fresh_layout(node):
-                stack.extend(node.all_input_nodes)
+                stack.extend(n for n in node.all_input_nodes if not _metadata_read(n))
     paths = set()
     for node in seen:
         keys, cur = [], node
@@ -83,6 +83,17 @@ def stride_sensitive_paths(gm: fx.GraphModule, names) -> set:
         if cur in ph:
             paths.add(ph[cur] + pytree.keystr(tuple(reversed(keys))))
     return paths
+
+
+_METADATA = {"device", "dtype", "shape", "ndim", "layout", "size", "dim", "numel", "is_cuda", "requires_grad"}
+
+
+def _metadata_read(node) -> bool:
+    """``x.device``, ``x.size()`` and the like: a value made from it (``torch.eye(n, device=x.device)``)
+    does not take ``x``'s strides, so a ``.view`` of it relies on no layout of ``x``."""
+    if node.op == "call_method":
+        return node.target in _METADATA
+    return node.op == "call_function" and node.target is getattr and node.args[1] in _METADATA
 
 
 def _fresh_layout(node) -> bool:
