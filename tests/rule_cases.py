@@ -61,6 +61,12 @@ EXTRA_CASES = {
         for p in (0.0, 0.5, 1.0, 2.0, 3.0, float("inf"))
         for x in (_t(5, 3), _rows_with_duplicate)
     ],
+    aten._cdist_forward.default: [
+        (lambda a, b, p=p: torch.cdist(a, b, p, compute_mode="donot_use_mm_for_euclid_dist"), (x1, x2))
+        for p in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf"))
+        for x1, x2 in ((_t(4, 3), _t(5, 3, seed=1)), (_t(2, 4, 3), _t(1, 5, 3, seed=1)))
+    ]
+    + [(lambda a, b, p=p: torch.cdist(a, b, p), (_rows_with_duplicate, _rows_with_duplicate)) for p in (1.0, 2.0, 3.0)],
     aten._adaptive_avg_pool2d: [(lambda x: aten._adaptive_avg_pool2d(x, [2, 3]), (_t(2, 3, 5, 7),))],
     aten._adaptive_avg_pool3d: [(lambda x: aten._adaptive_avg_pool3d(x, [2, 2, 3]), (_t(1, 2, 4, 5, 7),))],
     aten._linalg_solve_ex: [(lambda a, b: aten._linalg_solve_ex(a, b)[0], (_spd(3), _t(3, 2)))],
