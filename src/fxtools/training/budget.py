@@ -504,9 +504,9 @@ class Problem:
         if key not in self._refreshed:
             out: list[tuple[Point, int]] = []
             fw_peak = forward_peak(self.part, point.saved, self.memo)
-            cost = self.cost if mode == "cheapest" else None
+            costs = self.cost if mode == "cheapest" else None
             steps = refresh(
-                self.part, point.saved, point.recomputed, self.memo, singles_first=mode == "singles", trail=True, cost=cost
+                self.part, point.saved, point.recomputed, self.memo, singles_first=mode == "singles", trail=True, cost=costs
             )
             least = max(fw_peak, steps[0][2])
             for forget, order, bw_peak in steps[1:]:
