@@ -55,17 +55,19 @@ class Guards(runtime.Guards):
 # Building guards from example arguments
 # --------------------------------------------------------------------------------------------
 
-_LAYOUT_OPS = {"view", "_unsafe_view", "as_strided", "as_strided_", "as_strided_scatter", "view_copy"}
+_VIEW_OPS = frozenset({"view", "_unsafe_view", "view_copy"})
+_LAYOUT_OPS = _VIEW_OPS | {"as_strided", "as_strided_", "as_strided_scatter"}
 
 
-def stride_sensitive_paths(gm: fx.GraphModule, names) -> set:
+def stride_sensitive_paths(gm: fx.GraphModule, names, ops=_LAYOUT_OPS) -> set:
     """Paths of the argument leaves whose strides the code relies on: those a ``.view`` (or
-    ``as_strided``) in ``gm`` reads, directly or through other ops (a pointwise op keeps its
-    input's strides). Placeholders are ``names``; leaves are read by ``[key]`` / ``.attr`` chains."""
+    ``as_strided``; any of ``ops``) in ``gm`` reads, directly or through other ops (a pointwise op
+    keeps its input's strides). Placeholders are ``names``; leaves are read by ``[key]`` /
+    ``.attr`` chains."""
     ph = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), names))
     seen, stack = set(), []
     for node in gm.graph.nodes:
-        if _layout_op(node) and node.args and isinstance(node.args[0], fx.Node):
+        if _layout_op(node, ops) and node.args and isinstance(node.args[0], fx.Node):
             stack.append(node.args[0])
     while stack:
         node = stack.pop()
@@ -105,13 +107,21 @@ def _fresh_layout(node) -> bool:
     )
 
 
-def _layout_op(node) -> bool:
+def _layout_op(node, ops=_LAYOUT_OPS) -> bool:
     if node.op == "call_method":
-        return node.target in _LAYOUT_OPS
+        return node.target in ops
     if node.op == "call_function":
         target = node.target
-        return getattr(getattr(target, "overloadpacket", target), "__name__", None) in _LAYOUT_OPS
+        return getattr(getattr(target, "overloadpacket", target), "__name__", None) in ops
     return False
+
+
+def layout_needs(gm: fx.GraphModule, names) -> dict:
+    """For each argument leaf whose strides the code relies on, what it needs: ``"views"`` where
+    only ``.view`` reads them (a view gives the values eager's would, or raises: any layout on
+    which it succeeds will do), ``True`` (the example's layout) where ``as_strided`` does."""
+    strict = stride_sensitive_paths(gm, names, _LAYOUT_OPS - _VIEW_OPS)
+    return {**dict.fromkeys(stride_sensitive_paths(gm, names, _VIEW_OPS), "views"), **dict.fromkeys(strict, True)}
 
 
 def is_scalar(x) -> bool:
@@ -143,10 +153,16 @@ def _leaf_spec(value, path, layout, role):
         leaf.kind = "optional"
         return leaf
     if isinstance(value, torch.Tensor):
-        wanted = path in layout if isinstance(layout, (set, frozenset)) else layout
+        wanted = (
+            (layout.get(path, False) if isinstance(layout, dict) else path in layout)
+            if isinstance(layout, (set, frozenset, dict))
+            else layout
+        )
         strided = wanted and value.layout == torch.strided
         # cotangents and tangents are traced contiguous (as callers make them)
         lay = None if not strided else "contiguous" if role or value.is_contiguous() else tuple(value.stride())
+        if strided and wanted == "views" and not role:
+            lay = "views"
         return Leaf(path, "tensor", tuple(_size_spec(n) for n in value.shape), value.dtype, value.device.type, lay, role=role)
     if value is None:
         return Leaf(path, "none", role=role)
@@ -287,7 +303,12 @@ class GuardedGraphModule(fx.GraphModule):
                 return self._size_one(args)
         if self.closures is not None:  # what the program read from outside its arguments (signature/closures.py)
             self.closures.check(self)
-        out = super().__call__(*args, **kwargs)
+        try:
+            out = super().__call__(*args, **kwargs)
+        except RuntimeError as exc:
+            if guards is not None and "view size is not compatible" in str(exc):
+                guards.refuse_view(args if not kwargs else self._positional(guards, args, kwargs), exc)
+            raise
         if guards is not None and _has_dict(guards.args):
             out = follow_key_orders(args if not kwargs else self._positional(guards, args, kwargs), out)
         return out
@@ -409,5 +430,5 @@ def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None) -> Gua
     """Attach guards for example ``args`` to ``gm`` (made a GuardedGraphModule if it is not one);
     layouts are required where its code relies on strides."""
     gm = guarded(gm)
-    gm.guards = build(made_by, names, args, layout=stride_sensitive_paths(gm, names), roles=roles)
+    gm.guards = build(made_by, names, args, layout=layout_needs(gm, names), roles=roles)
     return gm
