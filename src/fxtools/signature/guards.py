@@ -257,6 +257,7 @@ class GuardedGraphModule(fx.GraphModule):
     guards: Guards | None = None  # what its calls must pass (``install``)
     closures: Any = None  # a signature.closures.Closures: what it read from outside its arguments
     size_one_variant: Any = None  # builds the module again for a call with a dynamic size of 1 (transforms/calling.py)
+    layout_variant: Any = None  # builds the module again for a call whose layout its .view calls cannot view
     keywords: tuple[str, ...] = ()  # its inputs that are the function's keyword arguments (transforms/calling.py)
 
     def __init__(self, root, graph, class_name: str = "GraphModule", *, generate_code: bool = True):
@@ -306,12 +307,31 @@ class GuardedGraphModule(fx.GraphModule):
         try:
             out = super().__call__(*args, **kwargs)
         except RuntimeError as exc:
-            if guards is not None and "view size is not compatible" in str(exc):
-                guards.refuse_view(args if not kwargs else self._positional(guards, args, kwargs), exc)
-            raise
+            if guards is None or "view size is not compatible" not in str(exc):
+                raise
+            return self._relaid(guards, args, kwargs, exc)
         if guards is not None and _has_dict(guards.args):
             out = follow_key_orders(args if not kwargs else self._positional(guards, args, kwargs), out)
         return out
+
+    def _relaid(self, guards, args, kwargs, exc):
+        """The call ``args``, in a layout a ``.view`` of the code cannot view, run by a module built
+        from them (once per strides, then kept), as eager runs the function on them; refused,
+        naming the argument, where that cannot be built (eager's own ``.view`` raises there)."""
+        positional = args if not kwargs else self._positional(guards, args, kwargs)
+        if self.layout_variant is None or kwargs:
+            guards.refuse_view(positional, exc)
+            raise exc
+        key = tuple(tuple(a.stride()) if isinstance(a, torch.Tensor) else None for a in pytree.tree_leaves(args))
+        built = self.__dict__.setdefault("_layout_modules", {})
+        if key not in built:
+            try:
+                built[key] = self.layout_variant(args)
+                built[key].__dict__["layout_variant"] = None  # made for this layout: its views take it
+            except Exception:  # noqa: BLE001 - the function itself cannot run on this layout
+                guards.refuse_view(positional, exc)
+                raise
+        return built[key](*args)
 
     def _size_one(self, args):
         """The call ``args``, whose dynamic size is 1, run by a module built for their shapes (once per
@@ -353,6 +373,8 @@ class GuardedGraphModule(fx.GraphModule):
         body.pop("closures", None)  # a saved module is a snapshot of what it read (signature/closures.py)
         body.pop("size_one_variant", None)  # it holds the user's function; a saved module refuses size 1
         body.pop("_size_one_modules", None)
+        body.pop("layout_variant", None)
+        body.pop("_layout_modules", None)
         return _restore, (body, import_block)
 
     def __deepcopy__(self, memo):
