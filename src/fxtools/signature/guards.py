@@ -319,7 +319,8 @@ class GuardedGraphModule(fx.GraphModule):
         from them (once per strides, then kept), as eager runs the function on them; refused,
         naming the argument, where that cannot be built (eager's own ``.view`` raises there)."""
         positional = args if not kwargs else self._positional(guards, args, kwargs)
-        if self.layout_variant is None or kwargs:
+        tensors = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+        if self.layout_variant is None or kwargs or not all(map(_plain, tensors)):  # traced inside a transform
             guards.refuse_view(positional, exc)
             raise exc
         key = tuple(tuple(a.stride()) if isinstance(a, torch.Tensor) else None for a in pytree.tree_leaves(args))
@@ -446,6 +447,13 @@ def guarded(gm: fx.GraphModule) -> GuardedGraphModule:
         attributes.setdefault(k, v)
     new.meta = gm.meta
     return new
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A tensor holding its values: no FakeTensor, no functorch wrapper (a trace or a vmap)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not isinstance(t, FakeTensor) and not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None) -> GuardedGraphModule:
