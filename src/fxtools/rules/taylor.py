@@ -1068,6 +1068,32 @@ def _with_value(t, value):
     return type(t)([value, *t.terms[1:]])
 
 
+@taylor_rule(aten.nan_to_num)
+def _nan_to_num(op, args, kwargs):
+    """The terms times ``isfinite(x)``, as autograd: a replaced element's NaN terms (``log(|x|)`` at
+    0: ``0 * inf``) stay NaN rather than being selected away."""
+    x = args[0]
+    finite = torch.isfinite(x.value)
+    return _with_value(x.map(lambda t: t * finite), op(x.value, *args[1:], **kwargs))
+
+
+@taylor_rule(aten.xlogy)
+def _xlogy(op, args, kwargs):
+    """``x * log(y)`` by Leibniz's rule with autograd's conventions: ``x``'s terms times ``log(y)`` as
+    ``xlogy`` (0 for a zero term, and where ``x == 0``, ``y <= 0``), so ``xlogy(x, x)`` has NaN
+    derivatives at 0 (``x / y * dy`` is ``0 / 0``) rather than the decomposition's selected 0."""
+    x, y = args[0], args[1]
+    vx, vy = value_of(x), value_of(y)
+    no_log = (vx == 0) & (vy <= 0)
+    log_y = call(aten.log.default, y) if is_taylor(y) else vy
+    log_value = value_of(log_y)
+
+    def product(s, t):
+        return torch.where(no_log, 0.0, torch.xlogy(s, vy)) if t is log_value else s * t
+
+    return _with_value(bilinear(product, x, log_y), op(vx, vy))
+
+
 # composites
 
 
