@@ -9,8 +9,10 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from opinfo_harness import autograd_opinfos
-from taylor_oracle import F64
+from taylor_oracle import F64, randn
+from test_taylor import curve_derivatives
 
 import fxtools
 from fxtools.errors import MissingRuleError
@@ -91,3 +93,35 @@ def test_second_derivatives_at_special_points_match_autograd(name):
         torch.testing.assert_close(
             value[keep], reference[keep], rtol=1e-9, atol=1e-9, equal_nan=True, msg=lambda m: f"{transform}: {m}"
         )
+
+
+OWN_RULES = {  # ops with a Taylor rule of their own (rather than their decomposition), with their options
+    "elu(alpha)": lambda x: F.elu(x, alpha=0.5),
+    "elu in place": lambda x: F.elu(x * 1.0, inplace=True),
+    "elu(scale, input_scale)": lambda x: torch.ops.aten.elu(x, 0.3, 1.7, 0.6),
+    "celu": lambda x: F.celu(x, alpha=2.0),
+    "logsigmoid": lambda x: F.logsigmoid(x * 3),
+    "logit(eps)": lambda x: torch.logit(x.sigmoid(), eps=0.3),
+    "entr": lambda x: torch.special.entr(x.abs() + 0.1),
+    "nan_to_num": lambda x: torch.nan_to_num(x / (x - 0.3)),
+    "xlogy": lambda x: torch.xlogy(x.exp(), x * x + 1) + torch.xlogy(x, 2.0) + torch.special.xlogy(3.0, x.abs()),
+}
+
+
+@pytest.mark.parametrize("name", list(OWN_RULES))
+def test_own_rules_at_order_3_and_in_hvp(name):
+    """Order-3 jets along random curves, the Laplacian of a sum and hvp, against torch.func."""
+    f = OWN_RULES[name]
+    x = torch.tensor([0.0, -0.7, 0.3, 1.2, -2.0, 0.1], dtype=F64)
+    series = tuple(randn(6, seed=20 + k) for k in range(3))
+    same = dict(rtol=1e-9, atol=1e-9, equal_nan=True)
+    out, got = fxtools.jet(f, x, order=3)(x, series)
+    torch.testing.assert_close(out, f(x), **same)
+    for k, want in enumerate(curve_derivatives(f, x, series)):
+        torch.testing.assert_close(got[k], want, **same)
+
+    def g(x):
+        return f(x).sum()
+
+    torch.testing.assert_close(fxtools.laplacian(g, x)(x)[1], torch.func.jacfwd(torch.func.jacrev(g))(x).trace(), **same)
+    torch.testing.assert_close(fxtools.hvp(g, x)(x, series[0]), torch.func.jvp(torch.func.grad(g), (x,), series[:1])[1], **same)
