@@ -115,3 +115,32 @@ def test_outputs_connected_to_no_input_have_no_grad_fn():
         outs = step(x, buf)
         assert [o.requires_grad for o in outs] == want
         torch.testing.assert_close(torch.autograd.grad(outs[0], w)[0], torch.autograd.grad(f(x, buf)[0], w)[0], **TOL)
+
+
+def test_a_tangent_direction_computed_under_no_grad():
+    """The JVP's direction computed by the same network under ``no_grad`` (consistency models' targets):
+    forward mode's code was moved into the ``no_grad`` block, beside the direction it reads, and its
+    values became constants of the backward (a gradient off by 2.1, silently)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = (torch.randn(3, 3, generator=g, dtype=D) for _ in range(2))
+
+    def loss(w, x):
+        with torch.no_grad():
+            d = torch.tanh(x @ w)
+        u, du = torch.func.jvp(lambda x: torch.sin(x @ w), (x,), (d,))
+        return (u - du).pow(2).sum()
+
+    torch.testing.assert_close(fxtools.grad(loss, w, x)(w, x), torch.func.grad(loss)(w, x), **TOL)
+    model = nn.Linear(3, 3, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_(w.T)
+
+    def module_loss(x):
+        with torch.no_grad():
+            d = torch.tanh(model(x))
+        u, du = torch.func.jvp(lambda x: torch.tanh(model(x)), (x,), (d,))
+        return (u - du).pow(2).mean()
+
+    fxtools.compile(module_loss)(x).backward()
+    want = torch.autograd.grad(module_loss(x), model.weight)[0]
+    torch.testing.assert_close(model.weight.grad, want, **TOL)
