@@ -2,7 +2,7 @@
 
 Each program is differentiated in its first argument through ``fxtools.vjp``, ``jvp`` and
 ``split`` at two sizes and a non-contiguous layout; the ones that found a defect also through the
-transform that showed it. The whole batch (25 programs) was run once through grad, vjp, jvp,
+transform that showed it. The whole batch (27 programs) was run once through grad, vjp, jvp,
 hvp, vmap, jacrev, split and compile at three sizes and two layouts; the programs kept here
 found something or are cheap.
 """
