@@ -400,6 +400,45 @@ def _python_random_refused():
 
 
 @contextlib.contextmanager
+def _tensor_attributes_written():
+    """A tensor the program assigns to a module attribute while it is traced (``self.avg = 0.9 *
+    self.avg + 0.1 * m``, ``self.last_metric = m``) would be a traced (fake) value left in the
+    module, and the generated code would never assign it. A registered buffer of the same shape,
+    dtype and device is written in place instead (``copy_``: the generated code updates it at each
+    call, as fxtools writes batch norm's running statistics); any other tensor attribute is refused,
+    naming the line."""
+    original = torch.nn.Module.__setattr__
+
+    def assign(module, name, value):
+        frame = sys._getframe(1)
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+            return original(module, name, value)
+        if not is_program_file(frame.f_code.co_filename):
+            return original(module, name, value)
+        old = module.__dict__.get("_buffers", {}).get(name)
+        same = isinstance(old, torch.Tensor) and (old.shape, old.dtype, old.device) == (value.shape, value.dtype, value.device)
+        if same and old is not value:
+            old.copy_(value)
+            return None
+        if same:
+            return None
+        kind = "buffer" if name in module.__dict__.get("_buffers", {}) else "attribute"
+        raise FxtoolsError(
+            f"{current_user_line()}: assigns a tensor to {type(module).__name__}.{name}, a module {kind} "
+            f"{'of another shape, dtype or device' if kind == 'buffer' else 'that is not a registered buffer'}: "
+            "the generated code does not replay Python side effects, so the attribute would never be updated. "
+            f"Register it as a buffer in __init__ (self.register_buffer({name!r}, torch.zeros(shape))), whose "
+            "assignment of a value of its shape and dtype fxtools writes in place, or return the value."
+        )
+
+    torch.nn.Module.__setattr__ = assign
+    try:
+        yield
+    finally:
+        torch.nn.Module.__setattr__ = original
+
+
+@contextlib.contextmanager
 def _compiling():
     """Make ``torch.compiler.is_compiling()`` and ``is_exporting()`` true while the user's code is
     traced, as torch.export's (non-strict) tracing does.
@@ -646,6 +685,7 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             dtensor_functions(pre_dispatch=not below),
             _static_control_flow(),
             _python_random_refused(),
+            _tensor_attributes_written(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):
