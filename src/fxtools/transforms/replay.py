@@ -195,14 +195,14 @@ def _likes(node: fx.Node):
 class _Recording:
     """The nodes one call added, and how its result is made of them."""
 
-    def __init__(self, nodes, inputs, out_leaves, out_spec, likes, mode):
+    def __init__(self, nodes, inputs, out_leaves, out_spec, mode):
         self.nodes = nodes  # recorded nodes, in graph order
         self.inputs = inputs  # the argument nodes they read (by tensor index)
         self.out_leaves = out_leaves  # ("arg", i) | ("node", node) | ("value", v)
         self.out_spec = out_spec
         self.returned = {x for kind, x in out_leaves if kind == "node"}
-        self.likes = likes  # node -> _Like of its value (a tuple for several; None for a getitem's)
         self.mode = mode  # the FakeTensorMode of every recorded value
+        self.likes: dict | None = None  # node -> _Like of its value (a tuple for several): on the first replay
 
     @classmethod
     def make(cls, nodes, inputs, tensors, out, tracer):
@@ -236,18 +236,20 @@ class _Recording:
                 except _Unkeyable:
                     return None  # may hold traced tensors pytree does not see
                 out_leaves.append(("value", x))
-        likes = {node: _likes(node) for node in nodes}
-        modes = {like.mode for v in likes.values() for like in (v if isinstance(v, tuple) else (v,)) if like is not None}
+        vals = [node.meta["val"] for node in nodes]
+        modes = {v.fake_mode for val in vals for v in (val if isinstance(val, (tuple, list)) else (val,)) if v is not None}
         if len(modes) > 1:
             return None
-        return cls(nodes, inputs, out_leaves, spec, likes, next(iter(modes), None))
+        return cls(nodes, inputs, out_leaves, spec, next(iter(modes), None))
 
-    def metas(self) -> dict:
+    def metas(self, likes: dict) -> dict:
         """A new meta tensor for each recorded value (tuples for several), made in one kernel invocation."""
+        if self.mode is None:
+            return {}
         with no_python_dispatcher(), in_kernel_invocation_manager(self.mode):
             return {
                 node: like.meta() if isinstance(like, _Like) else tuple(None if v is None else v.meta() for v in like)
-                for node, like in self.likes.items()
+                for node, like in likes.items()
                 if like is not None
             }
 
@@ -255,11 +257,14 @@ class _Recording:
         """Add copies of the recorded nodes reading ``nodes``; the call's result."""
         env = dict(zip(self.inputs, nodes))
         vals = {}
-        metas = self.metas() if self.mode is not None else {}
+        likes = self.likes
+        if likes is None:  # read once, when first replayed: many calls recorded never are
+            likes = self.likes = {node: _likes(node) for node in self.nodes}
+        metas = self.metas(likes)
         for old in self.nodes:
             args, kwargs = fx.node.map_arg((old.args, old.kwargs), lambda n: env.get(n, n))
             new = env[old] = tracer.create_node(old.op, old.target, args, kwargs, name=old.name)
-            val, like = old.meta["val"], self.likes[old]
+            val, like = old.meta["val"], likes[old]
             if isinstance(val, (tuple, list)):  # its items are tracked by their getitem copies
                 pairs = [(None, None) if v is None else v.fresh(m) for v, m in zip(like, metas[old])]
                 vals[old] = type(val)(t for t, _ in pairs)
