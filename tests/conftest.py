@@ -10,6 +10,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # the examples' programs and models are imported by the tests that check them (one definition each)
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Inductor compiles in the test process itself: a pool of compile workers (each importing torch)
+# costs CPU on a 2-core machine already busy with two pytest-xdist workers (read when
+# torch._inductor.config is first imported, which ``import torch`` does not do)
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # Graphviz is optional for users (the scripts never install it system-wide); CI installs it, so
 # there a missing dot program fails the drawing tests instead of skipping them.
@@ -23,8 +27,11 @@ needs_graphviz = pytest.mark.skipif(
 # ``--dist loadgroup``). Keyed by node id because the controller that schedules never sees marks,
 # and pytest-xdist 3.8's own ``xdist_group`` marks do not group under pytest 9.2.
 XDIST_GROUPS = {
-    # cases_for_rule's table of which OpInfo sample calls which op: ~40 s of CPU per worker
+    # cases_for_rule's table of which OpInfo sample calls which op: ~40 s of CPU per worker; and
+    # the float64 sweep checks the very samples test_rules.py checks (opinfo_harness.check_sample_once
+    # checks each once per process)
     "tests/test_rules.py::": "opinfo_cases",
+    "tests/test_opinfo_sweep.py::test_opinfo_matches_autograd": "opinfo_cases",
     "tests/test_rules_fused.py::test_fused_rule_matches_autograd": "opinfo_cases",
     # multi-process launches: each file launches its process group once (a cached result its tests
     # read), so a file's tests must share a worker; one worker also keeps the launches from overlapping

@@ -147,6 +147,31 @@ def check_sample(opinfo, sample):
         check_vjp(f, *args, rtol=1e-6, atol=1e-8)
 
 
+# (OpInfo name, variant, dtype, sample index) -> None (passed) or the exception check_sample raised
+_checked: dict = {}
+
+
+def check_sample_once(opinfo, index, sample, dtype=torch.float64):
+    """``check_sample`` of the ``index``-th of ``samples(opinfo, n, dtype)``, once per process.
+
+    The op sweep and the per-rule tests check the same samples (the per-rule cases are drawn from
+    the sweep's first three samples of each OpInfo, and one sample is a case of every rule it
+    calls): the same program against the same oracle, a deterministic result (the samples come
+    from a fixed seed, the check's cotangent too). A repeat re-raises the first check's exception,
+    or passes if it passed. The two files share a pytest-xdist worker (tests/conftest.py).
+    """
+    key = (opinfo.name, opinfo.variant_test_name, dtype, index)
+    if key not in _checked:
+        try:
+            check_sample(opinfo, sample)
+        except Exception as exc:  # noqa: BLE001 - remembered and re-raised to every caller
+            _checked[key] = exc
+            raise
+        _checked[key] = None
+    if _checked[key] is not None:
+        raise _checked[key]
+
+
 def captured_ops(opinfo, sample):
     """The aten overloads that the capture of one sample contains (before decomposition)."""
     from fxtools.capture.trace import capture
@@ -158,21 +183,23 @@ def captured_ops(opinfo, sample):
 
 @functools.cache
 def cases_by_op(n_samples=3):
-    """aten overload -> [(opinfo, sample, ops), ...] for every OpInfo sample whose capture calls it."""
+    """aten overload -> [(opinfo, index, sample, ops), ...] for every OpInfo sample whose capture
+    calls it (``index``: its place in ``samples(opinfo, n_samples)``)."""
     table = {}
     for opinfo in autograd_opinfos():
         try:
-            for sample in samples(opinfo, n_samples):
+            for index, sample in enumerate(samples(opinfo, n_samples)):
                 ops = frozenset(captured_ops(opinfo, sample))
                 for op in ops:
-                    table.setdefault(op, []).append((opinfo, sample, ops))
+                    table.setdefault(op, []).append((opinfo, index, sample, ops))
         except Exception:  # noqa: BLE001 - samples fxtools cannot capture are the sweep's business
             continue
     return table
 
 
 def cases_for_rule(key, limit=6):
-    """OpInfo samples that exercise the rule registered under ``key`` (an overload or packet).
+    """OpInfo samples that exercise the rule registered under ``key`` (an overload or packet), as
+    ``(opinfo, index, sample)`` (``check_sample_once``'s arguments).
 
     Samples that isolate the rule come first: those whose other ops all have hand-written rules,
     then those with the fewest ops.
@@ -187,9 +214,9 @@ def cases_for_rule(key, limit=6):
         if op == key or op.overloadpacket == key:
             found.extend(cases)
     seen, unique = set(), []
-    for opinfo, sample, ops in sorted(found, key=lambda c: (others_without_rule(c[2]), len(c[2]))):
-        k = (opinfo.name, opinfo.variant_test_name, id(sample))
+    for opinfo, index, sample, ops in sorted(found, key=lambda c: (others_without_rule(c[3]), len(c[3]))):
+        k = (opinfo.name, opinfo.variant_test_name, index)
         if k not in seen:
             seen.add(k)
-            unique.append((opinfo, sample))
+            unique.append((opinfo, index, sample))
     return unique[:limit]

@@ -370,6 +370,28 @@ def test_recomputing_twice_gives_exact_gradients():
         torch.testing.assert_close(got, ref, **TOL)
 
 
+def test_cheapest_refresh_removes_peak_for_the_least_recompute():
+    """``refresh(cost=)`` (``Problem.refresh_steps(point, "cheapest")``) lowers the peak in rounds
+    like the other modes, and its first round removes peak for at most the recompute per byte of
+    theirs: they take the first of the same trials that lowers the peak, it the cheapest per byte."""
+    model, x = _chain(torch.float32, 256)
+    problem = budget.Problem(fxtools.split(model, x, policy="save_all")._partition)
+    part, point = problem.part, problem.frontier()[0]  # nothing saved
+
+    def recompute(order):
+        return sum(problem.cost.get(n, 0) for n in order if n not in part.bw)
+
+    rates = {}
+    for cost, singles in ((problem.cost, False), (None, False), (None, True)):
+        steps = budget.refresh(part, point.saved, point.recomputed, trail=True, cost=cost, singles_first=singles)
+        peaks, costs = [pk for _, _, pk in steps], [recompute(order) for _, order, _ in steps]
+        assert len(steps) >= 2 and peaks == sorted(set(peaks), reverse=True) and costs == sorted(costs)
+        rates[cost is not None, singles] = (costs[1] - costs[0]) / (peaks[0] - peaks[1])
+    assert rates[True, False] <= min(rates.values()), rates
+    cheapest = problem.refresh_steps(point, "cheapest")
+    assert cheapest and all(pk < budget.predicted_peak(part, point.saved, point.recomputed) for _, pk in cheapest)
+
+
 def test_recompute_cost_counts_the_flops_of_a_matrix_product():
     """The cost model: a matrix product costs ``2 m k n`` FLOPs (``flop_counter``) plus its ``m n``
     output elements, for any sizes; a sum costs its one output element."""

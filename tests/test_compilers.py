@@ -376,3 +376,97 @@ def test_inductor_reuses_saved_memory_only_when_nothing_else_holds_it():
     compiled(*inputs).backward()
     for p, w in zip(model.parameters(), want, strict=True):
         torch.testing.assert_close(p.grad, w, **TOL64)
+
+
+# --------------------------------------------------------------------------------------------
+# Input layouts: compiled graphs are specialised to their examples' strides
+# --------------------------------------------------------------------------------------------
+
+
+def stride_asserting_compiler(gm, example_inputs):
+    """Runs ``gm`` after checking each input's size and strides against its example's, with the
+    check Inductor's compiled code makes (``assert_size_stride``), without Inductor's compile time."""
+    layouts = [(tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else None for x in example_inputs]
+
+    def run(*args):
+        for x, layout in zip(args, layouts):
+            if layout is not None:
+                torch._C._dynamo.guards.assert_size_stride(x, *layout)
+        return gm(*args)
+
+    return run
+
+
+class LinearSum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return (torch.tanh(self.fc(x)) * x.mean(-1, keepdim=True)).sum()
+
+
+def _layouts():
+    """The same shape in every layout eager takes: (name, tensor, whether graphs exist for it)."""
+    x = torch.randn(2, 3, 3, 3, dtype=torch.float64)
+    return [
+        ("contiguous", x, False),
+        ("channels_last", x.to(memory_format=torch.channels_last), False),
+        ("transposed", torch.randn(2, 3, 3, 3, dtype=torch.float64).transpose(1, 3), False),
+        ("expanded", torch.randn(1, 3, 3, 3, dtype=torch.float64).expand(2, 3, 3, 3), False),
+        ("storage offset", torch.randn(55, dtype=torch.float64)[1:].view(2, 3, 3, 3), True),
+        ("transposed again", torch.randn(2, 3, 3, 3, dtype=torch.float64).transpose(1, 3), True),
+    ]
+
+
+def _assert_layouts_like_eager(model, compiled, runners=None):
+    for name, x, seen in _layouts():
+        before = None if runners is None else len(runners)
+        x = x.detach().requires_grad_() if x.is_leaf else x
+        got = torch.autograd.grad(compiled(x), [x, *model.parameters()], allow_unused=True)
+        want = torch.autograd.grad(model(x), [x, *model.parameters()], allow_unused=True)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, **TOL64, msg=lambda m: f"{name}: {m}")
+        if runners is not None:
+            assert (len(runners) == before) == seen, name  # new graphs exactly for a new layout
+
+
+def test_compiled_graphs_specialise_to_input_layouts():
+    """A compiler's graphs are made for their example's strides (Inductor asserts them): a call
+    in another layout (channels-last, transposed, expanded, a slice) gets graphs of its own, as
+    ``torch.compile`` recompiles on a stride guard; a storage offset keeps them (float64, vs eager)."""
+    torch.manual_seed(0)
+    model = LinearSum().double()
+    compiled = fxtools.compile(model, compiler=stride_asserting_compiler)
+    _assert_layouts_like_eager(model, compiled, compiled._runners)
+
+
+def test_backend_takes_dynamo_symbolic_strides():
+    """After a call with a transposed input, Dynamo makes the stride symbolic and passes it to
+    the backend as an input of the graph: fxtools takes its value (float64, vs eager)."""
+    torch.manual_seed(0)
+    model = LinearSum().double()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fxtools.backend(compiler=stride_asserting_compiler))
+    _assert_layouts_like_eager(model, compiled)
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_inductor_gelu_decompositions_equal_pytorchs(approximate):
+    """Inductor's table writes tanh GELU with a sigmoid gate (one exp): the same function and
+    derivative as PyTorch's kernels (float64, from -30 to 30 and the infinities), other GELUs unchanged."""
+    from fxtools.training.aten import decomposition_table
+
+    aten = torch.ops.aten
+    table = decomposition_table("inductor")
+    x = torch.cat([torch.linspace(-30, 30, 2001, dtype=torch.float64), torch.tensor([0.0, -1e-300, 1e-300, 1e200])])
+    g = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    value = table[aten.gelu.default](x, approximate=approximate)
+    grad = table[aten.gelu_backward.default](g, x, approximate=approximate)
+    # atol: for x below about -6, PyTorch's ``0.5 x (1 + tanh(..))`` cancels (an absolute error of
+    # ~1e-16 on values as small as that); the gate has no cancellation there. At 1e200, where x^3
+    # overflows, both slopes are NaN
+    torch.testing.assert_close(value, aten.gelu(x, approximate=approximate), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(grad, aten.gelu_backward(g, x, approximate=approximate), rtol=1e-12, atol=1e-14, equal_nan=True)
+    inf = torch.tensor([float("inf")], dtype=torch.float64)
+    torch.testing.assert_close(table[aten.gelu.default](inf, approximate=approximate), inf)

@@ -200,16 +200,52 @@ def test_layout_is_guarded_where_the_code_views():
     assert "x.view([-1])" in gm.code
     xt = torch.randn(4, 3, dtype=torch.float64).t()
     text = mismatch(gm, xt)
-    assert text.startswith(
-        "fxtools.grad module: x is not contiguous (strides (1, 3)), but the module was made for "
-        "a contiguous tensor and its code uses .view"
-    )
-    assert "Pass x.contiguous()" in text
+    assert text.startswith("fxtools.grad module: x has strides (1, 3), a layout the code's .view cannot view")
+    assert "Pass x.contiguous()" in text  # eager's x.view(-1) raises on xt too
     close(gm(xt.contiguous()), torch.func.grad(f)(xt.contiguous()))
 
     g2 = fxtools.grad(lambda x: x.sin().sum(), torch.randn(3, 4, dtype=torch.float64))  # no view: any layout
     assert ".view" not in g2.code
     close(g2(xt), torch.func.grad(lambda x: x.sin().sum())(xt))
+
+
+TRANSFORMS_OF_ARRAYS = {
+    "grad": (lambda f, x: fxtools.grad(lambda x: f(x).sum(), x), lambda f: torch.func.grad(lambda x: f(x).sum())),
+    "hessian": (lambda f, x: fxtools.hessian(lambda x: f(x).sum(), x), lambda f: torch.func.hessian(lambda x: f(x).sum())),
+    "jacrev": (fxtools.jacrev, torch.func.jacrev),
+    "jacfwd": (fxtools.jacfwd, torch.func.jacfwd),
+    "vmap": (fxtools.vmap, torch.func.vmap),
+}
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS_OF_ARRAYS))
+def test_views_take_every_layout_eager_views_take(transform):
+    """A .view in the code (the user's, or a Jacobian's own reshape of its output) runs on any
+    layout on which it succeeds, as eager's: rows of a larger tensor split along their last
+    dimension, a transposed input whose Jacobian rows are flattened. A reshape traced as a view
+    on the contiguous example runs on other layouts by a module built for them; a .view eager
+    cannot apply is refused naming the argument (float64, against torch.func)."""
+    make, oracle = TRANSFORMS_OF_ARRAYS[transform]
+    programs = {
+        "split": lambda x: torch.sin(x.view(*x.shape, 1)).sum(-1) * x,
+        "matrix": lambda x: torch.tanh(x.unsqueeze(-1) * x.unsqueeze(-2)),
+        "flat": lambda x: torch.sin(x.view(-1)) * 2,
+        "reshape": lambda x: torch.sin(x.reshape(-1)) * 2,  # a view on the example; copies where it must
+    }
+    x = torch.randn(4, 3, dtype=torch.float64)
+    layouts = {
+        "rows": torch.randn(8, 3, dtype=torch.float64)[::2],
+        "transposed": torch.randn(3, 4, dtype=torch.float64).t(),
+    }
+    for name, f in programs.items():
+        gm = make(f, x)
+        for where, xx in layouts.items():
+            try:
+                want = oracle(f)(xx)
+            except RuntimeError:  # eager's .view cannot view this layout: refused, naming x
+                assert "x has strides" in mismatch(gm, xx), (name, where)
+                continue
+            close(gm(xx), want)
 
 
 def test_guards_describe_what_the_module_accepts():

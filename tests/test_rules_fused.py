@@ -75,7 +75,7 @@ FUSED_CASES = {
 
 
 def _cases(op):
-    yield from (sample_function(opinfo, sample) for opinfo, sample in cases_for_rule(op))
+    yield from (sample_function(opinfo, sample) for opinfo, _, sample in cases_for_rule(op))
     yield from EXTRA_CASES.get(op, [])
     yield from FUSED_CASES.get(op, [])
 

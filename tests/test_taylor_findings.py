@@ -172,3 +172,35 @@ def test_code_keeps_products_as_written_and_names_the_value():
     out, delta = lap(x)
     close(out, u(x))
     close(delta, trace_of_hessian(u, x))
+
+
+WHERE_PROGRAMS = {
+    # the NaN-safe log: autograd's where backward sends a zero cotangent through log, 0 * inf = NaN
+    "log or 0": lambda x: (torch.where(x > 0, torch.log(x), 0) ** 2).sum(),
+    "log or sqrt": lambda x: (torch.where(x > 0, torch.log(x.abs() + 1), torch.sqrt(x.abs())) ** 2).sum(),
+    "0 or log": lambda x: (torch.where(x <= 0, 0.0, torch.log(x)) * x).sum(),
+    # where inside PyTorch's decomposition (Taylor mode has no softplus rule): autograd
+    # differentiates the op by its own formula, finite where exp overflows in the other branch
+    "softplus": lambda x: F.softplus(x).sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(WHERE_PROGRAMS))
+@pytest.mark.parametrize("point", [[0.0, 1.5, -2.0], [0.5, 2.0, -0.7], [800.0, 0.0, 3.0]])
+def test_where_with_an_infinite_unselected_branch_matches_autograd(name, point):
+    """At a point where the branch torch.where does not take has an infinite derivative, every
+    transform gives PyTorch's value: NaN in the gradient, hvp, Hessian and Laplacian (autograd's
+    zero cotangent times inf), finite in torch.func.jvp (forward mode selects the tangent)."""
+    f, x = WHERE_PROGRAMS[name], torch.tensor(point, dtype=F64)
+    v = randn(3, seed=1)
+    same = dict(rtol=1e-10, atol=1e-10, equal_nan=True)
+    torch.testing.assert_close(fxtools.laplacian(f, x)(x)[1], trace_of_hessian(f, x), **same)
+    torch.testing.assert_close(fxtools.grad(f, x)(x), torch.func.grad(f)(x), **same)
+    torch.testing.assert_close(fxtools.hvp(f, x)(x, v), torch.func.jvp(torch.func.grad(f), (x,), (v,))[1], **same)
+    torch.testing.assert_close(fxtools.jvp(f, x)(x, v), torch.func.jvp(f, (x,), (v,)), **same)
+
+
+def test_where_inside_a_decomposition_keeps_the_ops_own_derivative():
+    """sinc's decomposition divides by x where x != 0: its Laplacian at 0 is autograd's finite value."""
+    x = torch.tensor([0.0, 1.5, -2.0], dtype=F64)
+    close(fxtools.laplacian(lambda x: torch.sinc(x).sum(), x)(x)[1], trace_of_hessian(lambda x: torch.sinc(x).sum(), x))

@@ -162,6 +162,7 @@ def _copy_into(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule, tensor_po
             new.meta = dict(sn.meta)
             new._rename(f"{node.name}_{short_op(new)}")  # the steps of the user's value (see capture/names.py)
             meta.INTERMEDIATE.set(new, True)
+            meta.DECOMPOSED.set(new, True)
             made.append(new)
             if trace:
                 new.meta["stack_trace"] = trace

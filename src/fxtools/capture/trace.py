@@ -121,25 +121,41 @@ def _all_user_frames():
     ``torch.fx.proxy`` while tracing."""
 
     def keep_user_frames(self, summary):
+        if isinstance(summary, _UserSummary):
+            return summary  # made of the user's frames alone
         return traceback.StackSummary.from_list([f for f in summary if is_user_file(f.filename)])
 
     previous = torch.fx.proxy.CapturedTraceback
+    outer_cache = _UserStack.cache
     PythonKeyTracer._filter_traceback_frames = keep_user_frames
     setattr(torch.fx.proxy, "CapturedTraceback", _UserStack)  # noqa: B010 (mypy: a type)
+    _UserStack.cache = {}
     try:
         yield
     finally:
+        _UserStack.cache = outer_cache
         setattr(torch.fx.proxy, "CapturedTraceback", previous)  # noqa: B010
         del PythonKeyTracer._filter_traceback_frames
+
+
+class _UserSummary(traceback.StackSummary):
+    """The user's frames of one stack, with their text (``format()``) made once per trace for all
+    the nodes made at the same place (a model's repeated blocks make the same stacks many times)."""
+
+    text: list[str]
+
+    def format(self) -> list[str]:
+        return list(self.text)
 
 
 class _UserStack:
     """The user's frames of the stack where a node is made, as ``CapturedTraceback.extract().summary()``
     lists them after ``keep_user_frames``: read from the interpreter's frames directly, since
     symbolizing every frame (torch's and fxtools' included) to drop all but the user's took a
-    tenth of a capture's time."""
+    tenth of a capture's time. ``cache``: the summaries made so far in this trace, by their frames."""
 
     __slots__ = ("frame",)
+    cache: dict | None = None
 
     def __init__(self, frame):
         self.frame = frame
@@ -149,15 +165,23 @@ class _UserStack:
         return cls(sys._getframe(1))
 
     def summary(self) -> traceback.StackSummary:
-        frames = []
+        key = []
         f = self.frame
         while f is not None:
             code = f.f_code
             if is_user_file(code.co_filename):
-                frames.append(traceback.FrameSummary(code.co_filename, f.f_lineno, code.co_name))
+                key.append((code.co_filename, f.f_lineno, code.co_name))
             f = f.f_back
-        frames.reverse()
-        return traceback.StackSummary.from_list(frames)
+        key.reverse()
+        cache = _UserStack.cache if _UserStack.cache is not None else {}
+        made = cache.get(tuple(key))
+        if made is None:
+            made = _UserSummary(traceback.FrameSummary(*frame) for frame in key)
+            made.text = traceback.StackSummary.format(made)
+            cache[tuple(key)] = made
+        copy = _UserSummary(made)
+        copy.text = made.text
+        return copy
 
 
 @contextlib.contextmanager

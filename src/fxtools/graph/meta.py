@@ -74,6 +74,14 @@ GRAD_OF_CONTROL_FLOW: Key[bool] = Key(
     "fxtools_grad_of_control_flow", "A control-flow node computing a backward (transforms/control_flow.py)."
 )
 
+DECOMPOSED: Key[bool] = Key(
+    "fxtools_decomposed",
+    "A step of PyTorch's decomposition of another op (capture/decompose.py): autograd differentiates that op by "
+    "its own formula, so conventions of the step's op where PyTorch's value differs (a where's unselected branch, "
+    "rules/taylor.py) do not apply.",
+)
+
+
 # What a value is called and what it holds
 INTERMEDIATE: Key[bool] = Key(
     "fxtools_intermediate",

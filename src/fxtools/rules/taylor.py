@@ -562,9 +562,12 @@ def has_rule(op) -> bool:
     return lookup(op) is not None
 
 
-def apply(op, args, kwargs):
-    """``op`` on Taylor (and plain) arguments, by its rule; KeyError if it has none."""
-    rule = lookup(op)
+def apply(op, args, kwargs, called=False):
+    """``op`` on Taylor (and plain) arguments, by its rule; KeyError if it has none. ``called``:
+    the program calls ``op`` itself (it is no step of a decomposition): a rule of ``CALLED``
+    gives PyTorch's value for the op where a decomposition's step must give the decomposed op's."""
+    rule = (CALLED.get(op) or CALLED.get(getattr(op, "overloadpacket", op))) if called else None
+    rule = rule or lookup(op)
     if rule is None:
         raise KeyError(op)
     return constant_if_zero(rule(op, list(args), dict(kwargs)))
@@ -712,6 +715,28 @@ def _affine(op, args, kwargs):
 
 for _op in AFFINE:
     RULES[_op] = _affine
+
+
+def _where(op, args, kwargs):
+    """``torch.where(c, a, b)``: the selected branch's terms, plus zero times the other's, so a
+    non-finite derivative of the branch not taken gives NaN, as autograd's ``where`` backward
+    (a zero cotangent times that derivative) gives in a gradient, a Hessian and so a Laplacian
+    (``torch.where(x > 0, torch.log(x), 0)`` at 0). Where it is finite the terms are the selected
+    branch's, as ``affine`` computes them."""
+    c, a, b = args[:3]
+    out = _affine(op, args, kwargs)
+    if is_taylor(a) and is_taylor(b):
+        other = _affine(aten.where.self, (c, b, a), kwargs)
+        rest = [t if t is None else t + u * 0 for t, u in zip(out.terms[1:], other.terms[1:])]
+    else:
+        taken = a if is_taylor(a) else b
+        zero = taken.map(lambda t: t * 0)
+        rest = _affine(aten.where.self, (c, taken, zero) if taken is a else (c, zero, taken), kwargs).terms[1:]
+    return type(out)([out.value, *rest])
+
+
+# rules for ops the program calls itself (``apply(..., called=True)``)
+CALLED = {aten.where: _where}
 
 
 @taylor_rule(aten.add, aten.sub, aten.rsub)

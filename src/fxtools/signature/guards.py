@@ -55,17 +55,19 @@ class Guards(runtime.Guards):
 # Building guards from example arguments
 # --------------------------------------------------------------------------------------------
 
-_LAYOUT_OPS = {"view", "_unsafe_view", "as_strided", "as_strided_", "as_strided_scatter", "view_copy"}
+_VIEW_OPS = frozenset({"view", "_unsafe_view", "view_copy"})
+_LAYOUT_OPS = _VIEW_OPS | {"as_strided", "as_strided_", "as_strided_scatter"}
 
 
-def stride_sensitive_paths(gm: fx.GraphModule, names) -> set:
+def stride_sensitive_paths(gm: fx.GraphModule, names, ops=_LAYOUT_OPS) -> set:
     """Paths of the argument leaves whose strides the code relies on: those a ``.view`` (or
-    ``as_strided``) in ``gm`` reads, directly or through other ops (a pointwise op keeps its
-    input's strides). Placeholders are ``names``; leaves are read by ``[key]`` / ``.attr`` chains."""
+    ``as_strided``; any of ``ops``) in ``gm`` reads, directly or through other ops (a pointwise op
+    keeps its input's strides). Placeholders are ``names``; leaves are read by ``[key]`` /
+    ``.attr`` chains."""
     ph = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), names))
     seen, stack = set(), []
     for node in gm.graph.nodes:
-        if _layout_op(node) and node.args and isinstance(node.args[0], fx.Node):
+        if _layout_op(node, ops) and node.args and isinstance(node.args[0], fx.Node):
             stack.append(node.args[0])
     while stack:
         node = stack.pop()
@@ -105,13 +107,21 @@ def _fresh_layout(node) -> bool:
     )
 
 
-def _layout_op(node) -> bool:
+def _layout_op(node, ops=_LAYOUT_OPS) -> bool:
     if node.op == "call_method":
-        return node.target in _LAYOUT_OPS
+        return node.target in ops
     if node.op == "call_function":
         target = node.target
-        return getattr(getattr(target, "overloadpacket", target), "__name__", None) in _LAYOUT_OPS
+        return getattr(getattr(target, "overloadpacket", target), "__name__", None) in ops
     return False
+
+
+def layout_needs(gm: fx.GraphModule, names) -> dict:
+    """For each argument leaf whose strides the code relies on, what it needs: ``"views"`` where
+    only ``.view`` reads them (a view gives the values eager's would, or raises: any layout on
+    which it succeeds will do), ``True`` (the example's layout) where ``as_strided`` does."""
+    strict = stride_sensitive_paths(gm, names, _LAYOUT_OPS - _VIEW_OPS)
+    return {**dict.fromkeys(stride_sensitive_paths(gm, names, _VIEW_OPS), "views"), **dict.fromkeys(strict, True)}
 
 
 def is_scalar(x) -> bool:
@@ -143,10 +153,16 @@ def _leaf_spec(value, path, layout, role):
         leaf.kind = "optional"
         return leaf
     if isinstance(value, torch.Tensor):
-        wanted = path in layout if isinstance(layout, (set, frozenset)) else layout
+        wanted = (
+            (layout.get(path, False) if isinstance(layout, dict) else path in layout)
+            if isinstance(layout, (set, frozenset, dict))
+            else layout
+        )
         strided = wanted and value.layout == torch.strided
         # cotangents and tangents are traced contiguous (as callers make them)
         lay = None if not strided else "contiguous" if role or value.is_contiguous() else tuple(value.stride())
+        if strided and wanted == "views" and not role:
+            lay = "views"
         return Leaf(path, "tensor", tuple(_size_spec(n) for n in value.shape), value.dtype, value.device.type, lay, role=role)
     if value is None:
         return Leaf(path, "none", role=role)
@@ -241,6 +257,7 @@ class GuardedGraphModule(fx.GraphModule):
     guards: Guards | None = None  # what its calls must pass (``install``)
     closures: Any = None  # a signature.closures.Closures: what it read from outside its arguments
     size_one_variant: Any = None  # builds the module again for a call with a dynamic size of 1 (transforms/calling.py)
+    layout_variant: Any = None  # builds the module again for a call whose layout its .view calls cannot view
     keywords: tuple[str, ...] = ()  # its inputs that are the function's keyword arguments (transforms/calling.py)
 
     def __init__(self, root, graph, class_name: str = "GraphModule", *, generate_code: bool = True):
@@ -287,10 +304,35 @@ class GuardedGraphModule(fx.GraphModule):
                 return self._size_one(args)
         if self.closures is not None:  # what the program read from outside its arguments (signature/closures.py)
             self.closures.check(self)
-        out = super().__call__(*args, **kwargs)
+        try:
+            out = super().__call__(*args, **kwargs)
+        except RuntimeError as exc:
+            if guards is None or "view size is not compatible" not in str(exc):
+                raise
+            return self._relaid(guards, args, kwargs, exc)
         if guards is not None and _has_dict(guards.args):
             out = follow_key_orders(args if not kwargs else self._positional(guards, args, kwargs), out)
         return out
+
+    def _relaid(self, guards, args, kwargs, exc):
+        """The call ``args``, in a layout a ``.view`` of the code cannot view, run by a module built
+        from them (once per strides, then kept), as eager runs the function on them; refused,
+        naming the argument, where that cannot be built (eager's own ``.view`` raises there)."""
+        positional = args if not kwargs else self._positional(guards, args, kwargs)
+        tensors = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+        if self.layout_variant is None or kwargs or not all(map(_plain, tensors)):  # traced inside a transform
+            guards.refuse_view(positional, exc)
+            raise exc
+        key = tuple(tuple(a.stride()) if isinstance(a, torch.Tensor) else None for a in pytree.tree_leaves(args))
+        built = self.__dict__.setdefault("_layout_modules", {})
+        if key not in built:
+            try:
+                built[key] = self.layout_variant(args)
+                built[key].__dict__["layout_variant"] = None  # made for this layout: its views take it
+            except Exception:  # noqa: BLE001 - the function itself cannot run on this layout
+                guards.refuse_view(positional, exc)
+                raise
+        return built[key](*args)
 
     def _size_one(self, args):
         """The call ``args``, whose dynamic size is 1, run by a module built for their shapes (once per
@@ -332,6 +374,8 @@ class GuardedGraphModule(fx.GraphModule):
         body.pop("closures", None)  # a saved module is a snapshot of what it read (signature/closures.py)
         body.pop("size_one_variant", None)  # it holds the user's function; a saved module refuses size 1
         body.pop("_size_one_modules", None)
+        body.pop("layout_variant", None)
+        body.pop("_layout_modules", None)
         return _restore, (body, import_block)
 
     def __deepcopy__(self, memo):
@@ -405,9 +449,16 @@ def guarded(gm: fx.GraphModule) -> GuardedGraphModule:
     return new
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """A tensor holding its values: no FakeTensor, no functorch wrapper (a trace or a vmap)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not isinstance(t, FakeTensor) and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
 def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None) -> GuardedGraphModule:
     """Attach guards for example ``args`` to ``gm`` (made a GuardedGraphModule if it is not one);
     layouts are required where its code relies on strides."""
     gm = guarded(gm)
-    gm.guards = build(made_by, names, args, layout=stride_sensitive_paths(gm, names), roles=roles)
+    gm.guards = build(made_by, names, args, layout=layout_needs(gm, names), roles=roles)
     return gm

@@ -42,7 +42,9 @@ in any order; "attrs" is a namedtuple, dataclass or other class read by attribut
   dimensions (of any arguments) with the same ``Sym`` name must be equal at call time;
   ``dtype`` (a ``torch.dtype``), ``device`` (a device *type*, ``"cpu"``, ``"cuda"``: the code
   takes devices from its inputs, so the index is free), ``layout`` (``None``: any strides;
-  ``"contiguous"``; or a tuple of strides). A layout is required only when the code has
+  ``"contiguous"``; a tuple of strides; or ``"views"``: any strides on which the code's
+  ``.view`` calls succeed, as they give eager's values or raise, which
+  ``refuse_view`` turns into an error naming the argument). A layout is required only when the code has
   ``.view`` / ``as_strided``, which rely on strides (simplify drops a ``.contiguous()`` before
   a ``.view`` when the example was contiguous), and is not checked inside ``torch.func.vmap``,
   where fxtools runs modules with ``.reshape`` instead;
@@ -339,6 +341,31 @@ class Guards:
         """The recorded decision on the size ``name`` alone that ``got`` contradicts, if any."""
         return next((c for c in self.conditions if c.names == (name,) and not c.holds([got])), None)
 
+    def refuse_view(self, args, exc):
+        """Raise InputMismatch naming the non-contiguous arguments a ``.view`` of the code failed
+        on (their layout ``"views"``): eager's ``.view`` raises there too, or a reshape the trace
+        made a view on a contiguous example."""
+        found: list = []
+        for spec, value in zip(self.args, args):
+            self._viewed(spec, value, found)
+        if found:
+            first = str(exc).splitlines()[0]
+            self.fail(
+                f"{' and '.join(f'{p} has strides {st}' for p, st in found)}, a layout the code's .view cannot view ({first})",
+                f"Pass {found[0][0]}.contiguous(), or generate the module again with an example of this layout.",
+            )
+
+    def _viewed(self, spec, value, found):
+        if type(spec) is not Leaf:
+            for k, child in zip(spec.keys, spec.children):
+                try:
+                    item = getattr(value, k) if spec.kind == "attrs" else value[k]
+                except (KeyError, IndexError, AttributeError, TypeError):
+                    continue
+                self._viewed(child, item, found)
+        elif spec.layout == "views" and isinstance(value, torch.Tensor) and not value.is_contiguous():
+            found.append((spec.path, tuple(value.stride())))
+
     def fail(self, problem, fix=None):
         raise InputMismatch(f"{self.made_by} module: {problem}. {fix or _HOW + '.'}")
 
@@ -490,6 +517,8 @@ class Guards:
                 )
 
     def _layout(self, spec, value):
+        if spec.layout == "views":  # only .view reads it: any layout on which the views succeed
+            return
         if spec.layout == "contiguous":
             if not value.is_contiguous() and not torch._C._functorch.is_batchedtensor(value):
                 self.fail(
@@ -581,6 +610,8 @@ class Guards:
                     text += " or None"
                 if leaf.layout == "contiguous":
                     text += ", contiguous"
+                elif leaf.layout == "views":
+                    text += ", any strides its .view calls take"
                 elif leaf.layout is not None:
                     text += f", strides {tuple(leaf.layout)}"
             elif leaf.kind == "none":

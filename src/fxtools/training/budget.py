@@ -164,6 +164,7 @@ def recompute_cost(node: fx.Node) -> int:
 
 
 EXACT_LIMIT = 12  # enumerate every saved set when at most this many values are free to save or not
+REFRESH_MODES = ("union", "singles", "cheapest")  # the ways ``Problem.refresh_steps`` recomputes values twice
 
 
 class Problem:
@@ -362,7 +363,7 @@ class Problem:
             return self._table
         points = self.frontier()
         pool = [(p, predicted_peak(self.part, p.saved, p.recomputed, self.memo)) for p in points]
-        pool += [c for p in points for fine in (False, True) for c in self.refresh_steps(p, fine)]
+        pool += [c for p in points for mode in REFRESH_MODES for c in self.refresh_steps(p, mode)]
         self._descend([p.bytes for p in points], pool, fill=True)  # adds what the levels need
         distinct = {(p.bytes, p.cost, pk): (p, pk) for p, pk in pool}
         self._table = self._least_total([p.bytes for p in points], sorted(distinct.values(), key=lambda c: c[1]))
@@ -454,7 +455,7 @@ class Problem:
         out = []
         for p in within:
             out.append(self.refreshed(p, predicted_peak(self.part, p.saved, p.recomputed, self.memo)))
-        steps = [c for p in within for fine in (False, True) for c in self.refresh_steps(p, fine)]
+        steps = [c for p in within for mode in REFRESH_MODES for c in self.refresh_steps(p, mode)]
         if not within or min(pk for _, pk in out) <= target:
             return out + steps
         fixed = {n for n in self.cand if n.op == "placeholder" or (self.must_save[n] and self.can_save[n])}
@@ -494,14 +495,19 @@ class Problem:
         steps = self.refresh_steps(point)
         return steps[-1] if steps and steps[-1][1] < peak else (point, peak)
 
-    def refresh_steps(self, point: Point, singles_first: bool = False) -> list[tuple[Point, int]]:
+    def refresh_steps(self, point: Point, mode: str = "union") -> list[tuple[Point, int]]:
         """``point`` after each round of ``refresh`` that lowers its predicted peak, with that peak:
-        recompute up, peak down."""
-        key = (point, singles_first)
+        recompute up, peak down. ``mode``: what each round tries first, all the storages at once
+        (``"union"``) or one at a time (``"singles"``), or the one recomputing least per byte of
+        peak removed (``"cheapest"``)."""
+        key = (point, mode)
         if key not in self._refreshed:
             out: list[tuple[Point, int]] = []
             fw_peak = forward_peak(self.part, point.saved, self.memo)
-            steps = refresh(self.part, point.saved, point.recomputed, self.memo, singles_first=singles_first, trail=True)
+            costs = self.cost if mode == "cheapest" else None
+            steps = refresh(
+                self.part, point.saved, point.recomputed, self.memo, singles_first=mode == "singles", trail=True, cost=costs
+            )
             least = max(fw_peak, steps[0][2])
             for forget, order, bw_peak in steps[1:]:
                 if max(fw_peak, bw_peak) < least:
@@ -794,7 +800,14 @@ def predicted_peak(part, saved, recomputed, memo: _Memo | None = None, forget=No
 
 
 def refresh(
-    part, saved, recomputed, memo: _Memo | None = None, rounds: int = 48, singles_first: bool = False, trail: bool = False
+    part,
+    saved,
+    recomputed,
+    memo: _Memo | None = None,
+    rounds: int = 48,
+    singles_first: bool = False,
+    trail: bool = False,
+    cost: dict | None = None,
 ) -> list[tuple[dict, list, int]]:
     """Recompute values again rather than keep them: ``(forget, backward order, its peak)`` after
     each round that lowered the peak, the first recomputing least (empty: none did); with
@@ -808,7 +821,10 @@ def refresh(
     first (forgetting everything at once can move the peak to where the recomputation happens),
     and keeps the first that lowers the peak; at most ``rounds`` rounds. Each round costs more
     recompute for less peak: a budget takes the first round whose peak fits. ``singles_first``
-    tries each storage alone before all at once: smaller steps, each recomputing less."""
+    tries each storage alone before all at once: smaller steps, each recomputing less. With
+    ``cost`` (node -> recompute cost), each round tries every one and keeps the one that recomputes
+    least per byte of peak it removes: a pointwise chain (a GELU's output, recomputed from the
+    matrix product it reads) before the matrix product itself."""
     memo = memo or _Memo()
     start, held = _backward_ends(part, saved)
     forget: dict = {}
@@ -821,17 +837,40 @@ def refresh(
         for g in groups:
             union = _merged(union, g)
         trials = ([*groups, union] if singles_first else [union, *groups]) if len(groups) > 1 else groups
-        for more in trials:
+        step = _cheapest_trial(part, saved, recomputed, memo, forget, trials, trace, cost) if cost else None
+        for more in trials if cost is None else []:
             trial = _merged(forget, more)
             trial_order = backward_nodes(part, saved, recomputed, trial)
             trial_trace = live_trace(trial_order, start, held, memo)
             if trial_trace.peak < trace.peak:
-                forget, order, trace = trial, trial_order, trial_trace
-                steps.append((forget, order, trace.peak))
+                step = trial, trial_order, trial_trace
                 break
-        else:
+        if step is None:
             break
+        forget, order, trace = step
+        steps.append((forget, order, trace.peak))
     return steps
+
+
+def _cheapest_trial(part, saved, recomputed, memo, forget, trials, trace, cost: dict):
+    """Of ``trials`` (storages to forget, ``refresh``), the one that lowers the backward's peak
+    below ``trace``'s for the least recompute per byte of peak removed: ``(forget, order,
+    trace)``, or None if none lowers it."""
+    start, held = _backward_ends(part, saved)
+
+    def recompute(order):
+        return sum(cost.get(n, 0) for n in order if n not in part.bw)
+
+    base, best, best_rate = recompute(backward_nodes(part, saved, recomputed, forget)), None, math.inf
+    for more in trials:
+        trial = _merged(forget, more)
+        trial_order = backward_nodes(part, saved, recomputed, trial)
+        trial_trace = live_trace(trial_order, start, held, memo)
+        if trial_trace.peak < trace.peak:
+            rate = (recompute(trial_order) - base) / (trace.peak - trial_trace.peak)
+            if rate < best_rate:
+                best, best_rate = (trial, trial_order, trial_trace), rate
+    return best
 
 
 def _merged(a: dict, b: dict) -> dict:

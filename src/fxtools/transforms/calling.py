@@ -23,6 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError
+from ..graph.nodes import op_facts_kept
 from ..signature.guards import module_call
 from ..signature.naming import arg_names
 
@@ -56,7 +57,7 @@ def transform(name: str, *, loss: bool = False, keywords: bool = False) -> Calla
         def checked(*args: P.args, **kwargs: P.kwargs) -> R:
             check_call(name, fn, args, kwargs, loss=loss, keywords=keywords)
             own = {k: v for k, v in kwargs.items() if k not in options}
-            with grad_mode_of_a_transform(), cyclic_gc_paused():
+            with grad_mode_of_a_transform(), cyclic_gc_paused(), op_facts_kept():
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _ordinary, (args, kwargs))
                 call_args: tuple = args
                 call_options: dict = kwargs
@@ -69,6 +70,10 @@ def transform(name: str, *, loss: bool = False, keywords: bool = False) -> Calla
             if kwargs.get("dynamic_shapes") is not None and isinstance(module, torch.fx.GraphModule):
                 module.__dict__["size_one_variant"] = functools.partial(
                     _static_variant, checked, args[0], len(args) - 1, kwargs, tuple(own)
+                )
+            if isinstance(module, torch.fx.GraphModule):
+                module.__dict__["layout_variant"] = functools.partial(
+                    _layout_variant, checked, args[0], len(args) - 1, kwargs, tuple(own)
                 )
             return built
 
@@ -121,6 +126,15 @@ def _static_variant(transform_fn, f, n_examples: int, options: dict, own: tuple,
     static = {k: v for k, v in options.items() if k != "dynamic_shapes"}
     static.update(zip(own, call_args[n_examples : n_examples + len(own)]))
     return transform_fn(f, *call_args[:n_examples], **static)
+
+
+def _layout_variant(transform_fn, f, n_examples: int, options: dict, own: tuple, call_args: tuple):
+    """The module ``transform_fn`` builds from the call's own arguments, in their layout: what a
+    module runs for a call whose layout its ``.view`` calls cannot view (a ``reshape`` traced on a
+    contiguous example is a view; traced on this layout it copies, as eager's does)."""
+    opts = dict(options)
+    opts.update(zip(own, call_args[n_examples : n_examples + len(own)]))
+    return transform_fn(f, *call_args[:n_examples], **opts)
 
 
 def keywords_as_arguments(options, args: tuple, kwargs: dict, own: tuple) -> tuple[tuple, dict]:

@@ -121,7 +121,7 @@ def _decompose_ruleless(gm: fx.GraphModule, x_nodes: list, made_by: str) -> None
 def _run(node, args, kwargs, made_by):
     """One op on Taylor values, by its rule; a rule's refusal names the op and the user's line."""
     try:
-        return rules.apply(node.target, args, kwargs)
+        return rules.apply(node.target, args, kwargs, called=not meta.DECOMPOSED.get(node, False))
     except (NotImplementedError, KeyError) as exc:
         raise FxtoolsError(
             f"{made_by}: cannot push Taylor terms through {node.target} "
