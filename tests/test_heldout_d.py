@@ -144,3 +144,37 @@ def test_a_tangent_direction_computed_under_no_grad():
     fxtools.compile(module_loss)(x).backward()
     want = torch.autograd.grad(module_loss(x), model.weight)[0]
     torch.testing.assert_close(model.weight.grad, want, **TOL)
+
+
+class ParamJvpLoss(nn.Module):
+    """A loss with the network's JVP along one weight (a tangent of 0.1s) times its value."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(7, 12), nn.Linear(12, 6)
+
+    def forward(self, x, t):
+        xt = torch.cat([x, t[:, None]], -1)
+        u, du = torch.func.jvp(
+            lambda w: self.b(torch.tanh(nn.functional.linear(xt, w, self.a.bias))),
+            (self.a.weight,),
+            (torch.ones_like(self.a.weight) * 0.1,),
+        )
+        return (u * du).mean()
+
+
+def test_a_budget_level_no_candidate_reaches_takes_the_least_peak():
+    """A budget level where no candidate both fits its bytes and recomputes at least what the
+    larger levels do takes the least peak that fits (it crashed: ``min() arg is an empty sequence``)."""
+    torch.manual_seed(0)
+    model = ParamJvpLoss().double()
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(3, 6, generator=g, dtype=D), torch.rand(3, generator=g, dtype=D)
+    loss = fxtools.functional(model)
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    split = fxtools.split(loss, params, x, t, policy=fxtools.policies.budget(0.3))
+    value, grads = split.vjp(params, x, t)
+    want = torch.func.grad_and_value(loss)(params, x, t)
+    torch.testing.assert_close(value, want[1], **TOL)
+    for k in params:
+        torch.testing.assert_close(grads[0][k], want[0][k], **TOL)
