@@ -11,7 +11,9 @@ target detached). A step is ``loss(*batch).backward()`` (no optimizer step). Var
 - ``torch.compile(loss)`` (Inductor): whether it runs, and its step when it does;
 - ``fxtools.compile(loss, compiler="inductor")`` and ``fxtools.compile(loss)`` (no compiler).
 
-Step time: median over repetitions, the variants called in turn; peak memory: the CPU
+Step time: median over repetitions, the variants called in turn, as wall time and as the thread's
+CPU time (with one thread, the work itself: on a shared machine it moves far less with the load
+than wall time does; the load average is printed with the results); peak memory: the CPU
 allocator's peak during one step beyond what it held before (``fxtools.training.budget.allocated_peak``).
 Results are printed and appended to ``benchmarks/results_jvp_loss.md``.
 """
@@ -21,9 +23,12 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import os
 import platform
+import statistics
 import sys
+import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -34,7 +39,7 @@ from fxtools.training.budget import allocated_peak
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-from bench import interleaved_median_times, log  # noqa: E402
+from bench import log  # noqa: E402
 from meanflow import DiT, MeanFlowLoss, batch  # noqa: E402
 
 
@@ -68,6 +73,22 @@ def steps(args):
     return out
 
 
+def interleaved_medians(fns, reps, warmup=2):
+    """Median wall and thread-CPU time of each function, the functions called in turn ``reps`` times."""
+    for _ in range(warmup):
+        for f in fns:
+            f()
+    wall, cpu = [[] for _ in fns], [[] for _ in fns]
+    for _ in range(reps):
+        for f, w, c in zip(fns, wall, cpu):
+            gc.collect()
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            f()
+            c.append(time.thread_time() - start_cpu)
+            w.append(time.perf_counter() - start)
+    return [statistics.median(w) for w in wall], [statistics.median(c) for c in cpu]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -80,24 +101,29 @@ def main():
     torch.set_num_threads(args.threads)
     variants = steps(args)
     runnable = {k: v for k, v in variants.items() if callable(v)}
-    times = dict(zip(runnable, interleaved_median_times(list(runnable.values()), reps=3 if args.quick else 10)))
+    load = os.getloadavg()[0]
+    wall, cpu = interleaved_medians(list(runnable.values()), reps=3 if args.quick else 10)
+    times, cpus = dict(zip(runnable, wall)), dict(zip(runnable, cpu))
+    load = max(load, os.getloadavg()[0])
     peaks = {k: allocated_peak(v) for k, v in runnable.items()}
     eager = next(iter(runnable))
     lines = [
         f"## {datetime.date.today()}: width {args.width}, depth {args.depth}, batch {args.batch} x {args.tokens} tokens, "
-        f"float32, {args.threads} thread(s), torch {torch.__version__}, {platform.machine()}",
+        f"float32, {args.threads} thread(s), torch {torch.__version__}, {platform.machine()}, load average {load:.1f} "
+        f"on {os.cpu_count()} cores",
         "",
-        "| variant | step (ms) | vs eager | peak memory (MB) | vs eager |",
-        "|---|---|---|---|---|",
+        "| variant | step (ms) | vs eager | CPU time (ms) | vs eager | peak memory (MB) | vs eager |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, v in variants.items():
         if name in runnable:
             lines.append(
                 f"| {name} | {times[name] * 1e3:.1f} | {times[name] / times[eager]:.2f}x | "
+                f"{cpus[name] * 1e3:.1f} | {cpus[name] / cpus[eager]:.2f}x | "
                 f"{peaks[name] / 2**20:.1f} | {peaks[name] / peaks[eager]:.2f}x |"
             )
         else:
-            lines.append(f"| {name} | {v} | | | |")
+            lines.append(f"| {name} | {v} | | | | | |")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(os.path.join(HERE, "results_jvp_loss.md"), "a") as f:

@@ -449,3 +449,24 @@ def test_backend_takes_dynamo_symbolic_strides():
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=fxtools.backend(compiler=stride_asserting_compiler))
     _assert_layouts_like_eager(model, compiled)
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_inductor_gelu_decompositions_equal_pytorchs(approximate):
+    """Inductor's table writes tanh GELU with a sigmoid gate (one exp): the same function and
+    derivative as PyTorch's kernels (float64, from -30 to 30 and the infinities), other GELUs unchanged."""
+    from fxtools.training.aten import decomposition_table
+
+    aten = torch.ops.aten
+    table = decomposition_table("inductor")
+    x = torch.cat([torch.linspace(-30, 30, 2001, dtype=torch.float64), torch.tensor([0.0, -1e-300, 1e-300, 1e200])])
+    g = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    value = table[aten.gelu.default](x, approximate=approximate)
+    grad = table[aten.gelu_backward.default](g, x, approximate=approximate)
+    # atol: for x below about -6, PyTorch's ``0.5 x (1 + tanh(..))`` cancels (an absolute error of
+    # ~1e-16 on values as small as that); the gate has no cancellation there. At 1e200, where x^3
+    # overflows, both slopes are NaN
+    torch.testing.assert_close(value, aten.gelu(x, approximate=approximate), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(grad, aten.gelu_backward(g, x, approximate=approximate), rtol=1e-12, atol=1e-14, equal_nan=True)
+    inf = torch.tensor([float("inf")], dtype=torch.float64)
+    torch.testing.assert_close(table[aten.gelu.default](inf, approximate=approximate), inf)

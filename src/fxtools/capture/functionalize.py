@@ -20,8 +20,10 @@ The captured (pre-dispatch, not functionalised) graph may contain mutating ATen 
   keep their arguments read a snapshot (``clone``) instead, so the backward sees the values the
   forward saw.
 
-Anything else (mutation through an expanded or otherwise unsupported view, ``out=`` variants of
-ops on intermediates, ``set_``, resizing...) raises ``FxtoolsError`` naming the op and the line.
+An ``out=`` variant writing one intermediate becomes its functional overload (``sum.IntList_out``
+-> ``sum.dim_IntList``), written as above; an empty ``out`` tensor takes the result's shape.
+Anything else (mutation through an expanded or otherwise unsupported view, ``out=`` with several
+outputs, ``set_``, resizing a non-empty tensor...) raises ``FxtoolsError`` naming the op and the line.
 """
 
 from __future__ import annotations
@@ -126,6 +128,26 @@ def _functional_of(op):
             and [str(a.type) for a in f._schema.arguments] == types
             and not f._schema.is_mutable
             and len(f._schema.returns) == 1
+        ):
+            return f
+    return None
+
+
+def _functional_of_out(op):
+    """The overload computing what ``out=`` variant ``op`` writes into its one ``out`` argument
+    (``sum.IntList_out`` -> ``sum.dim_IntList``: the same arguments without ``out``), or None."""
+    written = _written_args(op)
+    args = op._schema.arguments
+    if len(written) != 1 or not args[written[0]].kwarg_only or len(op._schema.returns) != 1:
+        return None
+    kept = [(a.name, str(a.type)) for i, a in enumerate(args) if i != written[0]]
+    packet = getattr(aten, op._schema.name.split("::")[-1], None)
+    for ov in packet.overloads() if packet is not None else ():
+        f = getattr(packet, ov)
+        if (
+            not f._schema.is_mutable
+            and len(f._schema.returns) == 1
+            and [(a.name, str(a.type)) for a in f._schema.arguments] == kept
         ):
             return f
     return None
@@ -748,6 +770,12 @@ class _Functionalizer:
             self.to_erase.append(node)
             return
         tval = _val(target)
+        if kind == "out" and tuple(tval.shape) != tuple(_val(node).shape):
+            if tval.numel() or info.parent is not None or info.step is not None:
+                raise _error(
+                    node, f"out= resizes a tensor that is not empty or is a view ({list(tval.shape)} to {list(_val(node).shape)})"
+                )
+            tval = _val(node)  # an empty out= tensor takes the result's shape, as in eager
         value = _functional_value(self.b, node, func, tval, self.input_storages, self.storage)
         value = self.b.cast_like(value, tval)
         self.latest[st] = self.write_back(node, value, target)
@@ -758,10 +786,15 @@ class _Functionalizer:
 
     def rewritable(self, node: fx.Node, target: fx.Node, st) -> _Alias:
         """What is known of ``target``, after checking that a functional rewrite keeps gradients."""
-        if _written_args(node.target) != [0] or len(node.target._schema.returns) != 1:
-            raise _error(node, "only ops that modify their first argument can be rewritten")
+        if (_written_args(node.target) != [0] or len(node.target._schema.returns) != 1) and _functional_of_out(
+            node.target
+        ) is None:
+            raise _error(node, "only ops that modify their first argument or one out= tensor can be rewritten")
         if st in self.opaque:
             raise _error(node, "it modifies a tensor with an alias (view) fxtools cannot follow")
+        if _functional_of_out(node.target) is not None and self.grad_enabled:
+            if any(a in self.maybe_need for a in pytree.tree_leaves(self.original[node]) if isinstance(a, fx.Node)):
+                raise _error(node, "as in eager autograd, an out= argument is refused when an input carries a gradient")
         info = self.aliases.get(target)
         if info is None:
             raise _error(node, "fxtools cannot tell how the modified tensor relates to its base")
@@ -804,6 +837,8 @@ def _rewrite_kind(node: fx.Node):
     func = _functional_of(op)
     if op is aten.copy_.default:
         return "data", None
+    if _functional_of_out(op) is not None:
+        return "out", _functional_of_out(op)
     if op in (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default):
         return "data", func
     if func is None:
@@ -847,6 +882,9 @@ def _detached_input(node):
 def _functional_value(b: _Builder, node, func, tval, input_storages, _storage):
     """The new value of the written tensor, computed out of place."""
     op, args, kwargs = node.target, node.args, node.kwargs
+    if _functional_of_out(op) is not None:
+        out = op._schema.arguments[_written_args(op)[0]].name
+        return b(func, *args, **{k: v for k, v in kwargs.items() if k != out})
     if op is aten.copy_.default:
         src = args[1]
         st = _storage(_val(src))

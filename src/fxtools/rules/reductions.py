@@ -154,12 +154,15 @@ def _prod_grad(ct, out, x, dim, keepdim):
     if guard_or_false(x.numel() == 0):  # an unbacked size (after masked_select) takes the general path
         return cast(ct * (out / x), x)
     zero = x == 0
+    quotient = out / torch.where(zero, 1, x)  # finite where unused, so its own derivative is too
     if dim is None:
         zeros = zero.sum()
         others = _others_product(x.reshape(-1), 0).reshape(x.shape)
-        factor = torch.where(zeros == 0, out / x, torch.where(zeros == 1, others, 0))
+        # with several zeros the others' products are 0, but not their derivatives (kept for hvp);
+        # 0 * inf among them would be NaN where autograd gives 0
+        factor = torch.where(zeros == 0, quotient, torch.where((zeros == 1) | x.isfinite().all(), others, 0))
     else:
-        factor = torch.where(zero.any(), _others_product(x, dims_of(x, dim)[0]), out / x)
+        factor = torch.where(zero.any(), _others_product(x, dims_of(x, dim)[0]), quotient)
     return cast(ct * factor, x)
 
 

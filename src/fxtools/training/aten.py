@@ -47,6 +47,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError
 from ..graph.nodes import fake_mode_of
+from ..rules.pointwise import gelu_tanh_gate, gelu_tanh_slope
 from .partition import Split
 
 __all__ = ["Descriptor", "AtenSplit", "to_aten", "decomposition_table", "KINDS"]
@@ -97,6 +98,8 @@ def decomposition_table(decompositions):
     ``native_batch_norm`` is always decomposed: it updates the running statistics without saying
     so in its schema, so functionalization would miss the update; its decomposition makes it
     explicit (``_native_batch_norm_legit_functional`` and new values for the buffers).
+    Inductor's table writes tanh-approximated GELU and its backward with the gate the readable
+    rule uses (``_inductor_gelu``).
     """
     table = dict(torch._decomp.get_decompositions([torch.ops.aten.native_batch_norm]))
     if decompositions is None:
@@ -106,10 +109,28 @@ def decomposition_table(decompositions):
     if decompositions == "inductor":
         from torch._inductor.decomposition import select_decomp_table
 
-        return {**table, **select_decomp_table()}
+        return _inductor_gelu({**table, **select_decomp_table()})
     if isinstance(decompositions, dict):
         return {**table, **decompositions}
     raise ValueError(f'decompositions must be None, "core", "inductor" or a dict of decompositions, got {decompositions!r}')
+
+
+def _inductor_gelu(table: dict) -> dict:
+    """Inductor's CPU ``tanh`` costs about four ``exp``: tanh-approximated GELU as ``x * sigmoid(..)``
+    (the same function), written as the readable rule writes its slope, so a forward computing the
+    value and a JVP's slope (or a backward recomputing the value) evaluates one ``exp`` for both.
+    Other GELUs keep ``table``'s decompositions."""
+    gelu, gelu_backward = torch.ops.aten.gelu.default, torch.ops.aten.gelu_backward.default
+
+    def value(x, approximate="none"):
+        return x * gelu_tanh_gate(x) if approximate == "tanh" else table[gelu](x, approximate=approximate)
+
+    def backward(grad, x, approximate="none"):
+        if approximate == "tanh":
+            return grad * gelu_tanh_slope(x)
+        return table[gelu_backward](grad, x, approximate=approximate)
+
+    return {**table, gelu: value, gelu_backward: backward}
 
 
 class _CurrentNode(fx.Interpreter):
