@@ -324,7 +324,8 @@ def i1e(ct, out, x):
 
 @vjp_rule(aten.sinc)
 def sinc(ct, out, x):
-    return torch.where(x == 0, 0, ct * (torch.cos(math.pi * x) - out) / x)
+    zero = x == 0  # x divided by is 1 there, so differentiating again sends 0 through, not 0 * inf
+    return torch.where(zero, 0, ct * (torch.cos(math.pi * x) - out) / torch.where(zero, 1, x))
 
 
 @vjp_rule(aten.pow.Tensor_Scalar)
@@ -468,7 +469,8 @@ def hypot(ct, out, x, y):
 
 @vjp_rule(aten.copysign)
 def copysign(ct, out, x, y):
-    return unbroadcast(torch.where(x == 0, 0, ct * (out / x)), x), None
+    zero = x == 0  # as sinc: a second derivative 0, not 0 * inf, at 0
+    return unbroadcast(torch.where(zero, 0, ct * (out / torch.where(zero, 1, x))), x), None
 
 
 @vjp_rule(aten.nextafter)
@@ -661,8 +663,9 @@ register_vjp(aten.rrelu, _rrelu_fwd, _rrelu_bwd, source="hand-written")
 
 
 def _elu(ct, out, x, alpha, scale, input_scale):
+    """At 0 the left first derivative and, as PyTorch's double backward, a zero second one."""
     neg = _scaled(ct * (out + alpha * scale), input_scale)
-    return torch.where(x <= 0, neg, _scaled(ct, scale))
+    return torch.where(x < 0, neg, torch.where(x == 0, _scaled(ct, alpha * scale * input_scale), _scaled(ct, scale)))
 
 
 @vjp_rule(aten.elu)

@@ -861,6 +861,78 @@ for _op in TOWERS:
     RULES[_op] = _tower_rule
 
 
+# Pointwise ops PyTorch decomposes into pieces with kinks or overflow (``log_sigmoid``:
+# ``min(0, x) - log1p(exp(-|x|))``, whose kinks at 0 cancel in the math but not in the terms):
+# a tower of the op itself, with PyTorch's derivative where the op has a kink.
+
+
+def _tower_of(op, args, kwargs, value, tower):
+    x = args[0]
+    return pointwise(x, lambda n: tower(x.value, n), value)
+
+
+@taylor_rule(aten.log_sigmoid_forward)
+def _log_sigmoid(op, args, kwargs):
+    """``f' = sigmoid(-x)``: smooth everywhere (``-1/4`` at 0)."""
+    value, buffer = op(args[0].value)
+    tower = _from_derivative(lambda u: call(aten.sigmoid.default, call(aten.neg.default, u)))
+    return [_tower_of(op, args, kwargs, value, lambda x, n: tower(x, value, n)), buffer]
+
+
+@taylor_rule(aten.special_entr)
+def _entr(op, args, kwargs):
+    """``-x log x``: ``f' = -(log x + 1)``, ``f^(k) = (-1)^(k-1) (k-2)! / x^(k-1)``; PyTorch's
+    formulas also for ``x < 0`` (where the value is ``-inf``: autograd's ``f'' = -1/x``)."""
+
+    def tower(x, n):
+        r = torch.reciprocal(x)
+        out, rk = [-(torch.log(x) + 1)], r
+        for k in range(2, n + 1):
+            out.append(-rk if k == 2 else ((-1) ** (k - 1) * math.factorial(k - 2)) * rk)
+            rk = rk * r
+        return out
+
+    return _tower_of(op, args, kwargs, op(args[0].value), tower)
+
+
+@taylor_rule(aten.logit)
+def _logit(op, args, kwargs):
+    """``log(x / (1 - x))``: ``f' = 1 / (x (1 - x))``. Outside ``[0, 1]`` (value NaN) autograd's first
+    derivative is NaN and its higher ones 0; ``eps`` clamps first, as the op does."""
+    x, eps = args[0], (args[1] if len(args) > 1 else kwargs.get("eps"))
+    if eps is not None:
+        x = call(aten.clamp.default, x, eps, 1 - eps)
+    value = op(x.value)
+    inner = _from_derivative(lambda u: call(aten.reciprocal.default, call(aten.mul.Tensor, u, call(aten.rsub.Scalar, u, 1))))
+
+    def tower(v, n):
+        outside = torch.logical_or(v < 0, v > 1)
+        return [torch.where(outside, math.nan if k == 0 else 0.0, d) for k, d in enumerate(inner(v, value, n))]
+
+    return _tower_of(op, [x], {}, value, tower)
+
+
+_ELU_PARAMS: dict[Any, Callable[..., tuple]] = {  # (alpha, scale, input_scale) of each op of the family, from its arguments
+    aten.elu: lambda x, alpha=1, scale=1, input_scale=1: (alpha, scale, input_scale),
+    aten.selu: lambda x: (1.6732632423543772848170429916717, 1.0507009873554804934193349852946, 1),
+    aten.celu: lambda x, alpha=1.0: (alpha, 1, 1 / alpha),
+}
+
+
+@taylor_rule(*_ELU_PARAMS)
+def _elu(op, args, kwargs):
+    """``scale * alpha * (exp(input_scale * x) - 1)`` for ``x <= 0``, ``scale * x`` above: at 0
+    PyTorch's ``elu_backward`` takes the left first derivative and a zero second one."""
+    alpha, scale, input_scale = _ELU_PARAMS[op.overloadpacket](*value_of(args), **kwargs)
+
+    def tower(x, n):
+        e = torch.exp(x * input_scale) if input_scale != 1 else torch.exp(x)
+        first = torch.where(x <= 0, e * (alpha * scale * input_scale), scale)
+        return [first, *(torch.where(x < 0, e * (alpha * scale * input_scale**k), 0.0) for k in range(2, n + 1))]
+
+    return _tower_of(op, args, kwargs, op(*value_of(args), **kwargs), tower)
+
+
 # piecewise-linear ops: the terms are selected as the value is
 
 
@@ -994,6 +1066,32 @@ def _dim_arg(op, args, kwargs):
 def _with_value(t, value):
     """``t`` with its value replaced by ``value`` (the op itself, rather than its rule's spelling)."""
     return type(t)([value, *t.terms[1:]])
+
+
+@taylor_rule(aten.nan_to_num)
+def _nan_to_num(op, args, kwargs):
+    """The terms times ``isfinite(x)``, as autograd: a replaced element's NaN terms (``log(|x|)`` at
+    0: ``0 * inf``) stay NaN rather than being selected away."""
+    x = args[0]
+    finite = torch.isfinite(x.value)
+    return _with_value(x.map(lambda t: t * finite), op(x.value, *args[1:], **kwargs))
+
+
+@taylor_rule(aten.xlogy)
+def _xlogy(op, args, kwargs):
+    """``x * log(y)`` by Leibniz's rule with autograd's conventions: ``x``'s terms times ``log(y)`` as
+    ``xlogy`` (0 for a zero term, and where ``x == 0``, ``y <= 0``), so ``xlogy(x, x)`` has NaN
+    derivatives at 0 (``x / y * dy`` is ``0 / 0``) rather than the decomposition's selected 0."""
+    x, y = args[0], args[1]
+    vx, vy = value_of(x), value_of(y)
+    no_log = (vx == 0) & (vy <= 0)
+    log_y = call(aten.log.default, y) if is_taylor(y) else vy
+    log_value = value_of(log_y)
+
+    def product(s, t):
+        return torch.where(no_log, 0.0, torch.xlogy(s, vy)) if t is log_value else s * t
+
+    return _with_value(bilinear(product, x, log_y), op(vx, vy))
 
 
 # composites
