@@ -197,7 +197,7 @@ def _cumprod_grad_exact(ct, x, d):
         q = q + a * _shift_back(q, d, s)
         a = a * _shift_back(a, d, s) if 2 * s < n else a
         s *= 2
-    return before * q
+    return before * q + 0.0  # +0.0 where autograd's sum of products with a zero gives it, not -0.0
 
 
 @vjp_rule(aten.cumprod.default)

@@ -91,7 +91,8 @@ def transpose_vjp(vjp_gm: fx.GraphModule, n_in: int, n_out: int):
 
 
 def _zeros(graph: fx.Graph, val, fake_mode):
-    node = graph.call_function(aten.zeros.default, (list(val.shape),), {"dtype": val.dtype})
+    shape = [] if is_dynamic(val) else list(val.shape)  # a data-dependent one: _zeros_like_output
+    node = graph.call_function(aten.zeros.default, (shape,), {"dtype": val.dtype})
     if fake_mode is not None:
         with fake_mode:
             node.meta["val"] = torch.zeros(val.shape, dtype=val.dtype)
