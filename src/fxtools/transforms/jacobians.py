@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from ..codegen.show import remember_inputs
 from ..errors import DataDependentError, user_line_of
 from ..graph import meta
-from ..graph.data_dependent import dynamic_nodes
+from ..graph.data_dependent import dynamic_nodes, is_dynamic
 from ..graph.nodes import is_float
 from ..passes.simplify import simplify
 from ..signature.guards import install, tangent_role
@@ -148,7 +148,7 @@ def jacrev(f, *args, argnums=0, has_aux=False, chunk_size=None) -> fx.GraphModul
     out_leaves, out_spec = _float_leaves(meta.OUT_EXAMPLE.get(vjp_gm), "output", JACREV.name)
     like = _first_tensor(out_leaves, JACREV.name, "outputs")
     total = sum(v.numel() for v in out_leaves if isinstance(v, torch.Tensor))
-    if isinstance(total, torch.SymInt):
+    if is_dynamic(total):
         with fx_traceback.preserve_node_meta():  # the ops' lines, for the message
             _refuse_data_dependent_rows(vjp(f, *args, argnums=argnums, has_aux=has_aux))
     namer = NodeNamer(vmappable(vjp_gm), vjp_gm.guards)
