@@ -409,3 +409,15 @@ def test_jacrev_of_a_data_dependent_output_size_names_the_line():
         fxtools.jacrev(_repeat, x, torch.tensor([1, 0, 2]))
     jac = fxtools.jacfwd(_repeat, x, torch.tensor([1, 0, 2]))(x, torch.tensor([1, 0, 2]))
     torch.testing.assert_close(jac, torch.func.jacfwd(_repeat)(x, torch.tensor([1, 0, 2])), **TOL)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [lambda x: x.index_select(0, torch.tensor([0, 2, 2])).sin().pow(2).sum(), lambda x: x[x > 0].sin().pow(2).sum()],
+    ids=["index_select", "mask"],
+)
+def test_hessian_through_a_scatter_into_zeros(f):
+    """The gradient's ``zeros.index_add_`` / ``index_put_`` (printed in place) batched by hessian:
+    vmap refused writing batched rows into the unbatched zeros."""
+    x = _r(3, 2, seed=15)
+    torch.testing.assert_close(fxtools.hessian(f, x)(x), torch.func.hessian(f)(x), **TOL)
