@@ -352,8 +352,12 @@ def functorch_regions(gm: fx.GraphModule) -> fx.GraphModule:
     (``_vmap_increment_nesting``, ``_add_batch_dim``, the ops, ``_remove_batch_dim``,
     ``_vmap_decrement_nesting``), which means nothing above functorch. Every outermost such
     region becomes a submodule run by ``run_functorch_region``: below functorch while fxtools
-    captures (batched ops, the backward's ops), as it is otherwise.
+    captures (batched ops, the backward's ops), as it is otherwise. The bodies of higher-order ops
+    (a ``torch.utils.checkpoint`` region holding a ``torch.func.jvp``) are outlined in turn.
     """
+    for sub in list(gm.children()):
+        if isinstance(sub, fx.GraphModule):
+            functorch_regions(sub)
     nodes = list(gm.graph.nodes)
     regions, depth, start = [], 0, 0
     for i, node in enumerate(nodes):

@@ -121,25 +121,41 @@ def _all_user_frames():
     ``torch.fx.proxy`` while tracing."""
 
     def keep_user_frames(self, summary):
+        if isinstance(summary, _UserSummary):
+            return summary  # made of the user's frames alone
         return traceback.StackSummary.from_list([f for f in summary if is_user_file(f.filename)])
 
     previous = torch.fx.proxy.CapturedTraceback
+    outer_cache = _UserStack.cache
     PythonKeyTracer._filter_traceback_frames = keep_user_frames
     setattr(torch.fx.proxy, "CapturedTraceback", _UserStack)  # noqa: B010 (mypy: a type)
+    _UserStack.cache = {}
     try:
         yield
     finally:
+        _UserStack.cache = outer_cache
         setattr(torch.fx.proxy, "CapturedTraceback", previous)  # noqa: B010
         del PythonKeyTracer._filter_traceback_frames
+
+
+class _UserSummary(traceback.StackSummary):
+    """The user's frames of one stack, with their text (``format()``) made once per trace for all
+    the nodes made at the same place (a model's repeated blocks make the same stacks many times)."""
+
+    text: list[str]
+
+    def format(self) -> list[str]:
+        return list(self.text)
 
 
 class _UserStack:
     """The user's frames of the stack where a node is made, as ``CapturedTraceback.extract().summary()``
     lists them after ``keep_user_frames``: read from the interpreter's frames directly, since
     symbolizing every frame (torch's and fxtools' included) to drop all but the user's took a
-    tenth of a capture's time."""
+    tenth of a capture's time. ``cache``: the summaries made so far in this trace, by their frames."""
 
     __slots__ = ("frame",)
+    cache: dict | None = None
 
     def __init__(self, frame):
         self.frame = frame
@@ -149,15 +165,23 @@ class _UserStack:
         return cls(sys._getframe(1))
 
     def summary(self) -> traceback.StackSummary:
-        frames = []
+        key = []
         f = self.frame
         while f is not None:
             code = f.f_code
             if is_user_file(code.co_filename):
-                frames.append(traceback.FrameSummary(code.co_filename, f.f_lineno, code.co_name))
+                key.append((code.co_filename, f.f_lineno, code.co_name))
             f = f.f_back
-        frames.reverse()
-        return traceback.StackSummary.from_list(frames)
+        key.reverse()
+        cache = _UserStack.cache if _UserStack.cache is not None else {}
+        made = cache.get(tuple(key))
+        if made is None:
+            made = _UserSummary(traceback.FrameSummary(*frame) for frame in key)
+            made.text = traceback.StackSummary.format(made)
+            cache[tuple(key)] = made
+        copy = _UserSummary(made)
+        copy.text = made.text
+        return copy
 
 
 @contextlib.contextmanager
@@ -373,6 +397,45 @@ def _python_random_refused():
     finally:
         for name, original in saved.items():
             setattr(random, name, original)
+
+
+@contextlib.contextmanager
+def _tensor_attributes_written():
+    """A tensor the program assigns to a module attribute while it is traced (``self.avg = 0.9 *
+    self.avg + 0.1 * m``, ``self.last_metric = m``) would be a traced (fake) value left in the
+    module, and the generated code would never assign it. A registered buffer of the same shape,
+    dtype and device is written in place instead (``copy_``: the generated code updates it at each
+    call, as fxtools writes batch norm's running statistics); any other tensor attribute is refused,
+    naming the line."""
+    original = torch.nn.Module.__setattr__
+
+    def assign(module, name, value):
+        frame = sys._getframe(1)
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+            return original(module, name, value)
+        if not is_program_file(frame.f_code.co_filename):
+            return original(module, name, value)
+        old = module.__dict__.get("_buffers", {}).get(name)
+        same = isinstance(old, torch.Tensor) and (old.shape, old.dtype, old.device) == (value.shape, value.dtype, value.device)
+        if same and old is not value:
+            old.copy_(value)
+            return None
+        if same:
+            return None
+        kind = "buffer" if name in module.__dict__.get("_buffers", {}) else "attribute"
+        raise FxtoolsError(
+            f"{current_user_line()}: assigns a tensor to {type(module).__name__}.{name}, a module {kind} "
+            f"{'of another shape, dtype or device' if kind == 'buffer' else 'that is not a registered buffer'}: "
+            "the generated code does not replay Python side effects, so the attribute would never be updated. "
+            f"Register it as a buffer in __init__ (self.register_buffer({name!r}, torch.zeros(shape))), whose "
+            "assignment of a value of its shape and dtype fxtools writes in place, or return the value."
+        )
+
+    torch.nn.Module.__setattr__ = assign
+    try:
+        yield
+    finally:
+        torch.nn.Module.__setattr__ = original
 
 
 @contextlib.contextmanager
@@ -622,6 +685,7 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             dtensor_functions(pre_dispatch=not below),
             _static_control_flow(),
             _python_random_refused(),
+            _tensor_attributes_written(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):

@@ -177,6 +177,7 @@ def _dumps(stmt: ast.Assign) -> tuple[str, str]:
     return ast.dump(stmt), ast.dump(stmt.value)
 
 
+@functools.lru_cache(maxsize=4096)
 def _atomic(expr: str) -> bool:
     """An expression that reads as one operand anywhere (a call, a name, ``x.a``, ``x[i]``)."""
     try:
@@ -186,6 +187,7 @@ def _atomic(expr: str) -> bool:
     return isinstance(value, (ast.Call, ast.Name, ast.Attribute, ast.Subscript))
 
 
+@functools.lru_cache(maxsize=4096)
 def _name_dump(name: str) -> str:
     return ast.dump(ast.Name(id=name, ctx=ast.Load()))
 

@@ -60,7 +60,19 @@ def symbolic_mode(vals):
 
 def is_dynamic(val) -> bool:
     """Whether a node value (a FakeTensor, a SymInt, or a pytree of them) has data-dependent sizes."""
+    if isinstance(val, torch.Tensor) and _static(val):
+        return False  # most values: no symbol to look for
     return any(_unbacked(v) for v in pytree.tree_leaves(val) if isinstance(v, (torch.Tensor, torch.SymInt)))
+
+
+def _static(t: torch.Tensor) -> bool:
+    """Whether ``t``'s sizes, strides and offset are all plain numbers (where symbols would be)."""
+    try:
+        if t.layout != torch.strided:
+            return False  # sparse: asked the long way
+        return type(t.storage_offset()) is int and all(type(s) is int for s in (*t.shape, *t.stride()))
+    except Exception:  # noqa: BLE001 - a tensor without strides or storage: asked the long way
+        return False
 
 
 def dynamic_nodes(gm: fx.GraphModule) -> list[fx.Node]:

@@ -3,6 +3,8 @@ impure, which arguments an op writes, which fake mode a graph was traced in."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
 import re
 
@@ -83,8 +85,36 @@ def is_impure(node: fx.Node) -> bool:
         p, train = _MAY_DRAW[t]
         return _arg(node, p) != 0 and (train is None or bool(_arg(node, train)))
     if isinstance(t, torch._ops.OpOverload):
-        return t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags or node.is_impure()  # _assert_async
+        known = _IMPURE_OPS.get()
+        impure = known.get(t) if known is not None else None
+        if impure is None:
+            impure = t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags or node.is_impure()  # _assert_async
+            if known is not None:
+                known[t] = impure
+        return impure
     return node.is_impure()
+
+
+# op -> whether it is impure, while a transform builds (``op_facts_kept``); None: not kept
+_IMPURE_OPS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fxtools_impure_ops", default=None)
+
+
+@contextlib.contextmanager
+def op_facts_kept():
+    """While a transform builds (the outermost, if nested): remember for each op whether
+    ``is_impure`` found it impure. The passes ask it of every node, several times (about 20 us
+    each, mostly ``torch.fx.Node.is_impure``'s registry look-ups); an ``OpOverload``'s answer is its
+    schema's, its tags' and torch's registries of side-effectful ops (which read a node's
+    arguments only for higher-order ops), and nothing registers an op as side-effectful in the
+    middle of a build."""
+    if _IMPURE_OPS.get() is not None:
+        yield
+        return
+    token = _IMPURE_OPS.set({})
+    try:
+        yield
+    finally:
+        _IMPURE_OPS.reset(token)
 
 
 def fake_mode_of(source, create: bool = False):

@@ -658,9 +658,11 @@ def _schema_arguments(op: torch._ops.OpOverload) -> tuple[list[tuple], frozenset
     return entry[1], entry[2]
 
 
-def cse(gm: fx.GraphModule) -> bool:
+def cse(gm: fx.GraphModule, keys: dict | None = None) -> bool:
     """Merge each op with an earlier twin (same op, same arguments, same grad mode): a twin
-    computed in a ``no_grad`` block is a constant of the reverse pass, the other is not."""
+    computed in a ``no_grad`` block is a constant of the reverse pass, the other is not.
+
+    ``keys``: a dict kept across the calls of one ``simplify`` (``_cse_key``'s memo)."""
     seen, changed = {}, False
     written = {a for n in gm.graph.nodes if _mutates(n) for a in n.all_input_nodes}
     grad_enabled = True
@@ -672,13 +674,12 @@ def cse(gm: fx.GraphModule) -> bool:
         if _mutates(node):
             seen.clear()  # a read after a mutation is not the same value as the read before it
             continue
-        if node.op not in ("call_function", "call_method", "get_attr") or is_impure(node):
+        if node.op not in ("call_function", "call_method", "get_attr"):
             continue
-        try:
-            key = (grad_enabled and node.op != "get_attr", node.op, node.target, *_arguments(node))
-            hash(key)
-        except TypeError:
+        call = _cse_key(node, keys)
+        if call is None:
             continue
+        key = (grad_enabled and node.op != "get_attr", *call)
         if key in seen:
             _first_name(seen[key], node)
             node.replace_all_uses_with(seen[key])
@@ -686,6 +687,27 @@ def cse(gm: fx.GraphModule) -> bool:
         else:
             seen[key] = node
     return changed
+
+
+def _cse_key(node: fx.Node, keys: dict | None) -> tuple | None:
+    """``(op, target, *arguments)`` of ``node`` for ``cse``, or None (impure, or arguments that do
+    not hash). Memoized in ``keys`` while the node's target and arguments are the same objects
+    (``replace_all_uses_with`` gives a user new ones): later rounds of ``simplify`` read most
+    keys again unchanged."""
+    if keys is not None:
+        hit = keys.get(node)
+        if hit is not None and hit[0] is node.target and hit[1] is node.args and hit[2] is node.kwargs:
+            return hit[3]
+    key: tuple | None = None
+    if not is_impure(node):
+        try:
+            key = (node.op, node.target, *_arguments(node))
+            hash(key)
+        except TypeError:
+            key = None
+    if keys is not None:
+        keys[node] = (node.target, node.args, node.kwargs, key)
+    return key
 
 
 def _name_order(name: str) -> tuple[str, tuple[int, ...]]:
@@ -752,9 +774,10 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
     The caller recompiles ``gm`` once its last pass is done (code generation is slow on big graphs).
     """
     sizes_from_inputs(gm)  # symbolic sizes read from the inputs (graph/data_dependent.py)
+    keys: dict = {}
     while True:
         changed = identities(gm)
-        changed |= cse(gm)
+        changed |= cse(gm, keys)
         changed |= dce(gm)
         if not changed:
             break

@@ -18,6 +18,7 @@ from __future__ import annotations
 import builtins
 import cmath
 import enum
+import functools
 import inspect
 import keyword
 import operator
@@ -39,7 +40,12 @@ PLAIN_TYPES = (str, int, float, bool, complex, type(None))
 
 def identifier(text: str) -> str:
     """A valid, NFKC-normal Python identifier made from ``text`` (not a keyword, builtin or reserved name)."""
-    name = unicodedata.normalize("NFKC", str(text))
+    return _identifier(str(text))
+
+
+@functools.lru_cache(maxsize=8192)  # asked for every name of every build, mostly the same ones
+def _identifier(text: str) -> str:
+    name = unicodedata.normalize("NFKC", text)
     name = "".join(c if ("_" + c).isidentifier() else "_" for c in name)
     name = re.sub(r"_+", "_", name).strip("_") or "v"
     if name[0].isdigit():
@@ -248,14 +254,17 @@ def shortest_unique_suffixes(paths: list[str]) -> dict[str, str]:
     """Each dotted module path's shortest suffix no other path ends with, as an identifier:
     ``h.3.attn.c_proj`` -> ``attn_c_proj`` beside ``h.3.mlp.c_proj``; a suffix starting with a
     list index takes its list's name too (``h_3``, never ``3``)."""
-    parts = {p: p.split(".") for p in paths}
+    parts = {p: tuple(p.split(".")) for p in paths}
+    ends: dict[tuple, int] = {}  # suffix -> how many paths end with it
+    for ps in parts.values():
+        for k in range(1, len(ps) + 1):
+            ends[ps[-k:]] = ends.get(ps[-k:], 0) + 1
     out = {}
     for p, ps in parts.items():
         for k in range(1, len(ps) + 1):
             if k < len(ps) and ps[-k][:1].isdigit():
                 continue
-            suffix = ps[-k:]
-            if not any(q != p and qs[-k:] == suffix for q, qs in parts.items()):
+            if ends[ps[-k:]] == 1:  # no other path ends so
                 break
         out[p] = identifier("_".join(ps[-k:]))
     return out

@@ -272,6 +272,8 @@ class _Runner:
         self.ct_positions = [tensor_positions.index(i) for i in sp.ct_index]
         self.saved = SavedValues(sp.saved)
         self.unreached = unreached_leaves(cap.gm)
+        needs_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]
+        self.constant_outputs = constant_outputs(cap.gm, needs_grad if any(needs_grad) else None)
         self.replay = Replay(sp, compiled_forward=self.aten.forward if self.fw_aten else None)
         self.subclasses: SubclassLeaves | None = None  # DTensor arguments and outputs (distributed.py)
         self.layouts = None if self.aten is None else _compiled_layouts(self.aten.forward, leaves)
@@ -535,23 +537,33 @@ _NO_PATH = {_aten.detach, _aten.zeros_like, _aten.ones_like, _aten.empty_like, _
 _NO_PATH |= {_aten.randn_like, _aten.randint_like, _aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_full}
 
 
-def unreached_leaves(gm: fx.GraphModule) -> list[bool]:
-    """Per placeholder of the captured graph ``gm``: whether no chain of floating-point values
-    computed with grad mode on (``detach`` ends one) leads from it to an output. Eager autograd
-    leaves such a leaf's ``.grad`` None (a module's unused head, a bias only the discarded primal
-    of a JVP reads), and optimizers skip a parameter whose ``.grad`` is None (no weight decay, no
-    momentum): the backward must give None there, not the zeros the split computes."""
+def _carriers(gm: fx.GraphModule, differentiable: list[bool] | None = None) -> set[fx.Node]:
+    """The nodes of the captured graph ``gm`` a chain of floating-point values computed with grad
+    mode on (``detach`` ends one) leads to from a placeholder (those ``differentiable`` marks, one
+    bool per placeholder; all if None): those autograd connects to the inputs."""
     carries: set[fx.Node] = set()
     grad_enabled = True
+    placeholders = iter(differentiable or ())
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            carries.add(node)
+            if differentiable is None or next(placeholders, True):
+                carries.add(node)
         elif node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             grad_enabled = bool(node.args[0])
         elif node.op == "call_function" and grad_enabled and getattr(node.target, "overloadpacket", None) not in _NO_PATH:
             floats = any(is_float(v) for v in pytree.tree_leaves(node.meta.get("val")))
             if floats and any(a in carries for a in node.all_input_nodes):
                 carries.add(node)
+    return carries
+
+
+def unreached_leaves(gm: fx.GraphModule) -> list[bool]:
+    """Per placeholder of the captured graph ``gm``: whether no chain of floating-point values
+    computed with grad mode on (``detach`` ends one) leads from it to an output. Eager autograd
+    leaves such a leaf's ``.grad`` None (a module's unused head, a bias only the discarded primal
+    of a JVP reads), and optimizers skip a parameter whose ``.grad`` is None (no weight decay, no
+    momentum): the backward must give None there, not the zeros the split computes."""
+    carries = _carriers(gm)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     reached, stack = set(), [a for a in output.all_input_nodes if a in carries]
     while stack:
@@ -560,6 +572,17 @@ def unreached_leaves(gm: fx.GraphModule) -> list[bool]:
             reached.add(node)
             stack.extend(a for a in node.all_input_nodes if a in carries)
     return [n not in reached for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def constant_outputs(gm: fx.GraphModule, differentiable: list[bool] | None = None) -> list[bool]:
+    """Per tensor output of the captured graph ``gm``: whether autograd connects it to no input (a
+    ``.detach()``-ed metric, a value computed under ``no_grad``). Eager gives such an output no
+    ``grad_fn``; the compiled step must not either, or keeping it (a running sum of metrics, a buffer
+    assigned from it) would keep the step's graph alive, and a later backward through it would fail."""
+    carries = _carriers(gm, differentiable)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = [o for o in pytree.tree_leaves(output.args) if isinstance(o, fx.Node)]
+    return [o not in carries for o in outs if isinstance(o.meta.get("val"), torch.Tensor)]
 
 
 def _drop_unreached(grads, unreached: list[bool]) -> list:
@@ -587,7 +610,8 @@ class _SplitFunction(torch.autograd.Function):
         if runner.subclasses is not None:
             outs = runner.subclasses.outputs(outs)
         tensors = [o for o in outs if isinstance(o, torch.Tensor)]
-        non_diff = [o for o in tensors if not is_float(o)]
+        constant = runner.constant_outputs if len(runner.constant_outputs) == len(tensors) else [False] * len(tensors)
+        non_diff = [o for o, c in zip(tensors, constant) if c or not is_float(o)]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
         return tuple(tensors)

@@ -385,7 +385,8 @@ class Problem:
                 pool += self._lower_within(self.frontier(), room, top_peak)
                 best = _cheapest(pool, room, top_peak, floor)
             if best is None:
-                best = min((c for c in pool if c[0].bytes <= room and c[0].cost >= floor), key=lambda c: (c[1], c[0].cost))
+                fitting = [c for c in pool if c[0].bytes <= room]
+                best = min([c for c in fitting if c[0].cost >= floor] or fitting, key=lambda c: (c[1], c[0].cost))
                 self.unreached.add(level)
             table.append((level, *best))
             top_bytes, top_peak, floor = min(top_bytes, best[0].bytes), min(top_peak, best[1]), best[0].cost

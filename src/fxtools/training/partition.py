@@ -492,9 +492,34 @@ def _boxed(backward: fx.GraphModule) -> GuardedGraphModule:
     graph = fx.Graph()
     graph.output(graph.graph_copy(backward.graph, {}))
     graph.set_codegen(_BoxedCodeGen())
-    boxed = GuardedGraphModule(backward, graph, class_name="SplitBackwardBoxed")
+    boxed = _BoxedModule(backward, graph, class_name="SplitBackwardBoxed", generate_code=False)
     meta.BUILT_BY.set(boxed, meta.BUILT_BY.get(backward))
     return boxed
+
+
+class _BoxedModule(GuardedGraphModule):
+    """``Split.backward_boxed``, whose code is generated on first use (a call, ``forward``, ``code``),
+    as ``torch.fx``'s ``_LazyGraphModule`` does: a caller running ``backward`` never pays for
+    generating and compiling the same backward's code a second time (a tenth of a GPT's split)."""
+
+    def _generate(self) -> None:
+        if "forward" not in vars(type(self)):  # fx's recompile sets it on the module's own class
+            self.recompile()
+
+    def _pending_forward(self, *args, **kwargs):
+        self._generate()
+        return type(self).forward(self, *args, **kwargs)
+
+    forward = _pending_forward
+
+    @property
+    def code(self) -> str:
+        self._generate()
+        return super().code
+
+    def __str__(self) -> str:
+        self._generate()
+        return super().__str__()
 
 
 def _boxed_guards(guards: Guards) -> Guards:

@@ -23,6 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError
+from ..graph.nodes import op_facts_kept
 from ..signature.guards import module_call
 from ..signature.naming import arg_names
 
@@ -56,7 +57,7 @@ def transform(name: str, *, loss: bool = False, keywords: bool = False) -> Calla
         def checked(*args: P.args, **kwargs: P.kwargs) -> R:
             check_call(name, fn, args, kwargs, loss=loss, keywords=keywords)
             own = {k: v for k, v in kwargs.items() if k not in options}
-            with grad_mode_of_a_transform(), cyclic_gc_paused():
+            with grad_mode_of_a_transform(), cyclic_gc_paused(), op_facts_kept():
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _ordinary, (args, kwargs))
                 call_args: tuple = args
                 call_options: dict = kwargs

@@ -123,21 +123,35 @@ def _key(fn, args, kwargs, tracer):
     return key, tensors, nodes
 
 
-def _fresh(val, n=2):
-    """``n`` new FakeTensors with ``val``'s metadata (storage offset and size included), untraced:
-    one to trace, and the snapshot of it that ``node.meta["val"]`` keeps (as make_fx does); only
-    the snapshot (``n=1``) for a value the call does not return, which nothing traces.
+class _Like:
+    """How to make FakeTensors with a recorded value's metadata (storage offset and size included),
+    read once when the call is recorded rather than at each replay."""
 
-    Made as FakeTensorMode makes its own (``fast_detach``): a meta tensor wrapped in FakeTensors
-    of ``val``'s mode (each wrapper has its own metadata), without a trip through the modes.
-    """
-    mode, size = val.fake_mode, val.untyped_storage().nbytes() // val.element_size()
-    with no_python_dispatcher(), in_kernel_invocation_manager(mode):
-        meta = aten.empty_strided.default(val.shape, val.stride(), dtype=val.dtype, device="meta")
-        if val.storage_offset() != 0 or meta.untyped_storage().nbytes() != val.untyped_storage().nbytes():
-            base = aten.empty.memory_format([size], dtype=val.dtype, device="meta")
-            meta = aten.as_strided.default(base, val.shape, val.stride(), val.storage_offset())
-    return tuple(FakeTensor(mode, meta, val.device) for _ in range(n))
+    __slots__ = ("device", "dtype", "mode", "offset", "plain", "shape", "size", "stride")
+
+    def __init__(self, val):
+        self.mode, self.device, self.dtype = val.fake_mode, val.device, val.dtype
+        self.shape, self.stride = val.shape, val.stride()
+        self.offset, nbytes = val.storage_offset(), val.untyped_storage().nbytes()
+        self.size = nbytes // val.element_size()
+        with no_python_dispatcher(), in_kernel_invocation_manager(self.mode):
+            meta = aten.empty_strided.default(self.shape, self.stride, dtype=self.dtype, device="meta")
+        self.plain = self.offset == 0 and meta.untyped_storage().nbytes() == nbytes
+
+    def meta(self):
+        """A meta tensor of this metadata (called under ``in_kernel_invocation_manager``)."""
+        if self.plain:
+            return aten.empty_strided.default(self.shape, self.stride, dtype=self.dtype, device="meta")
+        base = aten.empty.memory_format([self.size], dtype=self.dtype, device="meta")
+        return aten.as_strided.default(base, self.shape, self.stride, self.offset)
+
+    def fresh(self, meta, n=2):
+        """``n`` new FakeTensors of ``meta``, untraced: one to trace, and the snapshot of it that
+        ``node.meta["val"]`` keeps (as make_fx does); only the snapshot (``n=1``) for a value the
+        call does not return, which nothing traces. Made as FakeTensorMode makes its own
+        (``fast_detach``): a meta tensor wrapped in FakeTensors of the recorded value's mode (each
+        wrapper has its own metadata), without a trip through the modes."""
+        return tuple(FakeTensor(self.mode, meta, self.device) for _ in range(n))
 
 
 def _same_meta(t, val) -> bool:
@@ -169,15 +183,26 @@ def _replayable(node: fx.Node, recorded: set, known: set) -> bool:
     )
 
 
+def _likes(node: fx.Node):
+    """The ``_Like`` of a recorded node's value (a tuple for several); None for a getitem's
+    (its replay detaches the item its op's copy made)."""
+    val = node.meta["val"]
+    if isinstance(val, (tuple, list)):
+        return tuple(None if v is None else _Like(v) for v in val)
+    return None if node.target is operator.getitem else _Like(val)
+
+
 class _Recording:
     """The nodes one call added, and how its result is made of them."""
 
-    def __init__(self, nodes, inputs, out_leaves, out_spec):
+    def __init__(self, nodes, inputs, out_leaves, out_spec, mode):
         self.nodes = nodes  # recorded nodes, in graph order
         self.inputs = inputs  # the argument nodes they read (by tensor index)
         self.out_leaves = out_leaves  # ("arg", i) | ("node", node) | ("value", v)
         self.out_spec = out_spec
         self.returned = {x for kind, x in out_leaves if kind == "node"}
+        self.mode = mode  # the FakeTensorMode of every recorded value
+        self.likes: dict | None = None  # node -> _Like of its value (a tuple for several): on the first replay
 
     @classmethod
     def make(cls, nodes, inputs, tensors, out, tracer):
@@ -211,29 +236,48 @@ class _Recording:
                 except _Unkeyable:
                     return None  # may hold traced tensors pytree does not see
                 out_leaves.append(("value", x))
-        return cls(nodes, inputs, out_leaves, spec)
+        vals = [node.meta["val"] for node in nodes]
+        modes = {v.fake_mode for val in vals for v in (val if isinstance(val, (tuple, list)) else (val,)) if v is not None}
+        if len(modes) > 1:
+            return None
+        return cls(nodes, inputs, out_leaves, spec, next(iter(modes), None))
+
+    def metas(self, likes: dict) -> dict:
+        """A new meta tensor for each recorded value (tuples for several), made in one kernel invocation."""
+        if self.mode is None:
+            return {}
+        with no_python_dispatcher(), in_kernel_invocation_manager(self.mode):
+            return {
+                node: like.meta() if isinstance(like, _Like) else tuple(None if v is None else v.meta() for v in like)
+                for node, like in likes.items()
+                if like is not None
+            }
 
     def replay(self, tracer, tensors, nodes):
         """Add copies of the recorded nodes reading ``nodes``; the call's result."""
         env = dict(zip(self.inputs, nodes))
         vals = {}
+        likes = self.likes
+        if likes is None:  # read once, when first replayed: many calls recorded never are
+            likes = self.likes = {node: _likes(node) for node in self.nodes}
+        metas = self.metas(likes)
         for old in self.nodes:
             args, kwargs = fx.node.map_arg((old.args, old.kwargs), lambda n: env.get(n, n))
             new = env[old] = tracer.create_node(old.op, old.target, args, kwargs, name=old.name)
-            val = old.meta["val"]
+            val, like = old.meta["val"], likes[old]
             if isinstance(val, (tuple, list)):  # its items are tracked by their getitem copies
-                pairs = [(None, None) if v is None else _fresh(v) for v in val]
+                pairs = [(None, None) if v is None else v.fresh(m) for v, m in zip(like, metas[old])]
                 vals[old] = type(val)(t for t, _ in pairs)
                 new.meta["val"] = type(val)(snapshot for _, snapshot in pairs)
             else:
                 if old.target is not operator.getitem and old not in self.returned:
-                    (new.meta["val"],) = _fresh(val, 1)  # a value inside the call: nothing traces it
+                    (new.meta["val"],) = like.fresh(metas[old], 1)  # a value inside the call: nothing traces it
                 else:
                     if old.target is operator.getitem:
                         t = vals[old.args[0]][old.args[1]]
                         snapshot = fast_detach(t.fake_mode, t)
                     else:
-                        t, snapshot = _fresh(val)
+                        t, snapshot = like.fresh(metas[old])
                     vals[old] = t
                     proxy_tensor.track_tensor(t, tracer.proxy(new), constant=None, tracer=tracer)
                     new.meta["val"] = snapshot

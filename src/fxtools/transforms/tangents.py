@@ -254,17 +254,28 @@ def _interleave(graph: fx.Graph, program: set[fx.Node]) -> None:
     Inlined where the program asked for the tangent (after the whole primal), the tangent of a
     layer would be computed far from the layer's own ops; next to them, the values both read are
     still hot, and a compiler fuses the two (one pass computes GELU's value and slope). The
-    program's own ops keep their order; the JVP's keep theirs among themselves.
+    program's own ops keep their order; the JVP's keep theirs among themselves. An op moves only
+    within code of its own grad mode: moved into a ``no_grad`` block (the tangent's direction computed
+    there), it would be a constant of the reverse pass.
     """
     index = {n: i for i, n in enumerate(graph.nodes)}
+    mode_of, grad = {}, True
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            grad = bool(n.args[0])
+        mode_of[n] = grad
     movable = {n for n in graph.nodes if n not in program and n.op in ("call_function", "get_attr") and not is_impure(n)}
     free: set[fx.Node] = set()
     for n in graph.nodes:
         if n in movable and all(i.op == "placeholder" or i in free for i in n.all_input_nodes):
             free.add(n)
     waiting = {n: sum(1 for i in n.all_input_nodes if i not in free) for n in movable - free}
-    ready = [(index[n], n) for n, count in waiting.items() if not count]
-    heapq.heapify(ready)
+    ready: dict[bool, list] = {True: [], False: []}
+    for n, count in waiting.items():
+        if not count:
+            ready[mode_of[n]].append((index[n], n))
+    for heap in ready.values():
+        heapq.heapify(heap)
     order: list[fx.Node] = []
     done: set[fx.Node] = set()
 
@@ -278,14 +289,15 @@ def _interleave(graph: fx.Graph, program: set[fx.Node]) -> None:
             if u in waiting and n not in free:
                 waiting[u] -= 1
                 if not waiting[u]:
-                    heapq.heappush(ready, (index[u], u))
+                    heapq.heappush(ready[mode_of[u]], (index[u], u))
 
     for n in list(graph.nodes):
         if n in movable:
             continue
         emit(n)
-        while ready and n.op not in ("placeholder", "output"):
-            emit(heapq.heappop(ready)[1])
+        here = ready[mode_of[n]]
+        while here and n.op not in ("placeholder", "output"):
+            emit(heapq.heappop(here)[1])
     if len(order) != len(index):
         raise FxtoolsError("internal error: forward mode's code could not be placed beside the program's")
     for prev, n in itertools.pairwise(order):
