@@ -288,3 +288,136 @@ def test_hvp_of_prod_at_zeros(f, x):
     v = torch.arange(1.0, x.numel() + 1) / 7
     _, second = torch.func.vjp(torch.func.grad(f), x)  # matches finite differences of the gradient
     torch.testing.assert_close(fxtools.hvp(f, x)(x, v), second(v)[0], **TOL)
+
+
+# --- cumprod at zeros: its gradient's own derivative was 0 past the first zero (hvp off by 2.0) ---
+
+
+def _zeros_at(positions):
+    x = _r(3, 5, seed=3)
+    x[:, positions] = 0
+    if positions:
+        x[0, 1] = 0  # one row with a zero more
+    return x
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+def test_cumprod_derivatives_at_zeros(dim):
+    """hvp of cumprod against torch.func (whose second derivative matches finite differences,
+    below), and at the last dim also its grad and jvp and prod's hvp: each module built once,
+    called at zeros in one, two and three places (the first, the last, neighbours) and none."""
+    w = _r(3, 5, seed=5)
+
+    def f(x):
+        return (torch.cumprod(x, dim) * w).sum()
+
+    def g(x):
+        return (torch.prod(x, dim) * w.sum(dim)).sum()
+
+    def c(x):
+        return torch.cumprod(x, dim)
+
+    x0, v = _r(3, 5, seed=3), _r(3, 5, seed=4)
+    hvp_f = fxtools.hvp(f, x0)
+    for positions in ([], [0], [4], [0, 3], [1, 2], [0, 1, 4]):
+        x = _zeros_at(positions)
+        torch.testing.assert_close(hvp_f(x, v), torch.func.jvp(torch.func.grad(f), (x,), (v,))[1], **TOL)
+    if dim == 0:
+        return
+    hvp_g, grad_f, jvp_c = fxtools.hvp(g, x0), fxtools.grad(f, x0), fxtools.jvp(c, x0)
+    for positions in ([], [0], [4], [0, 3], [1, 2], [0, 1, 4]):
+        x = _zeros_at(positions)
+        torch.testing.assert_close(hvp_g(x, v), torch.func.jvp(torch.func.grad(g), (x,), (v,))[1], **TOL)
+        torch.testing.assert_close(grad_f(x), torch.func.grad(f)(x), **TOL)
+        _close(jvp_c(x, v), torch.func.jvp(c, (x,), (v,)))
+
+
+def test_cumprod_hvp_at_a_zero_matches_finite_differences():
+    def f(x):
+        return torch.cumprod(x, 0).sum()
+
+    x, v, eps = torch.tensor([0.0, 2.0, 3.0]), torch.tensor([1.0, -0.5, 2.0]), 1e-6
+    grad = torch.func.grad(f)  # polynomial in x: central differences of the gradient are exact to ~1e-9
+    fd = (grad(x + eps * v) - grad(x - eps * v)) / (2 * eps)
+    got = fxtools.hvp(f, x)(x, v)
+    torch.testing.assert_close(got, fd, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, torch.tensor([2.0, 4.0, 2.0]), **TOL)
+
+
+# --- norms at an all-zero row: jvp gave NaN where torch.func.jvp (PyTorch's masked formula) gives 0 ---
+
+
+NORMS_AT_ZERO = {
+    **{f"vector_norm_{o}": (lambda o: lambda x: torch.linalg.vector_norm(x, o, dim=1))(o) for o in (1, 2, float("inf"), 3, 0.5)},
+    "norm": lambda x: torch.norm(x, dim=1),
+    "norm_p3": lambda x: torch.norm(x, p=3, dim=1),
+    "normalize": lambda x: F.normalize(x, dim=1),
+    "normalize_p3": lambda x: F.normalize(x, p=3, dim=1),
+    "norm_all": lambda x: torch.linalg.vector_norm(x[1]),
+    "std": lambda x: x.std(1),
+}
+
+
+@pytest.mark.parametrize("name", list(NORMS_AT_ZERO))
+def test_norm_jvp_and_hvp_at_a_zero_row(name):
+    f = NORMS_AT_ZERO[name]
+    x, v = _r(3, 4, seed=6), _r(3, 4, seed=7)
+    x[1] = 1.5 if name == "std" else 0  # std: a constant row
+    _close(fxtools.jvp(f, x)(x, v), torch.func.jvp(f, (x,), (v,)))
+
+    def loss(x):
+        return (f(x) ** 2 + f(x).sin()).sum()
+
+    torch.testing.assert_close(fxtools.hvp(loss, x)(x, v), torch.func.jvp(torch.func.grad(loss), (x,), (v,))[1], **TOL)
+
+
+@pytest.mark.parametrize("p", [2.0, 3.0, 0.5, 1.5])
+def test_cdist_jvp_at_a_zero_distance(p):
+    """PyTorch has no forward AD for cdist: J @ v from reverse mode's Jacobian."""
+    x, y = _r(3, 4, seed=8), _r(2, 4, seed=9)
+    y[0] = x[1]
+    _check(lambda x, y: torch.cdist(x, y, p=p), x, y, transforms=("jvp_by_reverse",))
+
+
+# --- repeat_interleave by a tensor: jvp raised GuardOnDataDependentSymNode, jacrev "an unknown line" ---
+
+
+def _repeat(x, repeats):
+    return torch.repeat_interleave(x, repeats, dim=0).sin()
+
+
+def test_repeat_interleave_by_a_tensor_jvp_vjp_hvp_at_other_repeats():
+    x, v = _r(3, 2, seed=11), _r(3, 2, seed=12)
+    built = fxtools.jvp(_repeat, x, torch.tensor([1, 0, 2]), argnums=0)
+    back = fxtools.vjp(_repeat, x, torch.tensor([1, 0, 2]), argnums=0)
+    hvp = fxtools.hvp(lambda x, r: _repeat(x, r).pow(2).sum(), x, torch.tensor([1, 0, 2]), argnums=0)
+    for repeats in ([1, 0, 2], [3, 1, 0], [0, 0, 0]):  # output sizes 3, 4, 0
+        r = torch.tensor(repeats)
+        _close(built(x, r, v), torch.func.jvp(lambda x: _repeat(x, r), (x,), (v,)))
+        out, pullback = torch.func.vjp(lambda x: _repeat(x, r), x)
+        ct = _r(*out.shape, seed=13)
+        _close(back(x, r, ct), (out, pullback(ct)[0]))
+        want = torch.func.jvp(torch.func.grad(lambda x: _repeat(x, r).pow(2).sum()), (x,), (v,))[1]
+        torch.testing.assert_close(hvp(x, r, v), want, **TOL)
+
+
+def test_jacrev_of_a_data_dependent_output_size_names_the_line():
+    x = _r(3, 2, seed=14)
+    with pytest.raises(
+        fxtools.errors.DataDependentError, match=r"repeat_interleave at .*test_heldout_c.py:\d+: return torch.repeat_interleave"
+    ):
+        fxtools.jacrev(_repeat, x, torch.tensor([1, 0, 2]))
+    jac = fxtools.jacfwd(_repeat, x, torch.tensor([1, 0, 2]))(x, torch.tensor([1, 0, 2]))
+    torch.testing.assert_close(jac, torch.func.jacfwd(_repeat)(x, torch.tensor([1, 0, 2])), **TOL)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [lambda x: x.index_select(0, torch.tensor([0, 2, 2])).sin().pow(2).sum(), lambda x: x[x > 0].sin().pow(2).sum()],
+    ids=["index_select", "mask"],
+)
+def test_hessian_through_a_scatter_into_zeros(f):
+    """The gradient's ``zeros.index_add_`` / ``index_put_`` (printed in place) batched by hessian:
+    vmap refused writing batched rows into the unbatched zeros."""
+    x = _r(3, 2, seed=15)
+    torch.testing.assert_close(fxtools.hessian(f, x)(x), torch.func.hessian(f)(x), **TOL)

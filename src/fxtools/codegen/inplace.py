@@ -52,12 +52,17 @@ _FRESH = {  # calls whose result is a new tensor that aliases none of their argu
 _FRESH_METHODS = {"new_zeros", "new_ones", "new_full", "new_empty"}
 
 
+def printed_in_place(node: fx.Node) -> bool:
+    """Whether ``node`` is a scatter into a fresh tensor, printed with the in-place method."""
+    return node.op == "call_function" and node.target in _IN_PLACE and _into_fresh(node)
+
+
 def in_place(nodes: list[fx.Node], statements: dict[int, str]) -> dict[int, str]:
     """The statements of ``nodes`` (by index) to print with the in-place method, rewritten."""
     out = {}
     for i, text in statements.items():
         node = nodes[i]
-        if node.op == "call_function" and node.target in _IN_PLACE and _into_fresh(node):
+        if printed_in_place(node):
             new = _method_call(node, text)
             if new is not None:
                 out[i] = new

@@ -181,12 +181,32 @@ def cumsum(ct, out, x, dim, dtype=None):
     return cast(rev_cumsum(ct, dim) if x.dim() else ct, x)
 
 
+def _shift_back(t, d, s):
+    """``t`` moved ``s`` places towards the start along ``d``, zeros filling the end."""
+    return torch.cat([t.narrow(d, s, t.shape[d] - s), torch.zeros_like(t.narrow(d, 0, s))], d)
+
+
+def _cumprod_grad_exact(ct, x, d):
+    """``sum_{j >= i} ct_j prod_{l <= j, l != i} x_l`` without dividing, so that its own derivative
+    is exact at zeros (hvp): the product of the elements before ``i`` times ``q_i``, where
+    ``q_i = ct_i + x_{i+1} q_{i+1}`` is solved by a doubling scan (``log2(n)`` steps of products)."""
+    n = x.shape[d]
+    before = torch.cat([torch.ones_like(x.narrow(d, 0, 1)), x.narrow(d, 0, n - 1)], d).cumprod(d)
+    q, a, s = ct, _shift_back(x, d, 1), 1
+    while s < n:
+        q = q + a * _shift_back(q, d, s)
+        a = a * _shift_back(a, d, s) if 2 * s < n else a
+        s *= 2
+    return before * q + 0.0  # +0.0 where autograd's sum of products with a zero gives it, not -0.0
+
+
 @vjp_rule(aten.cumprod.default)
 def cumprod(ct, out, x, dim, dtype=None):
     """autograd's ``cumprod_backward``, zeros, infs and NaNs included: before the first zero of a
     line, ``rev_cumsum(ct * out) / x`` over that stretch only; at the first zero, the product of the
     elements before it times the sum over the outputs up to the second zero of their cotangent times
-    the product of the elements between; after it, 0."""
+    the product of the elements between; after it, 0. A finite line with a zero takes the formula
+    without division (``_cumprod_grad_exact``), whose derivative is the second one of cumprod."""
     if x.numel() <= 1 or x.shape[dim] == 1:
         return cast(ct, x)
     zero = x == 0
@@ -197,7 +217,9 @@ def cumprod(ct, out, x, dim, dtype=None):
     at_before = rev_cumsum(torch.where(before, ct * out, 0), dim) / torch.where(before, x, 1)
     after_first = torch.where(between, x, 1).cumprod(dim) * torch.where(seen == 1, ct, 0)
     at_first = torch.where(before, x, 1).prod(dim, keepdim=True) * after_first.sum(dim, keepdim=True)
-    return cast(torch.where(before, at_before, torch.where(first_zero, at_first, 0)), x)
+    grad = torch.where(before, at_before, torch.where(first_zero, at_first, 0))
+    exact = torch.logical_and(zero.any(dim, keepdim=True), x.isfinite().all(dim, keepdim=True))
+    return cast(torch.where(exact, _cumprod_grad_exact(ct, x, dim), grad), x)
 
 
 @vjp_rule(aten.logcumsumexp.default, complex="real")  # splits ct by sign
@@ -325,7 +347,7 @@ def _var_grad(ct, x, dim, correction, keepdim, scale=2.0):
 def _std_grad(ct, std, x, dim, correction, keepdim):
     if ct is None:
         return None
-    return _var_grad((ct / std).masked_fill(std == 0, 0), x, dim, correction, keepdim, scale=1.0)
+    return _var_grad(_over_nonzero(ct, std), x, dim, correction, keepdim, scale=1.0)
 
 
 def _mean_grad(ct, x, dim, keepdim):
@@ -396,6 +418,13 @@ def std_mean_all(ct, out, x, unbiased=True):
     return std_mean(ct, out, x, None, correction=_correction(unbiased))
 
 
+def _over_nonzero(ct, norm):
+    """``ct / norm``, 0 where the norm (a std, a distance) is 0 (PyTorch's convention), dividing by
+    1 there so that the rule's transpose (jvp) and derivative (hvp) stay finite too."""
+    zero = norm == 0
+    return (ct / torch.where(zero, 1, norm)).masked_fill(zero, 0)
+
+
 def _norm_grad(ct, norm, x, p, dim, keepdim):
     p = 2.0 if p is None else float(p)
     if p == 0:
@@ -403,14 +432,14 @@ def _norm_grad(ct, norm, x, p, dim, keepdim):
     if p == 1:
         return cast(sign(x) * restore(ct, x, dim, keepdim), x)
     if p == 2:
-        return cast(x * restore((ct / norm).masked_fill(norm == 0, 0), x, dim, keepdim), x)
+        return cast(x * restore(_over_nonzero(ct, norm), x, dim, keepdim), x)
     ct, norm = restore(ct, x, dim, keepdim), restore(norm, x, dim, keepdim)
     if math.isinf(p):
         mask = x.abs() == norm
         return cast(sign(x) * (ct / sum_keep(mask, x, dim) * mask), x)
     if p < 1:
         return cast(sign(x) * power(x.abs(), p - 1).masked_fill(x == 0, 0) * (ct * power(norm, 1 - p)), x)
-    return cast(x * power(x.abs(), p - 2) * (ct / power(norm, p - 1)).masked_fill(norm == 0, 0), x)
+    return cast(x * power(x.abs(), p - 2) * _over_nonzero(ct, power(norm, p - 1)), x)
 
 
 @vjp_rule(aten.linalg_vector_norm.default, complex="convention")
@@ -426,7 +455,7 @@ def _cdist_forward(ct, out, x1, x2, p, compute_mode=None):
     if p == 0:
         return torch.zeros_like(x1), torch.zeros_like(x2)
     if p == 2:
-        w = (ct / out).masked_fill(out == 0, 0)
+        w = _over_nonzero(ct, out)
         g1 = w.sum(-1, keepdim=True) * x1 - w @ x2
         g2 = w.sum(-2).unsqueeze(-1) * x2 - w.transpose(-1, -2) @ x1
         return g1.sum_to_size(x1.shape), g2.sum_to_size(x2.shape)
@@ -437,10 +466,9 @@ def _cdist_forward(ct, out, x1, x2, p, compute_mode=None):
     elif math.isinf(p):
         g = ct * torch.sign(diff) * (diff.abs() == dist)
     elif p < 2:
-        g = torch.sign(diff) * diff.abs().pow(p - 1) * ct / dist.pow(p - 1)
-        g = g.masked_fill((dist == 0) | ((diff == 0) & (p < 1)), 0)
+        g = torch.sign(diff) * torch.where(diff == 0, 1, diff.abs()).pow(p - 1) * _over_nonzero(ct, dist.pow(p - 1))
     else:
-        g = (diff * diff.abs().pow(p - 2) * ct / dist.pow(p - 1)).masked_fill(dist == 0, 0)
+        g = diff * diff.abs().pow(p - 2) * _over_nonzero(ct, dist.pow(p - 1))
     return g.sum(-2).sum_to_size(x1.shape), (-g.sum(-3)).sum_to_size(x2.shape)
 
 

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture import custom
 from ..capture.trace import is_data_dependent
+from ..codegen.inplace import printed_in_place
 from ..errors import FxtoolsError, user_frame
 from .pipeline import Inputs, Transform, back, front, uses_pipeline
 from .retrace import NodeNamer
@@ -38,7 +39,8 @@ __all__ = ["vmap", "trace_batched", "check_vmap_options", "describe", "n_chunks"
 
 def vmappable(f):
     """``f``, with ``.view`` calls of a generated GraphModule turned into ``.reshape`` (and its
-    ``cond`` calls into ``select_cond``).
+    ``cond`` calls into ``select_cond``), and its scatters into fresh tensors printed out of place
+    (vmap refuses ``zeros.index_add_(..., batched)``, an unbatched tensor written with batched rows).
 
     fxtools drops ``.contiguous()`` before a ``.view`` when the example value is contiguous; under
     vmap the same value may be a non-contiguous slice of a batched tensor, where only
@@ -46,7 +48,7 @@ def vmappable(f):
     """
     if not isinstance(f, fx.GraphModule):
         return f
-    if not any(_view(n) or n.target is torch.ops.higher_order.cond for n in f.graph.nodes):
+    if not any(_view(n) or n.target is torch.ops.higher_order.cond or printed_in_place(n) for n in f.graph.nodes):
         return f
     graph = fx.Graph()
     out = graph.graph_copy(f.graph, {})

@@ -28,6 +28,7 @@ from ..capture import dual
 from ..capture.decompose import expand, inline_decomposition
 from ..capture.functionalize import functionalize
 from ..errors import FxtoolsError, user_line_of
+from ..graph.data_dependent import is_dynamic, tie
 from ..graph.nodes import fake_mode_of, is_float, is_impure
 from ..passes.simplify import cse, dce, fill_value, simplify
 from ..signature.naming import short_op
@@ -90,7 +91,8 @@ def transpose_vjp(vjp_gm: fx.GraphModule, n_in: int, n_out: int):
 
 
 def _zeros(graph: fx.Graph, val, fake_mode):
-    node = graph.call_function(aten.zeros.default, (list(val.shape),), {"dtype": val.dtype})
+    shape = [] if is_dynamic(val) else list(val.shape)  # a data-dependent one: _zeros_like_output
+    node = graph.call_function(aten.zeros.default, (shape,), {"dtype": val.dtype})
     if fake_mode is not None:
         with fake_mode:
             node.meta["val"] = torch.zeros(val.shape, dtype=val.dtype)
@@ -159,7 +161,28 @@ def jvp_graph(gm: fx.GraphModule, wrt: list[bool], order: list[int], n_main: int
     graph.output((*outs, *out_tangents))
     flat_gm = fx.GraphModule(flat, graph)
     dce(flat_gm)  # (its placeholders are the primals and tangents: the cotangents became zeros above)
+    for p, i in zip(u_ph, ct_index):
+        out = outs[i]
+        if is_dynamic(p.meta.get("val")) and isinstance(out, fx.Node):
+            _zeros_like_output(graph, env[p], out)
     return flat_gm
+
+
+def _zeros_like_output(graph: fx.Graph, z: fx.Node, out: fx.Node) -> None:
+    """The zeros standing for the cotangent of ``out``, whose shape depends on data (``x[mask]``,
+    ``repeat_interleave``): written ``zeros_like(out)`` and their sizes read from ``out`` (a raw
+    SymInt is not code; the re-traced ``out`` has a fresh symbol, told equal to the cotangent's)."""
+    if z.graph is not graph or not z.users:
+        return
+    tie(out.meta["val"], z.meta["val"])
+    for user in [u for u in z.users if u.target is aten.sym_size.int]:
+        user.args = (out, *user.args[1:])
+    if z.users:
+        with graph.inserting_after(out):
+            like = graph.call_function(aten.zeros_like.default, (out,))
+        like.meta["val"] = z.meta["val"]
+        z.replace_all_uses_with(like)
+    graph.erase_node(z)
 
 
 def _placeholder(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:
