@@ -495,3 +495,21 @@ def test_plain_objects_are_guarded_by_their_attributes(tmp_path):
     torch.testing.assert_close(mod.forward(x, Config(3.0)), torch.full((3,), 3.0, dtype=torch.float64))
     with pytest.raises(ValueError, match="attributes differ"):
         mod.forward(x, Config(5.0))
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd"])
+def test_a_module_writing_its_arguments_is_not_run_again_on_another_layout(transform):
+    """A call stopped by a failed .view after the code wrote a buffer in place is refused, not
+    run again by a module built for the layout (which would write the buffer twice)."""
+    make, oracle = TRANSFORMS_OF_ARRAYS[transform]
+
+    def f(x, buf):
+        buf.add_(1.0)
+        return torch.sin(x.reshape(-1)) * buf.sum()
+
+    gm = make(f, torch.randn(4, 3, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
+    xt, buf = torch.randn(3, 4, dtype=torch.float64).t(), torch.zeros(2, dtype=torch.float64)
+    with pytest.raises(InputMismatch, match="x has strides"):
+        gm(xt, buf)
+    assert buf.tolist() == [1.0, 1.0]  # written once, by the call that was stopped
+    assert oracle(f)(xt, torch.zeros(2, dtype=torch.float64)).shape == (12, 4, 3)

@@ -320,7 +320,7 @@ class GuardedGraphModule(fx.GraphModule):
         naming the argument, where that cannot be built (eager's own ``.view`` raises there)."""
         positional = args if not kwargs else self._positional(guards, args, kwargs)
         tensors = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
-        if self.layout_variant is None or kwargs or not all(map(_plain, tensors)):  # traced inside a transform
+        if self.layout_variant is None or kwargs or not all(map(_plain, tensors)) or _writes(self.graph):
             guards.refuse_view(positional, exc)
             raise exc
         key = tuple(tuple(a.stride()) if isinstance(a, torch.Tensor) else None for a in pytree.tree_leaves(args))
@@ -447,6 +447,19 @@ def guarded(gm: fx.GraphModule) -> GuardedGraphModule:
         attributes.setdefault(k, v)
     new.meta = gm.meta
     return new
+
+
+def _writes(graph: fx.Graph) -> bool:
+    """Whether the code writes in place (an argument, a buffer): such a call, stopped by a failed
+    ``.view`` after a write, cannot be run again without writing twice, so it is refused."""
+
+    def name(node):
+        target = node.target
+        return target if isinstance(target, str) else getattr(getattr(target, "overloadpacket", target), "__name__", "")
+
+    return any(
+        n.op in ("call_function", "call_method") and name(n).endswith("_") and not name(n).startswith("_") for n in graph.nodes
+    )
 
 
 def _plain(t: torch.Tensor) -> bool:
