@@ -36,6 +36,7 @@ import contextvars
 import functools
 import operator
 import re
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -130,7 +131,7 @@ def fold(nodes: list[fx.Node], statements: dict[int, str], frees: dict[int, list
             continue
         for c in candidates:
             if c not in trees:
-                trees[c] = _Tree.leaf(c, statements[pos[c]], parse(pos[c]))
+                trees[c] = _Tree.leaf(c, statements[pos[c]], cast(ast.Assign, parse(pos[c])))  # _foldable parsed it
         chosen = _consecutive(u, candidates, trees, pos, frees, folded)
         while chosen:
             tree = _Tree.build(u, statements[i], stmt, chosen, trees)
