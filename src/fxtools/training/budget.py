@@ -27,6 +27,10 @@ joint graph's min-cut structure (the one ``recompute_cheap`` uses):
   ``(b1, c1)`` (``b0 <= B < b1``) its cost exceeds the optimum by at most ``c0 - c1``, and no
   saved set within ``B`` recomputes less than the Lagrangian bound
   ``c0 - (B - b0) (c0 - c1) / (b1 - b0)`` (``Choice.lower_bound``, printed by the report).
+- **between the levels.** A hull leaves gaps (on the small GPT of ``bench_memory.py``, 0.52 MB
+  saved for 1.69e8 and 1.05 MB for 1.35e8); ``Problem.between`` adds, as levels of their own,
+  the frontier's points with one more value saved (one a larger point saves) where that
+  recomputes less than the frontier at the same bytes (0.92 MB for 1.44e8 there).
 - **monotone by construction.** The points are ordered (bytes up, cost down); a byte budget
   takes its level's choice in ``Problem.byte_table``: a smaller budget never saves more bytes,
   never recomputes less and never peaks higher (predicted), and among such chains of choices
@@ -353,7 +357,8 @@ class Problem:
         saved bytes, peak and recompute are all monotone in the budget. Among the chains of
         choices that are, the levels take the one with the least recompute summed over the
         budgets (each level weighted by the bytes of budgets that take it: ``_least_total``).
-        The candidates are the frontier's points, each after every round of recomputing values
+        The levels are the bytes of the frontier's points and of ``between``'s. The candidates
+        are those points, the frontier's each after every round of recomputing values
         twice (``refresh_steps``: a little more recompute for a little less peak), and what a
         greedy descent (``_descend``) adds where nothing fits. A level no chain reaches is
         chosen greedily (``_descend``): it takes its least peak and is listed in ``unreached``,
@@ -850,7 +855,9 @@ def refresh(
     tries each storage alone before all at once: smaller steps, each recomputing less. With
     ``cost`` (node -> recompute cost), each round tries every one and keeps the one that recomputes
     least per byte of peak it removes: a pointwise chain (a GELU's output, recomputed from the
-    matrix product it reads) before the matrix product itself."""
+    matrix product it reads) before the matrix product itself, and tries each storage also with
+    the recomputed values it is made of forgotten after each use (``_with_inputs``: else they
+    stay to recompute it, and take its place in memory)."""
     memo = memo or _Memo()
     start, held = _backward_ends(part, saved)
     forget: dict = {}
