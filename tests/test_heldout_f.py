@@ -1,0 +1,44 @@
+"""Held-out programs (batch f): decisions, dtypes, compiled and hostile corners.
+
+Each test is a program that gave a silent wrong answer (or a false refusal) before its fix;
+the oracle is eager PyTorch on the same computation (float64 where the program allows).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxtools
+
+# --- rms_norm in half precision: eager computes in float32 (and float32's eps), returns x's dtype ---
+
+
+def _rms(x, w):
+    return F.rms_norm(x, x.shape[-1:], w)
+
+
+@pytest.mark.parametrize(
+    "xdtype, wdtype, scale",
+    [
+        (torch.float16, torch.float16, 0.01),  # eps: float16's (1e-3) swamped mean(x^2) ~ 1e-4
+        (torch.bfloat16, None, 0.01),
+        (torch.float16, torch.float16, 300.0),  # x**2 overflowed float16
+        (torch.float16, torch.float32, 1.0),  # the result was float32, eager's is x's dtype
+        (torch.float32, torch.float64, 1.0),
+    ],
+)
+def test_rms_norm_computes_as_eager_in_every_dtype(xdtype, wdtype, scale):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 8, generator=g) * scale).to(xdtype)
+    w = None if wdtype is None else (torch.rand(8, generator=g) + 0.5).to(wdtype)
+    ct = torch.randn(3, 8, generator=g).to(xdtype)
+    argnums = (0,) if w is None else (0, 1)
+    inputs = (x,) if w is None else (x, w)
+    out, pullback = torch.func.vjp(lambda *a: _rms(*a, None) if w is None else _rms(*a), *inputs)
+    want = pullback(ct)
+    got_out, got = fxtools.vjp(_rms, x, w, argnums=argnums)(x, w, ct)
+    assert got_out.dtype == out.dtype
+    torch.testing.assert_close(got_out, out)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b)
