@@ -42,3 +42,27 @@ def test_rms_norm_computes_as_eager_in_every_dtype(xdtype, wdtype, scale):
     for a, b in zip(got, want):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b)
+
+
+# --- attention in half precision: the backward recomputed q @ k^T in float16 (inf, NaN gradients);
+# eager's kernels (and its math path on CPU) compute in float32 ---
+
+
+def test_attention_backward_in_half_precision_as_eager():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64) * s for s in (300, 300, 1))
+    mask = torch.randn(5, 5, generator=g, dtype=torch.float64)
+    ct = torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64)
+    half = [t.half() for t in (q, k, v, mask, ct)]
+
+    def f(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    out, pullback = torch.func.vjp(f, *half[:4])
+    exact = torch.func.vjp(f, *(t.double() for t in half[:4]))[1](half[4].double())
+    got_out, got = fxtools.vjp(f, *half[:4], argnums=(0, 1, 2, 3))(*half)
+    torch.testing.assert_close(got_out, out)
+    for a, b, c in zip(got, pullback(half[4]), exact):
+        assert a.dtype == b.dtype == torch.float16 and a.isfinite().all()
+        # no worse than eager's rounding (the two round differently)
+        assert (a.double() - c).abs().max() <= 2 * (b.double() - c).abs().max() + 1e-3

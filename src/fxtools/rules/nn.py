@@ -168,6 +168,10 @@ def _opmath(t):
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
+def _opmath_or_none(t):
+    return t if t is None or not t.is_floating_point() else _opmath(t)
+
+
 def _cast(t, dtype):
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
@@ -791,6 +795,9 @@ def sdpa_fwd(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=N
 
 def sdpa_bwd(aux, ct):
     q, k, v, attn_mask, is_causal, scale, enable_gqa, keep = aux
+    if q.dtype in (torch.float16, torch.bfloat16):  # in float32, as eager's kernels compute it
+        grads = sdpa_bwd((*map(_opmath_or_none, (q, k, v, attn_mask)), is_causal, scale, enable_gqa, keep), _opmath(ct))
+        return tuple(_cast(g, t.dtype) if g is not None else None for g, t in zip(grads, (q, k, v, attn_mask)))
     kr, vr = _repeat_heads(k, q, enable_gqa), _repeat_heads(v, q, enable_gqa)
     probs = _attention_probs(q, kr, attn_mask, is_causal, scale)
     dropped = probs if keep is None else probs * keep
