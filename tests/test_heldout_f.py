@@ -66,3 +66,23 @@ def test_attention_backward_in_half_precision_as_eager():
         assert a.dtype == b.dtype == torch.float16 and a.isfinite().all()
         # no worse than eager's rounding (the two round differently)
         assert (a.double() - c).abs().max() <= 2 * (b.double() - c).abs().max() + 1e-3
+
+
+# --- a decision whose printed condition divides by a size: size 0 crashed the guards
+# (ZeroDivisionError) instead of being refused, or served by new graphs under compile ---
+
+
+def _chunks(x):
+    return sum((c.sin() * i).sum() for i, c in enumerate(x.chunk(3, 0)))
+
+
+def test_a_chunk_decision_at_size_zero_is_refused_or_rebuilt():
+    gm = fxtools.grad(_chunks, torch.randn(4, 3), dynamic_shapes={"x": {0: torch.export.Dim.AUTO}})
+    with pytest.raises(fxtools.InputMismatch):
+        gm(torch.randn(0, 3))
+    compiled = fxtools.compile(_chunks, dynamic=True)
+    compiled(torch.randn(4, 3))
+    x = torch.randn(0, 3, requires_grad=True)
+    out = compiled(x)
+    out.backward()
+    assert out.item() == 0 and x.grad.shape == (0, 3)
