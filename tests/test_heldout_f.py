@@ -86,3 +86,37 @@ def test_a_chunk_decision_at_size_zero_is_refused_or_rebuilt():
     out = compiled(x)
     out.backward()
     assert out.item() == 0 and x.grad.shape == (0, 3)
+
+
+# --- compilers with dynamic=True: size arithmetic in the ATen graphs (``s0 - 1``, ``s0 * s1``)
+# was refused as "not an ATen op" (a false refusal: Inductor takes it) ---
+
+
+def _through(gm, example_inputs):
+    return gm
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda x: torch.zeros(5, dtype=x.dtype).index_put((torch.tensor([0, 0, 2, 2]),), x[:4, 0], accumulate=True).pow(3),
+        lambda x: (x.view(-1), x.view(-1)[1:].sin()),
+    ],
+    ids=["index_put_duplicates", "aliased_views"],
+)
+def test_a_compiler_with_dynamic_sizes_takes_size_arithmetic(f):
+    compiled = fxtools.compile(f, compiler=_through, dynamic=True)
+    for n in (4, 6):
+        x = torch.randn(n, 3, dtype=torch.float64, requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        got, want = fxtools_sum(compiled(x)), fxtools_sum(f(xe))
+        (gx,) = torch.autograd.grad(got, x, create_graph=True)
+        (ge,) = torch.autograd.grad(want, xe, create_graph=True)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(gx, ge)
+        torch.testing.assert_close(torch.autograd.grad(gx.pow(2).sum(), x)[0], torch.autograd.grad(ge.pow(2).sum(), xe)[0])
+
+
+def fxtools_sum(out):
+    outs = out if isinstance(out, tuple) else (out,)
+    return sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view(o.shape)).sum() for o in outs)
