@@ -4,6 +4,8 @@ Each test is a program that gave a silent wrong answer (or a false refusal) befo
 the oracle is eager PyTorch on the same computation (float64 where the program allows).
 """
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,3 +122,51 @@ def test_a_compiler_with_dynamic_sizes_takes_size_arithmetic(f):
 def fxtools_sum(out):
     outs = out if isinstance(out, tuple) else (out,)
     return sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view(o.shape)).sum() for o in outs)
+
+
+# --- functools.partial: its bound arguments and its function's globals were not read at all
+# (a stale constant, a stale rebound parameter: silently wrong) ---
+
+SCALE = 2.0
+
+
+def _partial_loss(x, s, model):
+    return (model(x).sum() * s[0] * SCALE).sum()
+
+
+def test_a_partial_is_read_like_a_closure():
+    global SCALE
+    model = torch.nn.Linear(3, 1).double()
+    s = [2.0]
+    loss = functools.partial(_partial_loss, s=s, model=model)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    gm = fxtools.grad(loss, x)
+    model.weight = torch.nn.Parameter(torch.randn(1, 3, dtype=torch.float64))  # rebound: read in its place
+    torch.testing.assert_close(gm(x), torch.func.grad(loss)(x))
+    for change, undo in ((lambda: s.__setitem__(0, 3.0), lambda: s.__setitem__(0, 2.0)),
+                         (lambda: globals().__setitem__("SCALE", 5.0), lambda: globals().__setitem__("SCALE", 2.0)),
+                         (lambda: loss.keywords.__setitem__("s", [2.0, 1.0]), lambda: loss.keywords.__setitem__("s", s))):
+        change()
+        with pytest.raises(fxtools.InputMismatch):
+            gm(x)
+        undo()
+    torch.testing.assert_close(gm(x), torch.func.grad(loss)(x))
+
+
+# --- a flag of an installed module the program reads (``torch.backends.cudnn.enabled``): a
+# constant of the code, not guarded (silently the old branch after the flag changed) ---
+
+
+def _by_flag(x):
+    if torch.backends.cudnn.enabled:
+        return (x * x).sum()
+    return (3 * x).sum()
+
+
+def test_a_torch_flag_the_program_reads_is_guarded():
+    x = torch.randn(3, dtype=torch.float64)
+    gm = fxtools.grad(_by_flag, x)
+    with torch.backends.cudnn.flags(enabled=False):
+        with pytest.raises(fxtools.InputMismatch, match="torch.backends.cudnn.enabled"):
+            gm(x)
+    torch.testing.assert_close(gm(x), 2 * x)
