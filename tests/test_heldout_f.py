@@ -170,3 +170,20 @@ def test_a_torch_flag_the_program_reads_is_guarded():
         with pytest.raises(fxtools.InputMismatch, match="torch.backends.cudnn.enabled"):
             gm(x)
     torch.testing.assert_close(gm(x), 2 * x)
+
+
+# --- compile(dynamic=True) of a function closing over a model: its parameters (lifted to inputs)
+# crashed torch.export's dynamic_shapes check (SymbolicSizeError "Node type mismatch") ---
+
+
+def test_compile_dynamic_of_a_closure_over_a_model():
+    lin = torch.nn.Linear(3, 2).double()
+    compiled = fxtools.compile(lambda x: lin(x).tanh(), dynamic=True)
+    for n in (4, 6):
+        x = torch.randn(n, 3, dtype=torch.float64)
+        compiled(x).sum().backward()
+        got = lin.weight.grad.clone()
+        lin.weight.grad = None
+        lin(x).tanh().sum().backward()
+        torch.testing.assert_close(got, lin.weight.grad)
+        lin.weight.grad = None
