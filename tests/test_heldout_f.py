@@ -29,6 +29,7 @@ def _rms(x, w):
         (torch.float32, torch.float64, 1.0),
     ],
 )
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 def test_rms_norm_computes_as_eager_in_every_dtype(xdtype, wdtype, scale):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(3, 8, generator=g) * scale).to(xdtype)
@@ -143,9 +144,11 @@ def test_a_partial_is_read_like_a_closure():
     gm = fxtools.grad(loss, x)
     model.weight = torch.nn.Parameter(torch.randn(1, 3, dtype=torch.float64))  # rebound: read in its place
     torch.testing.assert_close(gm(x), torch.func.grad(loss)(x))
-    for change, undo in ((lambda: s.__setitem__(0, 3.0), lambda: s.__setitem__(0, 2.0)),
-                         (lambda: globals().__setitem__("SCALE", 5.0), lambda: globals().__setitem__("SCALE", 2.0)),
-                         (lambda: loss.keywords.__setitem__("s", [2.0, 1.0]), lambda: loss.keywords.__setitem__("s", s))):
+    for change, undo in (
+        (lambda: s.__setitem__(0, 3.0), lambda: s.__setitem__(0, 2.0)),
+        (lambda: globals().__setitem__("SCALE", 5.0), lambda: globals().__setitem__("SCALE", 2.0)),
+        (lambda: loss.keywords.__setitem__("s", [2.0, 1.0]), lambda: loss.keywords.__setitem__("s", s)),
+    ):
         change()
         with pytest.raises(fxtools.InputMismatch):
             gm(x)
