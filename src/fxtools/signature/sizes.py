@@ -69,6 +69,9 @@ def _complete(arg, spec, where):
     if isinstance(arg, torch.Tensor):
         return spec
     if spec is None:
+        if type(arg) not in (dict, list, tuple) and type(arg) in pytree.SUPPORTED_NODES:
+            # a registered pytree class (fxtools' ClosedOver): torch.export takes its children as a list
+            return [_complete(c, None, where) for c in pytree.SUPPORTED_NODES[type(arg)].flatten_fn(arg)[0]]
         return pytree.tree_map(lambda _: None, arg, is_leaf=lambda x: x is None)
     if isinstance(arg, dict) and isinstance(spec, dict):
         unknown = set(spec) - set(arg)
@@ -183,6 +186,8 @@ def _dim_names(specs, fake_args, signature) -> tuple[dict, dict]:
     names, declared = {}, {}
     for name, arg in zip(signature.parameters, fake_args):
         spec = specs[name]
+        if all(s is None for s in pytree.tree_leaves(spec)):
+            continue  # nothing marked (as a registered class's spec: a list of its children's)
 
         def visit(t, s):
             if not isinstance(t, torch.Tensor) or s is None:

@@ -200,8 +200,8 @@ def _check_functional(gm: fx.GraphModule, which: str) -> None:
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        if n.target is operator.getitem:
-            continue
+        if n.target is operator.getitem or isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            continue  # size arithmetic of symbolic shapes (``s0 - 1``): compilers take it
         if not isinstance(n.target, torch._ops.OpOverload):
             raise FxtoolsError(f"the ATen {which} holds {n.target} ({n.format_node()}), which is not an ATen op")
         if n.target._schema.is_mutable:
