@@ -5,6 +5,11 @@ review, each minimised to a cheap regression test against eager PyTorch in float
   over channels) crashed every module at its first call: the rule called ``native_group_norm``,
   whose CPU kernel refuses other layouts, on the input as it came (eager's ``group_norm`` makes
   it contiguous first); a module built on a contiguous example refused a transposed call too.
+- ``torch.autograd.grad(u, x, create_graph=True)`` inside a traced program (the usual way PINN
+  losses take input derivatives) gave a module returning a *FakeTensor*: the trace baked a fake
+  constant (``tanh`` of the example) into the code and dropped the derivative's dependence on the
+  inputs. Now refused naming the line, with the torch.func spelling that works; that spelling is
+  checked against autograd's double backward.
 """
 
 from __future__ import annotations
@@ -43,3 +48,49 @@ def test_group_norm_of_a_non_contiguous_tensor(f, shape):
         torch.testing.assert_close(grad(a), torch.func.grad(f)(a), **TOL)
         torch.testing.assert_close(jvp(a, v)[1], torch.func.jvp(f, (a,), (v,))[1], **TOL)
         torch.testing.assert_close(hvp(a, v), torch.func.jvp(torch.func.grad(f), (a,), (v,))[1], **TOL)
+
+
+def _mlp_params(seed, d=2, w=8):
+    g = _gen(seed)
+    return {
+        "w1": torch.randn(d, w, generator=g, dtype=D) / d**0.5,
+        "b1": torch.randn(w, generator=g, dtype=D),
+        "w2": torch.randn(w, generator=g, dtype=D) / w**0.5,
+    }
+
+
+def _u(p, x):
+    return torch.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+
+
+def _pinn_with_autograd_grad(p, x):
+    x = x.requires_grad_(True)
+    u = _u(p, x)
+    (du,) = torch.autograd.grad(u, x, torch.ones_like(u), create_graph=True)
+    return (du.pow(2).sum(-1) - 1).pow(2).mean()
+
+
+def _pinn_with_backward(p, x):
+    loss = _u(p, x).sum()
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("f, what", [(_pinn_with_autograd_grad, "torch.autograd.grad"), (_pinn_with_backward, ".backward()")])
+def test_autograd_inside_a_traced_program_is_refused_naming_the_line(f, what):
+    p, x = _mlp_params(0), torch.rand(5, 2, dtype=D)
+    with pytest.raises(fxtools.FxtoolsError, match=rf"{what}.*test_heldout_e.py:\d+: .*torch.func.grad"):
+        fxtools.grad(f, p, x)
+
+
+def test_the_torch_func_spelling_of_an_input_derivative_loss():
+    def loss(p, x):  # the refused program above, written with torch.func
+        du = torch.func.vmap(torch.func.grad(lambda y: _u(p, y)))(x)
+        return (du.pow(2).sum(-1) - 1).pow(2).mean()
+
+    p, x = _mlp_params(1), torch.rand(5, 2, dtype=D)
+    gm = fxtools.grad(loss, p, x)
+    for a in (x, torch.rand(2, 5, dtype=D).T):
+        leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+        want = torch.autograd.grad(_pinn_with_autograd_grad(leaves, a.clone()), list(leaves.values()))  # eager double backward
+        torch.testing.assert_close(list(gm(p, a).values()), list(want), **TOL)
