@@ -94,3 +94,53 @@ def test_the_torch_func_spelling_of_an_input_derivative_loss():
         leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
         want = torch.autograd.grad(_pinn_with_autograd_grad(leaves, a.clone()), list(leaves.values()))  # eager double backward
         torch.testing.assert_close(list(gm(p, a).values()), list(want), **TOL)
+
+
+class _TokenDenoiser(torch.nn.Module):
+    """A consistency-model denoiser of token sequences: Fourier time embedding, FiLM, GroupNorm
+    over channels of a (batch, tokens, channels) tensor (so of a transposed view)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.register_buffer("freq", torch.linspace(1.0, 4.0, 4))
+        self.film = torch.nn.Linear(8, 2 * d)
+        self.inp = torch.nn.Linear(d, d)
+        self.gn = torch.nn.GroupNorm(2, d)
+        self.out = torch.nn.Linear(d, d)
+
+    def forward(self, x, t):
+        a = t[:, None] * self.freq
+        scale, shift = self.film(torch.cat([a.sin(), a.cos()], -1))[:, None].chunk(2, -1)
+        h = F.silu(self.inp(x))
+        h = self.gn(h.transpose(1, 2)).transpose(1, 2) * (1 + scale) + shift
+        return self.out(h)
+
+
+class _ConsistencyLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = _TokenDenoiser()
+
+    def forward(self, x, t, v):
+        f, df = torch.func.jvp(self.net, (x, t), (v, torch.ones_like(t)))
+        return (f - (x - t[:, None, None] * df).detach()).pow(2).mean()
+
+
+def test_a_consistency_loss_with_group_norm_over_tokens_trains_under_compile():
+    torch.manual_seed(0)
+    model = _ConsistencyLoss().double()
+    eager = _ConsistencyLoss().double()
+    eager.load_state_dict(model.state_dict())
+    step = fxtools.compile(model)
+    g = _gen(2)
+    for _ in range(2):
+        x, v = torch.randn(2, 3, 5, 8, generator=g, dtype=D)
+        t = torch.rand(3, generator=g, dtype=D)
+        model.zero_grad()
+        eager.zero_grad()
+        got, want = step(x, t, v), eager(x, t, v)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, **TOL)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL)
