@@ -144,3 +144,27 @@ def test_a_consistency_loss_with_group_norm_over_tokens_trains_under_compile():
         torch.testing.assert_close(got, want, **TOL)
         for p, q in zip(model.parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+def test_per_point_second_derivatives_of_a_silu_network_by_jvp_of_grad():
+    """The spelling docs/security.md gives where ``vmap(hessian(f))`` of a SiLU network is refused."""
+    g = _gen(3)
+    w1, w2 = torch.randn(2, 6, generator=g, dtype=D), torch.randn(6, generator=g, dtype=D)
+
+    def u(w1, x):
+        return F.silu(x @ w1) @ w2
+
+    def loss(w1, xs):  # the Laplacian of u at each point, as a sum of two Hessian-vector products
+        def lap(x):
+            e = torch.eye(2, dtype=x.dtype)
+            return sum(torch.func.jvp(torch.func.grad(lambda y: u(w1, y)), (x,), (e[i],))[1][i] for i in range(2))
+
+        return torch.func.vmap(lap)(xs).pow(2).mean()
+
+    xs = torch.randn(5, 2, generator=g, dtype=D)
+    gm = fxtools.grad(loss, w1, xs)
+    for a in (xs, torch.randn(2, 5, generator=g, dtype=D).T):
+        want = torch.func.grad(
+            lambda w: torch.func.vmap(torch.func.hessian(lambda y: u(w, y)))(a).diagonal(0, 1, 2).sum(-1).pow(2).mean()
+        )(w1)
+        torch.testing.assert_close(gm(w1, a), want, **TOL)
