@@ -235,6 +235,8 @@ def _group_norm_grads(ct, x, weight, bias, groups, stats, ct_stats=(None, None))
 
 
 def group_norm_fwd(x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
+    # As eager's group_norm: the kernel reads a contiguous input.
+    x = x.contiguous()
     n, c = x.shape[0], x.shape[1]
     out, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(), num_groups, eps)
     return out, (x, num_groups, weight, bias, mean, rstd)
