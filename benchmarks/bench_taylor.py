@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import sys
 import time
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/src")  # this checkout's fxtools, when run as a script
 
@@ -102,6 +106,29 @@ def fxtools_batched(f, xs):
     return lambda x: lap(x)[1]
 
 
+def folx_laplacian(f, xs):
+    """folx's forward Laplacian (JAX, ``jax.jit`` of ``jax.vmap``, dense), in this process, when
+    ``import jax, folx`` works (the side environment's ``DIR/jax/bin/python`` with torch on its path)."""
+    try:
+        import jax
+        import jax.numpy as jnp
+        from folx import forward_laplacian
+    except ImportError:
+        return None
+    if xs.dtype == torch.float64:
+        jax.config.update("jax_enable_x64", True)
+    p = {k: jnp.asarray(v.numpy()) for k, v in f.params.items()}
+
+    def g(x):
+        h = jnp.tanh(x @ p["w0"] + p["b0"])
+        h = jnp.tanh(h @ p["w1"] + p["b1"])
+        return h @ p["w2"]
+
+    lap = jax.jit(jax.vmap(lambda x: forward_laplacian(g, sparsity_threshold=0)(x).laplacian))
+    jxs = jnp.asarray(xs.numpy())  # converted once: the timed call is folx's alone (on xs, as the others)
+    return lambda x: torch.from_numpy(np.asarray(lap(jxs).block_until_ready()))
+
+
 def jet_for_pytorch(f, xs):
     try:
         import jet
@@ -110,17 +137,20 @@ def jet_for_pytorch(f, xs):
     return torch.func.vmap(jet.laplacian(f.column, (xs[0],)))  # its rules lack dot: the last layer as a matrix
 
 
-def median_times(methods, x, repeat: int) -> dict:
-    """Each method's median time, the methods alternating call by call (the machine is shared)."""
+def median_times(methods, x, repeat: int) -> tuple[dict, dict]:
+    """Each method's median wall time and CPU time (the process's, all threads), the methods
+    alternating call by call (the machine is shared: CPU time leaves out the time others took)."""
     for fn in methods.values():
         fn(x)
     times: dict = {name: [] for name in methods}
+    cpu: dict = {name: [] for name in methods}
     for _ in range(repeat):
         for name, fn in methods.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn(x)
+            cpu[name].append(time.process_time() - c)
             times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: statistics.median(ts) for name, ts in times.items()}, {name: statistics.median(ts) for name, ts in cpu.items()}
 
 
 def peak_bytes(fn, x) -> int:
@@ -146,6 +176,7 @@ def run(dims, dtypes, repeat, inductor=False):
                 "batched u(X)": fxtools_batched(f, xs),
                 "jet-for-pytorch": jet_for_pytorch(f, xs),
                 "fxtools + Inductor": fxtools_inductor(f, xs) if inductor else None,
+                "folx": folx_laplacian(f, xs),
             }
             methods = {name: fn for name, fn in methods.items() if fn is not None}
             ref = methods["trace of hessian"](xs)
@@ -155,25 +186,30 @@ def run(dims, dtypes, repeat, inductor=False):
                 got = got[1] if isinstance(got, tuple) else got
                 err = ((got.reshape(ref.shape) - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
                 assert err < tol, f"{name}'s Laplacian differs from torch.func's by {err:.3g} (D={d}, {dtype})"
-            times = median_times(methods, xs, repeat)
-            peaks = {name: peak_bytes(fn, xs) for name, fn in methods.items()}
-            rows.append((str(dtype).removeprefix("torch."), d, times, peaks))
+            times, cpu = median_times(methods, xs, repeat)
+            peaks = {name: peak_bytes(fn, xs) for name, fn in methods.items() if name != "folx"}
+            rows.append((str(dtype).removeprefix("torch."), d, times, peaks, cpu))
             print(_row(rows[-1]), flush=True)
+            print("  CPU ms: " + ", ".join(f"{name} {c * 1e3:.2f}" for name, c in cpu.items()), flush=True)
     return rows
 
 
-COLUMNS = ["fxtools", "batched u(X)", "jet-for-pytorch", "trace of hessian", "vmap of hvp", "fxtools + Inductor"]
+COLUMNS = ["fxtools", "batched u(X)", "jet-for-pytorch", "trace of hessian", "vmap of hvp", "fxtools + Inductor", "folx"]
 HEADER = (
     "| dtype | D | "
     + " | ".join(f"{c} ms" for c in COLUMNS)
-    + " | fxtools / trace | fxtools / jet-for-pytorch | batched / fxtools | fxtools MB | trace MB |\n"
-    + "|---" * (len(COLUMNS) + 7)
+    + " | fxtools / trace | fxtools / jet-for-pytorch | batched / fxtools | fxtools MB | trace MB "
+    + "| CPU time: fxtools / folx | + Inductor / folx |\n"
+    + "|---" * (len(COLUMNS) + 9)
     + "|"
 )
 
 
 def _row(row) -> str:
-    dtype, d, t, p = row
+    dtype, d, t, p, cpu = row
+
+    def cpu_ratio(a, b):
+        return f"{cpu[a] / cpu[b]:.2f}x" if a in cpu and b in cpu else "-"
 
     def ms(name):
         return f"{t[name] * 1e3:.2f}" if name in t else "-"
@@ -184,7 +220,8 @@ def _row(row) -> str:
     return (
         f"| {dtype} | {d} | " + " | ".join(ms(c) for c in COLUMNS) + f" | {ratio('fxtools', 'trace of hessian')} "
         f"| {ratio('fxtools', 'jet-for-pytorch')} | {ratio('batched u(X)', 'fxtools')} "
-        f"| {p['fxtools'] / 2**20:.1f} | {p['trace of hessian'] / 2**20:.1f} |"
+        f"| {p['fxtools'] / 2**20:.1f} | {p['trace of hessian'] / 2**20:.1f} "
+        f"| {cpu_ratio('fxtools', 'folx')} | {cpu_ratio('fxtools + Inductor', 'folx')} |"
     )
 
 
