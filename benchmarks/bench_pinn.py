@@ -216,7 +216,7 @@ def main(argv=None):
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=["fxtools", "fxtools + Inductor", "folx"],
+        default=["fxtools", "fxtools + Inductor"],
         help=f"which of {COLUMNS} to time (all are checked against torch.func; separate processes for separate variants avoid one runtime slowing the other)",
     )
     opts = parser.parse_args(argv)

@@ -25,17 +25,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import statistics
 import sys
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/src")  # this checkout's fxtools, when run as a script
 
@@ -106,29 +102,6 @@ def fxtools_batched(f, xs):
     return lambda x: lap(x)[1]
 
 
-def folx_laplacian(f, xs):
-    """folx's forward Laplacian (JAX, ``jax.jit`` of ``jax.vmap``, dense), in this process, when
-    ``import jax, folx`` works (the side environment's ``DIR/jax/bin/python`` with torch on its path)."""
-    try:
-        import jax
-        import jax.numpy as jnp
-        from folx import forward_laplacian
-    except ImportError:
-        return None
-    if xs.dtype == torch.float64:
-        jax.config.update("jax_enable_x64", True)
-    p = {k: jnp.asarray(v.numpy()) for k, v in f.params.items()}
-
-    def g(x):
-        h = jnp.tanh(x @ p["w0"] + p["b0"])
-        h = jnp.tanh(h @ p["w1"] + p["b1"])
-        return h @ p["w2"]
-
-    lap = jax.jit(jax.vmap(lambda x: forward_laplacian(g, sparsity_threshold=0)(x).laplacian))
-    jxs = jnp.asarray(xs.numpy())  # converted once: the timed call is folx's alone (on xs, as the others)
-    return lambda x: torch.from_numpy(np.asarray(lap(jxs).block_until_ready()))
-
-
 def jet_for_pytorch(f, xs):
     try:
         import jet
@@ -176,7 +149,6 @@ def run(dims, dtypes, repeat, inductor=False):
                 "batched u(X)": fxtools_batched(f, xs),
                 "jet-for-pytorch": jet_for_pytorch(f, xs),
                 "fxtools + Inductor": fxtools_inductor(f, xs) if inductor else None,
-                "folx": folx_laplacian(f, xs),
             }
             methods = {name: fn for name, fn in methods.items() if fn is not None}
             ref = methods["trace of hessian"](xs)
@@ -187,29 +159,25 @@ def run(dims, dtypes, repeat, inductor=False):
                 err = ((got.reshape(ref.shape) - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
                 assert err < tol, f"{name}'s Laplacian differs from torch.func's by {err:.3g} (D={d}, {dtype})"
             times, cpu = median_times(methods, xs, repeat)
-            peaks = {name: peak_bytes(fn, xs) for name, fn in methods.items() if name != "folx"}
+            peaks = {name: peak_bytes(fn, xs) for name, fn in methods.items()}
             rows.append((str(dtype).removeprefix("torch."), d, times, peaks, cpu))
             print(_row(rows[-1]), flush=True)
             print("  CPU ms: " + ", ".join(f"{name} {c * 1e3:.2f}" for name, c in cpu.items()), flush=True)
     return rows
 
 
-COLUMNS = ["fxtools", "batched u(X)", "jet-for-pytorch", "trace of hessian", "vmap of hvp", "fxtools + Inductor", "folx"]
+COLUMNS = ["fxtools", "batched u(X)", "jet-for-pytorch", "trace of hessian", "vmap of hvp", "fxtools + Inductor"]
 HEADER = (
     "| dtype | D | "
     + " | ".join(f"{c} ms" for c in COLUMNS)
-    + " | fxtools / trace | fxtools / jet-for-pytorch | batched / fxtools | fxtools MB | trace MB "
-    + "| CPU time: fxtools / folx | + Inductor / folx |\n"
-    + "|---" * (len(COLUMNS) + 9)
+    + " | fxtools / trace | fxtools / jet-for-pytorch | batched / fxtools | fxtools MB | trace MB |\n"
+    + "|---" * (len(COLUMNS) + 7)
     + "|"
 )
 
 
 def _row(row) -> str:
-    dtype, d, t, p, cpu = row
-
-    def cpu_ratio(a, b):
-        return f"{cpu[a] / cpu[b]:.2f}x" if a in cpu and b in cpu else "-"
+    dtype, d, t, p, _ = row
 
     def ms(name):
         return f"{t[name] * 1e3:.2f}" if name in t else "-"
@@ -220,8 +188,7 @@ def _row(row) -> str:
     return (
         f"| {dtype} | {d} | " + " | ".join(ms(c) for c in COLUMNS) + f" | {ratio('fxtools', 'trace of hessian')} "
         f"| {ratio('fxtools', 'jet-for-pytorch')} | {ratio('batched u(X)', 'fxtools')} "
-        f"| {p['fxtools'] / 2**20:.1f} | {p['trace of hessian'] / 2**20:.1f} "
-        f"| {cpu_ratio('fxtools', 'folx')} | {cpu_ratio('fxtools + Inductor', 'folx')} |"
+        f"| {p['fxtools'] / 2**20:.1f} | {p['trace of hessian'] / 2**20:.1f} |"
     )
 
 
