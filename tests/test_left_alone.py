@@ -49,3 +49,65 @@ def test_hessian_where_a_data_dependent_size_batches():
         torch.func.jvp(torch.func.grad(lambda y: _repeat_loss(y, torch.tensor([2, 1, 0]))), (x,), (x,))[1],
         **TOL,
     )
+
+
+# --- cumprod: one division-free formula at zeros (it was two formulas side by side, 58 calls at n=5) ---
+
+
+def _cumprod_line(n, zeros, g):
+    x = torch.randn(n, dtype=torch.float64, generator=g)
+    for i in torch.randperm(n, generator=g)[:zeros].tolist():
+        x[i] = -0.0 if i % 2 else 0.0
+    return x
+
+
+def test_cumprod_derivatives_with_zeros_along_every_dim():
+    """grad, hvp, autograd over the gradient and (at the last dim) jvp against autograd /
+    torch.func in float64, with 0, 1 and 2 zeros (±0.0, at the ends too) in a line, along every dim."""
+    shape = (2, 3, 4)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(shape, dtype=torch.float64, generator=g)
+    for dim in range(len(shape)):
+
+        def f(x, dim=dim):
+            return (x.cumprod(dim) * w).sum()
+
+        x0 = torch.randn(shape, dtype=torch.float64, generator=g)
+        grad, hvp = fxtools.grad(f, x0), fxtools.hvp(f, x0)
+        jvp = fxtools.jvp(lambda x, dim=dim: x.cumprod(dim), x0) if dim == 2 else None
+        for zeros in (0, 1, 2):
+            x = torch.randn(shape, dtype=torch.float64, generator=g).movedim(dim, -1).contiguous()
+            for line in x.reshape(-1, shape[dim]):
+                line.copy_(_cumprod_line(shape[dim], min(zeros, shape[dim]), g))
+            x, v = x.movedim(-1, dim).contiguous(), torch.randn(shape, dtype=torch.float64, generator=g)
+            torch.testing.assert_close(grad(x), torch.func.grad(f)(x), **TOL)
+            torch.testing.assert_close(hvp(x, v), torch.func.jvp(torch.func.grad(f), (x,), (v,))[1], **TOL)
+            if jvp is not None:
+                torch.testing.assert_close(jvp(x, v), torch.func.jvp(lambda x, dim=dim: x.cumprod(dim), (x,), (v,)), **TOL)
+            xr = x.clone().requires_grad_()  # autograd's double backward through the generated gradient
+            (gg,) = torch.autograd.grad((grad(xr) * v).sum(), xr)
+            (want_gg,) = torch.autograd.grad((torch.autograd.grad(f(xr), xr, create_graph=True)[0] * v).sum(), xr)
+            torch.testing.assert_close(gg, want_gg, **TOL)
+
+
+def test_cumprod_lengths_one_to_seven_with_zeros():
+    """A line of every length 1..7 with 0, 1, 2 zeros: hvp against torch.func (the gradient: in
+    tests/test_last_ops.py at special values)."""
+    g = torch.Generator().manual_seed(7)
+    for n in range(1, 8):
+        ct = torch.randn(n, dtype=torch.float64, generator=g)
+
+        def f(x):
+            return (x.cumprod(0) * ct).sum()
+
+        hvp = fxtools.hvp(f, torch.randn(n, dtype=torch.float64))
+        for zeros in (0, 1, 2):
+            x, v = _cumprod_line(n, min(zeros, n), g), torch.randn(n, dtype=torch.float64, generator=g)
+            torch.testing.assert_close(hvp(x, v), torch.func.jvp(torch.func.grad(f), (x,), (v,))[1], **TOL)
+
+
+def test_cumprod_gradient_reads_short():
+    """Its generated VJP at n=5 is one formula: 30 calls (58 with the two formulas side by side)."""
+    gm = fxtools.vjp(lambda x: x.cumprod(0), torch.randn(5, dtype=torch.float64))
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    assert len(calls) <= 32, gm.code
