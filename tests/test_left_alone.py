@@ -1,5 +1,9 @@
 """Problems an earlier session saw and left alone: each test failed before its fix."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -111,3 +115,40 @@ def test_cumprod_gradient_reads_short():
     gm = fxtools.vjp(lambda x: x.cumprod(0), torch.randn(5, dtype=torch.float64))
     calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     assert len(calls) <= 32, gm.code
+
+
+# --- torch.compile of a JVP inside a checkpoint after fxtools captured a program ---
+
+_COMPILE_AFTER_CAPTURE = """
+import torch, torch.utils.checkpoint as cp
+import fxtools
+
+fxtools.vjp(lambda x: torch.func.jvp(torch.sin, (x,), (x,))[1].sum(), torch.randn(3))  # a capture first
+
+
+def inner(x, w):
+    return torch.func.jvp(lambda x: (x * w).sin(), (x,), (torch.ones_like(x),))[1]
+
+
+def loss(x, w):
+    return cp.checkpoint(inner, x, w, use_reentrant=False).pow(2).sum()
+
+
+x, w = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64, requires_grad=True)
+got = torch.compile(loss, backend="eager", fullgraph=True)(x, w)
+(got_grad,) = torch.autograd.grad(got, w)
+want = loss(x, w)
+torch.testing.assert_close(got, want)
+torch.testing.assert_close(got_grad, torch.autograd.grad(want, w)[0])
+print("ok")
+"""
+
+
+def test_torch_compile_of_a_jvp_in_a_checkpoint_after_a_capture():
+    """fxtools' capture wraps functorch's context managers while it runs; Dynamo, first imported
+    then, kept the wrappers in its table of them and later inlined the real ones (failing in
+    ``arg_tree_leaves``). A fresh interpreter: in this one Dynamo may be imported already."""
+    src = os.path.dirname(os.path.dirname(fxtools.__file__))
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_AFTER_CAPTURE], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
