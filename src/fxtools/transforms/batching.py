@@ -189,8 +189,7 @@ def refuse_data_dependent_batch(made_by: Transform, build, what: str, works: str
     op = getattr(getattr(node, "target", None), "__name__", "an op")
     where = (user_line_of(node) or _generated_line_of(node)) if node is not None else None
     raise DataDependentError(
-        f"{made_by} cannot batch {what} depends on tensor data: {op} at "
-        f"{where or 'an unknown line'} makes it ({works})"
+        f"{made_by} cannot batch {what} depends on tensor data: {op} at {where or 'an unknown line'} makes it ({works})"
     )
 
 

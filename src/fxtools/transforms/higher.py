@@ -185,5 +185,7 @@ def hessian(f, *args, argnums=0) -> fx.GraphModule:
         if not dynamic_nodes(hv_gm):
             raise
         again = functools.partial(hvp, f, *args, argnums=argnums)
-        refuse_data_dependent_batch(HESSIAN, again, "its Hessian-vector product, in which a size", "fxtools.hvp of the same function works")
+        refuse_data_dependent_batch(
+            HESSIAN, again, "its Hessian-vector product, in which a size", "fxtools.hvp of the same function works"
+        )
         raise

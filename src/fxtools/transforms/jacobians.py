@@ -29,7 +29,6 @@ from typing import Any, cast
 
 import torch
 import torch.fx as fx
-import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..codegen.show import remember_inputs
@@ -136,6 +135,7 @@ def jacrev(f, *args, argnums=0, has_aux=False, chunk_size=None) -> fx.GraphModul
     out_leaves, out_spec = _float_leaves(meta.OUT_EXAMPLE.get(vjp_gm), "output", JACREV.name)
     like = _first_tensor(out_leaves, JACREV.name, "outputs")
     total = sum(v.numel() for v in out_leaves if isinstance(v, torch.Tensor))
+
     def again():
         return vjp(f, *args, argnums=argnums, has_aux=has_aux)
 
