@@ -102,7 +102,7 @@ def _tensor_key(t, tracer):
 
 def _key(fn, args, kwargs, tracer):
     """``(key, tensors, nodes)``: the call's key, its distinct tensor arguments and their nodes."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves, spec = _flatten(args, kwargs)
     parts, tensors, nodes, index = [fn, spec], [], [], {}
     for x in leaves:
         if isinstance(x, torch.Tensor):
@@ -121,6 +121,34 @@ def _key(fn, args, kwargs, tracer):
     if len(set(nodes)) != len(nodes):
         raise _Unkeyable  # two tensors traced to one node: copies could not tell them apart
     return key, tensors, nodes
+
+
+def _flatten(args, kwargs):
+    """``(leaves, structure)`` of a call's arguments: ``pytree.tree_flatten``'s, read directly when
+    they are nested tuples and lists (what rules take), where the structure lists, in order, each
+    container's type and length and a ``None`` for each leaf."""
+    if kwargs:
+        return pytree.tree_flatten((args, kwargs))
+    leaves: list = []
+    shape: list = []
+
+    def walk(xs):
+        for x in xs:
+            t = type(x)
+            if t is tuple or t is list:
+                shape.append((t, len(x)))
+                if not walk(x):
+                    return False
+            elif t in _ATOMS or t is float or t is complex or t is slice or isinstance(x, torch.Tensor):
+                leaves.append(x)
+                shape.append(None)
+            else:
+                return False  # a pytree node of another kind (dict, namedtuple): pytree's own flattening
+        return True
+
+    if not walk(args):
+        return pytree.tree_flatten((args, kwargs))
+    return leaves, (len(args), *shape)
 
 
 class _Like:
@@ -192,6 +220,25 @@ def _likes(node: fx.Node):
     return None if node.target is operator.getitem else _Like(val)
 
 
+def _node_maker(tracer):
+    """``create(old, args, kwargs)``: a node like recorded ``old``, made through ``tracer``'s
+    ``create_node``. make_fx's own (``PythonKeyTracer.create_node``) adds to an op's node only what
+    the op's tags ask (``eager_input_vals``); a copy of a node that got none is made by the
+    ``fx.proxy.TracerBase`` method it extends, which sets the rest (the current meta of
+    ``fx.traceback.set_current_meta``, sequence numbers): the same node, without asking again."""
+    full = tracer.create_node
+    if type(tracer).create_node is not proxy_tensor.PythonKeyTracer.create_node:
+        return lambda old, args, kwargs: full(old.op, old.target, args, kwargs, name=old.name)
+    base = fx.proxy.TracerBase.create_node
+
+    def create(old, args, kwargs):
+        if old.op != "call_function" or "eager_input_vals" in old.meta:
+            return full(old.op, old.target, args, kwargs, name=old.name)
+        return base(tracer, old.op, old.target, args, kwargs, name=old.name)
+
+    return create
+
+
 class _Recording:
     """The nodes one call added, and how its result is made of them."""
 
@@ -203,6 +250,7 @@ class _Recording:
         self.returned = {x for kind, x in out_leaves if kind == "node"}
         self.mode = mode  # the FakeTensorMode of every recorded value
         self.likes: dict | None = None  # node -> _Like of its value (a tuple for several): on the first replay
+        self.kept: dict | None = None  # node -> the meta entries its copies take from it: on the first replay
 
     @classmethod
     def make(cls, nodes, inputs, tensors, out, tracer):
@@ -257,13 +305,15 @@ class _Recording:
         """Add copies of the recorded nodes reading ``nodes``; the call's result."""
         env = dict(zip(self.inputs, nodes))
         vals = {}
-        likes = self.likes
-        if likes is None:  # read once, when first replayed: many calls recorded never are
+        likes, kept = self.likes, self.kept
+        if likes is None or kept is None:  # read once, when first replayed: many calls recorded never are
             likes = self.likes = {node: _likes(node) for node in self.nodes}
+            kept = self.kept = {node: [(k, v) for k, v in node.meta.items() if k not in _CREATED] for node in self.nodes}
         metas = self.metas(likes)
+        create = _node_maker(tracer)
         for old in self.nodes:
             args, kwargs = fx.node.map_arg((old.args, old.kwargs), lambda n: env.get(n, n))
-            new = env[old] = tracer.create_node(old.op, old.target, args, kwargs, name=old.name)
+            new = env[old] = create(old, args, kwargs)
             val, like = old.meta["val"], likes[old]
             if isinstance(val, (tuple, list)):  # its items are tracked by their getitem copies
                 pairs = [(None, None) if v is None else v.fresh(m) for v, m in zip(like, metas[old])]
@@ -281,8 +331,8 @@ class _Recording:
                     vals[old] = t
                     proxy_tensor.track_tensor(t, tracer.proxy(new), constant=None, tracer=tracer)
                     new.meta["val"] = snapshot
-            for k, v in old.meta.items():  # tensor_meta: the same metadata
-                if k not in _CREATED and k not in new.meta:
+            for k, v in kept[old]:  # tensor_meta: the same metadata
+                if k not in new.meta:
                     new.meta[k] = v
         leaves = [tensors[x] if kind == "arg" else vals[x] if kind == "node" else x for kind, x in self.out_leaves]
         return pytree.tree_unflatten(leaves, self.out_spec)
