@@ -29,6 +29,7 @@ from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_impls import fast_detach
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.fx.experimental import proxy_tensor
+from torch.fx.immutable_collections import immutable_list
 from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
@@ -124,20 +125,23 @@ def _key(fn, args, kwargs, tracer):
 
 
 def _flatten(args, kwargs):
-    """``(leaves, structure)`` of a call's arguments: ``pytree.tree_flatten``'s, read directly when
-    they are nested tuples and lists (what rules take), where the structure lists, in order, each
-    container's type and length and a ``None`` for each leaf."""
-    if kwargs:
-        return pytree.tree_flatten((args, kwargs))
+    """``(leaves, structure)`` of a call's arguments, as ``pytree.tree_flatten`` but read directly
+    when they are nested tuples, lists and dicts (what rules and ops take): the structure lists, in order,
+    the keyword names, each container's type and length and a ``None`` for each leaf (a TreeSpec,
+    hashed at each look-up, costs more than the rest of the key)."""
     leaves: list = []
-    shape: list = []
+    shape: list = [tuple(kwargs)] if kwargs else []
 
     def walk(xs):
         for x in xs:
             t = type(x)
-            if t is tuple or t is list:
+            if t is tuple or t is list or t is immutable_list:
                 shape.append((t, len(x)))
                 if not walk(x):
+                    return False
+            elif t is dict:
+                shape.append((t, tuple(x)))
+                if not walk(x.values()):
                     return False
             elif t in _ATOMS or t is float or t is complex or t is slice or isinstance(x, torch.Tensor):
                 leaves.append(x)
@@ -146,7 +150,7 @@ def _flatten(args, kwargs):
                 return False  # a pytree node of another kind (dict, namedtuple): pytree's own flattening
         return True
 
-    if not walk(args):
+    if not walk(args) or (kwargs and not walk(kwargs.values())):
         return pytree.tree_flatten((args, kwargs))
     return leaves, (len(args), *shape)
 
