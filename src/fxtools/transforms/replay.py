@@ -224,23 +224,19 @@ def _likes(node: fx.Node):
     return None if node.target is operator.getitem else _Like(val)
 
 
-def _node_maker(tracer):
-    """``create(old, args, kwargs)``: a node like recorded ``old``, made through ``tracer``'s
-    ``create_node``. make_fx's own (``PythonKeyTracer.create_node``) adds to an op's node only what
-    the op's tags ask (``eager_input_vals``); a copy of a node that got none is made by the
-    ``fx.proxy.TracerBase`` method it extends, which sets the rest (the current meta of
-    ``fx.traceback.set_current_meta``, sequence numbers): the same node, without asking again."""
-    full = tracer.create_node
-    if type(tracer).create_node is not proxy_tensor.PythonKeyTracer.create_node:
-        return lambda old, args, kwargs: full(old.op, old.target, args, kwargs, name=old.name)
-    base = fx.proxy.TracerBase.create_node
+def _base_create_node(tracer):
+    """The ``create_node`` a copy of a plain op's node can be made by, or None. make_fx's own
+    (``PythonKeyTracer.create_node``) adds to an op's node only what the op's tags ask
+    (``eager_input_vals``); a copy of a node that got none is made by the ``fx.proxy.TracerBase``
+    method it extends, which sets the rest (the current meta of ``fx.traceback.set_current_meta``,
+    sequence numbers): the same node, without asking again."""
+    if type(tracer).create_node is proxy_tensor.PythonKeyTracer.create_node:
+        return fx.proxy.TracerBase.create_node
+    return None
 
-    def create(old, args, kwargs):
-        if old.op != "call_function" or "eager_input_vals" in old.meta:
-            return full(old.op, old.target, args, kwargs, name=old.name)
-        return base(tracer, old.op, old.target, args, kwargs, name=old.name)
 
-    return create
+def _plain(node: fx.Node) -> bool:
+    return node.op == "call_function" and "eager_input_vals" not in node.meta
 
 
 class _Recording:
@@ -255,6 +251,7 @@ class _Recording:
         self.mode = mode  # the FakeTensorMode of every recorded value
         self.likes: dict | None = None  # node -> _Like of its value (a tuple for several): on the first replay
         self.kept: dict | None = None  # node -> the meta entries its copies take from it: on the first replay
+        self.plain = {node for node in nodes if _plain(node)}  # copies made by ``_base_create_node``
 
     @classmethod
     def make(cls, nodes, inputs, tensors, out, tracer):
@@ -314,10 +311,14 @@ class _Recording:
             likes = self.likes = {node: _likes(node) for node in self.nodes}
             kept = self.kept = {node: [(k, v) for k, v in node.meta.items() if k not in _CREATED] for node in self.nodes}
         metas = self.metas(likes)
-        create = _node_maker(tracer)
+        base = _base_create_node(tracer)
         for old in self.nodes:
             args, kwargs = fx.node.map_arg((old.args, old.kwargs), lambda n: env.get(n, n))
-            new = env[old] = create(old, args, kwargs)
+            if base is not None and old in self.plain:
+                new = base(tracer, old.op, old.target, args, kwargs, name=old.name)
+            else:
+                new = tracer.create_node(old.op, old.target, args, kwargs, name=old.name)
+            env[old] = new
             val, like = old.meta["val"], likes[old]
             if isinstance(val, (tuple, list)):  # its items are tracked by their getitem copies
                 pairs = [(None, None) if v is None else v.fresh(m) for v, m in zip(like, metas[old])]

@@ -218,7 +218,7 @@ class _Transposer(Retracer):
         """Add cotangent ``c`` into ``node``'s (``None`` adds nothing)."""
         if c is None or node not in self.need:
             return
-        if isinstance(c, torch.Tensor) and _dtype(c) != node.meta["val"].dtype:
+        if isinstance(c, torch.Tensor) and _dtype(c) != _dtype(node.meta["val"]):
             # a complex cotangent reaching a real value keeps its real part, as in autograd
             c = self.memo.call(registry.cast_cotangent, c, node.meta["val"].dtype)
         self.ct[node] = c if node not in self.ct else self.memo.call(operator.add, self.ct[node], c)
