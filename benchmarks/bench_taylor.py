@@ -110,17 +110,20 @@ def jet_for_pytorch(f, xs):
     return torch.func.vmap(jet.laplacian(f.column, (xs[0],)))  # its rules lack dot: the last layer as a matrix
 
 
-def median_times(methods, x, repeat: int) -> dict:
-    """Each method's median time, the methods alternating call by call (the machine is shared)."""
+def median_times(methods, x, repeat: int) -> tuple[dict, dict]:
+    """Each method's median wall time and CPU time (the process's, all threads), the methods
+    alternating call by call (the machine is shared: CPU time leaves out the time others took)."""
     for fn in methods.values():
         fn(x)
     times: dict = {name: [] for name in methods}
+    cpu: dict = {name: [] for name in methods}
     for _ in range(repeat):
         for name, fn in methods.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn(x)
+            cpu[name].append(time.process_time() - c)
             times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: statistics.median(ts) for name, ts in times.items()}, {name: statistics.median(ts) for name, ts in cpu.items()}
 
 
 def peak_bytes(fn, x) -> int:
@@ -155,10 +158,11 @@ def run(dims, dtypes, repeat, inductor=False):
                 got = got[1] if isinstance(got, tuple) else got
                 err = ((got.reshape(ref.shape) - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
                 assert err < tol, f"{name}'s Laplacian differs from torch.func's by {err:.3g} (D={d}, {dtype})"
-            times = median_times(methods, xs, repeat)
+            times, cpu = median_times(methods, xs, repeat)
             peaks = {name: peak_bytes(fn, xs) for name, fn in methods.items()}
-            rows.append((str(dtype).removeprefix("torch."), d, times, peaks))
+            rows.append((str(dtype).removeprefix("torch."), d, times, peaks, cpu))
             print(_row(rows[-1]), flush=True)
+            print("  CPU ms: " + ", ".join(f"{name} {c * 1e3:.2f}" for name, c in cpu.items()), flush=True)
     return rows
 
 
@@ -173,7 +177,7 @@ HEADER = (
 
 
 def _row(row) -> str:
-    dtype, d, t, p = row
+    dtype, d, t, p, _ = row
 
     def ms(name):
         return f"{t[name] * 1e3:.2f}" if name in t else "-"

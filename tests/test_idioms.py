@@ -489,9 +489,11 @@ def test_reduction_rules_at_special_values(name):
         xe = x.clone().requires_grad_()
         out = f(xe)
         ct = torch.ones_like(out)
-        (want,) = torch.autograd.grad(out, xe, ct)
+        # cumprod: autograd's two formulas differ at a zero beside an inf or NaN; fxtools has the
+        # one of create_graph=True (its double backward's, without division)
+        (want,) = torch.autograd.grad(out, xe, ct, create_graph=name == "cumprod")
         _, (got,) = gm(x, ct)
-        assert_same_specials(got, want, [x], signed_zeros=i not in _PROD_TWO_ZEROS.get(name, ()))
+        assert_same_specials(got, want.detach(), [x], signed_zeros=i not in _PROD_TWO_ZEROS.get(name, ()))
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -420,6 +422,18 @@ def test_split_pinn_loss():
     want = torch.func.grad(pinn_loss_reference)(params, xs)
     for k in params:
         close(grads[0][k], want[k])
+
+
+def test_pinn_benchmark_step_is_exact():
+    """``benchmarks/bench_pinn.py``'s step (three hidden layers, a boundary term, a summed output):
+    fxtools' loss and gradient are torch.func's, as the benchmark checks before timing."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import bench_pinn
+
+    params = bench_pinn.make_params(3, 6, 3)
+    inside, edge = randn(4, 3, seed=11), randn(4, 3, seed=12)
+    methods = {"torch.func": bench_pinn.torch_func_step(), "fxtools": bench_pinn.fxtools_step(params, inside, edge)}
+    bench_pinn.check(methods, (params, inside, edge))
 
 
 # ------------------------------------------------------------------------------------------

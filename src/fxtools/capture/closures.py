@@ -53,6 +53,34 @@ def _loads(code):
             yield from _loads(const)
 
 
+def _module_chains(code):
+    """``(global name, attributes, line)`` for each ``module.a.b`` chain ``code`` (and the code
+    nested in it) loads (``torch.backends.cudnn.enabled``)."""
+    ins = list(dis.get_instructions(code))
+    for i, first in enumerate(ins):
+        if first.opname in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(first.argval, str):
+            path = []
+            for nxt in ins[i + 1 :]:
+                if nxt.opname != "LOAD_ATTR" or not isinstance(nxt.argval, str):
+                    break
+                path.append(nxt.argval)
+            if path:
+                yield first.argval, tuple(path), _line(code, getattr(getattr(first, "positions", None), "lineno", None))
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            yield from _module_chains(const)
+
+
+def _chain_get(module, path):
+    """``module.a.b`` now, or ``MISSING``."""
+    value = module
+    for name in path:
+        value = getattr(value, name, MISSING)
+        if value is MISSING:
+            break
+    return value
+
+
 def _attributes(obj) -> dict:
     """``vars(obj)``, or {} for an object without instance attributes. The walk reads the user's
     objects by introspection (their attribute dicts, as ``vars`` gives them): they are foreign
@@ -90,6 +118,10 @@ def _default(fn, i):
     return defaults[i] if i < len(defaults) else MISSING
 
 
+def _partial_arg(p, i):
+    return p.args[i] if i < len(p.args) else MISSING
+
+
 def _cell_get(cell):
     try:
         return cell.cell_contents
@@ -113,6 +145,9 @@ class _Walk:
         if isinstance(f, torch.nn.Module):
             self.obj(f, "", type(f).__name__ + ".")
             return
+        if isinstance(f, functools.partial):
+            self.partial(f)
+            return
         module = getattr(f, "__fxtools_module__", None)
         if isinstance(module, torch.nn.Module):
             self.obj(module, "", type(module).__name__ + ".")
@@ -123,6 +158,18 @@ class _Walk:
             self.function(f, 0)
         elif callable(f) and not isinstance(f, (type, types.BuiltinFunctionType)) and hasattr(f, "__dict__"):
             self.obj(f, "", type(f).__name__ + ".")
+
+    def partial(self, p: functools.partial) -> None:
+        """A ``functools.partial``: its bound arguments are read as closure variables are (its
+        ``keywords`` dict can be changed), and its function as a root."""
+        self.seen.add(id(p))
+        name = getattr(p.func, "__name__", "partial")
+        for i, value in enumerate(p.args):
+            self.value(value, functools.partial(_partial_arg, p, i), f"argument {i} of partial({name})", None, f"arg{i}", 0)
+        for key, value in list(p.keywords.items()):
+            get = functools.partial(_get_item, p.keywords, key)
+            self.value(value, get, f"{key}= of partial({name})", None, key, 0)
+        self.root(p.func)
 
     def function(self, fn, depth) -> None:
         wrapped = getattr(fn, "__wrapped__", None)  # functools.wraps: torch.func.vmap(f), a decorator
@@ -140,6 +187,8 @@ class _Walk:
         user = is_user_file(code.co_filename) or code.co_filename.startswith("<")  # exec'd code, the REPL
         if user:
             self._defaults(fn, code, depth)
+        if user:
+            self._flags(code, globals_)
         for kind, name, where in _loads(code):
             if kind == "attr":
                 self.attr_names.add(name)
@@ -153,6 +202,17 @@ class _Walk:
                 if value is not MISSING:
                     get = functools.partial(_cell_get, cells[name])
                     self.value(value, get, f"the closure variable {name}", where, name, depth)
+
+    def _flags(self, code, globals_) -> None:
+        """Plain values the code reads through an installed module (``torch.backends.cudnn.enabled``,
+        a library's flag): guarded by value, as the user's own configuration is."""
+        for name, path, where in _module_chains(code):
+            module = globals_.get(name)
+            if isinstance(module, types.ModuleType) and not _own_file(module):
+                get = functools.partial(_chain_get, module, path)
+                value = get()
+                if type(value) in (bool, int, float, str):
+                    self.reads.append(Read(".".join((name, *path)), get, "value", value, where))
 
     def _defaults(self, fn, code, depth) -> None:
         """Default values of ``fn``'s parameters (``def loss(x, cfg=CONFIG)``): read like globals,

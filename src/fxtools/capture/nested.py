@@ -283,6 +283,9 @@ def _linearize(original):
 def nested_transforms():
     """While active, torch.func transforms are traced below functorch and replayed (see the module
     docstring); functorch levels entered any other way raise ``NestedTransformError``."""
+    # Dynamo's table of functorch's context managers holds the functions it finds when imported:
+    # import it before they are wrapped below, or a later torch.compile of torch.func.jvp fails
+    import torch._dynamo.variables.torch  # noqa: F401
     import torch._functorch.apis as apis
     import torch._functorch.eager_transforms as eager
     import torch._functorch.vmap as vmap

@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -33,10 +35,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
-from ..errors import FxtoolsError, current_user_line, user_line_of
+from ..errors import FXTOOLS_DIR, FxtoolsError, current_user_line, is_user_file, user_line_of
 from ..graph import meta
 
 
@@ -245,7 +249,49 @@ def numpy(tensor, *args, **kwargs):
     )
 
 
+# frames between a user's call of an autograd function and its replacement
+_PASSED = ("torch/autograd/", "torch/overrides.py", "torch/_tensor.py", "torch/fx/experimental/proxy_tensor.py")
+
+
+def _called_by_user() -> bool:
+    """Whether the autograd call being replaced is the user's own (not torch.func's machinery)."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        fxtools_mode = name.startswith(FXTOOLS_DIR) and frame.f_code.co_name in ("__torch_function__", "refuse")
+        if not (fxtools_mode or any(p in name for p in _PASSED)):
+            return is_user_file(name)
+        frame = frame.f_back
+    return False
+
+
+def _autograd_call(name: str):
+    """``torch.autograd.grad`` / ``.backward()`` of traced values while fxtools traces: refused,
+    naming the user's line. The trace records no autograd graph of its values, so the gradient
+    would be a constant of the code (a fake tensor), not a function of the inputs."""
+
+    def refuse(*args, **kwargs):
+        traced = any(
+            isinstance(t, FakeTensor) or torch._C._functorch.is_functorch_wrapped_tensor(t)
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        )
+        if not traced or not _called_by_user():
+            return NotImplemented
+        raise FxtoolsError(
+            f"{name} (at {current_user_line()}) differentiates with autograd inside the program fxtools "
+            "traces; the trace records no autograd graph, so the gradient would be a constant of the code. "
+            "Write it with torch.func.grad, torch.func.vjp or torch.func.jacrev (or fxtools.laplacian, "
+            "fxtools.jvp for derivatives with respect to inputs), which fxtools differentiates as written."
+        )
+
+    return refuse
+
+
 REPLACEMENTS: dict[Any, Callable[..., Any]] = {
+    torch.autograd.grad: _autograd_call("torch.autograd.grad"),
+    torch.autograd.backward: _autograd_call("torch.autograd.backward"),
+    torch.Tensor.backward: _autograd_call(".backward()"),
     torch.Tensor.numpy: numpy,
     torch.Tensor.__setitem__: setitem,
     F.ctc_loss: ctc_loss,

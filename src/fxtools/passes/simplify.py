@@ -363,10 +363,15 @@ def _ancestors(node: fx.Node) -> set:
     return seen
 
 
+_CONTIGUOUS_KERNELS = {aten.native_group_norm.default}
+
+
 def _no_op_view(node, rw):
     """A view, conversion or ``contiguous`` to the same shape, dtype and device is its input.
 
-    ``contiguous()`` of a transposed tensor is not a no-op: a later ``.view`` needs it.
+    ``contiguous()`` of a transposed tensor is not a no-op: a later ``.view`` needs it. Nor is one
+    before a kernel that refuses other layouts (``native_group_norm``): a call of the module with
+    another layout than the example's needs it, and on a contiguous tensor it copies nothing.
     """
     x, t = node.args[0], node.target
     if t is aten.detach.default:
@@ -375,9 +380,22 @@ def _no_op_view(node, rw):
         isinstance(x, fx.Node)
         and _same_type(x, node)
         and (t not in _CONVERSIONS or _same_device(x, node))
-        and (t is not aten.contiguous.default or _val(x).is_contiguous())
+        and (
+            t is not aten.contiguous.default
+            or (_val(x).is_contiguous() and not _CONTIGUOUS_KERNELS & {u.target for u in node.users})
+        )
     ):
         return x
+    return None
+
+
+def _contiguous_operand(node, rw):
+    """A kernel of ``_CONTIGUOUS_KERNELS`` reads ``x.contiguous()``, as the composite op calling it
+    (``group_norm``) does: a trace on a contiguous example (or a retrace of generated code) drops
+    that call, and the module would refuse other layouts eager runs. Changes ``node`` in place."""
+    x = node.args[0]
+    if isinstance(x, fx.Node) and x.target is not aten.contiguous.default:
+        node.update_arg(0, rw.new(node, aten.contiguous.default, (x,)))
     return None
 
 
@@ -451,6 +469,7 @@ _REWRITE_FAMILIES = (
     ((aten.detach.default,), _detach),
     ((*_VIEWS, *_CONVERSIONS, aten.contiguous.default), _no_op_view),
     (_RESHAPES, _reshape_of_reshape),
+    (tuple(_CONTIGUOUS_KERNELS), _contiguous_operand),
     ((aten.transpose.int,), _transpose_of_transpose),
     ((aten.sum.dim_IntList,), _sum_of_all_dims),
     ((aten.t.default, aten.mT.default, aten.transpose.int), _canonical_transpose),

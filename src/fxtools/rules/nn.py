@@ -163,24 +163,40 @@ def native_layer_norm(ct, out, x, normalized_shape, weight, bias, eps):
     return dx, None, dw, db
 
 
+def _opmath(t):
+    """``t`` in the dtype PyTorch's kernels compute half-precision values in (float32)."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _opmath_or_none(t):
+    return t if t is None or not t.is_floating_point() else _opmath(t)
+
+
+def _cast(t, dtype):
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
 def rms_norm_fwd(x, normalized_shape, weight=None, eps=None):
+    """As eager's: in float32 (with float32's eps) for a half-precision ``x``, in ``x``'s dtype."""
     dims = list(range(x.dim() - len(normalized_shape), x.dim()))
-    eps = torch.finfo(x.dtype).eps if eps is None else eps
-    rstd = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
-    out = x * rstd
+    xo = _opmath(x)
+    eps = torch.finfo(xo.dtype).eps if eps is None else eps
+    rstd = torch.rsqrt(xo.pow(2).mean(dims, keepdim=True) + eps)
+    out = xo * rstd
     if weight is not None:
         out = out * weight
-    return out, (x, normalized_shape, weight, rstd)
+    return _cast(out, x.dtype), (x, normalized_shape, weight, rstd)
 
 
 def rms_norm_bwd(aux, ct):
     x, shape, weight, rstd = aux
     dims = list(range(x.dim() - len(shape), x.dim()))
-    xhat = x * rstd
+    xhat = _opmath(x) * rstd
+    ct = _cast(ct, xhat.dtype if weight is None else torch.promote_types(xhat.dtype, weight.dtype))
     g = ct * weight if weight is not None else ct
     dx = rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))
     dw = _sum_leading(ct * xhat, len(shape)) if weight is not None else None
-    return dx, None, dw, None
+    return _cast(dx, x.dtype), None, None if dw is None else _cast(dw, weight.dtype), None
 
 
 register_vjp(aten.rms_norm, rms_norm_fwd, rms_norm_bwd, source="hand-written", complex="real")
@@ -219,6 +235,8 @@ def _group_norm_grads(ct, x, weight, bias, groups, stats, ct_stats=(None, None))
 
 
 def group_norm_fwd(x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
+    # As eager's group_norm: the kernel reads a contiguous input.
+    x = x.contiguous()
     n, c = x.shape[0], x.shape[1]
     out, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(), num_groups, eps)
     return out, (x, num_groups, weight, bias, mean, rstd)
@@ -779,6 +797,9 @@ def sdpa_fwd(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=N
 
 def sdpa_bwd(aux, ct):
     q, k, v, attn_mask, is_causal, scale, enable_gqa, keep = aux
+    if q.dtype in (torch.float16, torch.bfloat16):  # in float32, as eager's kernels compute it
+        grads = sdpa_bwd((*map(_opmath_or_none, (q, k, v, attn_mask)), is_causal, scale, enable_gqa, keep), _opmath(ct))
+        return tuple(_cast(g, t.dtype) if g is not None else None for g, t in zip(grads, (q, k, v, attn_mask)))
     kr, vr = _repeat_heads(k, q, enable_gqa), _repeat_heads(v, q, enable_gqa)
     probs = _attention_probs(q, kr, attn_mask, is_causal, scale)
     dropped = probs if keep is None else probs * keep

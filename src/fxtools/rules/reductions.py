@@ -181,45 +181,26 @@ def cumsum(ct, out, x, dim, dtype=None):
     return cast(rev_cumsum(ct, dim) if x.dim() else ct, x)
 
 
-def _shift_back(t, d, s):
-    """``t`` moved ``s`` places towards the start along ``d``, zeros filling the end."""
-    return torch.cat([t.narrow(d, s, t.shape[d] - s), torch.zeros_like(t.narrow(d, 0, s))], d)
-
-
-def _cumprod_grad_exact(ct, x, d):
-    """``sum_{j >= i} ct_j prod_{l <= j, l != i} x_l`` without dividing, so that its own derivative
-    is exact at zeros (hvp): the product of the elements before ``i`` times ``q_i``, where
-    ``q_i = ct_i + x_{i+1} q_{i+1}`` is solved by a doubling scan (``log2(n)`` steps of products)."""
-    n = x.shape[d]
-    before = torch.cat([torch.ones_like(x.narrow(d, 0, 1)), x.narrow(d, 0, n - 1)], d).cumprod(d)
-    q, a, s = ct, _shift_back(x, d, 1), 1
-    while s < n:
-        q = q + a * _shift_back(q, d, s)
-        a = a * _shift_back(a, d, s) if 2 * s < n else a
-        s *= 2
-    return before * q + 0.0  # +0.0 where autograd's sum of products with a zero gives it, not -0.0
-
-
 @vjp_rule(aten.cumprod.default)
 def cumprod(ct, out, x, dim, dtype=None):
-    """autograd's ``cumprod_backward``, zeros, infs and NaNs included: before the first zero of a
-    line, ``rev_cumsum(ct * out) / x`` over that stretch only; at the first zero, the product of the
-    elements before it times the sum over the outputs up to the second zero of their cotangent times
-    the product of the elements between; after it, 0. A finite line with a zero takes the formula
-    without division (``_cumprod_grad_exact``), whose derivative is the second one of cumprod."""
-    if x.numel() <= 1 or x.shape[dim] == 1:
+    """``grad_i = sum_{j >= i} ct_j prod_{l <= j, l != i} x_l``. A line without zeros takes
+    autograd's ``rev_cumsum(ct * out) / x``; a line with a zero the same sum without dividing, as
+    autograd's double backward computes it (infs and NaNs included): the product of the elements
+    before ``i`` times, for each ``j``, the product of those after ``i`` up to ``j``
+    (``n * n`` products per line). Polynomial in ``x``, its own derivative is cumprod's second one
+    at zeros too (hvp)."""
+    if x.dim() == 0 or x.shape[dim] == 1 or x.numel() == 0:
         return cast(ct, x)
+    n = x.shape[dim]
     zero = x == 0
-    seen = zero.cumsum(dim)
-    before = seen == 0
-    first_zero = torch.logical_and(zero, seen == 1)
-    between = torch.logical_and(seen == 1, torch.logical_not(zero))
-    at_before = rev_cumsum(torch.where(before, ct * out, 0), dim) / torch.where(before, x, 1)
-    after_first = torch.where(between, x, 1).cumprod(dim) * torch.where(seen == 1, ct, 0)
-    at_first = torch.where(before, x, 1).prod(dim, keepdim=True) * after_first.sum(dim, keepdim=True)
-    grad = torch.where(before, at_before, torch.where(first_zero, at_first, 0))
-    exact = torch.logical_and(zero.any(dim, keepdim=True), x.isfinite().all(dim, keepdim=True))
-    return cast(torch.where(exact, _cumprod_grad_exact(ct, x, dim), grad), x)
+    quotient = rev_cumsum(ct * out, dim) / torch.where(zero, 1, x)  # finite where unused: so is its derivative
+    xs, cts = x.movedim(dim, -1), ct.movedim(dim, -1)
+    before = torch.cat([torch.ones_like(xs[..., :1]), xs[..., :-1]], -1).cumprod(-1)
+    from_i = torch.ones(n, n, dtype=torch.bool, device=x.device).triu()  # [i, j]: j >= i
+    after_i = torch.where(from_i.triu(1), xs.unsqueeze(-2), 1).cumprod(-1)  # [i, j]: x_{i+1} ... x_j
+    terms = cts.unsqueeze(-2) * (before.unsqueeze(-1) * after_i)
+    products = torch.where(from_i, terms, 0).sum(-1).movedim(-1, dim)
+    return cast(torch.where(zero.any(), products, quotient), x)
 
 
 @vjp_rule(aten.logcumsumexp.default, complex="real")  # splits ct by sign

@@ -148,7 +148,10 @@ class Cond:
         scope = {f"v{i}": v for i, v in enumerate(values)}
         names = {"__builtins__": {}, "max": max, "min": min, "round": round, "abs": abs, "math": _Math, "torch": torch}
         code = compile(self.test, "<fxtools guard>", "eval")  # (a file name that is not the user's program)
-        return bool(eval(code, names, scope))  # noqa: S307 - fxtools' own printed sympy (torch's PythonPrinter)
+        try:
+            return bool(eval(code, names, scope))  # noqa: S307 - fxtools' own printed sympy (torch's PythonPrinter)
+        except ZeroDivisionError:  # a size outside the traced range (0: ``x.chunk(3)``'s ``n // ceil(n / 3)``)
+            return False
 
 
 class _Math:

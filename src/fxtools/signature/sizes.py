@@ -64,12 +64,25 @@ class Symbolic:
         return self.fake_mode.shape_env
 
 
+def _static(arg):
+    """``None`` for every leaf of ``arg``, nested as torch.export reads dynamic_shapes: dicts, lists
+    and tuples as themselves, another registered pytree class (fxtools' ``ClosedOver``, a user's
+    dataclass) as the list of its children."""
+    node = pytree.SUPPORTED_NODES.get(type(arg))
+    if node is None or arg is None:
+        return None
+    if type(arg) in (dict, list, tuple):
+        return pytree.tree_map(lambda _: None, arg, is_leaf=lambda x: x is None)
+    children, _ = node.flatten_fn(arg)
+    return [_static(c) for c in children]
+
+
 def _complete(arg, spec, where):
     """``spec`` for ``arg`` with ``None`` standing for a whole (sub)structure expanded to its leaves."""
     if isinstance(arg, torch.Tensor):
         return spec
     if spec is None:
-        return pytree.tree_map(lambda _: None, arg, is_leaf=lambda x: x is None)
+        return _static(arg)
     if isinstance(arg, dict) and isinstance(spec, dict):
         unknown = set(spec) - set(arg)
         if unknown:
@@ -183,6 +196,8 @@ def _dim_names(specs, fake_args, signature) -> tuple[dict, dict]:
     names, declared = {}, {}
     for name, arg in zip(signature.parameters, fake_args):
         spec = specs[name]
+        if all(s is None for s in pytree.tree_leaves(spec)):  # nothing marked (a registered class: a list)
+            continue
 
         def visit(t, s):
             if not isinstance(t, torch.Tensor) or s is None:

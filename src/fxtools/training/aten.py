@@ -196,11 +196,19 @@ def _input_mutations(gm: fx.GraphModule) -> list[tuple[int, fx.Node]]:
     return found
 
 
+def _is_size_arithmetic(n: fx.Node) -> bool:
+    """Python arithmetic on symbolic sizes (``operator.mul`` of two ``sym_size``: a flatten's
+    size), which make_fx records with symbolic sizes and compilers take, as in AOTAutograd's graphs."""
+    return isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)) and not isinstance(
+        n.target, torch._ops.OpOverload
+    )
+
+
 def _check_functional(gm: fx.GraphModule, which: str) -> None:
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        if n.target is operator.getitem:
+        if n.target is operator.getitem or _is_size_arithmetic(n):
             continue
         if not isinstance(n.target, torch._ops.OpOverload):
             raise FxtoolsError(f"the ATen {which} holds {n.target} ({n.format_node()}), which is not an ATen op")

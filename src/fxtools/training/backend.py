@@ -365,15 +365,27 @@ def _expected_stride(want, x: torch.Tensor):
 
 
 def _static_stride(val):
-    try:
-        return tuple(int(s) for s in val.stride())
-    except (TypeError, ValueError, RuntimeError):
-        return None  # symbolic: the compiled graph takes any layout it was made for
+    """``val``'s strides as numbers; ``"contiguous"`` for symbolic contiguous strides; None for
+    other symbolic ones (the compiled graph takes the layout it was made for). ``int`` of a
+    symbolic stride would specialise its sizes to the example's (a guard on the shared ShapeEnv)."""
+    from torch._prims_common import make_contiguous_strides_for
+
+    stride = val.stride()
+    if not any(isinstance(s, torch.SymInt) and not s.node.expr.is_number for s in stride):
+        return tuple(int(s) for s in stride)
+    contiguous = make_contiguous_strides_for(val.shape)
+    return "contiguous" if all(_expr(a) == _expr(b) for a, b in zip(stride, contiguous)) else None
+
+
+def _expr(s):
+    return s.node.expr if isinstance(s, torch.SymInt) else s
 
 
 def _restrided(t, stride):
     """``t`` with the strides the compiled backward was made for (autograd may hand a cotangent
     in another layout, e.g. expanded from a scalar)."""
+    if stride == "contiguous":
+        return t.contiguous()
     if stride is None or t.stride() == stride:
         return t
     return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)

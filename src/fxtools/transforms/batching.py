@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch._functorch.eager_transforms import enable_inplace_requires_grad
 from torch.utils import _pytree as pytree
 
 from ..capture import custom
 from ..capture.trace import is_data_dependent
 from ..codegen.inplace import printed_in_place
-from ..errors import FxtoolsError, user_frame
+from ..errors import DataDependentError, FxtoolsError, user_frame, user_line_of
+from ..graph.data_dependent import dynamic_nodes
 from .pipeline import Inputs, Transform, back, front, uses_pipeline
 from .retrace import NodeNamer
 from .vjp import argument_names
@@ -174,6 +176,34 @@ def describe(f) -> str:
     if isinstance(f, torch.nn.Module):
         return type(f).__name__
     return getattr(f, "__name__", None) or type(f).__name__
+
+
+def refuse_data_dependent_batch(made_by: Transform, build, what: str, works: str):
+    """Refuse batching the module ``build()`` makes when a size in it depends on tensor data
+    (``x[mask]``, ``repeat_interleave`` by a tensor): name the op that makes that size and the
+    user's line (``build`` runs again keeping the nodes' stack traces), or, inside a generated
+    module, its line of code. ``what``: what is batched, up to its data-dependent size; ``works``: which transforms of the same function do run."""
+    with fx_traceback.preserve_node_meta():
+        gm = build()
+    node = next((n for n in dynamic_nodes(gm) if n.op == "call_function"), None)
+    op = getattr(getattr(node, "target", None), "__name__", "an op")
+    where = (user_line_of(node) or _generated_line_of(node)) if node is not None else None
+    raise DataDependentError(
+        f"{made_by} cannot batch {what} depends on tensor data: {op} at {where or 'an unknown line'} makes it ({works})"
+    )
+
+
+def _generated_line_of(node) -> str | None:
+    """'line N of generated code: code' of the innermost generated module's frame (an fxtools
+    module called by the program) in ``node``'s stack trace."""
+    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+    found = None
+    for i, line in enumerate(lines):
+        if line.strip().startswith('File "<eval_with_key'):
+            lineno = line.split("line ")[1].split(",")[0]
+            code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith("File") else ""
+            found = f"line {lineno} of a generated module's code: {code}"
+    return found
 
 
 def trace_batched(

@@ -17,14 +17,18 @@ transform returns an ordinary GraphModule of public PyTorch calls that fxtools c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..capture.trace import capture
+from ..errors import DataDependentError
+from ..graph.data_dependent import dynamic_nodes
 from ..graph.nodes import is_float
 from ..registry import rule_set
-from .batching import trace_batched, vmappable
+from .batching import refuse_data_dependent_batch, trace_batched, vmappable
 from .pipeline import Inputs, Transform, back, uses_pipeline
 from .retrace import NodeNamer
 from .reverse import ReverseSpec, reverse
@@ -133,7 +137,8 @@ def hessian(f, *args, argnums=0) -> fx.GraphModule:
         args = tuple(args)
     if not _scalar_output(f, args):
         return _jacfwd_of_jacrev(f, args, argnums)
-    hv = vmappable(hvp(f, *args, argnums=argnums))
+    hv_gm = hvp(f, *args, argnums=argnums)
+    hv = vmappable(hv_gm)
     diff = _differentiated(args, argnums)
     leaves, spec = pytree.tree_flatten(diff)
     floats = [x for x in leaves if is_float(x)]
@@ -174,4 +179,13 @@ def hessian(f, *args, argnums=0) -> fx.GraphModule:
     except (TypeError, ValueError):
         pass
     hessian_of.__name__ = getattr(f, "__name__", "hessian")
-    return trace_batched(hessian_of, args, names_of=f, made_by=HESSIAN)
+    try:
+        return trace_batched(hessian_of, args, names_of=f, made_by=HESSIAN)
+    except DataDependentError:
+        if not dynamic_nodes(hv_gm):
+            raise
+        again = functools.partial(hvp, f, *args, argnums=argnums)
+        refuse_data_dependent_batch(
+            HESSIAN, again, "its Hessian-vector product, in which a size", "fxtools.hvp of the same function works"
+        )
+        raise

@@ -29,17 +29,16 @@ from typing import Any, cast
 
 import torch
 import torch.fx as fx
-import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..codegen.show import remember_inputs
-from ..errors import DataDependentError, user_line_of
+from ..errors import DataDependentError
 from ..graph import meta
 from ..graph.data_dependent import dynamic_nodes, is_dynamic
 from ..graph.nodes import is_float
 from ..passes.simplify import simplify
 from ..signature.guards import install, tangent_role
-from .batching import check_vmap_options, trace_batched, vmappable
+from .batching import check_vmap_options, refuse_data_dependent_batch, trace_batched, vmappable
 from .forward import jvp
 from .pipeline import Transform, built_by, emit, uses_pipeline
 from .retrace import NodeNamer
@@ -70,18 +69,6 @@ def _float_leaves(tree, what, name):
                 f"return (or differentiate) only floating-point tensors, as for torch.func.{name.split('.')[-1]}"
             )
     return [v for _, v in paths_leaves], spec
-
-
-def _refuse_data_dependent_rows(vjp_gm: fx.GraphModule):
-    """``jacrev`` batches the VJP over the output's elements: a number of rows that depends on
-    the data (``x[mask]``, ``repeat_interleave`` by a tensor) is no batch size a graph can have."""
-    node = next((n for n in dynamic_nodes(vjp_gm) if n.op == "call_function"), None)
-    op = getattr(getattr(node, "target", None), "__name__", "an op")
-    where = (user_line_of(node) if node is not None else None) or "an unknown line"
-    raise DataDependentError(
-        f"{JACREV.name} cannot batch over an output whose size depends on tensor data: {op} at {where} "
-        "makes it (fxtools.jacfwd, fxtools.vjp and fxtools.jvp of the same function work)"
-    )
 
 
 def _basis(total: int, blocks, like: torch.Tensor):
@@ -148,9 +135,13 @@ def jacrev(f, *args, argnums=0, has_aux=False, chunk_size=None) -> fx.GraphModul
     out_leaves, out_spec = _float_leaves(meta.OUT_EXAMPLE.get(vjp_gm), "output", JACREV.name)
     like = _first_tensor(out_leaves, JACREV.name, "outputs")
     total = sum(v.numel() for v in out_leaves if isinstance(v, torch.Tensor))
-    if is_dynamic(total):
-        with fx_traceback.preserve_node_meta():  # the ops' lines, for the message
-            _refuse_data_dependent_rows(vjp(f, *args, argnums=argnums, has_aux=has_aux))
+
+    def again():
+        return vjp(f, *args, argnums=argnums, has_aux=has_aux)
+
+    works = "fxtools.jacfwd, fxtools.vjp and fxtools.jvp of the same function work"
+    if is_dynamic(total):  # the Jacobian's rows would be a data-dependent batch size
+        refuse_data_dependent_batch(JACREV, again, "over an output whose size", works)
     namer = NodeNamer(vmappable(vjp_gm), vjp_gm.guards)
     ct_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in out_leaves], out_spec)
     in_dims = (*(None,) * len(args), ct_dims)
@@ -183,7 +174,13 @@ def jacrev(f, *args, argnums=0, has_aux=False, chunk_size=None) -> fx.GraphModul
 
     _sign(jacobian, namer, n_args)
     chunks = -(-total // chunk_size) if chunk_size is not None else None
-    return trace_batched(jacobian, args, names_of=f, namer=namer, made_by=JACREV, same_draws=chunks)
+    try:
+        return trace_batched(jacobian, args, names_of=f, namer=namer, made_by=JACREV, same_draws=chunks)
+    except DataDependentError:
+        if not dynamic_nodes(vjp_gm):
+            raise
+        refuse_data_dependent_batch(JACREV, again, "its VJP, in which a size", works)
+        raise
 
 
 JACFWD = Transform("fxtools.jacfwd")
