@@ -337,6 +337,18 @@ def _plus_zero(node, rw):
     return None
 
 
+def _doubled(node, rw):
+    """``x + x`` -> ``x * 2`` for real floating ``x`` (the same number, rounding included; one
+    name fewer in the code)."""
+    if len(node.args) != 2 or node.kwargs or node.args[0] is not node.args[1]:
+        return None
+    x = node.args[0]
+    val = _val(x)
+    if not (isinstance(val, torch.Tensor) and val.is_floating_point() and _same_type(x, node)):
+        return None
+    return rw.new(node, aten.mul.Tensor, (x, 2))
+
+
 def _double_negation(node, rw):
     """``-(-x)`` -> ``x``."""
     x = node.args[0]
@@ -465,6 +477,7 @@ _REWRITE_FAMILIES = (
     (_BINARY, _fill_operand),
     ((aten.mul.Tensor, aten.div.Tensor), _times_one),
     ((aten.add.Tensor, aten.sub.Tensor), _plus_zero),
+    ((aten.add.Tensor,), _doubled),
     ((aten.neg.default,), _double_negation),
     ((aten.detach.default,), _detach),
     ((*_VIEWS, *_CONVERSIONS, aten.contiguous.default), _no_op_view),
