@@ -152,8 +152,6 @@ _ACTIVATIONS = {
     "hardswish": F.hardswish,
     "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
     "logsigmoid": F.logsigmoid,
-    "softplus": F.softplus,
-    "elu": F.elu,
 }
 
 
@@ -177,7 +175,7 @@ def _pinn_loss(act, nested):
         ("silu", lambda f: torch.func.jacfwd(torch.func.jacrev(f)), (3, True)),
         ("mish", torch.func.hessian, (3, True)),
         ("mish", lambda f: torch.func.jacfwd(torch.func.jacrev(f)), (5, False)),
-        *[(name, torch.func.hessian, (4, True)) for name in ("hardswish", "gelu_tanh", "logsigmoid", "softplus", "elu")],
+        *[(name, torch.func.hessian, (4, True)) for name in ("hardswish", "gelu_tanh", "logsigmoid")],
     ],
 )
 def test_per_point_hessians_of_a_network_inside_a_transformed_program(name, nested, layout):
