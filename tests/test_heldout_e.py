@@ -146,8 +146,77 @@ def test_a_consistency_loss_with_group_norm_over_tokens_trains_under_compile():
             torch.testing.assert_close(p.grad, q.grad, **TOL)
 
 
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "mish": F.mish,
+    "hardswish": F.hardswish,
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+    "logsigmoid": F.logsigmoid,
+}
+
+
+def _pinn_loss(act, nested):
+    """A PINN loss: the squared Laplacian of an MLP at each point, from per-point Hessians."""
+
+    def u(p, x):
+        return act(x @ p["w1"] + p["b1"]) @ p["w2"]
+
+    def loss(p, xs):
+        h = torch.func.vmap(nested(lambda y: u(p, y)))(xs)
+        return (h.diagonal(0, 1, 2).sum(-1) + 1).pow(2).mean() + u(p, xs).pow(2).mean()
+
+    return loss
+
+
+@pytest.mark.parametrize(
+    "name, nested, layout",
+    [
+        ("silu", torch.func.hessian, (5, False)),
+        ("silu", lambda f: torch.func.jacfwd(torch.func.jacrev(f)), (3, True)),
+        ("mish", torch.func.hessian, (3, True)),
+        ("mish", lambda f: torch.func.jacfwd(torch.func.jacrev(f)), (5, False)),
+        *[(name, torch.func.hessian, (4, True)) for name in ("hardswish", "gelu_tanh", "logsigmoid")],
+    ],
+)
+def test_per_point_hessians_of_a_network_inside_a_transformed_program(name, nested, layout):
+    """``vmap(hessian(f))`` / ``vmap(jacfwd(jacrev(f)))`` inside ``fxtools.grad`` (once refused for
+    SiLU and Mish, and for any activation at a transposed input: functorch's forward-mode wrappers
+    asked for ``meta`` tensors under FakeTensors); oracle: eager torch.func."""
+    g = _gen(4)
+    p = {
+        "w1": torch.randn(2, 6, generator=g, dtype=D),
+        "b1": torch.randn(6, generator=g, dtype=D),
+        "w2": torch.randn(6, generator=g, dtype=D),
+    }
+    n, transposed = layout
+    xs = 2 * torch.randn(2, n, generator=g, dtype=D).T if transposed else 2 * torch.randn(n, 2, generator=g, dtype=D)
+    loss = _pinn_loss(_ACTIVATIONS[name], nested)
+    got, want = fxtools.grad(loss, p, xs)(p, xs), torch.func.grad(loss)(p, xs)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **TOL)
+
+
+def test_per_point_hessians_of_a_module_at_a_transposed_input():
+    """The same through ``fxtools.functional`` of an ``nn.Sequential`` (a point as a batch of one):
+    at a transposed input forward-mode autograd once asked for ``meta`` zeros even for tanh."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    fn = fxtools.functional(net)
+    p = {k: v.detach() for k, v in net.named_parameters()}
+
+    def loss(p, xs):
+        h = torch.func.vmap(torch.func.hessian(lambda x: fn(p, x[None])[0, 0]))(xs)
+        return (h.diagonal(0, 1, 2).sum(-1) + 1).pow(2).mean()
+
+    xs = torch.rand(2, 6, generator=_gen(5), dtype=D).T
+    got, want = fxtools.grad(loss, p, xs)(p, xs), torch.func.grad(loss)(p, xs)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **TOL)
+
+
 def test_per_point_second_derivatives_of_a_silu_network_by_jvp_of_grad():
-    """The spelling docs/security.md gives where ``vmap(hessian(f))`` of a SiLU network is refused."""
+    """Per-point Hessian-vector products of a SiLU network (``vmap(jvp(grad))``), whose Laplacian
+    matches eager ``vmap(hessian)``."""
     g = _gen(3)
     w1, w2 = torch.randn(2, 6, generator=g, dtype=D), torch.randn(6, generator=g, dtype=D)
 

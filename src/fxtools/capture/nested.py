@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import FxtoolsError, current_user_line, is_data_dependent, user_frame
 from ..passes.views import collapse_view_chains
@@ -123,6 +124,28 @@ def _sub_tracer(parent):
     )
 
 
+class _DevicesFromInputs(TorchDispatchMode):
+    """Gives ops that PyTorch's C++ autograd asks for on the ``meta`` device the device of the
+    transform's inputs. Under FakeTensors, functorch's wrappers of forward-mode tensors can report
+    the ``meta`` device of the fake storage to autograd's C++ (``validate_outputs``'s ``grad.to``,
+    ``_new_zeros_with_same_feature_meta``'s zeros, ``silu``'s double backward): ``vmap(hessian(f))``
+    of a SiLU network, or of any network at a transposed input, then mixed devices and failed.
+    Only while the transform's inputs share one device other than ``meta``; a tensor created on
+    ``meta`` inside such a transform is then created on that device too."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        devices = {t.device for t in inputs if isinstance(t, torch.Tensor)}
+        self.device = devices.pop() if len(devices) == 1 and "meta" not in {d.type for d in devices} else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if self.device is not None and device is not None and torch.device(device).type == "meta":
+            kwargs = {**kwargs, "device": self.device}
+        return func(*args, **kwargs)
+
+
 def run_below_functorch(transform: str, fn, args: tuple, where: str | None = None):
     """``fn(*args)`` (which calls a torch.func transform), traced below functorch and replayed in
     the running trace as plain ATen ops; called directly when already below functorch."""
@@ -137,7 +160,8 @@ def run_below_functorch(transform: str, fn, args: tuple, where: str | None = Non
     def flat_fn(*tensors):
         it = iter(tensors)
         full = [next(it) if t else x for x, t in zip(flat, is_tensor)]
-        out = fn(*pytree.tree_unflatten(full, in_spec))
+        with _DevicesFromInputs(tensors):
+            out = fn(*pytree.tree_unflatten(full, in_spec))
         leaves, out_info["spec"] = pytree.tree_flatten(out)
         out_info["leaves"] = leaves
         return [x for x in leaves if isinstance(x, torch.Tensor)]
