@@ -156,7 +156,7 @@ def grad_in_trace(
     if used and keep:
         _, vjp_fn = torch.func.vjp(replay, *[ins[i] for i in used])
         for i, g in zip(used, vjp_fn(tuple(cts[k] for k in keep))):
-            grads[i] = g
+            grads[i] = g if create_graph else g.detach()
     if materialize_grads:
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(ins, grads)]
     return tuple(grads)
