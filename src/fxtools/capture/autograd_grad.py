@@ -19,6 +19,7 @@ into a value computed outside that stretch, ``is_grads_batched``, ``GradientEdge
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -124,10 +125,11 @@ def grad_in_trace(
     tracer = proxy_tensor.get_innermost_proxy_mode().tracer
     outs, ins = _as_list(outputs), _as_list(inputs)
     cts = _cotangents(outs, grad_outputs)
-    in_nodes, out_nodes = [_node(t, tracer) for t in ins], [_node(t, tracer) for t in outs]
-    if any(n is None for n in in_nodes):
+    found, out_nodes = [_node(t, tracer) for t in ins], [_node(t, tracer) for t in outs]
+    in_nodes = [n for n in found if n is not None]
+    if len(in_nodes) < len(found):
         raise _refuse("differentiates with respect to a tensor the trace did not compute")
-    nodes, reached = _stretch(tracer.graph, in_nodes, [n for n in out_nodes if n is not None])  # type: ignore[misc]
+    nodes, reached = _stretch(tracer.graph, in_nodes, [n for n in out_nodes if n is not None])
     replayed = set(nodes) | set(in_nodes)
     _check(nodes, replayed)
     used = [i for i, n in enumerate(in_nodes) if n in reached]
@@ -140,7 +142,7 @@ def grad_in_trace(
     live = {slot.proxy.node: t for t, slot in tracer.tensor_tracker.items()}
 
     def replay(*xs):
-        env: dict[fx.Node, object] = dict(zip([in_nodes[i] for i in used], xs))
+        env: dict[fx.Node, Any] = dict(zip([in_nodes[i] for i in used], xs))
 
         def value(a: fx.Node):
             return env[a] if a in env else live.get(a, a.meta.get("val"))
@@ -149,12 +151,12 @@ def grad_in_trace(
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)
             out = n.target(*args, **kwargs)  # type: ignore[operator]
             given = env.get(n)  # an input computed from another: both derivatives (value + 0)
-            env[n] = out if given is None else out + (given - given.detach())  # type: ignore[operator]
-        return tuple(env[out_nodes[k]] for k in keep)  # type: ignore[index]
+            env[n] = out if given is None else out + (given - given.detach())
+        return tuple(env[out_nodes[k]] for k in keep)  # type: ignore[index]  # kept: not None
 
     grads: list = [None] * len(ins)
     if used and keep:
-        _, vjp_fn = torch.func.vjp(replay, *[ins[i] for i in used])
+        vjp_fn = torch.func.vjp(replay, *[ins[i] for i in used])[1]
         for i, g in zip(used, vjp_fn(tuple(cts[k] for k in keep))):
             grads[i] = g if create_graph else g.detach()
     if materialize_grads:
