@@ -196,3 +196,21 @@ def test_an_unused_input_without_allow_unused_raises_eagers_error():
 
     with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
         fxtools.grad(f, _params(3), torch.rand(3, 2, dtype=D))
+
+
+def _input_gradient(p, x):
+    x = x.requires_grad_()
+    u = _u(p, x)
+    return torch.autograd.grad(u, x, torch.ones_like(u), create_graph=True)[0]
+
+
+def test_vjp_of_an_input_gradient_is_eagers_second_derivative():
+    p, x = _params(5), torch.rand(4, 2, dtype=D)
+    v = torch.randn(4, 2, dtype=D, generator=torch.Generator().manual_seed(6))
+    out, (gp, gx) = fxtools.vjp(_input_gradient, p, x)(p, x, v)
+    leaves = {k: t.clone().requires_grad_() for k, t in p.items()}
+    xl = x.clone().requires_grad_()
+    du = _input_gradient(leaves, xl)
+    want = torch.autograd.grad(du, [*leaves.values(), xl], v)
+    torch.testing.assert_close(out, du.detach(), **TOL)
+    torch.testing.assert_close([*gp.values(), gx], list(want), **TOL)
