@@ -179,9 +179,21 @@ def _grad_through_dropout(p, x):
     return torch.autograd.grad(u.sum(), x, create_graph=True)[0].sum()
 
 
+def _grad_reading_a_value_written_later(p, x):  # eager: "modified by an inplace operation"
+    x = x.requires_grad_()
+    c = p["b1"] * 1.0
+    u = torch.tanh(x @ p["w1"]) * c
+    c.add_(1.0)
+    return torch.autograd.grad(u.sum(), x, create_graph=True)[0].sum()
+
+
 @pytest.mark.parametrize(
     "f, what, why",
-    [(_backward_inside, r"\.backward\(\)", "autograd"), (_grad_through_dropout, "torch.autograd.grad", "random op")],
+    [
+        (_backward_inside, r"\.backward\(\)", "autograd"),
+        (_grad_through_dropout, "torch.autograd.grad", "random op"),
+        (_grad_reading_a_value_written_later, "torch.autograd.grad", "written in place"),
+    ],
 )
 def test_what_is_still_refused_names_the_line(f, what, why):
     p, x = _params(2), torch.rand(3, 2, dtype=D)

@@ -12,8 +12,8 @@ through it, as in eager). Replaying recomputes the forward; common-subexpression
 merges the copies.
 
 Refused, naming the user's line (``AutogradInsideError``): a random op between ``inputs`` and
-``outputs`` (replayed, it would draw again), a function with its own backward or an in-place write
-into a value computed outside that stretch, ``is_grads_batched``, ``GradientEdge``s and dict inputs.
+``outputs`` (replayed, it would draw again), a function with its own backward, an in-place write
+into a value computed outside that stretch or into one it read, ``is_grads_batched``, ``GradientEdge``s and dict inputs.
 """
 
 from __future__ import annotations
@@ -145,7 +145,11 @@ def grad_in_trace(
         env: dict[fx.Node, Any] = dict(zip([in_nodes[i] for i in used], xs))
 
         def value(a: fx.Node):
-            return env[a] if a in env else live.get(a, a.meta.get("val"))
+            if a in env or a in live:
+                return env[a] if a in env else live[a]
+            if isinstance(a.meta.get("val"), torch.Tensor):  # its tensor was written in place since
+                raise _refuse("differentiates through a value written in place after it was read")
+            return a.meta.get("val")  # a symbolic size
 
         for n in nodes:
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)
