@@ -54,12 +54,18 @@ def _first_order_only(p, x):
     return (du.pow(2) * x).sum() + u.pow(2).sum()
 
 
+def _functional_jacobian(p, x):
+    """torch.autograd.functional.jacobian (autograd.grad per output element) inside the loss."""
+    jac = torch.autograd.functional.jacobian(lambda y: torch.tanh(y @ p["w1"] + p["b1"]) * p["w2"], x[0], create_graph=True)
+    return jac.pow(2).sum()
+
+
 def _eager_grad(f, p, x):
     leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
     return list(torch.autograd.grad(f(leaves, x.clone()), list(leaves.values())))
 
 
-@pytest.mark.parametrize("f", [_heat_residual, _two_inputs, _first_order_only])
+@pytest.mark.parametrize("f", [_heat_residual, _two_inputs, _first_order_only, _functional_jacobian])
 def test_autograd_grad_in_a_loss_matches_eager_double_backward(f):
     p, x = _params(0), torch.rand(5, 2, dtype=D)
     gm = fxtools.grad(f, p, x)
