@@ -122,7 +122,10 @@ def grad_in_trace(
         raise _refuse("is given is_grads_batched=True")
     if isinstance(inputs, dict) or any(not isinstance(t, torch.Tensor) for t in (*_as_list(outputs), *_as_list(inputs))):
         raise _refuse("is given something other than tensors (a GradientEdge or a dict)")
-    tracer = proxy_tensor.get_innermost_proxy_mode().tracer
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    if mode is None:
+        raise _refuse("runs where fxtools records no trace")
+    tracer = mode.tracer
     outs, ins = _as_list(outputs), _as_list(inputs)
     cts = _cotangents(outs, grad_outputs)
     found, out_nodes = [_node(t, tracer) for t in ins], [_node(t, tracer) for t in outs]

@@ -281,10 +281,10 @@ def _autograd_call(name: str):
             for t in pytree.tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor)
         )
+        if traced and name == "torch.autograd.grad" and capturing_program():  # also a library's call
+            return grad_in_trace(*args, **kwargs)
         if not traced or not _called_by_user():
             return NotImplemented
-        if name == "torch.autograd.grad" and capturing_program():
-            return grad_in_trace(*args, **kwargs)
         raise FxtoolsError(
             f"{name} (at {current_user_line()}) differentiates with autograd inside the program fxtools "
             "traces; the trace records no autograd graph, so the gradient would be a constant of the code. "
