@@ -100,6 +100,29 @@ def pytest_xdist_make_scheduler(config, log):
     return Groups(config, log)
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and its waited-for children (compilers, launches)."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``FXTOOLS_TEST_CPU=FILE``: append ``seconds<TAB>node id`` per test (setup, call and
+    teardown) to ``FILE`` (one file per xdist worker: ``FILE.gw0``...). CPU seconds, not wall
+    time: on a shared host a test's wall time measures the neighbours; the suite is CPU-bound,
+    so its CPU seconds are what the two workers share out."""
+    path = os.environ.get("FXTOOLS_TEST_CPU")
+    start = _cpu_seconds() if path else 0.0
+    yield
+    if path:
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        with open(f"{path}.{worker}" if worker else path, "a") as out:
+            out.write(f"{_cpu_seconds() - start:.2f}\t{item.nodeid}\n")
+
+
 @pytest.fixture
 def float64():
     """Run a test with float64 as the default dtype (the oracle's precision)."""
