@@ -42,6 +42,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FXTOOLS_DIR, FxtoolsError, current_user_line, is_user_file, user_line_of
 from ..graph import meta
+from .autograd_grad import grad_in_trace
+from .nested import capturing_program
 
 
 def _check(ok, message):
@@ -266,9 +268,12 @@ def _called_by_user() -> bool:
 
 
 def _autograd_call(name: str):
-    """``torch.autograd.grad`` / ``.backward()`` of traced values while fxtools traces: refused,
-    naming the user's line. The trace records no autograd graph of its values, so the gradient
-    would be a constant of the code (a fake tensor), not a function of the inputs."""
+    """``torch.autograd.grad`` of traced values while fxtools captures the program: taken from the
+    trace (``capture/autograd_grad.py``). ``.backward()`` / ``torch.autograd.backward`` (which
+    accumulate into ``.grad``), and ``torch.autograd.grad`` inside a nested ``torch.func``
+    transform: refused, naming the user's line. The trace records no autograd graph of its values,
+    so autograd's gradient would be a constant of the code (a fake tensor), not a function of the
+    inputs."""
 
     def refuse(*args, **kwargs):
         traced = any(
@@ -276,6 +281,8 @@ def _autograd_call(name: str):
             for t in pytree.tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor)
         )
+        if traced and name == "torch.autograd.grad" and capturing_program():  # also a library's call
+            return grad_in_trace(*args, **kwargs)
         if not traced or not _called_by_user():
             return NotImplemented
         raise FxtoolsError(
