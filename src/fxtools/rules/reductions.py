@@ -232,8 +232,7 @@ def cumprod(ct, out, x, dim, dtype=None):
     products = before * _suffix_recurrence(ct, x.narrow(d, 1, n - 1), d)
     if not x.is_complex():
         nan, plus, minus = _special_sums(ct, x, d)
-        infinite = torch.where(plus, math.inf, -math.inf).masked_fill(nan, math.nan)
-        products = torch.where(nan | plus | minus, infinite, products)
+        products = products.masked_fill(plus, math.inf).masked_fill(minus, -math.inf).masked_fill(nan, math.nan)
     summed = torch.where(x.isfinite() & ~zero, quotient, products) + 0.0  # +0.0 where autograd's sums give it
     return cast(torch.where(zero.any(), summed, quotient), x)
 
