@@ -22,6 +22,7 @@ from fxtools.cli import examples
 from fxtools.errors import FxtoolsError
 from fxtools.graph import meta
 from fxtools.training import budget, policies
+from fxtools.training.cuts import backward_nodes
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 FRACTIONS = (0.02, 0.3, 1.0)
@@ -216,6 +217,11 @@ def test_min_cut_frontier_against_enumeration(seed, depth):
         opt, _ = budget.choose_bytes(truth, None, limit, 1)
         got, bound = budget.choose_bytes(cuts.frontier(), cuts.hull(), limit, 1)
         assert bound - 1e-6 <= opt.cost <= got.cost and got.bytes <= limit
+    between = {(q.bytes, q.cost) for q in cuts.between()}  # off the hull: real saved sets, cheaper than its points
+    assert all(best[b] <= c < min(p.cost for p in cuts.frontier() if p.bytes <= b) for b, c in between)
+    assert {b for b, _ in between} <= {level for level, _, _ in cuts.byte_table()}
+    if seed in (11, 17):  # these have some
+        assert between
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,6 +396,29 @@ def test_cheapest_refresh_removes_peak_for_the_least_recompute():
     assert rates[True, False] <= min(rates.values()), rates
     cheapest = problem.refresh_steps(point, "cheapest")
     assert cheapest and all(pk < budget.predicted_peak(part, point.saved, point.recomputed) for _, pk in cheapest)
+
+
+def test_a_forgotten_value_forgets_what_it_is_made_of():
+    """``refresh``'s forgets (``backward_nodes``): the backward's ``a * e``, with ``e = exp(a)``,
+    meets ``a = sin(w)`` twice before computing it; forgetting ``w = 3 x`` once ``a`` is computed
+    (``_with_inputs`` adds it where ``a`` is forgotten) still happens, and the later ``cos(w)``
+    recomputes ``w``: it is in the order twice."""
+    import types
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    w = g.call_function(torch.mul, (x, 3))
+    a = g.call_function(torch.sin, (w,))
+    e = g.call_function(torch.exp, (a,))
+    ae = g.call_function(torch.mul, (a, e))
+    cos = g.call_function(torch.cos, (w,))
+    out = g.call_function(torch.mul, (ae, cos))
+    part = types.SimpleNamespace(nodes=list(g.nodes), bw={ae, out}, cts=[], grads=[out])
+    recomputed = {w, a, e, cos}
+    assert budget._with_inputs({e: frozenset({a})}, recomputed, part.bw) == {e: frozenset({a}), a: frozenset({w})}
+    order = backward_nodes(part, {x}, recomputed, {a: frozenset({w})})
+    assert order.count(w) == 2 and order.count(a) == 1 and order[-1] is out
+    assert backward_nodes(part, {x}, recomputed).count(w) == 1
 
 
 def test_recompute_cost_counts_the_flops_of_a_matrix_product():

@@ -92,6 +92,43 @@ def test_keywords_are_written_as_pep8_writes_them():
     assert "p['a = b']" in gm.code
 
 
+def test_pep8_keywords_agree_with_tokenize_on_tricky_lines():
+    """The scan that finds keyword ``=`` signs against Python's tokenizer (its former way): string
+    literals of every kind, escapes, comparisons and comments are left as they are."""
+    import io
+    import tokenize
+
+    from fxtools.codegen.pycode import _pep8_keywords
+
+    def by_tokenize(text):
+        cut, depth = [], 0
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.OP and tok.string in "([{":
+                depth += 1
+            elif tok.type == tokenize.OP and tok.string in ")]}":
+                depth -= 1
+            elif tok.type == tokenize.OP and tok.string == "=" and depth > 0:
+                cut.append(tok.start[1])
+        for col in reversed(cut):
+            if text[col - 1 : col] == " " and text[col + 1 : col + 2] == " ":
+                text = text[: col - 1] + "=" + text[col + 2 :]
+        return text
+
+    lines = [
+        "x = torch.sum(y, [1], keepdim = True)\n",
+        "x = f(a, s = 'a = (b', k = 1)\n",
+        'x = f(a, s = "q\\" = (", k = 1)\n',
+        "x = f(a == b, c = d <= e, g = h != i)\n",
+        "x = g['k = 1'](y = 2)\n",
+        "x = f(y = '''a'' = (''', z = 3)\n",
+        "x = f(r'\\' = (', m = 1)  # f(n = 2)\n",
+        "x = f(y = b'x = (', w = (a := 1))\n",
+        "x = y\n",
+    ]
+    for line in lines:
+        assert _pep8_keywords(line) == by_tokenize(line), line
+
+
 def test_names_from_source_never_shadow_builtins_arguments_or_torch():
     def f(x, y):
         sum = x * 2  # noqa: A001 - a builtin's name, on purpose

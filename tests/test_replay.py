@@ -11,6 +11,7 @@ import operator
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from measure import replay_disabled
@@ -196,6 +197,36 @@ def test_aliasing_is_part_of_the_key():
     assert (memo.hits, memo.misses) == (1, 2)
     muls = [n for n in graph.nodes if n.target is torch.ops.aten.mul.Tensor]
     assert [tuple(a.name for a in n.args) for n in muls] == [("arg0_1", "arg0_1"), ("arg0_1", "arg1_1"), ("arg1_1", "arg1_1")]
+
+
+def test_nesting_and_keywords_of_the_arguments_are_part_of_the_key():
+    """Keys read tuples, lists, dicts and keywords directly: the same leaves nested otherwise, or
+    passed under another keyword, are other calls; the same structure again replays."""
+
+    def first_sum(parts, scale=1.0, **named):
+        head = parts[0]
+        head = head if isinstance(head, torch.Tensor) else next(iter(head.values())) if isinstance(head, dict) else head[0]
+        return head * scale + sum(named.values(), torch.zeros(()))
+
+    def fn(memo, x, y, z):
+        return (
+            memo.call(first_sum, (x, (y, z))),
+            memo.call(first_sum, ((x, y), z)),
+            memo.call(first_sum, [y, [z, x]]),
+            memo.call(first_sum, (x,), scale=2.0, a=y),
+            memo.call(first_sum, (x,), scale=2.0, b=y),
+            memo.call(first_sum, (z,), scale=2.0, b=x),
+            memo.call(first_sum, ({"u": x},), v=y),
+        )
+
+    x, y, z = (torch.randn(3) for _ in range(3))
+    graph, memo = trace(fn, x, y, z)
+    assert (memo.hits, memo.misses) == (1, 6)
+    got = fx.GraphModule(torch.nn.Module(), graph)(x, y, z)
+    want = [x, x, y, 2 * x + y, 2 * x + y, 2 * z + x, x + y]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
 
 
 def test_inputs_returned_in_the_result_are_the_arguments():

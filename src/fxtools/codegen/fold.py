@@ -36,6 +36,7 @@ import contextvars
 import functools
 import operator
 import re
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -119,16 +120,18 @@ def fold(nodes: list[fx.Node], statements: dict[int, str], frees: dict[int, list
             parsed[i] = _parse(statements[i]) if i in statements else None
         return parsed[i]
 
+    impure = _Impure()
     trees: dict[fx.Node, _Tree] = {}
     folded: set[str] = set()
     for i, u in enumerate(nodes):
-        candidates = [c for c in _operands(u) if _foldable(c, u, parse, pos, trees)] if _may_hold(u) else []
+        operands = _operands(u) if _may_hold(u, impure) else []
+        candidates = [c for c in operands if _foldable(c, u, operands, parse, pos, trees, impure)]
         stmt = parse(i) if candidates else None
         if stmt is None:
             continue
         for c in candidates:
             if c not in trees:
-                trees[c] = _Tree.leaf(c, statements[pos[c]], _dumps(parse(pos[c]))[1])
+                trees[c] = _Tree.leaf(c, statements[pos[c]], cast(ast.Assign, parse(pos[c])))  # _foldable parsed it
         chosen = _consecutive(u, candidates, trees, pos, frees, folded)
         while chosen:
             tree = _Tree.build(u, statements[i], stmt, chosen, trees)
@@ -144,27 +147,34 @@ def fold(nodes: list[fx.Node], statements: dict[int, str], frees: dict[int, list
 
 class _Tree:
     """A statement with operands folded into it: its text, the ``ast.dump`` of its value (the
-    expression it assigns), its first node and its nesting depth."""
+    expression it assigns; a leaf's, of its statement ``stmt``, made when first read), its first
+    node and its nesting depth."""
 
-    def __init__(self, text: str, value: str, start: fx.Node, depth: int, children: list[fx.Node]):
-        self.text, self.value, self.start, self.depth, self.children = text, value, start, depth, children
+    def __init__(self, text: str, value: str | None, start: fx.Node, depth: int, children: list[fx.Node], stmt=None):
+        self.text, self._value, self.start, self.depth, self.children, self.stmt = text, value, start, depth, children, stmt
 
     @classmethod
-    def leaf(cls, node: fx.Node, text: str, value: str) -> _Tree:
-        return cls(text, value, node, 0, [])
+    def leaf(cls, node: fx.Node, text: str, stmt: ast.Assign) -> _Tree:
+        return cls(text, None, node, 0, [], stmt)
+
+    @property
+    def value(self) -> str:
+        if self._value is None:
+            self._value = _dumps(self.stmt)[1]
+        return self._value
 
     @classmethod
     def build(cls, u: fx.Node, text: str, stmt: ast.Assign, chosen: list[fx.Node], trees: dict) -> _Tree | None:
         """``u``'s statement with each chosen operand's expression in place of its name (None if
         that cannot be written on one line with the meaning of the nested expression)."""
-        dumps = {_name_dump(c.name): trees[c].value for c in chosen}
-        want, value = _dumps(stmt)
-        for name, dump in dumps.items():
-            if want.count(name) != 1:
+        target, value = _dumps(stmt)
+        for c in chosen:
+            name = _name_dump(c.name)
+            if value.count(name) != 1:
                 return None
-            want, value = want.replace(name, dump), value.replace(name, dump)
+            value = value.replace(name, trees[c].value)
         texts = {c.name: trees[c].text[len(c.name) + 3 :] for c in chosen}  # after "name = "
-        written = _splice(text, stmt, texts, want)
+        written = _splice(text, stmt, texts, (target, value))
         if written is None:
             return None
         depth = max(trees[c].depth + _step(u, c, stmt) for c in chosen)
@@ -173,8 +183,24 @@ class _Tree:
 
 @functools.lru_cache(maxsize=256)
 def _dumps(stmt: ast.Assign) -> tuple[str, str]:
-    """``ast.dump`` of a statement and of its value (a statement is tried with fewer operands)."""
-    return ast.dump(stmt), ast.dump(stmt.value)
+    """``ast.dump`` of an assignment's target and of its value (a statement is tried with fewer
+    operands): together they say what the statement means (``_means``)."""
+    return ast.dump(stmt.targets[0]), ast.dump(stmt.value)
+
+
+def _means(text: str, want: tuple[str, str]) -> bool:
+    """Whether ``text`` is one assignment to one target whose target and value dump as ``want``."""
+    try:
+        body = ast.parse(text).body
+    except SyntaxError:
+        return False
+    stmt = body[0] if len(body) == 1 else None
+    return (
+        isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and stmt.type_comment is None
+        and (ast.dump(stmt.targets[0]), ast.dump(stmt.value)) == want
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -192,10 +218,10 @@ def _name_dump(name: str) -> str:
     return ast.dump(ast.Name(id=name, ctx=ast.Load()))
 
 
-def _splice(text: str, stmt: ast.stmt, values: dict[str, str], want: str) -> str | None:
+def _splice(text: str, stmt: ast.stmt, values: dict[str, str], want: tuple[str, str]) -> str | None:
     """``text`` (``stmt``'s source) with each name in ``values`` replaced by its expression's text,
-    parenthesised only where the meaning needs it: the result's ``ast.dump`` is ``want`` (else
-    None). The rest of the line keeps fx's spelling."""
+    parenthesised only where the meaning needs it: the result's target and value dump as ``want``
+    (else None). The rest of the line keeps fx's spelling."""
     raw = text.encode()  # ast's column offsets count UTF-8 bytes
     spots = [
         (n.col_offset, n.end_col_offset, n.id)
@@ -212,10 +238,7 @@ def _splice(text: str, stmt: ast.stmt, values: dict[str, str], want: str) -> str
         return out.decode()
 
     def means_it(candidate: str) -> bool:
-        try:
-            return ast.dump(ast.parse(candidate).body[0]) == want
-        except SyntaxError:
-            return False
+        return _means(candidate, want)
 
     parens = [not _atomic(values[name]) for _, _, name in spots]
     for k in [k for k, p in enumerate(parens) if p]:
@@ -243,12 +266,14 @@ def _operands(u: fx.Node) -> list[fx.Node]:
     return found
 
 
-def _foldable(c: fx.Node, u: fx.Node, parse, pos: dict, trees: dict) -> bool:
-    """``c`` may be printed inside ``u``: cheap, pure, one value read once, by ``u`` only, and
-    named for nothing but its op, or a rule's variable (``meta.ROLE``) small enough to read inside
-    its user (``x * pdf``, not ``cdf``'s whole formula)."""
+def _foldable(c: fx.Node, u: fx.Node, operands: list, parse, pos: dict, trees: dict, impure: _Impure) -> bool:
+    """``c`` may be printed inside ``u`` (whose ``operands`` it is one of): cheap, pure, one value
+    read once, by ``u`` only, and named for nothing but its op, or a rule's variable
+    (``meta.ROLE``) small enough to read inside its user (``x * pdf``, not ``cdf``'s whole formula)."""
+    if len(c.users) != 1 or u not in c.users or operands.count(c) != 1:
+        return False
     small_role = meta.ROLE.on(c) and (c not in trees or trees[c].depth <= MAX_ROLE_DEPTH)
-    if list(c.users) != [u] or not (_named_by_op(c) or small_role) or not _cheap(c) or _operands(u).count(c) != 1:
+    if not (_named_by_op(c) or small_role) or not _cheap(c, impure):
         return False
     if u.target is operator.matmul and c.target in _PRODUCTS:
         return False  # ``a / s @ k`` is ``(a / s) @ k``, which few readers see at a glance
@@ -294,7 +319,7 @@ def _named_by_op(node: fx.Node) -> bool:
     return any("_".join(words[k:]) in _OP_WORDS for k in range(len(words)))
 
 
-def _may_hold(u: fx.Node) -> bool:
+def _may_hold(u: fx.Node, impure: _Impure) -> bool:
     """Operands may be folded into ``u``: a call that writes none of its arguments."""
     if u.op not in ("call_function", "call_method", "call_module"):
         return False
@@ -302,12 +327,30 @@ def _may_hold(u: fx.Node) -> bool:
         return False
     if isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable:
         return False
-    return u.op != "call_function" or not u.is_impure()
+    return u.op != "call_function" or not impure(u)
 
 
-def _cheap(c: fx.Node) -> bool:
+class _Impure:
+    """``node.is_impure()``, asked once per function called in one code generation: but for a
+    higher-order op's (``auto_functionalized``: its first argument says), the answer depends on
+    the function alone, and a graph calls the same few functions hundreds of times."""
+
+    def __init__(self):
+        self.targets: dict = {}
+
+    def __call__(self, node: fx.Node) -> bool:
+        target = node.target
+        if node.op != "call_function" or isinstance(target, torch._ops.HigherOrderOperator):
+            return node.is_impure()
+        found = self.targets.get(target)
+        if found is None:
+            found = self.targets[target] = node.is_impure()
+        return found
+
+
+def _cheap(c: fx.Node, impure: _Impure) -> bool:
     """A pure op cheap enough to need no name of its own (see the module docstring)."""
-    if c.op not in ("call_function", "call_method") or "out" in c.kwargs or c.is_impure():
+    if c.op not in ("call_function", "call_method") or "out" in c.kwargs or impure(c):
         return False
     if c.op == "call_function" and c.target in _CHEAP_OPERATORS:
         return c.target is not getattr or len(c.args) == 2

@@ -316,10 +316,8 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
         if spelled is None:
             continue
         kind, target, args, kwargs = spelled
-        if kind == "call_method":
-            node.op, node.target, node.args, node.kwargs = kind, target, args, kwargs
-        else:
-            node.target, node.args, node.kwargs = target, args, kwargs
+        node.op, node.target = kind, target
+        _set_arguments(node, args, kwargs)
     check_code_data(gm)
     use_readable_code(gm.graph)
     name_subgraph_inputs(gm)
@@ -386,8 +384,36 @@ def check_code_data(gm) -> None:
         elif node.op == "call_method" and not is_plain_identifier(node.target):
             raise FxtoolsError(f"cannot write the method name {node.target!r} in generated code")
         if node.op != "placeholder":
-            node.args = _code_value(tuple(node.args), where)
-            node.kwargs = {plain_literal(k, where): _code_value(v, where) for k, v in node.kwargs.items()}
+            kwargs = {plain_literal(k, where): _code_value(v, where) for k, v in node.kwargs.items()}
+            _set_arguments(node, _code_value(tuple(node.args), where), kwargs)
+
+
+def _set_arguments(node: fx.Node, args: tuple, kwargs: dict) -> None:
+    """``node.args, node.kwargs = args, kwargs``, unless the node holds them already, with its
+    inputs listed in their order (setting them re-registers every input: a tenth of code
+    generation when done for every node; and ``replace_all_uses_with`` lists a replaced input
+    last, which setting puts back in order, for the code generator's frees and views)."""
+    if _same(node.args, args) and _same(node.kwargs, kwargs):
+        inputs: dict = {}
+        fx.node.map_arg((args, kwargs), inputs.setdefault)
+        if list(inputs) == node.all_input_nodes:
+            return
+    node.args, node.kwargs = args, kwargs
+
+
+def _same(old, new) -> bool:
+    """Whether ``node.args = new`` (or ``kwargs``) would store what ``old`` is: the same objects,
+    in containers of the same kinds (fx stores a list as its ``immutable_list``)."""
+    if old is new:
+        return True
+    if type(new) is list:
+        same_kind = type(old) in (list, fx.immutable_collections.immutable_list)
+    elif type(new) is dict:
+        same_kind = type(old) in (dict, fx.immutable_collections.immutable_dict)
+        return same_kind and list(old) == list(new) and all(_same(old[k], new[k]) for k in new)
+    else:
+        same_kind = isinstance(new, tuple) and type(old) is type(new)
+    return same_kind and len(old) == len(new) and all(_same(a, b) for a, b in zip(old, new))
 
 
 def _devices_from_inputs(gm: fx.GraphModule) -> None:

@@ -27,6 +27,10 @@ joint graph's min-cut structure (the one ``recompute_cheap`` uses):
   ``(b1, c1)`` (``b0 <= B < b1``) its cost exceeds the optimum by at most ``c0 - c1``, and no
   saved set within ``B`` recomputes less than the Lagrangian bound
   ``c0 - (B - b0) (c0 - c1) / (b1 - b0)`` (``Choice.lower_bound``, printed by the report).
+- **between the levels.** A hull leaves gaps (on the small GPT of ``bench_memory.py``, 0.52 MB
+  saved for 1.69e8 and 1.05 MB for 1.35e8); ``Problem.between`` adds, as levels of their own,
+  the frontier's points with one more value saved (one a larger point saves) where that
+  recomputes less than the frontier at the same bytes (0.92 MB for 1.44e8 there).
 - **monotone by construction.** The points are ordered (bytes up, cost down); a byte budget
   takes its level's choice in ``Problem.byte_table``: a smaller budget never saves more bytes,
   never recomputes less and never peaks higher (predicted), and among such chains of choices
@@ -353,7 +357,8 @@ class Problem:
         saved bytes, peak and recompute are all monotone in the budget. Among the chains of
         choices that are, the levels take the one with the least recompute summed over the
         budgets (each level weighted by the bytes of budgets that take it: ``_least_total``).
-        The candidates are the frontier's points, each after every round of recomputing values
+        The levels are the bytes of the frontier's points and of ``between``'s. The candidates
+        are those points, the frontier's each after every round of recomputing values
         twice (``refresh_steps``: a little more recompute for a little less peak), and what a
         greedy descent (``_descend``) adds where nothing fits. A level no chain reaches is
         chosen greedily (``_descend``): it takes its least peak and is listed in ``unreached``,
@@ -361,13 +366,38 @@ class Problem:
         save the value whose recomputation makes a larger level's peak)."""
         if self._table is not None:
             return self._table
-        points = self.frontier()
-        pool = [(p, predicted_peak(self.part, p.saved, p.recomputed, self.memo)) for p in points]
+        points, between = self.frontier(), self.between()
+        pool = [(p, predicted_peak(self.part, p.saved, p.recomputed, self.memo)) for p in [*points, *between]]
         pool += [c for p in points for mode in REFRESH_MODES for c in self.refresh_steps(p, mode)]
-        self._descend([p.bytes for p in points], pool, fill=True)  # adds what the levels need
+        points = sorted([*points, *between], key=lambda p: (p.bytes, p.cost))
+        self._descend(sorted({p.bytes for p in points}), pool, fill=True)  # adds what the levels need
         distinct = {(p.bytes, p.cost, pk): (p, pk) for p, pk in pool}
-        self._table = self._least_total([p.bytes for p in points], sorted(distinct.values(), key=lambda c: c[1]))
+        levels = sorted({p.bytes for p in points})
+        self._table = self._least_total(levels, sorted(distinct.values(), key=lambda c: c[1]))
         return self._table
+
+    def between(self) -> list[Point]:
+        """Points between the frontier's levels, off its hull: each frontier point with one more
+        value saved, among those a larger point saves, where that recomputes less than the
+        frontier does at the same bytes. A budget between two levels has more to choose from
+        (on the small GPT of ``bench_memory.py``, 0.92 MB saved for 1.44e8 recomputed, where
+        the frontier has 0.52 MB for 1.69e8 and 1.05 MB for 1.35e8)."""
+        points = self.frontier()
+        if self.method == "exact":
+            return []
+        fixed = {n for n in self.cand if n.op == "placeholder" or (self.must_save[n] and self.can_save[n])}
+        values = sorted({v for p in points for v in p.saved if v.op != "placeholder"}, key=self.index.__getitem__)
+        known = {p.saved for p in points}
+        out: dict = {}
+        for p in points:
+            for v in values:
+                q = None if v in p.saved else self._closure(fixed | p.saved | {v})
+                if q is None or q.saved in known or q.saved in out:
+                    continue
+                below = [f.cost for f in points if f.bytes <= q.bytes]
+                if below and q.cost < below[-1]:
+                    out[q.saved] = q
+        return sorted(out.values(), key=lambda q: (q.bytes, q.cost))
 
     def _descend(self, levels: list[int], pool: list, fill: bool, top=(math.inf, math.inf, 0)):
         """Going down from the largest level, each takes the least recompute that saves at most
@@ -825,7 +855,9 @@ def refresh(
     tries each storage alone before all at once: smaller steps, each recomputing less. With
     ``cost`` (node -> recompute cost), each round tries every one and keeps the one that recomputes
     least per byte of peak it removes: a pointwise chain (a GELU's output, recomputed from the
-    matrix product it reads) before the matrix product itself."""
+    matrix product it reads) before the matrix product itself, and tries each storage also with
+    the recomputed values it is made of forgotten after each use (``_with_inputs``: else they
+    stay to recompute it, and take its place in memory)."""
     memo = memo or _Memo()
     start, held = _backward_ends(part, saved)
     forget: dict = {}
@@ -838,6 +870,8 @@ def refresh(
         for g in groups:
             union = _merged(union, g)
         trials = ([*groups, union] if singles_first else [union, *groups]) if len(groups) > 1 else groups
+        if cost is not None:
+            trials = trials + [c for g in groups if (c := _with_inputs(g, recomputed, part.bw)) != g]
         step = _cheapest_trial(part, saved, recomputed, memo, forget, trials, trace, cost) if cost else None
         for more in trials if cost is None else []:
             trial = _merged(forget, more)
@@ -872,6 +906,24 @@ def _cheapest_trial(part, saved, recomputed, memo, forget, trials, trace, cost: 
             if rate < best_rate:
                 best, best_rate = (trial, trial_order, trial_trace), rate
     return best
+
+
+def _with_inputs(group: dict, recomputed, bw) -> dict:
+    """``group`` (``refresh``'s forgets) with the recomputed values its forgotten values are made
+    from forgotten too, after each use, back to what is saved: a forgotten value recomputed
+    later reads its inputs again, and kept for that they would take its place in memory (an
+    embedding sum forgotten keeps the embedding it is made of)."""
+    out = dict(group)
+    stack = [v for vs in group.values() for v in vs]
+    seen = set(stack)
+    while stack:
+        v = stack.pop()
+        inputs = frozenset(a for a in v.all_input_nodes if a in recomputed and a not in bw)
+        if inputs:
+            out[v] = out.get(v, frozenset()) | inputs
+            stack.extend(a for a in inputs if a not in seen)
+            seen |= inputs
+    return out
 
 
 def _merged(a: dict, b: dict) -> dict:

@@ -157,8 +157,9 @@ def backward_nodes(part, saved, recomputed, forget=None) -> list[fx.Node]:
             done.add(v)
             order.append(v)
             todo.pop()
+            pending = set(todo) - done if v in forget else ()
             for a in forget.get(v, ()):
-                if a in recomputed and not any(a in t.all_input_nodes for t in todo):
+                if a in recomputed and not any(u in pending for u in a.users):
                     done.discard(a)
 
     for n in part.nodes:

@@ -29,6 +29,7 @@ from torch._dispatch.python import no_python_dispatcher
 from torch._subclasses.fake_impls import fast_detach
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.fx.experimental import proxy_tensor
+from torch.fx.immutable_collections import immutable_list
 from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
@@ -102,7 +103,7 @@ def _tensor_key(t, tracer):
 
 def _key(fn, args, kwargs, tracer):
     """``(key, tensors, nodes)``: the call's key, its distinct tensor arguments and their nodes."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves, spec = _flatten(args, kwargs)
     parts, tensors, nodes, index = [fn, spec], [], [], {}
     for x in leaves:
         if isinstance(x, torch.Tensor):
@@ -121,6 +122,37 @@ def _key(fn, args, kwargs, tracer):
     if len(set(nodes)) != len(nodes):
         raise _Unkeyable  # two tensors traced to one node: copies could not tell them apart
     return key, tensors, nodes
+
+
+def _flatten(args, kwargs):
+    """``(leaves, structure)`` of a call's arguments, as ``pytree.tree_flatten`` but read directly
+    when they are nested tuples, lists and dicts (what rules and ops take): the structure lists, in order,
+    the keyword names, each container's type and length and a ``None`` for each leaf (a TreeSpec,
+    hashed at each look-up, costs more than the rest of the key)."""
+    leaves: list = []
+    shape: list = [tuple(kwargs)] if kwargs else []
+
+    def walk(xs):
+        for x in xs:
+            t = type(x)
+            if t is tuple or t is list or t is immutable_list:
+                shape.append((t, len(x)))
+                if not walk(x):
+                    return False
+            elif t is dict:
+                shape.append((t, tuple(x)))
+                if not walk(x.values()):
+                    return False
+            elif t in _ATOMS or t is float or t is complex or t is slice or isinstance(x, torch.Tensor):
+                leaves.append(x)
+                shape.append(None)
+            else:
+                return False  # a pytree node of another kind (dict, namedtuple): pytree's own flattening
+        return True
+
+    if not walk(args) or (kwargs and not walk(kwargs.values())):
+        return pytree.tree_flatten((args, kwargs))
+    return leaves, (len(args), *shape)
 
 
 class _Like:
@@ -192,6 +224,21 @@ def _likes(node: fx.Node):
     return None if node.target is operator.getitem else _Like(val)
 
 
+def _base_create_node(tracer):
+    """The ``create_node`` a copy of a plain op's node can be made by, or None. make_fx's own
+    (``PythonKeyTracer.create_node``) adds to an op's node only what the op's tags ask
+    (``eager_input_vals``); a copy of a node that got none is made by the ``fx.proxy.TracerBase``
+    method it extends, which sets the rest (the current meta of ``fx.traceback.set_current_meta``,
+    sequence numbers): the same node, without asking again."""
+    if type(tracer).create_node is proxy_tensor.PythonKeyTracer.create_node:
+        return fx.proxy.TracerBase.create_node
+    return None
+
+
+def _plain(node: fx.Node) -> bool:
+    return node.op == "call_function" and "eager_input_vals" not in node.meta
+
+
 class _Recording:
     """The nodes one call added, and how its result is made of them."""
 
@@ -203,6 +250,8 @@ class _Recording:
         self.returned = {x for kind, x in out_leaves if kind == "node"}
         self.mode = mode  # the FakeTensorMode of every recorded value
         self.likes: dict | None = None  # node -> _Like of its value (a tuple for several): on the first replay
+        self.kept: dict | None = None  # node -> the meta entries its copies take from it: on the first replay
+        self.plain = {node for node in nodes if _plain(node)}  # copies made by ``_base_create_node``
 
     @classmethod
     def make(cls, nodes, inputs, tensors, out, tracer):
@@ -257,13 +306,19 @@ class _Recording:
         """Add copies of the recorded nodes reading ``nodes``; the call's result."""
         env = dict(zip(self.inputs, nodes))
         vals = {}
-        likes = self.likes
-        if likes is None:  # read once, when first replayed: many calls recorded never are
+        likes, kept = self.likes, self.kept
+        if likes is None or kept is None:  # read once, when first replayed: many calls recorded never are
             likes = self.likes = {node: _likes(node) for node in self.nodes}
+            kept = self.kept = {node: [(k, v) for k, v in node.meta.items() if k not in _CREATED] for node in self.nodes}
         metas = self.metas(likes)
+        base = _base_create_node(tracer)
         for old in self.nodes:
             args, kwargs = fx.node.map_arg((old.args, old.kwargs), lambda n: env.get(n, n))
-            new = env[old] = tracer.create_node(old.op, old.target, args, kwargs, name=old.name)
+            if base is not None and old in self.plain:
+                new = base(tracer, old.op, old.target, args, kwargs, name=old.name)
+            else:
+                new = tracer.create_node(old.op, old.target, args, kwargs, name=old.name)
+            env[old] = new
             val, like = old.meta["val"], likes[old]
             if isinstance(val, (tuple, list)):  # its items are tracked by their getitem copies
                 pairs = [(None, None) if v is None else v.fresh(m) for v, m in zip(like, metas[old])]
@@ -281,8 +336,8 @@ class _Recording:
                     vals[old] = t
                     proxy_tensor.track_tensor(t, tracer.proxy(new), constant=None, tracer=tracer)
                     new.meta["val"] = snapshot
-            for k, v in old.meta.items():  # tensor_meta: the same metadata
-                if k not in _CREATED and k not in new.meta:
+            for k, v in kept[old]:  # tensor_meta: the same metadata
+                if k not in new.meta:
                     new.meta[k] = v
         leaves = [tensors[x] if kind == "arg" else vals[x] if kind == "node" else x for kind, x in self.out_leaves]
         return pytree.tree_unflatten(leaves, self.out_spec)

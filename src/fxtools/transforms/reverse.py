@@ -150,9 +150,9 @@ class _Transposer(Retracer):
         self.ct_index = [i for i, o in enumerate(self.out_nodes) if isinstance(o, fx.Node) and o in self.need]
         if spec.seed == "ones" and len(self.ct_index) > 1:
             raise ValueError("grad needs a function with one scalar tensor output; use vjp for more")
-        for node in self.need:
-            if node.op == "call_function" and node.target is not operator.getitem:
-                rule_for(node)  # fail before tracing, with the user's line
+        self.rules = {  # found before tracing: a missing one fails first, with the user's line
+            node: rule_for(node) for node in self.need if node.op == "call_function" and node.target is not operator.getitem
+        }
         self.namer = Namer()
         self.dynamic = set(dynamic_nodes(captured))  # data-dependent shapes (x[mask]): see graph/data_dependent.py
         self.memo = Memo()
@@ -196,7 +196,7 @@ class _Transposer(Retracer):
             if node.target is operator.getitem or node not in self.need:
                 self.env[node] = self.memo.call(node.target, *args, **kwargs)
             else:
-                rule = rule_for(node)
+                rule = self.rules[node]
                 self.env[node], aux = self.memo.call(rule.fwd, *args, **kwargs)
                 self.tape.append((node, rule, aux))
         _name_value(self.namer, self.env[node], node)
@@ -218,7 +218,7 @@ class _Transposer(Retracer):
         """Add cotangent ``c`` into ``node``'s (``None`` adds nothing)."""
         if c is None or node not in self.need:
             return
-        if isinstance(c, torch.Tensor) and c.dtype != node.meta["val"].dtype:
+        if isinstance(c, torch.Tensor) and _dtype(c) != _dtype(node.meta["val"]):
             # a complex cotangent reaching a real value keeps its real part, as in autograd
             c = self.memo.call(registry.cast_cotangent, c, node.meta["val"].dtype)
         self.ct[node] = c if node not in self.ct else self.memo.call(operator.add, self.ct[node], c)
@@ -286,6 +286,12 @@ class _Transposer(Retracer):
                 _name_gradient(self.namer, g, p)
             grads.append(g)
         return grads
+
+
+def _dtype(t: torch.Tensor) -> torch.dtype:
+    """``t.dtype``, read without a trip through make_fx's torch-function modes (a dispatch per read)."""
+    with torch._C.DisableTorchFunction():
+        return t.dtype
 
 
 # -- names: values after the captured nodes, cotangents ``grad_<value>``
