@@ -181,39 +181,72 @@ def cumsum(ct, out, x, dim, dtype=None):
     return cast(rev_cumsum(ct, dim) if x.dim() else ct, x)
 
 
+def _suffix_recurrence(ct, factors, d):
+    """``q_i = ct_i + f_i q_{i+1}`` along ``d`` (``factors`` holds ``f_0 ... f_{n-2}``), by a doubling
+    scan: ``ceil(log2 n)`` steps, each adding ``a_i q_{i+s}`` where ``a_i = f_i ... f_{i+s-1}``.
+    ``O(n log n)`` work, ``O(n)`` memory; slices, not padding, so no ``inf * 0`` past the end."""
+    n = ct.shape[d]
+    q, a, s = ct, factors, 1
+    while s < n:
+        q = torch.cat([q.narrow(d, 0, n - s) + a * q.narrow(d, s, n - s), q.narrow(d, n - s, s)], d)
+        a = a.narrow(d, 0, n - 2 * s) * a.narrow(d, s, n - 2 * s) if 2 * s < n else a
+        s *= 2
+    return q
+
+
+def _kinds(t):
+    """Per element: is it NaN, 0, ±inf (a trailing dim of 3)."""
+    return torch.stack([t.isnan(), t == 0, t.isinf()], -1).int()
+
+
+def _special_sums(ct, x, d):
+    """Where ``sum_{j >= i} ct_j prod_{l <= j, l != i} x_l``, summed term by term as autograd's double
+    backward sums it, is NaN, +inf or -inf (ignoring overflow): a term is NaN with a NaN or with both
+    a 0 and an inf among its factors, else ±inf with an inf (minus for an odd count of sign bits).
+    Counted for every kind of ``x_i`` (NaN, 0, inf) left out, then the one of ``x_i`` is picked."""
+    own = _kinds(x)
+    left_out = (own.cumsum(d) + _kinds(ct)).unsqueeze(-2) - torch.eye(3, dtype=own.dtype, device=x.device) > 0
+    nan = left_out[..., 0] | (left_out[..., 1] & left_out[..., 2])
+    inf = left_out[..., 2] & ~nan
+    minus = ((x.signbit().int().cumsum(d) + ct.signbit().int()) % 2 == 1).unsqueeze(-1)
+    flags = rev_cumsum(torch.stack([nan, inf & ~minus, inf & minus], -1).int(), d) > 0  # some j >= i
+    nan, plus, minus = (flags & own.bool().unsqueeze(-1)).any(-2).unbind(-1)
+    plus, minus = torch.where(x.signbit(), minus, plus), torch.where(x.signbit(), plus, minus)
+    return nan | (plus & minus), plus, minus
+
+
 @vjp_rule(aten.cumprod.default)
 def cumprod(ct, out, x, dim, dtype=None):
-    """``grad_i = sum_{j >= i} ct_j prod_{l <= j, l != i} x_l``. A line without zeros takes
-    autograd's ``rev_cumsum(ct * out) / x``; a line with a zero the same sum without dividing, as
-    autograd's double backward computes it (infs and NaNs included): the product of the elements
-    before ``i`` times, for each ``j``, the product of those after ``i`` up to ``j``
-    (``n * n`` products per line). Polynomial in ``x``, its own derivative is cumprod's second one
-    at zeros too (hvp)."""
+    """``grad_i = sum_{j >= i} ct_j prod_{l <= j, l != i} x_l``: autograd's ``rev_cumsum(ct * out) / x``
+    where ``x_i`` is finite and nonzero (the same value, and the same NaNs and infs, as the sum) or
+    the tensor holds no zero (autograd's choice); elsewhere without dividing, the product of the
+    elements before ``i`` times ``_suffix_recurrence`` (``O(n log n)`` work, ``O(n)`` memory), whose
+    own derivative is cumprod's second one at zeros (hvp), with the NaNs and infs of autograd's
+    term-by-term sum (``_special_sums``) where an inf or NaN is about."""
     if x.dim() == 0 or x.shape[dim] == 1 or x.numel() == 0:
         return cast(ct, x)
-    n = x.shape[dim]
+    d, n = dim % x.dim(), x.shape[dim]
     zero = x == 0
-    quotient = rev_cumsum(ct * out, dim) / torch.where(zero, 1, x)  # finite where unused: so is its derivative
-    xs, cts = x.movedim(dim, -1), ct.movedim(dim, -1)
-    before = torch.cat([torch.ones_like(xs[..., :1]), xs[..., :-1]], -1).cumprod(-1)
-    from_i = torch.ones(n, n, dtype=torch.bool, device=x.device).triu()  # [i, j]: j >= i
-    after_i = torch.where(from_i.triu(1), xs.unsqueeze(-2), 1).cumprod(-1)  # [i, j]: x_{i+1} ... x_j
-    terms = cts.unsqueeze(-2) * (before.unsqueeze(-1) * after_i)
-    products = torch.where(from_i, terms, 0).sum(-1).movedim(-1, dim)
-    return cast(torch.where(zero.any(), products, quotient), x)
+    quotient = rev_cumsum(ct * out, d) / torch.where(zero, 1, x)  # finite where unused: so is its derivative
+    before = torch.cat([torch.ones_like(x.narrow(d, 0, 1)), x.narrow(d, 0, n - 1)], d).cumprod(d)
+    products = before * _suffix_recurrence(ct, x.narrow(d, 1, n - 1), d)
+    if not x.is_complex():
+        nan, plus, minus = _special_sums(ct, x, d)
+        products = products.masked_fill(plus, math.inf).masked_fill(minus, -math.inf).masked_fill(nan, math.nan)
+    summed = torch.where(x.isfinite() & ~zero, quotient, products) + 0.0  # +0.0 where autograd's sums give it
+    return cast(torch.where(zero.any(), summed, quotient), x)
 
 
-@vjp_rule(aten.logcumsumexp.default, complex="real")  # splits ct by sign
+@vjp_rule(aten.logcumsumexp.default, complex="real")
 def logcumsumexp(ct, out, x, dim):
-    if x.dim() == 0:
+    """``grad_i = sum_{j >= i} ct_j exp(x_i - out_j)``, linear in ``ct`` (its transpose is the JVP):
+    ``exp(x_i - out_i) r_i`` with ``r_i = ct_i + exp(out_i - out_{i+1}) r_{i+1}``, whose factors are
+    at most 1 (``out`` grows along the line), so nothing overflows at any magnitude."""
+    if x.dim() == 0 or x.numel() == 0:
         return ct
-
-    def rev_logcumsumexp(t):
-        return t.flip(dim).logcumsumexp(dim).flip(dim)
-
-    pos = rev_logcumsumexp(ct.clamp(min=0).log() - out)
-    neg = rev_logcumsumexp((-ct).clamp(min=0).log() - out)
-    return torch.exp(pos + x) - torch.exp(neg + x)
+    d, n = dim % x.dim(), x.shape[dim]
+    decay = torch.exp(out.narrow(d, 0, n - 1) - out.narrow(d, 1, n - 1))
+    return torch.exp(x - out) * _suffix_recurrence(ct, decay, d) + 0.0  # autograd never gives -0.0
 
 
 @vjp_rule(aten.logsumexp.default)
