@@ -1,0 +1,101 @@
+"""Held-out programs (batch h): module hooks, autocast regions, compiled and hostile corners.
+
+Each test is a program that gave a silent wrong answer, a crash or a false refusal before its
+fix; the oracle is eager PyTorch on the same computation (float64 where the program allows).
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxtools
+
+D = torch.float64
+
+# --- hooks added to or removed from a closed-over module after the module was made: the trace ran
+# the old hooks, so the code silently kept (or missed) them ---
+
+
+def _hooked():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+@pytest.mark.parametrize("change", ["remove", "add", "add_global"])
+def test_a_hook_changed_after_the_module_was_made_is_refused(change):
+    m = _hooked()
+    handle = m[1].register_forward_hook(lambda mod, args, out: out * 2)
+    x = torch.randn(5, 3, dtype=D)
+
+    def f(x):
+        return m(x).sin().sum()
+
+    gm = fxtools.grad(f, x)
+    torch.testing.assert_close(gm(x), torch.func.grad(f)(x))
+    if change == "remove":
+        handle.remove()
+    elif change == "add":
+        handle = m[0].register_forward_pre_hook(lambda mod, args: (args[0] * 3,))
+    else:
+        handle = nn.modules.module.register_module_forward_hook(lambda mod, args, out: out)
+    try:
+        with pytest.raises(fxtools.InputMismatch, match="hooks registered on"):
+            gm(x)
+    finally:
+        handle.remove()
+
+
+def test_compile_refuses_a_forward_hook_added_after_it_was_made():
+    m = _hooked()
+    x = torch.randn(5, 3, dtype=D)
+    compiled = fxtools.compile(m, x)
+    torch.testing.assert_close(compiled(x), m(x))
+    m[1].register_forward_hook(lambda mod, args, out: out * 2)
+    with pytest.raises(fxtools.InputMismatch, match=r"hooks registered on Sequential\.1"):
+        compiled(x)
+
+
+# --- full backward hooks: fxtools.compile silently left them out of the gradients, fxtools.grad
+# crashed inside PyTorch ("Error while setting up backward hooks"); refused, naming the module ---
+
+
+@pytest.mark.parametrize("pre", [False, True])
+def test_a_module_with_a_backward_hook_is_refused(pre):
+    m = _hooked()
+    if pre:
+        m[2].register_full_backward_pre_hook(lambda mod, grad_out: (grad_out[0] * 5,))
+    else:
+        m[0].register_full_backward_hook(lambda mod, grad_in, grad_out: (grad_in[0] * 2,))
+    x = torch.randn(5, 3, dtype=D, requires_grad=True)
+    with pytest.raises(fxtools.FxtoolsError, match="calls Linear, which has backward hooks"):
+        fxtools.compile(m, x)
+    with pytest.raises(fxtools.FxtoolsError, match="test_heldout_h.py.*which has backward hooks"):
+        fxtools.grad(lambda x: m(x).sum(), x.detach())
+
+
+# --- torch.autocast inside the program: the rules saw ``bf16 = f32 @ f32`` (autocast casts at
+# dispatch) and the gradient's code multiplied bf16 by float32 (a crash) ---
+
+
+def _autocast_program(x, w):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = x @ w
+        with torch.autocast("cpu", enabled=False):
+            q = y.float().sin()
+    return (y.float() * x.sum(-1, keepdim=True)).sum() + q.pow(2).mean()
+
+
+def test_an_autocast_region_is_differentiated_as_eager():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 6, generator=g), torch.randn(6, 5, generator=g)
+    want = torch.func.grad(_autocast_program, argnums=(0, 1))(x, w)
+    gm = fxtools.grad(_autocast_program, x, w, argnums=(0, 1))
+    assert "bfloat16" in gm.code
+    for got in (
+        gm(x, w),
+        torch.autograd.grad(fxtools.compile(_autocast_program, x, w)(*[t.requires_grad_() for t in (x, w)]), (x, w)),
+    ):
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b)
