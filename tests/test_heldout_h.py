@@ -7,7 +7,6 @@ fix; the oracle is eager PyTorch on the same computation (float64 where the prog
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fxtools
 
