@@ -98,3 +98,51 @@ def test_an_autocast_region_is_differentiated_as_eager():
         for a, b in zip(got, want):
             assert a.dtype == b.dtype
             torch.testing.assert_close(a, b)
+
+
+# --- requires_grad_(False) on a leaf inside the program (freezing a weight for one use): eager's
+# later uses carry no gradient until requires_grad_(True); fxtools differentiated them ---
+
+
+def _toggling(x):
+    a = x.sin().sum()
+    x.requires_grad_(False)
+    b = (x * x).sum()
+    x.requires_grad_(True)
+    return a + b + x.sum()
+
+
+def test_a_leaf_set_requires_grad_false_carries_no_gradient_until_set_back():
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(3, generator=g, dtype=D), torch.randn(3, generator=g, dtype=D)
+    eager = x.clone().requires_grad_()
+    _toggling(eager).backward()
+    torch.testing.assert_close(fxtools.grad(_toggling, x)(x), eager.grad)
+    compiled = x.clone().requires_grad_()
+    fxtools.compile(_toggling, x.clone().requires_grad_())(compiled).backward()
+    torch.testing.assert_close(compiled.grad, eager.grad)
+    with torch.autograd.forward_ad.dual_level():  # forward mode ignores requires_grad, as no_grad
+        dual = torch.autograd.forward_ad.make_dual(x.clone(), t)
+        want = torch.autograd.forward_ad.unpack_dual(_toggling(dual)).tangent
+    torch.testing.assert_close(fxtools.jvp(_toggling, x)(x, t)[1], want)
+
+
+def test_compile_of_a_model_freezing_its_weight_for_one_call():
+    torch.manual_seed(0)
+    models = [nn.Linear(3, 3).double() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    x = torch.randn(2, 3, dtype=D)
+
+    def program(m):
+        def f(x):
+            m.weight.requires_grad_(False)
+            y = m(x)
+            m.weight.requires_grad_(True)
+            return (y * m(x)).sum()
+
+        return f
+
+    fxtools.compile(program(models[0]), x)(x).backward()
+    program(models[1])(x).backward()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
