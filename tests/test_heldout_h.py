@@ -146,3 +146,28 @@ def test_compile_of_a_model_freezing_its_weight_for_one_call():
     program(models[1])(x).backward()
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+# --- torch.compile(dynamic=True) passes a module's floats (batch norm's eps, momentum) as 0-dim
+# tensors read by .item(): the backend traced an unbacked float and refused batch norm's
+# `if eps <= 0` as data-dependent control flow ---
+
+
+def test_backend_dynamic_takes_batch_norm_in_training_and_its_float_attributes():
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(3)).double()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fxtools.backend(), dynamic=True)
+    for batch, length, momentum in [(4, 5, 0.1), (3, 2, 0.5)]:
+        model[0].momentum = eager[0].momentum = momentum
+        x = torch.randn(batch, 3, length, dtype=D)
+        got, want = compiled(x), eager(x)
+        torch.testing.assert_close(got, want)
+        got.pow(2).sum().backward()
+        want.pow(2).sum().backward()
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        for p, q in zip(model.buffers(), eager.buffers()):
+            torch.testing.assert_close(p, q)
