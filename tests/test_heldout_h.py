@@ -171,3 +171,51 @@ def test_backend_dynamic_takes_batch_norm_in_training_and_its_float_attributes()
             torch.testing.assert_close(p.grad, q.grad)
         for p, q in zip(model.buffers(), eager.buffers()):
             torch.testing.assert_close(p, q)
+
+
+# --- a closed-over list (or an object's list) of modules or tensors: the walk did not look inside,
+# so an appended layer, a replaced module or a rebound tensor was silently ignored ---
+
+
+def _layers():
+    torch.manual_seed(0)
+    return [nn.Linear(3, 3).double() for _ in range(2)]
+
+
+def test_a_closed_over_list_of_layers_is_guarded():
+    layers = _layers()
+
+    def f(x):
+        for layer in layers:
+            x = layer(x).tanh()
+        return x.sum()
+
+    x = torch.randn(2, 3, dtype=D)
+    gm = fxtools.grad(f, x)
+    layers[1].weight = nn.Parameter(torch.randn(3, 3, dtype=D))  # read in its place, as a module's parameter
+    torch.testing.assert_close(gm(x), torch.func.grad(f)(x))
+    layers.append(nn.Linear(3, 3).double())
+    with pytest.raises(fxtools.InputMismatch, match="the length of layers"):
+        gm(x)
+
+
+def test_a_list_of_tensors_is_read_by_reference_and_an_objects_list_guarded():
+    ws = [torch.randn(3, dtype=D)]
+
+    def f(x):
+        return (x * ws[0]).sum()
+
+    x = torch.randn(3, dtype=D)
+    gm = fxtools.grad(f, x)
+    ws[0] = torch.randn(3, dtype=D)
+    torch.testing.assert_close(gm(x), ws[0])
+
+    class Config:
+        pass
+
+    cfg = Config()
+    cfg.layers = _layers()
+    g = fxtools.grad(lambda x: sum(layer(x).sum() for layer in cfg.layers), x)
+    cfg.layers[0] = nn.Linear(3, 3).double()
+    with pytest.raises(fxtools.InputMismatch, match=r"cfg\.layers\[0\]"):
+        g(x)

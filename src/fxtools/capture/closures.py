@@ -35,6 +35,11 @@ def _get_item(table: dict, key):
     return table.get(key, MISSING)
 
 
+def _list_item(items: list, i: int):
+    """``items[i]``, or ``MISSING``."""
+    return items[i] if i < len(items) else MISSING
+
+
 def _line(code, lineno) -> str:
     text = linecache.getline(code.co_filename, lineno).strip() if lineno else ""
     return f"{code.co_filename}:{lineno}: {text}" if lineno else code.co_filename
@@ -298,9 +303,17 @@ class _Walk:
                 elif callable(value) and not isinstance(value, type):  # OPS = {"act": torch.sin}: the same one
                     get = functools.partial(_get_item, obj, key)
                     self.reads.append(Read(f"{label[:-1]}[{key!r}]", get, "same", value))
+        elif type(obj) in (list, tuple):  # layers = [nn.Linear(...), ...]: its items, and a list's length
+            if type(obj) is list:
+                self.reads.append(Read(f"the length of {label[:-1]}", functools.partial(len, obj), "value", len(obj)))
+            for i, value in enumerate(obj):
+                if isinstance(value, (torch.Tensor, torch.nn.Module, list, tuple)):
+                    get = functools.partial(_list_item, obj, i)
+                    self.value(value, get, f"{label[:-1]}[{i}]", None, f"{prefix}{i}", _DEPTH)
         else:
             for name, value in list(_attributes(obj).items()):
-                if isinstance(value, (torch.Tensor, torch.nn.Module)):
+                holder = type(value) in (list, tuple) and snapshot(value) is None  # of tensors or modules
+                if isinstance(value, (torch.Tensor, torch.nn.Module)) or holder:
                     get = functools.partial(getattr, obj, name, MISSING)
                     self.value(value, get, label + name, None, prefix + name, _DEPTH)
 
