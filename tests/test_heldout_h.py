@@ -219,3 +219,24 @@ def test_a_list_of_tensors_is_read_by_reference_and_an_objects_list_guarded():
     cfg.layers[0] = nn.Linear(3, 3).double()
     with pytest.raises(fxtools.InputMismatch, match=r"cfg\.layers\[0\]"):
         g(x)
+
+
+# --- fxtools.compile(..., example_kwargs=..., dynamic=True): the keyword arguments' dynamic_shapes
+# were given to torch.export in a form it does not match (a crash at the first call) ---
+
+
+def _keyword_loss(x, *, k=None, scale=1.0):
+    return (x * k).tanh().sum() * scale
+
+
+def test_compile_dynamic_with_keyword_tensors_at_other_batch_sizes():
+    g = torch.Generator().manual_seed(0)
+    x, k = torch.randn(4, 3, generator=g, dtype=D), torch.randn(4, 3, generator=g, dtype=D)
+    compiled = fxtools.compile(_keyword_loss, x, example_kwargs={"k": k, "scale": 2.0}, dynamic=True)
+    for batch in (4, 5):
+        x, k = torch.randn(batch, 3, generator=g, dtype=D), torch.randn(batch, 3, generator=g, dtype=D)
+        got_x = x.clone().requires_grad_()
+        got = compiled(got_x, k=k, scale=2.0)
+        (grad,) = torch.autograd.grad(got, got_x)
+        torch.testing.assert_close(got, _keyword_loss(x, k=k, scale=2.0))
+        torch.testing.assert_close(grad, torch.func.grad(_keyword_loss)(x, k=k, scale=2.0))
