@@ -127,6 +127,7 @@ def _all_user_frames():
 
     previous = torch.fx.proxy.CapturedTraceback
     outer_cache = _UserStack.cache
+    outer_filter = vars(PythonKeyTracer).get("_filter_traceback_frames")  # a trace inside a trace: kept
     PythonKeyTracer._filter_traceback_frames = keep_user_frames
     setattr(torch.fx.proxy, "CapturedTraceback", _UserStack)  # noqa: B010 (mypy: a type)
     _UserStack.cache = {}
@@ -135,7 +136,10 @@ def _all_user_frames():
     finally:
         _UserStack.cache = outer_cache
         setattr(torch.fx.proxy, "CapturedTraceback", previous)  # noqa: B010
-        del PythonKeyTracer._filter_traceback_frames
+        if outer_filter is None:
+            del PythonKeyTracer._filter_traceback_frames
+        else:
+            PythonKeyTracer._filter_traceback_frames = outer_filter
 
 
 class _UserSummary(traceback.StackSummary):
