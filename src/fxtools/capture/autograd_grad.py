@@ -18,6 +18,7 @@ into a value computed outside that stretch or into one it read, ``is_grads_batch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,6 +89,36 @@ def _check(nodes: list[fx.Node], replayed: set[fx.Node]) -> None:
                     raise _refuse(f"differentiates through an in-place write ({target}) into a value computed before")
 
 
+def _written(n: fx.Node) -> bool:
+    """Whether an op of the trace wrote ``n``'s tensor in place."""
+    for user in n.users:
+        target = user.target
+        if isinstance(target, torch._ops.OpOverload):
+            args = target._schema.arguments
+            if any(
+                a is n and i < len(args) and args[i].alias_info is not None and args[i].alias_info.is_write
+                for i, a in enumerate(user.args)
+            ):
+                return True
+    return False
+
+
+def _released(n: fx.Node, tracer) -> Any:
+    """The value of node ``n`` of the trace whose tensor the program no longer holds: a constant
+    the trace stored, or a temporary Python released (``torch.ones_like(u)`` passed as
+    ``grad_outputs``), which the trace's record of it stands for again. A tensor written in place
+    since has no such record (eager refuses it too)."""
+    if n.op == "get_attr":
+        return functools.reduce(getattr, str(n.target).split("."), tracer.root)
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return val  # a symbolic size
+    if _written(n):
+        raise _refuse("differentiates through a value written in place after it was read")
+    proxy_tensor.track_tensor_tree(val, fx.Proxy(n, tracer), constant=None, tracer=tracer)
+    return val
+
+
 def _as_list(x) -> list:
     return list(x) if isinstance(x, Sequence) and not isinstance(x, torch.Tensor) else [x]
 
@@ -143,16 +174,14 @@ def grad_in_trace(
         )
     keep = [k for k, n in enumerate(out_nodes) if n in replayed]
     live = {slot.proxy.node: t for t, slot in tracer.tensor_tracker.items()}
+    for a in {a for n in nodes for a in n.all_input_nodes if a not in replayed and a not in live}:
+        live[a] = _released(a, tracer)
 
     def replay(*xs):
         env: dict[fx.Node, Any] = dict(zip([in_nodes[i] for i in used], xs))
 
         def value(a: fx.Node):
-            if a in env or a in live:
-                return env[a] if a in env else live[a]
-            if isinstance(a.meta.get("val"), torch.Tensor):  # its tensor was written in place since
-                raise _refuse("differentiates through a value written in place after it was read")
-            return a.meta.get("val")  # a symbolic size
+            return env[a] if a in env else live[a]
 
         for n in nodes:
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)
