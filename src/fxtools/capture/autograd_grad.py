@@ -89,32 +89,48 @@ def _check(nodes: list[fx.Node], replayed: set[fx.Node]) -> None:
                     raise _refuse(f"differentiates through an in-place write ({target}) into a value computed before")
 
 
-def _written(n: fx.Node) -> bool:
-    """Whether an op of the trace wrote ``n``'s tensor in place."""
-    for user in n.users:
-        target = user.target
-        if isinstance(target, torch._ops.OpOverload):
-            args = target._schema.arguments
-            if any(
-                a is n and i < len(args) and args[i].alias_info is not None and args[i].alias_info.is_write
-                for i, a in enumerate(user.args)
-            ):
-                return True
+def _views(n: fx.Node) -> bool:
+    """Whether ``n`` is a view of its first argument."""
+    if not isinstance(n.target, torch._ops.OpOverload) or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    schema = n.target._schema
+    first, out = schema.arguments[0].alias_info, schema.returns[0].alias_info if schema.returns else None
+    return first is not None and not first.is_write and out is not None
+
+
+def _written_after(n: fx.Node, reads: list[fx.Node]) -> bool:
+    """Whether an op of the trace wrote ``n``'s tensor in place, directly or through a view of it,
+    after the first of ``reads`` read it (eager's backward would see the version change)."""
+    order = {m: i for i, m in enumerate(n.graph.nodes)}
+    first = min(order[m] for m in reads)
+    while _views(n):  # from the tensor whose storage it shares
+        n = n.args[0]  # type: ignore[assignment]
+    todo, seen = [n], set()
+    while todo:
+        m = todo.pop()
+        seen.add(m)
+        for user in m.users:
+            if not isinstance(user.target, torch._ops.OpOverload) or user in seen:
+                continue
+            schema = user.target._schema.arguments
+            for i, a in enumerate(user.args):
+                alias = schema[i].alias_info if a is m and i < len(schema) else None
+                if alias is not None and alias.is_write and order[user] > first:
+                    return True
+                if alias is not None and not alias.is_write:  # a view of it
+                    todo.append(user)
     return False
 
 
 def _released(n: fx.Node, tracer) -> Any:
     """The value of node ``n`` of the trace whose tensor the program no longer holds: a constant
     the trace stored, or a temporary Python released (``torch.ones_like(u)`` passed as
-    ``grad_outputs``), which the trace's record of it stands for again. A tensor written in place
-    since has no such record (eager refuses it too)."""
+    ``grad_outputs``), which the trace's record of it stands for again."""
     if n.op == "get_attr":
         return functools.reduce(getattr, str(n.target).split("."), tracer.root)
     val = n.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return val  # a symbolic size
-    if _written(n):
-        raise _refuse("differentiates through a value written in place after it was read")
     proxy_tensor.track_tensor_tree(val, fx.Proxy(n, tracer), constant=None, tracer=tracer)
     return val
 
@@ -174,8 +190,11 @@ def grad_in_trace(
         )
     keep = [k for k, n in enumerate(out_nodes) if n in replayed]
     live = {slot.proxy.node: t for t, slot in tracer.tensor_tracker.items()}
-    for a in {a for n in nodes for a in n.all_input_nodes if a not in replayed and a not in live}:
-        live[a] = _released(a, tracer)
+    for a in {a for n in nodes for a in n.all_input_nodes if a not in replayed}:
+        if _written_after(a, [n for n in nodes if a in n.all_input_nodes]):
+            raise _refuse("differentiates through a value written in place after it was read")
+        if a not in live:
+            live[a] = _released(a, tracer)
 
     def replay(*xs):
         env: dict[fx.Node, Any] = dict(zip([in_nodes[i] for i in used], xs))
