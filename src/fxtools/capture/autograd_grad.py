@@ -13,7 +13,7 @@ merges the copies.
 
 Refused, naming the user's line (``AutogradInsideError``): a random op between ``inputs`` and
 ``outputs`` (replayed, it would draw again), a function with its own backward, an in-place write
-into a value computed outside that stretch or into one it read, ``is_grads_batched``, ``GradientEdge``s and dict inputs.
+into a value computed outside that stretch or into one it read (directly or through a view, after the read), ``is_grads_batched``, ``GradientEdge``s and dict inputs.
 """
 
 from __future__ import annotations
