@@ -78,3 +78,16 @@ def test_a_value_written_through_a_view_after_the_read_is_refused_as_eager_does(
     got = fxtools.grad(_grad_reading_a_value_whose_view_was_written_before, x)(x)
     want = torch.func.grad(lambda x: (torch.tensor([3.0, 2, 2], dtype=D) * (1 - torch.tanh(x) ** 2)).sum())(x)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def _pinn_with_a_nan_in_its_derivative(v, xt):
+    xt = xt.detach().requires_grad_(True)
+    u = torch.sqrt((xt @ _W) ** 2) @ v  # |h|: its derivative at h = 0 is 0 / 0
+    du = torch.autograd.grad(u, xt, grad_outputs=torch.ones_like(u), create_graph=True)[0]
+    return (du**2).mean()
+
+
+def test_a_nan_born_in_autograd_grad_inside_names_its_line():
+    v = torch.randn(4, 1, dtype=D, generator=torch.Generator().manual_seed(3))
+    report = fxtools.find_nonfinite(_pinn_with_a_nan_in_its_derivative, v, torch.zeros(5, 2, dtype=D), argnums=(0,))
+    assert report.phase == "forward" and report.line.startswith("du = torch.autograd.grad(u, xt")
