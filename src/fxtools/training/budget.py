@@ -862,6 +862,7 @@ class _Memo:
         self.sizes = _Lazy(lambda n: nbytes(n.meta.get("val")))
         self.inputs = InputsOf()
         self.forward: dict = {}  # saved set -> the forward's peak
+        self.trials: dict = {}  # (saved, recomputed, forget) -> the backward's peak and recompute (``_trial``)
 
     def root(self, n: fx.Node) -> fx.Node:
         return self.roots[n]
@@ -1024,10 +1025,9 @@ def refresh(
         step = _cheapest_trial(part, saved, recomputed, memo, forget, trials, trace, cost) if cost else None
         for more in trials if cost is None else []:
             trial = _merged(forget, more)
-            trial_order = backward_nodes(part, saved, recomputed, trial, inputs=memo.inputs)
-            trial_trace = live_trace(trial_order, start, held, memo)
-            if trial_trace.peak < trace.peak:
-                step = trial, trial_order, trial_trace
+            if _trial(part, saved, recomputed, memo, trial)[0] < trace.peak:
+                trial_order = backward_nodes(part, saved, recomputed, trial, inputs=memo.inputs)
+                step = trial, trial_order, live_trace(trial_order, start, held, memo)
                 break
         if step is None:
             break
@@ -1040,21 +1040,32 @@ def _cheapest_trial(part, saved, recomputed, memo, forget, trials, trace, cost: 
     """Of ``trials`` (storages to forget, ``refresh``), the one that lowers the backward's peak
     below ``trace``'s for the least recompute per byte of peak removed: ``(forget, order,
     trace)``, or None if none lowers it."""
-    start, held = _backward_ends(part, saved)
-
-    def recompute(order):
-        return sum(cost.get(n, 0) for n in order if n not in part.bw)
-
-    base, best, best_rate = recompute(backward_nodes(part, saved, recomputed, forget, inputs=memo.inputs)), None, math.inf
+    base, best, best_rate = _trial(part, saved, recomputed, memo, forget, cost)[1], None, math.inf
     for more in trials:
         trial = _merged(forget, more)
-        trial_order = backward_nodes(part, saved, recomputed, trial, inputs=memo.inputs)
-        trial_trace = live_trace(trial_order, start, held, memo)
-        if trial_trace.peak < trace.peak:
-            rate = (recompute(trial_order) - base) / (trace.peak - trial_trace.peak)
+        peak, recompute = _trial(part, saved, recomputed, memo, trial, cost)
+        if peak < trace.peak:
+            rate = (recompute - base) / (trace.peak - peak)
             if rate < best_rate:
-                best, best_rate = (trial, trial_order, trial_trace), rate
-    return best
+                best, best_rate = trial, rate
+    if best is None:
+        return None
+    start, held = _backward_ends(part, saved)
+    order = backward_nodes(part, saved, recomputed, best, inputs=memo.inputs)
+    return best, order, live_trace(order, start, held, memo)
+
+
+def _trial(part, saved, recomputed, memo: _Memo, forget: dict, cost: dict | None = None) -> tuple[int, int]:
+    """The backward's peak and recompute (``cost`` summed over what it recomputes, 0 without)
+    when it forgets ``forget``, kept in ``memo``: the refresh modes and rounds try many of the
+    same sets."""
+    key = (frozenset(saved), frozenset(recomputed), frozenset((u, frozenset(vs)) for u, vs in forget.items()), cost is None)
+    if key not in memo.trials:
+        start, held = _backward_ends(part, saved)
+        order = backward_nodes(part, saved, recomputed, forget, inputs=memo.inputs)
+        recompute = sum(cost.get(n, 0) for n in order if n not in part.bw) if cost is not None else 0
+        memo.trials[key] = live_trace(order, start, held, memo).peak, recompute
+    return memo.trials[key]
 
 
 def _with_inputs(group: dict, recomputed, bw) -> dict:
