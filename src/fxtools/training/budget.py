@@ -35,6 +35,10 @@ joint graph's min-cut structure (the one ``recompute_cheap`` uses):
   takes its level's choice in ``Problem.byte_table``: a smaller budget never saves more bytes,
   never recomputes less and never peaks higher (predicted), and among such chains of choices
   the levels take the one with the least recompute summed over the budgets.
+- **one solve per program.** ``problem_of`` keeps the last few solved problems, keyed by
+  ``program_key`` (ops, arguments, dtypes, sizes, strides, checkpoint regions, inputs and
+  outputs): splitting the same program again at another budget moves the solved frontier and
+  byte table onto the new trace's nodes instead of solving again.
 - **infeasible budgets.** Below the frontier's first point (every recomputable value recomputed)
   no split fits: ``FxtoolsError`` says the minimum, in bytes and as a fraction.
 
