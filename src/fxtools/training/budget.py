@@ -761,7 +761,8 @@ def _arg_key(a, pos: dict):
     if isinstance(a, dict):
         return ("dict", *((_arg_key(k, pos), _arg_key(v, pos)) for k, v in a.items()))
     if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return (type(a).__name__, str(a))
+        hint = a.node.hint  # FLOP counts read it
+        return (type(a).__name__, str(a), hint) if type(hint) in _LITERALS else _Same(a)
     if type(a) in _LITERALS:
         return (type(a).__name__, a)
     return _Same(a)
@@ -769,8 +770,8 @@ def _arg_key(a, pos: dict):
 
 def _val_key(v):
     if isinstance(v, torch.Tensor):
-        sizes = tuple((str(s), upper_bound(s)) for s in v.shape)
-        strides = tuple((str(s), upper_bound(s)) for s in v.stride())
+        sizes = tuple((_arg_key(s, {}), upper_bound(s)) for s in v.shape)
+        strides = tuple((_arg_key(s, {}), upper_bound(s)) for s in v.stride())
         return ("tensor", v.dtype, v.device, sizes, strides, str(v.storage_offset()))
     if isinstance(v, (tuple, list)):
         return (type(v).__name__, *(_val_key(x) for x in v))
