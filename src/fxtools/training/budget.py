@@ -725,6 +725,7 @@ def program_key(part) -> tuple:
 
 
 def _node_key(n: fx.Node, pos: dict) -> tuple:
+    target: object
     if n.op == "get_attr":
         target = (n.target, _attr_key(n))
     else:
