@@ -232,7 +232,7 @@ class _Partition:
         """The least estimated recompute within a byte or peak budget (``fxtools.training.budget``)."""
         from . import budget
 
-        problem = budget.Problem(self)
+        problem = budget.problem_of(self)
         points = problem.frontier()
         save_all_saved, _ = self._by_rule(policies.save_all)
         save_all_bytes = problem.saved_bytes(save_all_saved)
@@ -671,7 +671,7 @@ class Split:
         from . import budget
 
         part = self._joint()
-        problem = budget.Problem(part)
+        problem = budget.problem_of(part)
         points = problem.frontier()
         save_all_bytes = problem.saved_bytes(part._by_rule(policies.save_all)[0])
         budgets = [k / 20 for k in range(1, 21)] if budgets is None else budgets
