@@ -47,6 +47,7 @@ from ..graph import meta
 from ..graph.data_dependent import broadcasts_into, materialize, same_shape, shape_arg, sizes_from_inputs
 from ..graph.nodes import (
     STATEFUL_NORMS,
+    ancestors,
     fake_mode_of,
     has_generic_name,
     is_impure,
@@ -360,19 +361,9 @@ def _detach(node, rw):
     generated code's own derivative (``fxtools.hvp`` and ``hessian`` differentiate a gradient's code,
     and so does autograd run over it) must see the value as a constant, as PyTorch does at every order."""
     x = node.args[0]
-    if isinstance(x, fx.Node) and any(a.op == "placeholder" for a in _ancestors(x)):
+    if isinstance(x, fx.Node) and any(a.op == "placeholder" for a in ancestors([x])):
         return None
     return x
-
-
-def _ancestors(node: fx.Node) -> set:
-    seen, stack = {node}, [node]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return seen
 
 
 _CONTIGUOUS_KERNELS = {aten.native_group_norm.default}
