@@ -326,6 +326,58 @@ def _times_one(node, rw):
     return None
 
 
+def _times_ones(node, rw):
+    """``ones.view(n, 1) * w`` -> ``w.expand(n, m)``: a product with a tensor of ones broadcast
+    over ``w`` is ``w`` broadcast, read-only (not for a module's output, which its caller may write)."""
+    if node.target is not aten.mul.Tensor or len(node.args) != 2 or node.kwargs or _is_output(node):
+        return None
+    x, y = node.args
+    other = y if rw.constant(x) == 1 else x if rw.constant(y) == 1 else None
+    val, out = _val(other), _val(node)
+    if not (isinstance(other, fx.Node) and isinstance(val, torch.Tensor) and val.dtype == out.dtype):
+        return None
+    return rw.new(node, aten.expand.default, (other, shape_arg(node, out)))
+
+
+def _fresh_clone(node, rw):
+    """``clone(t)`` -> ``t`` for ``t`` a new tensor (``zeros(...)``, ``a + b``) of the same strides
+    that nothing writes in place, directly or through a view, and that the module does not also
+    return next to the clone (two outputs would then be one tensor)."""
+    x = node.args[0]
+    fmt = node.kwargs.get("memory_format", torch.preserve_format)
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and isinstance(x.target, torch._ops.OpOverload)):
+        return None
+    schema = x.target._schema
+    if schema.is_mutable or len(schema.returns) != 1 or schema.returns[0].alias_info is not None:
+        return None  # a view or an in-place op: its result shares memory with another tensor
+    a, b = _val(x), _val(node)
+    if fmt not in (None, torch.preserve_format) or not (_same_type(x, node) and same_shape(a.stride(), b.stride())):
+        return None
+    ax, an = _aliases(x), _aliases(node)
+    if any(_mutates(u) for v in ax | an for u in v.users) or (_returned(ax) and _returned(an)):
+        return None
+    return x
+
+
+def _aliases(node: fx.Node) -> set[fx.Node]:
+    """``node`` and the views of it (the nodes that share its memory)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += [u for u in n.users if isinstance(u.target, torch._ops.OpOverload) and u.target.is_view]
+    return seen
+
+
+def _returned(nodes: set[fx.Node]) -> bool:
+    return any(u.op == "output" for n in nodes for u in n.users)
+
+
+def _is_output(node: fx.Node) -> bool:
+    return any(u.op == "output" for u in node.users)
+
+
 def _plus_zero(node, rw):
     """``x - 0``, ``x + (-0.0)``, ``(-0.0) + x`` -> ``x`` (see ``_neutral_zero``)."""
     if len(node.args) != 2 or node.kwargs:
@@ -467,6 +519,8 @@ _REWRITE_FAMILIES = (
     (_BINARY, _scalar_tensor_operand),
     (_BINARY, _fill_operand),
     ((aten.mul.Tensor, aten.div.Tensor), _times_one),
+    ((aten.mul.Tensor,), _times_ones),
+    ((aten.clone.default,), _fresh_clone),
     ((aten.add.Tensor, aten.sub.Tensor), _plus_zero),
     ((aten.add.Tensor,), _doubled),
     ((aten.neg.default,), _double_negation),
@@ -544,10 +598,11 @@ def _fold_fill(node, rw):
 
 def _unexpand_symbolic(node, rw):
     """``t * s.expand([batch, 4])`` -> ``t * s`` when ``s`` only broadcasts into ``t`` (same dtype
-    and shape as the result), for an expand to symbolic sizes.
+    and shape as the result): the operation broadcasts it the same.
 
     It is what ``_fold_fill`` does for a static fill: with a size marked dynamic, a mean's seed
-    ``ones / (batch * 4)`` is no number, but a 0-d tensor that multiplies as one.
+    ``ones / (batch * 4)`` is no number, but a 0-d tensor that multiplies as one; and what
+    ``_times_ones`` leaves (``ones.view(n, 1) * w * t`` -> ``w * t``).
     """
     a, b = node.args
     out = _val(node)
@@ -562,7 +617,6 @@ def _unexpand_symbolic(node, rw):
             and e.target is aten.expand.default
             and isinstance(tensor, fx.Node)
             and _same_type(tensor, node)
-            and any(isinstance(n, fx.Node) for n in e.args[1])
         ):
             continue
         source = e.args[0]

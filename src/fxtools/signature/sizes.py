@@ -166,7 +166,29 @@ def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
     sym.names, sym.declared = _dim_names(specs, pytree.tree_unflatten(merged, spec), signature)
     fake_mode.shape_env.fxtools_names = sym.names  # how size_text shows them
     fake_mode.shape_env.guards = _GuardLines(fake_mode.shape_env.guards)
+    _undecided_without_guard(fake_mode.shape_env)
+    fake_mode.cache_enabled = False  # its check of a cached view decides contiguity (``batch - 1 == 1``?) with a guard
     return pytree.tree_unflatten(merged, spec), sym
+
+
+def _undecided_without_guard(env) -> None:
+    """``guard_or_false`` / ``guard_or_true`` on marked sizes answer from the declared ranges alone,
+    or give their default: no guard. PyTorch calls them where either answer is right (is a slice
+    ``x[1:]`` of size 1, and so contiguous whatever its stride?) and checks with ``torch._check``
+    (a guard, which ``check`` sees) where it is not; a guard taken from the example's sizes would
+    refuse a program eager runs at every size. This is torch's ``backed_size_oblivious`` reasoning
+    for these two calls, on fxtools' shape environment only."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_false, statically_known_true
+
+    evaluate = env.evaluate_sym_node
+
+    def evaluate_sym_node(sym_node, size_oblivious=False, fallback_value=None):
+        if fallback_value is None or size_oblivious:
+            return evaluate(sym_node, size_oblivious, fallback_value)
+        cond = torch.SymBool(sym_node)
+        return True if statically_known_true(cond) else False if statically_known_false(cond) else fallback_value
+
+    env.evaluate_sym_node = evaluate_sym_node
 
 
 class _GuardLines(list):
@@ -178,14 +200,30 @@ class _GuardLines(list):
     def __init__(self, items=()):
         super().__init__(items)
         self.where: dict[int, str] = {}
+        self.framework: dict[int, str] = {}  # torch's location, past fxtools' ``_undecided_without_guard``
 
     def append(self, guard) -> None:
+        self.framework[id(guard)] = _framework_line()
         where, checked = decision_line(skip=1), decisions.current()
         if not where.startswith("fxtools'"):  # the program's decisions; fxtools' own are its shape arithmetic
             self.where[id(guard)] = where
         elif checked is not None and (checked.where or checked.kind == "read"):  # a module traced again (hvp): what it checks
             self.where[id(guard)] = checked.where if checked.kind == "decided" else f"read at {checked.where}"
         super().append(guard)
+
+
+def _framework_line() -> str:
+    """``file:line in function`` of the innermost frame outside torch's shape machinery and this
+    module: the place ShapeEnv names as a guard's location, had fxtools not wrapped its evaluation."""
+    import sys
+
+    from torch.fx.experimental.symbolic_shapes import uninteresting_files
+
+    skip = uninteresting_files() | {__file__}
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename in skip:
+        frame = frame.f_back
+    return "an unknown line" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def _dim_names(specs, fake_args, signature) -> tuple[dict, dict]:
@@ -261,8 +299,10 @@ def _specialisations(sym: Symbolic) -> list[str]:
         expr = guard.expr
         if not expr.free_symbols & set(named):
             continue
-        loc = guard.sloc.framework_loc
-        where = f"{loc.filename}:{loc.lineno} in {loc.name}" if hasattr(loc, "lineno") else str(guard.sloc).strip("()")
+        loc, framework = guard.sloc.framework_loc, getattr(env.guards, "framework", {}).get(id(guard))
+        where = framework or (
+            f"{loc.filename}:{loc.lineno} in {loc.name}" if hasattr(loc, "lineno") else str(guard.sloc).strip("()")
+        )
         text = PythonPrinter().doprint(expr.xreplace(named))
         lines.append(f"  - {text} (at {where})")
     return lines
