@@ -598,11 +598,10 @@ def _fold_fill(node, rw):
 
 def _unexpand_symbolic(node, rw):
     """``t * s.expand([batch, 4])`` -> ``t * s`` when ``s`` only broadcasts into ``t`` (same dtype
-    and shape as the result): the operation broadcasts it the same.
+    and shape as the result), for an expand to symbolic sizes.
 
     It is what ``_fold_fill`` does for a static fill: with a size marked dynamic, a mean's seed
-    ``ones / (batch * 4)`` is no number, but a 0-d tensor that multiplies as one; and what
-    ``_times_ones`` leaves (``ones.view(n, 1) * w * t`` -> ``w * t``).
+    ``ones / (batch * 4)`` is no number, but a 0-d tensor that multiplies as one.
     """
     a, b = node.args
     out = _val(node)
@@ -617,6 +616,7 @@ def _unexpand_symbolic(node, rw):
             and e.target is aten.expand.default
             and isinstance(tensor, fx.Node)
             and _same_type(tensor, node)
+            and any(isinstance(n, fx.Node) for n in e.args[1])
         ):
             continue
         source = e.args[0]

@@ -166,27 +166,32 @@ def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
     sym.names, sym.declared = _dim_names(specs, pytree.tree_unflatten(merged, spec), signature)
     fake_mode.shape_env.fxtools_names = sym.names  # how size_text shows them
     fake_mode.shape_env.guards = _GuardLines(fake_mode.shape_env.guards)
-    _undecided_without_guard(fake_mode.shape_env)
+    _undecided_without_guard(fake_mode.shape_env, set(sym.names))
     fake_mode.cache_enabled = False  # its check of a cached view decides contiguity (``batch - 1 == 1``?) with a guard
     return pytree.tree_unflatten(merged, spec), sym
 
 
-def _undecided_without_guard(env) -> None:
-    """``guard_or_false`` / ``guard_or_true`` on marked sizes answer from the declared ranges alone,
-    or give their default: no guard. PyTorch calls them where either answer is right (is a slice
-    ``x[1:]`` of size 1, and so contiguous whatever its stride?) and checks with ``torch._check``
-    (a guard, which ``check`` sees) where it is not; a guard taken from the example's sizes would
-    refuse a program eager runs at every size. This is torch's ``backed_size_oblivious`` reasoning
-    for these two calls, on fxtools' shape environment only."""
+def _undecided_without_guard(env, named: set) -> None:
+    """``guard_or_false`` / ``guard_or_true`` on marked sizes answer from the declared ranges, or
+    give their default without a guard: when the example's sizes give it too, or when the question
+    is about a named ``Dim`` (whose every guard would be a refusal). PyTorch calls them where the
+    default is right at every size (is a slice ``x[1:]`` of size 1, and so contiguous whatever its
+    stride?) and checks with ``torch._check`` (a guard, which ``check`` sees) where it needs more;
+    a guard taken from the example would refuse a program eager runs at every size. On ``Dim.AUTO``
+    sizes where the example gives the other answer (a size 1 that broadcasts), it guards as
+    before: the size becomes static."""
     from torch.fx.experimental.symbolic_shapes import statically_known_false, statically_known_true
 
     evaluate = env.evaluate_sym_node
 
     def evaluate_sym_node(sym_node, size_oblivious=False, fallback_value=None):
-        if fallback_value is None or size_oblivious:
-            return evaluate(sym_node, size_oblivious, fallback_value)
-        cond = torch.SymBool(sym_node)
-        return True if statically_known_true(cond) else False if statically_known_false(cond) else fallback_value
+        if fallback_value is not None and not size_oblivious:
+            cond = torch.SymBool(sym_node)
+            if statically_known_true(cond) or statically_known_false(cond):
+                return statically_known_true(cond)
+            if sym_node.hint is not None and (bool(sym_node.hint) == fallback_value or sym_node.expr.free_symbols & named):
+                return fallback_value
+        return evaluate(sym_node, size_oblivious, fallback_value)
 
     env.evaluate_sym_node = evaluate_sym_node
 
