@@ -31,6 +31,7 @@ dynamic shapes do, and picks its splits by those guards.
 
 from __future__ import annotations
 
+import collections
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,6 +145,17 @@ class _Signature(torch.nn.Module):
         self.forward = namespace["forward"]
 
 
+def _export_form(spec):
+    """``spec`` as torch.export matches it: a dict subclass registered as its own pytree node (the
+    keyword arguments ``fxtools.compile`` passes as one argument) by the list of its children."""
+    if isinstance(spec, dict):
+        done = {k: _export_form(v) for k, v in spec.items()}
+        return type(spec)(done) if type(spec) in (dict, collections.OrderedDict) else list(done.values())
+    if isinstance(spec, (list, tuple)) and not hasattr(spec, "_fields"):
+        return type(spec)(_export_form(v) for v in spec)
+    return spec
+
+
 def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
     """``args`` with tensors made FakeTensors, marked sizes symbolic (torch.export's rules)."""
     from torch._export.non_strict_utils import make_fake_inputs
@@ -154,7 +166,7 @@ def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
     tensor_only = pytree.tree_unflatten([x if isinstance(x, torch.Tensor) else None for x in leaves], spec)
     module = _Signature(signature)
     try:
-        fake_mode, fake_args, _, equalities, _, _ = make_fake_inputs(module, tensor_only, {}, specs)
+        fake_mode, fake_args, _, equalities, _, _ = make_fake_inputs(module, tensor_only, {}, _export_form(specs))
     except FxtoolsError:
         raise
     except Exception as exc:  # torch.export's message for malformed dynamic_shapes
@@ -166,34 +178,7 @@ def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
     sym.names, sym.declared = _dim_names(specs, pytree.tree_unflatten(merged, spec), signature)
     fake_mode.shape_env.fxtools_names = sym.names  # how size_text shows them
     fake_mode.shape_env.guards = _GuardLines(fake_mode.shape_env.guards)
-    _undecided_without_guard(fake_mode.shape_env, set(sym.names))
-    fake_mode.cache_enabled = False  # its check of a cached view decides contiguity (``batch - 1 == 1``?) with a guard
     return pytree.tree_unflatten(merged, spec), sym
-
-
-def _undecided_without_guard(env, named: set) -> None:
-    """``guard_or_false`` / ``guard_or_true`` on marked sizes answer from the declared ranges, or
-    give their default without a guard: when the example's sizes give it too, or when the question
-    is about a named ``Dim`` (whose every guard would be a refusal). PyTorch calls them where the
-    default is right at every size (is a slice ``x[1:]`` of size 1, and so contiguous whatever its
-    stride?) and checks with ``torch._check`` (a guard, which ``check`` sees) where it needs more;
-    a guard taken from the example would refuse a program eager runs at every size. On ``Dim.AUTO``
-    sizes where the example gives the other answer (a size 1 that broadcasts), it guards as
-    before: the size becomes static."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_false, statically_known_true
-
-    evaluate = env.evaluate_sym_node
-
-    def evaluate_sym_node(sym_node, size_oblivious=False, fallback_value=None):
-        if fallback_value is not None and not size_oblivious:
-            cond = torch.SymBool(sym_node)
-            if statically_known_true(cond) or statically_known_false(cond):
-                return statically_known_true(cond)
-            if sym_node.hint is not None and (bool(sym_node.hint) == fallback_value or sym_node.expr.free_symbols & named):
-                return fallback_value
-        return evaluate(sym_node, size_oblivious, fallback_value)
-
-    env.evaluate_sym_node = evaluate_sym_node
 
 
 class _GuardLines(list):
@@ -205,30 +190,14 @@ class _GuardLines(list):
     def __init__(self, items=()):
         super().__init__(items)
         self.where: dict[int, str] = {}
-        self.framework: dict[int, str] = {}  # torch's location, past fxtools' ``_undecided_without_guard``
 
     def append(self, guard) -> None:
-        self.framework[id(guard)] = _framework_line()
         where, checked = decision_line(skip=1), decisions.current()
         if not where.startswith("fxtools'"):  # the program's decisions; fxtools' own are its shape arithmetic
             self.where[id(guard)] = where
         elif checked is not None and (checked.where or checked.kind == "read"):  # a module traced again (hvp): what it checks
             self.where[id(guard)] = checked.where if checked.kind == "decided" else f"read at {checked.where}"
         super().append(guard)
-
-
-def _framework_line() -> str:
-    """``file:line in function`` of the innermost frame outside torch's shape machinery and this
-    module: the place ShapeEnv names as a guard's location, had fxtools not wrapped its evaluation."""
-    import sys
-
-    from torch.fx.experimental.symbolic_shapes import uninteresting_files
-
-    skip = uninteresting_files() | {__file__}
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename in skip:
-        frame = frame.f_back
-    return "an unknown line" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def _dim_names(specs, fake_args, signature) -> tuple[dict, dict]:
@@ -304,10 +273,8 @@ def _specialisations(sym: Symbolic) -> list[str]:
         expr = guard.expr
         if not expr.free_symbols & set(named):
             continue
-        loc, framework = guard.sloc.framework_loc, getattr(env.guards, "framework", {}).get(id(guard))
-        where = framework or (
-            f"{loc.filename}:{loc.lineno} in {loc.name}" if hasattr(loc, "lineno") else str(guard.sloc).strip("()")
-        )
+        loc = guard.sloc.framework_loc
+        where = f"{loc.filename}:{loc.lineno} in {loc.name}" if hasattr(loc, "lineno") else str(guard.sloc).strip("()")
         text = PythonPrinter().doprint(expr.xreplace(named))
         lines.append(f"  - {text} (at {where})")
     return lines
