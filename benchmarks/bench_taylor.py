@@ -37,6 +37,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/src")  # this checkout's fxtools, when run as a script
 
+from bench import markdown_header  # noqa: E402  benchmarks/bench.py, beside this file
+
 import fxtools  # noqa: E402
 
 WIDTH, BATCH = 128, 32
@@ -171,12 +173,9 @@ def run(dims, dtypes, repeat, inductor=False, batch=BATCH, variants=None):
 
 
 COLUMNS = ["fxtools", "batched u(X)", "jet-for-pytorch", "trace of hessian", "vmap of hvp", "fxtools + Inductor"]
-HEADER = (
-    "| dtype | D | "
-    + " | ".join(f"{c} ms" for c in COLUMNS)
-    + " | fxtools / trace | fxtools / jet-for-pytorch | batched / fxtools | fxtools MB | trace MB |\n"
-    + "|---" * (len(COLUMNS) + 7)
-    + "|"
+HEADER = markdown_header(
+    ["dtype", "D", *(f"{c} ms" for c in COLUMNS)]
+    + ["fxtools / trace", "fxtools / jet-for-pytorch", "batched / fxtools", "fxtools MB", "trace MB"]
 )
 
 

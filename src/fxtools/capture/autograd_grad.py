@@ -28,7 +28,7 @@ from torch.fx.experimental import proxy_tensor
 
 from ..errors import FxtoolsError, current_user_line
 from ..graph import meta
-from ..graph.nodes import calls_with_grad_mode, is_impure
+from ..graph.nodes import ancestors, calls_with_grad_mode, is_impure
 
 __all__ = ["AutogradInsideError", "grad_in_trace"]
 
@@ -65,13 +65,7 @@ def _stretch(graph: fx.Graph, ins: list[fx.Node], outs: list[fx.Node]) -> tuple[
         if grad_enabled and any(a in below for a in n.all_input_nodes):
             below.add(n)
             derived.add(n)
-    reached: set[fx.Node] = set()
-    todo = [n for n in outs if n in below]
-    while todo:
-        n = todo.pop()
-        if n not in reached:
-            reached.add(n)
-            todo.extend(a for a in n.all_input_nodes if a in below)
+    reached = ancestors(outs, below.__contains__)
     return [n for n in graph.nodes if n in derived and n in reached], reached
 
 

@@ -154,7 +154,7 @@ class _UserSummary(traceback.StackSummary):
 
 class _UserStack:
     """The user's frames of the stack where a node is made, as ``CapturedTraceback.extract().summary()``
-    lists them after ``keep_user_frames``: read from the interpreter's frames directly, since
+    lists them after ``keep_user_frames``, from the program's entry in: read from the interpreter's frames directly, since
     symbolizing every frame (torch's and fxtools' included) to drop all but the user's took a
     tenth of a capture's time. ``cache``: the summaries made so far in this trace, by their frames."""
 
@@ -171,7 +171,7 @@ class _UserStack:
     def summary(self) -> traceback.StackSummary:
         key = []
         f = self.frame
-        while f is not None:
+        while f is not None and f.f_code not in PROGRAM_ENTRIES:  # not the script's call of fxtools
             code = f.f_code
             if is_user_file(code.co_filename):
                 key.append((code.co_filename, f.f_lineno, code.co_name))

@@ -8,6 +8,7 @@ import contextvars
 import copy
 import operator
 import re
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -170,13 +171,14 @@ def written_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
     return [w for w in written if w is not None]
 
 
-def ancestors(nodes) -> set[fx.Node]:
-    """``nodes`` and every node they depend on."""
+def ancestors(nodes, keep: Callable[[fx.Node], bool] | None = None) -> set[fx.Node]:
+    """``nodes`` and every node they depend on; with ``keep``, only the nodes ``keep`` accepts,
+    reached through such nodes (the part of the graph a gradient flows through, say)."""
     seen: set[fx.Node] = set()
     stack = [n for n in nodes if isinstance(n, fx.Node)]
     while stack:
         node = stack.pop()
-        if node in seen:
+        if node in seen or (keep is not None and not keep(node)):
             continue
         seen.add(node)
         stack.extend(node.all_input_nodes)

@@ -53,7 +53,7 @@ from torch.utils import _pytree as pytree
 from ..capture.nested import functorch_regions
 from ..errors import FxtoolsError
 from ..functional import functional
-from ..graph.nodes import fake_mode_of, is_float
+from ..graph.nodes import ancestors, fake_mode_of, is_float
 from ..signature import closures
 from ..signature.guards import InputMismatch
 from ..signature.naming import identifier
@@ -577,12 +577,7 @@ def unreached_leaves(gm: fx.GraphModule) -> list[bool]:
     momentum): the backward must give None there, not the zeros the split computes."""
     carries = _carriers(gm)
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    reached, stack = set(), [a for a in output.all_input_nodes if a in carries]
-    while stack:
-        node = stack.pop()
-        if node not in reached:
-            reached.add(node)
-            stack.extend(a for a in node.all_input_nodes if a in carries)
+    reached = ancestors(output.all_input_nodes, carries.__contains__)
     return [n not in reached for n in gm.graph.nodes if n.op == "placeholder"]
 
 

@@ -53,7 +53,7 @@ from ..codegen.inplace import in_place_body
 from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
 from ..graph import meta
-from ..graph.nodes import fake_mode_of, node_copy
+from ..graph.nodes import ancestors, fake_mode_of, node_copy
 from ..passes.accumulate import accumulate_into_scatters
 from ..passes.simplify import simplify
 from ..signature import closures, sizes
@@ -251,14 +251,8 @@ class _Partition:
 
     def _min_cut(self):
         # candidates: forward-side ancestors of what the backward needs
-        cand, stack = set(), list(self.needed)
-        while stack:
-            v = stack.pop()
-            if v in cand or v in self.bw or v.op == "get_attr":
-                continue
-            cand.add(v)
-            stack.extend(v.all_input_nodes)
-        cand = [n for n in self.nodes if n in cand]
+        reach = ancestors(self.needed, lambda v: v not in self.bw and v.op != "get_attr")
+        cand = [n for n in self.nodes if n in reach]
         index = {n: i for i, n in enumerate(cand)}
         source, sink = 2 * len(cand), 2 * len(cand) + 1
         edges = []
