@@ -83,6 +83,12 @@ def interleaved_median_times(fns, reps, warmup=2):
     return tuple(statistics.median(t) for t in times)
 
 
+def markdown_header(titles) -> str:
+    """The title row and rule line of a Markdown table of results."""
+    titles = list(titles)
+    return "| " + " | ".join(titles) + " |\n" + "|---" * len(titles) + "|"
+
+
 def nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 

@@ -42,6 +42,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/src")  # this checkout's fxtools, when run as a script
 
+from bench import markdown_header  # noqa: E402  benchmarks/bench.py, beside this file
+
 import fxtools  # noqa: E402
 
 try:
@@ -186,13 +188,7 @@ def run(configs, repeat: int, variants) -> None:
 
 
 COLUMNS = ["fxtools", "fxtools + Inductor", "folx", "torch.func"]
-HEADER = (
-    "| B x D x W x L | "
-    + " | ".join(f"{c} ms (cpu)" for c in COLUMNS)
-    + " | fxtools / folx | + Inductor / folx | load |\n"
-    + "|---" * (len(COLUMNS) + 4)
-    + "|"
-)
+HEADER = markdown_header(["B x D x W x L", *(f"{c} ms (cpu)" for c in COLUMNS), "fxtools / folx", "+ Inductor / folx", "load"])
 
 
 def _row(config, t, load) -> str:

@@ -18,7 +18,9 @@ the output with respect to each input (``D`` = 16, 64, 256, 1024), in float64 an
 One process, one thread (``--threads``), the median of ``--repeat`` calls after a warm-up; peak
 memory is the largest amount of memory the CPU allocator holds during one call (``torch.profiler``
 with ``profile_memory=True``). Every fxtools result is checked against the trace of the Hessian.
-Run: ``python benchmarks/bench_taylor.py [--dims 16 64] [--dtypes float64] [--repeat 7]``.
+Run: ``python benchmarks/bench_taylor.py [--dims 16 64] [--dtypes float64] [--repeat 7] [--batch 1024]
+[--variants fxtools "fxtools + Inductor"]`` (``--variants`` times only those, still checked against
+the trace of the Hessian).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/src")  # this checkout's fxtools, when run as a script
+
+from bench import markdown_header  # noqa: E402  benchmarks/bench.py, beside this file
 
 import fxtools  # noqa: E402
 
@@ -136,12 +140,14 @@ def peak_bytes(fn, x) -> int:
     return peak
 
 
-def run(dims, dtypes, repeat, inductor=False):
+def run(dims, dtypes, repeat, inductor=False, batch=BATCH, variants=None):
+    """One row per dtype and ``D``; ``variants`` (names of ``COLUMNS``) limits the timed methods,
+    the trace of the Hessian still being the reference every result is checked against."""
     rows = []
     for dtype in dtypes:
         for d in dims:
             f = make_mlp(d, dtype)
-            xs = torch.randn(BATCH, d, dtype=dtype)
+            xs = torch.randn(batch, d, dtype=dtype)
             methods = {
                 "fxtools": fxtools_laplacian(f, xs),
                 "trace of hessian": trace_of_hessian(f),
@@ -150,8 +156,8 @@ def run(dims, dtypes, repeat, inductor=False):
                 "jet-for-pytorch": jet_for_pytorch(f, xs),
                 "fxtools + Inductor": fxtools_inductor(f, xs) if inductor else None,
             }
-            methods = {name: fn for name, fn in methods.items() if fn is not None}
             ref = methods["trace of hessian"](xs)
+            methods = {name: fn for name, fn in methods.items() if fn is not None and name in (variants or methods)}
             tol = 1e-10 if dtype == torch.float64 else 1e-3
             for name, fn in methods.items():
                 got = fn(xs)
@@ -167,13 +173,14 @@ def run(dims, dtypes, repeat, inductor=False):
 
 
 COLUMNS = ["fxtools", "batched u(X)", "jet-for-pytorch", "trace of hessian", "vmap of hvp", "fxtools + Inductor"]
-HEADER = (
-    "| dtype | D | "
-    + " | ".join(f"{c} ms" for c in COLUMNS)
-    + " | fxtools / trace | fxtools / jet-for-pytorch | batched / fxtools | fxtools MB | trace MB |\n"
-    + "|---" * (len(COLUMNS) + 7)
-    + "|"
+HEADER = markdown_header(
+    ["dtype", "D", *(f"{c} ms" for c in COLUMNS)]
+    + ["fxtools / trace", "fxtools / jet-for-pytorch", "batched / fxtools", "fxtools MB", "trace MB"]
 )
+
+
+def mb(peaks, name) -> str:
+    return f"{peaks[name] / 2**20:.1f}" if name in peaks else "-"
 
 
 def _row(row) -> str:
@@ -188,7 +195,7 @@ def _row(row) -> str:
     return (
         f"| {dtype} | {d} | " + " | ".join(ms(c) for c in COLUMNS) + f" | {ratio('fxtools', 'trace of hessian')} "
         f"| {ratio('fxtools', 'jet-for-pytorch')} | {ratio('batched u(X)', 'fxtools')} "
-        f"| {p['fxtools'] / 2**20:.1f} | {p['trace of hessian'] / 2**20:.1f} |"
+        f"| {mb(p, 'fxtools')} | {mb(p, 'trace of hessian')} |"
     )
 
 
@@ -199,14 +206,17 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--inductor", action="store_true", help="add fxtools' module compiled by Inductor")
+    parser.add_argument("--batch", type=int, default=BATCH, help="points per batch")
+    parser.add_argument("--variants", nargs="+", choices=COLUMNS, help="time only these (default: all)")
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     print(
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, {platform.processor() or platform.machine()}, "
-        f"torch {torch.__version__}, {opts.threads} thread(s), batch {BATCH}, width {WIDTH}, median of {opts.repeat}"
+        f"torch {torch.__version__}, {opts.threads} thread(s), batch {opts.batch}, width {WIDTH}, median of {opts.repeat}"
     )
     print(HEADER)
-    run(opts.dims, [getattr(torch, name) for name in opts.dtypes], opts.repeat, opts.inductor)
+    dtypes = [getattr(torch, name) for name in opts.dtypes]
+    run(opts.dims, dtypes, opts.repeat, opts.inductor or "fxtools + Inductor" in (opts.variants or ()), opts.batch, opts.variants)
 
 
 if __name__ == "__main__":

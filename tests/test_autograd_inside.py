@@ -4,6 +4,7 @@ PyTorch in float64: the same function run with autograd, differentiated again by
 
 from __future__ import annotations
 
+import pinn_mlp
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,23 +15,10 @@ D = torch.float64
 TOL = dict(rtol=1e-9, atol=1e-10)
 
 
-def _params(seed, d=2, w=6):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "w1": torch.randn(d, w, generator=g, dtype=D) / d**0.5,
-        "b1": torch.randn(w, generator=g, dtype=D),
-        "w2": torch.randn(w, generator=g, dtype=D) / w**0.5,
-    }
-
-
-def _u(p, x):
-    return torch.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
-
-
 def _heat_residual(p, x):
     """u_t - u_xx at points x = (x, t): two autograd.grad calls, the second of the first's result."""
     x = x.requires_grad_()
-    u = _u(p, x)
+    u = pinn_mlp.u(p, x)
     (du,) = torch.autograd.grad(u, x, torch.ones_like(u), create_graph=True)
     (d2u,) = torch.autograd.grad(du[:, 0].sum(), x, create_graph=True)
     return (du[:, 1] - d2u[:, 0]).pow(2).mean() + 0.1 * u.pow(2).mean()
@@ -40,7 +28,7 @@ def _two_inputs(p, x):
     """Gradients with respect to a leaf and a computed value, one of them unused."""
     x = x.requires_grad_()
     h = x * 2.0
-    u = _u(p, h)
+    u = pinn_mlp.u(p, h)
     du_dx, du_dh, unused = torch.autograd.grad(u.sum(), [x, h, p["b1"] * 0], create_graph=True, allow_unused=True)
     assert unused is None
     return (du_dx * du_dh).sum() + u.sum()
@@ -49,7 +37,7 @@ def _two_inputs(p, x):
 def _first_order_only(p, x):
     """create_graph=False: the gradient is a constant for the outer derivative."""
     x = x.requires_grad_()
-    u = _u(p, x)
+    u = pinn_mlp.u(p, x)
     (du,) = torch.autograd.grad(u.sum(), x, retain_graph=True)
     return (du.pow(2) * x).sum() + u.pow(2).sum()
 
@@ -67,14 +55,14 @@ def _eager_grad(f, p, x):
 
 @pytest.mark.parametrize("f", [_heat_residual, _two_inputs, _first_order_only, _functional_jacobian])
 def test_autograd_grad_in_a_loss_matches_eager_double_backward(f):
-    p, x = _params(0), torch.rand(5, 2, dtype=D)
+    p, x = pinn_mlp.mlp_params(0), torch.rand(5, 2, dtype=D)
     gm = fxtools.grad(f, p, x)
     for a in (x, torch.rand(2, 5, dtype=D).T):  # other values, a transposed layout
         torch.testing.assert_close(list(gm(p, a).values()), _eager_grad(f, p, a), **TOL)
 
 
 def test_autograd_grad_in_a_loss_under_jvp_and_value_and_grad():
-    p, x = _params(1), torch.rand(4, 2, dtype=D)
+    p, x = pinn_mlp.mlp_params(1), torch.rand(4, 2, dtype=D)
     v = {k: torch.randn_like(t) for k, t in p.items()}
     _, tangent = fxtools.jvp(_heat_residual, p, x)(p, x, v, torch.zeros_like(x))[:2]
     leaves = {k: t.clone().requires_grad_() for k, t in p.items()}
@@ -174,14 +162,14 @@ def test_parameter_gradients_and_no_grad_blocks_train_under_compile(cls, n_args)
 
 
 def _backward_inside(p, x):
-    loss = _u(p, x).sum()
+    loss = pinn_mlp.u(p, x).sum()
     loss.backward()
     return loss
 
 
 def _grad_through_dropout(p, x):
     x = x.requires_grad_()
-    u = F.dropout(_u(p, x), 0.5, training=True)
+    u = F.dropout(pinn_mlp.u(p, x), 0.5, training=True)
     return torch.autograd.grad(u.sum(), x, create_graph=True)[0].sum()
 
 
@@ -202,7 +190,7 @@ def _grad_reading_a_value_written_later(p, x):  # eager: "modified by an inplace
     ],
 )
 def test_what_is_still_refused_names_the_line(f, what, why):
-    p, x = _params(2), torch.rand(3, 2, dtype=D)
+    p, x = pinn_mlp.mlp_params(2), torch.rand(3, 2, dtype=D)
     with pytest.raises(fxtools.FxtoolsError, match=rf"{what} \(at .*test_autograd_inside.py:\d+.*{why}"):
         fxtools.grad(f, p, x)
 
@@ -210,20 +198,20 @@ def test_what_is_still_refused_names_the_line(f, what, why):
 def test_an_unused_input_without_allow_unused_raises_eagers_error():
     def f(p, x):
         x = x.requires_grad_()
-        return torch.autograd.grad(_u(p, x).sum(), [x, p["b1"] * 1.0])[0].sum()
+        return torch.autograd.grad(pinn_mlp.u(p, x).sum(), [x, p["b1"] * 1.0])[0].sum()
 
     with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
-        fxtools.grad(f, _params(3), torch.rand(3, 2, dtype=D))
+        fxtools.grad(f, pinn_mlp.mlp_params(3), torch.rand(3, 2, dtype=D))
 
 
 def _input_gradient(p, x):
     x = x.requires_grad_()
-    u = _u(p, x)
+    u = pinn_mlp.u(p, x)
     return torch.autograd.grad(u, x, torch.ones_like(u), create_graph=True)[0]
 
 
 def test_vjp_of_an_input_gradient_is_eagers_second_derivative():
-    p, x = _params(5), torch.rand(4, 2, dtype=D)
+    p, x = pinn_mlp.mlp_params(5), torch.rand(4, 2, dtype=D)
     v = torch.randn(4, 2, dtype=D, generator=torch.Generator().manual_seed(6))
     out, (gp, gx) = fxtools.vjp(_input_gradient, p, x)(p, x, v)
     leaves = {k: t.clone().requires_grad_() for k, t in p.items()}
@@ -232,3 +220,27 @@ def test_vjp_of_an_input_gradient_is_eagers_second_derivative():
     want = torch.autograd.grad(du, [*leaves.values(), xl], v)
     torch.testing.assert_close(out, du.detach(), **TOL)
     torch.testing.assert_close([*gp.values(), gx], list(want), **TOL)
+
+
+def _sliced_second_derivative(p, x):
+    """u_xx summed over rows 1.. and every other row: slices along the marked batch size."""
+    x = x.requires_grad_()
+    u = pinn_mlp.u(p, x)
+    (du,) = torch.autograd.grad(u, x, torch.ones_like(u), create_graph=True)
+    (d2u,) = torch.autograd.grad(du[1:, 0].sum() + du[::2, 1].sum(), x, create_graph=True)
+    return (du[:-1, 1] - d2u[1:, 0]).pow(2).mean() + du.narrow(0, 0, 2).pow(2).sum()
+
+
+def test_sliced_gradient_differentiated_again_with_a_dynamic_batch():
+    """Slices along a marked size (``du[1:]``, ``du[::2]``, ``narrow``) of a first gradient,
+    differentiated again: the slice's VJP and the view passes stay symbolic in the size (they
+    once specialised it: a refusal). From 3 rows: at 2, PyTorch's contiguity check of a one-row
+    slice guards ``batch - 1 != 1`` (docs/security.md)."""
+    from torch.export import Dim
+
+    p = pinn_mlp.mlp_params(6)
+    batch = Dim("batch", min=3, max=64)
+    gm = fxtools.grad(_sliced_second_derivative, p, torch.rand(5, 2, dtype=D), dynamic_shapes=(None, {0: batch}))
+    for n in (3, 4, 8):
+        a = torch.rand(n, 2, dtype=D)
+        torch.testing.assert_close(list(gm(p, a).values()), _eager_grad(_sliced_second_derivative, p, a), **TOL)

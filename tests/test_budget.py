@@ -525,3 +525,54 @@ def test_liveness_keeps_an_item_until_the_multi_output_result_gives_its_last():
     assert peak >= sum(budget.nbytes(p.meta["val"]) for p in placeholders) + 3 * size  # out, sin and exp together
     early = budget.liveness_peak([ln, items[0], items[2], sin, exp, mul], placeholders, [*placeholders, mul])
     assert early < peak  # taken early, the item is freed after its last use
+
+
+# --------------------------------------------------------------------------------------------
+# one solve per program
+# --------------------------------------------------------------------------------------------
+
+
+def _choice(sp):
+    part = sp._partition
+    graph = part.nodes[0].graph
+    assert all(n.graph is graph for n in [*part.saved, *part.recomputed, *part.forget])  # moved onto this trace
+    forget = sorted((k.name, sorted(v.name for v in vs)) for k, vs in part.forget.items())
+    return sorted(n.name for n in part.saved), sorted(n.name for n in part.recomputed), forget, sp.recompute_cost
+
+
+@pytest.mark.usefixtures("float64")
+def test_splits_of_one_program_share_its_solve_and_choose_as_a_fresh_one(monkeypatch):
+    """A second budget of the same program (same sizes) reuses the solved problem, moved onto the
+    new trace's nodes: one ``Problem`` built for two splits, the second choosing what a fresh
+    solve chooses, with exact gradients."""
+    f, args = _mlp(3, 4, 6)
+    budget._SOLVED.clear()
+    built = []
+    init = budget.Problem.__init__
+    monkeypatch.setattr(budget.Problem, "__init__", lambda self, *a, **k: built.append(1) or init(self, *a, **k))
+    shared = [fxtools.split(f, *args, policy=policies.budget(b)) for b in (1.0, 0.02)]
+    assert len(built) == 1
+    budget._SOLVED.clear()
+    fresh = fxtools.split(f, *args, policy=policies.budget(0.02))
+    assert _choice(shared[-1]) == _choice(fresh) and len(built) == 2
+    _check_grads(shared[-1], f, args)
+
+
+@pytest.mark.usefixtures("float64")
+def test_program_key_tells_programs_apart():
+    """Equal keys only for the same program: another size, dtype, constant or op is another key."""
+
+    def key(scale, n=5, dtype=torch.float64, op=torch.tanh):
+        def f(x, w):
+            return (op(x @ w) * scale).sum()
+
+        x, w = torch.randn(n, 4, dtype=dtype), torch.randn(4, 4, dtype=dtype)
+        return budget.program_key(fxtools.split(f, x, w, policy="save_all")._partition)
+
+    base = key(2.0)
+    assert key(2.0) == base
+    assert key(3.0) != base
+    assert key(2) != base  # an int constant is not the float
+    assert key(2.0, n=6) != base
+    assert key(2.0, dtype=torch.float32) != base
+    assert key(2.0, op=torch.sin) != base

@@ -15,6 +15,7 @@ review, each minimised to a cheap regression test against eager PyTorch in float
 
 from __future__ import annotations
 
+import pinn_mlp
 import pytest
 import torch
 import torch.nn.functional as F
@@ -51,46 +52,33 @@ def test_group_norm_of_a_non_contiguous_tensor(f, shape):
         torch.testing.assert_close(hvp(a, v), torch.func.jvp(torch.func.grad(f), (a,), (v,))[1], **TOL)
 
 
-def _mlp_params(seed, d=2, w=8):
-    g = _gen(seed)
-    return {
-        "w1": torch.randn(d, w, generator=g, dtype=D) / d**0.5,
-        "b1": torch.randn(w, generator=g, dtype=D),
-        "w2": torch.randn(w, generator=g, dtype=D) / w**0.5,
-    }
-
-
-def _u(p, x):
-    return torch.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
-
-
 def _pinn_with_autograd_grad(p, x):
     x = x.requires_grad_(True)
-    u = _u(p, x)
+    u = pinn_mlp.u(p, x)
     (du,) = torch.autograd.grad(u, x, torch.ones_like(u), create_graph=True)
     return (du.pow(2).sum(-1) - 1).pow(2).mean()
 
 
 def _pinn_with_backward(p, x):
-    loss = _u(p, x).sum()
+    loss = pinn_mlp.u(p, x).sum()
     loss.backward()
     return loss
 
 
 def test_backward_inside_a_traced_program_is_refused_naming_the_line():
-    p, x = _mlp_params(0), torch.rand(5, 2, dtype=D)
+    p, x = pinn_mlp.mlp_params(0, w=8), torch.rand(5, 2, dtype=D)
     with pytest.raises(fxtools.FxtoolsError, match=r"\.backward\(\).*test_heldout_e.py:\d+: .*torch.func.grad"):
         fxtools.grad(_pinn_with_backward, p, x)
 
 
 def _pinn_with_torch_func(p, x):  # the same loss, written with torch.func
-    du = torch.func.vmap(torch.func.grad(lambda y: _u(p, y)))(x)
+    du = torch.func.vmap(torch.func.grad(lambda y: pinn_mlp.u(p, y)))(x)
     return (du.pow(2).sum(-1) - 1).pow(2).mean()
 
 
 @pytest.mark.parametrize("loss", [_pinn_with_autograd_grad, _pinn_with_torch_func])
 def test_an_input_derivative_loss_matches_eager_double_backward(loss):
-    p, x = _mlp_params(1), torch.rand(5, 2, dtype=D)
+    p, x = pinn_mlp.mlp_params(1, w=8), torch.rand(5, 2, dtype=D)
     gm = fxtools.grad(loss, p, x)
     for a in (x, torch.rand(2, 5, dtype=D).T):
         leaves = {k: v.clone().requires_grad_() for k, v in p.items()}

@@ -116,6 +116,29 @@ def test_backward_report_names_the_gradient_and_the_forward_statement():
     assert "the derivative of your line" in str(report)
 
 
+def _root(t):
+    return torch.sqrt(t)
+
+
+def sqrt_twice(x, w):
+    a = _root(x * x + 1)
+    b = _root(x @ w)
+    return a.sum() + b.sum()
+
+
+@pytest.mark.parametrize("w, phase", [(-torch.ones(3, 2), "forward"), (torch.zeros(3, 2), "backward")])
+def test_a_helper_called_twice_is_named_with_the_call_that_failed(w, phase):
+    """sqrt of a negative (a NaN in the forward) or at 0 (an infinite gradient) inside a helper
+    called twice: the report names the helper's line and, outer to it, the second call."""
+    x = torch.rand(4, 3, dtype=torch.float64) + 0.5
+    report = fxtools.find_nonfinite(sqrt_twice, x, w.double())
+    assert report.phase == phase
+    helper, call = _line(_root, "torch.sqrt(t)"), _line(sqrt_twice, "b = _root(x @ w)")
+    assert [(f, n) for f, n, _ in report.stack] == [(__file__, call), (__file__, helper)]
+    assert (report.filename, report.lineno) == (__file__, helper)
+    assert f"called from:  {__file__}:{call}: b = _root(x @ w)" in str(report)
+
+
 @pytest.mark.parametrize(
     "args, path",
     [

@@ -144,3 +144,28 @@ def test_scatter_into_an_argument_or_a_shared_tensor_stays_out_of_place():
     assert torch.equal(x, x0)
     torch.testing.assert_close(out, f(x, i, s))
     assert "x.index_add_" not in gm.code
+
+
+def _writes(idx):
+    return {
+        "index_put": lambda x, v: x.index_put((idx,), v * 2).sin(),
+        "scatter": lambda x, v: x.scatter(0, idx, v.exp()) * x,
+    }
+
+
+@pytest.mark.parametrize("op", ["index_put", "scatter"])
+def test_jvp_of_writes_to_indices_and_its_convention_at_repeats(op):
+    """Distinct indices: fxtools' jvp is torch.func.jvp's. Repeated ones (which write wins is
+    undefined in PyTorch, docs/security.md): the transpose of autograd's backward, <J t, u> =
+    <t, J^T u> with J^T u from torch.autograd, float64."""
+    g = torch.Generator().manual_seed(7)
+    for idx in (torch.tensor([1, 3, 0, 4]), torch.tensor([1, 3, 1, 0])):
+        f = _writes(idx)[op]
+        x, v, tx, tv, u = (torch.rand(n, dtype=torch.float64, generator=g) for n in (5, 4, 5, 4, 5))
+        out, tangent = fxtools.jvp(f, x, v)(x, v, tx, tv)[:2]
+        torch.testing.assert_close(out, f(x, v), rtol=1e-12, atol=1e-12)
+        if len(set(idx.tolist())) == len(idx):
+            torch.testing.assert_close(tangent, torch.func.jvp(f, (x, v), (tx, tv))[1], rtol=1e-12, atol=1e-12)
+        xr, vr = x.clone().requires_grad_(), v.clone().requires_grad_()
+        gx, gv = torch.autograd.grad(f(xr, vr), (xr, vr), u)
+        torch.testing.assert_close((tangent * u).sum(), (gx * tx).sum() + (gv * tv).sum(), rtol=1e-12, atol=1e-12)

@@ -1,10 +1,13 @@
 """Simplifications that make generated code read like hand-written code, checked on real outputs."""
 
+import pinn_mlp
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxtools
 from fxtools.graph.nodes import count_compute_nodes
+from fxtools.passes.simplify import simplify
 
 
 def _mlp():
@@ -252,3 +255,66 @@ def test_an_integer_times_a_float64_scalar_tensor_stays_float64():
     x, i = torch.ones(2, dtype=torch.float64), torch.tensor([2**25 + 1, 3])
     out, _ = fxtools.vjp(f, x, i)(x, i, torch.ones(2, dtype=torch.float64))
     _bits_equal(out, f(x, i))
+
+
+def _cloned_in_place(x):
+    h = x.sin()
+    c = h.clone()
+    c.mul_(2)  # written in place: the copy stays
+    return h + c
+
+
+def _cloned(x):
+    h = x.sin()
+    return (h.clone() * h + torch.zeros(3, dtype=x.dtype).clone()).sum()
+
+
+def test_a_clone_of_a_new_tensor_is_the_tensor():
+    """``clone`` of a tensor just computed (``zeros``, ``sin(x)``; ``vmap(hessian)`` of a SiLU MLP
+    made ``torch.clone(torch.zeros([6]))``) copies nothing worth a line; it stays where the copy is
+    written in place, or where the module returns both (two outputs must not be one tensor)."""
+    x = torch.rand(4, 3, dtype=torch.float64)
+    gm = fxtools.grad(_cloned, x)
+    assert "torch.clone(" not in gm.code
+    torch.testing.assert_close(gm(x), torch.func.grad(_cloned)(x), rtol=1e-12, atol=1e-12)
+    traced = make_fx(_cloned_in_place, tracing_mode="fake")(x)  # not functionalized: mul_ writes the copy
+    simplify(traced).recompile()
+    assert "aten.clone" in traced.code
+    torch.testing.assert_close(traced(x), _cloned_in_place(x), rtol=0, atol=0)
+
+    def both(x):
+        h = x.sin()
+        return h, h.clone()
+
+    vm = fxtools.vmap(both, x)
+    a, b = vm(x)
+    assert "torch.clone(" in vm.code and a.data_ptr() != b.data_ptr()
+    torch.testing.assert_close((a, b), torch.func.vmap(both)(x), rtol=0, atol=0)
+
+
+def test_a_product_with_ones_is_the_other_operand():
+    """``ones.view(n, 1) * w2`` (the seed of ``torch.autograd.grad(u, x, ones_like(u))`` times the
+    last layer) is ``w2`` broadcast: no ones tensor in the code. A module's output stays a new
+    tensor (its caller may write it in place), not a broadcast view of the argument."""
+
+    def residual(p, x):
+        x = x.requires_grad_()
+        u = pinn_mlp.u(p, x)
+        (du,) = torch.autograd.grad(u, x, torch.ones_like(u), create_graph=True)
+        return du.pow(2).sum()
+
+    p, x = pinn_mlp.mlp_params(3), torch.rand(5, 2, dtype=torch.float64)
+    gm = fxtools.grad(residual, p, x)
+    assert "ones" not in gm.code and "w2.expand([5, 6])" in gm.code
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+    want = torch.autograd.grad(residual(leaves, x.clone()), list(leaves.values()))
+    torch.testing.assert_close(list(gm(p, x).values()), list(want), rtol=1e-10, atol=1e-12)
+
+    def spread(w):
+        return torch.ones(5, 1, dtype=w.dtype) * w
+
+    w = torch.rand(3, dtype=torch.float64)
+    vm = fxtools.vmap(spread, w[None].expand(2, 3).clone())
+    out = vm(w[None].expand(2, 3).clone())
+    out.add_(1)  # a new tensor, as eager's product
+    torch.testing.assert_close(out, torch.func.vmap(spread)(w[None].expand(2, 3)) + 1, rtol=0, atol=0)

@@ -343,3 +343,32 @@ def test_show_prints_split_graphs(capsys):
     fxtools.show(sp.backward)
     text = capsys.readouterr().out
     assert "def forward(self, a, b, weights, biases)" in text and "f64[2, 3]" in text
+
+
+def test_node_copy_is_fx_node_copy():
+    """split's forward and backward copy nodes without fx's argument walk: the same nodes as
+    ``Graph.node_copy`` (names, arguments and their container types, inputs' users in order, meta)."""
+    import torch.fx as fx
+
+    from fxtools.graph.nodes import node_copy
+
+    def f(x, w):
+        y = torch.nn.functional.linear(x, w).view(2, -1)
+        return torch.cat([y, x.sum(dim=1, keepdim=True) * y], dim=1).clamp(min=0.5)
+
+    g = fx.symbolic_trace(f).graph
+    for n in g.nodes:
+        n.meta["val"] = n.name
+    theirs, ours = fx.Graph(), fx.Graph()
+    env_theirs: dict = {}
+    env_ours: dict = {}
+    for n in g.nodes:
+        env_theirs[n] = theirs.node_copy(n, env_theirs.__getitem__)
+        env_ours[n] = node_copy(ours, n, env_ours)
+    for a, b in zip(theirs.nodes, ours.nodes, strict=True):
+        assert (a.name, a.op, a.target, a.meta, a.type) == (b.name, b.op, b.target, b.meta, b.type)
+        assert repr((a.args, a.kwargs)) == repr((b.args, b.kwargs))
+        assert [type(x) for x in (a.args, a.kwargs, *a.args)] == [type(x) for x in (b.args, b.kwargs, *b.args)]
+        assert [u.name for u in a.users] == [u.name for u in b.users]
+        assert [i.name for i in a.all_input_nodes] == [i.name for i in b.all_input_nodes]
+    assert theirs.python_code("self").src == ours.python_code("self").src

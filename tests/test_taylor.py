@@ -539,3 +539,22 @@ def test_pinn_example_trains():
     spec.loader.exec_module(module)
     first, last = module.train(steps=10, batch=8, width=8, seed=0)
     assert last < first
+
+
+def test_laplacian_scales_the_next_weight_when_directions_outnumber_the_width():
+    """With more directions (12) than the next layer's width (3), ``(tanh' * W0) @ W1`` is computed as
+    ``W0 @ (tanh'[:, None] * W1)`` (3 x 3 numbers scaled, not 12 x 3), in every layer; exact, batched too."""
+    torch.manual_seed(0)
+    w0, w1, w2, w3 = (torch.randn(*s, dtype=F64) for s in ((12, 3), (3, 3), (3, 3), (3,)))
+
+    def u(x):
+        h = torch.tanh(x @ w0)
+        h = torch.sin(h @ w1)
+        return torch.tanh(h @ w2) @ w3
+
+    xs = torch.randn(2, 12, dtype=F64)
+    lap = fxtools.laplacian(u, xs[0])
+    assert "w0 @ h_grad_factor" in lap.code and "h_1_grad_factor" in lap.code, lap.code
+    out, got = fxtools.vmap(lap, xs)(xs)
+    close(got, torch.func.vmap(lambda x: torch.func.hessian(u)(x).trace())(xs))
+    close(out, torch.func.vmap(u)(xs))

@@ -84,11 +84,16 @@ def current_user_line() -> str:
 
 def user_frame_of(node) -> tuple[str, int, str] | None:
     """``(filename, lineno, code)`` of the user call that produced FX ``node``, from its recorded stack trace."""
+    stack = user_stack_of(node)
+    return stack[-1] if stack else None
+
+
+def user_stack_of(node) -> list[tuple[str, int, str]]:
+    """The user's frames ``(filename, lineno, code)`` of the call that produced FX ``node``,
+    innermost last: a helper's line and the calls that reached it (which of two calls of the helper)."""
     trace = node.meta.get("stack_trace") if node is not None else None
-    if not trace:
-        return None
-    lines = trace.strip().splitlines()
-    best = None
+    lines = trace.strip().splitlines() if trace else []
+    stack = []
     for i, line in enumerate(lines):
         line = line.strip()
         if line.startswith('File "'):
@@ -96,8 +101,8 @@ def user_frame_of(node) -> tuple[str, int, str] | None:
             if is_user_file(filename):
                 lineno = int(line.split("line ")[1].split(",")[0])
                 code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-                best = (filename, lineno, code)
-    return best
+                stack.append((filename, lineno, code))
+    return stack
 
 
 def user_line_of(node) -> str | None:

@@ -13,11 +13,12 @@ merges the copies.
 
 Refused, naming the user's line (``AutogradInsideError``): a random op between ``inputs`` and
 ``outputs`` (replayed, it would draw again), a function with its own backward, an in-place write
-into a value computed outside that stretch or into one it read, ``is_grads_batched``, ``GradientEdge``s and dict inputs.
+into a value computed outside that stretch or into one it read (directly or through a view, after the read), ``is_grads_batched``, ``GradientEdge``s and dict inputs.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch.fx.experimental import proxy_tensor
 
 from ..errors import FxtoolsError, current_user_line
 from ..graph import meta
-from ..graph.nodes import calls_with_grad_mode, is_impure
+from ..graph.nodes import ancestors, calls_with_grad_mode, is_impure
 
 __all__ = ["AutogradInsideError", "grad_in_trace"]
 
@@ -64,13 +65,7 @@ def _stretch(graph: fx.Graph, ins: list[fx.Node], outs: list[fx.Node]) -> tuple[
         if grad_enabled and any(a in below for a in n.all_input_nodes):
             below.add(n)
             derived.add(n)
-    reached: set[fx.Node] = set()
-    todo = [n for n in outs if n in below]
-    while todo:
-        n = todo.pop()
-        if n not in reached:
-            reached.add(n)
-            todo.extend(a for a in n.all_input_nodes if a in below)
+    reached = ancestors(outs, below.__contains__)
     return [n for n in graph.nodes if n in derived and n in reached], reached
 
 
@@ -86,6 +81,52 @@ def _check(nodes: list[fx.Node], replayed: set[fx.Node]) -> None:
                 written = a.alias_info is not None and a.alias_info.is_write
                 if written and i < len(n.args) and n.args[i] not in replayed:
                     raise _refuse(f"differentiates through an in-place write ({target}) into a value computed before")
+
+
+def _views(n: fx.Node) -> bool:
+    """Whether ``n`` is a view of its first argument."""
+    if not isinstance(n.target, torch._ops.OpOverload) or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    schema = n.target._schema
+    first, out = schema.arguments[0].alias_info, schema.returns[0].alias_info if schema.returns else None
+    return first is not None and not first.is_write and out is not None
+
+
+def _written_after(n: fx.Node, reads: list[fx.Node]) -> bool:
+    """Whether an op of the trace wrote ``n``'s tensor in place, directly or through a view of it,
+    after the first of ``reads`` read it (eager's backward would see the version change)."""
+    order = {m: i for i, m in enumerate(n.graph.nodes)}
+    first = min(order[m] for m in reads)
+    while _views(n):  # from the tensor whose storage it shares
+        n = n.args[0]  # type: ignore[assignment]
+    todo, seen = [n], set()
+    while todo:
+        m = todo.pop()
+        seen.add(m)
+        for user in m.users:
+            if not isinstance(user.target, torch._ops.OpOverload) or user in seen:
+                continue
+            schema = user.target._schema.arguments
+            for i, a in enumerate(user.args):
+                alias = schema[i].alias_info if a is m and i < len(schema) else None
+                if alias is not None and alias.is_write and order[user] > first:
+                    return True
+                if alias is not None and not alias.is_write:  # a view of it
+                    todo.append(user)
+    return False
+
+
+def _released(n: fx.Node, tracer) -> Any:
+    """The value of node ``n`` of the trace whose tensor the program no longer holds: a constant
+    the trace stored, or a temporary Python released (``torch.ones_like(u)`` passed as
+    ``grad_outputs``), which the trace's record of it stands for again."""
+    if n.op == "get_attr":
+        return functools.reduce(getattr, str(n.target).split("."), tracer.root)
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return val  # a symbolic size
+    proxy_tensor.track_tensor_tree(val, fx.Proxy(n, tracer), constant=None, tracer=tracer)
+    return val
 
 
 def _as_list(x) -> list:
@@ -143,16 +184,17 @@ def grad_in_trace(
         )
     keep = [k for k, n in enumerate(out_nodes) if n in replayed]
     live = {slot.proxy.node: t for t, slot in tracer.tensor_tracker.items()}
+    for a in {a for n in nodes for a in n.all_input_nodes if a not in replayed}:
+        if _written_after(a, [n for n in nodes if a in n.all_input_nodes]):
+            raise _refuse("differentiates through a value written in place after it was read")
+        if a not in live:
+            live[a] = _released(a, tracer)
 
     def replay(*xs):
         env: dict[fx.Node, Any] = dict(zip([in_nodes[i] for i in used], xs))
 
         def value(a: fx.Node):
-            if a in env or a in live:
-                return env[a] if a in env else live[a]
-            if isinstance(a.meta.get("val"), torch.Tensor):  # its tensor was written in place since
-                raise _refuse("differentiates through a value written in place after it was read")
-            return a.meta.get("val")  # a symbolic size
+            return env[a] if a in env else live[a]
 
         for n in nodes:
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)

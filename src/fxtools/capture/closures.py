@@ -35,6 +35,11 @@ def _get_item(table: dict, key):
     return table.get(key, MISSING)
 
 
+def _list_item(items: list, i: int):
+    """``items[i]``, or ``MISSING``."""
+    return items[i] if i < len(items) else MISSING
+
+
 def _line(code, lineno) -> str:
     text = linecache.getline(code.co_filename, lineno).strip() if lineno else ""
     return f"{code.co_filename}:{lineno}: {text}" if lineno else code.co_filename
@@ -122,6 +127,19 @@ def _partial_arg(p, i):
     return p.args[i] if i < len(p.args) else MISSING
 
 
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _hook_ids(module):
+    """The ids of the hooks registered on ``module`` (``None``: every module's, ``register_module_*``):
+    the trace ran them, so adding or removing one must be refused. Ids are never reused."""
+    if module is None:  # fxtools' own (capture/names.py records module calls while tracing) left out
+        tables = vars(torch.nn.modules.module)
+        hooks = [(k, h) for name in _HOOKS for k, h in tables["_global" + name].items()]
+        return tuple(k for k, h in hooks if not getattr(h, "__module__", "").startswith("fxtools."))
+    return tuple(k for name in _HOOKS for k in vars(module)[name])
+
+
 def _cell_get(cell):
     try:
         return cell.cell_contents
@@ -138,6 +156,7 @@ class _Walk:
         self.objects: list = []  # (object, its path in messages, a getter-maker for its attributes)
         self.seen: set[int] = set()
         self.codes: set[int] = set()
+        self.global_hooks = False  # whether the hooks registered on every module are read
 
     def root(self, f) -> None:
         if id(f) in self.seen:
@@ -284,13 +303,28 @@ class _Walk:
                 elif callable(value) and not isinstance(value, type):  # OPS = {"act": torch.sin}: the same one
                     get = functools.partial(_get_item, obj, key)
                     self.reads.append(Read(f"{label[:-1]}[{key!r}]", get, "same", value))
+        elif type(obj) in (list, tuple):  # layers = [nn.Linear(...), ...]: its items, and a list's length
+            if type(obj) is list:
+                self.reads.append(Read(f"the length of {label[:-1]}", functools.partial(len, obj), "value", len(obj)))
+            for i, value in enumerate(obj):
+                if isinstance(value, (torch.Tensor, torch.nn.Module, list, tuple)):
+                    get = functools.partial(_list_item, obj, i)
+                    self.value(value, get, f"{label[:-1]}[{i}]", None, f"{prefix}{i}", _DEPTH)
         else:
             for name, value in list(_attributes(obj).items()):
-                if isinstance(value, (torch.Tensor, torch.nn.Module)):
+                holder = type(value) in (list, tuple) and snapshot(value) is None  # of tensors or modules
+                if isinstance(value, (torch.Tensor, torch.nn.Module)) or holder:
                     get = functools.partial(getattr, obj, name, MISSING)
                     self.value(value, get, label + name, None, prefix + name, _DEPTH)
 
     def _module(self, module, prefix, label) -> None:
+        owners = [(module, label[:-1] or "the module")]
+        if not self.global_hooks:
+            self.global_hooks = True
+            owners.append((None, "every module (register_module_forward_hook, ...)"))
+        for owner, whose in owners:
+            get = functools.partial(_hook_ids, owner)
+            self.reads.append(Read(f"the ids of the hooks registered on {whose}", get, "value", get()))
         tables = (module._parameters, module._buffers, vars(module))
         for table in tables:  # read from the table itself: nn.Module.__getattr__ is slow
             for name, t in list(table.items()):

@@ -381,12 +381,30 @@ def _requires_grad_(tensor, requires_grad=True):
     that raises eager's error if its value depends on one (``mark_not_requires_grad``)."""
     if not requires_grad:
         mark_not_requires_grad(tensor, current_user_line())
+    else:
+        _restore_leaf(tensor)
     return NotImplemented  # and PyTorch sets the flag of the traced tensor, as before
 
 
 def _set_requires_grad(tensor, requires_grad):
     """``tensor.requires_grad = flag``: as ``requires_grad_(flag)``."""
     return _requires_grad_(tensor, requires_grad)
+
+
+def _leaves_off(tracer) -> dict:
+    """id of a traced leaf set ``requires_grad_(False)`` -> its own proxy slot (for this trace)."""
+    return tracer.__dict__.setdefault("fxtools_leaves_off", {})
+
+
+def _restore_leaf(tensor) -> None:
+    """``requires_grad_(True)`` of a leaf set ``requires_grad_(False)`` earlier in the program: its
+    uses from here on are differentiated again, as in eager."""
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    slot = None if mode is None else _leaves_off(mode.tracer).pop(id(tensor), None)
+    if slot is not None:
+        proxy_tensor.set_proxy_slot(tensor, mode.tracer, slot)
 
 
 def mark_not_requires_grad(tensor, where: str) -> None:
@@ -404,8 +422,12 @@ def mark_not_requires_grad(tensor, where: str) -> None:
         slot = proxy_tensor.get_proxy_slot(tensor, mode.tracer)
     except Exception:  # noqa: BLE001 - not a traced tensor (a constant): a leaf
         return
-    if slot.proxy.node.op in ("placeholder", "get_attr"):
-        return  # a leaf: eager allows it
+    if slot.proxy.node.op in ("placeholder", "get_attr"):  # a leaf: eager allows it; its later uses
+        with torch.no_grad():  # no gradient until requires_grad_(True); forward mode ignores both, as in eager
+            detached = torch.ops.aten.alias.default(tensor)
+        _leaves_off(mode.tracer).setdefault(id(tensor), slot)
+        proxy_tensor.set_proxy_slot(tensor, mode.tracer, proxy_tensor.get_proxy_slot(detached, mode.tracer))
+        return
     marker = torch.ops.aten.alias.default(tensor)
     marker_slot = proxy_tensor.get_proxy_slot(marker, mode.tracer)
 

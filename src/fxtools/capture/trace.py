@@ -127,6 +127,7 @@ def _all_user_frames():
 
     previous = torch.fx.proxy.CapturedTraceback
     outer_cache = _UserStack.cache
+    outer_filter = vars(PythonKeyTracer).get("_filter_traceback_frames")  # a trace inside a trace: kept
     PythonKeyTracer._filter_traceback_frames = keep_user_frames
     setattr(torch.fx.proxy, "CapturedTraceback", _UserStack)  # noqa: B010 (mypy: a type)
     _UserStack.cache = {}
@@ -135,7 +136,10 @@ def _all_user_frames():
     finally:
         _UserStack.cache = outer_cache
         setattr(torch.fx.proxy, "CapturedTraceback", previous)  # noqa: B010
-        del PythonKeyTracer._filter_traceback_frames
+        if outer_filter is None:
+            del PythonKeyTracer._filter_traceback_frames
+        else:
+            PythonKeyTracer._filter_traceback_frames = outer_filter
 
 
 class _UserSummary(traceback.StackSummary):
@@ -150,7 +154,7 @@ class _UserSummary(traceback.StackSummary):
 
 class _UserStack:
     """The user's frames of the stack where a node is made, as ``CapturedTraceback.extract().summary()``
-    lists them after ``keep_user_frames``: read from the interpreter's frames directly, since
+    lists them after ``keep_user_frames``, from the program's entry in: read from the interpreter's frames directly, since
     symbolizing every frame (torch's and fxtools' included) to drop all but the user's took a
     tenth of a capture's time. ``cache``: the summaries made so far in this trace, by their frames."""
 
@@ -167,7 +171,7 @@ class _UserStack:
     def summary(self) -> traceback.StackSummary:
         key = []
         f = self.frame
-        while f is not None:
+        while f is not None and f.f_code not in PROGRAM_ENTRIES:  # not the script's call of fxtools
             code = f.f_code
             if is_user_file(code.co_filename):
                 key.append((code.co_filename, f.f_lineno, code.co_name))
@@ -402,6 +406,32 @@ def _python_random_refused():
     finally:
         for name, original in saved.items():
             setattr(random, name, original)
+
+
+@contextlib.contextmanager
+def _backward_hooks_refused():
+    """A module's backward hooks (``register_full_backward_hook``, ``register_full_backward_pre_hook``,
+    their global forms) would run in eager's backward, on gradients the generated code computes
+    without autograd: refused when a hooked module is called, naming it and the line, rather than
+    left out of the gradient (``torch.func`` refuses them too)."""
+    module_cls = torch.nn.Module
+    saved = {name: getattr(module_cls, name) for name in ("_get_backward_hooks", "_get_backward_pre_hooks")}
+
+    def refusing(module, *args, **kwargs):
+        raise FxtoolsError(
+            f"{current_user_line()}: calls {type(module).__name__}, which has backward hooks "
+            "(register_full_backward_hook / register_full_backward_pre_hook, or a global one): fxtools computes "
+            "gradients in generated code, where they would not run. Apply the hook's change to the gradient in "
+            "the program (a torch.autograd.Function around the module, which fxtools honours), or remove the hook."
+        )
+
+    for name in saved:
+        setattr(module_cls, name, refusing)
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(module_cls, name, original)
 
 
 @contextlib.contextmanager
@@ -677,6 +707,14 @@ def _flat_function(f, leaves: list, is_tensor: list[bool], in_spec, modes: tuple
     return flat_f, out_info
 
 
+def _autocast_inside(gm: fx.GraphModule) -> bool:
+    """Whether the program enters ``torch.autocast``: above autograd the region's ops keep their
+    inputs' dtypes (autocast casts them at dispatch), so rules would differentiate ``bf16 = f32 @ f32``;
+    traced below autograd, the casts are ops of the graph, differentiated as any ``.to``."""
+    enter = torch.amp.autocast_mode._enter_autocast
+    return any(node.target is enter for node in gm.graph.nodes)
+
+
 def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_dispatch: bool, below=False) -> fx.GraphModule:
     """make_fx of ``flat_f`` with the user's program traced as fxtools needs it (custom functions,
     compiler flags, static control flow, inference mode, module calls recorded); a data-dependent
@@ -691,10 +729,14 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             _static_control_flow(),
             _python_random_refused(),
             _tensor_attributes_written(),
+            _backward_hooks_refused(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):
-            return trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=not below)
+            gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=not below)
+        if not below and _autocast_inside(gm):
+            return _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch, below=True)
+        return gm
     except DTensorInside:  # the program makes DTensors: trace it again below autograd
         return _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch, below=True)
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line

@@ -126,14 +126,14 @@ def fold(nodes: list[fx.Node], statements: dict[int, str], frees: dict[int, list
     for i, u in enumerate(nodes):
         operands = _operands(u) if _may_hold(u, impure) else []
         candidates = [c for c in operands if _foldable(c, u, operands, parse, pos, trees, impure)]
-        stmt = parse(i) if candidates else None
-        if stmt is None:
+        if not candidates or i not in statements:
             continue
         for c in candidates:
             if c not in trees:
                 trees[c] = _Tree.leaf(c, statements[pos[c]], cast(ast.Assign, parse(pos[c])))  # _foldable parsed it
         chosen = _consecutive(u, candidates, trees, pos, frees, folded)
-        while chosen:
+        stmt = parse(i) if chosen else None  # parsed only when something can fold into it
+        while chosen and stmt is not None:
             tree = _Tree.build(u, statements[i], stmt, chosen, trees)
             if tree is not None and tree.depth <= MAX_DEPTH and len(tree.text) + 4 <= MAX_LINE:
                 trees[u] = tree
@@ -237,8 +237,12 @@ def _splice(text: str, stmt: ast.stmt, values: dict[str, str], want: tuple[str, 
             out = out[:start] + (b"(" + piece + b")" if p else piece) + out[end:]
         return out.decode()
 
+    checked: dict[str, bool] = {}  # the last candidate tried is often the result: parsed once
+
     def means_it(candidate: str) -> bool:
-        return _means(candidate, want)
+        if candidate not in checked:
+            checked[candidate] = _means(candidate, want)
+        return checked[candidate]
 
     parens = [not _atomic(values[name]) for _, _, name in spots]
     for k in [k for k, p in enumerate(parens) if p]:

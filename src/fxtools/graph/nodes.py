@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import operator
 import re
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -169,14 +171,36 @@ def written_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
     return [w for w in written if w is not None]
 
 
-def ancestors(nodes) -> set[fx.Node]:
-    """``nodes`` and every node they depend on."""
+def ancestors(nodes, keep: Callable[[fx.Node], bool] | None = None) -> set[fx.Node]:
+    """``nodes`` and every node they depend on; with ``keep``, only the nodes ``keep`` accepts,
+    reached through such nodes (the part of the graph a gradient flows through, say)."""
     seen: set[fx.Node] = set()
     stack = [n for n in nodes if isinstance(n, fx.Node)]
     while stack:
         node = stack.pop()
-        if node in seen:
+        if node in seen or (keep is not None and not keep(node)):
             continue
         seen.add(node)
         stack.extend(node.all_input_nodes)
     return seen
+
+
+def copy_args(new: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    """Give ``new`` (made with no arguments) ``args`` and ``kwargs``; returns it.
+
+    ``Graph.create_node`` walks every argument with pytree to warn of raw symbolic scalars, a
+    walk that costs as much as making the node. A copy of a node already in a graph (``fxtools.split``'s
+    forward and backward, a replayed rule) has arguments that were checked when the node was
+    made: it is made without arguments, then given them, which leaves the same node."""
+    new.args = args
+    if kwargs:
+        new.kwargs = kwargs
+    return new
+
+
+def node_copy(graph: fx.Graph, node: fx.Node, env) -> fx.Node:
+    """``graph.node_copy(node, env.__getitem__)`` without the argument walk (``copy_args``)."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+    new = copy_args(graph.create_node(node.op, node.target, (), None, node.name, node.type), args, kwargs)
+    new.meta = copy.copy(node.meta)
+    return new

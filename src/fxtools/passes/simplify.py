@@ -47,6 +47,7 @@ from ..graph import meta
 from ..graph.data_dependent import broadcasts_into, materialize, same_shape, shape_arg, sizes_from_inputs
 from ..graph.nodes import (
     STATEFUL_NORMS,
+    ancestors,
     fake_mode_of,
     has_generic_name,
     is_impure,
@@ -325,6 +326,58 @@ def _times_one(node, rw):
     return None
 
 
+def _times_ones(node, rw):
+    """``ones.view(n, 1) * w`` -> ``w.expand(n, m)``: a product with a tensor of ones broadcast
+    over ``w`` is ``w`` broadcast, read-only (not for a module's output, which its caller may write)."""
+    if node.target is not aten.mul.Tensor or len(node.args) != 2 or node.kwargs or _is_output(node):
+        return None
+    x, y = node.args
+    other = y if rw.constant(x) == 1 else x if rw.constant(y) == 1 else None
+    val, out = _val(other), _val(node)
+    if not (isinstance(other, fx.Node) and isinstance(val, torch.Tensor) and val.dtype == out.dtype):
+        return None
+    return rw.new(node, aten.expand.default, (other, shape_arg(node, out)))
+
+
+def _fresh_clone(node, rw):
+    """``clone(t)`` -> ``t`` for ``t`` a new tensor (``zeros(...)``, ``a + b``) of the same strides
+    that nothing writes in place, directly or through a view, and that the module does not also
+    return next to the clone (two outputs would then be one tensor)."""
+    x = node.args[0]
+    fmt = node.kwargs.get("memory_format", torch.preserve_format)
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and isinstance(x.target, torch._ops.OpOverload)):
+        return None
+    schema = x.target._schema
+    if schema.is_mutable or len(schema.returns) != 1 or schema.returns[0].alias_info is not None:
+        return None  # a view or an in-place op: its result shares memory with another tensor
+    a, b = _val(x), _val(node)
+    if fmt not in (None, torch.preserve_format) or not (_same_type(x, node) and same_shape(a.stride(), b.stride())):
+        return None
+    ax, an = _aliases(x), _aliases(node)
+    if any(_mutates(u) for v in ax | an for u in v.users) or (_returned(ax) and _returned(an)):
+        return None
+    return x
+
+
+def _aliases(node: fx.Node) -> set[fx.Node]:
+    """``node`` and the views of it (the nodes that share its memory)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += [u for u in n.users if isinstance(u.target, torch._ops.OpOverload) and u.target.is_view]
+    return seen
+
+
+def _returned(nodes: set[fx.Node]) -> bool:
+    return any(u.op == "output" for n in nodes for u in n.users)
+
+
+def _is_output(node: fx.Node) -> bool:
+    return any(u.op == "output" for u in node.users)
+
+
 def _plus_zero(node, rw):
     """``x - 0``, ``x + (-0.0)``, ``(-0.0) + x`` -> ``x`` (see ``_neutral_zero``)."""
     if len(node.args) != 2 or node.kwargs:
@@ -360,19 +413,9 @@ def _detach(node, rw):
     generated code's own derivative (``fxtools.hvp`` and ``hessian`` differentiate a gradient's code,
     and so does autograd run over it) must see the value as a constant, as PyTorch does at every order."""
     x = node.args[0]
-    if isinstance(x, fx.Node) and any(a.op == "placeholder" for a in _ancestors(x)):
+    if isinstance(x, fx.Node) and any(a.op == "placeholder" for a in ancestors([x])):
         return None
     return x
-
-
-def _ancestors(node: fx.Node) -> set:
-    seen, stack = {node}, [node]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return seen
 
 
 _CONTIGUOUS_KERNELS = {aten.native_group_norm.default}
@@ -476,6 +519,8 @@ _REWRITE_FAMILIES = (
     (_BINARY, _scalar_tensor_operand),
     (_BINARY, _fill_operand),
     ((aten.mul.Tensor, aten.div.Tensor), _times_one),
+    ((aten.mul.Tensor,), _times_ones),
+    ((aten.clone.default,), _fresh_clone),
     ((aten.add.Tensor, aten.sub.Tensor), _plus_zero),
     ((aten.add.Tensor,), _doubled),
     ((aten.neg.default,), _double_negation),

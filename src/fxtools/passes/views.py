@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..graph.data_dependent import same_shape
 from ..graph.nodes import has_generic_name
 
 aten = torch.ops.aten
@@ -37,7 +38,7 @@ def collapse_view_chains(gm: fx.GraphModule) -> bool:
         if node.op == "call_function" and node.target is aten.slice.Tensor and node.users:
             x = node.args[0]
             a, b = (x.meta.get("val") if isinstance(x, fx.Node) else None), node.meta.get("val")
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and same_shape(a.shape, b.shape):
                 node.replace_all_uses_with(x)  # a slice of the whole dimension
                 changed = True
                 continue
@@ -52,7 +53,7 @@ def collapse_view_chains(gm: fx.GraphModule) -> bool:
         if (
             isinstance(a, torch.Tensor)
             and isinstance(b, torch.Tensor)
-            and a.shape == b.shape
+            and same_shape(a.shape, b.shape)
             and a.dtype == b.dtype
             and a.is_contiguous()
         ):

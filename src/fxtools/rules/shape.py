@@ -247,18 +247,28 @@ def narrow(ct, out, x, dim, start, length):
 @vjp_rule(aten.slice.Tensor)
 def slice_(ct, out, x, dim=0, start=None, end=None, step=1):
     dim %= x.dim()
-    if isinstance(start, torch.SymInt) or isinstance(end, torch.SymInt):  # symbolic bounds
+    size = x.shape[dim]
+    if any(isinstance(n, torch.SymInt) for n in (start, end, size)):  # symbolic bounds or size
         if step == 1 and not any(has_free_unbacked_symbols(n) for n in (start, end) if isinstance(n, torch.SymInt)):
-            # sizes marked dynamic (x[n : 2 * n]): padding holds at every size, where slice_scatter's
-            # decomposition decides on the example whether the slice reaches the end
-            size = x.shape[dim]
-            begin = 0 if start is None else start + size if start < 0 else start
+            # sizes marked dynamic (x[n : 2 * n], x[1:] of a dynamic batch): padding holds at every
+            # size, where slice_scatter's decomposition decides on the example whether the slice reaches the end
+            begin = _slice_begin(start, size)
             return _pad_dim(ct, dim, begin, size - begin - ct.shape[dim])
         return torch.slice_scatter(_zeros(x), ct, dim, start, end, step)  # bounds read from a tensor
     picked = range(x.shape[dim])[slice(start, end, step)]
     if step == 1 and len(picked):
         return _pad_dim(ct, dim, picked.start, x.shape[dim] - picked.stop)
     return torch.slice_scatter(_zeros(x), ct, dim, picked.start, picked.stop, step)
+
+
+def _slice_begin(start, size):
+    """Where ``x[start:]`` begins along a dimension of ``size`` (Python's clamping to [0, size]),
+    decided from the sizes' declared ranges, not the example."""
+    if start is None:
+        return 0
+    begin = start + size if start < 0 else start
+    begin = begin if statically_known_true(begin >= 0) else torch.sym_max(begin, 0)
+    return begin if statically_known_true(begin <= size) else torch.sym_min(begin, size)
 
 
 @vjp_rule(aten.select.int)

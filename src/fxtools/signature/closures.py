@@ -47,6 +47,8 @@ def snapshot(value):
     if _is_ndarray(value):  # changed in place, it must be seen (a value the code baked in would be stale)
         return ("ndarray", str(value.dtype), value.shape, value.tobytes())
     inside = value if type(value) is dict else vars(value) if hasattr(value, "__dict__") else None  # a user's object
+    if type(value) in (list, tuple):
+        inside = dict(enumerate(value))
     if isinstance(value, torch.Tensor) or (
         isinstance(inside, dict) and any(isinstance(v, (torch.Tensor, torch.nn.Module)) for v in inside.values())
     ):

@@ -31,6 +31,7 @@ dynamic shapes do, and picks its splits by those guards.
 
 from __future__ import annotations
 
+import collections
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,6 +145,17 @@ class _Signature(torch.nn.Module):
         self.forward = namespace["forward"]
 
 
+def _export_form(spec):
+    """``spec`` as torch.export matches it: a dict subclass registered as its own pytree node (the
+    keyword arguments ``fxtools.compile`` passes as one argument) by the list of its children."""
+    if isinstance(spec, dict):
+        done = {k: _export_form(v) for k, v in spec.items()}
+        return type(spec)(done) if type(spec) in (dict, collections.OrderedDict) else list(done.values())
+    if isinstance(spec, (list, tuple)) and not hasattr(spec, "_fields"):
+        return type(spec)(_export_form(v) for v in spec)
+    return spec
+
+
 def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
     """``args`` with tensors made FakeTensors, marked sizes symbolic (torch.export's rules)."""
     from torch._export.non_strict_utils import make_fake_inputs
@@ -154,7 +166,7 @@ def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
     tensor_only = pytree.tree_unflatten([x if isinstance(x, torch.Tensor) else None for x in leaves], spec)
     module = _Signature(signature)
     try:
-        fake_mode, fake_args, _, equalities, _, _ = make_fake_inputs(module, tensor_only, {}, specs)
+        fake_mode, fake_args, _, equalities, _, _ = make_fake_inputs(module, tensor_only, {}, _export_form(specs))
     except FxtoolsError:
         raise
     except Exception as exc:  # torch.export's message for malformed dynamic_shapes

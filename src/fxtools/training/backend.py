@@ -53,7 +53,7 @@ from torch.utils import _pytree as pytree
 from ..capture.nested import functorch_regions
 from ..errors import FxtoolsError
 from ..functional import functional
-from ..graph.nodes import fake_mode_of, is_float
+from ..graph.nodes import ancestors, fake_mode_of, is_float
 from ..signature import closures
 from ..signature.guards import InputMismatch
 from ..signature.naming import identifier
@@ -577,12 +577,7 @@ def unreached_leaves(gm: fx.GraphModule) -> list[bool]:
     momentum): the backward must give None there, not the zeros the split computes."""
     carries = _carriers(gm)
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    reached, stack = set(), [a for a in output.all_input_nodes if a in carries]
-    while stack:
-        node = stack.pop()
-        if node not in reached:
-            reached.add(node)
-            stack.extend(a for a in node.all_input_nodes if a in carries)
+    reached = ancestors(output.all_input_nodes, carries.__contains__)
     return [n not in reached for n in gm.graph.nodes if n.op == "placeholder"]
 
 
@@ -914,6 +909,30 @@ def _as_function(gm: fx.GraphModule, example_inputs=()):
     return fn
 
 
+def _wrapped_floats(gm: fx.GraphModule) -> list[int]:
+    """Positions of the inputs holding a Python float Dynamo passes as a 0-dim tensor (``dynamic=True``
+    leaves module floats unspecialised: ``eps``, ``momentum``) and reads only through ``.item()``.
+    Their ``.item()`` is replaced by the input itself, given as the number: traced as an unbacked
+    float, batch norm's ``if eps <= 0`` could not be decided. As a number it is a constant of the
+    code, guarded as every other (another value gets graphs of its own)."""
+    positions = []
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        grapharg = node.meta.get("grapharg")
+        users = list(node.users)
+        if (
+            getattr(grapharg, "pass_arg_as_tensor", False)
+            and users
+            and all(u.op == "call_method" and u.target == "item" for u in users)
+        ):
+            for user in users:
+                user.replace_all_uses_with(node)
+                gm.graph.erase_node(user)
+            positions.append(i)
+    if positions:
+        gm.recompile()
+    return positions
+
+
 def _hint(x):
     """A Dynamo example input, its symbolic numbers as the numbers they hold now. Dynamo passes a
     size or stride it made symbolic (after a call with another layout or size) as an input of
@@ -947,7 +966,8 @@ def backend(
 
     def fxtools_backend(gm: fx.GraphModule, example_inputs):
         gm = functorch_regions(_inline_higher_order(gm))
-        example_inputs = [_hint(x) for x in example_inputs]
+        floats = _wrapped_floats(gm)
+        example_inputs = [_hint(x.item() if i in floats else x) for i, x in enumerate(example_inputs)]
         if any(True for _ in gm.parameters()):
             compiled: CompiledModule | CompiledFunction = CompiledModule(gm, options)
         else:  # parameters arrive as inputs: differentiate the graph as a function of them
@@ -956,6 +976,8 @@ def backend(
             compiled.runner(*example_inputs)
 
         def run(*args):
+            if floats:
+                args = tuple(x.item() if i in floats else x for i, x in enumerate(args))
             return compiled(*args)
 
         run.fxtools_compiled = compiled

@@ -35,6 +35,10 @@ joint graph's min-cut structure (the one ``recompute_cheap`` uses):
   takes its level's choice in ``Problem.byte_table``: a smaller budget never saves more bytes,
   never recomputes less and never peaks higher (predicted), and among such chains of choices
   the levels take the one with the least recompute summed over the budgets.
+- **one solve per program.** ``problem_of`` keeps the last few solved problems, keyed by
+  ``program_key`` (ops, arguments, dtypes, sizes, strides, checkpoint regions, inputs and
+  outputs): splitting the same program again at another budget moves the solved frontier and
+  byte table onto the new trace's nodes instead of solving again.
 - **infeasible budgets.** Below the frontier's first point (every recomputable value recomputed)
   no split fits: ``FxtoolsError`` says the minimum, in bytes and as a fraction.
 
@@ -51,6 +55,7 @@ peak never recomputes more.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
@@ -64,9 +69,11 @@ from torch.utils import flop_counter
 from torch.utils._pytree import tree_leaves as pytree_leaves
 
 from ..errors import FxtoolsError
+from ..graph import meta
+from ..graph.data_dependent import upper_bound
 from ..graph.nodes import fake_mode_of
 from . import policies
-from .cuts import backward_nodes, forward_nodes, max_flow, max_flow_min_cut, nbytes, storage_root
+from .cuts import InputsOf, backward_nodes, forward_nodes, max_flow, max_flow_min_cut, nbytes, storage_root
 
 
 @dataclass(frozen=True)
@@ -201,6 +208,16 @@ class Problem:
             self.cost[n] = 0 if n.op == "placeholder" else recompute_cost(n)
         self.total_bytes = sum(self.size.values())
         self.total_cost = sum(self.cost.values())
+
+    def moved_to(self, part) -> Problem:
+        """This problem, solved as far as it is, for ``part``: the same program traced again
+        (``problem_of`` checks that), its nodes matched by position."""
+        nodes = dict(zip(self.part.nodes, part.nodes, strict=True))
+        new = Problem.__new__(Problem)
+        for name, value in vars(self).items():
+            setattr(new, name, _moved(value, nodes) if name not in ("part", "memo") else None)
+        new.part, new.memo = part, _Memo()
+        return new
 
     def _edges(self, wb: int, wc: int):
         """The cut graph for ``wb * bytes + wc * cost``: vertex ``2i`` is candidate ``i`` computed,
@@ -649,6 +666,133 @@ def _components(vertices, succ) -> tuple[list[set], dict]:
 
 
 # --------------------------------------------------------------------------------------------
+# One solve per program
+# --------------------------------------------------------------------------------------------
+
+
+SOLVED_KEPT = 4  # programs whose solved ``Problem`` is kept (least recently used dropped first)
+_SOLVED: collections.OrderedDict = collections.OrderedDict()
+
+
+def problem_of(part, exact_limit: int = EXACT_LIMIT) -> Problem:
+    """The budget ``Problem`` of ``part``, with what was already solved for the same program:
+    splitting one function at sizes it was split at before (another budget, ``Split.frontier``,
+    ``fxtools.compile`` again) traces the same joint graph again, and its frontier, byte table
+    and peak candidates are the same. Reused only when ``program_key`` is equal (same ops,
+    arguments, dtypes, sizes, strides, checkpoint regions, inputs, outputs and backward), moved
+    onto the new graph's nodes by position; anything else is solved anew."""
+    key = (program_key(part), exact_limit)
+    old = _SOLVED.pop(key, None)
+    problem = Problem(part, exact_limit) if old is None else old.moved_to(part)
+    _SOLVED[key] = problem
+    while len(_SOLVED) > SOLVED_KEPT:
+        _SOLVED.popitem(last=False)
+    return problem
+
+
+class _Same:
+    """A key part equal only to itself around the same object (held: its id is never reused)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+
+_LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def program_key(part) -> tuple:
+    """Everything the budget's answers read from ``part``, node by node: each node's op, target,
+    arguments (nodes by position, literals with their types), its value's dtype, device, sizes
+    and strides (and their bounds), its checkpoint region and phase; and the positions of the
+    inputs, outputs, cotangents, gradients, needed values and backward. Equal keys: the same
+    problem. An object the key cannot compare by value (a function, a module) is compared by
+    identity."""
+    pos = {n: i for i, n in enumerate(part.nodes)}
+    rows = [_node_key(n, pos) for n in part.nodes]
+    where = [
+        tuple(_arg_key(v, pos) for v in vs)
+        for vs in (part.primals, part.cts, part.fw_outs, part.grads, part.needed, sorted(pos[n] for n in part.bw))
+    ]
+    return tuple(rows), tuple(where)
+
+
+def _node_key(n: fx.Node, pos: dict) -> tuple:
+    target: object
+    if n.op == "get_attr":
+        target = (n.target, _attr_key(n))
+    else:
+        target = n.target if isinstance(n.target, _LITERALS) else _Same(n.target)
+    return (
+        n.op,
+        target,
+        _arg_key(n.args, pos),
+        _arg_key(n.kwargs, pos),
+        _val_key(n.meta.get("val")),
+        _arg_key(policies.checkpoint_region(n), pos),
+        meta.PHASE.get(n),
+    )
+
+
+def _attr_key(n: fx.Node):
+    obj = n.graph.owning_module
+    try:
+        for name in str(n.target).split("."):
+            obj = getattr(obj, name)
+    except AttributeError:
+        return _Same(n)
+    if isinstance(obj, fx.GraphModule):
+        inner = {m: i for i, m in enumerate(obj.graph.nodes)}
+        return tuple(_node_key(m, inner) for m in obj.graph.nodes)
+    return _val_key(obj) if isinstance(obj, torch.Tensor) else _Same(obj)
+
+
+def _arg_key(a, pos: dict):
+    if isinstance(a, fx.Node):
+        return ("node", pos[a]) if a in pos else _Same(a)
+    if isinstance(a, (tuple, list)):
+        return (type(a).__name__, *(_arg_key(x, pos) for x in a))
+    if isinstance(a, dict):
+        return ("dict", *((_arg_key(k, pos), _arg_key(v, pos)) for k, v in a.items()))
+    if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hint = a.node.hint  # FLOP counts read it
+        return (type(a).__name__, str(a), hint) if type(hint) in _LITERALS else _Same(a)
+    if type(a) in _LITERALS:
+        return (type(a).__name__, a)
+    return _Same(a)
+
+
+def _val_key(v):
+    if isinstance(v, torch.Tensor):
+        sizes = tuple((_arg_key(s, {}), upper_bound(s)) for s in v.shape)
+        strides = tuple((_arg_key(s, {}), upper_bound(s)) for s in v.stride())
+        return ("tensor", v.dtype, v.device, sizes, strides, str(v.storage_offset()))
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, *(_val_key(x) for x in v))
+    return _arg_key(v, {})
+
+
+def _moved(x, nodes: dict):
+    """``x`` (a ``Problem``'s state) with each node replaced by ``nodes[node]``."""
+    if isinstance(x, fx.Node):
+        return nodes[x]
+    if isinstance(x, Point):
+        return Point(x.bytes, x.cost, _moved(x.saved, nodes), _moved(x.recomputed, nodes), _moved(x.forget, nodes))
+    if isinstance(x, (tuple, list, set, frozenset)):
+        return type(x)(_moved(v, nodes) for v in x)
+    if isinstance(x, dict):
+        return {_moved(k, nodes): _moved(v, nodes) for k, v in x.items()}
+    return x
+
+
+# --------------------------------------------------------------------------------------------
 # Choosing a point
 # --------------------------------------------------------------------------------------------
 
@@ -704,24 +848,32 @@ def choose_peak(points: list[Point], peaks: list[int], limit: int) -> Point:
 # --------------------------------------------------------------------------------------------
 
 
+class _Lazy(dict):
+    """``key -> make(key)``, each made once."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        self[key] = value = self.make(key)
+        return value
+
+
 class _Memo:
-    """Each node's storage root and bytes, computed once (liveness runs many times on one graph)."""
+    """Each node's storage root, bytes and inputs, computed once (liveness runs many times on one graph)."""
 
     def __init__(self):
-        self.roots: dict = {}
-        self.sizes: dict = {}
+        self.roots = _Lazy(storage_root)
+        self.sizes = _Lazy(lambda n: nbytes(n.meta.get("val")))
+        self.inputs = InputsOf()
         self.forward: dict = {}  # saved set -> the forward's peak
+        self.trials: dict = {}  # (saved, recomputed, forget) -> the backward's peak and recompute (``_trial``)
 
     def root(self, n: fx.Node) -> fx.Node:
-
-        if n not in self.roots:
-            self.roots[n] = storage_root(n)
         return self.roots[n]
 
     def size(self, n: fx.Node) -> int:
-
-        if n not in self.sizes:
-            self.sizes[n] = nbytes(n.meta.get("val"))
         return self.sizes[n]
 
 
@@ -743,35 +895,39 @@ def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
     """Liveness of running ``order`` (nodes): ``start`` values exist before, ``held`` values (and
     their storages) are never freed; every other storage is freed after its last use."""
     memo = memo or _Memo()
+    inputs, roots, sizes = memo.inputs, memo.roots, memo.sizes
     current: dict = {}
     count: dict = {}
-    trace = Trace(0, -1, set(), {}, {}, {})
+    storage: dict = {}
+    made: dict = {}
+    reads: dict = {}
+    trace = Trace(0, -1, set(), storage, made, reads)
     size: dict = {}
     taken_from: dict = {}  # an item of a multi-output op's result -> that result
 
     def make(n, at):
         occ = count[n] = count.get(n, -1) + 1
         key = current[n] = (n, occ)
-        r = memo.root(n)
-        s = key if r is n else trace.storage[value(r, at)]
-        if r is n and n.target is operator.getitem and n.args[0] in current and trace.made[current[n.args[0]]] >= 0:
-            taken_from[key] = current[n.args[0]]
-        trace.storage[key], trace.made[key], trace.reads[key] = s, at, []
-        size[s] = max(size.get(s, 0), memo.size(r), memo.size(n))
+        r = roots[n]
+        if r is n:
+            s = key
+            if n.target is operator.getitem and n.args[0] in current and made[current[n.args[0]]] >= 0:
+                taken_from[key] = current[n.args[0]]
+        else:
+            s = storage[current.get(r) or make(r, -1)]
+        storage[key], made[key], reads[key] = s, at, []
+        size[s] = max(size.get(s, 0), sizes[r], sizes[n])
         return key
-
-    def value(n, at):
-        return current[n] if n in current else make(n, -1)
 
     last, made_storage = {}, []
     for v in start:
-        last.setdefault(trace.storage[value(v, -1)], -1)
+        last.setdefault(storage[current.get(v) or make(v, -1)], -1)
     for i, n in enumerate(order):
-        for a in n.all_input_nodes:
-            k = value(a, i)
-            trace.reads[k].append(i)
-            last[trace.storage[k]] = i
-        made_storage.append(trace.storage[make(n, i)])
+        for a in inputs[n]:
+            k = current.get(a) or make(a, -1)
+            reads[k].append(i)
+            last[storage[k]] = i
+        made_storage.append(storage[make(n, i)])
         last[made_storage[-1]] = i
     for k, whole in taken_from.items():  # the result holds every item until its last is taken
         s = trace.storage[k]
@@ -825,7 +981,7 @@ def predicted_peak(part, saved, recomputed, memo: _Memo | None = None, forget=No
 
     memo = memo or _Memo()
     fw_peak = forward_peak(part, saved, memo)
-    bw = backward_nodes(part, saved, recomputed, forget)
+    bw = backward_nodes(part, saved, recomputed, forget, inputs=memo.inputs)
     start, held = _backward_ends(part, saved)
     return max(fw_peak, liveness_peak(bw, start, held, memo))
 
@@ -861,7 +1017,7 @@ def refresh(
     memo = memo or _Memo()
     start, held = _backward_ends(part, saved)
     forget: dict = {}
-    order = backward_nodes(part, saved, recomputed)
+    order = backward_nodes(part, saved, recomputed, inputs=memo.inputs)
     trace = live_trace(order, start, held, memo)
     steps = [(forget, order, trace.peak)] if trail else []
     for _ in range(rounds):
@@ -875,10 +1031,9 @@ def refresh(
         step = _cheapest_trial(part, saved, recomputed, memo, forget, trials, trace, cost) if cost else None
         for more in trials if cost is None else []:
             trial = _merged(forget, more)
-            trial_order = backward_nodes(part, saved, recomputed, trial)
-            trial_trace = live_trace(trial_order, start, held, memo)
-            if trial_trace.peak < trace.peak:
-                step = trial, trial_order, trial_trace
+            if _trial(part, saved, recomputed, memo, trial)[0] < trace.peak:
+                trial_order = backward_nodes(part, saved, recomputed, trial, inputs=memo.inputs)
+                step = trial, trial_order, live_trace(trial_order, start, held, memo)
                 break
         if step is None:
             break
@@ -891,21 +1046,32 @@ def _cheapest_trial(part, saved, recomputed, memo, forget, trials, trace, cost: 
     """Of ``trials`` (storages to forget, ``refresh``), the one that lowers the backward's peak
     below ``trace``'s for the least recompute per byte of peak removed: ``(forget, order,
     trace)``, or None if none lowers it."""
-    start, held = _backward_ends(part, saved)
-
-    def recompute(order):
-        return sum(cost.get(n, 0) for n in order if n not in part.bw)
-
-    base, best, best_rate = recompute(backward_nodes(part, saved, recomputed, forget)), None, math.inf
+    base, best, best_rate = _trial(part, saved, recomputed, memo, forget, cost)[1], None, math.inf
     for more in trials:
         trial = _merged(forget, more)
-        trial_order = backward_nodes(part, saved, recomputed, trial)
-        trial_trace = live_trace(trial_order, start, held, memo)
-        if trial_trace.peak < trace.peak:
-            rate = (recompute(trial_order) - base) / (trace.peak - trial_trace.peak)
+        peak, recompute = _trial(part, saved, recomputed, memo, trial, cost)
+        if peak < trace.peak:
+            rate = (recompute - base) / (trace.peak - peak)
             if rate < best_rate:
-                best, best_rate = (trial, trial_order, trial_trace), rate
-    return best
+                best, best_rate = trial, rate
+    if best is None:
+        return None
+    start, held = _backward_ends(part, saved)
+    order = backward_nodes(part, saved, recomputed, best, inputs=memo.inputs)
+    return best, order, live_trace(order, start, held, memo)
+
+
+def _trial(part, saved, recomputed, memo: _Memo, forget: dict, cost: dict | None = None) -> tuple[int, int]:
+    """The backward's peak and recompute (``cost`` summed over what it recomputes, 0 without)
+    when it forgets ``forget``, kept in ``memo``: the refresh modes and rounds try many of the
+    same sets."""
+    key = (frozenset(saved), frozenset(recomputed), frozenset((u, frozenset(vs)) for u, vs in forget.items()), cost is None)
+    if key not in memo.trials:
+        start, held = _backward_ends(part, saved)
+        order = backward_nodes(part, saved, recomputed, forget, inputs=memo.inputs)
+        recompute = sum(cost.get(n, 0) for n in order if n not in part.bw) if cost is not None else 0
+        memo.trials[key] = live_trace(order, start, held, memo).peak, recompute
+    return memo.trials[key]
 
 
 def _with_inputs(group: dict, recomputed, bw) -> dict:

@@ -129,7 +129,16 @@ def forward_nodes(part, saved) -> list[fx.Node]:
     return [n for n in part.nodes if n in keep and n.op in ("call_function", "get_attr")]
 
 
-def backward_nodes(part, saved, recomputed, forget=None) -> list[fx.Node]:
+class InputsOf(dict):
+    """``node -> tuple(node.all_input_nodes)``, each computed once (orders and liveness of one
+    graph are computed many times; ``all_input_nodes`` builds a list on every call)."""
+
+    def __missing__(self, node: fx.Node) -> tuple:
+        self[node] = value = tuple(node.all_input_nodes)
+        return value
+
+
+def backward_nodes(part, saved, recomputed, forget=None, inputs: InputsOf | None = None) -> list[fx.Node]:
     """The joint graph's nodes the backward computes, in order: the backward's own ops, each
     recomputed value placed just before its first use.
 
@@ -139,6 +148,8 @@ def backward_nodes(part, saved, recomputed, forget=None) -> list[fx.Node]:
     is a new value, read by what comes after it)."""
     done, order = {*saved, *part.cts}, []
     forget = forget or {}
+    inputs = InputsOf() if inputs is None else inputs
+    bw = part.bw
 
     def emit(node):
         todo = [node]
@@ -147,10 +158,10 @@ def backward_nodes(part, saved, recomputed, forget=None) -> list[fx.Node]:
             if v in done:
                 todo.pop()
                 continue
-            missing = [a for a in v.all_input_nodes if a not in done]
+            missing = [a for a in inputs[v] if a not in done]
             if missing:
                 for a in missing:
-                    if a not in recomputed and a not in part.bw:
+                    if a not in recomputed and a not in bw:
                         raise AssertionError(f"fxtools.split: {a} is neither saved nor recomputed")
                 todo.extend(missing)
                 continue
@@ -163,7 +174,7 @@ def backward_nodes(part, saved, recomputed, forget=None) -> list[fx.Node]:
                     done.discard(a)
 
     for n in part.nodes:
-        if n in part.bw and n.op == "call_function":
+        if n in bw and n.op == "call_function":
             emit(n)
     for g in part.grads:
         if isinstance(g, fx.Node):

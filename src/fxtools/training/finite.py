@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..errors import NonFiniteError, user_frame_of
+from ..errors import NonFiniteError, user_stack_of
 from ..graph import meta
 from ..graph.nodes import is_float
 
@@ -83,7 +83,9 @@ class NonFiniteReport:
     ``phase``: ``"input"``, ``"forward"`` or ``"backward"``; ``name``: the value's name in the
     generated code (an argument's path for an input); ``line``: the user's statement that produced it
     (for a backward value, the forward statement whose derivative did), with ``filename`` and
-    ``lineno``; ``op``: the ATen op that computed it; ``statement``: the generated statement."""
+    ``lineno``; ``stack``: the user's frames ``(filename, lineno, code)`` that reached that line,
+    innermost last (the line itself; before it, the call sites of the helpers it is in);
+    ``op``: the ATen op that computed it; ``statement``: the generated statement."""
 
     phase: str
     name: str
@@ -96,6 +98,7 @@ class NonFiniteReport:
     value: Summary | None = None
     operands: list[tuple[str, Summary]] = field(default_factory=list)
     hints: list[str] = field(default_factory=list)
+    stack: list[tuple[str, int, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
         what = "NaN" if self.value is not None and self.value.nans else "infinity"
@@ -106,6 +109,7 @@ class NonFiniteReport:
         if self.line is not None:
             how = "the derivative of your line" if self.phase == "backward" else "your line"
             out.append(f"  {how}:  {self.filename}:{self.lineno}: {self.line}")
+            out += [f"    called from:  {f}:{n}: {code}" for f, n, code in reversed(self.stack[:-1])]
         if self.value is not None:
             out.append(f"  {self.name}: {self.value}")
         for name, s in self.operands:
@@ -330,7 +334,8 @@ class _Walk(fx.Interpreter):
                 raise _Found(report)
 
     def report(self, n: fx.Node, val: torch.Tensor) -> NonFiniteReport:
-        frame = user_frame_of(n)
+        stack = user_stack_of(n)
+        frame = stack[-1] if stack else None
         op = _op_of(n)
         phase = meta.PHASE.get(n) or self.part
         args = fx.node.map_arg(n.args, lambda x: self.env.get(x))
@@ -355,6 +360,7 @@ class _Walk(fx.Interpreter):
             value=Summary.of(val),
             operands=operands,
             hints=hints,
+            stack=stack,
         )
 
 

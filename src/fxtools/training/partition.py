@@ -53,7 +53,7 @@ from ..codegen.inplace import in_place_body
 from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
 from ..graph import meta
-from ..graph.nodes import fake_mode_of
+from ..graph.nodes import ancestors, fake_mode_of, node_copy
 from ..passes.accumulate import accumulate_into_scatters
 from ..passes.simplify import simplify
 from ..signature import closures, sizes
@@ -232,7 +232,7 @@ class _Partition:
         """The least estimated recompute within a byte or peak budget (``fxtools.training.budget``)."""
         from . import budget
 
-        problem = budget.Problem(self)
+        problem = budget.problem_of(self)
         points = problem.frontier()
         save_all_saved, _ = self._by_rule(policies.save_all)
         save_all_bytes = problem.saved_bytes(save_all_saved)
@@ -251,14 +251,8 @@ class _Partition:
 
     def _min_cut(self):
         # candidates: forward-side ancestors of what the backward needs
-        cand, stack = set(), list(self.needed)
-        while stack:
-            v = stack.pop()
-            if v in cand or v in self.bw or v.op == "get_attr":
-                continue
-            cand.add(v)
-            stack.extend(v.all_input_nodes)
-        cand = [n for n in self.nodes if n in cand]
+        reach = ancestors(self.needed, lambda v: v not in self.bw and v.op != "get_attr")
+        cand = [n for n in self.nodes if n in reach]
         index = {n: i for i, n in enumerate(cand)}
         source, sink = 2 * len(cand), 2 * len(cand) + 1
         edges = []
@@ -490,7 +484,12 @@ def _edited(sp: Split, forward, backward, saved_nodes, saved: list, cts: list) -
 def _boxed(backward: fx.GraphModule) -> GuardedGraphModule:
     """``backward`` called as ``backward_boxed([*saved, *cotangents])`` (the list is emptied on entry)."""
     graph = fx.Graph()
-    graph.output(graph.graph_copy(backward.graph, {}))
+    env: dict = {}
+    for n in backward.graph.nodes:
+        if n.op == "output":
+            graph.output(fx.node.map_arg(n.args[0], env.__getitem__))
+            break
+        env[n] = node_copy(graph, n, env)
     graph.set_codegen(_BoxedCodeGen())
     boxed = _BoxedModule(backward, graph, class_name="SplitBackwardBoxed", generate_code=False)
     meta.BUILT_BY.set(boxed, meta.BUILT_BY.get(backward))
@@ -666,7 +665,7 @@ class Split:
         from . import budget
 
         part = self._joint()
-        problem = budget.Problem(part)
+        problem = budget.problem_of(part)
         points = problem.frontier()
         save_all_bytes = problem.saved_bytes(part._by_rule(policies.save_all)[0])
         budgets = [k / 20 for k in range(1, 21)] if budgets is None else budgets
@@ -804,7 +803,7 @@ def _forward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured) -> fx
     for p in part.primals:
         env[p] = _copy_meta(fg.placeholder(p.name), p)
     for n in forward_nodes(part, part.saved):
-        env[n] = fg.node_copy(n, env.__getitem__)
+        env[n] = node_copy(fg, n, env)
         meta.PART.set(env[n], "forward")
     out_struct = pytree.tree_unflatten([env[o] if isinstance(o, fx.Node) else o for o in part.fw_outs], cap.out_spec)
     fg.output((out_struct, tuple(env[s] for s in part.saved)))
@@ -828,7 +827,7 @@ def _backward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured, grad
     for c in part.cts:
         benv[c] = _copy_meta(bg.placeholder(c.name), c)
     for v in backward_nodes(part, part.saved, part.recomputed, part.forget):
-        benv[v] = bg.node_copy(v, benv.__getitem__)
+        benv[v] = node_copy(bg, v, benv)
         meta.PART.set(benv[v], "recompute" if v in keep else "backward")  # computed in both graphs
     bg.output(pytree.tree_map(lambda g: benv[g] if isinstance(g, fx.Node) else g, grads))
     return emit(GuardedGraphModule(joint, bg, class_name="SplitBackward", generate_code=False), cap, SPLIT)

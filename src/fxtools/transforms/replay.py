@@ -32,6 +32,8 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.immutable_collections import immutable_list
 from torch.utils import _pytree as pytree
 
+from ..graph.nodes import copy_args
+
 aten = torch.ops.aten
 
 _ATOMS = frozenset({int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format, types.EllipsisType})
@@ -230,7 +232,7 @@ def _base_create_node(tracer):
     (``eager_input_vals``); a copy of a node that got none is made by the ``fx.proxy.TracerBase``
     method it extends, which sets the rest (the current meta of ``fx.traceback.set_current_meta``,
     sequence numbers): the same node, without asking again."""
-    if type(tracer).create_node is proxy_tensor.PythonKeyTracer.create_node:
+    if type(tracer).create_node is proxy_tensor.PythonKeyTracer.create_node and not tracer.check_mutable_operations:
         return fx.proxy.TracerBase.create_node
     return None
 
@@ -314,8 +316,8 @@ class _Recording:
         base = _base_create_node(tracer)
         for old in self.nodes:
             args, kwargs = fx.node.map_arg((old.args, old.kwargs), lambda n: env.get(n, n))
-            if base is not None and old in self.plain:
-                new = base(tracer, old.op, old.target, args, kwargs, name=old.name)
+            if base is not None and old in self.plain:  # arguments checked when recorded: ``copy_args``
+                new = copy_args(base(tracer, old.op, old.target, (), {}, name=old.name), args, kwargs)
             else:
                 new = tracer.create_node(old.op, old.target, args, kwargs, name=old.name)
             env[old] = new

@@ -203,6 +203,7 @@ def _trace(cap, x_indices, seed, extras, extra_names, outputs_of, made_by):
     functionalize(gm)
     _fold_identity_products(gm)
     _fold_row_identity_products(gm)
+    scale_the_smaller_factor(gm)
     products_as_written(gm)
     return gm
 
@@ -270,6 +271,49 @@ def _fold_identity_products(gm: fx.GraphModule) -> None:
             node.replace_all_uses_with(b)
         elif is_eye(b, va.shape[1]) and out.shape == va.shape:
             node.replace_all_uses_with(a)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _column_scaled(a):
+    """``(a, s, c)`` when ``a``, seen through views to its shape, is ``s * c`` for a matrix ``c`` whose
+    columns a vector ``s`` scales (each value of ``a`` read by its one user only)."""
+    while isinstance(a, fx.Node) and a.target in _ORDER_KEEPING and len(a.users) == 1:
+        a = a.args[0]
+    if not (isinstance(a, fx.Node) and a.target is aten.mul.Tensor and len(a.users) == 1):
+        return None
+    x, y = a.args
+    for s, c in ((x, y), (y, x)):
+        vs, vc = getattr(s, "meta", {}).get("val"), getattr(c, "meta", {}).get("val")
+        if vs is not None and vc is not None and vs.dim() == 1 and vc.dim() == 2 and vs.shape[0] == vc.shape[1] > 1:
+            return (a, s, c) if vs.dtype == vc.dtype == a.meta["val"].dtype else None
+    return None
+
+
+def scale_the_smaller_factor(gm: fx.GraphModule) -> None:
+    """``(s * c) @ m`` -> ``c @ (s[:, None] * m)`` when ``c`` (``D x K``, its columns scaled by ``s``)
+    has more rows than ``m`` (``K x N``) has columns: the same product, scaling ``K * N`` numbers
+    instead of ``D * K``. A pointwise op's first-order terms are its derivative times the input's,
+    so with more directions than a layer's width the next layer's weight is scaled per point, not
+    the ``D x width`` terms (batched, one ``width x width`` matrix per point instead of ``D x width``)."""
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.mm.default:
+            continue
+        scaled, m = _column_scaled(node.args[0]), node.args[1]
+        vm, out = getattr(m, "meta", {}).get("val"), node.meta.get("val")
+        if scaled is None or vm is None or out is None or vm.dtype != out.dtype:
+            continue
+        terms, s, c = scaled
+        if c.meta["val"].shape[0] <= vm.shape[1]:
+            continue
+        with gm.graph.inserting_before(node):
+            column = gm.graph.call_function(aten.unsqueeze.default, (s, -1))
+            column.meta["val"] = s.meta["val"].unsqueeze(-1)
+            factor = gm.graph.call_function(aten.mul.Tensor, (column, m))
+            factor.meta["val"] = column.meta["val"] * vm
+        column._rename(f"{s.name}_column")
+        factor._rename(f"{terms.name}_factor")
+        node.args = (c, factor)
     gm.graph.eliminate_dead_code()
     gm.recompile()
 
