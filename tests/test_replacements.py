@@ -146,3 +146,19 @@ def test_lstsq_other_drivers_are_refused():
     for driver in (None, "gelsy", "gelsd"):
         with pytest.raises(FxtoolsError, match="lstsq"):
             fxtools.vjp(lambda a, b: torch.linalg.lstsq(a, b, driver=driver).solution, r(4, 3), r(4, 2))
+
+
+def test_aten_size_called_directly_keeps_sizes_symbolic():
+    """``torch.ops.aten.size.default(x)`` on a size marked dynamic stays that size (a graph value),
+    not the example's: the gradient at another size is autograd's there."""
+    from torch.export import Dim
+
+    def f(x):
+        n = torch.ops.aten.size.default(x)[0]
+        return (x * n).sin().sum()
+
+    g = fxtools.grad(f, r(5, 3), dynamic_shapes=({0: Dim("n")},))
+    for rows in (5, 7):
+        x = r(rows, 3, seed=rows).requires_grad_()
+        (expected,) = torch.autograd.grad(f(x), x)
+        torch.testing.assert_close(g(x.detach()), expected)

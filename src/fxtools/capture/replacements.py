@@ -295,6 +295,16 @@ def _autograd_call(name: str):
     return refuse
 
 
+def _size(*args, **kwargs):
+    """``torch.ops.aten.size.default(x)`` called by the program on a tensor with symbolic sizes:
+    the sizes as graph values (``aten.sym_size``), as make_fx's torch-function metadata mode
+    would give them (``trace.trace_flat`` traces without that mode)."""
+    if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+        if any(isinstance(s, torch.SymInt) for s in args[0].size()):
+            return torch.ops.aten.sym_size.default(*args)
+    return NotImplemented
+
+
 REPLACEMENTS: dict[Any, Callable[..., Any]] = {
     torch.autograd.grad: _autograd_call("torch.autograd.grad"),
     torch.autograd.backward: _autograd_call("torch.autograd.backward"),
@@ -310,6 +320,7 @@ REPLACEMENTS: dict[Any, Callable[..., Any]] = {
     F.gaussian_nll_loss: gaussian_nll_loss,
     torch.narrow: narrow,
     torch.Tensor.narrow: narrow,
+    torch.ops.aten.size.default: _size,
 }
 
 # the active Replacing's list of storages of replacement results that stand for views

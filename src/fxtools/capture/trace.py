@@ -218,7 +218,11 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=Tru
 
     ``pre_dispatch=False`` traces below torch.func transforms (``fxtools.vmap`` needs it).
     The graph module generates its code when first run or read (``_LazyGraphModule``): the
-    pipeline's intermediate graphs are transformed many times and never run.
+    pipeline's intermediate graphs are transformed many times and never run. make_fx's
+    torch-function metadata mode is left out: it only records ``node.meta["torch_fn"]``, which
+    nothing here reads, at the cost of one more Python frame for every torch call the trace makes
+    (a few percent of a capture and of a transform's re-trace); its one other job, ``aten.size``
+    on symbolic sizes as ``aten.sym_size``, ``LayoutReads`` does while capturing.
     """
     from ..graph.data_dependent import capture_decompositions
     from .fake_kernels import tracing_kernels
@@ -230,6 +234,7 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=Tru
         tracing_mode="fake",
         _allow_non_fake_inputs=True,
         record_stack_traces=record_stack_traces,
+        _disable_torch_fn_metadata_mode=True,
     )
     with (
         _all_user_frames() if record_stack_traces else contextlib.nullcontext(),
