@@ -195,8 +195,9 @@ def test_layer_norm_whose_statistics_nothing_reads_is_written_as_users_write_it(
 
 def test_stack_trace_lists_every_user_frame_of_the_call():
     """A node's stack trace (the user's line in errors and names) lists the user's frames from the
-    outermost to the op's line, as ``traceback.extract_stack`` sees them (capture reads them from
-    the interpreter's frames rather than symbolizing torch's and fxtools' own too)."""
+    traced program's own frame to the op's line, as ``traceback.extract_stack`` sees them (capture
+    reads them from the interpreter's frames rather than symbolizing torch's and fxtools' own too;
+    the frames of the script that called fxtools are not part of the program)."""
     import traceback
 
     from fxtools.errors import is_user_file
@@ -210,6 +211,7 @@ def test_stack_trace_lists_every_user_frame_of_the_call():
 
     sp = fxtools.split(inner, torch.randn(3))
     frames = [f for f in seen[-1] if is_user_file(f.filename)]
+    frames = frames[[f.name for f in frames].index("inner") :]
     last = frames[-1]
     frames[-1] = traceback.FrameSummary(last.filename, last.lineno + 1, last.name)
     want = "".join(traceback.StackSummary.from_list(frames).format()).strip()
