@@ -122,7 +122,8 @@ def is_program_file(filename: str) -> bool:
     return is_user_file(filename) and not filename.startswith(sysconfig.get_paths()["stdlib"])
 
 
-PROGRAM_ENTRIES: set = set()  # code objects that call the user's program while capturing (capture/trace.py)
+PROGRAM_ENTRIES: set[int] = set()  # ids of the code objects that call the user's program while capturing (capture/trace.py);
+# ids, since a code object whose constants hold a dict (as Dynamo makes) cannot be hashed
 
 
 def decision_line(skip: int = 0) -> str:
@@ -134,7 +135,7 @@ def decision_line(skip: int = 0) -> str:
 
     frame: Any = sys._getframe(1 + skip)
     inner = []
-    while frame is not None and frame.f_code not in PROGRAM_ENTRIES:
+    while frame is not None and id(frame.f_code) not in PROGRAM_ENTRIES:
         inner.append(frame)
         frame = frame.f_back
     user = [f for f in inner if is_program_file(f.f_code.co_filename)] if frame is not None else []

@@ -171,7 +171,12 @@ class _UserStack:
     def summary(self) -> traceback.StackSummary:
         key = []
         f = self.frame
-        while f is not None and f.f_code not in PROGRAM_ENTRIES:  # not the script's call of fxtools
+        while f is not None and id(f.f_code) not in PROGRAM_ENTRIES:  # not the script's call of fxtools
+            code = f.f_code
+            if is_user_file(code.co_filename):
+                key.append((code.co_filename, f.f_lineno, code.co_name))
+            f = f.f_back
+        while not key and f is not None:  # made by fxtools' own code (a rule): the script's call is the line
             code = f.f_code
             if is_user_file(code.co_filename):
                 key.append((code.co_filename, f.f_lineno, code.co_name))
@@ -703,7 +708,7 @@ def _flat_function(f, leaves: list, is_tensor: list[bool], in_spec, modes: tuple
         out_info["leaves"] = out_leaves
         return out_leaves
 
-    PROGRAM_ENTRIES.add(flat_f.__code__)  # decisions below it are the program's (errors.decision_line)
+    PROGRAM_ENTRIES.add(id(flat_f.__code__))  # decisions below it are the program's (errors.decision_line)
     return flat_f, out_info
 
 
