@@ -319,7 +319,12 @@ def _step(u: fx.Node, c: fx.Node, stmt: ast.stmt) -> int:
 
 def _named_by_op(node: fx.Node) -> bool:
     """Whether ``node``'s name, counters (``_2``) aside, is an op word or ends in ``_`` and one."""
-    words = re.sub(r"(_\d+)+$", "", node.name).split("_")
+    return _name_is_op(node.name)
+
+
+@functools.lru_cache(maxsize=8192)
+def _name_is_op(name: str) -> bool:
+    words = re.sub(r"(_\d+)+$", "", name).split("_")
     return any("_".join(words[k:]) in _OP_WORDS for k in range(len(words)))
 
 
