@@ -124,9 +124,11 @@ def fold(nodes: list[fx.Node], statements: dict[int, str], frees: dict[int, list
     trees: dict[fx.Node, _Tree] = {}
     folded: set[str] = set()
     for i, u in enumerate(nodes):
+        if i not in statements:
+            continue  # nothing is written into a statement fx does not write
         operands = _operands(u) if _may_hold(u, impure) else []
         candidates = [c for c in operands if _foldable(c, u, operands, parse, pos, trees, impure)]
-        if not candidates or i not in statements:
+        if not candidates:
             continue
         for c in candidates:
             if c not in trees:
