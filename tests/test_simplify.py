@@ -318,3 +318,37 @@ def test_a_product_with_ones_is_the_other_operand():
     out = vm(w[None].expand(2, 3).clone())
     out.add_(1)  # a new tensor, as eager's product
     torch.testing.assert_close(out, torch.func.vmap(spread)(w[None].expand(2, 3)) + 1, rtol=0, atol=0)
+
+
+def test_sweeps_sharing_one_rewriter_give_the_code_of_fresh_ones(monkeypatch):
+    """``simplify`` keeps the fills it found and CSE's facts from one sweep to the next (build
+    time); the code must be what sweeps starting afresh give, on a GPT (readable and fused rules)
+    and on a program whose fills become known only once a conversion is rewritten."""
+    from fxtools.cli import examples
+    from fxtools.passes import simplify as simplify_module
+
+    model, (idx, targets) = examples.gpt("tiny", "explicit", n_layer=1)
+    params = dict(model.named_parameters())
+
+    def f(x):
+        scale = torch.ones_like(x).to(torch.float64) * 2.0
+        return (x * (scale / 4) * torch.full_like(x, -1.0)).sum()
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def codes():
+        out = []
+        for rules in ("readable", "fused"):
+            sp = fxtools.split(fxtools.functional(model), params, idx, targets, rules=rules)
+            out += [sp.forward.code, sp.backward.code]
+        sp = fxtools.split(f, x)
+        return [*out, sp.forward.code, sp.backward.code, fxtools.grad(f, x).code]
+
+    shared = codes()
+
+    def afresh(self):
+        self._known = {}
+
+    monkeypatch.setattr(simplify_module._Rewriter, "next_sweep", afresh)
+    monkeypatch.setattr(simplify_module, "_mutates_memo", lambda node, keys: simplify_module._mutates(node))
+    assert codes() == shared

@@ -124,9 +124,11 @@ def fold(nodes: list[fx.Node], statements: dict[int, str], frees: dict[int, list
     trees: dict[fx.Node, _Tree] = {}
     folded: set[str] = set()
     for i, u in enumerate(nodes):
+        if i not in statements:
+            continue  # nothing is written into a statement fx does not write
         operands = _operands(u) if _may_hold(u, impure) else []
         candidates = [c for c in operands if _foldable(c, u, operands, parse, pos, trees, impure)]
-        if not candidates or i not in statements:
+        if not candidates:
             continue
         for c in candidates:
             if c not in trees:
@@ -319,7 +321,12 @@ def _step(u: fx.Node, c: fx.Node, stmt: ast.stmt) -> int:
 
 def _named_by_op(node: fx.Node) -> bool:
     """Whether ``node``'s name, counters (``_2``) aside, is an op word or ends in ``_`` and one."""
-    words = re.sub(r"(_\d+)+$", "", node.name).split("_")
+    return _name_is_op(node.name)
+
+
+@functools.lru_cache(maxsize=8192)
+def _name_is_op(name: str) -> bool:
+    words = re.sub(r"(_\d+)+$", "", name).split("_")
     return any("_".join(words[k:]) in _OP_WORDS for k in range(len(words)))
 
 

@@ -96,16 +96,42 @@ _ENUM_DEFAULTS = {"reduction"}  # the Python bindings' default differs from the 
 _NOISE = {"pin_memory": (False, None), "layout": (torch.strided, None)}
 
 
+class _Schema:
+    """What code generation reads of an op's schema, read once per op (a schema's arguments are
+    made anew by each ``op._schema.arguments``): the arguments, their defaults, those written by
+    position (see the comment at ``_none_in_optional_tensor_list``) and those of type ``Tensor?[]``."""
+
+    __slots__ = ("arguments", "defaults", "op", "optional_tensor_lists", "positional")
+
+    def __init__(self, op: torch._ops.OpOverload):
+        self.op = op
+        self.arguments = op._schema.arguments
+        self.defaults = {a.name: a.default_value for a in self.arguments if a.has_default_value()}
+        self.positional = [a.name for a in self.arguments if not a.kwarg_only and not a.has_default_value()]
+        self.optional_tensor_lists = frozenset(a.name for a in self.arguments if str(a.type) == "List[Optional[Tensor]]")
+
+
+_SCHEMAS: dict[int, _Schema] = {}  # id(op) -> its _Schema
+
+
+def _schema_of(op: torch._ops.OpOverload) -> _Schema:
+    found = _SCHEMAS.get(id(op))
+    if found is None or found.op is not op:
+        found = _SCHEMAS[id(op)] = _Schema(op)
+    return found
+
+
 def _schema_args(op: torch._ops.OpOverload, args, kwargs):
     """Arguments as (name, value) pairs in schema order, dropping trailing ones equal to their default."""
-    schema = op._schema.arguments
+    read = _schema_of(op)
+    schema = read.arguments
     pairs = [(a.name, v) for a, v in zip(schema, args)]
     pairs += [
         (a.name, kwargs[a.name] if a.name in kwargs else a.default_value)
         for a in schema[len(args) :]
         if a.name in kwargs or a.name in _ENUM_DEFAULTS
     ]
-    defaults = {a.name: a.default_value for a in schema if a.has_default_value()}
+    defaults = read.defaults
     return [
         (n, v)
         for n, v in pairs
@@ -158,8 +184,18 @@ _RENAMED = {"cross_entropy_loss": (F, "cross_entropy"), "nll_loss_nd": (F, "nll_
 _PREFIXED = (("linalg_", torch.linalg), ("special_", torch.special), ("fft_", torch.fft))
 
 
+_PUBLIC: dict[int, tuple] = {}  # id(op) -> (op, _public_function's answer)
+
+
 def _public_function(op: torch._ops.OpOverload):
-    """(function, namespace, name) of the public function named like ``op``, or None."""
+    """(function, namespace, name) of the public function named like ``op``, or None (looked up once per op)."""
+    found = _PUBLIC.get(id(op))
+    if found is None or found[0] is not op:
+        found = _PUBLIC[id(op)] = (op, _find_public_function(op))
+    return found[1]
+
+
+def _find_public_function(op: torch._ops.OpOverload):
     name = op.overloadpacket.__name__
     if name in _RENAMED:
         ns, attr = _RENAMED[name]
@@ -176,8 +212,19 @@ def _public_function(op: torch._ops.OpOverload):
     return None
 
 
+_SIGNATURES: dict[int, tuple] = {}  # id(fn) -> (fn, _python_signature's answer)
+
+
 def _python_signature(fn):
-    """Parameters of a Python function; None for builtins (whose arguments follow the ATen schema)."""
+    """Parameters of a Python function; None for builtins (whose arguments follow the ATen schema).
+    Read once per function (``inspect.signature`` is slow); the caller only reads the dict."""
+    found = _SIGNATURES.get(id(fn))
+    if found is None or found[0] is not fn:
+        found = _SIGNATURES[id(fn)] = (fn, _read_signature(fn))
+    return found[1]
+
+
+def _read_signature(fn):
     if inspect.isbuiltin(fn):
         return None
     try:
@@ -197,10 +244,10 @@ def _call(op, args, kwargs):
         return "call_function", _SWAPPED[op], (args[1], args[0]), {}
     pairs, schema = _schema_args(op, args, kwargs)
     if op in _METHODS:
-        return _split("call_method", _METHODS[op], pairs, _positional(schema))
-    if _none_in_optional_tensor_list(schema, pairs):
+        return _split("call_method", _METHODS[op], pairs, _schema_of(op).positional)
+    if _none_in_optional_tensor_list(_schema_of(op), pairs):
         return None  # torch.index_put(x, [None, i], v) is rejected by the Python binding
-    positional = _positional(schema)
+    positional = _schema_of(op).positional
     name = op.overloadpacket.__name__
     if name.endswith("_") and not name.startswith("_") and schema and schema[0].is_write and hasattr(torch.Tensor, name):
         return _split("call_method", name, pairs, positional)  # a kept in-place update: buffer.add_(1)
@@ -274,19 +321,15 @@ def _python_call(target, params, pairs, schema):
     return "call_function", target, tuple(args), kwargs
 
 
-def _none_in_optional_tensor_list(schema, pairs) -> bool:
+def _none_in_optional_tensor_list(schema: _Schema, pairs) -> bool:
     """Whether a ``Tensor?[]`` argument (``index``'s indices) holds a None: only the ATen op accepts it."""
-    types = {a.name: str(a.type) for a in schema}
-    return any(
-        types.get(n) == "List[Optional[Tensor]]" and isinstance(v, (list, tuple)) and any(i is None for i in v) for n, v in pairs
-    )
+    lists = schema.optional_tensor_lists
+    return bool(lists) and any(n in lists and isinstance(v, (list, tuple)) and any(i is None for i in v) for n, v in pairs)
 
 
-def _positional(schema) -> list[str]:
-    """Arguments written by position: the schema's required ones. Those with a default (options
-    such as ``keepdim``, ``stride``, ``dim=0``) are written by keyword, so that every call of a
-    function reads in one style whichever defaults were dropped: ``torch.sum(x, [1], keepdim=True)``."""
-    return [a.name for a in schema if not a.kwarg_only and not a.has_default_value()]
+# Arguments written by position (``_Schema.positional``): the schema's required ones. Those with a
+# default (options such as ``keepdim``, ``stride``, ``dim=0``) are written by keyword, so that every
+# call of a function reads in one style whichever defaults were dropped: ``torch.sum(x, [1], keepdim=True)``.
 
 
 def _split(kind, target, pairs, positional):

@@ -100,11 +100,18 @@ class _Rewriter:
     The fill values are remembered because a deep model's residual stream is a chain of adds that
     each question would walk again. That is sound while the graph changes: the nodes answered are
     at or before the node being rewritten, and rewriting a node changes only its users' arguments.
+    One rewriter serves every sweep of a ``simplify``: between sweeps (``next_sweep``) the numbers
+    found are kept (a node filled with a number stays so under exact rewrites) and the unknowns
+    forgotten (a later rewrite of an argument may make one known).
     """
 
     def __init__(self, graph: fx.Graph):
         self.fake_mode = fake_mode_of(graph)
         self._known: dict[fx.Node, object] = {}
+
+    def next_sweep(self) -> None:
+        """Forget the nodes found not to be fills (see the class docstring)."""
+        self._known = {n: v for n, v in self._known.items() if v is not None}
 
     def constant(self, node):
         """The number a tensor node is known to be filled with, else None.
@@ -133,8 +140,8 @@ class _Rewriter:
         args, kwargs = materialize(graph, before, (args, dict(kwargs or {})))
         with graph.inserting_before(before):
             node = graph.create_node("call_function", target, args, kwargs, name=target.overloadpacket.__name__)
-        vals, kvals = fx.node.map_arg((args, kwargs), _val)
         if self.fake_mode is not None:
+            vals, kvals = fx.node.map_arg((args, kwargs), _val)
             with self.fake_mode:
                 node.meta["val"] = target(*vals, **kvals)
         for key in meta.KEPT_ON_REWRITE:
@@ -646,9 +653,13 @@ def _made_since(start: fx.Node, node: fx.Node, new) -> bool:
     return False
 
 
-def identities(gm: fx.GraphModule) -> bool:
-    """One sweep of the exact rewrites over ``gm``'s graph; whether anything changed."""
-    rw = _Rewriter(gm.graph)
+def identities(gm: fx.GraphModule, rw: _Rewriter | None = None) -> bool:
+    """One sweep of the exact rewrites over ``gm``'s graph; whether anything changed. ``rw``: the
+    rewriter of the earlier sweeps of one ``simplify`` (``_Rewriter.next_sweep``)."""
+    if rw is None:
+        rw = _Rewriter(gm.graph)
+    else:
+        rw.next_sweep()
     changed = False
     for node in list(gm.graph.nodes):
         if not node.users and not is_impure(node):
@@ -739,16 +750,19 @@ def cse(gm: fx.GraphModule, keys: dict | None = None) -> bool:
     """Merge each op with an earlier twin (same op, same arguments, same grad mode): a twin
     computed in a ``no_grad`` block is a constant of the reverse pass, the other is not.
 
-    ``keys``: a dict kept across the calls of one ``simplify`` (``_cse_key``'s memo)."""
+    ``keys``: a dict kept across the calls of one ``simplify`` (``_cse_key``'s memo, and which
+    nodes mutate: a node's target and arguments decide it)."""
     seen, changed = {}, False
-    written = {a for n in gm.graph.nodes if _mutates(n) for a in n.all_input_nodes}
+    nodes = list(gm.graph.nodes)
+    mutating = [_mutates_memo(n, keys) for n in nodes]
+    written = {a for n, m in zip(nodes, mutating) if m for a in n.all_input_nodes}
     grad_enabled = True
-    for node in list(gm.graph.nodes):
+    for node, mutates in zip(nodes, mutating):
         if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             grad_enabled = bool(node.args[0])
         if node in written:
             continue  # its value changes in place later: it is not interchangeable with a twin
-        if _mutates(node):
+        if mutates:
             seen.clear()  # a read after a mutation is not the same value as the read before it
             continue
         if node.op not in ("call_function", "call_method", "get_attr"):
@@ -798,6 +812,18 @@ def _first_name(kept: fx.Node, twin: fx.Node) -> None:
     (base, k), (twin_base, t) = _name_order(kept.name), _name_order(twin.name)
     if base == twin_base and (len(t), t) < (len(k), k):
         kept.name, twin.name = twin.name, kept.name
+
+
+def _mutates_memo(node: fx.Node, keys: dict | None) -> bool:
+    """``_mutates(node)``, memoized in ``keys`` (see ``cse``) while its target and arguments are the same objects."""
+    if keys is None:
+        return _mutates(node)
+    hit = keys.get((node, "mutates"))
+    if hit is not None and hit[0] is node.target and hit[1] is node.args and hit[2] is node.kwargs:
+        return hit[3]
+    found = _mutates(node)
+    keys[(node, "mutates")] = (node.target, node.args, node.kwargs, found)
+    return found
 
 
 def _mutates(node: fx.Node) -> bool:
@@ -852,8 +878,9 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
     """
     sizes_from_inputs(gm)  # symbolic sizes read from the inputs (graph/data_dependent.py)
     keys: dict = {}
+    rw = _Rewriter(gm.graph)
     while True:
-        changed = identities(gm)
+        changed = identities(gm, rw)
         changed |= cse(gm, keys)
         changed |= dce(gm)
         if not changed:

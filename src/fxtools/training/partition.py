@@ -330,22 +330,30 @@ def _copy_meta(new: fx.Node, old: fx.Node) -> fx.Node:
     return new
 
 
-def _install_guards(forward, backward, backward_boxed, part, signature, cotangents, cap=None) -> None:
+def _layouts(forward, backward, part, signature) -> tuple[set, set]:
+    """The argument paths whose strides the forward relies on, and the saved values' and
+    cotangents' names whose strides the backward relies on (``stride_sensitive_paths``): read once,
+    for the graphs' guards and the original arguments'."""
+    fw = stride_sensitive_paths(forward, [i.path or i.name for i in signature])
+    return fw, stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts])
+
+
+def _install_guards(forward, backward, backward_boxed, part, signature, cotangents, cap=None, layouts=None) -> None:
     """Guards (``fxtools.signature.guards``) of the three graphs: inputs by their paths in the arguments,
-    saved values by name (any layout: they come from the forward), cotangents as the outputs."""
+    saved values by name (any layout: they come from the forward), cotangents as the outputs.
+    ``layouts``: ``_layouts`` of these graphs, if already read."""
     leaves = [p.meta["val"] for p in part.primals]
     saved_vals, ct_vals = [s.meta["val"] for s in part.saved], [c.meta["val"] for c in part.cts]
     names = [i.path or i.name for i in signature]
     symbolic = cap.symbolic if cap is not None else None
-    forward.guards = build(
-        "fxtools.split forward", names, sizes.concrete(symbolic, leaves), layout=stride_sensitive_paths(forward, names)
-    )
+    fw_layout, bw_layout = _layouts(forward, backward, part, signature) if layouts is None else layouts
+    forward.guards = build("fxtools.split forward", names, sizes.concrete(symbolic, leaves), layout=fw_layout)
     saved = build("fxtools.split backward", [s.name for s in part.saved], sizes.concrete(symbolic, saved_vals))
     cts = build(
         "fxtools.split backward",
         [c.name for c in part.cts],
         sizes.concrete(symbolic, ct_vals),
-        layout=stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts]),
+        layout=bw_layout,
         roles={i: (lambda path, what=info.path: f"the cotangent of {what}") for i, info in enumerate(cotangents)},
     )
     if cap is not None:  # symbolic sizes and layout reads (signature/sizes.py)
@@ -848,8 +856,9 @@ def _described(cap: Captured, args: tuple, part: _Partition, forward, backward, 
     cotangents = [_info(c, "cotangent", "out" + _keystr(out_paths[i])) for c, i in zip(part.cts, ct_index)]
     saved, storage_bytes = _saved_infos(part)
     backward_boxed = _boxed(backward)
-    _install_guards(forward, backward, backward_boxed, part, signature, cotangents, cap)
-    guards = _argument_guards(cap, args, part, forward, backward, signature)
+    layouts = _layouts(forward, backward, part, signature)
+    _install_guards(forward, backward, backward_boxed, part, signature, cotangents, cap, layouts)
+    guards = _argument_guards(cap, args, part, signature, layouts)
     closures.attach_held(forward, cap.reads, SPLIT.name, holders=(backward,))  # closed-over state, checked on every forward
     out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
     return Split(
@@ -890,11 +899,10 @@ def _saved_infos(part: _Partition) -> tuple[list[TensorInfo], dict[str, int]]:
     return saved, storage_bytes
 
 
-def _argument_guards(cap: Captured, args: tuple, part: _Partition, forward, backward, signature) -> Guards:
+def _argument_guards(cap: Captured, args: tuple, part: _Partition, signature, layouts: tuple[set, set]) -> Guards:
     """Guards of the original arguments; an input's layout matters where the forward, or the
-    backward reading it as saved, views it."""
-    fw_paths = stride_sensitive_paths(forward, [i.path or i.name for i in signature])
-    bw_paths = stride_sensitive_paths(backward, [s.name for s in part.saved] + [c.name for c in part.cts])
+    backward reading it as saved, views it (``layouts``: ``_layouts`` of the two graphs)."""
+    fw_paths, bw_paths = layouts
     strided = {i.path for i, p in zip(signature, part.primals) if (i.path or i.name) in fw_paths or p.name in bw_paths}
     guards = build(SPLIT.name, cap.arg_names, args, layout=strided)
     sizes.guard_symbolic(guards, cap.traced_sizes(), args)
