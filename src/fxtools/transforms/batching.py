@@ -147,13 +147,13 @@ def check_one_sample(f, args: tuple, in_dims, seen: list[str], made_by: Transfor
         capture(namer or f, sample, record_stack_traces=False, pre_dispatch=False)
         return
     except Exception as exc:  # noqa: BLE001 - re-raised naming the user's line
-        error = exc
+        error = _view_cause(exc)
     if namer is not None and is_view_refusal(error) and getattr(f, "layout_variant", None) is not None:
         try:
             f.layout_variant(sample)
             return
         except Exception as exc:  # noqa: BLE001 - the function itself cannot run on this layout
-            error = exc
+            error = _view_cause(exc)
     if is_view_refusal(error):
         where = user_frame(error.__traceback__)
         if namer is not None and namer.current is not None:
@@ -168,6 +168,12 @@ def check_one_sample(f, args: tuple, in_dims, seen: list[str], made_by: Transfor
         f"sample's layout allows it could not be decided (tracing one sample failed: {type(error).__name__}: "
         f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}). Use .reshape there"
     ) from error
+
+
+def _view_cause(exc: BaseException) -> BaseException:
+    """``exc``, or the view refusal a capture raised it from (``capture.trace.view_refused``)."""
+    cause = exc.__cause__
+    return cause if isinstance(exc, FxtoolsError) and cause is not None and is_view_refusal(cause) else exc
 
 
 def refuse_writes_through_reshaped_views(gm: fx.GraphModule) -> None:
