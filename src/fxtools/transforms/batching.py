@@ -199,7 +199,7 @@ def refuse_writes_through_reshaped_views(gm: fx.GraphModule) -> None:
                 raise FxtoolsError(
                     f"fxtools.vmap cannot batch a write in place ({user_line_of(node) or 'an unknown line'}) to a view that the "
                     f"batched layout cannot view ({line}): computed as a copy, it would not share the write as eager's view "
-                    "does. Write to a tensor made with .clone(), or call .contiguous() before the .view"
+                    "does. Make the write before the .view, or write to a copy (.clone()) and read that"
                 )
 
 
