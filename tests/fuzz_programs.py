@@ -211,7 +211,6 @@ class _Builder:
         return Program(index, seed, source, fn, self.inputs, [k for k, v in enumerate(self.inputs) if v.is_float])
 
 
-
 def vmap_oracle(fn, in_dims, *args):
     """``torch.func.vmap(fn, in_dims)(*args)``; where it raises PyTorch's view error, ``fn`` on each
     sample, stacked (outputs at dim 0). A batched value is laid out as suits the batch, not as
@@ -231,6 +230,7 @@ def vmap_oracle(fn, in_dims, *args):
     leaves = [pytree.tree_flatten(o)[0] for o in outs]
     spec = pytree.tree_flatten(outs[0])[1]
     return pytree.tree_unflatten([torch.stack(col) for col in zip(*leaves)], spec)
+
 
 # ------------------------------------------------------------------------------------------------
 # The vocabulary: each entry (weight, builder) emits one statement or raises _Reject.

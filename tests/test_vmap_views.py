@@ -68,7 +68,9 @@ def test_per_sample_grads_through_such_a_view(n, k):
     torch.testing.assert_close(list(got), want, **TOL)
     # vmap of the per-sample function, then its gradient: the reshape is differentiated as reshape
     gm = fxtools.vmap(f, xs)
-    torch.testing.assert_close(fxtools.grad(lambda x: gm(x).sum(), xs)(xs), torch.func.grad(lambda x: loop(f, x).sum())(xs), **TOL)
+    torch.testing.assert_close(
+        fxtools.grad(lambda x: gm(x).sum(), xs)(xs), torch.func.grad(lambda x: loop(f, x).sum())(xs), **TOL
+    )
 
 
 def test_vmap_refuses_a_view_one_sample_refuses_naming_the_line():

@@ -76,7 +76,7 @@ def _code_copy(f: fx.GraphModule, select: bool = False) -> fx.GraphModule:
     return gm
 
 
-_SHAPE_VIEWS = {torch.Tensor.view: torch.Tensor.reshape, torch.Tensor.view_as: torch.Tensor.reshape_as}
+_SHAPE_VIEWS: dict[Callable, Callable] = {torch.Tensor.view: torch.Tensor.reshape, torch.Tensor.view_as: torch.Tensor.reshape_as}
 
 
 class BatchedViews(TorchFunctionMode):
@@ -90,7 +90,7 @@ class BatchedViews(TorchFunctionMode):
     refuses it too, the transform refuses, naming the user's line. ``seen`` lists the user's
     line of each view computed as ``reshape``."""
 
-    def __init__(self, where=None):
+    def __init__(self, where: Callable[[], str | None] | None = None):
         super().__init__()
         self.seen: list[str] = []
         self.where = where  # the line being run, when a generated module is batched (NodeNamer)
@@ -405,6 +405,7 @@ def trace_batched(
         if check_views is not None:
             check_views()
         refuse_writes_through_reshaped_views(gm)
+
     try:
         # requires_grad_ allowed, as eager vmap allows it on unbatched tensors (copy.deepcopy(module))
         with custom.transform(VMAP), enable_inplace_requires_grad(True):
