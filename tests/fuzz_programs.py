@@ -211,6 +211,27 @@ class _Builder:
         return Program(index, seed, source, fn, self.inputs, [k for k, v in enumerate(self.inputs) if v.is_float])
 
 
+def vmap_oracle(fn, in_dims, *args):
+    """``torch.func.vmap(fn, in_dims)(*args)``; where it raises PyTorch's view error, ``fn`` on each
+    sample, stacked (outputs at dim 0). A batched value is laid out as suits the batch, not as
+    eager lays out one sample (``u.unsqueeze(1) * (A @ x)`` with ``A``, ``u`` unbatched is
+    transposed per sample under vmap), so torch.func.vmap refuses some ``.view`` calls that a loop
+    over the samples, vmap's meaning, runs."""
+    from torch.utils import _pytree as pytree
+
+    try:
+        return torch.func.vmap(fn, in_dims=in_dims)(*args)
+    except RuntimeError as exc:
+        if "view size is not compatible" not in str(exc):
+            raise
+    dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
+    n = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    outs = [fn(*(a if d is None else a.select(d, b) for a, d in zip(args, dims))) for b in range(n)]
+    leaves = [pytree.tree_flatten(o)[0] for o in outs]
+    spec = pytree.tree_flatten(outs[0])[1]
+    return pytree.tree_unflatten([torch.stack(col) for col in zip(*leaves)], spec)
+
+
 # ------------------------------------------------------------------------------------------------
 # The vocabulary: each entry (weight, builder) emits one statement or raises _Reject.
 

@@ -41,6 +41,7 @@ from ..errors import (
 )
 from ..graph import meta
 from ..graph.data_dependent import CountsFromExamples
+from ..graph.nodes import is_view_refusal, view_strides
 from ..signature.naming import arg_names, leaf_names
 from ..signature.sizes import TracedSizes
 from .checkpoint import checkpoint_regions
@@ -742,6 +743,8 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if is_data_dependent(exc):
             raise data_dependent_error(exc) from exc
+        if is_view_refusal(exc):
+            raise view_refused(user_frame(exc.__traceback__), str(exc)) from exc
         raise
 
 
@@ -841,4 +844,39 @@ def check_no_collectives(gm: fx.GraphModule) -> None:
                 "compiled module with DistributedDataParallel or fully_shard (they run around fxtools' graphs); "
                 "inside a program, use the functional collectives (torch.distributed._functional_collectives), "
                 "whose results are values."
+            )
+
+
+def view_refused(where: str | None, message: str) -> FxtoolsError:
+    """The error of a ``.view`` at ``where`` whose input's layout cannot give the new shape."""
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    return FxtoolsError(
+        f"the .view at {where or 'an unknown line'} cannot view its input's layout, as eager PyTorch refuses it when it runs "
+        f"({first}). Use .reshape (a copy where the layout needs one), or .contiguous() before the .view"
+    )
+
+
+def check_views(gm: fx.GraphModule) -> None:
+    """Refuse, naming the user's line, a ``view`` node of ``gm`` whose input's strides (its
+    FakeTensor's, the real kernel's) cannot give its shape: eager's kernel raises there, and a
+    rewrite of the traced graph (functionalisation, decompositions) must not make it compute.
+    Sizes or strides that are symbolic are left to the trace, which checked them as it ran."""
+    from ..errors import user_line_of
+
+    view = torch.ops.aten.view.default
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not view or not isinstance(node.args[0], fx.Node):
+            continue
+        x = node.args[0].meta.get("val")
+        shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("size")
+        if not isinstance(x, torch.Tensor) or not isinstance(shape, (list, tuple)):
+            continue
+        sizes = [*x.shape, *x.stride(), *shape]
+        if not all(type(v) is int for v in sizes):
+            continue
+        if view_strides(x.shape, x.stride(), shape) is None:
+            raise view_refused(
+                user_line_of(node),
+                f"view size is not compatible with input tensor's size and stride: shape {list(x.shape)}, strides "
+                f"{list(x.stride())}, viewed as {list(shape)}",
             )

@@ -82,6 +82,13 @@ DECOMPOSED: Key[bool] = Key(
 )
 
 
+RESHAPED_VIEW: Key[str] = Key(
+    "fxtools_reshaped_view",
+    "A node of a ``.view`` that one sample allows but the batched layout does not, computed as ``reshape`` "
+    "(a copy) under vmap; holds the user's line. Set in transforms/batching.py; read by graph/nodes.py "
+    "(``refuse_writes_through_reshaped_views``) and codegen/render.py (printed as ``reshape``).",
+)
+
 # What a value is called and what it holds
 INTERMEDIATE: Key[bool] = Key(
     "fxtools_intermediate",

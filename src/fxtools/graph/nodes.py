@@ -204,3 +204,56 @@ def node_copy(graph: fx.Graph, node: fx.Node, env) -> fx.Node:
     new = copy_args(graph.create_node(node.op, node.target, (), None, node.name, node.type), args, kwargs)
     new.meta = copy.copy(node.meta)
     return new
+
+
+def is_reshaped_view(node: fx.Node) -> bool:
+    """A node of a ``.view`` that one sample allows and the batched layout refuses, which
+    ``fxtools.vmap`` computes as ``reshape`` (``meta.RESHAPED_VIEW``): a copy where eager's
+    per-sample view aliases its input."""
+    return meta.RESHAPED_VIEW.on(node)
+
+
+_VIEW_REFUSALS = ("view size is not compatible with input tensor's size and stride", "Cannot view a tensor with shape")
+
+
+def is_view_refusal(exc: BaseException) -> bool:
+    """The error of a ``.view`` whose input's strides cannot give the new shape: eager's kernel
+    (``view size is not compatible``) or the FakeTensor kernel a trace runs (``Cannot view``)."""
+    return isinstance(exc, (RuntimeError, ValueError)) and any(m in str(exc) for m in _VIEW_REFUSALS)
+
+
+def view_strides(shape, stride, new_shape) -> list[int] | None:
+    """The strides ``x.view(new_shape)`` gives a tensor of ``shape`` and ``stride``, or None where
+    PyTorch's view kernel refuses it (ATen's ``computeStride``: each run of dimensions the new
+    shape merges or splits must be one contiguous block of memory). ``new_shape`` may hold one -1.
+    Sizes must be ints (a symbolic size: the caller decides without this)."""
+    shape, stride, new_shape = list(shape), list(stride), list(new_shape)
+    numel = 1
+    for s in shape:
+        numel *= s
+    if -1 in new_shape:
+        known = 1
+        for s in new_shape:
+            known *= s if s != -1 else 1
+        new_shape[new_shape.index(-1)] = numel // known if known else 0
+    if not shape:
+        return [1] * len(new_shape)
+    if numel == 0:
+        return [0] * len(new_shape)  # any view of an empty tensor is allowed
+    new_stride = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    chunk_base = stride[-1] if stride else 1
+    tensor_numel = view_numel = 1
+    for d in range(len(shape) - 1, -1, -1):
+        tensor_numel *= shape[d]
+        if d == 0 or (shape[d - 1] != 1 and stride[d - 1] != tensor_numel * chunk_base):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                new_stride[view_d] = view_numel * chunk_base
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if d > 0:
+                chunk_base = stride[d - 1]
+                tensor_numel = view_numel = 1
+    return new_stride if view_d == -1 else None

@@ -28,7 +28,7 @@ device, or the rewrite is not applied. So some identities of real numbers are no
   only when both give the same result (the fill is 0 or ±1, or the divisor a power of two).
 
 Rewrites that are exact: ``x * 1``, ``x / 1`` (also at NaN, inf, -0.0), ``x * -1 -> -x``,
-``-(-x)``, transposes and permutes that compose to the identity, no-op views and conversions,
+``-(-x)``, transposes and permutes that compose to the identity (or are it), no-op views and conversions,
 fills (NaN and infinities included: the code says ``x * nan``) computed in the node's dtype op
 by op as PyTorch would, ``sum(x, all dims) -> sum(x)``.
 """
@@ -504,6 +504,18 @@ def _canonical_transpose(node, rw):
     return None
 
 
+def _identity_permute(node, rw):
+    """``x.permute([0, 1, ..., n - 1])`` -> ``x`` (batching rules move a batch dimension already in place)."""
+    x = node.args[0]
+    if isinstance(x, fx.Node) and isinstance(_val(x), torch.Tensor):
+        nd = _val(x).dim()
+        dims = node.args[1]
+        if isinstance(dims, (list, tuple)) and all(isinstance(d, int) for d in dims):
+            if [d % nd for d in dims] == list(range(nd)) if nd else not dims:
+                return x
+    return None
+
+
 def _permute_of_permute(node, rw):
     """Two permutes -> one (none if they compose to the identity)."""
     x = node.args[0]
@@ -538,6 +550,7 @@ _REWRITE_FAMILIES = (
     ((aten.transpose.int,), _transpose_of_transpose),
     ((aten.sum.dim_IntList,), _sum_of_all_dims),
     ((aten.t.default, aten.mT.default, aten.transpose.int), _canonical_transpose),
+    ((aten.permute.default,), _identity_permute),
     ((aten.permute.default,), _permute_of_permute),
 )
 

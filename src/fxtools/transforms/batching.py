@@ -21,17 +21,24 @@ user's line and PyTorch's explanation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._functorch.eager_transforms import enable_inplace_requires_grad
+from torch.fx.experimental import proxy_tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..capture import custom
-from ..capture.trace import is_data_dependent
+from ..capture.trace import capture, is_data_dependent
 from ..codegen.inplace import printed_in_place
-from ..errors import DataDependentError, FxtoolsError, user_frame, user_line_of
+from ..errors import DataDependentError, FxtoolsError, current_user_line, user_frame, user_line_of
+from ..graph import meta
 from ..graph.data_dependent import dynamic_nodes
+from ..graph.nodes import is_reshaped_view, is_view_refusal, written_args
 from .pipeline import Inputs, Transform, back, front, uses_pipeline
 from .retrace import NodeNamer
 from .vjp import argument_names
@@ -40,33 +47,180 @@ __all__ = ["vmap", "trace_batched", "check_vmap_options", "describe", "n_chunks"
 
 
 def vmappable(f):
-    """``f``, with ``.view`` calls of a generated GraphModule turned into ``.reshape`` (and its
-    ``cond`` calls into ``select_cond``), and its scatters into fresh tensors printed out of place
-    (vmap refuses ``zeros.index_add_(..., batched)``, an unbatched tensor written with batched rows).
+    """``f``, with the ``cond`` calls of a generated GraphModule turned into ``select_cond``, and
+    its scatters into fresh tensors printed out of place (vmap refuses ``zeros.index_add_(...,
+    batched)``, an unbatched tensor written with batched rows). Attributes stay shared.
 
-    fxtools drops ``.contiguous()`` before a ``.view`` when the example value is contiguous; under
-    vmap the same value may be a non-contiguous slice of a batched tensor, where only
-    ``reshape`` (a view when possible, a copy otherwise) is valid. Attributes stay shared.
+    Its ``.view`` calls stay: fxtools drops ``.contiguous()`` before a ``.view`` when the example
+    value is contiguous, and under vmap the same value may be a non-contiguous slice of a batched
+    tensor; ``BatchedViews`` computes such a view as ``reshape`` where one sample allows it.
     """
     if not isinstance(f, fx.GraphModule):
         return f
-    if not any(_view(n) or n.target is torch.ops.higher_order.cond or printed_in_place(n) for n in f.graph.nodes):
+    if not any(n.target is torch.ops.higher_order.cond or printed_in_place(n) for n in f.graph.nodes):
         return f
+    return _code_copy(f, select=True)
+
+
+def _code_copy(f: fx.GraphModule, select: bool = False) -> fx.GraphModule:
+    """A GraphModule running ``f``'s code without its guards (``select``: ``cond`` as ``select_cond``)."""
     graph = fx.Graph()
     out = graph.graph_copy(f.graph, {})
     graph.output(out)
-    for n in graph.nodes:
-        if _view(n):
-            n.target = "reshape"
-        elif n.target is torch.ops.higher_order.cond:
-            n.target = select_cond
+    if select:
+        for n in graph.nodes:
+            if n.target is torch.ops.higher_order.cond:
+                n.target = select_cond
     gm = fx.GraphModule(f, graph, class_name=f.__class__.__name__)
     gm.meta.update(getattr(f, "meta", {}))
     return gm
 
 
-def _view(node) -> bool:
-    return node.op == "call_method" and node.target == "view"
+_SHAPE_VIEWS: dict[Callable, Callable] = {torch.Tensor.view: torch.Tensor.reshape, torch.Tensor.view_as: torch.Tensor.reshape_as}
+
+
+class BatchedViews(TorchFunctionMode):
+    """While vmap's batched trace runs: a ``.view`` (``view_as``) its batched operand's layout
+    refuses is computed as ``.reshape`` (a copy), its nodes marked ``meta.RESHAPED_VIEW``.
+
+    A batched value's layout is not one sample's: PyTorch's batching rules lay results out as
+    suits the whole batch (``v.unsqueeze(1) * (A @ x)`` is transposed per sample under vmap,
+    contiguous in eager), so ``torch.func.vmap`` refuses views that a loop over samples runs.
+    Whether one sample allows the view is decided afterwards (``check_one_sample``): where eager
+    refuses it too, the transform refuses, naming the user's line. ``seen`` lists the user's
+    line of each view computed as ``reshape``."""
+
+    def __init__(self, where: Callable[[], str | None] | None = None):
+        super().__init__()
+        self.seen: list[str] = []
+        self.where = where  # the line being run, when a generated module is batched (NodeNamer)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reshape = _SHAPE_VIEWS.get(func)
+        if reshape is None or (func is torch.Tensor.view and _dtype_view(args, kwargs)):
+            return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, ValueError) as exc:
+            if not is_view_refusal(exc):
+                raise
+        line = (self.where() if self.where is not None else None) or current_user_line()
+        mode = proxy_tensor.get_innermost_proxy_mode()
+        graph = mode.tracer.graph if mode is not None else None
+        last = graph._root.prev if graph is not None else None
+        out = reshape(*args, **kwargs)
+        if graph is not None:
+            made = last.next
+            while made is not graph._root:
+                meta.RESHAPED_VIEW.set(made, line)
+                made = made.next
+        self.seen.append(line)
+        return out
+
+
+def _dtype_view(args, kwargs) -> bool:
+    dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+    return isinstance(dtype, torch.dtype)
+
+
+def _one_sample(args: tuple, in_dims) -> tuple:
+    """The first sample of vmap's batched arguments: each batched tensor indexed at 0 along its
+    batch dimension, in the layout eager gives that sample (a view of the argument)."""
+    from torch._functorch.vmap import _broadcast_to_and_flatten
+
+    flat, spec = pytree.tree_flatten(args)
+    dims = _broadcast_to_and_flatten(in_dims, spec) or [None] * len(flat)
+    return pytree.tree_unflatten([x.select(d, 0) if d is not None else x for x, d in zip(flat, dims)], spec)
+
+
+def check_one_sample(f, args: tuple, in_dims, seen: list[str], made_by: Transform) -> None:
+    """Refuse, naming the user's line, a batch whose one sample's ``.view`` eager PyTorch refuses.
+
+    Called when the batched trace computed views as ``reshape`` (``BatchedViews``, ``seen``: their
+    lines): ``f`` is traced again on the first sample, in its own layout, as eager runs it; a
+    generated module (whose ``.view`` calls rely on its example's layout) runs on a layout its code
+    cannot view as its guards run it, by the module built for that layout (``layout_variant``)."""
+    sample = _one_sample(args, in_dims)
+    namer = NodeNamer(_code_copy(f)) if isinstance(f, fx.GraphModule) else None
+    try:
+        capture(namer or f, sample, record_stack_traces=False, pre_dispatch=False)
+        return
+    except Exception as exc:  # noqa: BLE001 - re-raised naming the user's line
+        error = _view_cause(exc)
+    if namer is not None and is_view_refusal(error) and getattr(f, "layout_variant", None) is not None:
+        try:
+            f.layout_variant(sample)
+            return
+        except Exception as exc:  # noqa: BLE001 - the function itself cannot run on this layout
+            error = _view_cause(exc)
+    if is_view_refusal(error):
+        where = user_frame(error.__traceback__)
+        if namer is not None and namer.current is not None:
+            where = user_line_of(namer.current) or where
+        message = str(error).strip().splitlines()[0]
+        raise FxtoolsError(
+            f"{made_by} cannot batch {describe(f)}: the .view at {where or seen[0]} refuses one sample's layout, as eager "
+            f"PyTorch does ({message}). Use .reshape (a copy where the layout needs one), or .contiguous() before the .view"
+        ) from error
+    raise FxtoolsError(
+        f"{made_by} cannot batch {describe(f)}: the .view at {seen[0]} refuses the batched layout, and whether one "
+        f"sample's layout allows it could not be decided (tracing one sample failed: {type(error).__name__}: "
+        f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}). Use .reshape there"
+    ) from error
+
+
+def _view_cause(exc: BaseException) -> BaseException:
+    """``exc``, or the view refusal a capture raised it from (``capture.trace.view_refused``)."""
+    cause = exc.__cause__
+    return cause if isinstance(exc, FxtoolsError) and cause is not None and is_view_refusal(cause) else exc
+
+
+def refuse_writes_through_reshaped_views(gm: fx.GraphModule) -> None:
+    """A view computed as ``reshape`` (``BatchedViews``) is a copy where eager's is an alias: a
+    later in-place write to either would reach the other in eager and not here. Refused, naming
+    the view's line."""
+    copies: dict = {}
+    for node in gm.graph.nodes:
+        if is_reshaped_view(node):
+            for x in (node, *node.all_input_nodes):
+                val = x.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    copies.setdefault(StorageWeakRef(val.untyped_storage()), meta.RESHAPED_VIEW.get(node))
+            continue
+        if not copies or node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if not node.target._schema.is_mutable:
+            continue
+        for w in written_args(node.target, node.args, node.kwargs):
+            val = w.meta.get("val") if isinstance(w, fx.Node) else None
+            line = copies.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
+            if line is not None:
+                raise FxtoolsError(
+                    f"fxtools.vmap cannot batch a write in place ({user_line_of(node) or 'an unknown line'}) to a view that the "
+                    f"batched layout cannot view ({line}): computed as a copy, it would not share the write as eager's view "
+                    "does. Make the write before the .view, or write to a copy (.clone()) and read that"
+                )
+
+
+def reshape_views_as_reshape(gm: fx.GraphModule) -> None:
+    """A view computed as ``reshape`` traces as ``clone`` then ``view``: printed as the ``reshape`` it is."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if not (is_reshaped_view(node) and node.target in (aten.view.default, aten._unsafe_view.default)):
+            continue
+        copy = node.args[0]
+        if (
+            isinstance(copy, fx.Node)
+            and is_reshaped_view(copy)
+            and copy.target is aten.clone.default
+            and len(copy.users) == 1
+            and isinstance(copy.args[0], fx.Node)
+        ):
+            node.target = aten.reshape.default
+            node.args = (copy.args[0], *node.args[1:])
+            gm.graph.erase_node(copy)
+    gm.recompile()
 
 
 def select_cond(pred, true_fn, false_fn, operands):
@@ -114,11 +268,32 @@ def vmap(f, *args, in_dims=0, out_dims=0, randomness="error", chunk_size=None, d
         args = tuple(args)
     check_vmap_options(randomness, chunk_size)
     namer = NodeNamer(vmappable(f), getattr(f, "guards", None)) if isinstance(f, fx.GraphModule) else None
+    views = BatchedViews(where=(lambda: user_line_of(namer.current) if namer.current is not None else None) if namer else None)
+    per_sample = namer or f
+
+    def one_sample(*a, **kw):
+        with views:
+            return per_sample(*a, **kw)
+
     batched = torch.func.vmap(
-        namer or f, in_dims=_in_dims_for(in_dims, args), out_dims=out_dims, randomness=randomness, chunk_size=chunk_size
+        one_sample, in_dims=_in_dims_for(in_dims, args), out_dims=out_dims, randomness=randomness, chunk_size=chunk_size
     )
     chunks = n_chunks(f, in_dims, args, chunk_size) if randomness == "same" and chunk_size is not None else None
-    return trace_batched(batched, args, names_of=f, namer=namer, made_by=VMAP, dynamic_shapes=dynamic_shapes, same_draws=chunks)
+
+    def check_views() -> None:
+        if views.seen:
+            check_one_sample(f, args, _in_dims_for(in_dims, args), views.seen, VMAP)
+
+    return trace_batched(
+        batched,
+        args,
+        names_of=f,
+        namer=namer,
+        made_by=VMAP,
+        dynamic_shapes=dynamic_shapes,
+        same_draws=chunks,
+        check_views=check_views,
+    )
 
 
 def n_chunks(f, in_dims, args, chunk_size) -> int:
@@ -207,13 +382,30 @@ def _generated_line_of(node) -> str | None:
 
 
 def trace_batched(
-    fn, args, names_of=None, namer=None, made_by: Transform | None = None, dynamic_shapes=None, same_draws=None
+    fn,
+    args,
+    names_of=None,
+    namer=None,
+    made_by: Transform | None = None,
+    dynamic_shapes=None,
+    same_draws=None,
+    check_views: Callable[[], None] | None = None,
 ) -> fx.GraphModule:
     """Trace ``fn`` (which may call torch.func transforms) into a readable GraphModule.
 
-    ``same_draws``: the number of chunks of a ``randomness="same"`` vmap (see ``share_draws``)."""
+    ``same_draws``: the number of chunks of a ``randomness="same"`` vmap (see ``share_draws``).
+    ``check_views``: called once traced, before the graph is prepared (``vmap``: the views
+    ``BatchedViews`` computed as ``reshape`` must be views eager allows one sample)."""
     f = fn if names_of is None else names_of
     made_by = VMAP if made_by is None else made_by
+
+    def after_capture(gm: fx.GraphModule) -> None:
+        if namer is not None:
+            namer.apply(gm)
+        if check_views is not None:
+            check_views()
+        refuse_writes_through_reshaped_views(gm)
+
     try:
         # requires_grad_ allowed, as eager vmap allows it on unbatched tensors (copy.deepcopy(module))
         with custom.transform(VMAP), enable_inplace_requires_grad(True):
@@ -223,7 +415,7 @@ def trace_batched(
                 made_by=made_by,
                 dynamic_shapes=dynamic_shapes,
                 batched=True,
-                after_capture=namer.apply if namer is not None else None,
+                after_capture=after_capture,
             )
     except FxtoolsError:
         raise
@@ -255,6 +447,7 @@ def trace_batched(
         ) from exc
     if same_draws is not None:
         share_draws(cap.gm, same_draws)
+    reshape_views_as_reshape(cap.gm)
 
     def build(flat):
         return pytree.tree_unflatten(flat, cap.out_spec)

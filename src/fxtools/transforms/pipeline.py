@@ -40,7 +40,7 @@ from .. import rules  # noqa: F401  (registers fxtools' own rules)
 from ..capture.decompose import expand
 from ..capture.functionalize import functionalize
 from ..capture.nested import out_of_place_views
-from ..capture.trace import Captured, capture, check_supported, realize_constants
+from ..capture.trace import Captured, capture, check_supported, check_views, realize_constants
 from ..codegen.assemble import assemble
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
@@ -146,6 +146,7 @@ def _prepare_for_rules(cap: Captured, made_by: Transform, has_aux: bool) -> None
     control_flow.prepare(cap.gm)
     tangents.resolve(cap.gm)  # forward mode the program runs itself (torch.func.jvp in a loss)
     check_supported(cap.gm)
+    check_views(cap.gm)
 
 
 def _refuse_module_arguments(f, args: tuple, argnums: Sequence[int], made_by: Transform) -> None:
