@@ -617,10 +617,75 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
     """
     if not any(is_mutating(n) for n in gm.graph.nodes):
         return gm
+    _keep_view_copies_in_step(gm)
     _Functionalizer(gm).run()
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _keep_view_copies_in_step(gm: fx.GraphModule) -> None:
+    """Make in-place writes see through the copies that stand for views (``meta.VIEW_COPY``:
+    ``x[t]`` with a 0-dim tensor ``t``, ``narrow`` with a tensor start, computed by ``aten.index``
+    / ``index_select``), as they see through the views eager returns.
+
+    After each write into a copy's memory (``v.mul_(2)``, ``v[0] = 1``) the copy is put back into
+    its base (``index_put_`` / ``index_copy_``); after each write into the base's memory the copy,
+    when read later, is gathered again from the base (``copy_``). These are ordinary in-place ops,
+    rewritten below like the user's. A copy fxtools could not write back (``False``) is refused
+    instead, naming the write."""
+    copies = [n for n in gm.graph.nodes if meta.VIEW_COPY.on(n)]
+    if not copies or not any(is_mutating(n) for n in gm.graph.nodes):
+        return
+    storage = _closed_over_storages(gm)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    last_read: dict = {}
+    for n in gm.graph.nodes:
+        for a in n.all_input_nodes:
+            st = storage(_val(a))
+            if st is not None:
+                last_read[st] = max(last_read.get(st, -1), order[n])
+    b = _Builder(gm.graph)
+    live: list[tuple[fx.Node, object, object]] = []  # (copy, its storage, its base's storage)
+    for node in list(gm.graph.nodes):
+        if node in copies and isinstance(node.args[0], fx.Node):
+            live.append((node, storage(_val(node)), storage(_val(node.args[0]))))
+        if not is_mutating(node) or not live:
+            continue
+        b.before, b.trace = node.next, node.meta.get("stack_trace")
+        pending: list[tuple[fx.Node, tuple | None]] = [(node, None)]
+        while pending:
+            write, made = pending.pop(0)
+            written = {storage(_val(_arg_at(write, i))) for i in _written_args(write.target)} - {None}
+            for copy, st_copy, st_base in live:
+                if st_copy in written and made != ("gathered", copy):
+                    if not meta.VIEW_COPY.get(copy):
+                        raise _copy_not_written_back(node, copy)
+                    pending.append((_put_back(b, copy), ("put back", copy)))
+                if st_base in written and made != ("put back", copy) and last_read.get(st_copy, -1) > order[node]:
+                    if not meta.VIEW_COPY.get(copy):
+                        raise _copy_not_written_back(node, copy)
+                    again = b(copy.target, *copy.args, **copy.kwargs)
+                    pending.append((b(aten.copy_.default, copy, again), ("gathered", copy)))
+
+
+def _put_back(b: _Builder, copy: fx.Node) -> fx.Node:
+    """``copy``'s current value written into its base, where eager's view of it lives."""
+    if copy.target is aten.index_select.default:
+        base, dim, index = copy.args[:3]
+        return b(aten.index_copy_.default, base, dim, index, copy)
+    base, indices = copy.args[:2]
+    return b(aten.index_put_.default, base, indices, copy)
+
+
+def _copy_not_written_back(write: fx.Node, copy: fx.Node) -> InplaceError:
+    return _error(
+        write,
+        f"it writes into the result of indexing with a 0-dim tensor or of narrow with a tensor start "
+        f"(from {_where(copy)}), or into the tensor it indexes, while that result is still used; eager returns a view "
+        "there, which fxtools computes as a copy and cannot keep in step here (under vmap). Write with "
+        "index_put / index_copy, or clone the indexed value",
+    )
 
 
 class _Functionalizer:

@@ -105,6 +105,13 @@ ROLE: Key[str] = Key(
     "fxtools_role",
     "The rule's variable a value is named after (xhat, cdf): codegen/fold.py prints a small one inside its one user.",
 )
+VIEW_COPY: Key[bool] = Key(
+    "fxtools_view_copy",
+    "The node computes as a copy (aten.index / index_select) what eager returns as a view of its first "
+    "argument (x[t] with a 0-dim integer tensor t, torch.narrow with a tensor start): set by "
+    "capture/replacements.py; capture/functionalize.py keeps the copy and its base in step across in-place "
+    "writes (True), or refuses such writes (False: the copy could not be written back).",
+)
 NOTE: Key[str] = Key("fxtools_note", "What a value holds, for Split.report (a scan's value at every step).")
 
 # On a GraphModule
