@@ -211,14 +211,15 @@ def mark_view_copy(out, base) -> None:
     meta.VIEW_COPY.set(node, exact)
 
 
+def _int_index(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 0 and _integral(t) and t.dtype != torch.uint8
+
+
 def _traced_index(t) -> bool:
     """Whether ``t`` is a 0-dim integer tensor whose value the trace does not know: eager indexes
-    with it as with a Python int (``x[t]`` is ``x.select(0, t.item())``), which a trace cannot read."""
-    if not isinstance(t, torch.Tensor) or t.dim() != 0 or not _integral(t) or t.dtype == torch.uint8:
-        return False
-    if torch._C._functorch.is_functorch_wrapped_tensor(t):
-        return True
-    return isinstance(t, FakeTensor) and t.constant is None
+    with it as with a Python int (``x[t]`` is ``x.select(0, t.item())``), which a trace cannot read.
+    (One vmap batches, a torch.func wrapper, eager indexes with as with any tensor: a copy.)"""
+    return _int_index(t) and isinstance(t, FakeTensor) and t.constant is None
 
 
 def _selects(tensor, index):
@@ -229,6 +230,8 @@ def _selects(tensor, index):
     entries = index if isinstance(index, tuple) else (index,)
     if not any(_traced_index(e) for e in entries) or sum(e is Ellipsis for e in entries) > 1:
         return None
+    if any(_int_index(e) and torch._C._functorch.is_functorch_wrapped_tensor(e) for e in entries):
+        return None  # vmap's indexing (a batched index, as eager)
 
     def used(e) -> int:  # dimensions of ``tensor`` an entry indexes
         if e is None or e is Ellipsis or isinstance(e, bool):
@@ -246,6 +249,8 @@ def _selects(tensor, index):
         dim += tensor.dim() - sum(used(o) for o in entries) if e is Ellipsis else used(e)
     if dim > tensor.dim():
         return None  # too many indices: PyTorch's error
+    while rest and (rest[-1] is Ellipsis or (isinstance(rest[-1], slice) and rest[-1] == slice(None))):
+        rest.pop()  # x[:, t] is aten.index(x, [None, t]) alone
     return indices, tuple(rest)
 
 
