@@ -317,3 +317,27 @@ def test_narrow_with_a_batched_start_then_a_write_is_refused_not_wrong():
         torch.func.vmap(f)(xs, ts)  # eager cannot either
     with pytest.raises(fxtools.FxtoolsError, match="narrow with a tensor start"):
         fxtools.vmap(f, xs, ts)
+
+
+# --- a differentiated value written into an argument through a view, then read: the gradient
+# through the read was silently dropped (the read goes through the argument's placeholder)
+
+
+@pytest.mark.parametrize("index", ["0", "t"])
+def test_a_differentiated_write_into_an_argument_then_read_is_refused_not_wrong(index):
+    def f(w, buf, t):
+        buf[0 if index == "0" else t] = w * 2
+        return (buf * w).sum()
+
+    w, buf = r(4), r(5, 4, seed=1)
+    with pytest.raises(fxtools.FxtoolsError, match=r"test_heldout_idx.py:\d+: buf\[0 if index"):
+        fxtools.grad(f, w, buf, T(1))
+
+    def g(w, buf, t):  # written, never read again: the caller sees the write, the gradient is exact
+        buf[t] = w * 2
+        return (w * 3).sum()
+
+    gm = fxtools.grad(g, w, buf.clone(), T(1))
+    mine, theirs = buf.clone(), buf.clone()
+    close(gm(w, mine, T(2)), torch.func.grad(g)(w, theirs, T(2)))
+    close(mine, theirs)

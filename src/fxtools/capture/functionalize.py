@@ -719,6 +719,7 @@ class _Functionalizer:
                 raise _error(node, "internal error: a rewritten in-place op is still used")
             self.gm.graph.erase_node(node)
         if self.kept:
+            _mark_reads_after_writes(self.gm, self.kept, self.storage)
             _snapshot_reads(self.gm, self.kept, self.b, self.storage)
 
     def visit(self, node: fx.Node) -> None:
@@ -999,6 +1000,23 @@ def _keep(node, written, maybe_need, grad_enabled):
             "the modified value is used afterwards; its gradient would be that of the "
             "input, which fxtools cannot reproduce",
         )
+
+
+def _mark_reads_after_writes(gm: fx.GraphModule, kept: list, _storage) -> None:
+    """Record on each kept in-place op the later nodes reading the memory it writes
+    (``meta.READ_AFTER_WRITE``): a read of the written input goes through its placeholder, so the
+    graph alone does not say that the write reaches what the read computes."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    for node in kept:
+        written = {_storage(_val(_arg_at(node, i))) for i in _written_args(node.target)} - {None}
+        readers = tuple(
+            n
+            for n in nodes[position[node] + 1 :]
+            if any(_storage(_val(a)) in written for a in n.all_input_nodes) and n not in kept
+        )
+        if readers:
+            meta.READ_AFTER_WRITE.set(node, readers)
 
 
 def _snapshot_reads(gm: fx.GraphModule, kept: list, b: _Builder, _storage) -> None:

@@ -337,7 +337,8 @@ def setitem(tensor, index, value):
         else:
             if _shares_memory(value, tensor):
                 value = value.clone()  # eager copies from the old values
-            value = value.to(dtype=tensor.dtype, device=tensor.device)
+            if value.dtype != tensor.dtype or value.device != tensor.device:
+                value = value.to(dtype=tensor.dtype, device=tensor.device)
             lead = value.dim() - (tensor.dim() - len([i for i in indices if i is not None]))
             while lead > 0 and value.shape[0] == 1:  # eager drops leading 1s of the value's shape
                 value, lead = value.squeeze(0), lead - 1
