@@ -12,6 +12,8 @@ The captured (pre-dispatch, not functionalised) graph may contain mutating ATen 
   ``transpose`` -> transpose back, ...), and every later use of any alias of that base (the base
   itself, views taken before the mutation) reads a view regenerated from the new base.
   Aliasing is read off the FakeTensors of the trace: two values alias when they share storage.
+  A copy standing for a view (``meta.VIEW_COPY``: ``x[t]`` with a 0-dim tensor ``t``) is first
+  kept in step with its base by explicit in-place writes (``_keep_view_copies_in_step``).
 - A mutation of a graph input or of a tensor the function closes over (a module's buffers, such
   as BatchNorm's ``num_batches_tracked``) stays in place, so the caller sees it exactly as in
   eager mode. Such a mutation must not take part in differentiation: if it does (it writes a

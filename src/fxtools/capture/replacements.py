@@ -2,7 +2,8 @@
 
 A few PyTorch functions read the *values* of their tensor arguments on the host before
 computing: ``F.gaussian_nll_loss`` raises if ``torch.any(var < 0)``, ``torch.cov`` checks its
-weights in C++, ``torch.narrow`` reads a tensor ``start`` with ``.item()``. fxtools traces with
+weights in C++, ``torch.narrow`` reads a tensor ``start`` with ``.item()``, and so does indexing
+with a 0-dim integer tensor (``x[t]`` is ``x.select(0, t.item())``). fxtools traces with
 FakeTensors, which have no values, so such a call could not be captured at all.
 
 While fxtools captures, a ``TorchFunctionMode`` sends each function of ``REPLACEMENTS`` to a
@@ -39,7 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..errors import FXTOOLS_DIR, FxtoolsError, current_user_line, is_user_file, user_line_of
+from ..errors import FXTOOLS_DIR, FxtoolsError, current_user_line, is_user_file
 from ..graph import meta
 from .autograd_grad import grad_in_trace
 from .nested import capturing_program
