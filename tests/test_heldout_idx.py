@@ -341,3 +341,36 @@ def test_a_differentiated_write_into_an_argument_then_read_is_refused_not_wrong(
     mine, theirs = buf.clone(), buf.clone()
     close(gm(w, mine, T(2)), torch.func.grad(g)(w, theirs, T(2)))
     close(mine, theirs)
+
+
+def test_a_buffer_written_at_a_tensor_position_as_eager_writes_it():
+    """A cache updated at a position given as a tensor (``cache[pos] = k``), read at another."""
+
+    class Cache(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(6, 3, dtype=D))
+
+        def forward(self, x, pos):
+            self.cache[pos] = x.detach() * 2
+            row = self.cache[pos - 1]
+            self.cache[:, 0] += 1
+            return (self.cache * x).sum() + (row * x).sum()
+
+    mine, theirs, x = Cache(), Cache(), r(3)
+    gm = fxtools.grad(lambda x, pos: mine(x, pos), x, T(2))
+    for pos in (2, 4, -1, 0):
+        xr = x.clone().requires_grad_()
+        (want,) = torch.autograd.grad(theirs(xr, T(pos)), xr)
+        close(gm(x, T(pos)), want)
+        close(mine.cache, theirs.cache)
+
+
+def test_hessian_of_indexing_at_other_indices():
+    def f(x, t):
+        return (x[t] ** 3).sum() * x[:, t].sin().sum()
+
+    x = r(4, 4)
+    h = fxtools.hessian(f, x, T(1))
+    for t in (1, -1, 3):
+        close(h(x, T(t)), torch.func.hessian(f)(x, T(t)))
