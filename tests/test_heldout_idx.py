@@ -197,6 +197,10 @@ def _views(kind):
             v2 = v1.narrow(0, t, 2)
             v2.add_(1)
             v = y * v1.sum()
+        elif kind == "copy of a copy, then write base":
+            v2 = y[t].narrow(0, t, 2)
+            y.mul_(3)
+            v = v2
         elif kind == "base is a view":
             z = y[1:]
             v = z[t]
@@ -220,6 +224,7 @@ VIEWS = [
     "narrow, write a view of it",
     "two copies of one base",
     "copy of a copy",
+    "copy of a copy, then write base",
     "base is a view",
     "write, then read the copy again",
 ]

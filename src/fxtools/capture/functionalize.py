@@ -647,6 +647,9 @@ def _keep_view_copies_in_step(gm: fx.GraphModule) -> None:
             st = storage(_val(a))
             if st is not None:
                 last_read[st] = max(last_read.get(st, -1), order[n])
+    for copy in reversed(copies):  # a copy read later through a copy of it is read later too
+        st_copy, st_base = storage(_val(copy)), storage(_val(copy.args[0]))
+        last_read[st_base] = max(last_read.get(st_base, -1), last_read.get(st_copy, -1))
     b = _Builder(gm.graph)
     live: list[tuple[fx.Node, object, object]] = []  # (copy, its storage, its base's storage)
     for node in list(gm.graph.nodes):
