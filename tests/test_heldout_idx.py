@@ -379,3 +379,22 @@ def test_hessian_of_indexing_at_other_indices():
     h = fxtools.hessian(f, x, T(1))
     for t in (1, -1, 3):
         close(h(x, T(t)), torch.func.hessian(f)(x, T(t)))
+
+
+def test_the_aten_graphs_a_compiler_gets_keep_the_index_a_tensor():
+    """The printed code says ``x[:, t]``; the graph keeps ``aten.index``, which a compiler's ATen
+    form (traced on FakeTensors) can run where ``x[:, t]`` would read ``t`` as a number."""
+
+    def f(x, t):
+        y = x * 1
+        y[t] = y[t - 1] * 2
+        return (y[:, t] * x[t]).sum()
+
+    graphs = []
+    compiled = fxtools.compile(f, r(4, 4), T(1), compiler=lambda gm, example: graphs.append(gm) or gm)
+    assert graphs and all("aten.index" in g.code for g in graphs)
+    for t in (1, -1, 2):
+        mine, theirs = r(4, 4).requires_grad_(), r(4, 4).requires_grad_()
+        compiled(mine, T(t)).backward()
+        f(theirs, T(t)).backward()
+        close(mine.grad, theirs.grad)

@@ -129,7 +129,20 @@ def _statement(node: fx.Node, pieces: list[str], unpacked: dict) -> str:
         text = _pep8_keywords(text)
     if node.target is operator.getitem and isinstance(node.args[1], tuple):
         text = _subscript_slices(text)
+    if node.target is torch.ops.aten.index.Tensor:
+        text = _INDEX.sub(_index_as_subscript, text)
     return text
+
+
+_INDEX = re.compile(r"torch\.ops\.aten\.index\.Tensor\((\w+), \[(\w+(?:, \w+)*)\]\)$")
+
+
+def _index_as_subscript(m: re.Match) -> str:
+    """``torch.ops.aten.index.Tensor(x, [None, t])`` as ``x[:, t]``: the same values (PyTorch's
+    ``x[:, t]`` with a 0-dim ``t`` selects a view where ``aten.index`` copies; the code never writes
+    into it). The graph keeps ``aten.index``, which never reads ``t`` as a number."""
+    entries = [":" if e == "None" else e for e in m.group(2).split(", ")]
+    return f"{m.group(1)}[{', '.join(entries)}]"
 
 
 _FULL_SLICE = "slice(None, None, None)"

@@ -485,6 +485,13 @@ def _layer_norms_without_statistics(gm: fx.GraphModule) -> None:
         new.name = name  # the erased part's name: unique, and still reserved in the namespace
 
 
+def _number_like(index) -> bool:
+    """A 0-dim integer index tensor: PyTorch's ``x[t]`` reads it as a number (``t.item()``), which a
+    graph interpreted on FakeTensors (``fxtools.to_aten``) cannot; ``aten.index`` never reads it."""
+    val = index.meta.get("val") if isinstance(index, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype not in (torch.bool, torch.uint8)
+
+
 def _as_subscript(node: fx.Node) -> bool:
     """``aten.index(x, [mask])`` -> ``x[mask]``, ``aten.index(x, [i, j])`` -> ``x[i, j]``,
     ``aten.index(x, [None, t])`` -> ``x[:, t]``: advanced indexing is what a subscript spells
@@ -496,6 +503,8 @@ def _as_subscript(node: fx.Node) -> bool:
         return False
     if not any(isinstance(i, fx.Node) for i in indices):
         return False
+    if any(_number_like(i) for i in indices):
+        return False  # a 0-dim integer index: printed as a subscript, kept aten.index (codegen/pycode.py)
     node.target = operator.getitem
     entries = tuple(slice(None) if i is None else i for i in indices)
     node.args = (x, entries[0] if len(entries) == 1 else entries)
