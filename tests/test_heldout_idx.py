@@ -338,8 +338,11 @@ def test_a_differentiated_write_into_an_argument_then_read_is_refused_not_wrong(
     with pytest.raises(fxtools.FxtoolsError, match=r"test_heldout_idx.py:\d+: buf\[0 if index"):
         fxtools.grad(f, w, buf, T(1))
 
-    def g(w, buf, t):  # written, never read again: the caller sees the write, the gradient is exact
-        buf[t] = w * 2
+    def g(w, buf, t):  # the caller sees the write, and the gradient is exact:
+        if index == "0":  # read again only through .detach(), which takes no gradient
+            buf[0] = w * 3
+            return (w * buf.detach()).sum()
+        buf[t] = w * 2  # never read again
         return (w * 3).sum()
 
     gm = fxtools.grad(g, w, buf.clone(), T(1))

@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..errors import FxtoolsError, user_line_of
 from ..graph import meta
 from ..graph.nodes import fake_mode_of, is_float
-from ..registry import Rule, differentiable_nodes
+from ..registry import Rule, differentiable_nodes, is_nondifferentiable
 
 aten = torch.ops.aten
 
@@ -1018,7 +1018,9 @@ def _mark_reads_after_writes(gm: fx.GraphModule, kept: list, _storage) -> None:
         readers = tuple(
             n
             for n in nodes[position[node] + 1 :]
-            if any(_storage(_val(a)) in written for a in n.all_input_nodes) and n not in kept
+            if n not in kept
+            and not (n.op == "call_function" and is_nondifferentiable(n.target))  # buf.detach()
+            and any(_storage(_val(a)) in written and _detached_input(a) is None for a in n.all_input_nodes)
         )
         if readers:
             meta.READ_AFTER_WRITE.set(node, readers)
