@@ -12,6 +12,8 @@ The captured (pre-dispatch, not functionalised) graph may contain mutating ATen 
   ``transpose`` -> transpose back, ...), and every later use of any alias of that base (the base
   itself, views taken before the mutation) reads a view regenerated from the new base.
   Aliasing is read off the FakeTensors of the trace: two values alias when they share storage.
+  A copy standing for a view (``meta.VIEW_COPY``: ``x[t]`` with a 0-dim tensor ``t``) is first
+  kept in step with its base by explicit in-place writes (``_keep_view_copies_in_step``).
 - A mutation of a graph input or of a tensor the function closes over (a module's buffers, such
   as BatchNorm's ``num_batches_tracked``) stays in place, so the caller sees it exactly as in
   eager mode. Such a mutation must not take part in differentiation: if it does (it writes a
@@ -39,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..errors import FxtoolsError, user_line_of
 from ..graph import meta
 from ..graph.nodes import fake_mode_of, is_float
-from ..registry import Rule, differentiable_nodes
+from ..registry import Rule, differentiable_nodes, is_nondifferentiable
 
 aten = torch.ops.aten
 
@@ -617,10 +619,78 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
     """
     if not any(is_mutating(n) for n in gm.graph.nodes):
         return gm
+    _keep_view_copies_in_step(gm)
     _Functionalizer(gm).run()
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _keep_view_copies_in_step(gm: fx.GraphModule) -> None:
+    """Make in-place writes see through the copies that stand for views (``meta.VIEW_COPY``:
+    ``x[t]`` with a 0-dim tensor ``t``, ``narrow`` with a tensor start, computed by ``aten.index``
+    / ``index_select``), as they see through the views eager returns.
+
+    After each write into a copy's memory (``v.mul_(2)``, ``v[0] = 1``) the copy is put back into
+    its base (``index_put_`` / ``index_copy_``); after each write into the base's memory the copy,
+    when read later, is gathered again from the base (``copy_``). These are ordinary in-place ops,
+    rewritten below like the user's. A copy fxtools could not write back (``False``) is refused
+    instead, naming the write."""
+    copies = [n for n in gm.graph.nodes if meta.VIEW_COPY.on(n)]
+    if not copies or not any(is_mutating(n) for n in gm.graph.nodes):
+        return
+    storage = _closed_over_storages(gm)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    last_read: dict = {}
+    for n in gm.graph.nodes:
+        for a in n.all_input_nodes:
+            st = storage(_val(a))
+            if st is not None:
+                last_read[st] = max(last_read.get(st, -1), order[n])
+    for copy in reversed(copies):  # a copy read later through a copy of it is read later too
+        st_copy, st_base = storage(_val(copy)), storage(_val(copy.args[0]))
+        last_read[st_base] = max(last_read.get(st_base, -1), last_read.get(st_copy, -1))
+    b = _Builder(gm.graph)
+    live: list[tuple[fx.Node, object, object]] = []  # (copy, its storage, its base's storage)
+    for node in list(gm.graph.nodes):
+        if node in copies and isinstance(node.args[0], fx.Node):
+            live.append((node, storage(_val(node)), storage(_val(node.args[0]))))
+        if not is_mutating(node) or not live:
+            continue
+        b.before, b.trace = node.next, node.meta.get("stack_trace")
+        pending: list[tuple[fx.Node, tuple | None]] = [(node, None)]
+        while pending:
+            write, made = pending.pop(0)
+            written = {storage(_val(_arg_at(write, i))) for i in _written_args(write.target)} - {None}
+            for copy, st_copy, st_base in live:
+                if st_copy in written and made != ("gathered", copy):
+                    if not meta.VIEW_COPY.get(copy):
+                        raise _copy_not_written_back(node, copy)
+                    pending.append((_put_back(b, copy), ("put back", copy)))
+                if st_base in written and made != ("put back", copy) and last_read.get(st_copy, -1) > order[node]:
+                    if not meta.VIEW_COPY.get(copy):
+                        raise _copy_not_written_back(node, copy)
+                    again = b(copy.target, *copy.args, **copy.kwargs)
+                    pending.append((b(aten.copy_.default, copy, again), ("gathered", copy)))
+
+
+def _put_back(b: _Builder, copy: fx.Node) -> fx.Node:
+    """``copy``'s current value written into its base, where eager's view of it lives."""
+    if copy.target is aten.index_select.default:
+        base, dim, index = copy.args[:3]
+        return b(aten.index_copy_.default, base, dim, index, copy)
+    base, indices = copy.args[:2]
+    return b(aten.index_put_.default, base, indices, copy)
+
+
+def _copy_not_written_back(write: fx.Node, copy: fx.Node) -> InplaceError:
+    return _error(
+        write,
+        f"it writes into the result of indexing with a 0-dim tensor or of narrow with a tensor start "
+        f"(from {_where(copy)}), or into the tensor it indexes, while that result is still used; eager returns a view "
+        "there, which fxtools computes as a copy and cannot keep in step here (under vmap). Write with "
+        "index_put / index_copy, or clone the indexed value",
+    )
 
 
 class _Functionalizer:
@@ -654,6 +724,7 @@ class _Functionalizer:
                 raise _error(node, "internal error: a rewritten in-place op is still used")
             self.gm.graph.erase_node(node)
         if self.kept:
+            _mark_reads_after_writes(self.gm, self.kept, self.storage)
             _snapshot_reads(self.gm, self.kept, self.b, self.storage)
 
     def visit(self, node: fx.Node) -> None:
@@ -934,6 +1005,25 @@ def _keep(node, written, maybe_need, grad_enabled):
             "the modified value is used afterwards; its gradient would be that of the "
             "input, which fxtools cannot reproduce",
         )
+
+
+def _mark_reads_after_writes(gm: fx.GraphModule, kept: list, _storage) -> None:
+    """Record on each kept in-place op the later nodes reading the memory it writes
+    (``meta.READ_AFTER_WRITE``): a read of the written input goes through its placeholder, so the
+    graph alone does not say that the write reaches what the read computes."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    for node in kept:
+        written = {_storage(_val(_arg_at(node, i))) for i in _written_args(node.target)} - {None}
+        readers = tuple(
+            n
+            for n in nodes[position[node] + 1 :]
+            if n not in kept
+            and not (n.op == "call_function" and is_nondifferentiable(n.target))  # buf.detach()
+            and any(_storage(_val(a)) in written and _detached_input(a) is None for a in n.all_input_nodes)
+        )
+        if readers:
+            meta.READ_AFTER_WRITE.set(node, readers)
 
 
 def _snapshot_reads(gm: fx.GraphModule, kept: list, b: _Builder, _storage) -> None:

@@ -2,7 +2,8 @@
 
 A few PyTorch functions read the *values* of their tensor arguments on the host before
 computing: ``F.gaussian_nll_loss`` raises if ``torch.any(var < 0)``, ``torch.cov`` checks its
-weights in C++, ``torch.narrow`` reads a tensor ``start`` with ``.item()``. fxtools traces with
+weights in C++, ``torch.narrow`` reads a tensor ``start`` with ``.item()``, and so does indexing
+with a 0-dim integer tensor (``x[t]`` is ``x.select(0, t.item())``). fxtools traces with
 FakeTensors, which have no values, so such a call could not be captured at all.
 
 While fxtools captures, a ``TorchFunctionMode`` sends each function of ``REPLACEMENTS`` to a
@@ -24,7 +25,6 @@ would escape the trace: ``.data`` (read as ``detach()``, assignment refused) and
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 import sys
 import types
@@ -40,7 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..errors import FXTOOLS_DIR, FxtoolsError, current_user_line, is_user_file, user_line_of
+from ..errors import FXTOOLS_DIR, FxtoolsError, current_user_line, is_user_file
 from ..graph import meta
 from .autograd_grad import grad_in_trace
 from .nested import capturing_program
@@ -166,8 +166,9 @@ def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"
 def narrow(input, dim, start, length):
     """``torch.narrow`` with a 0-dim tensor ``start``, as an ``index_select`` of
     ``arange(length) + start``: the start is never read while tracing. Out-of-range starts still
-    raise (in ``index_select``). Unlike ``narrow`` the result is a copy, not a view, so writing into
-    it is refused (``check_no_writes``)."""
+    raise (in ``index_select``). Unlike ``narrow`` the result is a copy, not a view: it is marked
+    (``mark_view_copy``) so that in-place writes into it reach ``input`` and writes into ``input``
+    reach it, as in eager (``capture/functionalize.py``)."""
     if not isinstance(start, torch.Tensor):
         return NotImplemented
     if start.dim() != 0 or not _integral(start):
@@ -177,10 +178,105 @@ def narrow(input, dim, start, length):
     start = torch.where(start < 0, start + size, start)
     index = torch.arange(length, device=input.device) + (start if start.device == input.device else start.to(input.device))
     out = input.index_select(dim, index)
-    copies = _COPIES_OF_VIEWS.get()
-    if copies is not None:
-        copies.append(StorageWeakRef(out.untyped_storage()))
+    mark_view_copy(out, input)
     return out
+
+
+def _unwrapped(t):
+    """The tensor the trace records for ``t``: below any torch.func wrappers (vmap's batched tensors)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def mark_view_copy(out, base) -> None:
+    """Mark the node computing ``out``, a copy standing for a view of ``base`` (``meta.VIEW_COPY``):
+    True when it is one ``aten.index`` / ``index_select`` of ``base``, which functionalize can
+    redo and write back; False otherwise (under ``vmap``, where the batching rule adds steps), so
+    that writes through it or into its base are refused instead."""
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    if mode is None:
+        return
+    try:
+        node = proxy_tensor.get_proxy_slot(_unwrapped(out), mode.tracer).proxy.node
+    except Exception:  # noqa: BLE001 - not a traced value: nothing to keep in step
+        return
+    try:
+        base_node = proxy_tensor.get_proxy_slot(_unwrapped(base), mode.tracer).proxy.node
+    except Exception:  # noqa: BLE001 - a constant base
+        base_node = None
+    gathers = (torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default)
+    exact = node.target in gathers and base_node is not None and node.args[0] is base_node
+    meta.VIEW_COPY.set(node, exact)
+
+
+def _int_index(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 0 and _integral(t) and t.dtype != torch.uint8
+
+
+def _traced_index(t) -> bool:
+    """Whether ``t`` is a 0-dim integer tensor whose value the trace does not know: eager indexes
+    with it as with a Python int (``x[t]`` is ``x.select(0, t.item())``), which a trace cannot read.
+    (One vmap batches, a torch.func wrapper, eager indexes with as with any tensor: a copy.)"""
+    return _int_index(t) and isinstance(t, FakeTensor) and t.constant is None
+
+
+def _selects(tensor, index):
+    """``(indices, rest)`` for ``tensor[index]`` when ``index`` holds 0-dim integer tensors the trace
+    cannot read (else None): ``indices``, the ``aten.index`` argument selecting each at the dimension
+    of ``tensor`` it indexes, and ``rest``, the index without them, to apply to the result. Eager
+    selects at each integer in turn, so ``tensor[index] == aten.index(tensor, indices)[rest]``."""
+    entries = index if isinstance(index, tuple) else (index,)
+    if not any(_traced_index(e) for e in entries) or sum(e is Ellipsis for e in entries) > 1:
+        return None
+    if any(_int_index(e) and torch._C._functorch.is_functorch_wrapped_tensor(e) for e in entries):
+        return None  # vmap's indexing (a batched index, as eager)
+
+    def used(e) -> int:  # dimensions of ``tensor`` an entry indexes
+        if e is None or e is Ellipsis or isinstance(e, bool):
+            return 0
+        if isinstance(e, torch.Tensor) and e.dtype in (torch.bool, torch.uint8):
+            return e.dim()
+        return 1
+
+    dim, indices, rest = 0, [], []
+    for e in entries:
+        if _traced_index(e):
+            indices += [None] * (dim - len(indices)) + [e if e.dtype in (torch.int64, torch.int32) else e.long()]
+        else:
+            rest.append(e)
+        dim += tensor.dim() - sum(used(o) for o in entries) if e is Ellipsis else used(e)
+    if dim > tensor.dim():
+        return None  # too many indices: PyTorch's error
+    while rest and (rest[-1] is Ellipsis or (isinstance(rest[-1], slice) and rest[-1] == slice(None))):
+        rest.pop()  # x[:, t] is aten.index(x, [None, t]) alone
+    return indices, tuple(rest)
+
+
+def getitem(tensor, index):
+    """``x[t]``, ``x[:, t]``, ``x[t, 1:]`` with ``t`` a 0-dim integer tensor the trace cannot read:
+    ``aten.index`` at the dimensions such tensors select (exact for every value of ``t``; a
+    negative one counts from the end, an out-of-range one raises ``IndexError`` as in eager),
+    then the rest of the index. Eager's result is a view of ``x``; this one is a copy, marked
+    (``mark_view_copy``) so that writes into either reach the other."""
+    found = _selects(tensor, index)
+    if found is None:
+        return NotImplemented
+    indices, rest = found
+    out = torch.ops.aten.index.Tensor(tensor, indices)
+    mark_view_copy(out, tensor)
+    return out[rest] if rest else out
+
+
+def select(input, dim, index):
+    """``torch.select(x, dim, t)`` with a 0-dim integer tensor ``t``: ``x[..., t]`` at ``dim`` (``getitem``)."""
+    if not _traced_index(index):
+        return NotImplemented
+    if not -input.dim() <= dim < input.dim():
+        return NotImplemented
+    return getitem(input, (slice(None),) * (dim % input.dim()) + (index,))
 
 
 def lstsq(A, B, rcond=None, *, driver=None):
@@ -224,7 +320,31 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reducti
 
 def setitem(tensor, index, value):
     """``y[mask] = v`` with a 0-dimensional boolean ``mask``: all of ``y`` or nothing, which eager
-    decides from the mask's value (a data-dependent shape); here ``y.copy_(torch.where(mask, v, y))``."""
+    decides from the mask's value (a data-dependent shape); here ``y.copy_(torch.where(mask, v, y))``.
+
+    ``y[t] = v``, ``y[:, t] = v`` with ``t`` a 0-dim integer tensor the trace cannot read (eager
+    writes into ``y.select(dim, t.item())``): ``y.index_put_`` at the dimensions such tensors select,
+    exact for every value of ``t``; with more of an index after them (``y[t, 1:] = v``) the rest is
+    assigned into a copy of ``y[t]`` first, which is then put back."""
+    found = _selects(tensor, index)
+    if found is not None:
+        indices, rest = found
+        if rest:
+            part = torch.ops.aten.index.Tensor(tensor, indices)
+            part[rest] = value
+            value = part
+        elif not isinstance(value, torch.Tensor):
+            value = tensor.new_full((), value)
+        else:
+            if _shares_memory(value, tensor):
+                value = value.clone()  # eager copies from the old values
+            if value.dtype != tensor.dtype or value.device != tensor.device:
+                value = value.to(dtype=tensor.dtype, device=tensor.device)
+            lead = value.dim() - (tensor.dim() - len([i for i in indices if i is not None]))
+            while lead > 0 and value.shape[0] == 1:  # eager drops leading 1s of the value's shape
+                value, lead = value.squeeze(0), lead - 1
+        torch.ops.aten.index_put_.default(tensor, indices, value)
+        return None
     mask = index[0] if isinstance(index, tuple) and len(index) == 1 else index
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 0 and mask.dtype == torch.bool):
         return NotImplemented
@@ -233,6 +353,13 @@ def setitem(tensor, index, value):
     new = torch.where(mask, value, tensor)
     tensor.copy_(new.to(tensor.dtype) if new.dtype != tensor.dtype else new)
     return None
+
+
+def _shares_memory(a, b) -> bool:
+    try:
+        return StorageWeakRef(_unwrapped(a).untyped_storage()) == StorageWeakRef(_unwrapped(b).untyped_storage())
+    except Exception:  # noqa: BLE001 - no storage (a batched or sparse value): copy to be safe
+        return True
 
 
 def numpy(tensor, *args, **kwargs):
@@ -311,6 +438,9 @@ REPLACEMENTS: dict[Any, Callable[..., Any]] = {
     torch.Tensor.backward: _autograd_call(".backward()"),
     torch.Tensor.numpy: numpy,
     torch.Tensor.__setitem__: setitem,
+    torch.Tensor.__getitem__: getitem,
+    torch.select: select,
+    torch.Tensor.select: select,
     F.ctc_loss: ctc_loss,
     torch.linalg.lstsq: lstsq,
     torch.cov: cov,
@@ -322,9 +452,6 @@ REPLACEMENTS: dict[Any, Callable[..., Any]] = {
     torch.Tensor.narrow: narrow,
     torch.ops.aten.size.default: _size,
 }
-
-# the active Replacing's list of storages of replacement results that stand for views
-_COPIES_OF_VIEWS: contextvars.ContextVar[list | None] = contextvars.ContextVar("fxtools_copies_of_views", default=None)
 
 
 def _cumulative_batch_norm(self, input):
@@ -588,12 +715,7 @@ def refuse_compressed_sparse(func, args, kwargs) -> None:
 class Replacing(TorchFunctionMode):
     """Calls the replacement of each function in ``REPLACEMENTS`` and of each attribute access in
     ``ATTRIBUTES`` (active while capturing), and records the generator-state calls
-    (``recording_rng_state``). ``copies_of_views``: the storages of its replacements' results that
-    stand for views (``narrow`` with a tensor start), for ``check_no_writes`` after the trace."""
-
-    def __init__(self):
-        super().__init__()
-        self.copies_of_views: list = []
+    (``recording_rng_state``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -606,8 +728,6 @@ class Replacing(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def __enter__(self):
-        self.copies_of_views.clear()
-        self._copies = _COPIES_OF_VIEWS.set(self.copies_of_views)
         self._batch_norm = torch.nn.modules.batchnorm._BatchNorm.forward  # restored as found (nested captures)
         torch.nn.modules.batchnorm._BatchNorm.forward = _batch_norm_forward  # type: ignore[method-assign]  # patched while tracing
         self._rng = recording_rng_state()
@@ -616,31 +736,7 @@ class Replacing(TorchFunctionMode):
 
     def __exit__(self, *exc):
         torch.nn.modules.batchnorm._BatchNorm.forward = self._batch_norm  # type: ignore[method-assign]  # restored
-        _COPIES_OF_VIEWS.reset(self._copies)
         try:
             return super().__exit__(*exc)
         finally:
             self._rng.__exit__(*exc)
-
-
-def check_no_writes(gm: fx.GraphModule, copies_of_views: list) -> None:
-    """Refuse in-place writes into a replacement's copy of what PyTorch returns as a view
-    (``Replacing.copies_of_views``): the write would not reach the viewed tensor as it does in
-    eager mode."""
-    copies = set(copies_of_views)
-    if not copies:
-        return
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        for i, a in enumerate(node.target._schema.arguments):
-            if a.alias_info is None or not a.alias_info.is_write or i >= len(node.args):
-                continue
-            val = node.args[i].meta.get("val") if isinstance(node.args[i], fx.Node) else None
-            if isinstance(val, torch.Tensor) and StorageWeakRef(val.untyped_storage()) in copies:
-                raise FxtoolsError(
-                    f"{node.target} (at {user_line_of(node) or 'an unknown line of user code'}) writes into "
-                    "the result of torch.narrow with a tensor start, which fxtools computes as a copy "
-                    "(index_select), not a view: the write would not reach the narrowed tensor. Write "
-                    "with index_copy / index_put instead."
-                )

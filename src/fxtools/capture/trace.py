@@ -49,7 +49,7 @@ from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing,
 from .layout_reads import LayoutReads, constants_read_as_values
 from .layout_reads import facts as layout_facts
 from .names import module_paths, name_values, outer_frames, recording_modules
-from .replacements import Replacing, check_no_writes
+from .replacements import Replacing
 from .subclasses import DTensorInside, dtensor_functions, is_mesh, refuse_subclass_arguments
 
 
@@ -645,7 +645,6 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
         fake_args, symbolic = fake_arguments(f, tuple(args), dynamic_shapes)
         tensors = [x for x in pytree.tree_leaves(fake_args) if isinstance(x, torch.Tensor)]
     gm = _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch)
-    check_no_writes(gm, replacing.copies_of_views)
     reads = _tidy(gm, f, [n for n, t in zip(names, is_tensor) if t], reads, outer)
     reads = with_value_reads(reads, constants_read_as_values(layout.values, gm))
     arg_of_leaf = [p[0].idx if p else 0 for p in paths]

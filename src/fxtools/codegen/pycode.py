@@ -127,7 +127,39 @@ def _statement(node: fx.Node, pieces: list[str], unpacked: dict) -> str:
         text = f"{targets} = " + text[len(node.name) + 3 :]
     if node.op in ("call_function", "call_method", "call_module"):
         text = _pep8_keywords(text)
+    if node.target is operator.getitem and isinstance(node.args[1], tuple):
+        text = _subscript_slices(text)
+    if node.target is torch.ops.aten.index.Tensor:
+        text = _INDEX.sub(_index_as_subscript, text)
     return text
+
+
+_INDEX = re.compile(r"torch\.ops\.aten\.index\.Tensor\((\w+), \[(\w+(?:, \w+)*)\]\)$")
+
+
+def _index_as_subscript(m: re.Match) -> str:
+    """``torch.ops.aten.index.Tensor(x, [None, t])`` as ``x[:, t]``: the same values (PyTorch's
+    ``x[:, t]`` with a 0-dim ``t`` selects a view where ``aten.index`` copies; the code never writes
+    into it). The graph keeps ``aten.index``, which never reads ``t`` as a number."""
+    entries = [":" if e == "None" else e for e in m.group(2).split(", ")]
+    return f"{m.group(1)}[{', '.join(entries)}]"
+
+
+_FULL_SLICE = "slice(None, None, None)"
+
+
+def _subscript_slices(text: str) -> str:
+    """fx's ``x[(slice(None, None, None), t)]`` as Python writes it, ``x[:, t]`` (entries that are
+    full slices or names only; anything else is left as fx wrote it)."""
+    body = text.rstrip()
+    start = body.find("[(")
+    if start < 0 or not body.endswith(")]"):
+        return text
+    entries = [e.strip() for e in body[start + 2 : -2].replace(_FULL_SLICE, ":").split(",")]
+    entries = [e for e in entries if e]
+    if not all(e == ":" or e.isidentifier() for e in entries):
+        return text
+    return body[:start] + "[" + ", ".join(entries) + "]" + text[len(body) :]
 
 
 def _multi_output_nodes(nodes) -> dict[fx.Node, dict[int, fx.Node]]:

@@ -528,14 +528,27 @@ def _layer_norms_without_statistics(gm: fx.GraphModule) -> None:
         new.name = name  # the erased part's name: unique, and still reserved in the namespace
 
 
+def _number_like(index) -> bool:
+    """A 0-dim integer index tensor: PyTorch's ``x[t]`` reads it as a number (``t.item()``), which a
+    graph interpreted on FakeTensors (``fxtools.to_aten``) cannot; ``aten.index`` never reads it."""
+    val = index.meta.get("val") if isinstance(index, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype not in (torch.bool, torch.uint8)
+
+
 def _as_subscript(node: fx.Node) -> bool:
-    """``aten.index(x, [mask])`` -> ``x[mask]``, ``aten.index(x, [i, j])`` -> ``x[i, j]``: advanced
-    indexing with tensors only (no ``None``, which would need slices) is what it spells."""
+    """``aten.index(x, [mask])`` -> ``x[mask]``, ``aten.index(x, [i, j])`` -> ``x[i, j]``,
+    ``aten.index(x, [None, t])`` -> ``x[:, t]``: advanced indexing is what a subscript spells
+    (``codegen/pycode.py`` prints the full slices as ``:``)."""
     if node.target is not torch.ops.aten.index.Tensor or len(node.args) != 2 or node.kwargs:
         return False
     x, indices = node.args
-    if not indices or not all(isinstance(i, fx.Node) for i in indices):
+    if not indices or not all(isinstance(i, fx.Node) or i is None for i in indices):
         return False
+    if not any(isinstance(i, fx.Node) for i in indices):
+        return False
+    if any(_number_like(i) for i in indices):
+        return False  # a 0-dim integer index: printed as a subscript, kept aten.index (codegen/pycode.py)
     node.target = operator.getitem
-    node.args = (x, indices[0] if len(indices) == 1 else tuple(indices))
+    entries = tuple(slice(None) if i is None else i for i in indices)
+    node.args = (x, entries[0] if len(entries) == 1 else entries)
     return True

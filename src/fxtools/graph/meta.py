@@ -112,6 +112,20 @@ ROLE: Key[str] = Key(
     "fxtools_role",
     "The rule's variable a value is named after (xhat, cdf): codegen/fold.py prints a small one inside its one user.",
 )
+VIEW_COPY: Key[bool] = Key(
+    "fxtools_view_copy",
+    "The node computes as a copy (aten.index / index_select) what eager returns as a view of its first "
+    "argument (x[t] with a 0-dim integer tensor t, torch.narrow with a tensor start): set by "
+    "capture/replacements.py; capture/functionalize.py keeps the copy and its base in step across in-place "
+    "writes (True), or refuses such writes (False: the copy could not be written back).",
+)
+READ_AFTER_WRITE: Key[tuple] = Key(
+    "fxtools_read_after_write",
+    "On an in-place op kept on an input or buffer: the later nodes reading the memory it writes (the "
+    "trace's later reads of `buf` after `buf[0] = v` read the placeholder, not the write). Set by "
+    "capture/functionalize.py; transforms/reverse.py counts the write as reaching the outputs those "
+    "reads reach, so that its rule refuses a gradient it would otherwise silently drop.",
+)
 NOTE: Key[str] = Key("fxtools_note", "What a value holds, for Split.report (a scan's value at every step).")
 
 # On a GraphModule

@@ -298,7 +298,9 @@ def index(ct, out, x, indices):
     if one is not None:  # x[:, i]: index_add, which needs the indices made non-negative
         d, i = one
         g = _reshape(ct, [*x.shape[:d], i.numel(), *x.shape[d + 1 :]])
-        return _zeros(x).index_add(d, i.reshape(-1) % x.shape[d], g), None
+        i = i.reshape(-1)
+        # not %: an out-of-range index must still fail in index_add, as in eager's forward
+        return _zeros(x).index_add(d, torch.where(i < 0, i + x.shape[d], i), g), None
     return aten.index_put.default(_zeros(x), indices, ct, True), None
 
 
@@ -311,7 +313,7 @@ def index_put(ct, out, x, indices, values, accumulate=False):
         g = ct.index_fill(one[0], one[1], 0)
     else:
         g = aten.index_put.default(ct, indices, ct.new_zeros(()))
-    picked = ct[tuple(slice(None) if i is None else i for i in indices)]
+    picked = aten.index.Tensor(ct, indices)  # ct[indices]: a 0-dim index is not read as a number
     return g, None, _sum_to(picked, values.shape)
 
 

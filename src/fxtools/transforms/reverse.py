@@ -113,6 +113,12 @@ def _carrying_cotangents(captured: fx.GraphModule, placeholders, out_nodes, wrt)
     wrt_nodes = {p for p, w in zip(placeholders, wrt) if w and is_float(p.meta.get("val"))}
     need = differentiable_nodes(captured, wrt_nodes)
     reach = ancestors(out_nodes)
+    writes = [n for n in need if meta.READ_AFTER_WRITE.on(n)]  # kept in-place writes into inputs
+    while True:  # a write reaches what reads its memory later
+        more = [n for n in writes if n not in reach and any(r in reach for r in meta.READ_AFTER_WRITE.get(n))]
+        if not more:
+            break
+        reach |= ancestors(more)
     return {n for n in need if n in reach or n in wrt_nodes}
 
 
