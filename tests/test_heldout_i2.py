@@ -110,11 +110,15 @@ def _finite_difference_grad(loss, w, *rest, eps=1e-5):
 def test_no_grad_statistics_beside_layer_norm_inside_a_jvp(n):
     """A layer norm in grad mode and a scale computed under no_grad, in a JVP inside a loss.
 
-    Oracle: central finite differences of the loss (with the JVP taken by torch.func, exact in
-    forward mode). torch.func.grad over it is not: PyTorch's reverse mode over native_layer_norm's
-    forward-mode formula drops the statistics' derivatives (see test_jvp_in_loss.py)."""
+    Oracle: central finite differences of the loss with the scale and its tangent frozen at the
+    point (what no_grad means), the JVP taken by torch.func (exact in forward mode). torch.func.grad
+    over it is not: PyTorch's reverse mode over native_layer_norm's forward-mode formula drops the
+    statistics' derivatives (see test_jvp_in_loss.py)."""
     g = torch.Generator().manual_seed(n)
     w, x = torch.randn(n, dtype=D, generator=g), torch.randn(3, n, dtype=D, generator=g)
+
+    def normed(w, x):
+        return torch.tanh(F.layer_norm(x * w, (n,)))
 
     def net(w, x):
         h = F.layer_norm(x * w, (n,))
@@ -126,7 +130,17 @@ def test_no_grad_statistics_beside_layer_norm_inside_a_jvp(n):
         y, t = torch.func.jvp(net, (w, x), (w.cos(), torch.ones_like(x)))
         return (y * t).sum()
 
-    want = _finite_difference_grad(loss, w, x)
+    def scale(w, x):
+        return (F.layer_norm(x * w, (n,)) * w).norm() + 1
+
+    s, s_dot = torch.func.jvp(scale, (w, x), (w.cos(), torch.ones_like(x)))
+
+    def frozen(v, x):
+        h, h_dot = torch.func.jvp(normed, (v, x), (v.cos(), torch.ones_like(x)))
+        return (h * s * (h_dot * s + h * s_dot)).sum()
+
+    torch.testing.assert_close(frozen(w, x), loss(w, x), **TOL)
+    want = _finite_difference_grad(frozen, w, x)
     torch.testing.assert_close(fxtools.grad(loss, w, x)(w, x), want, rtol=1e-7, atol=1e-8)
 
 

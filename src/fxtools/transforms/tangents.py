@@ -259,11 +259,7 @@ def _interleave(graph: fx.Graph, program: set[fx.Node]) -> None:
     there), it would be a constant of the reverse pass.
     """
     index = {n: i for i, n in enumerate(graph.nodes)}
-    mode_of, grad = {}, True
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
-            grad = bool(n.args[0])
-        mode_of[n] = grad
+    mode_of = grad_modes(graph)
     movable = {n for n in graph.nodes if n not in program and n.op in ("call_function", "get_attr") and not is_impure(n)}
     free: set[fx.Node] = set()
     for n in graph.nodes:
@@ -351,14 +347,32 @@ def _compute_tangents(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
     if _lower_draws(gm, region):
         ys = [_value(m) for m in markers]
         active, region = _region(graph, level, ys)
-    sub, inputs, tangents = _region_graph(gm, region, active, ys, level)
-    wrt = [i < len(tangents) for i in range(len(inputs))]
-    # fused backward kernels (fxtools.compile's rule set) have no VJP of their own to transpose
-    readable = "readable" if registry.active_rule_set() == "fused" else None
-    with fx_traceback.preserve_node_meta(), registry.rule_set(readable):
-        flat = jvp_graph(sub, wrt, list(range(len(tangents))), len(ys))
-    results, made = _inline(gm, flat, inputs + tangents, markers[0], len(ys))
-    for m, t in zip(markers, results):
+    mode_of = grad_modes(graph)
+    off = {n for n in region if not mode_of[n] and not _is(n, dual.dual)}
+    sources = _sources(active)
+    made: set[fx.Node] = set()
+    of: dict[fx.Node, fx.Node] = {}
+    if off:
+        # Values computed under no_grad, and their tangents, are constants of the reverse pass (as in
+        # eager forward_ad + autograd): the tangents of those the grad-mode code reads are computed
+        # first, in a no_grad block of their own, and are that code's sources.
+        cut = [n for n in region if n in off and (n in ys or any(u not in off and u in region for u in n.users))]
+        with graph.inserting_before(markers[0]):
+            graph.call_function(torch._C._set_grad_enabled, (False,))
+        cut_active, cut_region = _region(graph, level, cut)
+        cut_tangents, cut_made = _tangents_of(gm, level, cut, _sources(cut_active), cut_region, markers[0])
+        with graph.inserting_before(markers[0]):
+            graph.call_function(torch._C._set_grad_enabled, (mode_of[markers[0]],))
+        made |= cut_made
+        of = dict(zip(cut, cut_tangents))
+        region = [n for n in region if n not in off]
+        sources += [(b, b, t) for b, t in of.items()]
+    rest = [y for y in ys if y not in of]
+    results, main_made = _tangents_of(gm, level, rest, sources, region, markers[0]) if rest else ([], set())
+    made |= main_made
+    by_y = {**dict(zip(rest, results)), **of}
+    for m in markers:
+        t = by_y[_value(m)]
         name = m.name
         m.replace_all_uses_with(t)
         graph.erase_node(m)
@@ -367,10 +381,38 @@ def _compute_tangents(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
             t.name = name  # ``dudt``, the user's name: the erased marker's, unique and still reserved
 
 
-def _region_graph(gm, region: list[fx.Node], active: list[fx.Node], ys: list[fx.Node], level: int):
-    """The region as a flat graph: placeholders for the active duals' primals (differentiated), then
-    for what it reads from outside (constant for this JVP); returns it, the outer nodes its
-    placeholders stand for, and the duals' tangents."""
+def _tangents_of(gm: fx.GraphModule, level: int, ys: list[fx.Node], sources, region: list[fx.Node], before: fx.Node):
+    """The tangents of ``ys`` (the JVP of ``region`` from ``sources``), inlined before ``before``;
+    returns their nodes and the set of nodes made. ``sources``: ``(node, primal, tangent)``."""
+    sub, inputs, tangents = _region_graph(gm, region, sources, ys, level)
+    wrt = [i < len(tangents) for i in range(len(inputs))]
+    # fused backward kernels (fxtools.compile's rule set) have no VJP of their own to transpose
+    readable = "readable" if registry.active_rule_set() == "fused" else None
+    with fx_traceback.preserve_node_meta(), registry.rule_set(readable):
+        flat = jvp_graph(sub, wrt, list(range(len(tangents))), len(ys))
+    return _inline(gm, flat, inputs + tangents, before, len(ys))
+
+
+def _sources(duals: list[fx.Node]) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """``(dual, primal, tangent)`` for each of ``duals``."""
+    return [(d, _value(d), cast(fx.Node, d.args[1])) for d in duals]
+
+
+def grad_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
+    """Each node's grad mode: the graph's ``_set_grad_enabled`` nodes switch it, starting from on."""
+    mode_of, grad = {}, True
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            grad = bool(n.args[0])
+        mode_of[n] = grad
+    return mode_of
+
+
+def _region_graph(gm, region: list[fx.Node], sources: list, ys: list[fx.Node], level: int):
+    """The region as a flat graph: placeholders for the sources' primals (differentiated: the active
+    duals, values whose tangents are computed already), then for what it reads from outside
+    (constant for this JVP); returns it, the outer nodes its placeholders stand for, and the
+    sources' tangents."""
     inside = set(region)
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -383,8 +425,8 @@ def _region_graph(gm, region: list[fx.Node], active: list[fx.Node], ys: list[fx.
         inputs.append(outer)
         return p
 
-    for d in active:
-        env[d] = placeholder(_value(d))
+    for key, primal, _ in sources:
+        env[key] = placeholder(primal)
     for n in region:
         reads = [] if n in env else [_value(n)] if _is(n, dual.dual) else n.all_input_nodes
         for a in reads:
@@ -405,7 +447,7 @@ def _region_graph(gm, region: list[fx.Node], active: list[fx.Node], ys: list[fx.
     sub.output([env[y] for y in ys])
     sub_gm = fx.GraphModule(_Attrs(gm, sub), sub)
     _refuse_random(region, level)
-    return sub_gm, inputs, [d.args[1] for d in active]
+    return sub_gm, inputs, [t for _, _, t in sources]
 
 
 def _is_tensor(gm, node: fx.Node) -> bool:
