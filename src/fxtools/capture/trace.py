@@ -747,7 +747,22 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's line
         if is_data_dependent(exc):
             raise data_dependent_error(exc) from exc
+        if _reads_a_written_constant(exc):
+            where = user_frame(exc.__traceback__) or "an unknown line of user code"
+            raise DataDependentError(
+                f"the program reads the value of a tensor as a Python number (.item(), float(), at {where}) "
+                "after changing that tensor in place (a buffer or closed-over tensor it updates): the "
+                "value at run time is the program's own result, which fxtools does not know while it "
+                "traces. Keep it a tensor (x / self.count rather than x / self.count.item()), or pass "
+                "the number in as an argument."
+            ) from exc
         raise
+
+
+def _reads_a_written_constant(exc: BaseException) -> bool:
+    """make_fx's refusal to read the value of a real tensor it traces: a closed-over tensor (a
+    buffer) the program wrote in place, then read with ``.item()``."""
+    return isinstance(exc, RuntimeError) and "get value out of a tracing tensor" in str(exc)
 
 
 def _tidy(gm: fx.GraphModule, f, tensor_names_: list[str], reads: list, outer) -> list:
