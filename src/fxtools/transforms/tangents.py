@@ -365,6 +365,9 @@ def _compute_tangents(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
             graph.call_function(torch._C._set_grad_enabled, (mode_of[markers[0]],))
         made |= cut_made
         of = dict(zip(cut, cut_tangents))
+        for b, t in of.items():
+            if t in cut_made and b not in ys:
+                t._rename(f"tangent_{b.name}")
         region = [n for n in region if n not in off]
         sources += [(b, b, t) for b, t in of.items()]
     rest = [y for y in ys if y not in of]
