@@ -35,7 +35,8 @@ def _inputs(n: int, seed: int = 0):
 
 # --- no_grad / detach inside a JVP inside a loss: the values computed there, and their tangents, are
 # constants of the outer gradient (as in eager forward_ad + autograd and in torch.func); fxtools
-# differentiated the tangent of the no_grad value, silently giving another gradient ---
+# differentiated the tangent of the no_grad value, silently giving another gradient. Under
+# inference_mode the tangent itself stops (fxtools let it through) ---
 
 
 def _body(cut: str):
@@ -44,6 +45,10 @@ def _body(cut: str):
         if cut == "no_grad":
             with torch.no_grad():
                 s = torch.sin(h * w) + w.exp()
+        elif cut == "inference_mode":  # forward AD stops there too: no tangent
+            with torch.inference_mode():
+                s = torch.sin(h * w) + w.exp()
+            s = s.clone()
         else:
             s = (torch.sin(h * w) + w.exp()).detach()
         return h * s + torch.exp(w) * x
@@ -75,7 +80,7 @@ def _loss(spelling: str, cut: str):
 @pytest.mark.parametrize(
     "spelling, cut, n",
     [("torch.func", "no_grad", 3), ("torch.func", "no_grad", 7), ("fxtools", "no_grad", 5), ("forward_ad", "no_grad", 4)]
-    + [("fxtools", "detach", 6)],
+    + [("fxtools", "detach", 6), ("torch.func", "inference_mode", 5)],
 )
 def test_no_grad_inside_a_jvp_inside_a_loss(spelling, cut, n):
     w, x = _inputs(n)

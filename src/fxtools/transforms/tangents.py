@@ -28,6 +28,7 @@ from ..capture import dual
 from ..capture.decompose import expand, inline_decomposition
 from ..capture.functionalize import functionalize
 from ..errors import FxtoolsError, user_line_of
+from ..graph import meta
 from ..graph.data_dependent import is_dynamic, tie
 from ..graph.nodes import fake_mode_of, is_float, is_impure
 from ..passes.simplify import cse, dce, fill_value, simplify
@@ -320,9 +321,12 @@ def _region(graph: fx.Graph, level: int, ys: list[fx.Node]) -> tuple[list[fx.Nod
     """The level's duals with a nonzero tangent, and the nodes between them and ``ys`` in graph order."""
     active = [n for n in graph.nodes if _is(n, dual.dual) and n.args[2] == level and fill_value(n.args[1]) != 0]
     down = set(active)
+    forward_on = forward_modes(graph)
     for n in graph.nodes:
         if n in down or n.op == "output" or (n.op == "call_function" and registry.is_nondifferentiable(n.target)):
             continue  # (a random draw, ``detach``: a constant of the JVP)
+        if not forward_on[n]:
+            continue  # inference mode, ``fwAD._set_fwd_grad_enabled(False)``: no tangent, as in PyTorch
         inputs = [n.args[0]] if _is(n, dual.dual) else n.all_input_nodes
         if any(i in down for i in inputs):
             down.add(n)
@@ -408,6 +412,18 @@ def grad_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
         if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
             grad = bool(n.args[0])
         mode_of[n] = grad
+    return mode_of
+
+
+def forward_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
+    """Whether forward AD is on at each node: off in inference mode and after
+    ``fwAD._set_fwd_grad_enabled(False)`` (the ``_set_grad_enabled`` nodes' ``meta.FORWARD_GRAD``),
+    on through ``no_grad``."""
+    mode_of, state = {}, True
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            state = bool(meta.FORWARD_GRAD.get(n, state))
+        mode_of[n] = state
     return mode_of
 
 
