@@ -277,3 +277,22 @@ def test_a_size_narrowed_by_a_view_names_the_users_line():
 
     with pytest.raises(fxtools.SymbolicSizeError, match=r"test_heldout_i2.py:\d+: return x.view\(-1, 2, 3\)"):
         fxtools.grad(f, torch.randn(8, 3, dtype=D), dynamic_shapes={"x": {0: Dim("batch", min=2, max=64)}})
+
+
+# --- a tensor's backward hook or retain_grad in the program: failed inside PyTorch ("cannot register a
+# hook on a tensor that doesn't require gradient"); refused naming the line, as module backward hooks are ---
+
+
+@pytest.mark.parametrize("call", ["register_hook", "retain_grad"])
+def test_a_tensor_hook_in_the_program_is_refused_naming_the_line(call):
+    def f(w, x):
+        h = torch.tanh(w * x)
+        getattr(h, call)(*([lambda g: g * 2] if call == "register_hook" else []))
+        return (h * h).sum()
+
+    w, x = _inputs(4, seed=7)
+    with pytest.raises(fxtools.FxtoolsError, match=rf"test_heldout_i2.py:\d+: getattr\(h, call\).*Tensor.{call}\(\)"):
+        fxtools.grad(f, w, x)
+    wr = w.clone().requires_grad_()
+    f(wr, x).backward()  # eager runs it (the hook doubles the gradient through h)
+    assert wr.grad is not None

@@ -435,6 +435,39 @@ def _backward_hooks_refused():
 
 
 @contextlib.contextmanager
+def _tensor_hooks_refused():
+    """A tensor's backward hook (``h.register_hook(fn)``, ``register_post_accumulate_grad_hook``)
+    would change or observe the gradient in eager's backward, and ``h.retain_grad()`` would fill
+    ``h.grad`` there; fxtools computes gradients in generated code, where neither happens. Refused
+    naming the line (torch.func refuses them too), rather than failing inside PyTorch on a traced
+    tensor that does not require grad. Calls from PyTorch's own code are left to it."""
+    cls = torch.Tensor
+    names = ("register_hook", "register_post_accumulate_grad_hook", "retain_grad")
+    saved = {name: getattr(cls, name) for name in names}
+
+    def refusing(name):
+        def call(tensor, *args, **kwargs):
+            if not is_program_file(sys._getframe(1).f_code.co_filename):  # PyTorch's own (FSDP's hooks)
+                return saved[name](tensor, *args, **kwargs)
+            raise FxtoolsError(
+                f"{current_user_line()}: Tensor.{name}() inside a program fxtools traces: the gradients are "
+                "computed in generated code, where a tensor's backward hook does not run and no .grad is kept. "
+                "Apply the hook's change to the gradient in the program (a torch.autograd.Function or "
+                "fxtools.custom_vjp, which fxtools honours), or return the tensor and call it outside."
+            )
+
+        return call
+
+    for name in names:
+        setattr(cls, name, refusing(name))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(cls, name, original)
+
+
+@contextlib.contextmanager
 def _tensor_attributes_written():
     """A tensor the program assigns to a module attribute while it is traced (``self.avg = 0.9 *
     self.avg + 0.1 * m``, ``self.last_metric = m``) would be a traced (fake) value left in the
@@ -730,6 +763,7 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             _python_random_refused(),
             _tensor_attributes_written(),
             _backward_hooks_refused(),
+            _tensor_hooks_refused(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):
