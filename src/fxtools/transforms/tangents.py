@@ -260,7 +260,7 @@ def _interleave(graph: fx.Graph, program: set[fx.Node]) -> None:
     there), it would be a constant of the reverse pass.
     """
     index = {n: i for i, n in enumerate(graph.nodes)}
-    mode_of = grad_modes(graph)
+    mode_of = _grad_modes(graph)
     movable = {n for n in graph.nodes if n not in program and n.op in ("call_function", "get_attr") and not is_impure(n)}
     free: set[fx.Node] = set()
     for n in graph.nodes:
@@ -321,7 +321,7 @@ def _region(graph: fx.Graph, level: int, ys: list[fx.Node]) -> tuple[list[fx.Nod
     """The level's duals with a nonzero tangent, and the nodes between them and ``ys`` in graph order."""
     active = [n for n in graph.nodes if _is(n, dual.dual) and n.args[2] == level and fill_value(n.args[1]) != 0]
     down = set(active)
-    forward_on = forward_modes(graph)
+    forward_on = _forward_modes(graph)
     for n in graph.nodes:
         if n in down or n.op == "output" or (n.op == "call_function" and registry.is_nondifferentiable(n.target)):
             continue  # (a random draw, ``detach``: a constant of the JVP)
@@ -351,7 +351,7 @@ def _compute_tangents(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
     if _lower_draws(gm, region):
         ys = [_value(m) for m in markers]
         active, region = _region(graph, level, ys)
-    mode_of = grad_modes(graph)
+    mode_of = _grad_modes(graph)
     off = {n for n in region if not mode_of[n] and not _is(n, dual.dual)}
     sources = _sources(active)
     made: set[fx.Node] = set()
@@ -405,7 +405,7 @@ def _sources(duals: list[fx.Node]) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
     return [(d, _value(d), cast(fx.Node, d.args[1])) for d in duals]
 
 
-def grad_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
+def _grad_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
     """Each node's grad mode: the graph's ``_set_grad_enabled`` nodes switch it, starting from on."""
     mode_of, grad = {}, True
     for n in graph.nodes:
@@ -415,7 +415,7 @@ def grad_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
     return mode_of
 
 
-def forward_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
+def _forward_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
     """Whether forward AD is on at each node: off in inference mode and after
     ``fwAD._set_fwd_grad_enabled(False)`` (the ``_set_grad_enabled`` nodes' ``meta.FORWARD_GRAD``),
     on through ``no_grad``."""
