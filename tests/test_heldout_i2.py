@@ -296,3 +296,19 @@ def test_a_tensor_hook_in_the_program_is_refused_naming_the_line(call):
     wr = w.clone().requires_grad_()
     f(wr, x).backward()  # eager runs it (the hook doubles the gradient through h)
     assert wr.grad is not None
+
+
+def test_a_buffer_updated_under_no_grad_in_a_hessian_vector_product():
+    """The Hessian-vector product differentiates the generated gradient again: the write reads its
+    value detached there (it was refused, from an unknown line)."""
+    w, x = _inputs(5, seed=8)
+    x = x.expand(4, 5) * torch.arange(1, 5, dtype=D)[:, None]
+    v = torch.randn(5, dtype=D, generator=torch.Generator().manual_seed(9))
+    gm = fxtools.hvp(_running, w, torch.zeros(5, dtype=D), x, argnums=0)
+    buf = torch.ones(5, dtype=D)
+    got = gm(w, buf, x, v)
+    want = torch.autograd.functional.hvp(lambda w: _running(w, torch.ones(5, dtype=D), x), w, v)[1]
+    torch.testing.assert_close(got, want, **TOL)
+    eager_buf = torch.ones(5, dtype=D)
+    _running(w, eager_buf, x)
+    torch.testing.assert_close(buf, eager_buf, **TOL)
