@@ -153,6 +153,44 @@ def test_no_grad_statistics_beside_layer_norm_inside_a_jvp(n):
     torch.testing.assert_close(fxtools.grad(loss, w, x)(w, x), want, rtol=1e-7, atol=1e-8)
 
 
+class ScaledNet(nn.Module):
+    """A JVP of a layer whose scale is a no_grad statistic of its own output: the scale's tangent
+    depends on the inputs and parameters alone, so fxtools' placement of tangent code hoisted it
+    out of its no_grad block and the gradient differentiated it, silently."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d, dtype=D)
+
+    def net(self, z):
+        h = torch.tanh(self.lin(z))
+        with torch.no_grad():
+            scale = (h * h).mean() + 1
+        return h * scale
+
+    def forward(self, z, v):
+        u, du = torch.func.jvp(self.net, (z,), (v,))
+        return (u * du).sum()
+
+
+@pytest.mark.parametrize("d", [3, 6])
+def test_a_no_grad_statistic_of_the_inputs_alone_inside_a_jvp(d):
+    torch.manual_seed(d)
+    model = ScaledNet(d)
+    z, v = torch.randn(2, d, dtype=D), torch.randn(2, d, dtype=D)
+    loss = fxtools.functional(model)
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    want = torch.func.grad(loss)(params, z, v)
+    got = fxtools.grad(loss, params, z, v)(params, z, v)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **TOL)
+    if d == 3:
+        compiled = fxtools.compile(model, z, v)
+        compiled(z, v).backward()
+        for k in want:
+            torch.testing.assert_close(model.get_parameter(k).grad, want[k], **TOL)
+
+
 def test_no_grad_inside_two_nested_jvps_inside_a_loss():
     """Forward mode passes through no_grad at both levels; the reverse pass stops there."""
     w, x = _inputs(4, seed=6)

@@ -264,8 +264,8 @@ def _interleave(graph: fx.Graph, program: set[fx.Node]) -> None:
     movable = {n for n in graph.nodes if n not in program and n.op in ("call_function", "get_attr") and not is_impure(n)}
     free: set[fx.Node] = set()
     for n in graph.nodes:
-        if n in movable and all(i.op == "placeholder" or i in free for i in n.all_input_nodes):
-            free.add(n)
+        if n in movable and mode_of[n] and all(i.op == "placeholder" or i in free for i in n.all_input_nodes):
+            free.add(n)  # (one in a no_grad block stays in one: it waits for the program's next)
     waiting = {n: sum(1 for i in n.all_input_nodes if i not in free) for n in movable - free}
     ready: dict[bool, list] = {True: [], False: []}
     for n, count in waiting.items():
