@@ -31,6 +31,7 @@ outputs, ``set_``, resizing a non-empty tensor...) raises ``FxtoolsError`` namin
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -605,14 +606,24 @@ def _kept_mutation_rule(node: fx.Node) -> Rule:
     return Rule(fwd, bwd, "fxtools-inplace")
 
 
-def _maybe_differentiable(gm: fx.GraphModule) -> set:
-    """Nodes that depend differentiably on some floating-point input (any argnums)."""
-    wrt = {n for n in gm.graph.nodes if n.op == "placeholder" and is_float(n.meta.get("val"))}
+def _maybe_differentiable(gm: fx.GraphModule, differentiated: Sequence[bool] | None = None) -> set:
+    """Nodes that depend differentiably on a floating-point input the transform differentiates
+    (``differentiated``: one bool per placeholder; None: any of them)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    marks = [True] * len(placeholders) if differentiated is None else list(differentiated)
+    if len(marks) != len(placeholders):
+        raise FxtoolsError(f"internal error: {len(marks)} differentiated marks for {len(placeholders)} inputs")
+    wrt = {n for n, d in zip(placeholders, marks) if d and is_float(n.meta.get("val"))}
     return differentiable_nodes(gm, wrt)
 
 
-def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
+def functionalize(gm: fx.GraphModule, differentiated: Sequence[bool] | None = None) -> fx.GraphModule:
     """Rewrite in-place ops on intermediates into functional ops (see the module docstring).
+
+    ``differentiated``: one bool per placeholder, whether the transform differentiates it (None:
+    each may be). An input written in place under ``no_grad`` is refused only where it may carry a
+    gradient: a buffer passed as an argument the transform holds constant (running statistics)
+    is updated as in eager.
 
     Changes ``gm`` in place and returns it. Raises ``InplaceError`` (an ``FxtoolsError``) naming
     the op and the user's line for in-place code it cannot rewrite without changing gradients.
@@ -620,7 +631,7 @@ def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
     if not any(is_mutating(n) for n in gm.graph.nodes):
         return gm
     _keep_view_copies_in_step(gm)
-    _Functionalizer(gm).run()
+    _Functionalizer(gm, differentiated).run()
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -698,9 +709,9 @@ class _Functionalizer:
     storage (its aliases, its current value, how many times it was modified), and rewrites or
     keeps each in-place op as it comes."""
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, differentiated: Sequence[bool] | None = None):
         self.gm = gm
-        self.maybe_need = _maybe_differentiable(gm)
+        self.maybe_need = _maybe_differentiable(gm, differentiated)
         self.b = _Builder(gm.graph)
         self.storage = _closed_over_storages(gm)
         self.input_storages: dict = {}  # storage -> placeholder / get_attr node owning it

@@ -170,6 +170,7 @@ def run_below_functorch(transform: str, fn, args: tuple, where: str | None = Non
     try:
         with _tracing_below(), custom.transform(custom.NESTED), _outside_pre_dispatch(), sub._init_modes_from_parent(parent):
             sub.fx_tracer.record_stack_traces = parent.fx_tracer.record_stack_traces
+            _note_grad_mode(sub.fx_tracer)
             inner = sub._trace_inner(flat_fn, *[x for x, t in zip(flat, is_tensor) if t])
     except FxtoolsError:
         raise
@@ -191,13 +192,35 @@ def run_below_functorch(transform: str, fn, args: tuple, where: str | None = Non
     return pytree.tree_unflatten(leaves, out_info["spec"])
 
 
+_NO_GRAD = "fxtools_no_grad"  # on an inner node: recorded while grad mode was off
+
+
+def _note_grad_mode(tracer) -> None:
+    """Mark the nodes ``tracer`` records while grad mode is off: the program's ``no_grad`` blocks
+    inside the transformed function (below functorch no grad-mode switch is recorded)."""
+    create_node = tracer.create_node
+
+    def create_node_noting_grad_mode(*args, **kwargs):
+        node = create_node(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            node.meta[_NO_GRAD] = True
+        return node
+
+    tracer.create_node = create_node_noting_grad_mode
+
+
 def _replay(inner: fx.GraphModule, tensors: list) -> list:
-    """Run ``inner``'s ops in the running (outer) trace; its nodes keep the inner user lines."""
+    """Run ``inner``'s ops in the running (outer) trace; its nodes keep the inner user lines. Ops
+    the transform ran under ``no_grad`` run under it again: the outer trace records the switch,
+    and their values are constants of the outer derivative, as in torch.func."""
     mode = proxy_tensor.get_innermost_proxy_mode()
     graph = mode.tracer.graph if mode is not None else None
 
     class Replay(fx.Interpreter):
         def run_node(self, n):
+            if n.meta.get(_NO_GRAD) and torch.is_grad_enabled():
+                with torch.no_grad():
+                    return self.run_node(n)
             last = graph._root.prev if graph is not None else None
             out = super().run_node(n)
             trace = n.meta.get("stack_trace")

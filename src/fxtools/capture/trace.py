@@ -436,6 +436,39 @@ def _backward_hooks_refused():
 
 
 @contextlib.contextmanager
+def _tensor_hooks_refused():
+    """A tensor's backward hook (``h.register_hook(fn)``, ``register_post_accumulate_grad_hook``)
+    would change or observe the gradient in eager's backward, and ``h.retain_grad()`` would fill
+    ``h.grad`` there; fxtools computes gradients in generated code, where neither happens. Refused
+    naming the line (torch.func refuses them too), rather than failing inside PyTorch on a traced
+    tensor that does not require grad. Calls from PyTorch's own code are left to it."""
+    cls = torch.Tensor
+    names = ("register_hook", "register_post_accumulate_grad_hook", "retain_grad")
+    saved = {name: getattr(cls, name) for name in names}
+
+    def refusing(name):
+        def call(tensor, *args, **kwargs):
+            if not is_program_file(sys._getframe(1).f_code.co_filename):  # PyTorch's own (FSDP's hooks)
+                return saved[name](tensor, *args, **kwargs)
+            raise FxtoolsError(
+                f"{current_user_line()}: Tensor.{name}() inside a program fxtools traces: the gradients are "
+                "computed in generated code, where a tensor's backward hook does not run and no .grad is kept. "
+                "Apply the hook's change to the gradient in the program (a torch.autograd.Function or "
+                "fxtools.custom_vjp, which fxtools honours), or return the tensor and call it outside."
+            )
+
+        return call
+
+    for name in names:
+        setattr(cls, name, refusing(name))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(cls, name, original)
+
+
+@contextlib.contextmanager
 def _tensor_attributes_written():
     """A tensor the program assigns to a module attribute while it is traced (``self.avg = 0.9 *
     self.avg + 0.1 * m``, ``self.last_metric = m``) would be a traced (fake) value left in the
@@ -730,6 +763,7 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             _python_random_refused(),
             _tensor_attributes_written(),
             _backward_hooks_refused(),
+            _tensor_hooks_refused(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):
@@ -744,7 +778,22 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             raise data_dependent_error(exc) from exc
         if is_view_refusal(exc):
             raise view_refused(user_frame(exc.__traceback__), str(exc)) from exc
+        if _reads_a_written_constant(exc):
+            where = user_frame(exc.__traceback__) or "an unknown line of user code"
+            raise DataDependentError(
+                f"the program reads the value of a tensor as a Python number (.item(), float(), at {where}) "
+                "after changing that tensor in place (a buffer or closed-over tensor it updates): the "
+                "value at run time is the program's own result, which fxtools does not know while it "
+                "traces. Keep it a tensor (x / self.count rather than x / self.count.item()), or pass "
+                "the number in as an argument."
+            ) from exc
         raise
+
+
+def _reads_a_written_constant(exc: BaseException) -> bool:
+    """make_fx's refusal to read the value of a real tensor it traces: a closed-over tensor (a
+    buffer) the program wrote in place, then read with ``.item()``."""
+    return isinstance(exc, RuntimeError) and "get value out of a tracing tensor" in str(exc)
 
 
 def _tidy(gm: fx.GraphModule, f, tensor_names_: list[str], reads: list, outer) -> list:

@@ -262,19 +262,23 @@ def size_text(size) -> str:
 
 
 def _specialisations(sym: Symbolic) -> list[str]:
-    """``  - batch == 32 (at model.py:16 in f)`` for each guard tracing recorded on a named size."""
+    """``  - batch == 32 (at model.py:16: if x.shape[0] == 32:)`` for each guard tracing recorded on a
+    named size: the program's line (``_GuardLines``), else where PyTorch says it was decided."""
     import sympy
     from torch.utils._sympy.printers import PythonPrinter
 
     env = sym.shape_env
     named = {s: sympy.Symbol(n, integer=True) for s, n in sym.names.items()}
     lines = []
+    noted = env.guards.where if isinstance(env.guards, _GuardLines) else {}
     for guard in env.guards:
         expr = guard.expr
         if not expr.free_symbols & set(named):
             continue
         loc = guard.sloc.framework_loc
-        where = f"{loc.filename}:{loc.lineno} in {loc.name}" if hasattr(loc, "lineno") else str(guard.sloc).strip("()")
+        where = noted.get(id(guard))  # the program's line, where a library call (a view) decided it
+        if where is None:
+            where = f"{loc.filename}:{loc.lineno} in {loc.name}" if hasattr(loc, "lineno") else str(guard.sloc).strip("()")
         text = PythonPrinter().doprint(expr.xreplace(named))
         lines.append(f"  - {text} (at {where})")
     return lines

@@ -778,8 +778,8 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
         f = functional(f)
     argnums = tuple(range(len(args)))
     with checkpoint_regions():
-        cap = front(f, args, made_by=SPLIT, argnums=argnums, dynamic_shapes=dynamic_shapes)
-    wrt = _with_grad_leaves(differentiated(cap, argnums), grad_leaves)
+        cap = front(f, args, made_by=SPLIT, argnums=argnums, dynamic_shapes=dynamic_shapes, grad_leaves=grad_leaves)
+    wrt = differentiated(cap, argnums, grad_leaves)
     with fx_traceback.preserve_node_meta():
         rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
     joint = rev.gm
@@ -792,16 +792,6 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     backward = _backward_graph(joint, part, cap, grads_structure(cap, args, _flat_grads(part, wrt), argnums))
     sp = _described(cap, args, part, forward, backward, rev.ct_index, policy, from_module)
     return checked_split(sp) if check_finite else sp
-
-
-def _with_grad_leaves(wrt: list[bool], grad_leaves) -> list[bool]:
-    """The tensor leaves differentiated, less those ``grad_leaves`` (one bool per leaf) leaves out."""
-    if grad_leaves is None:
-        return wrt
-    grad_leaves = [bool(g) for g in grad_leaves]
-    if len(grad_leaves) != len(wrt):
-        raise ValueError(f"grad_leaves has {len(grad_leaves)} entries for {len(wrt)} tensor leaves")
-    return [w and g for w, g in zip(wrt, grad_leaves)]
 
 
 def _forward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured) -> fx.GraphModule:

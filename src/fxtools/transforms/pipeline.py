@@ -110,11 +110,15 @@ def front(
     has_aux: bool = False,
     batched: bool = False,
     after_capture: Callable[[fx.GraphModule], None] | None = None,
+    grad_leaves: Sequence[bool] | None = None,
 ) -> Captured:
     """Capture ``f(*args)`` and prepare its graph for a transform (see the module docstring).
 
     ``argnums``: the arguments the transform differentiates (an ``nn.Module`` there is refused:
-    fxtools differentiates tensors). ``has_aux``: ``f`` returns ``(out, aux)``; gradients stop at
+    fxtools differentiates tensors); ``grad_leaves``: of their tensor leaves, those that get a
+    gradient (one bool per tensor leaf; None: all). In-place writes are checked against these
+    alone (a buffer argument updated under ``no_grad`` and not differentiated is no gradient's
+    concern). ``has_aux``: ``f`` returns ``(out, aux)``; gradients stop at
     ``aux``'s tensors. ``batched``: ``f`` calls torch.func transforms and is traced below them
     (``fxtools.vmap``): the graph holds PyTorch's batched ops, functionalised, and is not
     differentiated further. ``after_capture`` sees the graph as traced (to name its nodes).
@@ -129,19 +133,19 @@ def front(
         out_of_place_views(cap.gm)
         functionalize(cap.gm)
     else:
-        _prepare_for_rules(cap, made_by, has_aux)
+        _prepare_for_rules(cap, made_by, has_aux, differentiated(cap, argnums, grad_leaves) if argnums else None)
     cap.front = made_by.name
     return cap
 
 
-def _prepare_for_rules(cap: Captured, made_by: Transform, has_aux: bool) -> None:
+def _prepare_for_rules(cap: Captured, made_by: Transform, has_aux: bool, wrt: list[bool] | None) -> None:
     """The captured graph as the rule-driven transforms take it: sizes as marked, aux stopped,
     functional, composite ops expanded, control flow with rules, the program's own JVPs computed
     (``tangents.resolve``), nothing unsupported."""
     sizes.check(cap.symbolic, cap.gm)  # the program itself specialised a marked size
     if has_aux:
         stop_aux_gradients(cap, made_by)
-    functionalize(cap.gm)
+    functionalize(cap.gm, wrt)
     expand(cap.gm)
     control_flow.prepare(cap.gm)
     tangents.resolve(cap.gm)  # forward mode the program runs itself (torch.func.jvp in a loss)
@@ -202,10 +206,17 @@ def describe_leaf(v):
     return v
 
 
-def differentiated(cap: Captured, argnums: Sequence[int]) -> list[bool]:
-    """One bool per tensor leaf (placeholder) of ``cap``: does it belong to an argument in ``argnums``?"""
+def differentiated(cap: Captured, argnums: Sequence[int], grad_leaves: Sequence[bool] | None = None) -> list[bool]:
+    """One bool per tensor leaf (placeholder) of ``cap``: does it belong to an argument in ``argnums``
+    (and, where ``grad_leaves`` gives one bool per tensor leaf, is it marked there)?"""
     nums = set(argnums)
-    return [cap.arg_of_leaf[i] in nums for i, t in enumerate(cap.tensor_leaf) if t]
+    wrt = [cap.arg_of_leaf[i] in nums for i, t in enumerate(cap.tensor_leaf) if t]
+    if grad_leaves is None:
+        return wrt
+    marks = [bool(g) for g in grad_leaves]
+    if len(marks) != len(wrt):
+        raise ValueError(f"grad_leaves has {len(marks)} entries for {len(wrt)} tensor leaves")
+    return [w and g for w, g in zip(wrt, marks)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
 from .. import registry
+from ..capture.functionalize import is_mutating
 from ..errors import MissingRuleError, user_line_of
 from ..graph import meta
 from ..graph.data_dependent import dynamic_nodes, tie
@@ -194,7 +195,9 @@ class _Transposer(Retracer):
         self.current = node
         if node.target is torch._C._set_grad_enabled:
             return
-        value = self.constant_for_gradients if node in self.need else self.env.__getitem__
+        # a kept in-place write (a buffer updated under no_grad) reads cut values detached too: code
+        # that differentiates the generated code again (hvp, autograd over it) sees no gradient there
+        value = self.constant_for_gradients if node in self.need or is_mutating(node) else self.env.__getitem__
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
         # With ``fx.traceback.preserve_node_meta()`` on (fxtools.split), the traced nodes
         # inherit the op's stack trace and markers; otherwise this is a no-op.

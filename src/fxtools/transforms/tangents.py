@@ -28,6 +28,7 @@ from ..capture import dual
 from ..capture.decompose import expand, inline_decomposition
 from ..capture.functionalize import functionalize
 from ..errors import FxtoolsError, user_line_of
+from ..graph import meta
 from ..graph.data_dependent import is_dynamic, tie
 from ..graph.nodes import fake_mode_of, is_float, is_impure
 from ..passes.simplify import cse, dce, fill_value, simplify
@@ -259,16 +260,12 @@ def _interleave(graph: fx.Graph, program: set[fx.Node]) -> None:
     there), it would be a constant of the reverse pass.
     """
     index = {n: i for i, n in enumerate(graph.nodes)}
-    mode_of, grad = {}, True
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
-            grad = bool(n.args[0])
-        mode_of[n] = grad
+    mode_of = _grad_modes(graph)
     movable = {n for n in graph.nodes if n not in program and n.op in ("call_function", "get_attr") and not is_impure(n)}
     free: set[fx.Node] = set()
     for n in graph.nodes:
-        if n in movable and all(i.op == "placeholder" or i in free for i in n.all_input_nodes):
-            free.add(n)
+        if n in movable and mode_of[n] and all(i.op == "placeholder" or i in free for i in n.all_input_nodes):
+            free.add(n)  # (one in a no_grad block stays in one: it waits for the program's next)
     waiting = {n: sum(1 for i in n.all_input_nodes if i not in free) for n in movable - free}
     ready: dict[bool, list] = {True: [], False: []}
     for n, count in waiting.items():
@@ -324,9 +321,12 @@ def _region(graph: fx.Graph, level: int, ys: list[fx.Node]) -> tuple[list[fx.Nod
     """The level's duals with a nonzero tangent, and the nodes between them and ``ys`` in graph order."""
     active = [n for n in graph.nodes if _is(n, dual.dual) and n.args[2] == level and fill_value(n.args[1]) != 0]
     down = set(active)
+    forward_on = _forward_modes(graph)
     for n in graph.nodes:
         if n in down or n.op == "output" or (n.op == "call_function" and registry.is_nondifferentiable(n.target)):
             continue  # (a random draw, ``detach``: a constant of the JVP)
+        if not forward_on[n]:
+            continue  # inference mode, ``fwAD._set_fwd_grad_enabled(False)``: no tangent, as in PyTorch
         inputs = [n.args[0]] if _is(n, dual.dual) else n.all_input_nodes
         if any(i in down for i in inputs):
             down.add(n)
@@ -351,14 +351,35 @@ def _compute_tangents(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
     if _lower_draws(gm, region):
         ys = [_value(m) for m in markers]
         active, region = _region(graph, level, ys)
-    sub, inputs, tangents = _region_graph(gm, region, active, ys, level)
-    wrt = [i < len(tangents) for i in range(len(inputs))]
-    # fused backward kernels (fxtools.compile's rule set) have no VJP of their own to transpose
-    readable = "readable" if registry.active_rule_set() == "fused" else None
-    with fx_traceback.preserve_node_meta(), registry.rule_set(readable):
-        flat = jvp_graph(sub, wrt, list(range(len(tangents))), len(ys))
-    results, made = _inline(gm, flat, inputs + tangents, markers[0], len(ys))
-    for m, t in zip(markers, results):
+    mode_of = _grad_modes(graph)
+    off = {n for n in region if not mode_of[n] and not _is(n, dual.dual)}
+    sources = _sources(active)
+    made: set[fx.Node] = set()
+    of: dict[fx.Node, fx.Node] = {}
+    if off:
+        # Values computed under no_grad, and their tangents, are constants of the reverse pass (as in
+        # eager forward_ad + autograd): the tangents of those the grad-mode code reads are computed
+        # first, in a no_grad block of their own, and are that code's sources.
+        cut = [n for n in region if n in off and (n in ys or any(u not in off and u in region for u in n.users))]
+        with graph.inserting_before(markers[0]):
+            graph.call_function(torch._C._set_grad_enabled, (False,))
+        cut_active, cut_region = _region(graph, level, cut)
+        cut_tangents, cut_made = _tangents_of(gm, level, cut, _sources(cut_active), cut_region, markers[0])
+        with graph.inserting_before(markers[0]):
+            graph.call_function(torch._C._set_grad_enabled, (mode_of[markers[0]],))
+        made |= cut_made
+        of = dict(zip(cut, cut_tangents))
+        for b, t in of.items():
+            if t in cut_made and b not in ys:
+                t._rename(f"tangent_{b.name}")
+        region = [n for n in region if n not in off]
+        sources += [(b, b, t) for b, t in of.items()]
+    rest = [y for y in ys if y not in of]
+    results, main_made = _tangents_of(gm, level, rest, sources, region, markers[0]) if rest else ([], set())
+    made |= main_made
+    by_y = {**dict(zip(rest, results)), **of}
+    for m in markers:
+        t = by_y[_value(m)]
         name = m.name
         m.replace_all_uses_with(t)
         graph.erase_node(m)
@@ -367,10 +388,50 @@ def _compute_tangents(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
             t.name = name  # ``dudt``, the user's name: the erased marker's, unique and still reserved
 
 
-def _region_graph(gm, region: list[fx.Node], active: list[fx.Node], ys: list[fx.Node], level: int):
-    """The region as a flat graph: placeholders for the active duals' primals (differentiated), then
-    for what it reads from outside (constant for this JVP); returns it, the outer nodes its
-    placeholders stand for, and the duals' tangents."""
+def _tangents_of(gm: fx.GraphModule, level: int, ys: list[fx.Node], sources, region: list[fx.Node], before: fx.Node):
+    """The tangents of ``ys`` (the JVP of ``region`` from ``sources``), inlined before ``before``;
+    returns their nodes and the set of nodes made. ``sources``: ``(node, primal, tangent)``."""
+    sub, inputs, tangents = _region_graph(gm, region, sources, ys, level)
+    wrt = [i < len(tangents) for i in range(len(inputs))]
+    # fused backward kernels (fxtools.compile's rule set) have no VJP of their own to transpose
+    readable = "readable" if registry.active_rule_set() == "fused" else None
+    with fx_traceback.preserve_node_meta(), registry.rule_set(readable):
+        flat = jvp_graph(sub, wrt, list(range(len(tangents))), len(ys))
+    return _inline(gm, flat, inputs + tangents, before, len(ys))
+
+
+def _sources(duals: list[fx.Node]) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """``(dual, primal, tangent)`` for each of ``duals``."""
+    return [(d, _value(d), cast(fx.Node, d.args[1])) for d in duals]
+
+
+def _grad_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
+    """Each node's grad mode: the graph's ``_set_grad_enabled`` nodes switch it, starting from on."""
+    mode_of, grad = {}, True
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            grad = bool(n.args[0])
+        mode_of[n] = grad
+    return mode_of
+
+
+def _forward_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
+    """Whether forward AD is on at each node: off in inference mode and after
+    ``fwAD._set_fwd_grad_enabled(False)`` (the ``_set_grad_enabled`` nodes' ``meta.FORWARD_GRAD``),
+    on through ``no_grad``."""
+    mode_of, state = {}, True
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            state = bool(meta.FORWARD_GRAD.get(n, state))
+        mode_of[n] = state
+    return mode_of
+
+
+def _region_graph(gm, region: list[fx.Node], sources: list, ys: list[fx.Node], level: int):
+    """The region as a flat graph: placeholders for the sources' primals (differentiated: the active
+    duals, values whose tangents are computed already), then for what it reads from outside
+    (constant for this JVP); returns it, the outer nodes its placeholders stand for, and the
+    sources' tangents."""
     inside = set(region)
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -383,8 +444,8 @@ def _region_graph(gm, region: list[fx.Node], active: list[fx.Node], ys: list[fx.
         inputs.append(outer)
         return p
 
-    for d in active:
-        env[d] = placeholder(_value(d))
+    for key, primal, _ in sources:
+        env[key] = placeholder(primal)
     for n in region:
         reads = [] if n in env else [_value(n)] if _is(n, dual.dual) else n.all_input_nodes
         for a in reads:
@@ -405,7 +466,7 @@ def _region_graph(gm, region: list[fx.Node], active: list[fx.Node], ys: list[fx.
     sub.output([env[y] for y in ys])
     sub_gm = fx.GraphModule(_Attrs(gm, sub), sub)
     _refuse_random(region, level)
-    return sub_gm, inputs, [d.args[1] for d in active]
+    return sub_gm, inputs, [t for _, _, t in sources]
 
 
 def _is_tensor(gm, node: fx.Node) -> bool:
