@@ -44,6 +44,7 @@ from ..graph.data_dependent import CountsFromExamples
 from ..signature.naming import arg_names, leaf_names
 from ..signature.sizes import TracedSizes
 from .checkpoint import checkpoint_regions
+from .conversions import module_conversions
 from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing, with_value_reads
 from .layout_reads import LayoutReads, constants_read_as_values
 from .layout_reads import facts as layout_facts
@@ -735,6 +736,7 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             _python_random_refused(),
             _tensor_attributes_written(),
             _backward_hooks_refused(),
+            module_conversions(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):
