@@ -633,7 +633,7 @@ class Replacing(TorchFunctionMode):
             out = replacement(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        first = args[0] if args and isinstance(args[0], torch.Tensor) and not torch.compiler.is_dynamo_compiling() else None
         slot = _traced_slot(first) if first is not None else None
         out = func(*args, **kwargs)
         if out is first and slot is not None:

@@ -371,9 +371,22 @@ def _static_control_flow():
     sizes (``dynamic_shapes=`` says which are symbolic), so that memory is turned off while it
     captures: no trace depends on the ones before it."""
     import torch._dynamo.config as dynamo_config
+    from torch._dynamo import convert_frame
 
-    with dynamo_config.patch(automatic_dynamic_shapes=False):
-        yield
+    reasons = convert_frame.get_and_maybe_log_recompilation_reasons
+
+    def reasons_without_guards(cache_entries, frame, *args, **kwargs):
+        mode = torch._guards.detect_fake_mode(list(frame.f_locals.values()))
+        env = getattr(mode, "shape_env", None)
+        with env.suppress_guards() if env is not None else contextlib.nullcontext():
+            return reasons(cache_entries, frame, *args, **kwargs)
+
+    convert_frame.get_and_maybe_log_recompilation_reasons = reasons_without_guards
+    try:
+        with dynamo_config.patch(automatic_dynamic_shapes=False):
+            yield
+    finally:
+        convert_frame.get_and_maybe_log_recompilation_reasons = reasons
 
 
 _PY_RANDOM = (
