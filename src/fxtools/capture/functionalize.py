@@ -2,7 +2,7 @@
 
 The captured (pre-dispatch, not functionalised) graph may contain mutating ATen overloads:
 ``y.add_(1)``, ``x.squeeze_(0)``, ``z[0].mul_(3)``, ``out[:, 1] = v`` (``copy_`` on a view),
-``torch.relu_``... ``functionalize`` rewrites them on the graph:
+``torch.relu_``, ``y.as_strided_(size, stride)``... ``functionalize`` rewrites them on the graph:
 
 - A mutation of a tensor that the function *created* (an intermediate) becomes its functional
   counterpart (``add_`` -> ``add``, ``copy_(dst, src)`` -> ``src`` cast and expanded to
