@@ -193,6 +193,31 @@ def test_a_closed_over_module_converted_inside_the_program_is_refused():
     assert {k: (v, v.dtype) for k, v in m.state_dict(keep_vars=True).items()} == before
 
 
+class _ConvertsItself(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.fc = nn.Linear(4, 2, dtype=dtype)
+
+    def forward(self, x):
+        self.to(x.device).double()  # eager converts the module's (or functional_call's) tensors in place
+        return self.fc(x).sin().sum()
+
+
+def test_a_module_converting_its_own_parameters_passed_as_arguments():
+    x = torch.randn(3, 4, dtype=D)
+    m = _ConvertsItself(torch.float32)
+    params = dict(m.named_parameters())
+    with pytest.raises(fxtools.FxtoolsError, match=r"self\.to\(x\.device\)\.double\(\).*converts Linear\.weight"):
+        fxtools.grad(fxtools.functional(m), params, x)
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    m = _ConvertsItself(D)  # already double: the conversion changes nothing and runs
+    params = dict(m.named_parameters())
+    got = fxtools.grad(fxtools.functional(m), params, x)(params, x)
+    m(x).backward()
+    for name, p in params.items():
+        torch.testing.assert_close(got[name], p.grad, **TOL)
+
+
 def test_a_closed_over_module_converted_to_what_it_is_runs():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3)).double()

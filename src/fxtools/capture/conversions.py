@@ -10,7 +10,8 @@ Linear.weight". While fxtools captures, ``_apply`` is replaced:
   the trace's record of it becoming the conversion's node, so gradients flow back through the
   conversion to whatever the parameter was computed from; a buffer is replaced by its converted
   value, as PyTorch does;
-- a tensor made outside the program (a closed-over module's parameter or buffer): a conversion
+- a tensor made outside the program (a closed-over module's parameter or buffer, or an argument
+  such as ``fxtools.functional``'s parameters, which eager would convert in place): a conversion
   that leaves it as it is (``m.to(x.device)`` on the device it is on, ``m.double()`` on a double
   module) is skipped, as in eager mode; any other is refused, naming the line, since it would
   change the user's module each time fxtools traces while the generated code would not.
@@ -28,7 +29,15 @@ from ..errors import FxtoolsError, current_user_line
 
 
 def _made_by_program(t: torch.Tensor) -> bool:
-    return isinstance(t, FakeTensor)
+    """A tensor the program computed: fake (closed-over tensors stay real while tracing), and not
+    an argument (``fxtools.functional``'s parameters are arguments standing in a module)."""
+    if not isinstance(t, FakeTensor):
+        return False
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    slot = proxy_tensor.get_proxy_slot(t, mode.tracer, None) if mode is not None else None
+    return slot is None or slot.proxy.node.op != "placeholder"
 
 
 def _unchanged_by(fn, t: torch.Tensor) -> bool:
