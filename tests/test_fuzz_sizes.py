@@ -14,6 +14,9 @@ float64 at 1e-9:
   new sizes with ``InputMismatch`` (a size that became static); where eager PyTorch itself
   fails at the new sizes (a reshape to the example's numbers), it must raise, never return.
 
+Both modules are also called at the example's sizes and values with every argument in another
+memory layout (``check_layouts``): exact, or refused where eager refuses.
+
 Never a result that differs from ``torch.func``. ``FXTOOLS_FUZZ_SIZES_N`` programs (default
 below); ``FXTOOLS_FUZZ_SEED`` and ``FXTOOLS_FUZZ_ONLY`` as in ``tests/test_fuzz.py``.
 """
@@ -81,6 +84,29 @@ def _call_and_compare(gm, p, args, gen):
     return "exact"
 
 
+def _relaid(x, k):
+    """``x``'s values in another memory layout: for the ``k``-th tensor argument, alternately every
+    other element of a larger buffer (strides doubled, storage offset 1) and, for a matrix or more,
+    the last two dimensions' order swapped in memory (a transposed buffer); a scalar as is."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return x
+    if k % 2 and x.dim() >= 2:
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    buffer = torch.zeros(x.numel() * 2 + 1, dtype=x.dtype)
+    y = buffer[1::2].view(x.shape) if x.numel() else x.clone()
+    y.copy_(x)
+    return y
+
+
+def check_layouts(gm, p, gen):
+    """``gm`` called with each argument in another memory layout (same sizes and values): exact,
+    or refused where eager refuses (a ``view`` of a strided input)."""
+    relaid = tuple(_relaid(a, k) for k, a in enumerate(p.args))
+    if all(a is b for a, b in zip(relaid, p.args)):
+        return
+    assert _call_and_compare(gm, p, relaid, gen) in ("exact", "refused")
+
+
 def check_sizes(p, gen, tally):
     args = p.args
     new = tuple(_resized(a, gen) for a in args)
@@ -88,6 +114,7 @@ def check_sizes(p, gen, tally):
     ct = randn_like_floats(p.fn(*args), gen)
     with pytest.raises(fxtools.InputMismatch):
         static(*new, ct)
+    check_layouts(static, p, gen)
     try:
         symbolic = fxtools.vjp(p.fn, *args, dynamic_shapes=_all_sizes_auto(args))
     except fxtools.FxtoolsError as exc:  # a clear refusal at generation time is allowed, and counted
@@ -97,6 +124,7 @@ def check_sizes(p, gen, tally):
     assert _call_and_compare(symbolic, p, args, gen) == "exact", "the symbolic module refused its own example"
     outcome = _call_and_compare(symbolic, p, new, gen)
     tally[outcome] = tally.get(outcome, 0) + 1
+    check_layouts(symbolic, p, gen)
 
 
 def groups():

@@ -72,6 +72,19 @@ def test_torch_compile_backend_gpt_adamw_matches_eager():
     assert_same_parameters(model, eager)
 
 
+def test_torch_compile_takes_the_backend_itself_as_its_defaults():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    compiled = torch.compile(model, backend=fxtools.backend)  # not called: as backend="inductor" is a name
+    for rows in (4, 7):
+        x = torch.randn(rows, 5, dtype=torch.float64, requires_grad=True)
+        (got,) = torch.autograd.grad(compiled(x).pow(2).sum(), x)
+        (want,) = torch.autograd.grad(model(x).pow(2).sum(), x)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch._dynamo.reset()
+
+
 def test_compilers_receive_the_graph_modules():
     seen = {}
 

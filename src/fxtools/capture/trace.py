@@ -177,11 +177,6 @@ class _UserStack:
             if is_user_file(code.co_filename):
                 key.append((code.co_filename, f.f_lineno, code.co_name))
             f = f.f_back
-        while not key and f is not None:  # made by fxtools' own code (a rule): the script's call is the line
-            code = f.f_code
-            if is_user_file(code.co_filename):
-                key.append((code.co_filename, f.f_lineno, code.co_name))
-            f = f.f_back
         key.reverse()
         cache = _UserStack.cache if _UserStack.cache is not None else {}
         made = cache.get(tuple(key))

@@ -977,7 +977,11 @@ def backend(
     for both), decompositions, policy and rules are those of ``fxtools.compile``. Each Dynamo graph
     is split as a function of its inputs (and of the parameters it holds, if any), and runs
     through an autograd.Function. ``check_finite``: as on ``fxtools.compile``.
+    ``torch.compile(model, backend=fxtools.backend)`` (not called) is the backend with its defaults,
+    as torch.compile takes a backend: Dynamo then calls this with its graph and example inputs.
     """
+    if isinstance(fw_compiler, fx.GraphModule):
+        return backend()(fw_compiler, bw_compiler)
     fw_compiler = compiler if fw_compiler is None else fw_compiler
     bw_compiler = compiler if bw_compiler is None else bw_compiler
 

@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from ..capture.decompose import expand
 from ..capture.functionalize import functionalize
 from ..capture.trace import Captured
-from ..errors import FxtoolsError, user_line_of
+from ..errors import FxtoolsError, current_user_line, user_line_of
 from ..graph import meta
 from ..graph.nodes import is_float
 from ..registry import Rule
@@ -52,7 +52,9 @@ def is_control_flow(node: fx.Node) -> bool:
 
 
 def _where(node) -> str:
-    return user_line_of(node) or "an unknown line of user code"
+    """The user's line of ``node``; for a node fxtools' own code made (a rule's while_loop in a
+    generated module being differentiated again), the script's call of fxtools."""
+    return user_line_of(node) or current_user_line()
 
 
 def prepare(gm: fx.GraphModule, node: fx.Node | None = None) -> None:
