@@ -20,12 +20,15 @@ Linear.weight". While fxtools captures, ``_apply`` is replaced:
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import FxtoolsError, current_user_line
+
+_DATA: Any = torch._C.TensorBase.data  # the descriptor of ``Tensor.data``
 
 
 def _made_by_program(t: torch.Tensor) -> bool:
@@ -83,7 +86,7 @@ def _set_traced_data(param: torch.Tensor, applied: torch.Tensor) -> bool:
     if slot is None or not isinstance(applied, FakeTensor) or type(param) not in (torch.nn.Parameter, FakeTensor):
         return False
     with torch._C.DisableTorchFunction():
-        torch._C.TensorBase.data.__set__(param, applied)  # the tensor's own setter: fxtools refuses `.data =` in programs
+        _DATA.__set__(param, applied)  # the tensor's own setter: fxtools refuses `.data =` in programs
     param.fake_device = applied.fake_device  # type: ignore[attr-defined]
     mode.tracer.tensor_tracker[param] = slot
     return True

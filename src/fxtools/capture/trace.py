@@ -44,8 +44,8 @@ from ..graph.data_dependent import CountsFromExamples
 from ..signature.naming import arg_names, leaf_names
 from ..signature.sizes import TracedSizes
 from .checkpoint import checkpoint_regions
-from .conversions import module_conversions
 from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing, with_value_reads
+from .conversions import module_conversions
 from .layout_reads import LayoutReads, constants_read_as_values
 from .layout_reads import facts as layout_facts
 from .names import module_paths, name_values, outer_frames, recording_modules
