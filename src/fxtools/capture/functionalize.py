@@ -2,7 +2,7 @@
 
 The captured (pre-dispatch, not functionalised) graph may contain mutating ATen overloads:
 ``y.add_(1)``, ``x.squeeze_(0)``, ``z[0].mul_(3)``, ``out[:, 1] = v`` (``copy_`` on a view),
-``torch.relu_``... ``functionalize`` rewrites them on the graph:
+``torch.relu_``, ``y.as_strided_(size, stride)``... ``functionalize`` rewrites them on the graph:
 
 - A mutation of a tensor that the function *created* (an intermediate) becomes its functional
   counterpart (``add_`` -> ``add``, ``copy_(dst, src)`` -> ``src`` cast and expanded to
@@ -846,6 +846,12 @@ class _Functionalizer:
         """An in-place op on an intermediate (``target``, in storage ``st``) becomes functional."""
         info = self.rewritable(node, target, st)
         kind, func = _rewrite_kind(node)
+        if kind == "view" and func is aten.as_strided.default:  # reads memory: laid out as the trace's tensor was
+            orig = self.original[node]
+            self.repl[node] = _as_strided_on(self.b, node.args[0], _val(orig[0]), node.args[1:], node.kwargs)
+            self.aliases[node] = _Alias(st, target, _Step(func, orig, node.kwargs), self.version[st])
+            self.to_erase.append(node)
+            return
         if kind == "view":
             self.repl[node] = self.b(func, *node.args, **node.kwargs)
             self.aliases[node] = _Alias(st, target, _Step(func, node.args, node.kwargs), self.version[st])
@@ -927,8 +933,6 @@ def _rewrite_kind(node: fx.Node):
         raise _error(node, "fxtools knows no out-of-place version of this op")
     if not _is_view_op(func):
         return "data", func
-    if func in (aten.as_strided.default,):
-        raise _error(node, "changing a tensor's strides or autograd identity in place is not supported")
     return "view", func
 
 

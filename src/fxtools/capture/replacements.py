@@ -712,6 +712,36 @@ def refuse_compressed_sparse(func, args, kwargs) -> None:
                 )
 
 
+def _traced_slot(t: torch.Tensor):
+    """The trace's current record (proxy slot) of ``t``, with its tracer, or None."""
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_innermost_proxy_mode()
+    if mode is None:
+        return None
+    slot = proxy_tensor.get_proxy_slot(t, mode.tracer, None)
+    return None if slot is None else (mode.tracer, slot)
+
+
+def _keep_identity(t: torch.Tensor, before) -> None:
+    """A call that returned its input itself (``x.to(x.dtype)``, ``x.double()`` on a double
+    tensor, ``x.cpu()`` on the CPU, ``resolve_conj`` on a real tensor) without writing into it:
+    eager hands back the same tensor, but the trace recorded an aliasing node (``aten.to``) and
+    made it ``t``'s record, so every later use of ``t`` read that node. Under ``no_grad`` the node
+    is non-differentiable, and the gradient through all of ``t``'s later uses was silently zero;
+    ``t`` keeps its record from before the call instead (the node is left unused)."""
+    from torch.fx.experimental import proxy_tensor
+
+    tracer, slot = before
+    now = proxy_tensor.get_proxy_slot(t, tracer, None)
+    if now is None or now is slot:
+        return
+    target = now.proxy.node.target
+    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        return
+    tracer.tensor_tracker[t] = slot
+
+
 class Replacing(TorchFunctionMode):
     """Calls the replacement of each function in ``REPLACEMENTS`` and of each attribute access in
     ``ATTRIBUTES`` (active while capturing), and records the generator-state calls
@@ -725,7 +755,12 @@ class Replacing(TorchFunctionMode):
             out = replacement(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        return func(*args, **kwargs)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) and not torch.compiler.is_dynamo_compiling() else None
+        slot = _traced_slot(first) if first is not None else None
+        out = func(*args, **kwargs)
+        if out is first and slot is not None:
+            _keep_identity(first, slot)
+        return out
 
     def __enter__(self):
         self._batch_norm = torch.nn.modules.batchnorm._BatchNorm.forward  # restored as found (nested captures)

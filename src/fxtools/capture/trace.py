@@ -46,6 +46,7 @@ from ..signature.naming import arg_names, leaf_names
 from ..signature.sizes import TracedSizes
 from .checkpoint import checkpoint_regions
 from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing, with_value_reads
+from .conversions import module_conversions
 from .layout_reads import LayoutReads, constants_read_as_values
 from .layout_reads import facts as layout_facts
 from .names import module_paths, name_values, outer_frames, recording_modules
@@ -366,9 +367,22 @@ def _static_control_flow():
     sizes (``dynamic_shapes=`` says which are symbolic), so that memory is turned off while it
     captures: no trace depends on the ones before it."""
     import torch._dynamo.config as dynamo_config
+    from torch._dynamo import convert_frame
 
-    with dynamo_config.patch(automatic_dynamic_shapes=False):
-        yield
+    reasons = convert_frame.get_and_maybe_log_recompilation_reasons
+
+    def reasons_without_guards(cache_entries, frame, *args, **kwargs):
+        mode = torch._guards.detect_fake_mode(list(frame.f_locals.values()))
+        env = getattr(mode, "shape_env", None)
+        with env.suppress_guards() if env is not None else contextlib.nullcontext():
+            return reasons(cache_entries, frame, *args, **kwargs)
+
+    convert_frame.get_and_maybe_log_recompilation_reasons = reasons_without_guards
+    try:
+        with dynamo_config.patch(automatic_dynamic_shapes=False):
+            yield
+    finally:
+        convert_frame.get_and_maybe_log_recompilation_reasons = reasons
 
 
 _PY_RANDOM = (
@@ -764,6 +778,7 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             _tensor_attributes_written(),
             _backward_hooks_refused(),
             _tensor_hooks_refused(),
+            module_conversions(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
         ):

@@ -277,6 +277,7 @@ class _Runner:
         self.replay = Replay(sp, compiled_forward=self.aten.forward if self.fw_aten else None)
         self.subclasses: SubclassLeaves | None = None  # DTensor arguments and outputs (distributed.py)
         self.layouts = None if self.aten is None else _compiled_layouts(self.aten.forward, leaves)
+        self.returned_inputs = returned_inputs(cap.gm, self.out_is_tensor)
 
     def takes_layout(self, leaves) -> bool:
         """Whether the compiled graphs were made for the strides of ``leaves`` (compilers such as
@@ -327,9 +328,27 @@ class _Runner:
                     self.checker.forward(local, outs, rng)
                 if self.subclasses is not None:
                     outs = self.subclasses.outputs(outs)
+        if self.returned_inputs and self.subclasses is None:
+            outs = list(outs)
+            for k, j in self.returned_inputs.items():
+                outs[k] = leaves[j]
         it = iter(outs)
         full = [next(it) if t else o for t, o in zip(self.out_is_tensor, self.out_leaves)]
         return pytree.tree_unflatten(full, self.split.out_spec)
+
+
+def returned_inputs(gm: fx.GraphModule, out_is_tensor: list[bool]) -> dict[int, int]:
+    """Tensor output position -> tensor input position, for the outputs that are an input itself
+    (``return x``, ``x.to(x.dtype)``, ``y.contiguous()`` on a contiguous ``y``). The caller gets
+    that input object back, as eager and ``torch.compile`` give it (an autograd.Function would
+    hand back a new view of it, and a compiled graph may copy it): its identity, ``.grad`` and
+    in-place updates are the input's. Its gradient flows to the input directly."""
+    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    outs = pytree.tree_leaves(gm.graph.output_node().args[0])
+    if len(outs) != len(out_is_tensor):
+        return {}
+    tensor_outs = [o for o, t in zip(outs, out_is_tensor) if t]
+    return {k: placeholders[o] for k, o in enumerate(tensor_outs) if isinstance(o, fx.Node) and o in placeholders}
 
 
 def _own(saved: list, donated) -> None:
