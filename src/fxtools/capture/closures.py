@@ -132,12 +132,48 @@ _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backw
 
 def _hook_ids(module):
     """The ids of the hooks registered on ``module`` (``None``: every module's, ``register_module_*``):
-    the trace ran them, so adding or removing one must be refused. Ids are never reused."""
+    the trace ran them, so adding or removing one must be refused. Ids are never reused. A
+    ``forward`` set on the instance (``m.forward = fn``), which a call runs instead of its class's,
+    ends the tuple: setting or removing one afterwards is refused the same way."""
     if module is None:  # fxtools' own (capture/names.py records module calls while tracing) left out
         tables = vars(torch.nn.modules.module)
         hooks = [(k, h) for name in _HOOKS for k, h in tables["_global" + name].items()]
         return tuple(k for k, h in hooks if not getattr(h, "__module__", "").startswith("fxtools."))
-    return tuple(k for name in _HOOKS for k in vars(module)[name])
+    own = vars(module)
+    ids = tuple(k for name in _HOOKS for k in own[name])
+    return (*ids, own["forward"]) if "forward" in own else ids
+
+
+def _method_of(obj, name):
+    """What ``obj.name`` finds for a method: a function set on the instance, else the first class
+    of its MRO defining ``name`` (``MISSING`` if none). Compared by identity: a method replaced
+    on the class or the instance after the trace is refused."""
+    own = _attributes(obj)
+    if name in own:
+        return own[name]
+    for cls in type(obj).__mro__:
+        found = vars(cls).get(name, MISSING)
+        if found is not MISSING:
+            return found
+    return MISSING
+
+
+_NOT_CALLED = frozenset(("__init__", "__new__", "__repr__", "__str__", "__init_subclass__", "__post_init__", "extra_repr"))
+
+
+def _user_methods(obj):
+    """``(name, function)`` for the methods of ``obj``'s classes written in the user's files
+    (``forward`` and the helpers it calls through ``self``, properties' getters), the first class
+    of the MRO defining each name."""
+    found: dict = {}
+    for cls in type(obj).__mro__:
+        if not _own_file(cls):
+            continue
+        for name, value in vars(cls).items():
+            fn = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+            if name not in found and name not in _NOT_CALLED and inspect.isfunction(fn):
+                found[name] = fn
+    return found.items()
 
 
 def _cell_get(cell):
@@ -271,6 +307,17 @@ class _Walk:
             self.obj(value, name + ".", name + ".")
         else:
             self.reads.append(Read(what, get, "value", snapshot(value), where, mutable=True))
+            if hasattr(value, "__dict__") and id(value) not in self.seen:  # a config object: its methods too
+                self.seen.add(id(value))
+                self._methods(value, name + ".")
+
+    def _methods(self, obj, label) -> None:
+        """The methods of ``obj``'s classes in the user's files, walked as the functions they are and
+        guarded by identity (one replaced on the class or set on the instance is refused)."""
+        for name, fn in _user_methods(obj):
+            get = functools.partial(_method_of, obj, name)
+            self.reads.append(Read(f"the method {label}{name}", get, "same", get()))
+            self.function(fn, 1)
 
     def obj(self, obj, prefix, label) -> None:
         """A module or plain object the program reached: its tensors, submodules, and (later) the
@@ -289,6 +336,8 @@ class _Walk:
             fn = inspect.getattr_static(cls, attr, None)
             if inspect.isfunction(fn) and not (attr == "__call__" and isinstance(obj, torch.nn.Module)):
                 self.function(fn, 1)
+        if not isinstance(obj, type):  # the methods of the user's classes: forward's helpers (self.body(x))
+            self._methods(obj, label)
         if isinstance(obj, torch.nn.Module):
             self._module(obj, prefix, label)
         elif type(obj).__module__.startswith("fxtools."):  # fxtools' wrapper of a generated module
@@ -324,7 +373,8 @@ class _Walk:
             owners.append((None, "every module (register_module_forward_hook, ...)"))
         for owner, whose in owners:
             get = functools.partial(_hook_ids, owner)
-            self.reads.append(Read(f"the ids of the hooks registered on {whose}", get, "value", get()))
+            what = f"the ids of the hooks registered on {whose}" + ("" if owner is None else " (and a forward set on it)")
+            self.reads.append(Read(what, get, "value", get()))
         tables = (module._parameters, module._buffers, vars(module))
         for table in tables:  # read from the table itself: nn.Module.__getattr__ is slow
             for name, t in list(table.items()):

@@ -94,7 +94,7 @@ class Closures:
         # flat tuples for the loop of every call (a few hundred nanoseconds a read)
         self._fixed = tuple((r.get, r.expected, r) for r in self.others if not r.mutable)
         self._mutable = tuple(r for r in self.others if r.mutable)
-        self._tensor_gets = tuple((r.get, r.expected.shape) for r, _ in self.tensors)
+        self._tensor_gets = tuple((r.get, r.expected.shape, r.expected.dtype, r.expected.device) for r, _ in self.tensors)
 
     def check(self, gm: fx.GraphModule) -> None:
         """Refuse a changed value or object; make the module read tensors rebound since the last call."""
@@ -108,11 +108,11 @@ class Closures:
             if now is MISSING or not same_value(snapshot(now), read.expected):
                 self._changed(read, now)
         seen = self.seen
-        for i, (get, shape) in enumerate(self._tensor_gets):
+        for i, (get, shape, dtype, device) in enumerate(self._tensor_gets):
             now = get()
             if now is not seen[i]:
                 self._rebind(gm, i, now)
-            elif now.shape != shape:  # the same tensor, given another shape (``p.data = ...``)
+            elif now.shape != shape or now.dtype != dtype or now.device != device:  # ``p.data = ...`` of another kind
                 self._refuse_tensor(self.tensors[i][0], now)
 
     def _rebind(self, gm, i, now) -> None:
