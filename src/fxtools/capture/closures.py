@@ -453,6 +453,28 @@ def with_value_reads(reads: list[Read], read_as_values: dict) -> list[Read]:
     return reads + extra
 
 
+def _layout_of(get):
+    """The strides and storage offset of the tensor ``get()`` reads."""
+    t = get()
+    if not isinstance(t, torch.Tensor):
+        return MISSING
+    return (tuple(t.stride()), t.storage_offset())
+
+
+def with_layout_reads(reads: list[Read], layout_read: dict) -> list[Read]:
+    """``reads`` and, for each closed-over tensor whose layout the program read (``id -> line``:
+    ``W.is_contiguous()``, ``W.stride(0)``, ``W.t().is_contiguous()``), a guard on its strides and
+    storage offset: the code followed what they gave, so a tensor rebound (or given new ``.data``)
+    of another layout is refused instead of silently computed with the old one's decisions."""
+    extra = []
+    for read in reads:
+        where = layout_read.get(id(read.expected)) if read.kind == "tensor" else None
+        if where is not None:
+            get = functools.partial(_layout_of, read.get)
+            extra.append(Read(f"the layout (strides, storage offset) of {read.what}", get, "value", get(), where))
+    return reads + extra
+
+
 def tensor_names(reads: list[Read]) -> dict[int, str]:
     """id(tensor) -> the identifier the code gives it (``model_fc_weight``, ``w``)."""
     names: dict[int, str] = {}

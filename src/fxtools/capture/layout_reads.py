@@ -91,6 +91,7 @@ class LayoutReads(TorchFunctionMode):
         super().__init__()
         self.reads: list = []
         self.values: list = []  # (tensor, its node or None, line): values the program read into Python
+        self.any_reads: list = []  # (tensor, its node or None, line): every layout read of the program
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -100,6 +101,9 @@ class LayoutReads(TorchFunctionMode):
             self.values.append((args[0], _node_of(args[0]), decision_line()))
         base, batched = _unbatched(args[0]) if name in _READS | _STORAGE_READS and args else (None, False)
         checked = decisions.current() if base is not None else None  # a module traced again: the read it repeats
+        if isinstance(base, torch.Tensor) and (_by_program() or (checked is not None and checked.kind == "read")):
+            # of a closed-over tensor (real, or a value computed from one): its layout is guarded as a value
+            self.any_reads.append((base, _node_of(base), checked.where if checked is not None else decision_line()))
         if isinstance(base, torch._subclasses.FakeTensor) and (_by_program() or (checked is not None and checked.kind == "read")):
             fmt = kwargs.get("memory_format", args[1] if len(args) > 1 and name == "is_contiguous" else None)
             fmt_name = str(fmt or torch.contiguous_format).removeprefix("torch.")
@@ -112,7 +116,8 @@ class LayoutReads(TorchFunctionMode):
 
 def constants_read_as_values(reads: list, gm: fx.GraphModule) -> dict:
     """id -> line for the constant tensors (closed-over ones) whose values the program read into
-    Python (``float(t)``, ``t.item()``, ``int(t[0])``), directly or through ops on them."""
+    Python (``float(t)``, ``t.item()``, ``int(t[0])``), directly or through ops on them; given
+    ``LayoutReads.any_reads``, those whose layout it read (``W.is_contiguous()``, ``W.t().stride(0)``)."""
     found: dict = {}
     for t, node, where in reads:
         if node is None:
