@@ -129,6 +129,7 @@ class Leaf:
     value: object = None
     role: str | None = None
     reads: tuple = ()  # layout facts the program read (Read), checked like ``layout``
+    pinned: tuple = ()  # (dim, the user's line) for a size marked dynamic that the program made static
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,11 +511,21 @@ class Guards:
                         "Pass arguments whose sizes agree.",
                     )
             elif got != want:
+                pinned = dict(spec.pinned).get(d)
                 self._leaf_fail(
                     spec,
                     f"{spec.path}.size({d}) is {got}, but the module was made for {want} "
-                    f"({spec.path}: made for shape {_desc(spec.sizes)}, got {_desc(shape)})",
-                    "Sizes are constants in the generated code: generate the module again with an "
+                    f"({spec.path}: made for shape {_desc(spec.sizes)}, got {_desc(shape)})"
+                    + (
+                        f"; the size was marked dynamic, but the program needs it to be {want} "
+                        f"(decided at {pinned}), so it is a constant of the code"
+                        if pinned is not None
+                        else ""
+                    ),
+                    "Generate the module again with an example of this shape, or write the program without "
+                    "that use of the size as a Python number."
+                    if pinned is not None
+                    else "Sizes are constants in the generated code: generate the module again with an "
                     "example of this shape, or make this size symbolic by marking it dynamic "
                     "(dynamic_shapes=, with torch.export.Dim) when generating the module.",
                 )

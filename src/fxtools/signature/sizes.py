@@ -356,6 +356,28 @@ def _sizes(val, sym: Symbolic) -> list:
     return out
 
 
+def _pinned(path: str, sym: Symbolic) -> tuple:
+    """``(dim, line)`` for each size of the argument leaf ``path`` that was marked dynamic and that
+    the trace made a constant (``Dim.AUTO`` specialised by ``len(x)``, ``float(x.shape[0])``): the
+    program's line that did, for the message refusing another size."""
+    import re
+
+    env = sym.shape_env
+    lines = getattr(env.guards, "where", {})
+    out = []
+    for symbol, sources in env.var_to_sources.items():
+        if not env.replace(symbol).is_Integer:
+            continue
+        for source in sources:
+            match = re.fullmatch(r"L\['([^']*)'\](.*)\.size\(\)\[(\d+)\]", source.name)
+            if match is None or match[1] + match[2] != path:
+                continue
+            where = next((lines[id(g)] for g in env.guards if id(g) in lines and symbol in g.expr.free_symbols), None)
+            if where is not None:
+                out.append((int(match[3]), where))
+    return tuple(sorted(out))
+
+
 @dataclass(frozen=True)
 class TracedSizes:
     """What a module's guards take from its trace (``guard_symbolic``): the symbolic sizes (None:
@@ -413,6 +435,9 @@ def guard_symbolic(guards, traced: TracedSizes, examples) -> None:
         val = value if isinstance(value, torch._subclasses.FakeTensor) else symbolic_of.get(id(value))
         if leaf.kind == "tensor" and val is not None:
             shaped.append((leaf, value, _sizes(val, sym)))
+    for leaf in leaves:
+        if leaf.kind == "tensor":
+            leaf.pinned = _pinned(leaf.path, sym)
     rel = _Relations(sym)
     for leaf, _, exprs in shaped:  # plain symbols first: derived sizes are said in their terms
         for d, expr in enumerate(exprs):
