@@ -453,25 +453,34 @@ def with_value_reads(reads: list[Read], read_as_values: dict) -> list[Read]:
     return reads + extra
 
 
-def _layout_of(get):
-    """The strides and storage offset of the tensor ``get()`` reads."""
+def _layout_of(get, facts):
+    """The layout facts (``capture/layout_reads.constants_layout_read``) of the tensor ``get()`` reads."""
     t = get()
     if not isinstance(t, torch.Tensor):
         return MISSING
-    return (tuple(t.stride()), t.storage_offset())
+    out = []
+    for fact in facts:
+        if fact[0] == "is_contiguous":
+            out.append(("is_contiguous", t.is_contiguous(memory_format=fact[1])))
+        elif fact[0] == "strides":
+            out.append(("strides", tuple(t.stride())))
+        else:
+            out.append(("storage offset", t.storage_offset()))
+    return tuple(out)
 
 
 def with_layout_reads(reads: list[Read], layout_read: dict) -> list[Read]:
-    """``reads`` and, for each closed-over tensor whose layout the program read (``id -> line``:
-    ``W.is_contiguous()``, ``W.stride(0)``, ``W.t().is_contiguous()``), a guard on its strides and
-    storage offset: the code followed what they gave, so a tensor rebound (or given new ``.data``)
-    of another layout is refused instead of silently computed with the old one's decisions."""
+    """``reads`` and, for each closed-over tensor whose layout the program read (``id -> (line,
+    facts)``: ``W.is_contiguous()``, ``W.stride(0)``, ``W.t().is_contiguous()``), a guard on those
+    facts: the code followed what they gave, so a tensor rebound (or given new ``.data``) of
+    another layout is refused instead of silently computed with the old one's decisions."""
     extra = []
     for read in reads:
-        where = layout_read.get(id(read.expected)) if read.kind == "tensor" else None
-        if where is not None:
-            get = functools.partial(_layout_of, read.get)
-            extra.append(Read(f"the layout (strides, storage offset) of {read.what}", get, "value", get(), where))
+        found = layout_read.get(id(read.expected)) if read.kind == "tensor" else None
+        if found is not None:
+            where, facts = found
+            get = functools.partial(_layout_of, read.get, facts)
+            extra.append(Read(f"the layout of {read.what}", get, "value", get(), where))
     return reads + extra
 
 

@@ -103,7 +103,9 @@ class LayoutReads(TorchFunctionMode):
         checked = decisions.current() if base is not None else None  # a module traced again: the read it repeats
         if isinstance(base, torch.Tensor) and (_by_program() or (checked is not None and checked.kind == "read")):
             # of a closed-over tensor (real, or a value computed from one): its layout is guarded as a value
-            self.any_reads.append((base, _node_of(base), checked.where if checked is not None else decision_line()))
+            fmt = kwargs.get("memory_format", args[1] if len(args) > 1 and name == "is_contiguous" else None)
+            where = checked.where if checked is not None else decision_line()
+            self.any_reads.append((base, _node_of(base), where, name, fmt or torch.contiguous_format))
         if isinstance(base, torch._subclasses.FakeTensor) and (_by_program() or (checked is not None and checked.kind == "read")):
             fmt = kwargs.get("memory_format", args[1] if len(args) > 1 and name == "is_contiguous" else None)
             fmt_name = str(fmt or torch.contiguous_format).removeprefix("torch.")
@@ -132,6 +134,43 @@ def constants_read_as_values(reads: list, gm: fx.GraphModule) -> dict:
                     found.setdefault(id(getattr(gm, str(n.target), None)), where)
                 stack.extend(n.all_input_nodes)
     return found
+
+
+def constants_layout_read(reads: list, gm: fx.GraphModule) -> dict:
+    """id -> (line, facts) for the constant tensors (closed-over ones) whose layout the program read
+    (``LayoutReads.any_reads``). The facts: ``("is_contiguous", format)`` for that read of the
+    tensor itself, ``("offset",)`` for its storage offset (or ``as_strided``), ``("strides",)`` for a
+    stride, or for any read of a value computed from it, whose layout follows its strides."""
+    found: dict = {}
+
+    def note(t, where, fact):
+        if isinstance(t, torch.Tensor):
+            entry = found.setdefault(id(t), (where, set()))
+            entry[1].add(fact)
+
+    for t, node, where, name, fmt in reads:
+        own = node is None or node.op == "get_attr"
+        if own:
+            held = t if node is None else getattr(gm, str(node.target), None)
+            if name == "is_contiguous":
+                note(held, where, ("is_contiguous", fmt))
+            else:
+                note(held, where, ("strides",))
+            if name in _STORAGE_READS or name == "storage_offset":
+                note(held, where, ("offset",))
+            continue
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                if n.op == "get_attr":
+                    held = getattr(gm, str(n.target), None)
+                    note(held, where, ("strides",))
+                    if name in _STORAGE_READS:
+                        note(held, where, ("offset",))
+                stack.extend(n.all_input_nodes)
+    return {k: (where, tuple(sorted(facts, key=str))) for k, (where, facts) in found.items()}
 
 
 def _inputs_of(node: fx.Node | None, placeholders: list) -> list:

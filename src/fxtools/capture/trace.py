@@ -47,7 +47,7 @@ from ..signature.sizes import TracedSizes
 from .checkpoint import checkpoint_regions
 from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing, with_layout_reads, with_value_reads
 from .conversions import module_conversions
-from .layout_reads import LayoutReads, constants_read_as_values
+from .layout_reads import LayoutReads, constants_layout_read, constants_read_as_values
 from .layout_reads import facts as layout_facts
 from .names import module_paths, name_values, outer_frames, recording_modules
 from .replacements import Replacing
@@ -694,7 +694,7 @@ def capture(f, args: tuple, *, record_stack_traces=True, pre_dispatch=True, dyna
     gm = _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch)
     reads = _tidy(gm, f, [n for n, t in zip(names, is_tensor) if t], reads, outer)
     reads = with_value_reads(reads, constants_read_as_values(layout.values, gm))
-    reads = with_layout_reads(reads, constants_read_as_values(layout.any_reads, gm))
+    reads = with_layout_reads(reads, constants_layout_read(layout.any_reads, gm))
     arg_of_leaf = [p[0].idx if p else 0 for p in paths]
     cap = Captured(
         f,
