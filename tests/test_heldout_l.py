@@ -202,3 +202,44 @@ def test_auto_size_made_static_names_the_line():
     torch.testing.assert_close(gm(x), torch.func.grad(f)(x))
     with pytest.raises(fxtools.InputMismatch, match=r"marked dynamic, but the program needs it to be 4 \(decided at .*math\.sqrt"):
         gm(torch.randn(5, dtype=D))
+
+
+ACT = torch.tanh
+STATE: dict = {}
+
+
+def test_builtin_global_nested_tensor_and_keyword_default():
+    """Three reads that were not guarded: a global bound to a builtin (``act = torch.tanh``), a
+    tensor inside a list inside a closed-over dict (snapshotted as an empty object: a rebound one
+    was silently ignored), and a keyword-only parameter's default."""
+    global ACT
+    x = torch.randn(2, 3, dtype=D)
+
+    def f(x):
+        return ACT(x).sum()
+
+    gm = fxtools.grad(f, x)
+    try:
+        ACT = torch.sin
+        assert _served_or_refused(gm, f, x, "the global ACT") == "refused"
+    finally:
+        ACT = torch.tanh
+    assert _served_or_refused(gm, f, x) == "served"
+
+    STATE["ws"] = [torch.ones(3, dtype=D)]
+
+    def g(x):
+        return (x * STATE["ws"][0]).sum()
+
+    gm = fxtools.grad(g, x)
+    STATE["ws"][0] = torch.full((3,), 2.0, dtype=D)  # rebound: read in its place
+    assert _served_or_refused(gm, g, x) == "served"
+    STATE["ws"].append(torch.ones(3, dtype=D))
+    assert _served_or_refused(gm, g, x, "length") == "refused"
+
+    def h(x, *, k=2.0):
+        return (x * k).sum()
+
+    gm = fxtools.grad(h, x)
+    h.__kwdefaults__["k"] = 5.0
+    assert _served_or_refused(gm, h, x, "the default of k") == "refused"

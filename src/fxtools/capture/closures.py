@@ -123,6 +123,11 @@ def _default(fn, i):
     return defaults[i] if i < len(defaults) else MISSING
 
 
+def _kwdefault(fn, name):
+    """The default of ``fn``'s keyword-only parameter ``name``, as a call would take it now."""
+    return (fn.__kwdefaults__ or {}).get(name, MISSING)
+
+
 def _partial_arg(p, i):
     return p.args[i] if i < len(p.args) else MISSING
 
@@ -277,6 +282,9 @@ class _Walk:
         for i, (name, value) in enumerate(zip(names, defaults)):
             get = functools.partial(_default, fn, i)
             self.value(value, get, f"the default of {name}", _line(code, code.co_firstlineno), name, depth)
+        for name, value in list((getattr(fn, "__kwdefaults__", None) or {}).items()):  # def f(x, *, k=2.0)
+            get = functools.partial(_kwdefault, fn, name)
+            self.value(value, get, f"the default of {name}", _line(code, code.co_firstlineno), name, depth)
 
     def _wrapper_cells(self, cells, depth) -> None:
         """fxtools' own wrappers (a transform of a generated module): follow what they call, whose
@@ -293,6 +301,8 @@ class _Walk:
         if isinstance(value, torch.Tensor):
             self.reads.append(Read(what, get, "tensor", value, where, identifier(name)))
         elif isinstance(value, (types.ModuleType, type)) or inspect.isbuiltin(value):
+            if not isinstance(value, types.ModuleType):  # act = torch.tanh, Block = nn.Linear: the same one
+                self.reads.append(Read(what, get, "same", value, where))
             if isinstance(value, (types.ModuleType, type)) and _own_file(value) and id(value) not in self.seen:
                 self.obj(value, name + ".", name + ".")  # config.lr, Net.scale: named attributes guarded
             return
@@ -346,7 +356,8 @@ class _Walk:
                     self.obj(value, "", type(value).__name__ + ".")
         elif type(obj) is dict:  # a dict of tensors (``params['w']``)
             for key, value in list(obj.items()):
-                if isinstance(key, str) and isinstance(value, (torch.Tensor, torch.nn.Module)):
+                holder = type(value) in (list, tuple, dict) and snapshot(value) is None  # of tensors or modules
+                if isinstance(key, str) and (isinstance(value, (torch.Tensor, torch.nn.Module)) or holder):
                     get = functools.partial(_get_item, obj, key)
                     self.value(value, get, f"{label[:-1]}[{key!r}]", None, f"{prefix}{key}", _DEPTH)
                 elif callable(value) and not isinstance(value, type):  # OPS = {"act": torch.sin}: the same one

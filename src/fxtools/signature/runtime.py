@@ -254,7 +254,12 @@ def _snapshot(obj, depth=0):
     same constants (``c.scale`` read while tracing)."""
     if obj is None or type(obj) in (bool, int, float, complex, str):
         return obj
-    if depth > 8:
+    if depth > 8 or isinstance(obj, (torch.Tensor, torch.nn.Module)):  # read by reference, not compared
+        return None
+    if type(obj) is dict:
+        pairs = tuple((k, _snapshot(v, depth + 1)) for k, v in obj.items())
+        plain = all(type(k) is str and (s is not None or v is None) for (k, s), v in zip(pairs, obj.values()))
+        return ("dict", pairs) if plain else None
         return None
     if type(obj) in (tuple, list):
         items = tuple(_snapshot(v, depth + 1) for v in obj)
