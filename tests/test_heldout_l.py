@@ -49,6 +49,21 @@ class _Net(nn.Module):
         return torch.tanh(self.lin(x)) * self.alpha
 
 
+COUNTER = 0
+
+
+class _Logged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, dtype=D))
+
+    def forward(self, x):
+        return (x * self.w).sum()
+
+    def log_step(self):  # never called by the program: what it reads is not guarded
+        return COUNTER
+
+
 class _Config:
     def __init__(self):
         self.k = 2.0
@@ -81,6 +96,12 @@ def test_helper_methods_and_replaced_methods():
     finally:
         _Net.forward = old
     assert _served_or_refused(gm, f, x) == "served"
+
+    global COUNTER
+    logged = _Logged()
+    gm = fxtools.grad(lambda x: logged(x), x)
+    COUNTER += 1
+    torch.testing.assert_close(gm(x), logged.w.detach().expand(2, 3))
 
     cfg = _Config()
 
@@ -200,7 +221,9 @@ def test_auto_size_made_static_names_the_line():
     gm = fxtools.grad(f, torch.randn(4, dtype=D), dynamic_shapes={"x": {0: Dim.AUTO}})
     x = torch.randn(4, dtype=D)
     torch.testing.assert_close(gm(x), torch.func.grad(f)(x))
-    with pytest.raises(fxtools.InputMismatch, match=r"marked dynamic, but the program needs it to be 4 \(decided at .*math\.sqrt"):
+    with pytest.raises(
+        fxtools.InputMismatch, match=r"marked dynamic, but the program needs it to be 4 \(decided at .*math\.sqrt"
+    ):
         gm(torch.randn(5, dtype=D))
 
 

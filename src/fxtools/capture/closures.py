@@ -198,6 +198,7 @@ class _Walk:
         self.seen: set[int] = set()
         self.codes: set[int] = set()
         self.global_hooks = False  # whether the hooks registered on every module are read
+        self.method_owners: list = []  # (object, label, {name: function}): its methods in the user's files
 
     def root(self, f) -> None:
         if id(f) in self.seen:
@@ -322,12 +323,29 @@ class _Walk:
                 self._methods(value, name + ".")
 
     def _methods(self, obj, label) -> None:
-        """The methods of ``obj``'s classes in the user's files, walked as the functions they are and
-        guarded by identity (one replaced on the class or set on the instance is refused)."""
-        for name, fn in _user_methods(obj):
-            get = functools.partial(_method_of, obj, name)
-            self.reads.append(Read(f"the method {label}{name}", get, "same", get()))
-            self.function(fn, 1)
+        """Note ``obj``'s methods in the user's files: ``called_methods`` walks those the walked code
+        names (``self.body(x)``) and guards them by identity."""
+        self.method_owners.append((obj, label, dict(_user_methods(obj))))
+
+    def called_methods(self) -> None:
+        """Walk the noted methods whose names walked code loads (``forward``, ``__call__`` and the
+        helpers they call through ``self``, to a fixpoint), each guarded by identity: one replaced
+        on the class or set on the instance is refused. Methods no walked code names are left out
+        (a ``training_step`` reading a global the program never reads)."""
+        done: set = set()
+        changed = True
+        while changed:
+            changed = False
+            for obj, label, methods in self.method_owners:
+                for name, fn in methods.items():
+                    key = (id(obj), name)
+                    if key in done or (name not in self.attr_names and name not in ("forward", "__call__")):
+                        continue
+                    done.add(key)
+                    changed = True
+                    get = functools.partial(_method_of, obj, name)
+                    self.reads.append(Read(f"the method {label}{name}", get, "same", get()))
+                    self.function(fn, 1)
 
     def obj(self, obj, prefix, label) -> None:
         """A module or plain object the program reached: its tensors, submodules, and (later) the
@@ -424,6 +442,7 @@ def outside_reads(f, module_args=None) -> list[Read]:
     for name, module in (module_args or {}).items():
         walk.obj(module, name + ".", name + ".")
     walk.root(f)
+    walk.called_methods()
     walk.values_of_objects()
     return walk.reads
 
@@ -469,7 +488,7 @@ def _layout_of(get, facts):
     t = get()
     if not isinstance(t, torch.Tensor):
         return MISSING
-    out = []
+    out: list = []
     for fact in facts:
         if fact[0] == "is_contiguous":
             out.append(("is_contiguous", t.is_contiguous(memory_format=fact[1])))
