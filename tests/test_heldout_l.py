@@ -266,3 +266,40 @@ def test_builtin_global_nested_tensor_and_keyword_default():
     gm = fxtools.grad(h, x)
     h.__kwdefaults__["k"] = 5.0
     assert _served_or_refused(gm, h, x, "the default of k") == "refused"
+
+
+HOOK_SCALE = 2.0
+
+
+class _OutScale:
+    def __init__(self):
+        self.k = 2.0
+
+    def __call__(self, module, inputs, output):
+        return output * self.k
+
+
+def test_what_forward_hooks_read_is_guarded():
+    """A forward (pre-)hook runs in the trace: the global it reads, or its object's attribute,
+    changed afterwards was silently ignored."""
+    global HOOK_SCALE
+    x = torch.randn(2, 3, dtype=D)
+    m = nn.Linear(3, 1).double()
+    m.register_forward_pre_hook(lambda mod, args: (args[0] * HOOK_SCALE,))
+    scale = _OutScale()
+    m.register_forward_hook(scale)
+
+    def f(x):
+        return m(x).sum()
+
+    gm = fxtools.grad(f, x)
+    assert _served_or_refused(gm, f, x) == "served"
+    try:
+        HOOK_SCALE = 5.0
+        assert _served_or_refused(gm, f, x, "HOOK_SCALE") == "refused"
+    finally:
+        HOOK_SCALE = 2.0
+    scale.k = 4.0
+    assert _served_or_refused(gm, f, x, "k") == "refused"
+    scale.k = 2.0
+    assert _served_or_refused(gm, f, x) == "served"

@@ -400,6 +400,8 @@ class _Walk:
         if not self.global_hooks:
             self.global_hooks = True
             owners.append((None, "every module (register_module_forward_hook, ...)"))
+        for hook in [*vars(module)["_forward_pre_hooks"].values(), *vars(module)["_forward_hooks"].values()]:
+            self.root(hook)  # the trace ran it: what it reads (a global scale, its object's attributes) too
         for owner, whose in owners:
             get = functools.partial(_hook_ids, owner)
             what = f"the ids of the hooks registered on {whose}" + ("" if owner is None else " (and a forward set on it)")
