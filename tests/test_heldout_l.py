@@ -303,3 +303,14 @@ def test_what_forward_hooks_read_is_guarded():
     assert _served_or_refused(gm, f, x, "k") == "refused"
     scale.k = 2.0
     assert _served_or_refused(gm, f, x) == "served"
+
+    # a hook registered on every module (register_module_forward_hook): what it reads too
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: out * HOOK_SCALE if mod is m else out)
+    try:
+        gm = fxtools.grad(f, x)
+        assert _served_or_refused(gm, f, x) == "served"
+        HOOK_SCALE = 3.0
+        assert _served_or_refused(gm, f, x, "HOOK_SCALE") == "refused"
+    finally:
+        handle.remove()
+        HOOK_SCALE = 2.0

@@ -400,6 +400,11 @@ class _Walk:
         if not self.global_hooks:
             self.global_hooks = True
             owners.append((None, "every module (register_module_forward_hook, ...)"))
+            tables = vars(torch.nn.modules.module)
+            for table in ("_global_forward_pre_hooks", "_global_forward_hooks"):
+                for hook in list(tables[table].values()):
+                    if not getattr(hook, "__module__", "").startswith("fxtools."):
+                        self.root(hook)
         for hook in [*vars(module)["_forward_pre_hooks"].values(), *vars(module)["_forward_hooks"].values()]:
             self.root(hook)  # the trace ran it: what it reads (a global scale, its object's attributes) too
         for owner, whose in owners:
