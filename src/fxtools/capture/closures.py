@@ -400,9 +400,9 @@ class _Walk:
         if not self.global_hooks:
             self.global_hooks = True
             owners.append((None, "every module (register_module_forward_hook, ...)"))
-            tables = vars(torch.nn.modules.module)
+            every = vars(torch.nn.modules.module)
             for table in ("_global_forward_pre_hooks", "_global_forward_hooks"):
-                for hook in list(tables[table].values()):
+                for hook in list(every[table].values()):
                     if not getattr(hook, "__module__", "").startswith("fxtools."):
                         self.root(hook)
         for hook in [*vars(module)["_forward_pre_hooks"].values(), *vars(module)["_forward_hooks"].values()]:
