@@ -90,12 +90,27 @@ def derived_rule(node: fx.Node) -> Rule | None:
         return None
     if derivation.no_gradient:
         return _no_gradient_rule(node)
+    _keep_differentiable(bw)
     realize_constants(bw)
     try:
         functionalize(bw)  # PyTorch's formulas sometimes update buffers in place (masked_fill_)
     except FxtoolsError:
         pass  # left as traced: simplify keeps in-place ops and never merges across them
     return derivation.rule(bw)
+
+
+def _keep_differentiable(bw: fx.GraphModule) -> None:
+    """Drop the ``detach`` calls tracing put in ``bw``: the detached copies of the op's inputs
+    (``torch.autograd.grad`` needs leaves) and of the outputs autograd saves. They are the same
+    values, but they would make the backward a constant of the point to fxtools' next derivative
+    (the Hessian through ``torch.linalg.svd``'s vectors, a nuclear norm, was wrong): the formula
+    is a function of the inputs, and its derivative is the second derivative."""
+    detach = torch.ops.aten.detach.default
+    for n in list(bw.graph.nodes):
+        if n.op == "call_function" and n.target is detach:
+            n.replace_all_uses_with(n.args[0])
+            bw.graph.erase_node(n)
+    bw.recompile()
 
 
 @dataclasses.dataclass
