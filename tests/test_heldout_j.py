@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.func as tf
 import torch.nn.functional as F
+from torch._higher_order_ops.scan import scan
 
 import fxtools
 
@@ -169,3 +170,48 @@ def test_linearize_of_a_buffer_written_in_place():
     x, w, tx, tw = _r(3, 4, seed=16), _r(4, seed=17), _r(3, 4, seed=18), _r(4, seed=19)
     _, lin = fxtools.linearize(f, x, w)
     torch.testing.assert_close(lin(tx, tw), tf.jvp(f, (x, w), (tx, tw))[1], **TOL)
+
+
+# --- linearize of cond / scan: the linear map read the branch functions as literals (its code
+# did not compile); jacfwd / jacrev of a scan are refused (they batch), now naming the line -------
+
+
+def _scanned(x, w):
+    def step(c, xi):
+        c2 = torch.tanh(c @ w + xi)
+        return c2, c2.sum()
+
+    c, ys = scan(step, torch.zeros(w.shape[0], dtype=x.dtype), x)
+    return ys.sum() + c.pow(2).sum()
+
+
+def _unrolled(x, w):
+    c, ys = torch.zeros(w.shape[0], dtype=x.dtype), []
+    for xi in x:
+        c = torch.tanh(c @ w + xi)
+        ys.append(c.sum())
+    return torch.stack(ys).sum() + c.pow(2).sum()
+
+
+def _branches(x):
+    return torch.cond(x.sum() > 0, lambda x: x.sin() * x, lambda x: x.cos(), (x,))
+
+
+def test_linearize_of_scan_and_cond():
+    x, w, tx, tw = _r(5, 3, seed=20), _r(3, 3, seed=21) * 0.5, _r(5, 3, seed=22), _r(3, 3, seed=23)
+    out, lin = fxtools.linearize(_scanned, x, w)
+    want = tf.jvp(_unrolled, (x, w), (tx, tw))
+    torch.testing.assert_close(out, want[0], **TOL)
+    torch.testing.assert_close(lin(tx, tw), want[1], **TOL)
+    for sign in (1.0, -1.0):  # either branch taken at the point
+        p = sign * x[0].abs()
+        _, lin = fxtools.linearize(_branches, p)
+        ref = (lambda v: v.sin() * v) if sign > 0 else torch.cos
+        torch.testing.assert_close(lin(tx[0]), tf.jvp(ref, (p,), (tx[0],))[1], **TOL)
+
+
+@pytest.mark.parametrize("transform", ["jacfwd", "jacrev"])
+def test_a_jacobian_of_a_scan_is_refused_naming_the_line(transform):
+    x, w = _r(5, 3, seed=20), _r(3, 3, seed=21)
+    with pytest.raises(fxtools.FxtoolsError, match=r"test_heldout_j\.py:\d+: +c, ys = scan\(step"):
+        getattr(fxtools, transform)(_scanned, x, w)
