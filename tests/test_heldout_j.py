@@ -215,3 +215,33 @@ def test_a_jacobian_of_a_scan_is_refused_naming_the_line(transform):
     x, w = _r(5, 3, seed=20), _r(3, 3, seed=21)
     with pytest.raises(fxtools.FxtoolsError, match=r"test_heldout_j\.py:\d+: +c, ys = scan\(step"):
         getattr(fxtools, transform)(_scanned, x, w)
+
+
+# --- a torch.Generator made inside the program: the code kept the one made while tracing, so
+# the second call drew other numbers than eager (a silent wrong value); refused, naming the line --
+
+
+def _own_generator(x):
+    g = torch.Generator().manual_seed(1)
+    return x * torch.randn(3, generator=g, dtype=x.dtype)
+
+
+_SHARED = torch.Generator().manual_seed(5)
+
+
+def _closed_over_generator(x):
+    return x * torch.randn(3, generator=_SHARED, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("transform", ["vjp", "jvp"])
+def test_a_generator_made_inside_the_program_is_refused_naming_the_line(transform):
+    x = _r(3, seed=24)
+    with pytest.raises(fxtools.FxtoolsError, match=r"randn at .*test_heldout_j\.py:\d+: +return x \* torch\.randn"):
+        getattr(fxtools, transform)(_own_generator, x)
+    gm = getattr(fxtools, transform)(_closed_over_generator, x)  # used by reference, as in eager
+    _SHARED.manual_seed(5)
+    got = [gm(x, x)[0] for _ in range(2)]
+    _SHARED.manual_seed(5)
+    want = [_closed_over_generator(x) for _ in range(2)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
