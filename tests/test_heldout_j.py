@@ -242,3 +242,24 @@ def test_a_generator_made_inside_the_program_is_refused_naming_the_line(transfor
     want = [_closed_over_generator(x) for _ in range(2)]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **TOL)
+
+
+# --- bincount with detached weights: the derivation of its (data-dependent) backward was
+# attempted for a call that needs no gradient, and refused the program; now refused only when
+# a gradient must flow through it -----------------------------------------------------------
+
+_BINS = torch.tensor([0, 2, 0, 1, 2])
+
+
+def _counted(x):
+    return torch.bincount(_BINS, weights=x.detach()) * x[:3] + torch.bincount(_BINS).to(x.dtype) * x[2:]
+
+
+def test_bincount_of_detached_weights_in_every_mode():
+    x, t = _r(5, seed=25), _r(5, seed=26)
+    torch.testing.assert_close(fxtools.jvp(_counted, x)(x, t), tf.jvp(_counted, (x,), (t,)), **TOL)
+    torch.testing.assert_close(fxtools.jacrev(_counted, x)(x), tf.jacrev(_counted)(x), **TOL)
+    with pytest.raises(
+        fxtools.DataDependentError, match=r"bincount.*test_heldout_j\.py:\d+: +fxtools\.grad\(lambda w: torch\.bincount"
+    ):
+        fxtools.grad(lambda w: torch.bincount(_BINS, weights=w).sum(), x)  # PyTorch has no derivative either

@@ -83,7 +83,9 @@ def derived_rule(node: fx.Node) -> Rule | None:
         bw = derivation.traced()
     except Exception as exc:  # noqa: BLE001 - PyTorch has no derivative for this op here
         if is_data_dependent(exc):
-            raise data_dependent_error(exc, node) from exc
+            # refused when (and only if) a gradient is asked of it: a call on detached values
+            # (``torch.bincount(idx, weights=x.detach())``) needs none
+            return _refusing_rule(node, data_dependent_error(exc, node))
         return None
     if bw is None or _draws_random_numbers(bw):
         # the traced backward re-runs the op: it would draw new random numbers (a new dropout mask)
@@ -210,6 +212,16 @@ class _Derivation:
             return tuple(pa)
 
         return Rule(fwd, bwd, "derived")
+
+
+def _refusing_rule(node: fx.Node, error: Exception) -> Rule:
+    """A Rule that runs ``node``'s op and raises ``error`` if its backward is ever called."""
+    op = node.target
+
+    def refuse(aux, ct):
+        raise error
+
+    return Rule(lambda *a, **k: (op(*a, **k), None), refuse, "derived")
 
 
 def _no_gradient_rule(node: fx.Node) -> Rule:
