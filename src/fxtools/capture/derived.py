@@ -83,19 +83,36 @@ def derived_rule(node: fx.Node) -> Rule | None:
         bw = derivation.traced()
     except Exception as exc:  # noqa: BLE001 - PyTorch has no derivative for this op here
         if is_data_dependent(exc):
-            raise data_dependent_error(exc, node) from exc
+            # refused when (and only if) a gradient is asked of it: a call on detached values
+            # (``torch.bincount(idx, weights=x.detach())``) needs none
+            return _refusing_rule(node, data_dependent_error(exc, node))
         return None
     if bw is None or _draws_random_numbers(bw):
         # the traced backward re-runs the op: it would draw new random numbers (a new dropout mask)
         return None
     if derivation.no_gradient:
         return _no_gradient_rule(node)
+    _keep_differentiable(bw)
     realize_constants(bw)
     try:
         functionalize(bw)  # PyTorch's formulas sometimes update buffers in place (masked_fill_)
     except FxtoolsError:
         pass  # left as traced: simplify keeps in-place ops and never merges across them
     return derivation.rule(bw)
+
+
+def _keep_differentiable(bw: fx.GraphModule) -> None:
+    """Drop the ``detach`` calls tracing put in ``bw``: the detached copies of the op's inputs
+    (``torch.autograd.grad`` needs leaves) and of the outputs autograd saves. They are the same
+    values, but they would make the backward a constant of the point to fxtools' next derivative
+    (the Hessian through ``torch.linalg.svd``'s vectors, a nuclear norm, was wrong): the formula
+    is a function of the inputs, and its derivative is the second derivative."""
+    detach = torch.ops.aten.detach.default
+    for n in list(bw.graph.nodes):
+        if n.op == "call_function" and n.target is detach:
+            n.replace_all_uses_with(n.args[0])
+            bw.graph.erase_node(n)
+    bw.recompile()
 
 
 @dataclasses.dataclass
@@ -195,6 +212,16 @@ class _Derivation:
             return tuple(pa)
 
         return Rule(fwd, bwd, "derived")
+
+
+def _refusing_rule(node: fx.Node, error: Exception) -> Rule:
+    """A Rule that runs ``node``'s op and raises ``error`` if its backward is ever called."""
+    op = node.target
+
+    def refuse(aux, ct):
+        raise error
+
+    return Rule(lambda *a, **k: (op(*a, **k), None), refuse, "derived")
 
 
 def _no_gradient_rule(node: fx.Node) -> Rule:

@@ -668,6 +668,25 @@ _RNG_TRACED: dict[str, Callable[..., Any]] = {
 RNG_FUNCTIONS = {name: _rng_function(getattr(torch.random, name)) for name in _RNG_TRACED}
 
 
+class _ProgramGenerator(torch.Generator):
+    """``torch.Generator`` while capturing: a generator the program makes itself. The generated
+    code would hold the one made while tracing, whose state advances from call to call, where eager
+    makes (and seeds) a new one on every call: a draw from it is refused (``refuse_program_generator``)."""
+
+
+def refuse_program_generator(func, args, kwargs) -> None:
+    """Refuse a random op drawing from a generator the program made (``_ProgramGenerator``)."""
+    if any(isinstance(a, _ProgramGenerator) for a in (*args, *kwargs.values())):
+        name = getattr(func, "__name__", str(func))
+        raise FxtoolsError(
+            f"{name} at {current_user_line()} draws from a torch.Generator made inside the function: the "
+            "generated code would keep the one generator made while tracing, whose numbers change from "
+            "call to call, where eager makes and seeds a new one on every call. Make the generator "
+            "outside the function (a closed-over generator is used by reference, as in eager), or seed "
+            "torch's generator with torch.manual_seed(int) inside it."
+        )
+
+
 @contextlib.contextmanager
 def recording_rng_state():
     """Send ``torch.manual_seed``, ``torch.get_rng_state`` and ``torch.set_rng_state`` (also as
@@ -676,9 +695,10 @@ def recording_rng_state():
     the stand-ins did not see (``torch.default_generator.manual_seed``, a ``manual_seed`` imported
     before), which the generated code would not repeat; that is refused."""
     saved = [(module, name, getattr(module, name)) for module in (torch, torch.random) for name in RNG_FUNCTIONS]
+    saved.append((torch, "Generator", torch.Generator))
     before = torch.random.default_generator.get_state()
     for module, name, _ in saved:
-        setattr(module, name, RNG_FUNCTIONS[name])
+        setattr(module, name, _ProgramGenerator if name == "Generator" else RNG_FUNCTIONS[name])
     try:
         yield
     finally:
@@ -750,6 +770,7 @@ class Replacing(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         refuse_compressed_sparse(func, args, kwargs)
+        refuse_program_generator(func, args, kwargs)
         replacement = REPLACEMENTS.get(func) or ATTRIBUTES.get(func)
         if replacement is not None:
             out = replacement(*args, **kwargs)

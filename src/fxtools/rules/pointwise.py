@@ -341,8 +341,10 @@ def pow_tensor_scalar(ct, out, x, exponent):
 
 @vjp_rule(aten.pow.Tensor_Tensor)
 def pow_tensor_tensor(ct, out, x, exponent):
-    gx = torch.where(exponent == 0, 0, ct * exponent * x.pow(exponent - 1))
-    ge = torch.where(torch.logical_and(x == 0, _real(exponent) >= 0), 0, ct * out * torch.log(x)) if _diff(exponent) else None
+    # autograd's formulas: the cotangent times a masked coefficient (not the masked product), so
+    # that the JVP, this rule transposed, masks the coefficient too: no 0 * log(0) = NaN at x = 0
+    gx = ct * torch.where(exponent == 0, 0, exponent * x.pow(exponent - 1))
+    ge = ct * torch.where(torch.logical_and(x == 0, _real(exponent) >= 0), 0, out * torch.log(x)) if _diff(exponent) else None
     return unbroadcast(gx, x), unbroadcast(ge, exponent)
 
 
@@ -353,7 +355,7 @@ def _real(t):
 @vjp_rule(aten.pow.Scalar)
 def pow_scalar(ct, out, base, exponent):
     if base == 0:
-        return None, torch.where(_real(exponent) >= 0, 0, ct * out * -math.inf)
+        return None, ct * torch.where(_real(exponent) >= 0, 0, out * -math.inf)  # masked coefficient: see pow_tensor_tensor
     if isinstance(base, complex) or exponent.is_complex():
         # log of the conjugated base (a real one is not conjugated by vjp_rule): -0.0 picks the
         # conjugate's side of the branch cut for a negative base

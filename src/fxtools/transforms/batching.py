@@ -426,7 +426,7 @@ def trace_batched(
             raise
         where = user_frame(exc.__traceback__)
         if where is None and namer is not None and namer.current is not None:
-            where = f"where it computes {namer.current.name}"
+            where = user_line_of(namer.current) or f"where it computes {namer.current.name}"
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         hint = ""
         if "expected to contain only concrete" in message and dynamic_shapes is not None:

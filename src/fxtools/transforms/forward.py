@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..capture import custom, dual, nested
@@ -107,4 +108,7 @@ def _jvp_graph(cap, wrt: list[bool], nums: tuple, n_main: int) -> fx.GraphModule
     x_arg = [a for a, t in zip(cap.arg_of_leaf, cap.tensor_leaf) if t]
     order = [i for a in nums for i, v in enumerate(x_vals) if x_arg[i] == a and is_float(v)]
     forward_grad_modes(cap.gm)  # tangents flow through no_grad, as in torch.func.jvp
-    return jvp_graph(cap.gm, wrt, order, n_main)
+    # the VJP's nodes keep their op's user line, for an error of the second pass to name it (an
+    # op whose backward has no derivative: ``ctc_loss``)
+    with fx_traceback.preserve_node_meta():
+        return jvp_graph(cap.gm, wrt, order, n_main)

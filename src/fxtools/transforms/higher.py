@@ -21,6 +21,7 @@ import functools
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..capture.trace import capture
@@ -69,7 +70,8 @@ def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     # Always the readable rules: fused backward kernels are first-order only (CPU flash
     # attention's backward has no derivative) and the second derivative should read as math.
     with rule_set("readable"):
-        g = grad(f, *args, argnums=argnums, dynamic_shapes=dynamic_shapes)
+        with fx_traceback.preserve_node_meta():  # g's nodes keep the user's lines, for the second pass's errors
+            g = grad(f, *args, argnums=argnums, dynamic_shapes=dynamic_shapes)
         namer = NodeNamer(g, getattr(g, "guards", None))  # the second pass keeps the first's names
         cap, wrt = prepare(namer, args, nums, dynamic_shapes, made_by=HVP)
         namer.apply(cap.gm)

@@ -29,6 +29,7 @@ from typing import Any, cast
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..codegen.show import remember_inputs
@@ -131,7 +132,8 @@ def jacrev(f, *args, argnums=0, has_aux=False, chunk_size=None) -> fx.GraphModul
     check_vmap_options("error", chunk_size)
     args = tuple(args)
     nums = argnums_tuple(argnums, len(args))
-    vjp_gm = vjp(f, *args, argnums=argnums, has_aux=has_aux)
+    with fx_traceback.preserve_node_meta():  # its nodes keep the user's lines, for batching errors to name
+        vjp_gm = vjp(f, *args, argnums=argnums, has_aux=has_aux)
     out_leaves, out_spec = _float_leaves(meta.OUT_EXAMPLE.get(vjp_gm), "output", JACREV.name)
     like = _first_tensor(out_leaves, JACREV.name, "outputs")
     total = sum(v.numel() for v in out_leaves if isinstance(v, torch.Tensor))
@@ -203,7 +205,8 @@ def jacfwd(f, *args, argnums=0, has_aux=False, randomness="error", chunk_size=No
     in_leaves = [v if isinstance(v, torch.Tensor) else None for v in in_leaves]
     like = _first_tensor(in_leaves, JACFWD.name, "differentiated arguments")
     total = sum(v.numel() for v in in_leaves if isinstance(v, torch.Tensor))
-    jvp_gm = jvp(f, *args, argnums=nums, has_aux=has_aux)
+    with fx_traceback.preserve_node_meta():  # its nodes keep the user's lines, for batching errors to name
+        jvp_gm = jvp(f, *args, argnums=nums, has_aux=has_aux)
     namer = NodeNamer(vmappable(jvp_gm), jvp_gm.guards)
     tangent_dims = pytree.tree_unflatten([0 if isinstance(v, torch.Tensor) else None for v in in_leaves], in_spec)
     n_args = len(args)
@@ -333,8 +336,11 @@ def _linear_part(graph: fx.Graph, tangent_ph: list[fx.Node], dependent: set[fx.N
     def residual(n: fx.Node) -> Any:
         if n not in env:
             value = values[n]
-            if isinstance(value, torch.Tensor):
-                lin.register_buffer(n.name, value)
+            if isinstance(value, (torch.Tensor, torch.nn.Module)):
+                if isinstance(value, torch.Tensor):
+                    lin.register_buffer(n.name, value)
+                else:  # a branch or step function of cond / scan / while_loop
+                    lin.add_module(n.name, value)
                 node = new.get_attr(n.name)
                 node.meta.update(n.meta)
                 value = node

@@ -242,6 +242,7 @@ class NodeNamer(fx.Interpreter):
     def __init__(self, gm, guards=None):
         super().__init__(gm)
         self.names: dict[fx.Node, str] = {}
+        self.traces: dict[fx.Node, str] = {}  # the user line of the generated node, where it kept one
         self.current: fx.Node | None = None  # the node being run, for error messages
         self.guards = guards  # of the module batched: each example must be what it was made for
         self.__signature__ = inspect.signature(gm.forward)  # argument names for the batched code
@@ -263,10 +264,19 @@ class NodeNamer(fx.Interpreter):
             while made is not graph._root.prev:  # the batched op's helpers: after it and their op
                 self.names.setdefault(made, f"{n.name}_{short_op(made)}")
                 made = made.next
+            trace = n.meta.get("stack_trace")
+            if trace:
+                made = last.next
+                while made is not graph._root:
+                    self.traces.setdefault(made, trace)
+                    made = made.next
         return out
 
     def apply(self, gm: fx.GraphModule) -> None:
         for node in gm.graph.nodes:
+            trace = self.traces.get(node)
+            if trace and not node.meta.get("stack_trace"):
+                node.meta["stack_trace"] = trace  # for an error of the next transform to name the line
             name = self.names.get(node)
             if name is not None and node.op == "call_function" and node.target is not operator.getitem:
                 node._rename(name)
