@@ -726,6 +726,8 @@ class _Functionalizer:
         self.to_erase: list[fx.Node] = []
         self.kept: list[fx.Node] = []  # in-place ops left on inputs and buffers
         self.grad_enabled = True
+        # storages a differentiable op has read so far (an op whose backward may save them)
+        self.read_differentiably: set = set()
 
     def run(self) -> None:
         for node in list(self.gm.graph.nodes):
@@ -754,6 +756,7 @@ class _Functionalizer:
             return
         if not is_mutating(node):
             self.register(node)
+            self.note_reads(node)
             return
         self.b.before, self.b.trace = node, node.meta.get("stack_trace")
         written = _written_args(node.target)
@@ -764,6 +767,22 @@ class _Functionalizer:
             self.keep(node, written, st)
         else:
             self.rewrite(node, target, st)
+
+    def note_reads(self, node: fx.Node) -> None:
+        """Record the storages a differentiable op reads (views, ``detach`` and ``getitem`` read
+        nothing: their users do)."""
+        if (
+            node.op != "call_function"
+            or node not in self.maybe_need
+            or node.target is operator.getitem
+            or _is_view_op(node.target)
+            or is_nondifferentiable(node.target)
+        ):
+            return
+        for a in node.all_input_nodes:
+            st = self.storage(_val(a))
+            if st is not None:
+                self.read_differentiably.add(st)
 
     # -- values and aliases
 
@@ -839,7 +858,10 @@ class _Functionalizer:
         """An in-place op on an input or buffer stays (see ``_keep``)."""
         if st is None and not all(self.storage(_val(_arg_at(node, i))) in self.input_storages for i in written):
             raise _error(node, "fxtools cannot tell which tensor it modifies")
-        _keep(node, written, self.maybe_need, self.grad_enabled)
+        read_before = any(
+            self.storage(_val(_arg_at(node, i))) in self.read_differentiably for i in written
+        )
+        _keep(node, written, self.maybe_need, self.grad_enabled, read_before)
         self.kept.append(node)
 
     def rewrite(self, node: fx.Node, target: fx.Node, st) -> None:
@@ -1000,13 +1022,19 @@ def _side_effect_only(op) -> bool:
     return all(r.alias_info is None for r in op._schema.returns) and bool(op._schema.returns)
 
 
-def _keep(node, written, maybe_need, grad_enabled):
-    """An in-place op on an input or buffer stays; it must not carry a gradient."""
+def _keep(node, written, maybe_need, grad_enabled, read_before=True):
+    """An in-place op on an input or buffer stays; it must not carry a gradient.
+
+    A write through ``.detach()`` / ``.data`` into an input that may be differentiated
+    (``F.embedding``'s ``max_norm`` renormalises the weight so) is exact when no differentiable
+    op read the input before it (``read_before`` False): every later op reads the written
+    memory and its gradient reaches the input, as in eager. After such a read, eager's gradient
+    depends on what its backward saved, and the write is refused."""
     if _side_effect_only(node.target):
         return
     meta.RULE.set(node, _kept_mutation_rule(node))
     target = _arg_at(node, written[0])
-    if _detached_input(target) in maybe_need:
+    if read_before and _detached_input(target) in maybe_need:
         raise _error(
             node,
             "it modifies, through .detach() or .data, an input that may be differentiated: "
