@@ -73,7 +73,7 @@ from ..graph import meta
 from ..graph.data_dependent import upper_bound
 from ..graph.nodes import fake_mode_of
 from . import policies
-from .cuts import InputsOf, backward_nodes, forward_nodes, max_flow, max_flow_min_cut, nbytes, storage_root
+from .cuts import InputsOf, OrderTooLong, backward_nodes, forward_nodes, max_flow, max_flow_min_cut, nbytes, storage_root
 
 
 @dataclass(frozen=True)
@@ -869,6 +869,7 @@ class _Memo:
         self.inputs = InputsOf()
         self.forward: dict = {}  # saved set -> the forward's peak
         self.trials: dict = {}  # (saved, recomputed, forget) -> the backward's peak and recompute (``_trial``)
+        self.order_limit: int | None = None  # most nodes a forgetting backward may compute (``_order_limit``)
 
     def root(self, n: fx.Node) -> fx.Node:
         return self.roots[n]
@@ -1068,10 +1069,26 @@ def _trial(part, saved, recomputed, memo: _Memo, forget: dict, cost: dict | None
     key = (frozenset(saved), frozenset(recomputed), frozenset((u, frozenset(vs)) for u, vs in forget.items()), cost is None)
     if key not in memo.trials:
         start, held = _backward_ends(part, saved)
-        order = backward_nodes(part, saved, recomputed, forget, inputs=memo.inputs)
+        try:
+            order = backward_nodes(part, saved, recomputed, forget, inputs=memo.inputs, limit=_order_limit(part, memo))
+        except OrderTooLong:  # recomputing a recurrence again and again: never a cheaper peak
+            memo.trials[key] = math.inf, math.inf
+            return memo.trials[key]
         recompute = sum(cost.get(n, 0) for n in order if n not in part.bw) if cost is not None else 0
         memo.trials[key] = live_trace(order, start, held, memo).peak, recompute
     return memo.trials[key]
+
+
+# A backward that forgets values (``refresh``) computes at most this many times the nodes of the
+# joint graph: forgetting inside a recurrence (an LSTM's two states each read the step before)
+# recomputes it exponentially often, which no peak is worth.
+ORDER_GROWTH = 4
+
+
+def _order_limit(part, memo: _Memo) -> int:
+    if memo.order_limit is None:
+        memo.order_limit = ORDER_GROWTH * len(part.nodes) + 64
+    return memo.order_limit
 
 
 def _with_inputs(group: dict, recomputed, bw) -> dict:
