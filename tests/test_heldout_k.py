@@ -119,7 +119,7 @@ def test_budget_refresh_on_a_recurrence_was_exponential():
     from fxtools.training.cuts import backward_nodes
 
     g = torch.Generator().manual_seed(0)
-    args = (torch.randn(10, 3, 4, dtype=D, generator=g), *(torch.randn(4, 4, dtype=D, generator=g) / 2 for _ in range(2)))
+    args = (torch.randn(8, 3, 4, dtype=D, generator=g), *(torch.randn(4, 4, dtype=D, generator=g) / 2 for _ in range(2)))
     problem = budget.Problem(fxtools.split(_two_state_cell, *args, policy="save_all")._partition)
     least = problem.frontier()[0]
     limit = budget.ORDER_GROWTH * len(problem.part.nodes) + 64
@@ -143,3 +143,85 @@ def test_lstm_trains_with_a_budget(policy):
     batches = [(torch.randn(2, 4, 3, dtype=D, generator=g),) for _ in range(2)]
     batches.append((torch.randn(4, 2, 3, dtype=D, generator=g).transpose(0, 1),))  # non-contiguous
     _train_against_eager(Net, batches, policy)
+
+
+# --- layers that trained exactly when this batch was written (guards): running statistics with
+# momentum=None (a cumulative average read from num_batches_tracked), padding modes, groups,
+# transposed convolutions, attention with padding masks, losses with class weights, ignored
+# targets, label smoothing, masks and CTC ---
+
+
+class _Norms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(4, 8, 3, padding=2, dilation=2, groups=2, padding_mode="reflect")
+        self.c2 = nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1, groups=2)
+        self.c3 = nn.Conv1d(4, 4, 3, padding=1, padding_mode="circular")
+        self.bn = nn.BatchNorm2d(8, momentum=None)
+        self.gn = nn.GroupNorm(2, 4)
+        self.inorm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+        self.up = nn.Upsample(scale_factor=1.5, mode="bilinear")
+
+    def forward(self, x):
+        y = self.inorm(self.gn(self.c2(torch.relu(self.bn(self.c1(x))))))
+        z = self.c3(self.up(y).flatten(2))
+        return z.pow(2).mean() + F.adaptive_avg_pool2d(F.pixel_shuffle(y, 2), (3, 5)).pow(2).sum()
+
+
+class _Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.1, norm_first=True)  # sequence first
+
+    def forward(self, x, memory, pad):
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[0], dtype=x.dtype)
+        return self.layer(x, memory, tgt_mask=causal, memory_key_padding_mask=pad).pow(2).mean()
+
+
+class _Losses(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 5)
+        self.register_buffer("weight", torch.tensor([1.0, 2.0, 0.5, 1.0, 3.0]))
+
+    def forward(self, x, y, mask, targets, lengths, target_lengths):
+        logits = self.fc(x)
+        a = F.cross_entropy(logits, y, weight=self.weight, ignore_index=1, label_smoothing=0.2)
+        b = (F.cross_entropy(logits, y, reduction="none") * mask).sum() / mask.sum()
+        log_probs = logits.unflatten(0, (4, -1)).log_softmax(-1)  # T, B, C
+        c = F.ctc_loss(log_probs, targets, lengths, target_lengths, zero_infinity=True)
+        return a + b + c
+
+
+def _norms_batch(seed, b=2, h=6, w=6):
+    return (torch.randn(b, 4, h, w, dtype=D, generator=torch.Generator().manual_seed(seed)),)
+
+
+def _decoder_batch(seed, t=5, s=4, b=3):
+    g = torch.Generator().manual_seed(seed)
+    pad = torch.zeros(b, s, dtype=torch.bool)
+    pad[1, -2:] = True
+    return torch.randn(t, b, 8, dtype=D, generator=g), torch.randn(s, b, 8, dtype=D, generator=g), pad
+
+
+def _losses_batch(seed, b=2):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 5, (4 * b,), generator=g)
+    y[0] = 1  # ignored by the first loss
+    mask = (torch.rand(4 * b, generator=g) > 0.3).to(D)
+    mask[1] = 1
+    targets = torch.randint(1, 5, (b, 2), generator=g)
+    return torch.randn(4 * b, 6, dtype=D, generator=g), y, mask, targets, torch.full((b,), 4), torch.tensor([2, 1] * (b // 2))
+
+
+LAYERS = {  # one policy each (the budget solver costs seconds per graph)
+    "norms": (_Norms, [_norms_batch(0), _norms_batch(1), _norms_batch(2, b=3, h=4, w=8)], "save_all"),
+    "decoder": (_Decoder, [_decoder_batch(0), _decoder_batch(1), _decoder_batch(2, t=3, s=6, b=2)], "recompute_cheap"),
+    "losses": (_Losses, [_losses_batch(0), _losses_batch(1), _losses_batch(2, b=4)], policies.budget(0.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layers_train_like_eager(name):
+    make, batches, policy = LAYERS[name]
+    _train_against_eager(make, batches, policy)
