@@ -858,9 +858,7 @@ class _Functionalizer:
         """An in-place op on an input or buffer stays (see ``_keep``)."""
         if st is None and not all(self.storage(_val(_arg_at(node, i))) in self.input_storages for i in written):
             raise _error(node, "fxtools cannot tell which tensor it modifies")
-        read_before = any(
-            self.storage(_val(_arg_at(node, i))) in self.read_differentiably for i in written
-        )
+        read_before = any(self.storage(_val(_arg_at(node, i))) in self.read_differentiably for i in written)
         _keep(node, written, self.maybe_need, self.grad_enabled, read_before)
         self.kept.append(node)
 

@@ -1063,10 +1063,11 @@ def _cheapest_trial(part, saved, recomputed, memo, forget, trials, trace, cost: 
     return best, order, live_trace(order, start, held, memo)
 
 
-def _trial(part, saved, recomputed, memo: _Memo, forget: dict, cost: dict | None = None) -> tuple[int, int]:
+def _trial(part, saved, recomputed, memo: _Memo, forget: dict, cost: dict | None = None) -> tuple[float, float]:
     """The backward's peak and recompute (``cost`` summed over what it recomputes, 0 without)
     when it forgets ``forget``, kept in ``memo``: the refresh modes and rounds try many of the
-    same sets."""
+    same sets. Infinite (never chosen) for an order longer than ``_order_limit`` and once
+    ``MAX_TRIALS`` orders were tried."""
     key = (frozenset(saved), frozenset(recomputed), frozenset((u, frozenset(vs)) for u, vs in forget.items()), cost is None)
     if key not in memo.trials:
         if memo.tried >= MAX_TRIALS:  # enough tried: the candidates found so far are kept
