@@ -779,9 +779,10 @@ class _Functionalizer:
             or is_nondifferentiable(node.target)
         ):
             return
+        unread = _values_unread_by_backward(node)
         for a in node.all_input_nodes:
             st = self.storage(_val(a))
-            if st is not None:
+            if st is not None and a not in unread:
                 self.read_differentiably.add(st)
 
     # -- values and aliases
@@ -1013,6 +1014,18 @@ def _functional_value(b: _Builder, node, func, tval, input_storages, _storage):
     return b(func, *args, **kwargs)
 
 
+def _values_unread_by_backward(node: fx.Node) -> tuple:
+    """Arguments whose values ``node``'s backward never reads: an embedding's weight (its gradient
+    is a scatter of the output's by the indices; ``per_sample_weights``' gradient would read it).
+    A write into such an argument after the op does not change the op's gradient, so one
+    ``nn.Embedding(max_norm=...)`` may be called twice, renormalising between the calls."""
+    if node.target is aten.embedding.default:
+        return (node.args[0],)
+    if node.target is aten._embedding_bag.default and _arg_at(node, 6) is None:
+        return (node.args[0],)
+    return ()
+
+
 def _side_effect_only(op) -> bool:
     """Ops that return fresh values and update some arguments on the side (BatchNorm's running
     statistics in ``_native_batch_norm_legit``): their outputs are differentiated by their own
@@ -1025,7 +1038,7 @@ def _keep(node, written, maybe_need, grad_enabled, read_before=True):
 
     A write through ``.detach()`` / ``.data`` into an input that may be differentiated
     (``F.embedding``'s ``max_norm`` renormalises the weight so) is exact when no differentiable
-    op read the input before it (``read_before`` False): every later op reads the written
+    op whose backward reads the input's values read it before (``read_before`` False): every later op reads the written
     memory and its gradient reaches the input, as in eager. After such a read, eager's gradient
     depends on what its backward saved, and the write is refused."""
     if _side_effect_only(node.target):
