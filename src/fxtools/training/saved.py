@@ -222,7 +222,7 @@ def _static_writes(gm: fx.GraphModule, lines: dict | None = None) -> set:
             continue
         for value in written_args(op, node.args, node.kwargs):
             root = _written_root(value) if isinstance(value, fx.Node) else None
-            key = None
+            key: object = None
             if root is not None and root.op == "get_attr":
                 key = root.target
             elif root is not None and root.op == "placeholder":
