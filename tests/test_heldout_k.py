@@ -245,3 +245,21 @@ def test_double_backward_through_a_max_norm_embedding_is_refused_naming_the_line
     out = compiled(torch.tensor([1, 2]))
     with pytest.raises(fxtools.FxtoolsError, match=r"writes params\['emb.weight'\] in place \(at .*test_heldout_k\.py:\d+"):
         torch.autograd.grad(out, [net.emb.weight], create_graph=True)
+
+
+# --- an RNN on a packed sequence: PyTorch's fake kernel of _pack_padded_sequence gave the batch
+# sizes the input's dtype (float64) and the data one step's shape, and nn.GRU crashed inside
+# PyTorch ("zeros(): argument 'size' ... got FakeTensor"). The packed layout depends on the
+# lengths' values: now a clear refusal naming the line that reads them (a known gap) ---
+
+
+def test_rnn_on_a_packed_sequence_was_a_crash():
+    rnn = nn.GRU(6, 8, batch_first=True).double()
+
+    def f(x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        _, h = rnn(packed)
+        return h.sum()
+
+    with pytest.raises(fxtools.DataDependentError, match=r"test_heldout_k\.py:\d+: _, h = rnn\(packed\)"):
+        fxtools.split(f, torch.randn(3, 5, 6, dtype=D), torch.tensor([5, 2, 3]))
