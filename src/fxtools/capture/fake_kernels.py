@@ -146,7 +146,32 @@ def _ctc_loss_backward(fake_mode, func, grad, log_probs, *args, **kwargs):
         return torch.empty_like(log_probs, memory_format=torch.contiguous_format)
 
 
+def _pack_padded_sequence(fake_mode, func, inputs, lengths, batch_first):
+    """``aten._pack_padded_sequence`` (``nn.utils.rnn.pack_padded_sequence``): ``(data[total, *],
+    batch_sizes[steps])``, ``total`` (the lengths' sum) and ``steps`` (their largest) unbacked, and
+    ``batch_sizes`` int64 as the CPU kernel makes it. PyTorch's fake kernel gives ``data`` the
+    shape of one step and ``batch_sizes`` the input's dtype, and an RNN reading them failed
+    inside PyTorch ("zeros(): argument 'size' ... got FakeTensor") instead of where the values
+    are read."""
+    shape_env = fake_mode.shape_env
+    if inputs.device.type != "cpu" or shape_env is None:
+        return NotImplemented
+    _state["used"] = True
+    torch._check(lengths.dim() == 1, lambda: "'lengths' argument should be a 1D CPU int64 tensor")
+    torch._check(lengths.dtype == torch.int64, lambda: "'lengths' argument should be a 1D CPU int64 tensor")
+    torch._check(inputs.dim() >= 2, lambda: "pack_padded_sequence: input must have at least 2 dimensions")
+    total, steps = shape_env.create_unbacked_symint(), shape_env.create_unbacked_symint()
+    torch._check(total >= 0)
+    torch._check(steps >= 0)
+    with fake_mode:
+        return (
+            torch.empty([total, *inputs.shape[2:]], dtype=inputs.dtype, device=inputs.device),
+            torch.empty([steps], dtype=torch.int64),
+        )
+
+
 KERNELS = {
+    aten._pack_padded_sequence.default: _pack_padded_sequence,
     aten._grouped_mm.default: _grouped_mm,
     aten._ctc_loss.default: _ctc_loss,
     aten._ctc_loss.Tensor: _ctc_loss_tensor,

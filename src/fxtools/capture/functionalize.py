@@ -726,6 +726,8 @@ class _Functionalizer:
         self.to_erase: list[fx.Node] = []
         self.kept: list[fx.Node] = []  # in-place ops left on inputs and buffers
         self.grad_enabled = True
+        # storages a differentiable op has read so far (an op whose backward may save them)
+        self.read_differentiably: set = set()
 
     def run(self) -> None:
         for node in list(self.gm.graph.nodes):
@@ -754,6 +756,7 @@ class _Functionalizer:
             return
         if not is_mutating(node):
             self.register(node)
+            self.note_reads(node)
             return
         self.b.before, self.b.trace = node, node.meta.get("stack_trace")
         written = _written_args(node.target)
@@ -764,6 +767,23 @@ class _Functionalizer:
             self.keep(node, written, st)
         else:
             self.rewrite(node, target, st)
+
+    def note_reads(self, node: fx.Node) -> None:
+        """Record the storages a differentiable op reads (views, ``detach`` and ``getitem`` read
+        nothing: their users do)."""
+        if (
+            node.op != "call_function"
+            or node not in self.maybe_need
+            or node.target is operator.getitem
+            or _is_view_op(node.target)
+            or is_nondifferentiable(node.target)
+        ):
+            return
+        unread = _values_unread_by_backward(node)
+        for a in node.all_input_nodes:
+            st = self.storage(_val(a))
+            if st is not None and a not in unread:
+                self.read_differentiably.add(st)
 
     # -- values and aliases
 
@@ -839,7 +859,8 @@ class _Functionalizer:
         """An in-place op on an input or buffer stays (see ``_keep``)."""
         if st is None and not all(self.storage(_val(_arg_at(node, i))) in self.input_storages for i in written):
             raise _error(node, "fxtools cannot tell which tensor it modifies")
-        _keep(node, written, self.maybe_need, self.grad_enabled)
+        read_before = any(self.storage(_val(_arg_at(node, i))) in self.read_differentiably for i in written)
+        _keep(node, written, self.maybe_need, self.grad_enabled, read_before)
         self.kept.append(node)
 
     def rewrite(self, node: fx.Node, target: fx.Node, st) -> None:
@@ -993,6 +1014,18 @@ def _functional_value(b: _Builder, node, func, tval, input_storages, _storage):
     return b(func, *args, **kwargs)
 
 
+def _values_unread_by_backward(node: fx.Node) -> tuple:
+    """Arguments whose values ``node``'s backward never reads: an embedding's weight (its gradient
+    is a scatter of the output's by the indices; ``per_sample_weights``' gradient would read it).
+    A write into such an argument after the op does not change the op's gradient, so one
+    ``nn.Embedding(max_norm=...)`` may be called twice, renormalising between the calls."""
+    if node.target is aten.embedding.default:
+        return (node.args[0],)
+    if node.target is aten._embedding_bag.default and _arg_at(node, 6) is None:
+        return (node.args[0],)
+    return ()
+
+
 def _side_effect_only(op) -> bool:
     """Ops that return fresh values and update some arguments on the side (BatchNorm's running
     statistics in ``_native_batch_norm_legit``): their outputs are differentiated by their own
@@ -1000,13 +1033,19 @@ def _side_effect_only(op) -> bool:
     return all(r.alias_info is None for r in op._schema.returns) and bool(op._schema.returns)
 
 
-def _keep(node, written, maybe_need, grad_enabled):
-    """An in-place op on an input or buffer stays; it must not carry a gradient."""
+def _keep(node, written, maybe_need, grad_enabled, read_before=True):
+    """An in-place op on an input or buffer stays; it must not carry a gradient.
+
+    A write through ``.detach()`` / ``.data`` into an input that may be differentiated
+    (``F.embedding``'s ``max_norm`` renormalises the weight so) is exact when no differentiable
+    op whose backward reads the input's values read it before (``read_before`` False): every later op reads the written
+    memory and its gradient reaches the input, as in eager. After such a read, eager's gradient
+    depends on what its backward saved, and the write is refused."""
     if _side_effect_only(node.target):
         return
     meta.RULE.set(node, _kept_mutation_rule(node))
     target = _arg_at(node, written[0])
-    if _detached_input(target) in maybe_need:
+    if read_before and _detached_input(target) in maybe_need:
         raise _error(
             node,
             "it modifies, through .detach() or .data, an input that may be differentiated: "

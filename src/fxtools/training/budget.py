@@ -73,7 +73,7 @@ from ..graph import meta
 from ..graph.data_dependent import upper_bound
 from ..graph.nodes import fake_mode_of
 from . import policies
-from .cuts import InputsOf, backward_nodes, forward_nodes, max_flow, max_flow_min_cut, nbytes, storage_root
+from .cuts import InputsOf, OrderTooLong, backward_nodes, forward_nodes, max_flow, max_flow_min_cut, nbytes, storage_root
 
 
 @dataclass(frozen=True)
@@ -258,11 +258,11 @@ class Problem:
     def saved_bytes(self, saved) -> int:
         """Bytes of the storages ``saved`` holds beyond the inputs (each storage once), as ``Split.saved_bytes``."""
 
-        roots = {}
+        roots: dict = {}
         for s in saved:
-            r = storage_root(s)
+            r, size = self.memo.root(s), self.memo.size(s)
             if r.op != "placeholder":
-                roots[r] = max(roots.get(r, 0), nbytes(r.meta.get("val")), nbytes(s.meta.get("val")))
+                roots[r] = max(roots.get(r, 0), self.memo.size(r), size)
         return sum(roots.values())
 
     def hull(self) -> list[Point]:
@@ -869,6 +869,8 @@ class _Memo:
         self.inputs = InputsOf()
         self.forward: dict = {}  # saved set -> the forward's peak
         self.trials: dict = {}  # (saved, recomputed, forget) -> the backward's peak and recompute (``_trial``)
+        self.tried = 0  # backward orders tried (``_trial``, at most ``MAX_TRIALS``)
+        self.order_limit: int | None = None  # most nodes a forgetting backward may compute (``_order_limit``)
 
     def root(self, n: fx.Node) -> fx.Node:
         return self.roots[n]
@@ -1061,17 +1063,42 @@ def _cheapest_trial(part, saved, recomputed, memo, forget, trials, trace, cost: 
     return best, order, live_trace(order, start, held, memo)
 
 
-def _trial(part, saved, recomputed, memo: _Memo, forget: dict, cost: dict | None = None) -> tuple[int, int]:
+def _trial(part, saved, recomputed, memo: _Memo, forget: dict, cost: dict | None = None) -> tuple[float, float]:
     """The backward's peak and recompute (``cost`` summed over what it recomputes, 0 without)
     when it forgets ``forget``, kept in ``memo``: the refresh modes and rounds try many of the
-    same sets."""
+    same sets. Infinite (never chosen) for an order longer than ``_order_limit`` and once
+    ``MAX_TRIALS`` orders were tried."""
     key = (frozenset(saved), frozenset(recomputed), frozenset((u, frozenset(vs)) for u, vs in forget.items()), cost is None)
     if key not in memo.trials:
+        if memo.tried >= MAX_TRIALS:  # enough tried: the candidates found so far are kept
+            return math.inf, math.inf
+        memo.tried += 1
         start, held = _backward_ends(part, saved)
-        order = backward_nodes(part, saved, recomputed, forget, inputs=memo.inputs)
+        try:
+            order = backward_nodes(part, saved, recomputed, forget, inputs=memo.inputs, limit=_order_limit(part, memo))
+        except OrderTooLong:  # recomputing a recurrence again and again: never a cheaper peak
+            memo.trials[key] = math.inf, math.inf
+            return memo.trials[key]
         recompute = sum(cost.get(n, 0) for n in order if n not in part.bw) if cost is not None else 0
         memo.trials[key] = live_trace(order, start, held, memo).peak, recompute
     return memo.trials[key]
+
+
+# A backward that forgets values (``refresh``) computes at most this many times the nodes of the
+# joint graph: forgetting inside a recurrence (an LSTM's two states each read the step before)
+# recomputes it exponentially often, which no peak is worth.
+ORDER_GROWTH = 4
+# At most this many backward orders are tried per program (``_trial``): each costs a pass over
+# the joint graph, and a program of many small values (an RNN unrolled over its steps) has many
+# frontier points, each refreshed in every mode, round after round (a two-layer bidirectional
+# LSTM of 5 steps tried ~6,000 and took minutes). The tiny GPT of the tests tries 418.
+MAX_TRIALS = 1000
+
+
+def _order_limit(part, memo: _Memo) -> int:
+    if memo.order_limit is None:
+        memo.order_limit = ORDER_GROWTH * len(part.nodes) + 64
+    return memo.order_limit
 
 
 def _with_inputs(group: dict, recomputed, bw) -> dict:

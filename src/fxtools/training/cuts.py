@@ -138,9 +138,15 @@ class InputsOf(dict):
         return value
 
 
-def backward_nodes(part, saved, recomputed, forget=None, inputs: InputsOf | None = None) -> list[fx.Node]:
+def backward_nodes(
+    part, saved, recomputed, forget=None, inputs: InputsOf | None = None, limit: int | None = None
+) -> list[fx.Node]:
     """The joint graph's nodes the backward computes, in order: the backward's own ops, each
     recomputed value placed just before its first use.
+
+    ``limit``: raise ``OrderTooLong`` once the order would hold more than ``limit`` nodes (a ``forget`` inside a
+    recurrence, an LSTM's two states each reading the step before, recomputes the chain
+    exponentially often: the order of 10 steps grew past millions of nodes).
 
     ``forget`` (``node -> inputs``, from ``budget.refresh``) drops recomputed values early: after
     ``node`` is computed, those of its inputs no pending computation reads are forgotten, and a
@@ -167,6 +173,8 @@ def backward_nodes(part, saved, recomputed, forget=None, inputs: InputsOf | None
                 continue
             done.add(v)
             order.append(v)
+            if limit is not None and len(order) > limit:
+                raise OrderTooLong(limit)
             todo.pop()
             pending = set(todo) - done if v in forget else ()
             for a in forget.get(v, ()):
@@ -180,3 +188,7 @@ def backward_nodes(part, saved, recomputed, forget=None, inputs: InputsOf | None
         if isinstance(g, fx.Node):
             emit(g)
     return order
+
+
+class OrderTooLong(Exception):
+    """``backward_nodes``' order passed its ``limit``."""

@@ -206,12 +206,14 @@ def _is_view(op: torch._ops.OpOverload) -> bool:
     return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
-def _static_writes(gm: fx.GraphModule) -> set:
+def _static_writes(gm: fx.GraphModule, lines: dict | None = None) -> set:
     """The placeholder positions and attribute names whose memory an op of ``gm`` writes, by the
     ATen op each node was traced from (``written_args``: BatchNorm's statistics too, which its
-    kernel writes without bumping their version counters)."""
+    kernel writes without bumping their version counters). ``lines``, if given, gets each one's
+    user lines of the writes."""
     positions = {p: i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     out: set = set()
+    lines = {} if lines is None else lines
     for node in gm.graph.nodes:
         op = _aten_op(node)
         if node.op not in ("call_function", "call_method") or node.target is operator.getitem:
@@ -220,10 +222,14 @@ def _static_writes(gm: fx.GraphModule) -> set:
             continue
         for value in written_args(op, node.args, node.kwargs):
             root = _written_root(value) if isinstance(value, fx.Node) else None
+            key: object = None
             if root is not None and root.op == "get_attr":
-                out.add(root.target)
+                key = root.target
             elif root is not None and root.op == "placeholder":
-                out.add(positions[root])
+                key = positions[root]
+            if key is not None:
+                out.add(key)
+                lines.setdefault(key, set()).add(user_line_of(node) or str(op))
     return out
 
 
@@ -281,7 +287,8 @@ class Replay:
         self.random = _random_nodes(compiled_forward)
         self.custom = _custom_calls(sp.captured.gm)
         self.compiled_forward = compiled_forward is not None
-        self.written = _static_writes(fw)  # leaf positions and attribute names the forward writes
+        self.write_lines: dict = {}  # leaf position or attribute name -> the user lines writing it
+        self.written = _static_writes(fw, self.write_lines)  # leaf positions and attribute names the forward writes
         self.learnt = False  # whether a run has shown what else it writes (by version counters)
 
     def record(self, leaves) -> _Record:
@@ -367,9 +374,11 @@ class Replay:
             )
         if record.writes_grad_input or any(v is None for v in record.snapshots.values()):
             written = [*record.writes_grad_input, *(k for k, v in record.snapshots.items() if v is None)]
+            where = sorted({line for k in written for line in self.write_lines.get(k, ())})
             raise FxtoolsError(
-                f"{what}: the forward writes {self._names(written)} in place, and its backward replays the forward from "
-                "the values before: write to a copy in the program instead"
+                f"{what}: the forward writes {self._names(written)} in place"
+                + (f" (at {'; '.join(where)})" if where else "")
+                + ", and its backward replays the forward from the values before: write to a copy in the program instead"
             )
         if (self.random or record.drew) and self.compiled_forward:
             lines = sorted({user_line_of(n) or n.name for n in self.random}) or ["a random op"]
