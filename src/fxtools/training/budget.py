@@ -1101,7 +1101,8 @@ def _dead_at_peak(trace: Trace, order, recomputed, memo: _Memo) -> list[dict]:
     """``node -> inputs`` to forget, one dict per storage, largest first: for each storage live at
     the peak whose values (a recomputed value and its views) are not read there, every value is
     forgotten after its last read before the peak (those read only before it too: recomputing a
-    later view reads them again); storages with a value first read after the peak are left alone."""
+    later view reads them again); storages with a value first read after the peak are left alone.
+    An item of a multi-output op's result is forgotten with the result (which holds it)."""
     t = trace.at
     if t < 0:
         return []
