@@ -277,6 +277,8 @@ class _Runner:
         self.replay = Replay(sp, compiled_forward=self.aten.forward if self.fw_aten else None)
         self.subclasses: SubclassLeaves | None = None  # DTensor arguments and outputs (distributed.py)
         self.layouts = None if self.aten is None else _compiled_layouts(self.aten.forward, leaves)
+        # the strides of examples with no symbolic stride, computed once (checked every call)
+        self._fixed_strides = None if self.layouts is None else [_fixed_stride(w) for w in self.layouts]
         self.returned_inputs = returned_inputs(cap.gm, self.out_is_tensor)
 
     def takes_layout(self, leaves) -> bool:
@@ -287,8 +289,9 @@ class _Runner:
         if self.layouts is None:
             return True
         return all(
-            not isinstance(x, torch.Tensor) or _expected_stride(want, x) in (None, tuple(x.stride()))
-            for want, x in zip(self.layouts, leaves)
+            not isinstance(x, torch.Tensor)
+            or (fixed if fixed is not None else _expected_stride(want, x)) in (None, tuple(x.stride()))
+            for want, fixed, x in zip(self.layouts, self._fixed_strides, leaves)
         )
 
     def run_forward(self, leaves):
@@ -369,6 +372,13 @@ def _compiled_layouts(forward: fx.GraphModule, leaves) -> list:
     symbolic sizes, expressions of the sizes) are those the graphs' views and the compiled code
     assume."""
     return [p.meta.get("val") for p in forward.graph.nodes if p.op == "placeholder"][: len(leaves)]
+
+
+def _fixed_stride(want):
+    """``want``'s strides if none is symbolic (the same at every size), else None."""
+    if not isinstance(want, torch.Tensor) or any(isinstance(s, torch.SymInt) for s in want.stride()):
+        return None
+    return tuple(int(s) for s in want.stride())
 
 
 def _expected_stride(want, x: torch.Tensor):

@@ -891,6 +891,7 @@ class Trace:
     storage: dict  # value key -> storage key
     made: dict  # value key -> position it is made at (-1: a start value)
     reads: dict  # value key -> positions that read it, ascending
+    taken: dict = field(default_factory=dict)  # an item of a multi-output op's result -> that result
 
 
 def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
@@ -903,9 +904,9 @@ def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
     storage: dict = {}
     made: dict = {}
     reads: dict = {}
-    trace = Trace(0, -1, set(), storage, made, reads)
-    size: dict = {}
     taken_from: dict = {}  # an item of a multi-output op's result -> that result
+    trace = Trace(0, -1, set(), storage, made, reads, taken_from)
+    size: dict = {}
 
     def make(n, at):
         occ = count[n] = count.get(n, -1) + 1
@@ -1127,7 +1128,8 @@ def _dead_at_peak(trace: Trace, order, recomputed, memo: _Memo) -> list[dict]:
     """``node -> inputs`` to forget, one dict per storage, largest first: for each storage live at
     the peak whose values (a recomputed value and its views) are not read there, every value is
     forgotten after its last read before the peak (those read only before it too: recomputing a
-    later view reads them again); storages with a value first read after the peak are left alone."""
+    later view reads them again); storages with a value first read after the peak are left alone.
+    An item of a multi-output op's result is forgotten with the result (which holds it)."""
     t = trace.at
     if t < 0:
         return []
@@ -1136,6 +1138,7 @@ def _dead_at_peak(trace: Trace, order, recomputed, memo: _Memo) -> list[dict]:
         if s in trace.live:
             by_storage.setdefault(s, []).append(k)
     out: list[tuple[int, dict]] = []
+    groups: dict = {}
     for s, keys in by_storage.items():
         if s[0] not in recomputed or any(t in trace.reads[k] or trace.made[k] == t for k in keys):
             continue
@@ -1155,7 +1158,15 @@ def _dead_at_peak(trace: Trace, order, recomputed, memo: _Memo) -> list[dict]:
         for u, v in pairs:
             group[u] = group.get(u, frozenset()) | {v}
         if group:
-            out.append((memo.size(s[0]), group))
+            groups[s] = group
+    for s, group in groups.items():
+        # An item of a multi-output op's result (a layer norm's output) stays in memory while
+        # the result does (``live_trace``): forgetting it alone frees nothing, so the result
+        # is forgotten with it (and recomputed, with its other items, where they are next read).
+        wholes = {trace.storage[trace.taken[k]] for k in by_storage[s] if k in trace.taken}
+        for w in wholes:
+            group = _merged(group, groups.get(w, {}))
+        out.append((memo.size(s[0]), group))
     out.sort(key=lambda sg: -sg[0])
     return [g for _, g in out]
 
