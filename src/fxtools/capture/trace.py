@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 from torch.utils import _pytree as pytree
