@@ -223,7 +223,8 @@ def _tensor_metadata_memo():
     strides and which memory format it is contiguous in (three contiguity checks in Python on
     the FakeTensor's sizes). For a plain strided tensor of static sizes, that record depends on
     nothing else, and a model's repeated layers make the same metadata over and over: made once
-    per distinct metadata in a trace, the same immutable record is given to each node.
+    per distinct metadata in a trace, the same immutable record is given to each node. Likewise
+    whether an op's input values are kept (``should_save``), asked for every node made.
     """
     original = proxy_tensor._extract_tensor_metadata
     made: dict = {}
@@ -239,11 +240,26 @@ def _tensor_metadata_memo():
                 return known
         return original(result, include_contiguity)
 
+    saves = proxy_tensor._should_save_eager_input_vals
+    saved: dict = {}
+
+    def should_save(target, args_kwargs=None):
+        """Whether make_fx keeps an op's input values (``eager_input_vals``): for an ATen op (an
+        ``OpOverload``), read from its tags alone, so asked once per op in a trace."""
+        if type(target) is not torch._ops.OpOverload:
+            return saves(target, args_kwargs)
+        known = saved.get(target)
+        if known is None:
+            known = saved[target] = saves(target, args_kwargs)
+        return known
+
     proxy_tensor._extract_tensor_metadata = extract
+    proxy_tensor._should_save_eager_input_vals = should_save
     try:
         yield
     finally:
         proxy_tensor._extract_tensor_metadata = original
+        proxy_tensor._should_save_eager_input_vals = saves
 
 
 def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=True) -> fx.GraphModule:
