@@ -237,25 +237,7 @@ CASES += [
 ]
 
 
-# Failures caused outside the in-place pass (see the report of the functionalize work):
-# reverse._example re-traces cotangents with the outputs' strides while callers pass contiguous
-# ones, and rules/shape.py's _reshape picks .view from those trace-time strides.
-KNOWN = {}
-
-
-def _params(cases):
-    return [
-        pytest.param(
-            f,
-            make,
-            id=f.__name__,
-            marks=[pytest.mark.xfail(reason=KNOWN[f.__name__], strict=False)] if f.__name__ in KNOWN else [],
-        )
-        for f, make in cases
-    ]
-
-
-@pytest.mark.parametrize("f,make_args", _params(CASES))
+@pytest.mark.parametrize("f,make_args", [pytest.param(f, make, id=f.__name__) for f, make in CASES])
 def test_inplace_on_intermediates_matches_autograd(f, make_args):
     args = make_args()
     assert not _mutations(f, *args), "in-place ops on intermediates must be rewritten"

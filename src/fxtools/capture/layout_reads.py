@@ -20,6 +20,7 @@ A program that reads no layout gets no such fact: its module accepts any layout,
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -44,9 +45,18 @@ def _by_program() -> bool:
     torch is a user file), not from fxtools or torch's own machinery."""
     frame: Any = sys._getframe(2)
     torch_dir = torch.__path__[0]
-    while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+    while frame is not None and (frame.f_code.co_filename.startswith(torch_dir) or _passes_through(frame.f_code)):
         frame = frame.f_back
     return frame is not None and is_program_file(frame.f_code.co_filename)
+
+
+def _passes_through(code) -> bool:
+    """Whether ``code`` is the handler of one of fxtools' own torch-function modes inside this one
+    (``vmap``'s ``BatchedViews``), which hands the program's call on: the read is the caller's."""
+    return code.co_name == "__torch_function__" and code.co_filename.startswith(_PACKAGE_DIR)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _node_of(t) -> fx.Node | None:

@@ -21,6 +21,7 @@ user's line and PyTorch's explanation.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -271,6 +272,7 @@ def vmap(f, *args, in_dims=0, out_dims=0, randomness="error", chunk_size=None, d
     views = BatchedViews(where=(lambda: user_line_of(namer.current) if namer.current is not None else None) if namer else None)
     per_sample = namer or f
 
+    @functools.wraps(per_sample)  # its signature names the arguments (dynamic_shapes, code)
     def one_sample(*a, **kw):
         with views:
             return per_sample(*a, **kw)
