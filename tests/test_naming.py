@@ -217,3 +217,37 @@ def test_stack_trace_lists_every_user_frame_of_the_call():
     want = "".join(traceback.StackSummary.from_list(frames).format()).strip()
     (node,) = [n for n in sp.forward.graph.nodes if n.name == "waved"]
     assert node.meta["stack_trace"] == want
+
+
+def test_tensor_meta_made_once_per_metadata_is_what_make_fx_records():
+    """Capture gives nodes of equal metadata one ``tensor_meta`` record (made once per trace); each
+    node's is still the one ``_extract_tensor_metadata`` gives its value: contiguous, channels-last,
+    transposed and offset views, integer and grad-requiring values alike. Whether an op's input
+    values are kept (asked once per op) is make_fx's answer for each node."""
+    from torch.fx.experimental.proxy_tensor import _should_save_eager_input_vals
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    from fxtools.capture.trace import capture
+
+    def f(x, w):
+        a = torch.sin(x)  # (2, 3, 4, 5) contiguous, twice
+        b = torch.cos(x)
+        c = a.transpose(1, 3) * 2  # strided
+        d = x.to(memory_format=torch.channels_last) + 1
+        e = b[1:].argmax(-1)  # an offset view's reduction: integer values
+        return (c.sum() + d.sum() + e.sum() + (w * w).sum(),)
+
+    x = torch.randn(2, 3, 4, 5)
+    cap = capture(f, (x, torch.randn(3, requires_grad=True)))
+    checked = 0
+    for node in cap.gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            assert node.meta["tensor_meta"] == _extract_tensor_metadata(val), node.name
+            checked += 1
+        if node.op == "call_function":
+            want = _should_save_eager_input_vals(node.target, (node.args, node.kwargs))
+            assert ("eager_input_vals" in node.meta) == want, node.name
+    assert checked >= 10
+    sin, cos = (n for n in cap.gm.graph.nodes if n.name in ("a", "b"))
+    assert sin.meta["tensor_meta"] is cos.meta["tensor_meta"]

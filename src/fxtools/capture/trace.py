@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
 from torch.utils import _pytree as pytree
 
@@ -215,6 +217,51 @@ def _no_real_mutation():
         fake_tensor.should_allow_numbers_as_tensors = original
 
 
+@contextlib.contextmanager
+def _tensor_metadata_memo():
+    """make_fx records ``node.meta["tensor_meta"]`` for every value it traces: its shape, dtype,
+    strides and which memory format it is contiguous in (three contiguity checks in Python on
+    the FakeTensor's sizes). For a plain strided tensor of static sizes, that record depends on
+    nothing else, and a model's repeated layers make the same metadata over and over: made once
+    per distinct metadata in a trace, the same immutable record is given to each node. Likewise
+    whether an op's input values are kept (``should_save``), asked for every node made.
+    """
+    original = proxy_tensor._extract_tensor_metadata
+    made: dict = {}
+
+    def extract(result, include_contiguity=True):
+        if include_contiguity and type(result) is FakeTensor and result.layout is torch.strided and not result.is_quantized:
+            shape, stride = result.shape, result.stride()
+            if all(type(s) is int for s in shape) and all(type(s) is int for s in stride):
+                key = (tuple(shape), stride, result.dtype, result.requires_grad)
+                known = made.get(key)
+                if known is None:
+                    known = made[key] = original(result)
+                return known
+        return original(result, include_contiguity)
+
+    saves = proxy_tensor._should_save_eager_input_vals
+    saved: dict = {}
+
+    def should_save(target, args_kwargs=None):
+        """Whether make_fx keeps an op's input values (``eager_input_vals``): for an ATen op (an
+        ``OpOverload``), read from its tags alone, so asked once per op in a trace."""
+        if type(target) is not torch._ops.OpOverload:
+            return saves(target, args_kwargs)
+        known = saved.get(target)
+        if known is None:
+            known = saved[target] = saves(target, args_kwargs)
+        return known
+
+    proxy_tensor._extract_tensor_metadata = extract
+    proxy_tensor._should_save_eager_input_vals = should_save
+    try:
+        yield
+    finally:
+        proxy_tensor._extract_tensor_metadata = original
+        proxy_tensor._should_save_eager_input_vals = saves
+
+
 def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=True) -> fx.GraphModule:
     """make_fx at pre-dispatch level, with fake tensors, closed-over real tensors allowed.
 
@@ -241,6 +288,7 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=Tru
     with (
         _all_user_frames() if record_stack_traces else contextlib.nullcontext(),
         _no_real_mutation(),
+        _tensor_metadata_memo(),
         tracing_kernels(),
         _use_lazy_graph_module(True),
     ):
