@@ -248,32 +248,46 @@ def _got(value):
     return f"a {type(value).__name__}"
 
 
-def _snapshot(obj, depth=0):
+def _snapshot(obj, depth=0, budget=None):
     """A plain object's state as nested tuples of built-in values (its class name and attributes),
     or None if any part is not plain: two objects whose snapshots are the same give the code the
-    same constants (``c.scale`` read while tracing)."""
+    same constants (``c.scale`` read while tracing). An object of more than ``_SNAPSHOT_LIMIT``
+    parts (a library's registry of dicts) is not plain: it is read by identity instead."""
     if obj is None or type(obj) in (bool, int, float, complex, str):
         return obj
-    if depth > 8 or isinstance(obj, (torch.Tensor, torch.nn.Module)):  # read by reference, not compared
+    budget = [_SNAPSHOT_LIMIT] if budget is None else budget
+    budget[0] -= 1
+    if depth > 8 or budget[0] < 0 or isinstance(obj, (torch.Tensor, torch.nn.Module)):  # tensors: read by reference
         return None
     if type(obj) is dict:
-        pairs = tuple((k, _snapshot(v, depth + 1)) for k, v in obj.items())
-        plain = all(type(k) is str and (s is not None or v is None) for (k, s), v in zip(pairs, obj.values()))
-        return ("dict", pairs) if plain else None
-        return None
+        pairs = []
+        for k, v in obj.items():
+            s = _snapshot(v, depth + 1, budget)
+            if type(k) is not str or (s is None and v is not None):
+                return None
+            pairs.append((k, s))
+        return ("dict", tuple(pairs))
     if type(obj) in (tuple, list):
-        items = tuple(_snapshot(v, depth + 1) for v in obj)
-        return None if any(v is None and x is not None for v, x in zip(items, obj)) else (type(obj).__name__, items)
+        items = []
+        for v in obj:
+            s = _snapshot(v, depth + 1, budget)
+            if s is None and v is not None:
+                return None
+            items.append(s)
+        return (type(obj).__name__, tuple(items))
     state = vars(obj) if hasattr(obj, "__dict__") else None  # a user's object: read by introspection
     if type(state) is not dict or callable(obj) or isinstance(obj, type):
         return None
     items = []
     for k in sorted(state, key=str):
-        v = _snapshot(state[k], depth + 1)
+        v = _snapshot(state[k], depth + 1, budget)
         if type(k) is not str or (v is None and state[k] is not None):
             return None
         items.append((k, v))
     return (type(obj).__qualname__, tuple(items))
+
+
+_SNAPSHOT_LIMIT = 10_000
 
 
 def _same(a, b):
