@@ -139,14 +139,24 @@ def _hook_ids(module):
     """The ids of the hooks registered on ``module`` (``None``: every module's, ``register_module_*``):
     the trace ran them, so adding or removing one must be refused. Ids are never reused. A
     ``forward`` set on the instance (``m.forward = fn``), which a call runs instead of its class's,
-    ends the tuple: setting or removing one afterwards is refused the same way."""
+    ends the tuple: setting or removing one afterwards is refused the same way (fxtools' own, set
+    while it runs a distributed step, is not the program's)."""
     if module is None:  # fxtools' own (capture/names.py records module calls while tracing) left out
         tables = vars(torch.nn.modules.module)
         hooks = [(k, h) for name in _HOOKS for k, h in tables["_global" + name].items()]
         return tuple(k for k, h in hooks if not getattr(h, "__module__", "").startswith("fxtools."))
     own = vars(module)
     ids = tuple(k for name in _HOOKS for k in own[name])
-    return (*ids, own["forward"]) if "forward" in own else ids
+    forward = own.get("forward")
+    if forward is None or _set_by_fxtools(forward):
+        return ids
+    return (*ids, forward)
+
+
+def _set_by_fxtools(fn) -> bool:
+    """Whether ``fn``, found on a module instance, is fxtools' own (the forwards
+    training/distributed.py sets while it runs a step), not the program's."""
+    return getattr(fn, "__module__", None) is not None and fn.__module__.startswith("fxtools.")
 
 
 def _method_of(obj, name):
@@ -154,7 +164,7 @@ def _method_of(obj, name):
     of its MRO defining ``name`` (``MISSING`` if none). Compared by identity: a method replaced
     on the class or the instance after the trace is refused."""
     own = _attributes(obj)
-    if name in own:
+    if name in own and not _set_by_fxtools(own[name]):
         return own[name]
     for cls in type(obj).__mro__:
         found = vars(cls).get(name, MISSING)

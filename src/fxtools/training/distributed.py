@@ -149,7 +149,7 @@ class Wrappers:
         def last():
             return fn(*received["args"], **received["kwargs"])
 
-        forwards = [first, *(m.__call__ for m in chain[2:]), *([last] if len(chain) > 1 else [])]
+        forwards = [first, *(_calling(m) for m in chain[2:]), *([last] if len(chain) > 1 else [])]
         for module in chain:
             if "forward" in module.__dict__:
                 raise FxtoolsError(
@@ -179,6 +179,12 @@ class Wrappers:
                 state._training_state = old
             for module, forward in swapped.items():
                 module.__dict__["forward"] = forward
+
+
+def _calling(module: nn.Module) -> Callable[..., Any]:
+    """A forward that calls ``module`` (its hooks and forward), defined here: a module's forward set
+    by fxtools is not one the program set (capture/closures.py's hook guard leaves it out)."""
+    return lambda *args, **kwargs: module(*args, **kwargs)
 
 
 def _quiet_fsdp_states(modules: list[nn.Module]) -> list[tuple[Any, Any]]:
