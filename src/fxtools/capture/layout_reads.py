@@ -125,14 +125,8 @@ def constants_read_as_values(reads: list, gm: fx.GraphModule) -> dict:
         if node is None:
             found.setdefault(id(t), where)
             continue
-        seen, stack = set(), [node]
-        while stack:
-            n = stack.pop()
-            if n not in seen:
-                seen.add(n)
-                if n.op == "get_attr":
-                    found.setdefault(id(getattr(gm, str(n.target), None)), where)
-                stack.extend(n.all_input_nodes)
+        for held in _constants_under(node, gm):
+            found.setdefault(id(held), where)
     return found
 
 
@@ -159,34 +153,35 @@ def constants_layout_read(reads: list, gm: fx.GraphModule) -> dict:
             if name in _STORAGE_READS or name == "storage_offset":
                 note(held, where, ("offset",))
             continue
-        seen, stack = set(), [node]
-        while stack:
-            n = stack.pop()
-            if n not in seen:
-                seen.add(n)
-                if n.op == "get_attr":
-                    held = getattr(gm, str(n.target), None)
-                    note(held, where, ("strides",))
-                    if name in _STORAGE_READS:
-                        note(held, where, ("offset",))
-                stack.extend(n.all_input_nodes)
+        for held in _constants_under(node, gm):
+            note(held, where, ("strides",))
+            if name in _STORAGE_READS:
+                note(held, where, ("offset",))
     return {k: (where, tuple(sorted(facts, key=str))) for k, (where, facts) in found.items()}
+
+
+def _constants_under(node: fx.Node, gm: fx.GraphModule) -> list:
+    """The attributes of ``gm`` (closed-over constants) that ``node`` is computed from."""
+    return [getattr(gm, str(n.target), None) for n in _ancestors(node) if n.op == "get_attr"]
+
+
+def _ancestors(node: fx.Node) -> list:
+    """``node`` and every node it is computed from, each once."""
+    seen, stack, order = set(), [node], []
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            order.append(n)
+            stack.extend(n.all_input_nodes)
+    return order
 
 
 def _inputs_of(node: fx.Node | None, placeholders: list) -> list:
     """The placeholders ``node`` derives from (all of them for a value the trace cannot place)."""
     if node is None:
         return list(placeholders)
-    seen, stack, found = set(), [node], []
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            found.append(n)
-        stack.extend(n.all_input_nodes)
-    return found
+    return [n for n in _ancestors(node) if n.op == "placeholder"]
 
 
 def _layout_fact(example: torch.Tensor, symbolic: bool, where: str) -> Read:
