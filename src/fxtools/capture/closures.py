@@ -23,7 +23,7 @@ import types
 import torch
 
 from ..errors import FXTOOLS_DIR, is_user_file
-from ..signature.closures import MISSING, Read, is_constant, reads_of, snapshot
+from ..signature.closures import MISSING, Read, is_constant, reads_of, snapshot, watchable
 from ..signature.naming import identifier
 from ..signature.runtime import same_value
 
@@ -461,7 +461,38 @@ def outside_reads(f, module_args=None) -> list[Read]:
     walk.root(f)
     walk.called_methods()
     walk.values_of_objects()
+    for read in walk.reads:
+        if read.tables is None:
+            read.tables = _tables_of(read.get)
     return walk.reads
+
+
+def _tables_of(get):
+    """The function giving the dicts whose contents alone decide what ``get`` reads now
+    (``Read.tables``), or None: a dict's item (an attribute, a submodule, a global) and the ids of
+    a module's hooks; not what reads through objects (a method found on a class, a function's
+    defaults, a cell, a module's flag)."""
+    if isinstance(get, functools.partial) and get.func is _get_item and watchable(get.args[0]):
+        return functools.partial(_one_table, get.args[0])
+    if isinstance(get, functools.partial) and get.func is _hook_ids:
+        return functools.partial(_hook_tables, get.args[0])
+    return None
+
+
+def _one_table(table) -> tuple:
+    return (table,)
+
+
+def _hook_tables(module) -> tuple | None:
+    """The dicts ``_hook_ids(module)`` reads (the module's attributes, its hook tables), or None
+    where they do not decide it: a ``forward`` set on the instance (its ``__module__`` decides
+    whether it is fxtools'), a table of more than one hook (``move_to_end`` reorders one without
+    changing its version), any global hook (whose ``__module__`` decides whether it is fxtools')."""
+    own = vars(torch.nn.modules.module) if module is None else _attributes(module)
+    tables = [own.get(("_global" if module is None else "") + name) for name in _HOOKS]
+    if (module is not None and "forward" in own) or not all(watchable(t) and len(t) <= (0 if module is None else 1) for t in tables):
+        return None
+    return (own, *tables)
 
 
 def unchanged_by_tracing(reads: list[Read]) -> list[Read]:

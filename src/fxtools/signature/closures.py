@@ -22,6 +22,7 @@ capture stage records the reads (``capture/closures.py``); this module is the ch
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,56 @@ from .guards import GuardedGraphModule, is_scalar
 from .runtime import InputMismatch, same_value, snapshot_value, tensor_text, value_text
 
 MISSING = object()  # what a getter returns for a name that no longer exists
+
+
+def _version_reader():
+    """``torch._C._dynamo.guards.dict_version`` (a dict's PEP 509 version tag: every change to
+    the dict gives it a new one, never given to another dict), if it works here, else None."""
+    try:
+        from torch._C._dynamo.guards import dict_version
+    except ImportError:  # pragma: no cover - a build without Dynamo
+        return None
+
+    class Probe:
+        pass
+
+    probe, table = Probe(), {}
+    probe.x = 0
+    before = [dict_version(table), dict_version(vars(probe))]
+    table[0], probe.x = 0, 1
+    after = [dict_version(table), dict_version(vars(probe))]
+    return dict_version if all(a != b for a, b in zip(before, after)) else None
+
+
+_dict_version = _version_reader()
+_GIVE_UP = 8  # full checks in a row after which ``Closures`` stops watching dicts
+
+
+def _immutable_state(value):
+    """The dict holding ``value``'s state (a dict itself, or a plain object's attributes) where
+    its values are immutable (None, numbers, strings, tuples of them), so that the dict's version
+    and ``value``'s type decide its ``snapshot``; else None."""
+    state = value if type(value) is dict else vars(value) if hasattr(value, "__dict__") else None
+    if not watchable(state) or isinstance(value, (torch.Tensor, torch.nn.Module, type)) or _is_ndarray(value):
+        return None
+    return state if all(map(_immutable, state.values())) else None
+
+
+def _immutable(value) -> bool:
+    return value is None or type(value) in _ATOMS or (type(value) is tuple and all(map(_immutable, value)))
+
+
+_ATOMS = (bool, int, float, complex, str)
+
+
+def watchable(table) -> bool:
+    """Whether ``table`` is a dict whose version tells its contents (no subclass overriding reads)."""
+    return _dict_version is not None and type(table) in (dict, collections.OrderedDict)
+
+
+def dict_versions(tables) -> list | None:
+    """The versions of ``tables`` (dicts), or None where versions cannot be read."""
+    return None if _dict_version is None else list(map(_dict_version, tables))
 
 
 def is_constant(value) -> bool:
@@ -81,10 +132,19 @@ class Read:
     where: str | None = None
     name: str | None = None
     mutable: bool = False  # a plain object compared by its attributes, even when it is the same object
+    # the dicts whose contents alone decide what ``get()`` gives now (a tuple), or None: the check of
+    # a read whose dicts kept their versions since it last passed is not repeated (``Closures.check``)
+    tables: Callable[[], tuple | None] | None = dataclasses.field(default=None, repr=False)
 
 
 class Closures:
-    """The reads of one generated module: ``check(gm)`` before each call (see module docstring)."""
+    """The reads of one generated module: ``check(gm)`` before each call (see module docstring).
+
+    A call repeats only what may have changed: the values and objects read from dicts (a module's
+    attributes, submodules and hooks, a function's globals; ``Read.tables``) are checked again only
+    when one of those dicts changed since they last passed (its version, which every change to a
+    dict changes: ``dict_version``); the others, the plain objects compared by their attributes and
+    the tensors are checked on every call."""
 
     def __init__(self, made_by: str, tensors, others):
         self.made_by = made_by
@@ -95,18 +155,73 @@ class Closures:
         self._fixed = tuple((r.get, r.expected, r) for r in self.others if not r.mutable)
         self._mutable = tuple(r for r in self.others if r.mutable)
         self._tensor_gets = tuple((r.get, r.expected.shape, r.expected.dtype, r.expected.device) for r, _ in self.tensors)
+        self._watch: tuple | None = None  # (dicts, their versions, the fixed reads they do not decide) after a pass
+        self._misses = 0  # full checks in a row whose dicts had changed since the last pass
 
     def check(self, gm: fx.GraphModule) -> None:
         """Refuse a changed value or object; make the module read tensors rebound since the last call."""
-        for get, expected, read in self._fixed:
+        watch = self._watch
+        if watch is not None:
+            dicts, versions, typed, fixed, mutable = watch
+            if list(map(_dict_version, dicts)) == versions and all(type(o) is t for o, t in typed):
+                self._misses = 0  # every read the dicts decide gives what it gave when it passed
+                self._check_fixed(fixed)
+                self._check_mutable(mutable)
+                self._check_tensors(gm)
+                return
+            self._watch = None
+            self._misses += 1
+        watch = self._watching()  # the versions before the checks: a change during them is seen next time
+        self._check_fixed(self._fixed)
+        self._check_mutable(self._mutable)
+        self._check_tensors(gm)
+        self._watch = watch
+
+    def _watching(self) -> tuple | None:
+        """What decides the reads now: ``(dicts, their versions, (object, type) pairs, the fixed reads
+        and the plain objects they do not decide)``; or None: no ``dict_version``, or the dicts
+        changed before each of the last calls (a wrapper setting attributes at each call), where
+        watching them would cost more than it saves.
+
+        A fixed read (a value, an object's identity) is decided by its ``tables``; a plain object
+        compared by its attributes by its ``tables``, its own attributes and its type, where
+        those attributes are immutable values (numbers, strings, tuples of them)."""
+        if _dict_version is None or self._misses > _GIVE_UP:
+            return None
+        dicts: dict[int, Any] = {}
+        typed, fixed, mutable = [], [], []
+        for item in self._fixed:
+            found = item[2].tables() if item[2].tables is not None else None
+            if found is None:
+                fixed.append(item)
+            else:
+                dicts.update((id(t), t) for t in found)
+        for read in self._mutable:
+            found = read.tables() if read.tables is not None else None
+            now = read.get()
+            state = _immutable_state(now)
+            if found is None or state is None:
+                mutable.append(read)
+            else:
+                dicts.update((id(t), t) for t in (*found, state))
+                typed.append((now, type(now)))
+        tables = list(dicts.values())
+        return tables, list(map(_dict_version, tables)), tuple(typed), tuple(fixed), tuple(mutable)
+
+    def _check_fixed(self, fixed) -> None:
+        for get, expected, read in fixed:
             if get() is not expected:
                 now = get()
                 if read.kind == "same" or now is MISSING or not same_value(now, expected):
                     self._changed(read, now)
-        for read in self._mutable:
+
+    def _check_mutable(self, mutable) -> None:
+        for read in mutable:
             now = read.get()
             if now is MISSING or not same_value(snapshot(now), read.expected):
                 self._changed(read, now)
+
+    def _check_tensors(self, gm) -> None:
         seen = self.seen
         for i, (get, shape, dtype, device) in enumerate(self._tensor_gets):
             now = get()

@@ -60,6 +60,7 @@ from ..signature.naming import identifier
 from .aten import to_aten
 from .closed_over import ClosedOver, Lifted, register_dict
 from .distributed import SubclassLeaves, Wrappers, local_view, with_subclass_leaves
+from .fastpath import Memo, Parameters
 from .finite import Checker, locate
 from .partition import Split, split
 from .saved import Replay, SavedValues, graph_kept, release, rng_state
@@ -280,6 +281,7 @@ class _Runner:
         # the strides of examples with no symbolic stride, computed once (checked every call)
         self._fixed_strides = None if self.layouts is None else [_fixed_stride(w) for w in self.layouts]
         self.returned_inputs = returned_inputs(cap.gm, self.out_is_tensor)
+        self.reads_offsets: bool | None = None  # whether its guards read a storage offset (training/fastpath.py)
 
     def takes_layout(self, leaves) -> bool:
         """Whether the compiled graphs were made for the strides of ``leaves`` (compilers such as
@@ -440,6 +442,9 @@ class Options:
         return self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite
 
 
+_MEMOS = 4  # calls whose choice of runner a ``_Runners`` keeps (training/fastpath.py)
+
+
 class _Runners:
     """The split graphs of ``fn``. A call runs the first whose guards (``Split.guards``, as every
     generated module checks them: structure, sizes, dtypes, devices, layouts where the code needs
@@ -455,6 +460,7 @@ class _Runners:
         self.fn, self.options, self.fixed, self.skip_first = fn, options, options.split, skip_first
         self.capturing = capturing  # the context in which ``fn`` is traced
         self.entries: list = []  # (training, requires_grad mask, runner)
+        self.memos: list[Memo] = []  # the choices of the last calls (training/fastpath.py), cleared with entries
         self.lifted: Lifted | None = None  # closed-over tensors requiring grad, passed as inputs (closed_over.py)
 
     def _marks(self, args):
@@ -481,17 +487,36 @@ class _Runners:
             for i, a in enumerate(args)
         )
 
-    def __call__(self, args, training):
+    def __call__(self, args, training, remember=False):
         """``(runner, tensor leaves)`` for ``args``; DTensor leaves stay DTensors (the runner's
-        autograd function takes them, its graphs their local tensors: ``training/distributed.py``)."""
+        autograd function takes them, its graphs their local tensors: ``training/distributed.py``).
+
+        A call of the structure, Python values and tensor metadata of one of the last few calls
+        made with ``remember`` gets that call's runner without the full check
+        (``training/fastpath.py``); the closed-over state is checked on every call."""
+        for memo in self.memos:
+            leaves = memo.leaves(args, training)
+            if leaves is not None:
+                closures.check(memo.runner.split.forward)  # closed-over state (signature/closures.py)
+                return memo.runner, leaves
         view = local_view(args)
         if view is None:
-            leaves_and_runner = self._lookup(self._with_lifted(args), training)
+            runner, leaves = self._lookup(self._with_lifted(args), training)
         else:
             runner, leaves = self._lookup(view.args(args), (training, view.key), view)
-            leaves_and_runner = runner, with_subclass_leaves(leaves, args)
-        closures.check(leaves_and_runner[0].split.forward)  # closed-over state (signature/closures.py)
-        return leaves_and_runner
+            leaves = with_subclass_leaves(leaves, args)
+        closures.check(runner.split.forward)  # closed-over state (signature/closures.py)
+        if remember and view is None and self.lifted is None:
+            self._remember(args, training, runner, leaves)
+        return runner, leaves
+
+    def _remember(self, args, training, runner, leaves) -> None:
+        """Memoise this call's runner (``training/fastpath.py``), the last ``_MEMOS`` calls' kept."""
+        if runner.reads_offsets is None:
+            runner.reads_offsets = any(r.kind == "storage_offset" for leaf in runner.split.guards.leaves() for r in leaf.reads)
+        memo = Memo.make(args, training, runner, leaves, runner.reads_offsets)
+        if memo is not None:
+            self.memos = [memo, *self.memos[: _MEMOS - 1]]
 
     def _lookup(self, args, training, view=None):
         if self.fixed is not None:  # one given split (an edited one): its guards decide, nothing new is made
@@ -532,12 +557,14 @@ class _Runners:
             if self.lifted is not None:  # traced again, taking them as inputs (their .grad filled as in eager)
                 self.fn = self.lifted.function(self.fn)
                 self.entries.clear()
+                self.memos = []
                 return self._lookup(self._with_lifted(args), training)
         leaves = sp.flatten(*args)
         runner = _Runner(sp, leaves, *self.options.running())
         if view is not None:
             runner.subclasses = SubclassLeaves(view, self.capturing)
         self.entries.append((training, mask, runner))
+        self.memos = []
         return runner, leaves
 
     def _with_lifted(self, args):
@@ -703,6 +730,7 @@ class CompiledModule(torch.nn.Module):
         super().__init__()
         self.module = model
         self._wrappers = Wrappers(model)
+        self._parameter_dict = Parameters(self._wrappers.inner)  # dict(named_parameters()), made again when it may differ
         self._runners = _Runners(
             _accepting_keywords(functional(self._wrappers.inner)),
             Options() if options is None else options,
@@ -711,14 +739,14 @@ class CompiledModule(torch.nn.Module):
         )
 
     def _args(self, inputs, kwargs):
-        params = dict(self._wrappers.inner.named_parameters())
+        params = self._parameter_dict()
         return (params, *inputs, KeywordArguments(kwargs)) if kwargs else (params, *inputs)
 
-    def _runner_and_leaves(self, *inputs, **kwargs):
-        return self._runners(self._args(inputs, kwargs), self._wrappers.inner.training)
+    def _runner_and_leaves(self, inputs: tuple, kwargs: dict, remember=False):
+        return self._runners(self._args(inputs, kwargs), self._wrappers.inner.training, remember)
 
     def runner(self, *inputs, **kwargs) -> _Runner:
-        return self._wrappers.prepare(lambda *a, **k: self._runner_and_leaves(*a, **k)[0], inputs, kwargs)
+        return self._wrappers.prepare(lambda *a, **k: self._runner_and_leaves(a, k)[0], inputs, kwargs)
 
     @property
     def split(self) -> Split:
@@ -726,7 +754,7 @@ class CompiledModule(torch.nn.Module):
         return self._runners.latest
 
     def _run(self, *inputs, **kwargs):
-        runner, leaves = self._runner_and_leaves(*inputs, **kwargs)
+        runner, leaves = self._runner_and_leaves(inputs, kwargs, remember=True)
         return runner(leaves)
 
     def forward(self, *inputs, **kwargs):
@@ -749,7 +777,7 @@ class CompiledFunction:
         return self._runners.latest
 
     def __call__(self, *args, **kwargs):
-        runner, leaves = self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)
+        runner, leaves = self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None, remember=True)
         return runner(leaves)
 
 
