@@ -494,7 +494,8 @@ class _Runners:
         A call of the structure, Python values and tensor metadata of one of the last few calls
         made with ``remember`` gets that call's runner without the full check
         (``training/fastpath.py``); the closed-over state is checked on every call."""
-        for memo in self.memos:
+        compiling = torch.compiler.is_compiling()  # traced by torch.compile: the full check, traceable
+        for memo in self.memos if not compiling else ():
             leaves = memo.leaves(args, training)
             if leaves is not None:
                 closures.check(memo.runner.split.forward)  # closed-over state (signature/closures.py)
@@ -506,7 +507,7 @@ class _Runners:
             runner, leaves = self._lookup(view.args(args), (training, view.key), view)
             leaves = with_subclass_leaves(leaves, args)
         closures.check(runner.split.forward)  # closed-over state (signature/closures.py)
-        if remember and view is None and self.lifted is None:
+        if remember and view is None and self.lifted is None and not compiling:
             self._remember(args, training, runner, leaves)
         return runner, leaves
 

@@ -47,6 +47,8 @@ class Parameters:
         self._watch: tuple | None = None  # (modules, their types, dicts, their versions, the parameters)
 
     def __call__(self) -> dict:
+        if torch.compiler.is_compiling():  # traced by torch.compile: the walk itself, traceable
+            return dict(self.module.named_parameters())
         watch = self._watch
         if watch is not None:
             modules, types, dicts, versions, params = watch
