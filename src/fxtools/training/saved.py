@@ -319,7 +319,9 @@ class Replay:
                 del record.attr_versions[t]
             else:
                 record.versions[t] = None
-        record.drew = not _same_rng(record.rng, rng_state(record.leaves))
+        cpu, accelerators = record.rng  # the same devices as before the forward
+        now = (torch.get_rng_state(), [(d, torch.get_device_module(d.type).get_rng_state(d)) for d, _ in accelerators])
+        record.drew = not _same_rng(record.rng, now)
 
     def vjp(self, record: _Record | None, cts: list) -> list:
         """The gradients for ``cts``, recorded by autograd as functions of the inputs and ``cts``:
