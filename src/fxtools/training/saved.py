@@ -319,7 +319,7 @@ class Replay:
                 del record.attr_versions[t]
             else:
                 record.versions[t] = None
-        cpu, accelerators = record.rng  # the same devices as before the forward
+        _, accelerators = record.rng  # the same devices as before the forward
         now = (torch.get_rng_state(), [(d, torch.get_device_module(d.type).get_rng_state(d)) for d, _ in accelerators])
         record.drew = not _same_rng(record.rng, now)
 
