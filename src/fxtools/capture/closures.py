@@ -490,7 +490,8 @@ def _hook_tables(module) -> tuple | None:
     changing its version), any global hook (whose ``__module__`` decides whether it is fxtools')."""
     own = vars(torch.nn.modules.module) if module is None else _attributes(module)
     tables = [own.get(("_global" if module is None else "") + name) for name in _HOOKS]
-    if (module is not None and "forward" in own) or not all(watchable(t) and len(t) <= (0 if module is None else 1) for t in tables):
+    most = 0 if module is None else 1
+    if (module is not None and "forward" in own) or not all(watchable(t) and len(t or ()) <= most for t in tables):
         return None
     return (own, *tables)
 

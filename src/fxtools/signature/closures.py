@@ -45,7 +45,7 @@ def _version_reader():
         return None
 
     class Probe:
-        pass
+        x = 0
 
     probe, table = Probe(), {}
     probe.x = 0

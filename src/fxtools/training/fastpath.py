@@ -28,6 +28,7 @@ the dicts it reads).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -68,9 +69,10 @@ class Parameters:
 def _tensor_guards_type():
     """``torch._C._dynamo.guards.TensorGuards`` if it behaves here as ``Memo`` relies on, else None."""
     try:
-        from torch._C._dynamo.guards import TensorGuards
+        from torch._C._dynamo.guards import TensorGuards as found
     except ImportError:  # pragma: no cover - a build without Dynamo
         return None
+    TensorGuards: Any = found  # (its stub takes no tensors; it does, positionally)
     try:
         x = torch.zeros(2, 3, requires_grad=True)
         guards = TensorGuards(x, dynamic_dims_sizes=None, dynamic_dims_strides=None)
