@@ -1,0 +1,56 @@
+"""Held-out programs (batch m): JVP losses, PINNs on batches, and NaN tracing.
+
+Each test is a program a demanding user writes that gave a silent wrong answer, a false refusal
+or an unclear error before its fix. The oracle is torch.func / torch.autograd in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxtools
+
+D = torch.float64
+
+
+def _u(w, x):
+    return torch.tanh(x @ w).sum()
+
+
+def test_fxtools_transforms_called_inside_a_loss():
+    """``fxtools.laplacian`` / ``grad`` / ``hvp`` / ``vjp`` / ``vmap`` called inside a loss that
+    fxtools differentiates (a PINN's residual built in the loss) failed with internal errors (a
+    fake-mode mismatch, ``.numpy()`` of a traced value): each now runs as its torch.func spelling."""
+    torch.manual_seed(0)
+    w, xs, s = torch.randn(3, 5, dtype=D), torch.randn(4, 3, dtype=D), torch.randn(3, 2, dtype=D)
+
+    def hess(w, x):
+        return torch.func.hessian(lambda x: _u(w, x))(x)
+
+    def loss(w, xs):
+        lap = fxtools.laplacian(_u, w, xs[0], argnums=1)
+        _, d = fxtools.vmap(lap, w, xs, in_dims=(None, 0))(w, xs)
+        g = fxtools.grad(_u, w, xs[0], argnums=1)(w, xs[0])
+        hv = fxtools.hvp(lambda x: _u(w, x), xs[0])(xs[0], xs[1])
+        _, (gx,) = fxtools.vjp(lambda x: torch.tanh(x @ w), xs[0])(xs[0], torch.ones(5, dtype=D))
+        _, ds = fxtools.laplacian(lambda x: _u(w, x), xs[0], sigma=s)(xs[0], s)
+        return (d**2).sum() + (g**2).sum() + (hv**2).sum() + (gx**3).sum() + ds
+
+    def want(w, xs):
+        d = torch.stack([hess(w, x).trace() for x in xs])
+        g = torch.func.grad(_u, argnums=1)(w, xs[0])
+        hv = hess(w, xs[0]) @ xs[1]
+        gx = torch.func.vjp(lambda x: torch.tanh(x @ w), xs[0])[1](torch.ones(5, dtype=D))[0]
+        ds = (s.T @ hess(w, xs[0]) @ s).trace()
+        return (d**2).sum() + (g**2).sum() + (hv**2).sum() + (gx**3).sum() + ds
+
+    got = fxtools.value_and_grad(loss, w, xs)(w, xs)
+    torch.testing.assert_close(got[0], want(w, xs))
+    torch.testing.assert_close(got[1], torch.func.grad(want)(w, xs))
+
+
+def test_fxtools_transform_without_program_form_is_refused_naming_the_line():
+    w, x = torch.randn(3, 5, dtype=D), torch.randn(3, dtype=D)
+    with pytest.raises(fxtools.FxtoolsError, match=r"bilaplacian is called inside.*test_heldout_m.py"):
+        fxtools.grad(lambda w, x: fxtools.bilaplacian(lambda x: _u(w, x), x)(x)[1], w, x)
