@@ -54,3 +54,32 @@ def test_fxtools_transform_without_program_form_is_refused_naming_the_line():
     w, x = torch.randn(3, 5, dtype=D), torch.randn(3, dtype=D)
     with pytest.raises(fxtools.FxtoolsError, match=r"bilaplacian is called inside.*test_heldout_m.py"):
         fxtools.grad(lambda w, x: fxtools.bilaplacian(lambda x: _u(w, x), x)(x)[1], w, x)
+
+
+def test_pinn_autograd_grad_of_a_slice_with_an_unbounded_dim():
+    """A PINN residual by ``torch.autograd.grad`` of ``gx[:, i]`` at a dynamic batch size was refused
+    as specialised (``B < 2**63 - 1``, recorded by PyTorch's slice decomposition in the replayed
+    backward); now one module serves every batch size."""
+    from torch.export import Dim
+
+    torch.manual_seed(0)
+    w = torch.randn(2, 8, dtype=D)
+
+    def loss(w, xs, f):
+        xs = xs.detach().requires_grad_(True)
+        u = torch.tanh(xs @ w).sum(-1)
+        (gx,) = torch.autograd.grad(u, xs, torch.ones_like(u), create_graph=True)
+        lap = torch.zeros_like(u)
+        for i in range(xs.shape[1]):
+            lap = lap + torch.autograd.grad(gx[:, i], xs, torch.ones_like(gx[:, i]), create_graph=True)[0][:, i]
+        return ((lap + f) ** 2).mean()
+
+    def want(w, xs, f):
+        lap = torch.func.vmap(lambda x: torch.func.hessian(lambda x: torch.tanh(x @ w).sum())(x).trace())(xs)
+        return ((lap + f) ** 2).mean()
+
+    batch = Dim("batch")
+    gm = fxtools.grad(loss, w, torch.randn(6, 2, dtype=D), torch.randn(6, dtype=D), dynamic_shapes=(None, {0: batch}, {0: batch}))
+    for n in (6, 3, 11):
+        xs, f = torch.randn(n, 2, dtype=D), torch.randn(n, dtype=D)
+        torch.testing.assert_close(gm(w, xs, f), torch.func.grad(want)(w, xs, f))
