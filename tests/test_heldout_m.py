@@ -83,3 +83,22 @@ def test_pinn_autograd_grad_of_a_slice_with_an_unbounded_dim():
     for n in (6, 3, 11):
         xs, f = torch.randn(n, 2, dtype=D), torch.randn(n, dtype=D)
         torch.testing.assert_close(gm(w, xs, f), torch.func.grad(want)(w, xs, f))
+
+
+def test_inplace_on_a_linear_output_under_nested_vmap_of_hessian():
+    """``y = F.linear(x[None], w); y.add_(b)`` in a per-point network, batched by ``torch.func.vmap``
+    (of ``hessian``: a PINN's Laplacian) inside a loss, was refused as an alias fxtools cannot
+    follow: vmap's batching rule reshapes ``mm``'s result with ``_unsafe_view``, which shares its
+    storage without declaring it."""
+    torch.manual_seed(0)
+    w, b, xs = torch.randn(6, 3, dtype=D), torch.randn(6, dtype=D), torch.randn(5, 3, dtype=D)
+
+    def u(w, x):
+        y = torch.nn.functional.linear(x[None], w)
+        y.add_(b).mul_(0.5)
+        return torch.tanh(y).sum()
+
+    def loss(w, xs):
+        return torch.func.vmap(lambda x: torch.func.hessian(lambda y: u(w, y))(x).trace())(xs).pow(2).sum()
+
+    torch.testing.assert_close(fxtools.grad(loss, w, xs)(w, xs), torch.func.grad(loss)(w, xs))
