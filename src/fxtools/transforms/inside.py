@@ -88,10 +88,10 @@ def _grad(o: dict, own: dict, value: bool):
 def _vjp(o: dict, own: dict):
     f, argnums, has_aux = o["f"], o["argnums"], o["has_aux"]
 
-    def call(*args, **kwargs):
-        *args, grad_out = args
+    def call(*given, **kwargs):
+        args, grad_out = tuple(given[:-1]), given[-1]
         nums = _nums(argnums, len(args))
-        g, leaves, rebuild = _float_leaves_fn(f, tuple(args), nums, kwargs)
+        g, leaves, rebuild = _float_leaves_fn(f, args, nums, kwargs)
         outs: dict[str, Any] = {}
 
         def float_outputs(*new):  # the floating-point leaves of the output; the rest as aux
@@ -101,8 +101,8 @@ def _vjp(o: dict, own: dict):
             outs["spec"], outs["flat"], outs["aux"] = spec, flat, aux
             return tuple(v for v in flat if _is_float(v)), ()
 
-        float_out, vjp_fn, _ = torch.func.vjp(float_outputs, *leaves, has_aux=True)
-        cts = [c for c, v in zip(pytree.tree_flatten(grad_out)[0], outs["flat"]) if _is_float(v)]
+        float_out, vjp_fn, _ = torch.func.vjp(float_outputs, *leaves, has_aux=True)  # type: ignore[misc]
+        cts = [c for c, v in zip(outs["spec"].flatten_up_to(grad_out), outs["flat"]) if _is_float(v)]
         cts = [torch.zeros_like(v) if c is None else c for c, v in zip(cts, float_out)]
         grads = vjp_fn(tuple(cts))
         flat = list(outs["flat"])
@@ -119,14 +119,14 @@ def _vjp(o: dict, own: dict):
 def _hvp(o: dict, own: dict):
     f, argnums = o["f"], o["argnums"]
 
-    def call(*args, **kwargs):
-        *args, v = args
+    def call(*given, **kwargs):
+        args, v = tuple(given[:-1]), given[-1]
         nums = _nums(argnums, len(args))
-        g, leaves, rebuild = _float_leaves_fn(f, tuple(args), nums, kwargs)
+        g, leaves, rebuild = _float_leaves_fn(f, args, nums, kwargs)
         per_arg = (v,) if isinstance(argnums, int) else tuple(v)
         t_leaves = _float_leaves_fn(f, tuple(per_arg), tuple(range(len(nums))), kwargs)[1]
         grad_g = torch.func.grad(g, argnums=tuple(range(len(leaves))))
-        _, hv = torch.func.jvp(grad_g, tuple(leaves), tuple(t_leaves))
+        hv = torch.func.jvp(grad_g, tuple(leaves), tuple(t_leaves))[1]
         return _pick(rebuild(hv), argnums)
 
     return call
@@ -167,10 +167,8 @@ def _laplacian(o: dict, own: dict):
         raise _no_form(name, "samples= (Hutchinson's estimate)")
     f, argnums, weighted = o["f"], o["argnums"], o["sigma"] is not None
 
-    def call(*args, **kwargs):
-        if weighted:
-            *args, sigma = args
-        args = tuple(args)
+    def call(*given, **kwargs):
+        args, sigma = (tuple(given[:-1]), given[-1]) if weighted else (tuple(given), None)
         _tensor_argument(name, args, argnums)
         shape = args[argnums].shape
         d = math.prod(shape)
