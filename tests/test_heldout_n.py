@@ -1,0 +1,118 @@
+"""Held-out models (batch n): training paths on models written from scratch.
+
+Each test is a model that gave a wrong answer or a crash before its fix: a submodule reachable
+under two names (``self.shared`` also an entry of ``self.blocks``), whose parameters
+``fxtools.functional`` (so ``fxtools.compile``, ``fxtools.split``, ``fxtools.grad`` of a
+functional model) left as the FakeTensors it traced with, and a mixture-of-experts layer whose
+top-k routing gives data-dependent sizes (``nonzero``), on which ``fxtools.policies.budget``
+crashed counting FLOPs. The oracle is eager autograd in float64: losses, gradients, parameters
+and buffers after SGD steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxtools
+
+D = torch.float64
+
+
+def _close(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def _train_like_eager(make, batches, policy, steps=2):
+    """``fxtools.compile(model, policy=policy)`` trains as the eager model does: same losses,
+    gradients, parameters and buffers after each SGD step, on every batch."""
+    torch.manual_seed(0)
+    eager = make().to(D)
+    model = copy.deepcopy(eager)
+    compiled = fxtools.compile(model, *batches[0], policy=policy)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_c = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        for args in batches:
+            want, got = eager(*args), compiled(*args)
+            assert type(got) is torch.Tensor
+            _close(got, want)
+            opt_e.zero_grad()
+            opt_c.zero_grad()
+            want.backward()
+            got.backward()
+            for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+                assert type(q) is nn.Parameter, name
+                _close(q.grad, p.grad)
+            opt_e.step()
+            opt_c.step()
+            for b, c in zip(eager.buffers(), model.buffers()):
+                _close(c, b)
+
+
+class _Shared(nn.Module):
+    """A block used twice through a ModuleList that also holds it under its own name, and an
+    output layer tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.shared = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.blocks = nn.ModuleList([self.shared, nn.Tanh(), self.shared, self.bn])
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx, y):
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h), y)
+
+
+def test_submodule_under_two_names_keeps_its_parameters():
+    torch.manual_seed(0)
+    model = _Shared().to(D)
+    idx, y = torch.randint(0, 10, (6,)), torch.randint(0, 10, (6,))
+    own = {name: p for name, p in model.named_parameters()}
+    params = dict(own)
+    fxtools.split(model, idx, y)
+    fxtools.grad(fxtools.functional(model), params, idx, y)
+    for name, p in model.named_parameters():
+        assert p is own[name], name  # was a FakeTensor left by the trace
+    assert model.blocks[0].weight is model.shared.weight
+    batches = [(idx, y), (torch.randint(0, 10, (9,)), torch.randint(0, 10, (9,)))]
+    for policy in ("recompute_cheap", fxtools.policies.budget(0.6)):
+        _train_like_eager(_Shared, batches, policy, steps=1)
+
+
+class _MoE(nn.Module):
+    """Top-2 routing over 4 experts: each expert runs on the rows routed to it (``nonzero``,
+    data-dependent sizes), its outputs added back with ``index_add``."""
+
+    def __init__(self, d=8, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, d, 16) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(experts, 16, d) * 0.3)
+
+    def forward(self, x):
+        xf = x.reshape(-1, x.shape[-1])
+        top_p, top_i = self.gate(xf).softmax(-1).topk(2, -1)
+        out = torch.zeros_like(xf)
+        for e in range(self.w1.shape[0]):
+            mask = top_i == e
+            rows = mask.any(-1).nonzero().squeeze(-1)
+            w = (top_p * mask).sum(-1)[rows]
+            h = F.gelu(xf[rows] @ self.w1[e]) @ self.w2[e]
+            out = out.index_add(0, rows, h * w[:, None])
+        return (out**2).mean()
+
+
+def test_moe_routing_under_a_memory_budget():
+    torch.manual_seed(3)
+    batches = [(torch.randn(2, 5, 8, dtype=D),) for _ in range(3)]  # a new routing each batch
+    _train_like_eager(_MoE, batches, fxtools.policies.budget(0.3), steps=1)
