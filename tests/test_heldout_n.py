@@ -116,3 +116,46 @@ def test_moe_routing_under_a_memory_budget():
     torch.manual_seed(3)
     batches = [(torch.randn(2, 5, 8, dtype=D),) for _ in range(3)]  # a new routing each batch
     _train_like_eager(_MoE, batches, fxtools.policies.budget(0.3), steps=1)
+
+
+class _Amp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.ln = nn.LayerNorm(8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.b(self.ln(self.bn(F.gelu(self.a(x))))).float().pow(2).mean()
+
+
+def test_called_inside_autocast():
+    """A compiled model called inside ``torch.autocast`` (a training loop's, with a GradScaler)
+    trains as the eager model does there: its graphs were made without autocast (the backward
+    crashed on bfloat16 @ float32) or, built at the first call inside the region, refused."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    eager = _Amp()
+    models = [copy.deepcopy(eager), copy.deepcopy(eager)]
+    built_before, built_inside = fxtools.compile(models[0], x), fxtools.compile(models[1])
+    results = []
+    for call, model in ((eager, eager), (built_before, models[0]), (built_inside, models[1])):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        losses = []
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = call(x)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        results.append((losses, [t.detach().clone() for t in (*model.parameters(), *model.buffers())]))
+        assert type(call(x)) is torch.Tensor and call(x).dtype == torch.float32  # outside: graphs of their own
+    for losses, tensors in results[1:]:
+        torch.testing.assert_close(losses, results[0][0], rtol=0, atol=0)
+        torch.testing.assert_close(tensors, results[0][1], rtol=1e-6, atol=1e-7)
