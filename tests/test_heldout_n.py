@@ -77,7 +77,7 @@ def test_submodule_under_two_names_keeps_its_parameters():
     torch.manual_seed(0)
     model = _Shared().to(D)
     idx, y = torch.randint(0, 10, (6,)), torch.randint(0, 10, (6,))
-    own = {name: p for name, p in model.named_parameters()}
+    own = dict(model.named_parameters())
     params = dict(own)
     fxtools.split(model, idx, y)
     fxtools.grad(fxtools.functional(model), params, idx, y)
@@ -159,3 +159,24 @@ def test_called_inside_autocast():
     for losses, tensors in results[1:]:
         torch.testing.assert_close(losses, results[0][0], rtol=0, atol=0)
         torch.testing.assert_close(tensors, results[0][1], rtol=1e-6, atol=1e-7)
+
+
+def test_split_built_inside_autocast_holds_its_casts():
+    """``fxtools.split`` built inside ``torch.autocast``: its graphs hold the region's casts (they
+    were traced at float32 and computed float32 wherever they ran). Oracle: eager autograd in the
+    region."""
+    torch.manual_seed(0)
+    w, x = torch.randn(4, 3, requires_grad=True), torch.randn(6, 4)
+
+    def f(w, x):
+        return torch.tanh(x @ w).float().pow(2).sum()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sp = fxtools.split(f, w, x)
+        want = f(w, x)
+    (want_grad,) = torch.autograd.grad(want, w)
+    got, saved = sp.forward(w, x)
+    grads = sp.backward(*saved, torch.ones(()))
+    assert "bfloat16" in sp.forward.code
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(grads[0], want_grad, rtol=1e-2, atol=1e-2)

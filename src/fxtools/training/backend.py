@@ -51,6 +51,7 @@ import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..capture.nested import functorch_regions
+from ..capture.trace import autocast_state
 from ..errors import FxtoolsError
 from ..functional import functional
 from ..graph.nodes import ancestors, fake_mode_of, is_float
@@ -765,21 +766,6 @@ class CompiledFunction:
     def __call__(self, *args, **kwargs):
         runner, leaves = self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)
         return runner(leaves)
-
-
-AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
-
-
-def autocast_state() -> tuple:
-    """``(device type, dtype)`` of each device type on which ``torch.autocast`` is on now."""
-    state = []
-    for device in AUTOCAST_DEVICES:
-        try:
-            if torch.is_autocast_enabled(device):
-                state.append((device, torch.get_autocast_dtype(device)))
-        except RuntimeError:  # a device type this build of PyTorch does not know
-            continue
-    return tuple(state)
 
 
 def without_autocast(state):
