@@ -70,7 +70,7 @@ def _one_name_per_slot(model: torch.nn.Module, params) -> dict:
             if key in merged:
                 raise ValueError(f"{key!r} appeared in multiple dictionaries; behavior of functional call is ambiguous")
             merged[key] = value
-    named = dict(model.named_parameters(remove_duplicate=False))
+    named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     aliases: dict[int, list[str]] = {}
     for name, tensor in named.items():
