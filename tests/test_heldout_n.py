@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -180,3 +181,32 @@ def test_split_built_inside_autocast_holds_its_casts():
     assert "bfloat16" in sp.forward.code
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(grads[0], want_grad, rtol=1e-2, atol=1e-2)
+
+
+def _interpolations(x, w):
+    h = x * w
+    a = F.interpolate(h, scale_factor=1.5, mode="bilinear", align_corners=False)
+    b = F.interpolate(h, size=(x.shape[-2] + 3, x.shape[-1]), mode="bilinear", align_corners=True)
+    return a.pow(2).mean() + b.sin().sum()
+
+
+def test_linear_interpolation_at_symbolic_sizes():
+    """``dynamic=True`` on a decoder that interpolates (bilinear; by scale and
+    by size; align_corners both ways): PyTorch's upsample backward kernels fail at symbolic sizes
+    (an internal assert, no meta function); the rule computes the gradient with ``index_add``."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 1, 1, dtype=D, requires_grad=True)
+    compiled = fxtools.compile(_interpolations, torch.randn(2, 3, 4, 6, dtype=D, requires_grad=True), w, dynamic=True)
+    for shape in ((3, 3, 5, 7), (2, 3, 9, 4)):
+        x = torch.randn(shape, dtype=D, requires_grad=True)
+        got = torch.autograd.grad(compiled(x, w), (x, w))
+        want = torch.autograd.grad(_interpolations(x, w), (x, w))
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    assert len(compiled._runners) == 1  # one pair of graphs served every size
+
+
+def test_bicubic_at_symbolic_sizes_names_the_line():
+    """Bicubic's backward kernel fails inside PyTorch at symbolic sizes: refused, naming the line."""
+    bicubic = fxtools.compile(lambda x: F.interpolate(x, scale_factor=2, mode="bicubic").sum(), dynamic=True)
+    with pytest.raises(fxtools.FxtoolsError, match=r"bicubic2d at symbolic sizes.*test_heldout_n.py:\d+"):
+        bicubic(torch.randn(2, 3, 4, 6, dtype=D, requires_grad=True))
