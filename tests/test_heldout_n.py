@@ -210,3 +210,27 @@ def test_bicubic_at_symbolic_sizes_names_the_line():
     bicubic = fxtools.compile(lambda x: F.interpolate(x, scale_factor=2, mode="bicubic").sum(), dynamic=True)
     with pytest.raises(fxtools.FxtoolsError, match=r"bicubic2d at symbolic sizes.*test_heldout_n.py:\d+"):
         bicubic(torch.randn(2, 3, 4, 6, dtype=D, requires_grad=True))
+
+
+def test_autocast_state_of_a_generated_module_is_guarded():
+    """A module made outside ``torch.autocast`` and called inside one would run its uncast code
+    under autocast (bfloat16 gradients where eager's are float32): refused. Made inside a region,
+    it runs its casts with autocast off there and outside any region (a split's backward runs after
+    the region), and refuses another region. Oracle: eager autograd in the region (bfloat16
+    rounding: the rules' formulas round differently from autograd's kernels)."""
+    torch.manual_seed(0)
+    f = lambda x, w: torch.log_softmax(torch.tanh(x @ w), -1).sum()  # noqa: E731
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    outside = fxtools.grad(f, x, w, argnums=(0, 1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(fxtools.InputMismatch, match="made with torch.autocast off"):
+            outside(x, w)
+        inside = fxtools.grad(f, x, w, argnums=(0, 1))
+        got = inside(x, w)
+        want = torch.autograd.grad(f(x.requires_grad_(), w.requires_grad_()), (x, w))
+    x.requires_grad_(False), w.requires_grad_(False)
+    assert [g.dtype for g in got] == [g.dtype for g in want] == [torch.float32] * 2
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.02)
+    torch.testing.assert_close(inside(x, w), got, rtol=0, atol=0)  # the same code, outside the region
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(fxtools.InputMismatch, match="bfloat16"):
+        inside(x, w)

@@ -45,6 +45,7 @@ from ..graph import meta
 from ..graph.data_dependent import CountsFromExamples
 from ..graph.nodes import is_view_refusal, view_strides
 from ..signature.naming import arg_names, leaf_names
+from ..signature.runtime import autocast_state
 from ..signature.sizes import TracedSizes
 from .checkpoint import checkpoint_regions
 from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing, with_layout_reads, with_value_reads
@@ -801,21 +802,6 @@ def _flat_function(f, leaves: list, is_tensor: list[bool], in_spec, modes: tuple
 
     PROGRAM_ENTRIES.add(id(flat_f.__code__))  # decisions below it are the program's (errors.decision_line)
     return flat_f, out_info
-
-
-AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
-
-
-def autocast_state() -> tuple:
-    """``(device type, dtype)`` of each device type on which ``torch.autocast`` is on now."""
-    state = []
-    for device in AUTOCAST_DEVICES:
-        try:
-            if torch.is_autocast_enabled(device):
-                state.append((device, torch.get_autocast_dtype(device)))
-        except RuntimeError:  # a device type this build of PyTorch does not know
-            continue
-    return tuple(state)
 
 
 def _autocast_inside(gm: fx.GraphModule) -> bool:

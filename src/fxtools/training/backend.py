@@ -51,13 +51,13 @@ import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..capture.nested import functorch_regions
-from ..capture.trace import autocast_state
 from ..errors import FxtoolsError
 from ..functional import functional
 from ..graph.nodes import ancestors, fake_mode_of, is_float
 from ..signature import closures
-from ..signature.guards import InputMismatch
+from ..signature.guards import InputMismatch, without_autocast
 from ..signature.naming import identifier
+from ..signature.runtime import autocast_state
 from .aten import to_aten
 from .closed_over import ClosedOver, Lifted, register_dict
 from .distributed import SubclassLeaves, Wrappers, local_view, with_subclass_leaves
@@ -498,14 +498,14 @@ class _Runners:
             training = (training, amp)
         view = local_view(args)
         if view is None:
-            leaves_and_runner = self._lookup(self._with_lifted(args), training)
+            leaves_and_runner = self._lookup(self._with_lifted(args), training, amp=amp)
         else:
-            runner, leaves = self._lookup(view.args(args), (training, view.key), view)
+            runner, leaves = self._lookup(view.args(args), (training, view.key), view, amp=amp)
             leaves_and_runner = runner, with_subclass_leaves(leaves, args)
         closures.check(leaves_and_runner[0].split.forward)  # closed-over state (signature/closures.py)
         return leaves_and_runner
 
-    def _lookup(self, args, training, view=None):
+    def _lookup(self, args, training, view=None, amp=()):
         if self.fixed is not None:  # one given split (an edited one): its guards decide, nothing new is made
             leaves = self.fixed.guards.check(args)
             if not self.entries:
@@ -516,6 +516,10 @@ class _Runners:
                     "(a compiler specialises to them): make the split with an example of this layout"
                 )
             return self.entries[0][2], leaves
+        with without_autocast(amp):  # graphs made for this autocast state: their casts are ops of the code
+            return self._made(args, training, view, amp)
+
+    def _made(self, args, training, view, amp):
         mask = _requires_grad(args)
         mask = None if mask is None else tuple(mask)
         for t, m, runner in self.entries:
@@ -527,10 +531,9 @@ class _Runners:
                 if runner.takes_layout(leaves):
                     return runner, leaves
         fn = self.fn if view is None else view.function(self.fn)
-        amp = autocast_state()
         if amp:  # traced as a region inside the function, below autograd: the casts are in the code
             fn = _in_autocast(fn, amp)
-        with self.capturing(), without_autocast(amp):
+        with self.capturing():
             sp = split(
                 fn,
                 *args,
@@ -547,7 +550,7 @@ class _Runners:
             if self.lifted is not None:  # traced again, taking them as inputs (their .grad filled as in eager)
                 self.fn = self.lifted.function(self.fn)
                 self.entries.clear()
-                return self._lookup(self._with_lifted(args), training)
+                return self._made(self._with_lifted(args), training, None, amp)
         leaves = sp.flatten(*args)
         runner = _Runner(sp, leaves, *self.options.running())
         if view is not None:
@@ -766,14 +769,6 @@ class CompiledFunction:
     def __call__(self, *args, **kwargs):
         runner, leaves = self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)
         return runner(leaves)
-
-
-def without_autocast(state):
-    """A context turning off autocast on the device types of ``state``."""
-    stack = contextlib.ExitStack()
-    for device, _ in state:
-        stack.enter_context(torch.autocast(device, enabled=False))
-    return stack
 
 
 def _in_autocast(fn, state):
