@@ -803,6 +803,21 @@ def _flat_function(f, leaves: list, is_tensor: list[bool], in_spec, modes: tuple
     return flat_f, out_info
 
 
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def autocast_state() -> tuple:
+    """``(device type, dtype)`` of each device type on which ``torch.autocast`` is on now."""
+    state = []
+    for device in AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device):
+                state.append((device, torch.get_autocast_dtype(device)))
+        except RuntimeError:  # a device type this build of PyTorch does not know
+            continue
+    return tuple(state)
+
+
 def _autocast_inside(gm: fx.GraphModule) -> bool:
     """Whether the program enters ``torch.autocast``: above autograd the region's ops keep their
     inputs' dtypes (autocast casts them at dispatch), so rules would differentiate ``bf16 = f32 @ f32``;
@@ -817,6 +832,7 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
     failure names the user's line. A program using DTensors is traced below autograd, where
     DTensor's dispatch runs, as in AOTAutograd (``capture/subclasses.py``)."""
     below = below or not pre_dispatch or getattr(f, "__fxtools_below_autograd__", False)
+    below = below or bool(autocast_state())  # built inside a region: its casts become ops of the code
     try:
         with (
             _custom_autograd_functions(pre_dispatch),

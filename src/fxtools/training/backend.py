@@ -51,6 +51,7 @@ import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..capture.nested import functorch_regions
+from ..capture.trace import autocast_state
 from ..errors import FxtoolsError
 from ..functional import functional
 from ..graph.nodes import ancestors, fake_mode_of, is_float
@@ -319,7 +320,12 @@ class _Runner:
         return list(_call(self.bw, args))
 
     def __call__(self, leaves):
-        """Run on the tensor leaves of arguments the split's guards accepted."""
+        """Run on the tensor leaves of arguments the split's guards accepted (inside an autocast
+        region with autocast off: the graphs made for it hold its casts)."""
+        with without_autocast(autocast_state()):
+            return self._call(leaves)
+
+    def _call(self, leaves):
         if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
             outs = _SplitFunction.apply(self, *leaves)
         else:
@@ -483,7 +489,13 @@ class _Runners:
 
     def __call__(self, args, training):
         """``(runner, tensor leaves)`` for ``args``; DTensor leaves stay DTensors (the runner's
-        autograd function takes them, its graphs their local tensors: ``training/distributed.py``)."""
+        autograd function takes them, its graphs their local tensors: ``training/distributed.py``).
+
+        A call inside ``torch.autocast`` (around the compiled model) gets graphs made for that
+        autocast state (``autocast_state``), whose casts are ops of the code."""
+        amp = autocast_state()
+        if amp:
+            training = (training, amp)
         view = local_view(args)
         if view is None:
             leaves_and_runner = self._lookup(self._with_lifted(args), training)
@@ -515,7 +527,10 @@ class _Runners:
                 if runner.takes_layout(leaves):
                     return runner, leaves
         fn = self.fn if view is None else view.function(self.fn)
-        with self.capturing():
+        amp = autocast_state()
+        if amp:  # traced as a region inside the function, below autograd: the casts are in the code
+            fn = _in_autocast(fn, amp)
+        with self.capturing(), without_autocast(amp):
             sp = split(
                 fn,
                 *args,
@@ -751,6 +766,31 @@ class CompiledFunction:
     def __call__(self, *args, **kwargs):
         runner, leaves = self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)
         return runner(leaves)
+
+
+def without_autocast(state):
+    """A context turning off autocast on the device types of ``state``."""
+    stack = contextlib.ExitStack()
+    for device, _ in state:
+        stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
+
+
+def _in_autocast(fn, state):
+    """``fn`` run inside ``torch.autocast`` regions of ``state`` (as the caller's region ran it)."""
+
+    def call(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for device, dtype in state:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            return fn(*args, **kwargs)
+
+    call.__signature__ = inspect.signature(fn)
+    call.__name__ = getattr(fn, "__name__", "fn")
+    for attr in ("__fxtools_module__", "__fxtools_input_kinds__"):
+        if hasattr(fn, attr):
+            setattr(call, attr, getattr(fn, attr))
+    return call
 
 
 class KeywordArguments(dict):
