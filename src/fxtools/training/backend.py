@@ -55,8 +55,9 @@ from ..errors import FxtoolsError
 from ..functional import functional
 from ..graph.nodes import ancestors, fake_mode_of, is_float
 from ..signature import closures
-from ..signature.guards import InputMismatch
+from ..signature.guards import InputMismatch, without_autocast
 from ..signature.naming import identifier
+from ..signature.runtime import autocast_state
 from .aten import to_aten
 from .closed_over import ClosedOver, Lifted, register_dict
 from .distributed import SubclassLeaves, Wrappers, local_view, with_subclass_leaves
@@ -321,7 +322,12 @@ class _Runner:
         return list(_call(self.bw, args))
 
     def __call__(self, leaves):
-        """Run on the tensor leaves of arguments the split's guards accepted."""
+        """Run on the tensor leaves of arguments the split's guards accepted (inside an autocast
+        region with autocast off: the graphs made for it hold its casts)."""
+        with without_autocast(autocast_state()):
+            return self._call(leaves)
+
+    def _call(self, leaves):
         if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
             outs = _SplitFunction.apply(self, *leaves)
         else:
@@ -491,9 +497,15 @@ class _Runners:
         """``(runner, tensor leaves)`` for ``args``; DTensor leaves stay DTensors (the runner's
         autograd function takes them, its graphs their local tensors: ``training/distributed.py``).
 
-        A call of the structure, Python values and tensor metadata of one of the last few calls
-        made with ``remember`` gets that call's runner without the full check
+        A call inside ``torch.autocast`` (around the compiled model) gets graphs made for that
+        autocast state (``autocast_state``), whose casts are ops of the code.
+
+        A call of the structure, Python values, tensor metadata and autocast state of one of the
+        last few calls made with ``remember`` gets that call's runner without the full check
         (``training/fastpath.py``); the closed-over state is checked on every call."""
+        amp = autocast_state()
+        if amp:
+            training = (training, amp)
         compiling = torch.compiler.is_compiling()  # traced by torch.compile: the full check, traceable
         for memo in self.memos if not compiling else ():
             leaves = memo.leaves(args, training)
@@ -502,9 +514,9 @@ class _Runners:
                 return memo.runner, leaves
         view = local_view(args)
         if view is None:
-            runner, leaves = self._lookup(self._with_lifted(args), training)
+            runner, leaves = self._lookup(self._with_lifted(args), training, amp=amp)
         else:
-            runner, leaves = self._lookup(view.args(args), (training, view.key), view)
+            runner, leaves = self._lookup(view.args(args), (training, view.key), view, amp=amp)
             leaves = with_subclass_leaves(leaves, args)
         closures.check(runner.split.forward)  # closed-over state (signature/closures.py)
         if remember and view is None and self.lifted is None and not compiling:
@@ -519,7 +531,7 @@ class _Runners:
         if memo is not None:
             self.memos = [memo, *self.memos[: _MEMOS - 1]]
 
-    def _lookup(self, args, training, view=None):
+    def _lookup(self, args, training, view=None, amp=()):
         if self.fixed is not None:  # one given split (an edited one): its guards decide, nothing new is made
             leaves = self.fixed.guards.check(args)
             if not self.entries:
@@ -530,6 +542,10 @@ class _Runners:
                     "(a compiler specialises to them): make the split with an example of this layout"
                 )
             return self.entries[0][2], leaves
+        with without_autocast(amp):  # graphs made for this autocast state: their casts are ops of the code
+            return self._made(args, training, view, amp)
+
+    def _made(self, args, training, view, amp):
         mask = _requires_grad(args)
         mask = None if mask is None else tuple(mask)
         for t, m, runner in self.entries:
@@ -541,6 +557,8 @@ class _Runners:
                 if runner.takes_layout(leaves):
                     return runner, leaves
         fn = self.fn if view is None else view.function(self.fn)
+        if amp:  # traced as a region inside the function, below autograd: the casts are in the code
+            fn = _in_autocast(fn, amp)
         with self.capturing():
             sp = split(
                 fn,
@@ -559,7 +577,7 @@ class _Runners:
                 self.fn = self.lifted.function(self.fn)
                 self.entries.clear()
                 self.memos = []
-                return self._lookup(self._with_lifted(args), training)
+                return self._made(self._with_lifted(args), training, None, amp)
         leaves = sp.flatten(*args)
         runner = _Runner(sp, leaves, *self.options.running())
         if view is not None:
@@ -780,6 +798,23 @@ class CompiledFunction:
     def __call__(self, *args, **kwargs):
         runner, leaves = self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None, remember=True)
         return runner(leaves)
+
+
+def _in_autocast(fn, state):
+    """``fn`` run inside ``torch.autocast`` regions of ``state`` (as the caller's region ran it)."""
+
+    def call(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for device, dtype in state:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            return fn(*args, **kwargs)
+
+    call.__signature__ = inspect.signature(fn)
+    call.__name__ = getattr(fn, "__name__", "fn")
+    for attr in ("__fxtools_module__", "__fxtools_input_kinds__"):
+        if hasattr(fn, attr):
+            setattr(call, attr, getattr(fn, attr))
+    return call
 
 
 class KeywordArguments(dict):
