@@ -26,10 +26,10 @@ programs ``0 .. N - 1`` instead, a long ``FXTOOLS_FUZZ_N`` run of test_fuzz.py r
 
 import os
 
-import pytest
-import torch
 import fuzz_programs
+import pytest
 import test_fuzz
+import torch
 from test_fuzz import ONLY, PARTS, SEED, close, float_leaves, program, randn_like_floats, static_vjp
 from torch.export import Dim
 
