@@ -74,11 +74,24 @@ def _call_and_compare(gm, p, args, gen):
     """Run ``gm`` at ``args``: "exact", "refused" (InputMismatch) or raise AssertionError."""
     try:
         out = p.fn(*args)
-    except Exception:  # noqa: BLE001 - eager PyTorch refuses these sizes: so must the module
+    except Exception as exc:  # noqa: BLE001 - eager PyTorch refuses these sizes: so must the module
         ct = randn_like_floats(p.fn(*p.args), gen)
-        with pytest.raises(Exception):  # noqa: B017,PT011 - any refusal; a returned value would be wrong
-            gm(*args, ct)
-        return "refused"
+        if "view size is not compatible" not in str(exc):
+            with pytest.raises(Exception):  # noqa: B017,PT011 - any refusal; a returned value would be wrong
+                gm(*args, ct)
+            return "refused"
+        # A `.view` the code no longer holds (its value unused, or not needed by the transform) is
+        # not checked at other layouts (docs/security.md, known gaps): a returned value must then be
+        # eager's on the same values where the view succeeds (contiguous copies).
+        try:
+            got_out, grads = gm(*args, ct)
+        except Exception:  # noqa: BLE001 - refused as eager refuses
+            return "refused"
+        dense = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+        want_out, want = _reference(p, dense, ct)
+        close(float_leaves(got_out), want_out, "out")
+        close([grads[k] for k in p.float_args], list(want), "grads")
+        return "exact"
     ct = randn_like_floats(out, gen)
     try:
         got_out, grads = gm(*args, ct)
