@@ -352,3 +352,56 @@ def test_sweeps_sharing_one_rewriter_give_the_code_of_fresh_ones(monkeypatch):
     monkeypatch.setattr(simplify_module._Rewriter, "next_sweep", afresh)
     monkeypatch.setattr(simplify_module, "_mutates_memo", lambda node, keys: simplify_module._mutates(node))
     assert codes() == shared
+
+
+def _fake_value(t, x):
+    """What the code generator and the passes read of a value: its metadata, mode, and whether it views ``x``."""
+    same_storage = t.untyped_storage()._cdata == x.untyped_storage()._cdata
+    return (
+        type(t),
+        tuple(t.shape),
+        t.stride(),
+        t.storage_offset(),
+        t.dtype,
+        t.device,
+        t.requires_grad,
+        t._is_view(),
+        t._base is x,
+        same_storage,
+        t.fake_mode,
+    )
+
+
+def test_a_view_made_by_a_rewrite_has_the_value_the_fake_mode_gives():
+    """simplify's rewrites make a view's value by its meta kernel alone (no fake dispatch): the same
+    value FakeTensorMode gives, a view of its input (the frees in the code read that); a view the
+    strides refuse, an op of several outputs and an op that is no view take the fake mode's path."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import snapshot_fake
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fxtools.passes import simplify as simplify_module
+
+    aten = torch.ops.aten
+    mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    with mode:
+        base = torch.empty(3, 6, 4)
+    x = snapshot_fake(base[1])  # as make_fx records a value: an offset into its storage, not a view itself
+    cases = [
+        (aten.transpose.int, (x, 0, 1)),
+        (aten.t.default, (x,)),
+        (aten.view.default, (x, [24])),
+        (aten.expand.default, (x, [2, 6, 4])),
+        (aten.permute.default, (x, [1, 0])),
+        (aten.unsqueeze.default, (x, 0)),
+        (aten.slice.Tensor, (x, 1, 1, 3)),
+    ]
+    for op, args in cases:
+        got = simplify_module._view_value(mode, op, args, {})
+        with mode:
+            want = op(*args)
+        assert _fake_value(got, x) == _fake_value(want, x), op
+    xt = simplify_module._view_value(mode, aten.t.default, (x,), {})
+    assert simplify_module._view_value(mode, aten.view.default, (xt, [24]), {}) is None  # strides refuse it
+    assert simplify_module._view_value(mode, aten.split.Tensor, (x, 2), {}) is None
+    assert simplify_module._view_value(mode, aten.neg.default, (x,), {}) is None

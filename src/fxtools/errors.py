@@ -22,6 +22,10 @@ class MissingRuleError(FxtoolsError):
     """An op has no VJP rule, no decomposition and no PyTorch derivative to derive one from."""
 
 
+class RuleRefusal(FxtoolsError):
+    """A derivative rule refuses the call it is given (the transform adds the user's line)."""
+
+
 class DataDependentError(FxtoolsError):
     """Python control flow depended on the *value* of a tensor, which a trace cannot capture."""
 

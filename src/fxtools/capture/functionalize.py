@@ -71,7 +71,14 @@ def is_mutating(node: fx.Node) -> bool:
 
 
 def _is_view_op(op) -> bool:
-    """Ops whose output aliases their input without writing it (``view``, ``select``, ``split``...)."""
+    """Ops whose output aliases their input without writing it (``view``, ``select``, ``split``...).
+
+    ``_unsafe_view`` too: its schema declares no alias (autograd does not track it as a view), but
+    its result shares its input's storage; vmap's batching rules reshape their fresh results with it
+    (``mm(...)._unsafe_view(...)``), and an in-place op of the program on that result (``y.add_(b)``
+    after ``F.linear`` under ``torch.func.vmap``) writes the same memory."""
+    if op is aten._unsafe_view.default:
+        return True
     if not _is_op(op) or op._schema.is_mutable:
         return False
     return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)

@@ -45,6 +45,7 @@ from ..graph import meta
 from ..graph.data_dependent import CountsFromExamples
 from ..graph.nodes import is_view_refusal, view_strides
 from ..signature.naming import arg_names, leaf_names
+from ..signature.runtime import autocast_state
 from ..signature.sizes import TracedSizes
 from .checkpoint import checkpoint_regions
 from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing, with_layout_reads, with_value_reads
@@ -817,6 +818,7 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
     failure names the user's line. A program using DTensors is traced below autograd, where
     DTensor's dispatch runs, as in AOTAutograd (``capture/subclasses.py``)."""
     below = below or not pre_dispatch or getattr(f, "__fxtools_below_autograd__", False)
+    below = below or bool(autocast_state())  # built inside a region: its casts become ops of the code
     try:
         with (
             _custom_autograd_functions(pre_dispatch),

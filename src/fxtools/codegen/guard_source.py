@@ -82,4 +82,5 @@ def render(guards: Guards, indent: str = "") -> str:
     args = ",\n".join(spec(a, indent + "    ") for a in guards.args)
     conds = "".join(f"\n{indent}    {_literal(c)}," for c in guards.conditions)
     conditions = f", conditions=({conds}\n{indent})" if conds else ""
-    return f"Guards({guards.made_by!r}, {_literal(tuple(guards.names))}, (\n{args},\n{indent}){conditions})"
+    autocast = f", autocast={_literal(guards.autocast)}" if guards.autocast else ""
+    return f"Guards({guards.made_by!r}, {_literal(tuple(guards.names))}, (\n{args},\n{indent}){conditions}{autocast})"

@@ -41,7 +41,11 @@ import re
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import no_python_dispatcher
 from torch._prims_common import is_contiguous_or_false
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..graph import meta
 from ..graph.data_dependent import broadcasts_into, materialize, same_shape, shape_arg, sizes_from_inputs
@@ -142,12 +146,57 @@ class _Rewriter:
             node = graph.create_node("call_function", target, args, kwargs, name=target.overloadpacket.__name__)
         if self.fake_mode is not None:
             vals, kvals = fx.node.map_arg((args, kwargs), _val)
-            with self.fake_mode:
-                node.meta["val"] = target(*vals, **kvals)
+            node.meta["val"] = _view_value(self.fake_mode, target, vals, kvals)
+            if node.meta["val"] is None:
+                with self.fake_mode:
+                    node.meta["val"] = target(*vals, **kvals)
         for key in meta.KEPT_ON_REWRITE:
             if key in before.meta:
                 node.meta[key] = before.meta[key]
         return node
+
+
+class _ViewsInKernel(TorchDispatchMode):
+    """Runs a view op on FakeTensors of ``fake_mode`` by its meta kernel alone, as FakeTensorMode's
+    own fast paths do (``fast_detach``): the op's view bookkeeping (``_is_view()``, ``_base``, the
+    shared storage) happens above this mode, as it does above FakeTensorMode, so the result is the
+    value FakeTensorMode gives, without the cache key and checks of a full fake dispatch (about a
+    third of its cost)."""
+
+    def __init__(self, fake_mode):
+        super().__init__()
+        self.fake_mode = fake_mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.prim.device.default:
+            return args[0].fake_device
+        with no_python_dispatcher(), in_kernel_invocation_manager(self.fake_mode):
+            out = func(*args, **(kwargs or {}))
+        return FakeTensor(self.fake_mode, out, args[0].fake_device) if isinstance(out, torch.Tensor) else out
+
+
+def _view_value(fake_mode, target, vals, kvals):
+    """The value of ``target(*vals, **kvals)`` for a view op of one static FakeTensor of ``fake_mode``
+    (``_ViewsInKernel``); None for anything else (computed under the fake mode)."""
+    if not (isinstance(target, torch._ops.OpOverload) and target.is_view and vals and not kvals and _returns_one_tensor(target)):
+        return None
+    x, rest = vals[0], vals[1:]
+    if type(x) is not FakeTensor or x.fake_mode is not fake_mode or x.constant is not None or x.layout is not torch.strided:
+        return None
+    if not all(type(s) is int for s in (*x.shape, *x.stride(), x.storage_offset())):
+        return None
+    if any(isinstance(a, (torch.Tensor, torch.SymInt)) for a in pytree.tree_leaves(rest)):
+        return None
+    try:
+        with _ViewsInKernel(fake_mode):
+            return target(x, *rest)
+    except Exception:  # noqa: BLE001 - the fake mode gives its own answer (or error)
+        return None
+
+
+def _returns_one_tensor(op: torch._ops.OpOverload) -> bool:
+    returns = op._schema.returns
+    return len(returns) == 1 and isinstance(returns[0].type, torch.TensorType)
 
 
 def fill_value(node):

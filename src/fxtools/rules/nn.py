@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 import torch.nn.modules.linear_cross_entropy  # noqa: F401 - registers torch_nn._linear_cross_entropy_*
 
+from ..errors import RuleRefusal
 from ..registry import by_schema, register_vjp, vjp_rule
 from .common import unbroadcast
 
@@ -622,7 +623,32 @@ def _upsample_scales(rest, nd):
     return list(rest) + [None] * (nd - len(rest))
 
 
-def _upsample_rule(op, backward, nd, align_corners, nearest=False):
+def _linear_upsample_grad(ct, x, align, scales):
+    """The gradient of linear interpolation (linear, bilinear, trilinear) at symbolic sizes, one
+    spatial dimension at a time as two ``index_add`` (PyTorch's backward kernels have no meta
+    function for symbolic sizes); source indices and weights as PyTorch's kernels compute them."""
+    dtype = torch.float64 if ct.dtype == torch.float64 else torch.float32  # the kernels' opmath type
+    grad = ct
+    for k in range(x.dim() - 2):
+        d, in_size, out_size = 2 + k, x.shape[2 + k], ct.shape[2 + k]
+        i = torch.arange(out_size, device=ct.device).to(dtype)
+        if align:
+            src = i * (in_size - 1) / (out_size - 1) if isinstance(out_size, torch.SymInt) or out_size > 1 else i * 0
+        elif scales[k] is not None and scales[k] > 0:
+            src = (i + 0.5) / scales[k] - 0.5
+        else:
+            src = (i + 0.5) * in_size / out_size - 0.5
+        src = src.clamp(min=0.0)
+        lo = src.to(torch.int64)
+        hi = (lo + 1).clamp(max=in_size - 1)
+        weight = (src - lo).clamp(0.0, 1.0).to(ct.dtype).reshape([-1] + [1] * (x.dim() - 1 - d))
+        shape = list(grad.shape)
+        shape[d] = in_size
+        grad = grad.new_zeros(shape).index_add(d, lo, grad * (1 - weight)).index_add(d, hi, grad * weight)
+    return grad
+
+
+def _upsample_rule(op, backward, nd, align_corners, nearest=False, linear=False):
     def rule(ct, out, x, output_size, *rest):
         if align_corners:
             align, rest = rest[0], rest[1:]
@@ -635,6 +661,14 @@ def _upsample_rule(op, backward, nd, align_corners, nearest=False):
             for i, f in zip(in_size, factors):
                 blocks += [i, f]
             return ct.reshape(blocks).sum(list(range(3, 3 + 2 * nd, 2)))
+        if any(isinstance(n, torch.SymInt) for n in (*in_size, *out_size)):
+            if linear:
+                return _linear_upsample_grad(ct, x, align, scales)
+            raise RuleRefusal(
+                f"{op.__name__} at symbolic sizes: PyTorch's {backward.__name__} has no meta function for them "
+                "(it fails with an internal assert); keep these sizes static (leave them out of dynamic_shapes, "
+                "or dynamic=False), or interpolate with mode='bilinear'"
+            )
         extra = [align] if align_corners else []
         return backward(ct, out_size, list(x.shape), *extra, *scales)
 
@@ -649,10 +683,10 @@ for _op, _bw, _nd, _align, *_nearest in (
     (aten._upsample_nearest_exact1d, aten._upsample_nearest_exact1d_backward, 1, False, True),
     (aten._upsample_nearest_exact2d, aten._upsample_nearest_exact2d_backward, 2, False, True),
     (aten._upsample_nearest_exact3d, aten._upsample_nearest_exact3d_backward, 3, False, True),
-    (aten.upsample_linear1d, aten.upsample_linear1d_backward, 1, True),
-    (aten.upsample_bilinear2d, aten.upsample_bilinear2d_backward, 2, True),
+    (aten.upsample_linear1d, aten.upsample_linear1d_backward, 1, True, False, True),
+    (aten.upsample_bilinear2d, aten.upsample_bilinear2d_backward, 2, True, False, True),
     (aten.upsample_bicubic2d, aten.upsample_bicubic2d_backward, 2, True),
-    (aten.upsample_trilinear3d, aten.upsample_trilinear3d_backward, 3, True),
+    (aten.upsample_trilinear3d, aten.upsample_trilinear3d_backward, 3, True, False, True),
 ):
     _upsample_rule(_op, _bw, _nd, _align, *_nearest)
 

@@ -17,6 +17,7 @@ modules it writes (``codegen/guard_source.py``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import operator
@@ -209,7 +210,17 @@ def build(made_by: str, names, args, *, layout=False, roles=None) -> Guards:
     """
     names, args = tuple(names), tuple(args)
     roles = roles or {}
-    return Guards(made_by, names, tuple(_spec(a, n, layout, roles.get(i)) for i, (n, a) in enumerate(zip(names, args))))
+    specs = tuple(_spec(a, n, layout, roles.get(i)) for i, (n, a) in enumerate(zip(names, args)))
+    return Guards(made_by, names, specs, autocast=runtime.autocast_state())
+
+
+def without_autocast(state):
+    """A context turning off autocast on the device types of ``state`` (an ``autocast_state()``):
+    code made inside a region holds its casts, and runs as it was traced."""
+    stack = contextlib.ExitStack()
+    for device, _ in state:
+        stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
 
 
 def cotangent_role(out_name="out"):
@@ -305,7 +316,11 @@ class GuardedGraphModule(fx.GraphModule):
         if self.closures is not None:  # what the program read from outside its arguments (signature/closures.py)
             self.closures.check(self)
         try:
-            out = super().__call__(*args, **kwargs)
+            if guards is not None and guards.autocast and runtime.autocast_state():
+                with without_autocast(guards.autocast):
+                    out = super().__call__(*args, **kwargs)
+            else:
+                out = super().__call__(*args, **kwargs)
         except RuntimeError as exc:
             if guards is None or "view size is not compatible" not in str(exc):
                 raise

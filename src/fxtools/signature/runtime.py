@@ -312,6 +312,31 @@ def _equal(a, b):
         return False
 
 
+def _autocast_devices() -> tuple:
+    found = []
+    for device in ("cpu", "cuda", "xpu", "mps", "hpu"):
+        try:
+            torch.is_autocast_enabled(device)
+            found.append(device)
+        except RuntimeError:  # a device type this build of PyTorch does not know
+            continue
+    return tuple(found)
+
+
+_AUTOCAST_DEVICES = _autocast_devices()
+
+
+def autocast_state() -> tuple:
+    """``(device type, dtype)`` of each device type on which ``torch.autocast`` is on now."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+
+
+def _autocast_text(state) -> str:
+    if not state:
+        return "with torch.autocast off"
+    return "inside " + " and ".join(f"torch.autocast({d!r}, dtype={t})" for d, t in state)
+
+
 @dataclasses.dataclass
 class Guards:
     """What a generated module accepts: one spec (Node or Leaf) per positional argument."""
@@ -320,10 +345,19 @@ class Guards:
     names: tuple
     args: tuple
     conditions: tuple = ()  # Conds: decisions on symbolic sizes
+    autocast: tuple = ()  # autocast_state() where it was made: its casts are ops of the code
 
     def check(self, args, layout=True):
         """Raise InputMismatch unless ``args`` (a tuple) is what the module was made for;
         return the tensor leaves, in pytree flattening order."""
+        amp = autocast_state()
+        if amp and amp != self.autocast:  # made in a region, its code holds the casts and runs anywhere
+            self.fail(
+                f"it was made {_autocast_text(self.autocast)} and is called {_autocast_text(amp)}; its code "
+                "holds the casts (or none) of where it was made, and runs with autocast off",
+                "Generate the module inside the region it is called in (one module per autocast state), "
+                "or use fxtools.compile, which makes graphs for each autocast state it is called in.",
+            )
         if len(args) != len(self.args):
             self.fail(
                 f"it takes {len(self.args)} argument{'s' if len(self.args) != 1 else ''} "

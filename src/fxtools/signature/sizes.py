@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,8 +166,9 @@ def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
     leaves, spec = pytree.tree_flatten(tuple(args))
     tensor_only = pytree.tree_unflatten([x if isinstance(x, torch.Tensor) else None for x in leaves], spec)
     module = _Signature(signature)
+    capped = _capped(specs)
     try:
-        fake_mode, fake_args, _, equalities, _, _ = make_fake_inputs(module, tensor_only, {}, _export_form(specs))
+        fake_mode, fake_args, _, equalities, _, _ = make_fake_inputs(module, tensor_only, {}, _export_form(capped))
     except FxtoolsError:
         raise
     except Exception as exc:  # torch.export's message for malformed dynamic_shapes
@@ -174,11 +176,35 @@ def fake_arguments(f, args: tuple, dynamic_shapes) -> tuple[tuple, Symbolic]:
     fakes = pytree.tree_leaves(fake_args, is_leaf=lambda x: x is None)
     it = iter(fakes)
     merged = [next(it) if isinstance(x, torch.Tensor) else (next(it), x)[1] for x in leaves]
-    sym = Symbolic(fake_mode, equalities, signature, specs)
+    sym = Symbolic(fake_mode, equalities, signature, capped)
     sym.names, sym.declared = _dim_names(specs, pytree.tree_unflatten(merged, spec), signature)
     fake_mode.shape_env.fxtools_names = sym.names  # how size_text shows them
     fake_mode.shape_env.guards = _GuardLines(fake_mode.shape_env.guards)
     return pytree.tree_unflatten(merged, spec), sym
+
+
+def _capped(specs: dict) -> dict:
+    """``specs`` with each unbounded ``Dim`` (``max`` of ``int_oo``, the default) bounded at the
+    largest size a tensor can have (``sys.maxsize - 1``: sizes are int64, and ``numel`` too). The
+    same sizes, but a comparison with ``sys.maxsize`` is then decided without a guard: PyTorch's
+    slice decomposition compares the size with a slice's end of ``sys.maxsize`` (``x[:, i]``'s
+    backward under ``torch.autograd.grad`` or ``torch.func``), which recorded ``B < 2**63 - 1``
+    and refused an unbounded ``Dim`` as specialised. The roots of derived Dims are left as they are."""
+    from torch.export.dynamic_shapes import Dim, _DerivedDim
+    from torch.utils._sympy.numbers import int_oo
+
+    leaves = pytree.tree_leaves(specs, is_leaf=lambda x: isinstance(x, Dim))
+    roots = {id(getattr(d, "root", None)) for d in leaves if isinstance(d, _DerivedDim)}
+    done: dict[str, Any] = {}
+
+    def cap(d):
+        if not isinstance(d, Dim) or isinstance(d, _DerivedDim) or id(d) in roots or d.max is not int_oo:
+            return d
+        if d.__name__ not in done:
+            done[d.__name__] = Dim(d.__name__, min=d.min, max=sys.maxsize - 1)
+        return done[d.__name__]
+
+    return pytree.tree_map(cap, specs, is_leaf=lambda x: isinstance(x, Dim))
 
 
 class _GuardLines(list):

@@ -55,8 +55,9 @@ from ..errors import FxtoolsError
 from ..functional import functional
 from ..graph.nodes import ancestors, fake_mode_of, is_float
 from ..signature import closures
-from ..signature.guards import InputMismatch
+from ..signature.guards import InputMismatch, without_autocast
 from ..signature.naming import identifier
+from ..signature.runtime import autocast_state
 from .aten import to_aten
 from .closed_over import ClosedOver, Lifted, register_dict
 from .distributed import SubclassLeaves, Wrappers, local_view, with_subclass_leaves
@@ -319,7 +320,12 @@ class _Runner:
         return list(_call(self.bw, args))
 
     def __call__(self, leaves):
-        """Run on the tensor leaves of arguments the split's guards accepted."""
+        """Run on the tensor leaves of arguments the split's guards accepted (inside an autocast
+        region with autocast off: the graphs made for it hold its casts)."""
+        with without_autocast(autocast_state()):
+            return self._call(leaves)
+
+    def _call(self, leaves):
         if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
             outs = _SplitFunction.apply(self, *leaves)
         else:
@@ -483,17 +489,23 @@ class _Runners:
 
     def __call__(self, args, training):
         """``(runner, tensor leaves)`` for ``args``; DTensor leaves stay DTensors (the runner's
-        autograd function takes them, its graphs their local tensors: ``training/distributed.py``)."""
+        autograd function takes them, its graphs their local tensors: ``training/distributed.py``).
+
+        A call inside ``torch.autocast`` (around the compiled model) gets graphs made for that
+        autocast state (``autocast_state``), whose casts are ops of the code."""
+        amp = autocast_state()
+        if amp:
+            training = (training, amp)
         view = local_view(args)
         if view is None:
-            leaves_and_runner = self._lookup(self._with_lifted(args), training)
+            leaves_and_runner = self._lookup(self._with_lifted(args), training, amp=amp)
         else:
-            runner, leaves = self._lookup(view.args(args), (training, view.key), view)
+            runner, leaves = self._lookup(view.args(args), (training, view.key), view, amp=amp)
             leaves_and_runner = runner, with_subclass_leaves(leaves, args)
         closures.check(leaves_and_runner[0].split.forward)  # closed-over state (signature/closures.py)
         return leaves_and_runner
 
-    def _lookup(self, args, training, view=None):
+    def _lookup(self, args, training, view=None, amp=()):
         if self.fixed is not None:  # one given split (an edited one): its guards decide, nothing new is made
             leaves = self.fixed.guards.check(args)
             if not self.entries:
@@ -504,6 +516,10 @@ class _Runners:
                     "(a compiler specialises to them): make the split with an example of this layout"
                 )
             return self.entries[0][2], leaves
+        with without_autocast(amp):  # graphs made for this autocast state: their casts are ops of the code
+            return self._made(args, training, view, amp)
+
+    def _made(self, args, training, view, amp):
         mask = _requires_grad(args)
         mask = None if mask is None else tuple(mask)
         for t, m, runner in self.entries:
@@ -515,6 +531,8 @@ class _Runners:
                 if runner.takes_layout(leaves):
                     return runner, leaves
         fn = self.fn if view is None else view.function(self.fn)
+        if amp:  # traced as a region inside the function, below autograd: the casts are in the code
+            fn = _in_autocast(fn, amp)
         with self.capturing():
             sp = split(
                 fn,
@@ -532,7 +550,7 @@ class _Runners:
             if self.lifted is not None:  # traced again, taking them as inputs (their .grad filled as in eager)
                 self.fn = self.lifted.function(self.fn)
                 self.entries.clear()
-                return self._lookup(self._with_lifted(args), training)
+                return self._made(self._with_lifted(args), training, None, amp)
         leaves = sp.flatten(*args)
         runner = _Runner(sp, leaves, *self.options.running())
         if view is not None:
@@ -751,6 +769,23 @@ class CompiledFunction:
     def __call__(self, *args, **kwargs):
         runner, leaves = self._runners((*args, KeywordArguments(kwargs)) if kwargs else args, None)
         return runner(leaves)
+
+
+def _in_autocast(fn, state):
+    """``fn`` run inside ``torch.autocast`` regions of ``state`` (as the caller's region ran it)."""
+
+    def call(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for device, dtype in state:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            return fn(*args, **kwargs)
+
+    call.__signature__ = inspect.signature(fn)
+    call.__name__ = getattr(fn, "__name__", "fn")
+    for attr in ("__fxtools_module__", "__fxtools_input_kinds__"):
+        if hasattr(fn, attr):
+            setattr(call, attr, getattr(fn, attr))
+    return call
 
 
 class KeywordArguments(dict):

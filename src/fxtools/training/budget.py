@@ -120,10 +120,10 @@ def _flops(node: fx.Node) -> int:
     except Exception as exc:  # noqa: BLE001 - said, not hidden: the plan then counts this op's elements only
         warnings.warn(f"fxtools: no FLOP count for {node.name} ({target}): {type(exc).__name__}: {exc}", stacklevel=2)
         return 0
-    flops = counter.get_total_flops()
+    flops = upper_bound(counter.get_total_flops())  # a data-dependent size counts at its largest
     if not flops and "scaled_dot_product" in str(node.target) and len(args) >= 3:
-        flops = flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
-    return int(flops)
+        flops = upper_bound(flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+    return flops
 
 
 def _elements(val) -> int:
@@ -131,10 +131,7 @@ def _elements(val) -> int:
     total = 0
     for v in vals:
         if isinstance(v, torch.Tensor):
-            try:
-                total += math.prod(int(s) for s in v.shape)
-            except (TypeError, ValueError, RuntimeError):  # a data-dependent size
-                total += 1
+            total += math.prod(upper_bound(s) for s in v.shape)  # a data-dependent size at its largest
     return total
 
 

@@ -17,15 +17,17 @@ import gc
 import inspect
 import types
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 from torch.utils import _pytree as pytree
 
+from ..capture.nested import capturing_program
 from ..errors import FxtoolsError
 from ..graph.nodes import op_facts_kept
 from ..signature.guards import module_call
 from ..signature.naming import arg_names
+from .inside import call_inside
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -57,6 +59,12 @@ def transform(name: str, *, loss: bool = False, keywords: bool = False) -> Calla
         def checked(*args: P.args, **kwargs: P.kwargs) -> R:
             check_call(name, fn, args, kwargs, loss=loss, keywords=keywords)
             own = {k: v for k, v in kwargs.items() if k not in options}
+            if capturing_program():  # called inside a program fxtools captures: no module to build
+                bound = inspect.signature(fn).bind(*args, **{k: v for k, v in kwargs.items() if k in options})
+                bound.apply_defaults()
+                form = call_inside(name, dict(bound.arguments))
+                if form is not None:
+                    return cast(R, form)
             with grad_mode_of_a_transform(), cyclic_gc_paused(), op_facts_kept():
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _ordinary, (args, kwargs))
                 call_args: tuple = args

@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 
 from .. import registry
 from ..capture.functionalize import is_mutating
-from ..errors import MissingRuleError, user_line_of
+from ..errors import MissingRuleError, RuleRefusal, user_line_of
 from ..graph import meta
 from ..graph.data_dependent import dynamic_nodes, tie
 from ..graph.nodes import ancestors, calls_with_grad_mode, is_float
@@ -264,7 +264,10 @@ class _Transposer(Retracer):
             return
         with _cotangent_owner(self.namer, node):
             with fx_traceback.set_current_meta(node):
-                dargs = self.memo.call(rule.bwd, aux, c)
+                try:
+                    dargs = self.memo.call(rule.bwd, aux, c)
+                except RuleRefusal as exc:
+                    raise RuleRefusal(f"{exc} (at {user_line_of(node) or 'an unknown line'})") from None
             if not isinstance(dargs, (tuple, list)) or (
                 len(node.args) == 1 and isinstance(node.args[0], (list, tuple)) and not isinstance(dargs, tuple)
             ):
