@@ -57,7 +57,7 @@ SECONDS = {
     "tests/test_tensor_parallel.py::": 30,
     "tests/test_budget.py::test_byte_budget_peak_falls_with_the_budget[gpt]": 55,
     "tests/test_budget.py::test_sweep_is_monotone": 25,
-    "tests/test_fuzz_sizes.py::": 35,
+    "tests/test_fuzz_sizes.py::": 15,  # a part: about 32 programs (test_fuzz_sizes.TIMES)
     "tests/test_fuzz.py::test_fuzz[hvp": 16,
     "tests/test_fuzz.py::": 5,
     "tests/test_fuzz_refusals.py::": 8,

@@ -31,6 +31,7 @@ value twice goes along. A few statements mutate fresh temporaries in place (``.m
 from __future__ import annotations
 
 import random
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -646,6 +647,69 @@ def program(index: int, seed: int = 0, steps: tuple = (2, 6)) -> Program:
             del b.inputs[n_inputs:]
             b.pool = [v for v in b.pool if id(v) not in dropped]
     return b.finish(index, seed)
+
+
+# ------------------------------------------------------------------------------------------------
+# A varied subset (the fuzzers' default mode): fewer programs that together exercise everything a
+# longer run of consecutive indices exercises, each thing several times.
+
+_CALL = re.compile(r"torch\.[\w.]+|F\.\w+|\.\w+\(|@|\[")
+
+
+def features(p: Program) -> set[str]:
+    """What program ``p`` exercises: the op of each statement (its first ``torch.``/``F.`` function,
+    method, ``@`` or indexing; else its arithmetic operators) and the keywords it is called with,
+    in-place methods, each input's kind and rank, the number of inputs, and how the outputs are
+    returned (plain, tuple, list, dict, nested; a value twice, an input itself)."""
+    found = set()
+    for line in p.source.splitlines()[1:]:
+        line = line.strip()
+        if line.startswith("return "):
+            ret = line[len("return ") :]
+            found.add("return " + {"{": "dict", "(": "tuple", "[": "list"}.get(ret[0], "plain"))
+            names = re.findall(r"\b[vx]\d+\b", ret)
+            if "'rest'" in ret:
+                found.add("return nested")
+            if len(set(names)) < len(names):
+                found.add("return a value twice")
+            if any(n.startswith("x") for n in names):
+                found.add("return an input")
+            continue
+        expr = line.split(" = ", 1)[1]
+        m = _CALL.search(expr)
+        op = m.group(0) if m else "arithmetic " + "".join(sorted(set(re.findall(r"[-+*/]", expr))))
+        found.add(op)
+        found.update(f"{op} {kw}=" for kw in re.findall(r"(\w+)=", expr))
+        if re.search(r"\.\w+_\(", expr):
+            found.add("in-place")
+    found.update(f"{'float' if v.is_float else 'integer'} input of rank {v.v.dim()}" for v in p.inputs)
+    found.add(f"{min(len(p.inputs), 4)} inputs")
+    return found
+
+
+def varied(candidates, times: int, seed: int = 0, make=None) -> list[int]:
+    """Indices of a subset of the programs ``candidates`` (indices) that exercises every feature
+    (``features``) of the candidates at least ``times`` times (a rarer feature: as often as the
+    candidates do), chosen greedily by features gained per statement; sorted. ``make(index)``
+    builds a program (default ``program(index, seed)``; a caching function saves building again).
+    Deterministic: the same arguments give the same indices."""
+    make = make or (lambda i: program(i, seed))
+    found, cost = {}, {}
+    for i in candidates:
+        p = make(i)
+        found[i] = features(p)
+        cost[i] = p.source.count("\n") - 1  # statements and the return
+    need: dict[str, int] = {}
+    for f in (f for fs in found.values() for f in fs):
+        need[f] = min(times, need.get(f, 0) + 1)
+    chosen, left = [], set(found)
+    while any(need.values()):
+        best = max(left, key=lambda i: (sum(need[f] > 0 for f in found[i]) / cost[i], -i))
+        left.discard(best)
+        chosen.append(best)
+        for f in found[best]:
+            need[f] = max(0, need[f] - 1)
+    return sorted(chosen)
 
 
 # ------------------------------------------------------------------------------------------------

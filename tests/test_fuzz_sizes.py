@@ -17,20 +17,26 @@ float64 at 1e-9:
 Both modules are also called at the example's sizes and values with every argument in another
 memory layout (``check_layouts``): exact, or refused where eager refuses.
 
-Never a result that differs from ``torch.func``. ``FXTOOLS_FUZZ_SIZES_N`` programs (default
-below); ``FXTOOLS_FUZZ_SEED`` and ``FXTOOLS_FUZZ_ONLY`` as in ``tests/test_fuzz.py``.
+Never a result that differs from ``torch.func``. By default a varied subset
+(``fuzz_programs.varied``) of ``tests/test_fuzz.py``'s own: every feature of those exercised at
+least ``TIMES`` times (their static modules are the vjp axis's); ``FXTOOLS_FUZZ_SIZES_N`` runs
+programs ``0 .. N - 1`` instead, a long ``FXTOOLS_FUZZ_N`` run of test_fuzz.py runs its programs;
+``FXTOOLS_FUZZ_SEED`` and ``FXTOOLS_FUZZ_ONLY`` as in ``tests/test_fuzz.py``.
 """
 
 import os
 
+import fuzz_programs
 import pytest
+import test_fuzz
 import torch
-from test_fuzz import ONLY, SEED, close, float_leaves, program, randn_like_floats, static_vjp
+from test_fuzz import ONLY, PARTS, SEED, close, float_leaves, program, randn_like_floats, static_vjp
 from torch.export import Dim
 
 import fxtools
 
-N = int(os.environ.get("FXTOOLS_FUZZ_SIZES_N", "300"))
+N = int(os.environ.get("FXTOOLS_FUZZ_SIZES_N", "0"))  # 0: the varied subset below
+TIMES = 4  # of test_fuzz's 193 programs at seed 0: 128 (643 statements; programs 0 .. 299 have 1,543)
 GROUP = 50
 SUBSTITUTION = {2: 5, 3: 7, 4: 6, 5: 9, 6: 8, 7: 11, 8: 10, 9: 13, 12: 14, 16: 17}
 
@@ -140,14 +146,33 @@ def check_sizes(p, gen, tally):
     check_layouts(symbolic, p, gen)
 
 
+_indices: list[int] = []
+
+
+def part(k):
+    """The ``k``-th of ``PARTS`` consecutive runs of the default programs (chosen once per process,
+    on first use): ``FXTOOLS_FUZZ_ONLY``'s, a long test_fuzz run's, else the varied subset."""
+    if not _indices:
+        chosen = ONLY or test_fuzz.N
+        _indices.extend(test_fuzz.indices() if chosen else fuzz_programs.varied(test_fuzz.indices(), TIMES, SEED, make=program))
+    return _indices[len(_indices) * k // PARTS : len(_indices) * (k + 1) // PARTS]
+
+
 def groups():
-    indices = ONLY or list(range(N))
-    return [indices[k : k + GROUP] for k in range(0, len(indices), GROUP)]
+    """``FXTOOLS_FUZZ_SIZES_N``'s runs of ``GROUP`` indices, else ``PARTS`` parts (by number)."""
+    if N and not ONLY:
+        return [list(range(k, min(k + GROUP, N))) for k in range(0, N, GROUP)]
+    return list(range(PARTS))
 
 
-@pytest.mark.parametrize("chunk", groups(), ids=lambda c: f"{c[0]}-{c[-1]}")
+def _ids(c):
+    return f"{c[0]}-{c[-1]}" if isinstance(c, list) else f"part{c + 1}of{PARTS}"
+
+
+@pytest.mark.parametrize("chunk", groups(), ids=_ids)
 def test_other_sizes_exact_or_refused(chunk):
     failures, tally = [], {}
+    chunk = chunk if isinstance(chunk, list) else part(chunk)
     for i in chunk:
         p = program(i)
         try:
