@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from .. import registry
@@ -53,7 +54,7 @@ from ..codegen.inplace import in_place_body
 from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
 from ..graph import meta
-from ..graph.nodes import ancestors, fake_mode_of, node_copy
+from ..graph.nodes import ancestors, fake_mode_of, node_copy, written_args
 from ..passes.accumulate import accumulate_into_scatters
 from ..passes.simplify import simplify
 from ..signature import closures, sizes
@@ -142,6 +143,7 @@ class _Partition:
             need(g)
         self.needed = needed
         self.region_outputs = self._region_outputs()
+        self.read_before_write = _read_before_written(self.nodes, bw)
         self.offload: set = set()
         self.forget: dict = {}  # recomputed values the backward recomputes again (``budget.refresh``)
         self.choice = None  # what a budget chose (``budget.Choice``)
@@ -185,7 +187,7 @@ class _Partition:
             return self._forced(node.args[0])
         if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)) and policies.can_recompute(node):
             return policies.RECOMPUTE  # a size (``x.size(0)``): read again from a saved tensor
-        if not policies.can_recompute(node):
+        if not policies.can_recompute(node) or node in self.read_before_write:
             return policies.SAVE
         if policies.checkpoint_region(node) is not None and node not in self.region_outputs:
             return policies.RECOMPUTE
@@ -288,6 +290,38 @@ class _Partition:
         recomputed |= {a for n in recomputed for a in n.all_input_nodes if a.op == "get_attr"}
         recomputed |= {n for n in self.needed if n.op == "get_attr"}
         return saved, recomputed
+
+
+def _storage(node):
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a wrapper subclass)
+        return None
+
+
+def _read_before_written(nodes: list, bw: set) -> set:
+    """Forward nodes that read memory a later forward node writes in place (an input, or a buffer,
+    updated after the program read it: ``y = x * n`` then ``n.add_(1)``). Recomputed in the
+    backward they would read the written value, where the forward read the one before: they are
+    saved (eager refuses their backward, a tensor it saved having been modified; fxtools gives
+    the derivative of what the forward computed)."""
+    last_write: dict = {}
+    for i, n in enumerate(nodes):
+        if n.op == "call_function" and n not in bw and isinstance(n.target, torch._ops.OpOverload):
+            for w in written_args(n.target, n.args, n.kwargs):
+                s = _storage(w)
+                if s is not None:
+                    last_write[s] = i
+    if not last_write:
+        return set()
+    return {
+        n
+        for i, n in enumerate(nodes)
+        if n.op == "call_function" and n not in bw and any(last_write.get(_storage(a), -1) > i for a in n.all_input_nodes)
+    }
 
 
 # --------------------------------------------------------------------------------------------
