@@ -489,4 +489,13 @@ def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None) -> Gua
     layouts are required where its code relies on strides."""
     gm = guarded(gm)
     gm.guards = build(made_by, names, args, layout=layout_needs(gm, names), roles=roles)
+    guard_sharing(gm, args)
     return gm
+
+
+def guard_sharing(gm: fx.GraphModule, args, guards: Guards | None = None) -> None:
+    """Where ``gm``'s code writes in place, its guards (or ``guards``, of the arguments ``args``)
+    require the example's sharing of memory between tensor arguments (``Guards.shared``)."""
+    if _writes(gm.graph):
+        guards = gm.guards if guards is None else guards
+        guards.shared = runtime.shared_groups([a for a in pytree.tree_leaves(tuple(args)) if isinstance(a, torch.Tensor)])

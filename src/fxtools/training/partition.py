@@ -58,7 +58,7 @@ from ..graph.nodes import ancestors, fake_mode_of, node_copy, written_args
 from ..passes.accumulate import accumulate_into_scatters
 from ..passes.simplify import simplify
 from ..signature import closures, sizes
-from ..signature.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
+from ..signature.guards import GuardedGraphModule, Guards, Node, build, guard_sharing, stride_sensitive_paths
 from ..signature.naming import part_name
 from ..transforms.pipeline import Transform, differentiated, emit, front, uses_pipeline
 from ..transforms.reverse import ReverseSpec, reverse
@@ -382,6 +382,7 @@ def _install_guards(forward, backward, backward_boxed, part, signature, cotangen
     symbolic = cap.symbolic if cap is not None else None
     fw_layout, bw_layout = _layouts(forward, backward, part, signature) if layouts is None else layouts
     forward.guards = build("fxtools.split forward", names, sizes.concrete(symbolic, leaves), layout=fw_layout)
+    guard_sharing(forward, leaves)
     saved = build("fxtools.split backward", [s.name for s in part.saved], sizes.concrete(symbolic, saved_vals))
     cts = build(
         "fxtools.split backward",
@@ -883,6 +884,9 @@ def _described(cap: Captured, args: tuple, part: _Partition, forward, backward, 
     layouts = _layouts(forward, backward, part, signature)
     _install_guards(forward, backward, backward_boxed, part, signature, cotangents, cap, layouts)
     guards = _argument_guards(cap, args, part, signature, layouts)
+    guard_sharing(forward, args, guards)
+    if guards.shared:
+        _refuse_shared(cap, args, guards.shared[0], forward)
     closures.attach_held(forward, cap.reads, SPLIT.name, holders=(backward,))  # closed-over state, checked on every forward
     out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
     return Split(
@@ -921,6 +925,21 @@ def _saved_infos(part: _Partition) -> tuple[list[TensorInfo], dict[str, int]]:
         info.offload = s in part.offload
         saved.append(info)
     return saved, storage_bytes
+
+
+def _refuse_shared(cap: Captured, args: tuple, group: tuple, forward: fx.GraphModule) -> None:
+    """Refuse a split of a program writing in place whose example arguments share memory (the
+    same tensor twice): the forward/backward partition does not see the sharing, and a value the
+    backward reads could be one the forward's write changed."""
+    leaves = [(path, a) for path, a in pytree.tree_flatten_with_path(tuple(args))[0] if isinstance(a, torch.Tensor)]
+    names = [cap.arg_names[path[0].idx] + _keystr(path[1:]) for path, _ in (leaves[i] for i in group)]
+    writes = (n for g in (cap.gm, forward) for n in g.graph.nodes if n.op == "call_function" and str(getattr(n.target, "__name__", "")).split(".")[0].endswith("_"))
+    where = next((w for w in map(user_line_of, writes) if w), "a line of the program")
+    raise FxtoolsError(
+        f"fxtools.split (and fxtools.compile) cannot split a program that writes in place ({where}) when called with "
+        f"arguments sharing memory: {' and '.join(names)} share memory. Pass separate tensors (.clone() one of "
+        "them); fxtools.vjp and the other transforms take them"
+    )
 
 
 def _argument_guards(cap: Captured, args: tuple, part: _Partition, signature, layouts: tuple[set, set]) -> Guards:
