@@ -127,7 +127,9 @@ def test_arguments_sharing_memory_with_a_program_that_writes(tmp_path):
         assert torch.equal(n, n0)  # refused before the code ran
     compiled = fxtools.compile(_read_then_bump, x, n0.clone(), n0.clone() + 1)
     n = n0.clone()
-    with pytest.raises(fxtools.FxtoolsError, match=r"test_heldout_p.py:\d+: n.add_\(1\) .*\) when called with arguments sharing memory: n and m"):
+    with pytest.raises(
+        fxtools.FxtoolsError, match=r"test_heldout_p.py:\d+: n.add_\(1\) .*\) when called with arguments sharing memory: n and m"
+    ):
         compiled(x.clone().requires_grad_(), n, n)
     path = tmp_path / "bumped.py"
     fxtools.save(fxtools.vjp(_read_then_bump, x, n0.clone(), n0.clone() + 1), path)

@@ -455,7 +455,11 @@ def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
     ranks = _run(2)
     problems = _problems(ranks)
     for rank, results in enumerate(ranks):
-        for case in ("Colwise/Rowwise MLP, fxtools.compile", "SequenceParallel block, backend", "SDPA attention, fxtools.compile"):
+        for case in (
+            "Colwise/Rowwise MLP, fxtools.compile",
+            "SequenceParallel block, backend",
+            "SDPA attention, fxtools.compile",
+        ):
             if case not in results:
                 problems.append(f"{case} (rank {rank}): not run")
         code = results["code"]

@@ -346,9 +346,11 @@ class Guards:
     args: tuple
     conditions: tuple = ()  # Conds: decisions on symbolic sizes
     autocast: tuple = ()  # autocast_state() where it was made: its casts are ops of the code
-    # a module whose code writes in place: the groups of its tensor leaves (by position) that
-    # shared memory in the example; None where the code writes nothing (sharing is then harmless)
+    # a module whose code writes tensor leaves in place (``written``: their positions): the
+    # groups of its tensor leaves holding one of them that shared memory in the example; None
+    # where the code writes no argument (sharing is then harmless)
     shared: tuple | None = None
+    written: tuple = ()
 
     def check(self, args, layout=True):
         """Raise InputMismatch unless ``args`` (a tuple) is what the module was made for;
@@ -436,14 +438,17 @@ class Guards:
         writes in place, and what a write changes for the other arguments is eager's only when
         they share memory as the example's did (``f(n, n)`` of a program writing ``n`` and
         reading its second argument)."""
-        got = shared_groups(tensors)
-        if got is None or got == self.shared:
+        got = shared_groups(tensors, self.written)
+        want = self.shared or ()
+        if got is None or got == want:
             return
-        pair = next((g for g in got if g not in self.shared), None) or next(g for g in self.shared if g not in got)
-        names = " and ".join(paths[i] for i in pair[:2])
+        new = [g for g in got if g not in want]
+        pair = new[0] if new else next(g for g in want if g not in got)
+        names = " and ".join(paths[i] for i in pair)
+        how = "share memory, where the example's did not" if new else "do not share memory, where the example's did"
         self.fail(
-            f"{names} {'share memory, where the example' + chr(39) + 's did not' if pair in got else 'do not share memory, where the example' + chr(39) + 's did'}; "
-            "the code writes in place, and what a write changes is eager's only where arguments share memory as the example's did",
+            f"{names} {how}; the code writes in place, and what a write changes is eager's only where "
+            "arguments share memory as the example's did",
             "Pass separate tensors (.clone() one of them), or generate the module from arguments sharing memory as these do.",
         )
 
@@ -722,10 +727,11 @@ class Guards:
         return "\n".join(lines)
 
 
-def shared_groups(tensors):
+def shared_groups(tensors, written=None):
     """The groups (tuples of positions, two or more) of ``tensors`` sharing a storage (the
     example's FakeTensors share theirs as the tensors they stand for do); None where a tensor has
-    no storage to compare (a wrapper subclass)."""
+    no storage to compare (a wrapper subclass). ``written``: only the groups holding one of
+    these positions."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     groups = {}
@@ -737,7 +743,7 @@ def shared_groups(tensors):
         if storage.nbytes() == 0:  # nothing to share
             continue
         groups.setdefault(StorageWeakRef(storage), []).append(i)
-    return tuple(tuple(g) for g in groups.values() if len(g) > 1)
+    return tuple(tuple(g) for g in groups.values() if len(g) > 1 and (written is None or any(i in written for i in g)))
 
 
 # ---- runtime (end) ----

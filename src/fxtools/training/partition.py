@@ -884,7 +884,8 @@ def _described(cap: Captured, args: tuple, part: _Partition, forward, backward, 
     layouts = _layouts(forward, backward, part, signature)
     _install_guards(forward, backward, backward_boxed, part, signature, cotangents, cap, layouts)
     guards = _argument_guards(cap, args, part, signature, layouts)
-    guard_sharing(forward, args, guards)
+    n_leaves = sum(isinstance(a, torch.Tensor) for a in pytree.tree_leaves(tuple(args)))
+    guard_sharing(forward, args, guards, forward.guards.written if n_leaves == len(part.primals) else None)
     if guards.shared:
         _refuse_shared(cap, args, guards.shared[0], forward)
     closures.attach_held(forward, cap.reads, SPLIT.name, holders=(backward,))  # closed-over state, checked on every forward
@@ -933,7 +934,12 @@ def _refuse_shared(cap: Captured, args: tuple, group: tuple, forward: fx.GraphMo
     backward reads could be one the forward's write changed."""
     leaves = [(path, a) for path, a in pytree.tree_flatten_with_path(tuple(args))[0] if isinstance(a, torch.Tensor)]
     names = [cap.arg_names[path[0].idx] + _keystr(path[1:]) for path, _ in (leaves[i] for i in group)]
-    writes = (n for g in (cap.gm, forward) for n in g.graph.nodes if n.op == "call_function" and str(getattr(n.target, "__name__", "")).split(".")[0].endswith("_"))
+    writes = (
+        n
+        for g in (cap.gm, forward)
+        for n in g.graph.nodes
+        if n.op == "call_function" and str(getattr(n.target, "__name__", "")).split(".")[0].endswith("_")
+    )
     where = next((w for w in map(user_line_of, writes) if w), "a line of the program")
     raise FxtoolsError(
         f"fxtools.split (and fxtools.compile) cannot split a program that writes in place ({where}) when called with "

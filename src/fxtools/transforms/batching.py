@@ -135,8 +135,7 @@ def _refused_by_kernel(func, args, kwargs) -> bool:
     else:
         rest = args[1:] if len(args) > 1 else (kwargs.get("size"),)
         shape = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else list(rest)
-    values = [*x.shape, *x.stride(), *(shape or [None])]
-    if not all(type(v) is int for v in values):
+    if shape is None or not all(type(v) is int for v in [*x.shape, *x.stride(), *shape]):
         return False  # symbolic: the trace decides, as it did
     return view_strides(x.shape, x.stride(), shape) is None
 
