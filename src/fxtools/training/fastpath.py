@@ -179,6 +179,7 @@ class Memo:
         # graphs writing in place: which tensor leaves share memory (``Guards.shared``), which
         # the tensor guards do not see, is checked too
         self.shared = getattr(runner.split.guards, "shared", None)
+        self.written = getattr(runner.split.guards, "written", ())
 
     @classmethod
     def make(cls, args: tuple, key, runner, leaves: list, storage_offsets_read: bool):
@@ -213,4 +214,4 @@ class Memo:
                 return None
         if not self.guards.check(*flat):
             return None
-        return flat if self.shared is None or shared_groups(flat) == self.shared else None
+        return flat if self.shared is None or shared_groups(flat, self.written) == self.shared else None
