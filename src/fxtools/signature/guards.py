@@ -467,14 +467,19 @@ def guarded(gm: fx.GraphModule) -> GuardedGraphModule:
 def _writes(graph: fx.Graph) -> bool:
     """Whether the code writes in place (an argument, a buffer): such a call, stopped by a failed
     ``.view`` after a write, cannot be run again without writing twice, so it is refused."""
+    return any(_in_place(n) for n in graph.nodes)
 
-    def name(node):
-        target = node.target
-        return target if isinstance(target, str) else getattr(getattr(target, "overloadpacket", target), "__name__", "")
 
-    return any(
-        n.op in ("call_function", "call_method") and name(n).endswith("_") and not name(n).startswith("_") for n in graph.nodes
-    )
+def _in_place(node: fx.Node) -> bool:
+    """Whether ``node`` is an in-place call (``x.add_(1)``, ``torch.relu_``, ``aten.copy_``): a name
+    ending in ``_``, but for Python's operators (``operator.and_`` computes ``a & b``)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target = node.target
+    if target in (operator.and_, operator.or_, operator.xor, operator.not_, operator.truth):
+        return False
+    name = target if isinstance(target, str) else getattr(getattr(target, "overloadpacket", target), "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
 
 
 def _written_by(node: fx.Node) -> list:
@@ -486,8 +491,7 @@ def _written_by(node: fx.Node) -> list:
         return []
     if isinstance(node.target, torch._ops.OpOverload):
         return written_args(node.target, node.args, node.kwargs)
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return [node.args[0]] if node.args and name.endswith("_") and not name.startswith("_") else []
+    return [node.args[0]] if node.args and _in_place(node) else []
 
 
 def _is_fresh(node: fx.Node) -> bool:
@@ -507,11 +511,11 @@ def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None) -> Gua
     layouts are required where its code relies on strides."""
     gm = guarded(gm)
     gm.guards = build(made_by, names, args, layout=layout_needs(gm, names), roles=roles)
-    guard_sharing(gm, args)
+    guard_sharing(gm, args, own=len(args) - len(roles or {}))
     return gm
 
 
-def guard_sharing(gm: fx.GraphModule, args, guards: Guards | None = None, written: tuple | None = None) -> tuple:
+def guard_sharing(gm: fx.GraphModule, args, guards: Guards | None = None, written: tuple | None = None, own=None) -> tuple:
     """Where ``gm``'s code writes arguments in place, its guards (or ``guards``, of the arguments
     ``args``) require the example's sharing of memory between a written tensor argument and the
     others (``Guards.shared``). ``written``: the positions among ``args``' tensor leaves of those
@@ -522,8 +526,9 @@ def guard_sharing(gm: fx.GraphModule, args, guards: Guards | None = None, writte
     tensors = [a for a in pytree.tree_leaves(tuple(args)) if isinstance(a, torch.Tensor)]
     written = _written_leaves(gm, tuple(args)) if written is None else written
     if written:
+        mine = [a for a in pytree.tree_leaves(tuple(args)[:own]) if isinstance(a, torch.Tensor)] if own is not None else tensors
         guards.written = written
-        guards.shared = runtime.shared_groups(tensors, written)
+        guards.shared = runtime.shared_groups(mine, written)
     return written
 
 
