@@ -60,6 +60,11 @@ class NestedTransformError(FxtoolsError):
 _BELOW: contextvars.ContextVar[int] = contextvars.ContextVar("fxtools_traced_below_functorch", default=0)
 
 
+# Set while fxtools captures a program (``nested_transforms``): its trace may run below autograd
+# (an autocast region, DTensors), where the program's transforms are traced as at pre-dispatch.
+_PROGRAM: contextvars.ContextVar[bool] = contextvars.ContextVar("fxtools_capturing_a_program", default=False)
+
+
 def _below() -> bool:
     """Whether the running code is already traced below functorch (inside a transform's trace)."""
     return _BELOW.get() > 0
@@ -150,7 +155,7 @@ def run_below_functorch(transform: str, fn, args: tuple, where: str | None = Non
     """``fn(*args)`` (which calls a torch.func transform), traced below functorch and replayed in
     the running trace as plain ATen ops; called directly when already below functorch."""
     parent = proxy_tensor._CURRENT_MAKE_FX_TRACER
-    if _below() or parent is None or not parent.pre_dispatch:
+    if _below() or parent is None or not (parent.pre_dispatch or _PROGRAM.get()):
         return fn(*args)
     where = where or current_user_line()
     flat, in_spec = pytree.tree_flatten(args)
@@ -305,7 +310,7 @@ def capturing_program() -> bool:
 
 def _at_top() -> bool:
     parent = proxy_tensor._CURRENT_MAKE_FX_TRACER
-    return not _below() and parent is not None and parent.pre_dispatch
+    return not _below() and parent is not None and (parent.pre_dispatch or _PROGRAM.get())
 
 
 def _jvp_with_argnums(original):
@@ -357,10 +362,12 @@ def nested_transforms():
         setattr(module, name, wrap(getattr(module, name)))
     for module, name, transform in levels:
         setattr(module, name, _guarded_level(getattr(module, name), transform))
+    token = _PROGRAM.set(True)
     try:
         with dual.forward_ad_levels(_at_top):  # torch.autograd.forward_ad: fxtools' forward mode too
             yield
     finally:
+        _PROGRAM.reset(token)
         for module, name, original in saved:
             setattr(module, name, original)
 

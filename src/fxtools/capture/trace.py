@@ -832,8 +832,11 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             module_conversions(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
+            _grad_mode_noted() if below else contextlib.nullcontext(),
         ):
             gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=not below)
+        if below:
+            _grad_mode_switches(gm)
         if not below and _autocast_inside(gm):
             return _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch, below=True)
         return gm
@@ -854,6 +857,48 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
                 "the number in as an argument."
             ) from exc
         raise
+
+
+_NO_GRAD_BELOW = "fxtools_no_grad_below_autograd"  # on a node recorded while grad mode was off
+
+
+@contextlib.contextmanager
+def _grad_mode_noted():
+    """Mark the nodes traced while grad mode is off, for a trace below autograd (an autocast
+    region, DTensors): there no grad-mode switch is recorded (pre-dispatch tracing records
+    ``_set_grad_enabled``), so a ``torch.no_grad()`` block of the program would otherwise be
+    differentiated (``_grad_mode_switches`` writes the marks as switches)."""
+    create_node = PythonKeyTracer.create_node
+
+    def create_node_noting_grad_mode(self, *args, **kwargs):
+        node = create_node(self, *args, **kwargs)
+        if not torch.is_grad_enabled():
+            node.meta[_NO_GRAD_BELOW] = True
+        return node
+
+    PythonKeyTracer.create_node = create_node_noting_grad_mode  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PythonKeyTracer.create_node = create_node  # type: ignore[method-assign]
+
+
+def _grad_mode_switches(gm: fx.GraphModule) -> None:
+    """``_set_grad_enabled`` nodes around each run of ops traced under ``no_grad`` (``_grad_mode_noted``),
+    as a pre-dispatch trace records them: the walkers read grad mode from these nodes."""
+    graph, enabled = gm.graph, True
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is not torch._C._set_grad_enabled:
+            want = not node.meta.pop(_NO_GRAD_BELOW, False)
+        elif node.op == "output":
+            want = True
+        else:
+            continue
+        if want != enabled:
+            with graph.inserting_before(node):
+                graph.call_function(torch._C._set_grad_enabled, (want,))
+            enabled = want
+    gm.recompile()
 
 
 def _reads_a_written_constant(exc: BaseException) -> bool:
