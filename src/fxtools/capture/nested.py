@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -145,10 +146,25 @@ class _DevicesFromInputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.device is not None:
+            args = pytree.tree_map_only(torch.Tensor, _fake_view, args)
         device = kwargs.get("device")
         if self.device is not None and device is not None and torch.device(device).type == "meta":
             kwargs = {**kwargs, "device": self.device}
         return func(*args, **kwargs)
+
+
+def _fake_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or, for a plain ``meta`` tensor that is a view of a FakeTensor, the same view of
+    that FakeTensor. PyTorch's C++ autograd, batched by ``vmap`` over a closed-over tensor that
+    requires grad (``vmap(hessian(u))`` of a network of parameters, a sine's or a softplus's second
+    derivative), can view a gradient's fake value below the fake mode: the view is then a plain
+    tensor on the fake storage's ``meta`` device, which the fake mode refuses to convert (it is
+    not a leaf) when autograd moves it to its device (``validate_outputs``'s ``grad.to``)."""
+    base = t._base
+    if type(t) is torch.Tensor and t.device.type == "meta" and isinstance(base, FakeTensor):
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+    return t
 
 
 def run_below_functorch(transform: str, fn, args: tuple, where: str | None = None):
