@@ -240,7 +240,10 @@ def random_pinn(seed):
     acts = [ACTIVATIONS[rnd.choice(sorted(ACTIVATIONS))] for _ in range(depth)]
     g = torch.Generator().manual_seed(seed)
     dims = [d] + [width] * depth
-    layers = [(torch.randn(dims[i], dims[i + 1], generator=g, dtype=D) / dims[i] ** 0.5, torch.randn(dims[i + 1], generator=g, dtype=D)) for i in range(depth)]
+    layers = [
+        (torch.randn(dims[i], dims[i + 1], generator=g, dtype=D) / dims[i] ** 0.5, torch.randn(dims[i + 1], generator=g, dtype=D))
+        for i in range(depth)
+    ]
     w_out = torch.randn(width, d, generator=g, dtype=D)
     residual, boundary = rnd.random() < 0.5, rnd.random() < 0.5
 

@@ -876,11 +876,11 @@ def _grad_mode_noted():
             node.meta[_NO_GRAD_BELOW] = True
         return node
 
-    PythonKeyTracer.create_node = create_node_noting_grad_mode  # type: ignore[method-assign]
+    PythonKeyTracer.create_node = create_node_noting_grad_mode
     try:
         yield
     finally:
-        PythonKeyTracer.create_node = create_node  # type: ignore[method-assign]
+        PythonKeyTracer.create_node = create_node
 
 
 def _grad_mode_switches(gm: fx.GraphModule) -> None:
