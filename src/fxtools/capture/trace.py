@@ -812,13 +812,18 @@ def _autocast_inside(gm: fx.GraphModule) -> bool:
     return any(node.target is enter for node in gm.graph.nodes)
 
 
-def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_dispatch: bool, below=False) -> fx.GraphModule:
+def _trace_program(
+    f, flat_f, tensors: list, record_stack_traces: bool, pre_dispatch: bool, below=False, amp=False
+) -> fx.GraphModule:
     """make_fx of ``flat_f`` with the user's program traced as fxtools needs it (custom functions,
     compiler flags, static control flow, inference mode, module calls recorded); a data-dependent
     failure names the user's line. A program using DTensors is traced below autograd, where
-    DTensor's dispatch runs, as in AOTAutograd (``capture/subclasses.py``)."""
+    DTensor's dispatch runs, as in AOTAutograd (``capture/subclasses.py``). A program in or holding
+    an autocast region (``amp``) is traced below autograd too, its ``no_grad`` blocks noted
+    (``_grad_mode_noted``; DTensor's dispatch runs its own ops with grad mode off)."""
     below = below or not pre_dispatch or getattr(f, "__fxtools_below_autograd__", False)
-    below = below or bool(autocast_state())  # built inside a region: its casts become ops of the code
+    amp = pre_dispatch and (amp or bool(autocast_state()))
+    below = below or amp  # built inside a region: its casts become ops of the code
     try:
         with (
             _custom_autograd_functions(pre_dispatch),
@@ -832,13 +837,13 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             module_conversions(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
-            _grad_mode_noted() if below else contextlib.nullcontext(),
+            _grad_mode_noted() if amp else contextlib.nullcontext(),
         ):
             gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=not below)
-        if below:
+        if amp:
             _grad_mode_switches(gm)
         if not below and _autocast_inside(gm):
-            return _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch, below=True)
+            return _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch, below=True, amp=True)
         return gm
     except DTensorInside:  # the program makes DTensors: trace it again below autograd
         return _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch, below=True)
