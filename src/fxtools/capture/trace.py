@@ -263,6 +263,37 @@ def _tensor_metadata_memo():
         proxy_tensor._should_save_eager_input_vals = saves
 
 
+@contextlib.contextmanager
+def _inputs_tracked_below_function_modes():
+    """make_fx records its inputs (``track_tensor_tree`` of the placeholders: each one's proxy slot,
+    its ``meta["val"]`` snapshot and ``tensor_meta``) while ``PreDispatchTorchFunctionMode`` is
+    already on the torch-function stack, so each metadata read there (``shape``, ``stride()``,
+    ``layout``, the snapshot's ``detach``; about fifteen per input) is a Python call of that mode,
+    about 6-13 us, where an op's outputs are recorded with the mode off. The mode passes those
+    calls through unchanged (it acts only on grad-mode, autocast and functorch calls, none of which
+    recording makes), so the inputs are recorded with it set aside as the outputs are: the same
+    records, without some 4,500 mode calls in a GPT-2-sized ``fxtools.split`` (its capture and its
+    reverse template take about 150 inputs each). Any other mode stays, and ``track_tensor_tree``
+    is called as make_fx calls it.
+    """
+    from torch.overrides import _len_torch_function_stack
+
+    original = proxy_tensor.track_tensor_tree
+    set_aside = proxy_tensor._temp_remove_pre_dispatch_torch_function_mode
+
+    def track_tensor_tree(inner_res, proxy_res, *, constant, tracer):
+        if _len_torch_function_stack() == 0:  # an op's outputs: make_fx has the modes off already
+            return original(inner_res, proxy_res, constant=constant, tracer=tracer)
+        with set_aside():
+            return original(inner_res, proxy_res, constant=constant, tracer=tracer)
+
+    proxy_tensor.track_tensor_tree = track_tensor_tree
+    try:
+        yield
+    finally:
+        proxy_tensor.track_tensor_tree = original
+
+
 def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=True) -> fx.GraphModule:
     """make_fx at pre-dispatch level, with fake tensors, closed-over real tensors allowed.
 
@@ -290,6 +321,7 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=Tru
         _all_user_frames() if record_stack_traces else contextlib.nullcontext(),
         _no_real_mutation(),
         _tensor_metadata_memo(),
+        _inputs_tracked_below_function_modes(),
         tracing_kernels(),
         _use_lazy_graph_module(True),
     ):
