@@ -110,7 +110,7 @@ def jvp_batch(g, b, layout):
     return x, torch.rand(b, generator=g, dtype=D), v
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))
 def test_random_jvp_losses_train_as_eager_at_several_batch_sizes_and_layouts(seed):
     """fxtools.compile of a random JVP loss: AdamW steps at batch sizes and layouts other than the
     first call's give eager's losses and parameters (float64, dropout drawn under the same seed)."""
@@ -301,7 +301,7 @@ def test_vmap_of_hessian_of_a_closed_over_network_in_a_loss(act, compile_too):
     """Was refused (an AssertionError inside vmap): ``vmap(hessian(net.u))`` in a loss that closes
     over the network, whose parameters require grad, for every activation but tanh (PyTorch's C++
     autograd viewed a batched gradient below the fake mode). Through fxtools.grad and
-    fxtools.compile (the parameters' .grad), at two batch sizes, against torch.func / eager."""
+    fxtools.compile (the parameters' .grad, another batch size), against torch.func / eager."""
     torch.manual_seed(0)
     net = Pinn(act).double()
     twin = copy.deepcopy(net)
@@ -318,7 +318,7 @@ def test_vmap_of_hessian_of_a_closed_over_network_in_a_loss(act, compile_too):
     if not compile_too:
         return
     step = fxtools.compile(lambda xs, f: residual(twin, xs, f))
-    for n in (5, 3):
+    for n in (3,):
         xs, f = torch.randn(n, 3, generator=g, dtype=D), torch.randn(n, generator=g, dtype=D)
         for m in (net, twin):
             m.zero_grad()
