@@ -74,6 +74,12 @@ def _code_copy(f: fx.GraphModule, select: bool = False) -> fx.GraphModule:
                 n.target = select_cond
     gm = fx.GraphModule(f, graph, class_name=f.__class__.__name__)
     gm.meta.update(getattr(f, "meta", {}))
+    if select:
+        # a cond's branches run under vmap too: their scatters into fresh tensors, printed in place,
+        # would write batched rows into an unbatched tensor (copies: ``f``'s own stay as they are)
+        for n in graph.nodes:
+            if n.op == "get_attr" and isinstance(sub := getattr(gm, n.target, None), fx.GraphModule):
+                setattr(gm, n.target, vmappable(sub))
     return gm
 
 
