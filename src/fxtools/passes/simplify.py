@@ -392,7 +392,34 @@ def _times_ones(node, rw):
     val, out = _val(other), _val(node)
     if not (isinstance(other, fx.Node) and isinstance(val, torch.Tensor) and val.dtype == out.dtype):
         return None
+    if val.shape != out.shape and _viewed(node):
+        return None  # the product is laid out contiguously; ``.view`` may refuse the broadcast's strides
     return rw.new(node, aten.expand.default, (other, shape_arg(node, out)))
+
+
+_STRIDE_VIEWS = {
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.select.int,
+    aten.slice.Tensor,
+    aten.expand.default,
+    aten.alias.default,
+}
+
+
+def _viewed(node: fx.Node) -> bool:
+    """Whether ``.view`` (or ``_unsafe_view``) reads ``node``, directly or through views of it."""
+    for user in node.users:
+        if user.op == "call_function" and user.target in (aten.view.default, aten._unsafe_view.default):
+            return True
+        if user.op == "call_function" and user.target in _STRIDE_VIEWS and _viewed(user):
+            return True
+    return False
 
 
 def _fresh_clone(node, rw):
