@@ -4,8 +4,11 @@
 machine): the GPT-2-sized model of ``bench_issue33.py`` (width 768, 12 heads, vocabulary 50257, 1 x 64
 tokens, one thread), one warm-up build of each, then ``--reps`` alternating builds; prints the CPU
 seconds of each (``bench_issue33.py``'s measures: ``aot_function``'s first forward+backward call less a
-steady one) and the ratio of the medians. The quick check of issue 33's build goal (<= 0.4x); the
-other numbers of the issue are ``bench_issue33.py``'s.
+steady one) and the ratio of the medians, and how much of each was Python's cyclic garbage collector
+(CPU seconds inside collections during the whole measure, from ``gc.callbacks``; ``fxtools.split`` pauses the collector while it
+builds and pays one deferred young-generation collection after, while ``aot_function``'s time moves by
+0.1-0.5 s with the number of full collections that fall inside it). The quick check of issue 33's build
+goal (<= 0.4x); the other numbers of the issue are ``bench_issue33.py``'s.
 
 ``--stages`` (no ``aot_function``): where a split build's time goes instead, as CPU milliseconds of
 each stage of ``fxtools.split`` (medians of ``--reps`` builds) and the number of FakeTensor dispatches
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -94,6 +98,26 @@ def stages(model, inputs, reps: int) -> None:
         print(f"| {name} | {1000 * statistics.median(runs[name]):.1f} | {count // reps} |")
 
 
+@contextlib.contextmanager
+def _gc_clock(spent: list):
+    """Append the CPU seconds spent in Python's garbage collections inside the block, and their count by generation."""
+    state = {"start": 0.0, "total": 0.0, "runs": [0, 0, 0]}
+
+    def clock(phase, info):
+        if phase == "start":
+            state["start"] = time.process_time()
+        else:
+            state["total"] += time.process_time() - state["start"]
+            state["runs"][info["generation"]] += 1
+
+    gc.callbacks.append(clock)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(clock)
+        spent.append((state["total"], tuple(state["runs"])))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=5, help="alternating builds of each")
@@ -108,14 +132,17 @@ def main(argv=None):
         stages(model, inputs, args.reps)
         return
     _aot_build(model, inputs)
-    split, aot = [], []
+    split, aot, split_gc, aot_gc = [], [], [], []
     for _ in range(args.reps):
-        split.append(_split_build(model, inputs)[1])
-        aot.append(_aot_build(model, inputs)[1])
+        with _gc_clock(split_gc):
+            split.append(_split_build(model, inputs)[1])
+        with _gc_clock(aot_gc):
+            aot.append(_aot_build(model, inputs)[1])
     ms, ma = statistics.median(split), statistics.median(aot)
     print(f"split {ms:.3f} s, aot_function {ma:.3f} s (CPU, medians of {args.reps}): {ms / ma:.3f}x")
-    print("split:", " ".join(f"{t:.3f}" for t in split))
-    print("aot_function:", " ".join(f"{t:.3f}" for t in aot))
+    for name, times, spent in (("split", split, split_gc), ("aot_function", aot, aot_gc)):
+        collections_ = " ".join(f"{t:.3f} (gc {g:.3f}, {r[2]} full)" for t, (g, r) in zip(times, spent))
+        print(f"{name}: {collections_}")
 
 
 if __name__ == "__main__":

@@ -251,3 +251,60 @@ def test_tensor_meta_made_once_per_metadata_is_what_make_fx_records():
     assert checked >= 10
     sin, cos = (n for n in cap.gm.graph.nodes if n.name in ("a", "b"))
     assert sin.meta["tensor_meta"] is cos.meta["tensor_meta"]
+
+
+def test_inputs_are_recorded_as_make_fx_records_them():
+    """fxtools' traces record their inputs with make_fx's pre-dispatch torch-function mode set aside
+    (it passes metadata reads through; ``capture/trace.py``): each placeholder's value snapshot and
+    ``tensor_meta`` are still the ones a plain pre-dispatch make_fx trace of the same function
+    records, for strided, channels-last, transposed, integer and grad-requiring inputs, and the trace's
+    own ops (the mode's grad-mode nodes included) are unchanged."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxtools.capture.trace import trace_flat
+    from fxtools.transforms.retrace import example_mode, fake_example
+
+    def f(x, y, z, i, w):
+        with torch.no_grad():
+            s = x.sum()
+        return (y * w).sum() + z.sum() + s + i.sum()
+
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    y = torch.randn(4, 6).t()  # transposed
+    z = torch.randn(10)[3:]
+    i = torch.arange(6)
+    w = torch.randn(6, 4, requires_grad=True)
+    vals = [x, y, z, i, w]
+
+    def examples():
+        mode = example_mode(vals)
+        return [fake_example(v, mode, keep_strides=True) for v in vals]
+
+    ours = trace_flat(f, examples(), record_stack_traces=False)
+    plain = make_fx(f, pre_dispatch=True, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples())
+
+    def records(gm):
+        out = []
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                out.append(
+                    (
+                        node.op,
+                        str(node.target),
+                        tuple(val.shape),
+                        val.stride(),
+                        val.storage_offset(),
+                        val.dtype,
+                        val.requires_grad,
+                        node.meta.get("tensor_meta"),
+                    )
+                )
+            else:
+                out.append((node.op, str(node.target)))
+        return out
+
+    got, want = records(ours), records(plain)
+    assert got == want
+    assert sum(1 for r in got if r[0] == "placeholder") == 5
+    assert any(r[1] == str(torch._C._set_grad_enabled) for r in got)  # the mode still records what it does

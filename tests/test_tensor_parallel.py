@@ -55,6 +55,17 @@ class MLP(nn.Module):
         return ((self.down(torch.relu(self.up(x))) - y) ** 2).mean()
 
 
+class NoGradScaledMLP(MLP):
+    """The MLP's loss divided by a scale computed under ``torch.no_grad()``: a constant of the
+    gradient (traced below autograd with DTensors, the block was once differentiated)."""
+
+    def forward(self, x, y):
+        h = self.down(torch.relu(self.up(x)))
+        with torch.no_grad():
+            scale = h.pow(2).mean() + 1
+        return ((h - y) ** 2).mean() / scale
+
+
 class Block(nn.Module):
     def __init__(self, d=6, h=8):
         super().__init__()
@@ -191,6 +202,8 @@ def _tp_cases(rank, mesh) -> dict:
     x, y = torch.randn(4, 6), torch.randn(4, 6)
     tp_mlp = _parallelized(MLP, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     _cases(results, "Colwise/Rowwise MLP", tp_mlp, lambda: _seeded(MLP), (x, y), (x, y))
+    tp_scaled = _parallelized(NoGradScaledMLP, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    _cases(results, "MLP with a no_grad scale", tp_scaled, lambda: _seeded(NoGradScaledMLP), (x, y), (x, y))
 
     # sequence parallel: each rank holds a shard of the sequence (dimension 1)
     torch.manual_seed(2)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -58,6 +59,11 @@ class NestedTransformError(FxtoolsError):
 
 
 _BELOW: contextvars.ContextVar[int] = contextvars.ContextVar("fxtools_traced_below_functorch", default=0)
+
+
+# Set while fxtools captures a program (``nested_transforms``): its trace may run below autograd
+# (an autocast region, DTensors), where the program's transforms are traced as at pre-dispatch.
+_PROGRAM: contextvars.ContextVar[bool] = contextvars.ContextVar("fxtools_capturing_a_program", default=False)
 
 
 def _below() -> bool:
@@ -140,17 +146,32 @@ class _DevicesFromInputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.device is not None:
+            args = pytree.tree_map_only(torch.Tensor, _fake_view, args)
         device = kwargs.get("device")
         if self.device is not None and device is not None and torch.device(device).type == "meta":
             kwargs = {**kwargs, "device": self.device}
         return func(*args, **kwargs)
 
 
+def _fake_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or, for a plain ``meta`` tensor that is a view of a FakeTensor, the same view of
+    that FakeTensor. PyTorch's C++ autograd, batched by ``vmap`` over a closed-over tensor that
+    requires grad (``vmap(hessian(u))`` of a network of parameters, a sine's or a softplus's second
+    derivative), can view a gradient's fake value below the fake mode: the view is then a plain
+    tensor on the fake storage's ``meta`` device, which the fake mode refuses to convert (it is
+    not a leaf) when autograd moves it to its device (``validate_outputs``'s ``grad.to``)."""
+    base = t._base
+    if type(t) is torch.Tensor and t.device.type == "meta" and isinstance(base, FakeTensor):
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+    return t
+
+
 def run_below_functorch(transform: str, fn, args: tuple, where: str | None = None):
     """``fn(*args)`` (which calls a torch.func transform), traced below functorch and replayed in
     the running trace as plain ATen ops; called directly when already below functorch."""
     parent = proxy_tensor._CURRENT_MAKE_FX_TRACER
-    if _below() or parent is None or not parent.pre_dispatch:
+    if _below() or parent is None or not (parent.pre_dispatch or _PROGRAM.get()):
         return fn(*args)
     where = where or current_user_line()
     flat, in_spec = pytree.tree_flatten(args)
@@ -305,7 +326,7 @@ def capturing_program() -> bool:
 
 def _at_top() -> bool:
     parent = proxy_tensor._CURRENT_MAKE_FX_TRACER
-    return not _below() and parent is not None and parent.pre_dispatch
+    return not _below() and parent is not None and (parent.pre_dispatch or _PROGRAM.get())
 
 
 def _jvp_with_argnums(original):
@@ -357,10 +378,12 @@ def nested_transforms():
         setattr(module, name, wrap(getattr(module, name)))
     for module, name, transform in levels:
         setattr(module, name, _guarded_level(getattr(module, name), transform))
+    token = _PROGRAM.set(True)
     try:
         with dual.forward_ad_levels(_at_top):  # torch.autograd.forward_ad: fxtools' forward mode too
             yield
     finally:
+        _PROGRAM.reset(token)
         for module, name, original in saved:
             setattr(module, name, original)
 

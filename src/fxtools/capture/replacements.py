@@ -723,13 +723,27 @@ def refuse_compressed_sparse(func, args, kwargs) -> None:
     ``to_dense``), so such a call would fail later with PyTorch's "do not have strides"."""
     for a in (*args, *kwargs.values()):
         for t in a if isinstance(a, (list, tuple)) else (a,):
-            if isinstance(t, torch.Tensor) and t.layout in _COMPRESSED_SPARSE:
+            if isinstance(t, torch.Tensor) and _layout(t) in _COMPRESSED_SPARSE:
                 name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
                 raise FxtoolsError(
                     f"{name} (at {current_user_line()}) is given a {t.layout} tensor: fxtools differentiates "
                     "strided tensors, not compressed sparse ones. Pass dense tensors (t.to_dense()) to the function "
                     "fxtools differentiates, or differentiate this call with torch.autograd."
                 )
+
+
+# tensor types whose ``layout`` is torch's own getter (no ``__torch_function__`` of their own)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter, FakeTensor)
+
+
+def _layout(t: torch.Tensor) -> torch.layout:
+    """``t.layout``, read without a trip through the torch-function modes below ``Replacing``
+    (make_fx's pre-dispatch mode passes it through: a Python call per argument of every call
+    the program makes) when ``t``'s type reads it as torch does; through them otherwise."""
+    if type(t) in _PLAIN_TENSORS:
+        with torch._C.DisableTorchFunction():
+            return t.layout
+    return t.layout
 
 
 def _traced_slot(t: torch.Tensor):

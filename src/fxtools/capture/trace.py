@@ -263,6 +263,37 @@ def _tensor_metadata_memo():
         proxy_tensor._should_save_eager_input_vals = saves
 
 
+@contextlib.contextmanager
+def _inputs_tracked_below_function_modes():
+    """make_fx records its inputs (``track_tensor_tree`` of the placeholders: each one's proxy slot,
+    its ``meta["val"]`` snapshot and ``tensor_meta``) while ``PreDispatchTorchFunctionMode`` is
+    already on the torch-function stack, so each metadata read there (``shape``, ``stride()``,
+    ``layout``, the snapshot's ``detach``; about fifteen per input) is a Python call of that mode,
+    about 6-13 us, where an op's outputs are recorded with the mode off. The mode passes those
+    calls through unchanged (it acts only on grad-mode, autocast and functorch calls, none of which
+    recording makes), so the inputs are recorded with it set aside as the outputs are: the same
+    records, without some 4,500 mode calls in a GPT-2-sized ``fxtools.split`` (its capture and its
+    reverse template take about 150 inputs each). Any other mode stays, and ``track_tensor_tree``
+    is called as make_fx calls it.
+    """
+    from torch.overrides import _len_torch_function_stack
+
+    original = proxy_tensor.track_tensor_tree
+    set_aside = proxy_tensor._temp_remove_pre_dispatch_torch_function_mode
+
+    def track_tensor_tree(inner_res, proxy_res, *, constant, tracer):
+        if _len_torch_function_stack() == 0:  # an op's outputs: make_fx has the modes off already
+            return original(inner_res, proxy_res, constant=constant, tracer=tracer)
+        with set_aside():
+            return original(inner_res, proxy_res, constant=constant, tracer=tracer)
+
+    proxy_tensor.track_tensor_tree = track_tensor_tree
+    try:
+        yield
+    finally:
+        proxy_tensor.track_tensor_tree = original
+
+
 def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=True) -> fx.GraphModule:
     """make_fx at pre-dispatch level, with fake tensors, closed-over real tensors allowed.
 
@@ -290,6 +321,7 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=Tru
         _all_user_frames() if record_stack_traces else contextlib.nullcontext(),
         _no_real_mutation(),
         _tensor_metadata_memo(),
+        _inputs_tracked_below_function_modes(),
         tracing_kernels(),
         _use_lazy_graph_module(True),
     ):
@@ -816,9 +848,11 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
     """make_fx of ``flat_f`` with the user's program traced as fxtools needs it (custom functions,
     compiler flags, static control flow, inference mode, module calls recorded); a data-dependent
     failure names the user's line. A program using DTensors is traced below autograd, where
-    DTensor's dispatch runs, as in AOTAutograd (``capture/subclasses.py``)."""
+    DTensor's dispatch runs, as in AOTAutograd (``capture/subclasses.py``); so is a program in or
+    holding an autocast region. Either way its ``no_grad`` blocks are noted (``_grad_mode_noted``)."""
     below = below or not pre_dispatch or getattr(f, "__fxtools_below_autograd__", False)
     below = below or bool(autocast_state())  # built inside a region: its casts become ops of the code
+    program_below = below and pre_dispatch  # the program itself (fxtools.vmap's batched capture is not)
     try:
         with (
             _custom_autograd_functions(pre_dispatch),
@@ -832,8 +866,11 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             module_conversions(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
+            _grad_mode_noted() if program_below else contextlib.nullcontext(),
         ):
             gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=not below)
+        if program_below:
+            _grad_mode_switches(gm)
         if not below and _autocast_inside(gm):
             return _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch, below=True)
         return gm
@@ -854,6 +891,59 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
                 "the number in as an argument."
             ) from exc
         raise
+
+
+_NO_GRAD_BELOW = "fxtools_no_grad_below_autograd"  # on a node recorded while grad mode was off
+
+
+@contextlib.contextmanager
+def _grad_mode_noted():
+    """Mark the nodes traced while the program's grad mode is off, for a trace below autograd (an
+    autocast region, DTensors): there no grad-mode switch is recorded (pre-dispatch tracing records
+    ``_set_grad_enabled``), so a ``torch.no_grad()`` block of the program would otherwise be
+    differentiated (``_grad_mode_switches`` writes the marks as switches). The program's mode is
+    what Python sets (``no_grad``, ``set_grad_enabled``, ``inference_mode``): the forward of an
+    ``autograd.Function`` run below autograd (DTensor's ``from_local`` / ``to_local``) runs with
+    grad mode off in C++, and its ops are the program's differentiable ops all the same."""
+    create_node = PythonKeyTracer.create_node
+    set_grad_enabled = torch._C._set_grad_enabled
+    enabled = [torch.is_grad_enabled()]
+
+    def set_grad_enabled_noted(mode) -> None:
+        enabled[0] = bool(mode)
+        set_grad_enabled(mode)
+
+    def create_node_noting_grad_mode(self, *args, **kwargs):
+        node = create_node(self, *args, **kwargs)
+        if not enabled[0]:
+            node.meta[_NO_GRAD_BELOW] = True
+        return node
+
+    PythonKeyTracer.create_node = create_node_noting_grad_mode
+    torch._C._set_grad_enabled = set_grad_enabled_noted
+    try:
+        yield
+    finally:
+        PythonKeyTracer.create_node = create_node
+        torch._C._set_grad_enabled = set_grad_enabled
+
+
+def _grad_mode_switches(gm: fx.GraphModule) -> None:
+    """``_set_grad_enabled`` nodes around each run of ops traced under ``no_grad`` (``_grad_mode_noted``),
+    as a pre-dispatch trace records them: the walkers read grad mode from these nodes."""
+    graph, enabled = gm.graph, True
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is not torch._C._set_grad_enabled:
+            want = not node.meta.pop(_NO_GRAD_BELOW, False)
+        elif node.op == "output":
+            want = True
+        else:
+            continue
+        if want != enabled:
+            with graph.inserting_before(node):
+                graph.call_function(torch._C._set_grad_enabled, (want,))
+            enabled = want
+    gm.recompile()
 
 
 def _reads_a_written_constant(exc: BaseException) -> bool:

@@ -307,10 +307,14 @@ class _Walk(fx.Interpreter):
         return val
 
     def check(self, n: fx.Node, val: torch.Tensor) -> None:
+        if _uninitialized(n):  # memory to be written (dropout's mask before its draw): its bits mean nothing
+            return
         nan, inf = _bad(val)
         if not (nan or inf):
             return
         self.bad.add(n)
+        if nan and n.op == "get_attr":  # a buffer or closed-over tensor held it before the step: no line made it
+            raise _Found(_held_report(str(n.target), val))
         if not nan and (n.op == "get_attr" or _literal_inf(n) or any(x in self.infs for x in n.all_input_nodes)):
             self.infs.add(n)  # an intended infinity: a constant's, a literal's, or carried from one
             return
@@ -364,6 +368,17 @@ class _Walk(fx.Interpreter):
         )
 
 
+_EMPTY = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"}
+
+
+def _uninitialized(n: fx.Node) -> bool:
+    """Whether ``n`` makes a tensor without values (``torch.empty_like``), which a later op fills: whatever
+    its uninitialized memory holds (NaN bit patterns included) is no value of the program."""
+    op = _op_of(n)
+    name = _short(op) if op is not None else getattr(n.target, "__name__", "")
+    return name in _EMPTY
+
+
 def _sources(n: fx.Node, depth: int = 3) -> set[str]:
     """The ops that made ``n``'s operands, up to ``depth`` steps back (``x / x.norm()`` through views)."""
     found, frontier = set(), list(n.all_input_nodes)
@@ -373,13 +388,26 @@ def _sources(n: fx.Node, depth: int = 3) -> set[str]:
     return found
 
 
+def _held_report(name: str, x: torch.Tensor) -> NonFiniteReport:
+    """A tensor the program holds (a module's buffer, a closed-over tensor) holding a NaN when the step
+    starts: an input of the step, not a value any line of it made."""
+    hint = (
+        f"{name} is a tensor the program holds (a module's buffer or a closed-over tensor), not an argument: "
+        "it already held a NaN when this step started (written by an earlier step, an in-place update "
+        "or the code that made it)"
+    )
+    return NonFiniteReport("input", name, value=Summary.of(x), hints=[hint])
+
+
 def _input_report(name: str, x: torch.Tensor, phase: str = "input") -> NonFiniteReport:
     return NonFiniteReport(phase, name, value=Summary.of(x))
 
 
-def locate(sp, leaves, cotangents=None, rng=None) -> NonFiniteReport | None:
+def locate(sp, leaves, cotangents=None, rng=None, backward=True) -> NonFiniteReport | None:
     """The first non-finite value of a step of split ``sp`` (a ``fxtools.Split``) on the tensor
     ``leaves`` of its arguments, with ``cotangents`` (default: ones) for the backward, or None.
+    ``backward=False``: the forward alone (a forward's check: its backward, with the cotangents
+    the step will get, is checked when it runs; ones could overflow where those do not).
 
     Runs the readable forward and backward one node at a time, the generators set to ``rng`` (a
     ``training.saved.rng_state``) if given; the module's buffers are not written."""
@@ -392,7 +420,8 @@ def locate(sp, leaves, cotangents=None, rng=None) -> NonFiniteReport | None:
                 if any(_bad(x)):
                     raise _Found(_input_report(info.path or info.name, x))
             out, saved = _Walk(sp.forward, "forward", statements).run(*leaves)
-            _locate_backward(sp, list(saved), cotangents, out, statements)
+            if backward:
+                _locate_backward(sp, list(saved), cotangents, out, statements)
             return None
         except _Found as found:
             return found.report
@@ -480,7 +509,7 @@ class Checker:
     def forward(self, leaves, outs, rng=None) -> None:
         """After a forward: raise ``NonFiniteError`` if a value it returns is not finite."""
         if not all_finite(outs, self.out_nan_only[: len(outs)]):
-            self.fail(locate(self.split, leaves, rng=rng))
+            self.fail(locate(self.split, leaves, rng=rng, backward=False))
 
     def backward(self, grads, redo) -> None:
         """After a backward: raise ``NonFiniteError`` if a gradient is not finite; ``redo()`` locates."""
