@@ -316,6 +316,52 @@ def test_boxed_backward_frees_saved_values():
     assert "args.clear()" in sp.backward_boxed.code
 
 
+def _graphs_reachable(root) -> list:
+    """The fx graphs reachable from ``root`` through its objects (functions through their
+    closures and defaults; modules, classes and module namespaces not followed)."""
+    import gc
+    import sys
+    import types
+
+    import torch.fx as fx
+
+    namespaces = {id(vars(m)) for m in list(sys.modules.values()) if m is not None}
+    seen, stack, found = {id(root)}, [root], []
+    while stack:
+        o = stack.pop()
+        if isinstance(o, fx.Graph):
+            found.append(o)
+        if isinstance(o, types.FunctionType):
+            refs = [*(o.__closure__ or ()), o.__defaults__, o.__kwdefaults__]
+        elif isinstance(o, (types.ModuleType, type)) or id(o) in namespaces:
+            continue
+        else:
+            refs = gc.get_referents(o)
+        for r in refs:
+            if id(r) not in seen:
+                seen.add(id(r))
+                stack.append(r)
+    return found
+
+
+def test_split_keeps_only_its_own_graphs():
+    """A split holds five graphs: its forward, backward and backward_boxed, the captured program
+    (``training/saved.py`` replays it) and the joint graph (``report``, ``predicted_peak``,
+    ``frontier``); none of the build's intermediate graphs (the template before simplify, the
+    traces a rule or a replay made) stays alive through it."""
+    model, inputs = examples.gpt("tiny", "explicit")
+    sp = fxtools.split(model, *inputs)
+    own = {
+        id(sp.forward.graph): "forward",
+        id(sp.backward.graph): "backward",
+        id(sp.backward_boxed.graph): "backward_boxed",
+        id(sp.captured.gm.graph): "captured",
+        id(sp._partition.nodes[0].graph): "joint",
+    }
+    found = sorted(own.get(id(g), f"another graph of {len(g.nodes)} nodes") for g in _graphs_reachable(sp))
+    assert found == sorted(own.values())
+
+
 @pytest.mark.parametrize("policy", ["save_all", "recompute_cheap", "dots_saveable"])
 def test_random_ops_are_never_recomputed(policy):
     model, inputs = examples.gpt("tiny", dropout=0.2)

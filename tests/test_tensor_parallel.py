@@ -4,7 +4,8 @@ Two launches (gloo, loopback only; ``test_distributed.launch``), each running ev
 world size; each rank writes what it found to a JSON file and the tests read them all:
 
 - 2 processes, a 1-D mesh: an MLP with ``ColwiseParallel`` up-projection and ``RowwiseParallel``
-  down-projection, a residual block with ``SequenceParallel`` LayerNorm and ``Colwise/RowwiseParallel``
+  down-projection, causal SDPA attention without biases (Colwise q/k/v, Rowwise o, two heads
+  per rank), a residual block with ``SequenceParallel`` LayerNorm and ``Colwise/RowwiseParallel``
   over a sequence shard, the ``loss_parallel()`` cross-entropy, and an MLP whose output a
   ``PrepareModuleOutput`` plan gathers, each through ``fxtools.compile`` and
   ``torch.compile(backend=fxtools.backend())``; a double backward (``create_graph=True``) through
@@ -90,6 +91,22 @@ class Blocks(nn.Module):
         for block in self.blocks:
             x = block(x)
         return ((x - y) ** 2).sum() / self.total
+
+
+class Attention(nn.Module):
+    """Causal self-attention through ``F.scaled_dot_product_attention``, projections without bias,
+    heads viewed from the local width (``-1``: the rank's heads under Colwise/Rowwise)."""
+
+    def __init__(self, d=8, heads=4):
+        super().__init__()
+        self.head_dim = d // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x, y):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return ((self.o(a.transpose(1, 2).reshape(b, s, -1)) - y) ** 2).mean()
 
 
 def _seeded(make):
@@ -222,6 +239,13 @@ def _tp_cases(rank, mesh) -> dict:
         return model, dict(model.named_parameters())
 
     _cases(results, "SequenceParallel block", sp_blocks, lambda: _seeded(lambda: Blocks(n=1, total=xs.numel())), (xs, ys), shard)
+
+    # attention: Colwise q/k/v and Rowwise o, two heads per rank; the CPU flash-attention op's
+    # decomposition must keep its layout (the Rowwise linear views its transposed output as rows)
+    torch.manual_seed(6)
+    xa, ya = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    attn_plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+    _cases(results, "SDPA attention", _parallelized(Attention, mesh, attn_plan), lambda: _seeded(Attention), (xa, ya), (xa, ya))
     _loss_parallel_cases(results, mesh)
     _prepare_output_cases(results, mesh)
     results["code"] = _code(tp_mlp, (x, y))
@@ -435,7 +459,7 @@ def _problems(ranks: list[dict]) -> list[str]:
 
 
 def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
-    """2 processes: Colwise/Rowwise MLP, a SequenceParallel block, loss_parallel and
+    """2 processes: Colwise/Rowwise MLP, SDPA attention, a SequenceParallel block, loss_parallel and
     PrepareModuleOutput, through fxtools.compile and the backend, equal to the unsharded model in
     eager with eager's gradient placements; the MLP's and loss_parallel's collectives move eager's
     bytes, the MLP's named after the mesh dimension; a double backward through the MLP equal to
@@ -444,7 +468,11 @@ def test_tensor_parallel_trains_as_unsharded_eager_and_refuses_what_it_cannot():
     ranks = _run(2)
     problems = _problems(ranks)
     for rank, results in enumerate(ranks):
-        for case in ("Colwise/Rowwise MLP, fxtools.compile", "SequenceParallel block, backend"):
+        for case in (
+            "Colwise/Rowwise MLP, fxtools.compile",
+            "SequenceParallel block, backend",
+            "SDPA attention, fxtools.compile",
+        ):
             if case not in results:
                 problems.append(f"{case} (rank {rank}): not run")
         code = results["code"]

@@ -107,6 +107,7 @@ def _trace_decomposition(node: fx.Node, decomp):
     fake_mode = torch._guards.detect_fake_mode([node.meta.get("val")])
     flat_args, spec = torch.utils._pytree.tree_flatten((args, kwargs))
     tensor_pos = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)]
+    wanted = torch.utils._pytree.tree_leaves(node.meta.get("val"))
 
     def fn(*tensors):
         full = list(flat_args)
@@ -116,7 +117,10 @@ def _trace_decomposition(node: fx.Node, decomp):
         out = decomp(*a, **k)
         if out is NotImplemented:
             raise NotImplementedError(f"no decomposition of {node.target} for these arguments")
-        return list(torch.utils._pytree.tree_leaves(out))
+        outs = list(torch.utils._pytree.tree_leaves(out))
+        if len(outs) == len(wanted):
+            outs = [_in_layout_of(o, w) for o, w in zip(outs, wanted)]
+        return outs
 
     try:
         with fake_mode:
@@ -134,6 +138,49 @@ def _trace_decomposition(node: fx.Node, decomp):
     except FxtoolsError:
         return None
     return sub, tensor_pos
+
+
+def _known(condition) -> bool:
+    """Whether ``condition`` (of ints or symbolic sizes) is known true without a new guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return condition if isinstance(condition, bool) else statically_known_true(condition)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool | None:
+    """Whether ``a`` and ``b`` (of one shape) have the same strides (those of size-1 dimensions
+    aside); None where symbolic strides leave it unknown."""
+    same = True
+    for size, x, y in zip(a.shape, a.stride(), b.stride()):
+        if _known(size <= 1) or _known(x == y):
+            continue
+        if _known(x != y):
+            same = False
+        else:
+            return None
+    return same
+
+
+def _in_layout_of(out, want):
+    """``out`` (a decomposition's result) in the memory layout of ``want`` (the op's own result,
+    the FakeTensor the trace recorded): the graph after the op was traced at the op's strides (a
+    ``view`` valid only at those, ``_scaled_dot_product_flash_attention_for_cpu``'s output, whose
+    decomposition lays it out otherwise), so the decomposition must give them too. A dense layout
+    is made by a copy in its order of dimensions; another one refuses the decomposition (the op
+    is then differentiated through PyTorch's formula)."""
+    if not isinstance(out, torch.Tensor) or not isinstance(want, torch.Tensor) or out.dim() != want.dim():
+        return out
+    if _same_layout(out, want) is not False:
+        return out  # the same strides, or not known to differ (symbolic): as traced
+    strides = list(want.stride())
+    if not all(type(v) is int for v in [*strides, *want.shape]):
+        raise NotImplementedError("a decomposition whose symbolic strides differ from the op's")
+    order = sorted(range(want.dim()), key=lambda d: -strides[d])  # outermost dimension first (stable)
+    inverse = sorted(range(want.dim()), key=order.__getitem__)
+    laid = out.permute(order).contiguous().permute(inverse)
+    if _same_layout(laid, want) is not True:
+        raise NotImplementedError("a decomposition whose result is not laid out as the op's")
+    return laid
 
 
 def _copy_into(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule, tensor_pos: list):

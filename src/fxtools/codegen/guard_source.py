@@ -83,4 +83,5 @@ def render(guards: Guards, indent: str = "") -> str:
     conds = "".join(f"\n{indent}    {_literal(c)}," for c in guards.conditions)
     conditions = f", conditions=({conds}\n{indent})" if conds else ""
     autocast = f", autocast={_literal(guards.autocast)}" if guards.autocast else ""
-    return f"Guards({guards.made_by!r}, {_literal(tuple(guards.names))}, (\n{args},\n{indent}){conditions}{autocast})"
+    shared = f", shared={_literal(guards.shared)}, written={_literal(guards.written)}" if guards.shared is not None else ""
+    return f"Guards({guards.made_by!r}, {_literal(tuple(guards.names))}, (\n{args},\n{indent}){conditions}{autocast}{shared})"

@@ -467,14 +467,36 @@ def guarded(gm: fx.GraphModule) -> GuardedGraphModule:
 def _writes(graph: fx.Graph) -> bool:
     """Whether the code writes in place (an argument, a buffer): such a call, stopped by a failed
     ``.view`` after a write, cannot be run again without writing twice, so it is refused."""
+    return any(_in_place(n) for n in graph.nodes)
 
-    def name(node):
-        target = node.target
-        return target if isinstance(target, str) else getattr(getattr(target, "overloadpacket", target), "__name__", "")
 
-    return any(
-        n.op in ("call_function", "call_method") and name(n).endswith("_") and not name(n).startswith("_") for n in graph.nodes
-    )
+def _in_place(node: fx.Node) -> bool:
+    """Whether ``node`` is an in-place call (``x.add_(1)``, ``torch.relu_``, ``aten.copy_``): a name
+    ending in ``_``, but for Python's operators (``operator.and_`` computes ``a & b``)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target = node.target
+    if target in (operator.and_, operator.or_, operator.xor, operator.not_, operator.truth):
+        return False
+    name = target if isinstance(target, str) else getattr(getattr(target, "overloadpacket", target), "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _written_by(node: fx.Node) -> list:
+    """What ``node`` writes in place: the arguments its ATen schema marks written, or the first
+    operand of a method or function whose name ends in ``_``."""
+    from ..graph.nodes import written_args
+
+    if node.op not in ("call_function", "call_method"):
+        return []
+    if isinstance(node.target, torch._ops.OpOverload):
+        return written_args(node.target, node.args, node.kwargs)
+    return [node.args[0]] if node.args and _in_place(node) else []
+
+
+def _is_fresh(node: fx.Node) -> bool:
+    """A tensor the code makes (``torch.zeros``, a factory): writing it changes no argument."""
+    return node.op in ("call_function", "call_method") and not any(isinstance(a, fx.Node) for a in node.args)
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -489,4 +511,46 @@ def install(gm: fx.GraphModule, made_by: str, names, args, *, roles=None) -> Gua
     layouts are required where its code relies on strides."""
     gm = guarded(gm)
     gm.guards = build(made_by, names, args, layout=layout_needs(gm, names), roles=roles)
+    guard_sharing(gm, args, own=len(args) - len(roles or {}))
     return gm
+
+
+def guard_sharing(gm: fx.GraphModule, args, guards: Guards | None = None, written: tuple | None = None, own=None) -> tuple:
+    """Where ``gm``'s code writes arguments in place, its guards (or ``guards``, of the arguments
+    ``args``) require the example's sharing of memory between a written tensor argument and the
+    others (``Guards.shared``). ``written``: the positions among ``args``' tensor leaves of those
+    written, if known (else read from ``gm``, whose placeholders are ``args``); returned."""
+    if not _writes(gm.graph):
+        return ()
+    guards = gm.guards if guards is None else guards
+    tensors = [a for a in pytree.tree_leaves(tuple(args)) if isinstance(a, torch.Tensor)]
+    written = _written_leaves(gm, tuple(args)) if written is None else written
+    if written:
+        mine = [a for a in pytree.tree_leaves(tuple(args)[:own]) if isinstance(a, torch.Tensor)] if own is not None else tensors
+        guards.written = written
+        guards.shared = runtime.shared_groups(mine, written)
+    return written
+
+
+def _written_leaves(gm: fx.GraphModule, args: tuple) -> tuple:
+    """The positions among the tensor leaves of ``args`` (``gm``'s placeholders, in order) of
+    those ``gm``'s code may write in place: every leaf of an argument a write's target is
+    computed from (through its first operands: views, items), all where that is not known."""
+    counts = [sum(isinstance(a, torch.Tensor) for a in pytree.tree_leaves(arg)) for arg in args]
+    everything = tuple(range(sum(counts)))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(args):
+        return everything
+    start = {p: sum(counts[:i]) for i, p in enumerate(placeholders)}
+    written: set = set()
+    for n in gm.graph.nodes:
+        for target in _written_by(n):
+            base = target
+            while isinstance(base, fx.Node) and base.op not in ("placeholder", "get_attr"):
+                base = base.args[0] if base.args else None  # a view's, an item's, a write's operand
+            if isinstance(base, fx.Node) and base.op == "placeholder":
+                i = placeholders.index(base)
+                written.update(range(start[base], start[base] + counts[i]))
+            elif base is None and not (isinstance(target, fx.Node) and _is_fresh(target)):
+                return everything  # cannot tell what it writes
+    return tuple(sorted(written))

@@ -346,6 +346,11 @@ class Guards:
     args: tuple
     conditions: tuple = ()  # Conds: decisions on symbolic sizes
     autocast: tuple = ()  # autocast_state() where it was made: its casts are ops of the code
+    # a module whose code writes tensor leaves in place (``written``: their positions): the
+    # groups of its tensor leaves holding one of them that shared memory in the example; None
+    # where the code writes no argument (sharing is then harmless)
+    shared: tuple | None = None
+    written: tuple = ()
 
     def check(self, args, layout=True):
         """Raise InputMismatch unless ``args`` (a tuple) is what the module was made for;
@@ -365,9 +370,11 @@ class Guards:
                 f"Call it with exactly the arguments it was made for, gm({', '.join(self.names)}): the "
                 "function's own, then the cotangents or tangents, if any.",
             )
-        tensors, bound = [], {}
+        tensors, bound, paths = [], {}, []
         for spec, value in zip(self.args, args):
-            self._walk(spec, value, tensors, bound, layout)
+            self._walk(spec, value, tensors, bound, layout, paths)
+        if self.shared is not None and len(tensors) > 1:
+            self._check_shared(tensors, paths)
         for cond in self.conditions:
             if all(n in bound for n in cond.names):
                 if not self.deciding(cond.where, "decided", cond.holds, [bound[n][0] for n in cond.names]):
@@ -426,18 +433,39 @@ class Guards:
     def fail(self, problem, fix=None):
         raise InputMismatch(f"{self.made_by} module: {problem}. {fix or _HOW + '.'}")
 
-    def _walk(self, spec, value, tensors, bound, layout):
+    def _check_shared(self, tensors, paths):
+        """Refuse arguments sharing memory where the example's did not, or the reverse: the code
+        writes in place, and what a write changes for the other arguments is eager's only when
+        they share memory as the example's did (``f(n, n)`` of a program writing ``n`` and
+        reading its second argument)."""
+        got = shared_groups(tensors, self.written)
+        want = self.shared or ()
+        if got is None or got == want:
+            return
+        new = [g for g in got if g not in want]
+        pair = new[0] if new else next(g for g in want if g not in got)
+        names = " and ".join(paths[i] for i in pair)
+        how = "share memory, where the example's did not" if new else "do not share memory, where the example's did"
+        self.fail(
+            f"{names} {how}; the code writes in place, and what a write changes is eager's only where "
+            "arguments share memory as the example's did",
+            "Pass separate tensors (.clone() one of them), or generate the module from arguments sharing memory as these do.",
+        )
+
+    def _walk(self, spec, value, tensors, bound, layout, paths=None):
         """Check ``value`` against ``spec`` (a Leaf or a Node), appending its tensors to ``tensors``
         and recording in ``bound`` the dynamic sizes it gives (their value and where it is)."""
         if type(spec) is not Leaf:
-            self._container(spec, value, tensors, bound, layout)
+            self._container(spec, value, tensors, bound, layout, paths)
         elif spec.kind == "tensor" or (spec.kind == "optional" and value is not None):
             self._tensor(spec, value, bound, layout)
             tensors.append(value)
+            if paths is not None:
+                paths.append(spec.path)
         else:
             self._constant(spec, value)
 
-    def _container(self, spec, value, tensors, bound, layout):
+    def _container(self, spec, value, tensors, bound, layout, paths=None):
         """A dict, list, tuple or dataclass-like object of the example's structure; its items walked."""
         kind = spec.kind
         if kind == "dict":
@@ -446,17 +474,17 @@ class Guards:
             if len(value) != len(spec.keys) or any(k not in value for k in spec.keys):
                 self._node_fail(spec, value)
             for k, child in zip(spec.keys, spec.children):
-                self._walk(child, value[k], tensors, bound, layout)
+                self._walk(child, value[k], tensors, bound, layout, paths)
         elif kind == "list" or kind == "tuple":
             if not isinstance(value, list if kind == "list" else tuple) or len(value) != len(spec.children):
                 self._node_fail(spec, value)
             for v, child in zip(value, spec.children):
-                self._walk(child, v, tensors, bound, layout)
+                self._walk(child, v, tensors, bound, layout, paths)
         else:
             if type(value).__name__ != spec.type_name:
                 self._node_fail(spec, value)
             for k, child in zip(spec.keys, spec.children):
-                self._walk(child, getattr(value, k), tensors, bound, layout)
+                self._walk(child, getattr(value, k), tensors, bound, layout, paths)
 
     def _tensor(self, spec, value, bound, layout):
         """A tensor of the example's sizes (or within a dynamic size's range), dtype, device, and
@@ -697,6 +725,25 @@ class Guards:
             for r in getattr(leaf, "reads", ()):
                 lines.append(f"  {leaf.path}: {r.expected()}  (read at {r.where})")
         return "\n".join(lines)
+
+
+def shared_groups(tensors, written=None):
+    """The groups (tuples of positions, two or more) of ``tensors`` sharing a storage (the
+    example's FakeTensors share theirs as the tensors they stand for do); None where a tensor has
+    no storage to compare (a wrapper subclass). ``written``: only the groups holding one of
+    these positions."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    groups = {}
+    for i, t in enumerate(tensors):
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+            return None
+        if storage.nbytes() == 0:  # nothing to share
+            continue
+        groups.setdefault(StorageWeakRef(storage), []).append(i)
+    return tuple(tuple(g) for g in groups.values() if len(g) > 1 and (written is None or any(i in written for i in g)))
 
 
 # ---- runtime (end) ----

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..signature.closures import dict_versions, watchable
-from ..signature.runtime import same_value
+from ..signature.runtime import same_value, shared_groups
 
 __all__ = ["Parameters", "Memo", "tensor_guards"]
 
@@ -177,6 +177,10 @@ class Memo:
 
     def __init__(self, key, plans: tuple, guards, runner):
         self.key, self.plans, self.guards, self.runner = key, plans, guards, runner
+        # graphs writing in place: which tensor leaves share memory (``Guards.shared``), which
+        # the tensor guards do not see, is checked too
+        self.shared = getattr(runner.split.guards, "shared", None)
+        self.written = getattr(runner.split.guards, "written", ())
 
     @classmethod
     def make(cls, args: tuple, key, runner, leaves: list, storage_offsets_read: bool):
@@ -206,4 +210,6 @@ class Memo:
                 flat.append(a)
             elif not _follow(a, p, flat):
                 return None
-        return flat if self.guards.check(*flat) else None
+        if not self.guards.check(*flat):
+            return None
+        return flat if self.shared is None or shared_groups(flat, self.written) == self.shared else None

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from .. import registry
@@ -53,11 +54,11 @@ from ..codegen.inplace import in_place_body
 from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
 from ..graph import meta
-from ..graph.nodes import ancestors, fake_mode_of, node_copy
+from ..graph.nodes import ancestors, fake_mode_of, node_copy, written_args
 from ..passes.accumulate import accumulate_into_scatters
 from ..passes.simplify import simplify
 from ..signature import closures, sizes
-from ..signature.guards import GuardedGraphModule, Guards, Node, build, stride_sensitive_paths
+from ..signature.guards import GuardedGraphModule, Guards, Node, build, guard_sharing, stride_sensitive_paths
 from ..signature.naming import part_name
 from ..transforms.pipeline import Transform, differentiated, emit, front, uses_pipeline
 from ..transforms.reverse import ReverseSpec, reverse
@@ -142,6 +143,7 @@ class _Partition:
             need(g)
         self.needed = needed
         self.region_outputs = self._region_outputs()
+        self.read_before_write = _read_before_written(self.nodes, bw)
         self.offload: set = set()
         self.forget: dict = {}  # recomputed values the backward recomputes again (``budget.refresh``)
         self.choice = None  # what a budget chose (``budget.Choice``)
@@ -185,7 +187,7 @@ class _Partition:
             return self._forced(node.args[0])
         if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)) and policies.can_recompute(node):
             return policies.RECOMPUTE  # a size (``x.size(0)``): read again from a saved tensor
-        if not policies.can_recompute(node):
+        if not policies.can_recompute(node) or node in self.read_before_write:
             return policies.SAVE
         if policies.checkpoint_region(node) is not None and node not in self.region_outputs:
             return policies.RECOMPUTE
@@ -290,6 +292,38 @@ class _Partition:
         return saved, recomputed
 
 
+def _storage(node):
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a wrapper subclass)
+        return None
+
+
+def _read_before_written(nodes: list, bw: set) -> set:
+    """Forward nodes that read memory a later forward node writes in place (an input, or a buffer,
+    updated after the program read it: ``y = x * n`` then ``n.add_(1)``). Recomputed in the
+    backward they would read the written value, where the forward read the one before: they are
+    saved (eager refuses their backward, a tensor it saved having been modified; fxtools gives
+    the derivative of what the forward computed)."""
+    last_write: dict = {}
+    for i, n in enumerate(nodes):
+        if n.op == "call_function" and n not in bw and isinstance(n.target, torch._ops.OpOverload):
+            for w in written_args(n.target, n.args, n.kwargs):
+                s = _storage(w)
+                if s is not None:
+                    last_write[s] = i
+    if not last_write:
+        return set()
+    return {
+        n
+        for i, n in enumerate(nodes)
+        if n.op == "call_function" and n not in bw and any(last_write.get(_storage(a), -1) > i for a in n.all_input_nodes)
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # Building the two graphs
 # --------------------------------------------------------------------------------------------
@@ -348,6 +382,7 @@ def _install_guards(forward, backward, backward_boxed, part, signature, cotangen
     symbolic = cap.symbolic if cap is not None else None
     fw_layout, bw_layout = _layouts(forward, backward, part, signature) if layouts is None else layouts
     forward.guards = build("fxtools.split forward", names, sizes.concrete(symbolic, leaves), layout=fw_layout)
+    guard_sharing(forward, leaves)
     saved = build("fxtools.split backward", [s.name for s in part.saved], sizes.concrete(symbolic, saved_vals))
     cts = build(
         "fxtools.split backward",
@@ -849,6 +884,10 @@ def _described(cap: Captured, args: tuple, part: _Partition, forward, backward, 
     layouts = _layouts(forward, backward, part, signature)
     _install_guards(forward, backward, backward_boxed, part, signature, cotangents, cap, layouts)
     guards = _argument_guards(cap, args, part, signature, layouts)
+    n_leaves = sum(isinstance(a, torch.Tensor) for a in pytree.tree_leaves(tuple(args)))
+    guard_sharing(forward, args, guards, forward.guards.written if n_leaves == len(part.primals) else None)
+    if guards.shared:
+        _refuse_shared(cap, args, guards.shared[0], forward)
     closures.attach_held(forward, cap.reads, SPLIT.name, holders=(backward,))  # closed-over state, checked on every forward
     out_is_tensor = [isinstance(o, torch.Tensor) for o in cap.out_leaves]
     return Split(
@@ -887,6 +926,26 @@ def _saved_infos(part: _Partition) -> tuple[list[TensorInfo], dict[str, int]]:
         info.offload = s in part.offload
         saved.append(info)
     return saved, storage_bytes
+
+
+def _refuse_shared(cap: Captured, args: tuple, group: tuple, forward: fx.GraphModule) -> None:
+    """Refuse a split of a program writing in place whose example arguments share memory (the
+    same tensor twice): the forward/backward partition does not see the sharing, and a value the
+    backward reads could be one the forward's write changed."""
+    leaves = [(path, a) for path, a in pytree.tree_flatten_with_path(tuple(args))[0] if isinstance(a, torch.Tensor)]
+    names = [cap.arg_names[path[0].idx] + _keystr(path[1:]) for path, _ in (leaves[i] for i in group)]
+    writes = (
+        n
+        for g in (cap.gm, forward)
+        for n in g.graph.nodes
+        if n.op == "call_function" and str(getattr(n.target, "__name__", "")).split(".")[0].endswith("_")
+    )
+    where = next((w for w in map(user_line_of, writes) if w), "a line of the program")
+    raise FxtoolsError(
+        f"fxtools.split (and fxtools.compile) cannot split a program that writes in place ({where}) when called with "
+        f"arguments sharing memory: {' and '.join(names)} share memory. Pass separate tensors (.clone() one of "
+        "them); fxtools.vjp and the other transforms take them"
+    )
 
 
 def _argument_guards(cap: Captured, args: tuple, part: _Partition, signature, layouts: tuple[set, set]) -> Guards:

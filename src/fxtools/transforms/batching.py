@@ -39,7 +39,7 @@ from ..codegen.inplace import printed_in_place
 from ..errors import DataDependentError, FxtoolsError, current_user_line, user_frame, user_line_of
 from ..graph import meta
 from ..graph.data_dependent import dynamic_nodes
-from ..graph.nodes import is_reshaped_view, is_view_refusal, written_args
+from ..graph.nodes import is_reshaped_view, is_view_refusal, view_strides, written_args
 from .pipeline import Inputs, Transform, back, front, uses_pipeline
 from .retrace import NodeNamer
 from .vjp import argument_names
@@ -101,11 +101,12 @@ class BatchedViews(TorchFunctionMode):
         reshape = _SHAPE_VIEWS.get(func)
         if reshape is None or (func is torch.Tensor.view and _dtype_view(args, kwargs)):
             return func(*args, **kwargs)
-        try:
-            return func(*args, **kwargs)
-        except (RuntimeError, ValueError) as exc:
-            if not is_view_refusal(exc):
-                raise
+        if not _refused_by_kernel(func, args, kwargs):
+            try:
+                return func(*args, **kwargs)
+            except (RuntimeError, ValueError) as exc:
+                if not is_view_refusal(exc):
+                    raise
         line = (self.where() if self.where is not None else None) or current_user_line()
         mode = proxy_tensor.get_innermost_proxy_mode()
         graph = mode.tracer.graph if mode is not None else None
@@ -118,6 +119,25 @@ class BatchedViews(TorchFunctionMode):
                 made = made.next
         self.seen.append(line)
         return out
+
+
+def _refused_by_kernel(func, args, kwargs) -> bool:
+    """Whether eager's view kernel refuses this ``.view`` / ``.view_as`` of a tensor with these
+    (int) sizes and strides, which FakeTensor's may allow: a size-1 dimension between the merged
+    ones (strides ``(4, 12, 4, 1)`` viewed as ``[3, 8]``) is viewed by FakeTensor, whose strides
+    then say nothing of the real tensor's (``graph.nodes.view_strides``: ATen's rule)."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor):
+        return False
+    if func is torch.Tensor.view_as:
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        shape = list(other.shape) if isinstance(other, torch.Tensor) else None
+    else:
+        rest = args[1:] if len(args) > 1 else (kwargs.get("size"),)
+        shape = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else list(rest)
+    if shape is None or not all(type(v) is int for v in [*x.shape, *x.stride(), *shape]):
+        return False  # symbolic: the trace decides, as it did
+    return view_strides(x.shape, x.stride(), shape) is None
 
 
 def _dtype_view(args, kwargs) -> bool:
