@@ -74,15 +74,16 @@ def _tensor_guards_type():
         return None
     TensorGuards: Any = found  # (its stub takes no tensors; it does, positionally)
     try:
-        x = torch.zeros(2, 3, requires_grad=True)
+        f32: Any = dict(dtype=torch.float32, device="cpu")  # the first call may be under another default dtype
+        x = torch.zeros(2, 3, requires_grad=True, **f32)
         guards = TensorGuards(x, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-        same = guards.check(torch.ones(2, 3, requires_grad=True))
+        same = guards.check(torch.ones(2, 3, requires_grad=True, **f32))
         others = [
-            torch.zeros(2, 3),  # requires_grad
-            torch.zeros(3, 2, requires_grad=True),  # sizes
-            torch.zeros(3, 2).t().requires_grad_(),  # strides
+            torch.zeros(2, 3, **f32),  # requires_grad
+            torch.zeros(3, 2, requires_grad=True, **f32),  # sizes
+            torch.zeros(3, 2, **f32).t().requires_grad_(),  # strides
             torch.zeros(2, 3, dtype=torch.float64, requires_grad=True),  # dtype
-            torch.nn.Parameter(torch.zeros(2, 3)),  # Python type
+            torch.nn.Parameter(torch.zeros(2, 3, **f32)),  # Python type
         ]
         if not same or any(guards.check(o) for o in others) or guards.check(1.0):
             return None
