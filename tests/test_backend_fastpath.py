@@ -293,3 +293,13 @@ def test_parameter_dict_cache_follows_the_module_tree():
     model[1].__class__ = Listed
     got = cache()
     assert got.keys() == dict(model.named_parameters()).keys()
+
+
+def test_the_memo_is_used_when_first_made_under_another_default_dtype(float64):
+    """The probe of PyTorch's tensor guards runs once per process, maybe under a test's (or a
+    user's) default dtype: it must still find them (it once compared float64 with float64)."""
+    fastpath._tensor_guards_type.cache_clear()
+    try:
+        assert fastpath._tensor_guards_type() is not None
+    finally:
+        fastpath._tensor_guards_type.cache_clear()

@@ -74,15 +74,16 @@ def _tensor_guards_type():
         return None
     TensorGuards: Any = found  # (its stub takes no tensors; it does, positionally)
     try:
-        x = torch.zeros(2, 3, requires_grad=True)
+        f32: Any = dict(dtype=torch.float32, device="cpu")  # the first call may be under another default dtype
+        x = torch.zeros(2, 3, requires_grad=True, **f32)
         guards = TensorGuards(x, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-        same = guards.check(torch.ones(2, 3, requires_grad=True))
+        same = guards.check(torch.ones(2, 3, requires_grad=True, **f32))
         others = [
-            torch.zeros(2, 3),  # requires_grad
-            torch.zeros(3, 2, requires_grad=True),  # sizes
-            torch.zeros(3, 2).t().requires_grad_(),  # strides
+            torch.zeros(2, 3, **f32),  # requires_grad
+            torch.zeros(3, 2, requires_grad=True, **f32),  # sizes
+            torch.zeros(3, 2, **f32).t().requires_grad_(),  # strides
             torch.zeros(2, 3, dtype=torch.float64, requires_grad=True),  # dtype
-            torch.nn.Parameter(torch.zeros(2, 3)),  # Python type
+            torch.nn.Parameter(torch.zeros(2, 3, **f32)),  # Python type
         ]
         if not same or any(guards.check(o) for o in others) or guards.check(1.0):
             return None
@@ -117,22 +118,23 @@ def _plan(value, flat: list):
         if all(type(v) in (torch.Tensor, torch.nn.Parameter) for v in value.values()):
             flat.extend(value.values())
             return (_TENSOR_DICT, kind, keys)
-        plans = []
-        for v in value.values():
-            p = _plan(v, flat)
-            if p is None:
-                return None
-            plans.append(p)
-        return (_DICT, kind, keys, tuple(plans))
+        plans = _plans(value.values(), flat)
+        return None if plans is None else (_DICT, kind, keys, plans)
     if kind in (tuple, list):
-        plans = []
-        for v in value:
-            p = _plan(v, flat)
-            if p is None:
-                return None
-            plans.append(p)
-        return (_SEQ, kind, len(value), tuple(plans))
+        plans = _plans(value, flat)
+        return None if plans is None else (_SEQ, kind, len(value), plans)
     return None
+
+
+def _plans(values, flat: list) -> tuple | None:
+    """``_plan`` of each of ``values`` in order, or None if the memo does not take one of them."""
+    plans = []
+    for v in values:
+        p = _plan(v, flat)
+        if p is None:
+            return None
+        plans.append(p)
+    return tuple(plans)
 
 
 def _plain_dict(kind) -> bool:
@@ -191,16 +193,13 @@ class Memo:
         if storage_offsets_read:
             return None
         flat: list = []
-        plans = []
-        for a in args:
-            p = _plan(a, flat)
-            if p is None:
-                return None
-            plans.append(p)
+        plans = _plans(args, flat)
+        if plans is None:
+            return None
         if len(flat) != len(leaves) or any(x is not y for x, y in zip(flat, leaves)) or not all(map(_plain, flat)):
             return None
         guards = tensor_guards(flat)
-        return None if guards is None else cls(key, tuple(plans), guards, runner)
+        return None if guards is None else cls(key, plans, guards, runner)
 
     def leaves(self, args: tuple, key) -> list | None:
         """The tensor leaves of ``args`` (as the guards give them) if the memo's runner is theirs, else None."""
