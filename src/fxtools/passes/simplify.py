@@ -392,7 +392,7 @@ def _times_ones(node, rw):
     val, out = _val(other), _val(node)
     if not (isinstance(other, fx.Node) and isinstance(val, torch.Tensor) and val.dtype == out.dtype):
         return None
-    if val.shape != out.shape and _viewed(node):
+    if not same_shape(val.shape, out.shape) and _viewed(node):
         return None  # the product is laid out contiguously; ``.view`` may refuse the broadcast's strides
     return rw.new(node, aten.expand.default, (other, shape_arg(node, out)))
 
