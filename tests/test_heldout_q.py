@@ -22,12 +22,7 @@ import fuzz_programs as fp  # noqa: E402
 TOL = dict(atol=1e-10, rtol=1e-10)
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
 
 
 def _strided(t):
