@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FxtoolsError, MissingRuleError
 from ..graph.nodes import is_float
+from ..passes.complex_scatters import complex_scatters_on_real_views
 from ..registry import Rule
 from .fake_kernels import tracing_kernels
 from .functionalize import functionalize
@@ -48,7 +49,7 @@ def _differentiable(op, flat, spec, diff, out_float, fake_mode):
     def run(mask):
         full = [a.detach().requires_grad_(i in mask) if i in diff else a for i, a in enumerate(flat)]
         a, k = pytree.tree_unflatten(full, spec)
-        with fake_mode, torch.enable_grad():
+        with fake_mode, tracing_kernels(), torch.enable_grad():  # the kernels the trace used
             return pytree.tree_leaves(op(*a, **k))
 
     try:
@@ -98,6 +99,8 @@ def derived_rule(node: fx.Node) -> Rule | None:
         functionalize(bw)  # PyTorch's formulas sometimes update buffers in place (masked_fill_)
     except FxtoolsError:
         pass  # left as traced: simplify keeps in-place ops and never merges across them
+    complex_scatters_on_real_views(bw)  # replayed where its inputs may require grad
+    bw.recompile()
     return derivation.rule(bw)
 
 

@@ -170,7 +170,55 @@ def _pack_padded_sequence(fake_mode, func, inputs, lengths, batch_first):
         )
 
 
+def _linalg_lstsq(fake_mode, func, A, B, rcond=None, *, driver=None):
+    """``aten.linalg_lstsq`` (``torch.linalg.lstsq``) on CPU with the drivers whose output shapes do
+    not depend on the computed rank: ``gelsy`` (the default) always returns empty residuals and
+    singular values, ``gelsd`` / ``gelss`` a rank and the singular values, and residuals only when
+    ``A`` has more rows than columns (and full rank: data-dependent, left to PyTorch's refusal).
+    PyTorch's fake kernel treats every driver as data-dependent, so the default call was refused.
+    Shapes and strides as the CPU kernel makes them (the solution narrowed from a column-major
+    ``max(m, n)``-row buffer)."""
+    driver = "gelsy" if driver is None else driver
+    if A.device.type != "cpu" or driver not in ("gelsy", "gelsd", "gelss") or A.dim() < 2:
+        return NotImplemented
+    m, n = A.shape[-2:]
+    if driver != "gelsy" and not (isinstance(m, int) and isinstance(n, int) and m <= n):
+        return NotImplemented  # residuals exist only if A has full rank
+    vector = B.dim() == 1 and A.dim() == 2 or (B.dim() == A.dim() - 1 and tuple(B.shape) == tuple(A.shape[:-1]))
+    if not vector and B.dim() != A.dim():
+        return NotImplemented
+    _state["used"] = True
+    rows = max(m, n) if isinstance(m, int) and isinstance(n, int) else torch.sym_max(m, n)
+    real = A.abs().dtype if A.is_complex() else A.dtype
+    with fake_mode:
+        if vector:
+            batch = list(A.shape[:-2])
+            solution = torch.empty_strided([*batch, rows], _contiguous_strides([*batch, rows]), dtype=A.dtype)
+            solution = solution[..., :n]
+        else:
+            batch = list(torch.broadcast_shapes(A.shape[:-2], B.shape[:-2]))
+            k = B.shape[-1]
+            full = torch.empty([*batch, k, rows], dtype=A.dtype).transpose(-2, -1)
+            solution = full[..., :n, :]
+        residuals = torch.empty([0], dtype=real)
+        rank = torch.empty(list(A.shape[:-2]), dtype=torch.int64)
+        if driver == "gelsy":
+            singular_values = torch.empty([0], dtype=real)
+        else:
+            singular_values = torch.empty([*A.shape[:-2], min(m, n)], dtype=real)
+    return solution, residuals, rank, singular_values
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step = step * size
+    return list(reversed(strides))
+
+
 KERNELS = {
+    aten.linalg_lstsq.default: _linalg_lstsq,
     aten._pack_padded_sequence.default: _pack_padded_sequence,
     aten._grouped_mm.default: _grouped_mm,
     aten._ctc_loss.default: _ctc_loss,

@@ -24,6 +24,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from ..errors import FxtoolsError
 from ..graph import meta
 from ..graph.nodes import is_input_leaf
+from ..passes.complex_scatters import complex_scatters_on_real_views
 from ..passes.subgraphs import name_subgraph_inputs, subgraphs
 from ..signature.naming import SHADOWS, is_plain_identifier, plain_literal, repr_safe
 from .pycode import use_readable_code
@@ -350,6 +351,7 @@ def render(gm: fx.GraphModule) -> fx.GraphModule:
     """
     _devices_from_inputs(gm)
     _layer_norms_without_statistics(gm)
+    complex_scatters_on_real_views(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
