@@ -12,10 +12,17 @@ Each test is a program that crashed or was refused before its fix; the oracle is
   model's parameters, autograd over a generated gradient, ``fxtools.vjp`` / ``jvp`` of a module
   whose parameters require grad. Such scatters are now written on ``view_as_real`` views
   (``passes/complex_scatters.py``).
+- Forward hooks that stash activations in a list of the model (``self.feats.append(out)``, read by
+  the loss later in the same call: deep supervision, perceptual losses) left the trace's
+  FakeTensors in that list: ``copy.deepcopy(model)`` and any read of the list failed afterwards.
+  Module attributes holding traced values get their values from before the trace back
+  (``capture/trace.py``, ``_module_state_restored``).
 - ``torch.linalg.lstsq(A, B)`` with its default CPU driver (``gelsy``), whose output shapes are
   static, was refused as data-dependent (PyTorch's fake kernel calls every driver so); a fake kernel
   gives its shapes (``capture/fake_kernels.py``).
 """
+
+import copy
 
 import pytest
 import torch
@@ -160,3 +167,58 @@ def test_lstsq_drivers_returning_rank_dependent_residuals_name_the_line():
         return torch.linalg.lstsq(A, bw, driver="gelsd").solution.sin().sum()
 
     torch.testing.assert_close(fxtools.grad(g, Aw)(Aw), torch.func.grad(g)(Aw), **TOL)
+
+
+# --- forward hooks stashing activations ----------------------------------------------------------
+
+
+class _DeepSupervision(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 2))
+        self.feats = []
+        self.seen = {}
+        for i in (0, 2):
+            self.body[i].register_forward_hook(lambda m, inp, out, i=i: self.feats.append(out))
+        self.body[4].register_forward_pre_hook(lambda m, args, kwargs: ((args[0] * 0.5,), kwargs), with_kwargs=True)
+        self.body[2].register_forward_hook(lambda m, args, kwargs, out: out + args[0].mean(), with_kwargs=True)
+
+    def forward(self, x):
+        self.feats.clear()
+        out = self.body(x)
+        self.seen["last"] = out  # a dict entry, the same
+        return (out**2).sum() + sum((f**2).mean() for f in self.feats)
+
+
+def _eager_grads(model, x):
+    model.zero_grad()
+    loss = model(x)
+    loss.backward()
+    model.feats.clear()  # eager's stash holds non-leaf tensors, which deepcopy refuses
+    model.seen.clear()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_forward_hooks_stashing_activations_leave_no_traced_values():
+    torch.manual_seed(0)
+    model = _DeepSupervision()
+    x = torch.randn(3, 4, generator=_gen(11))
+    want_loss, want = _eager_grads(model, x)
+    params = dict(model.named_parameters())
+    g = fxtools.grad(fxtools.functional(model), params, x)
+    assert model.feats == [] and model.seen == {}
+    for a, b in zip(g(params, x).values(), want):
+        torch.testing.assert_close(a, b, **TOL)
+    out, (gx,) = fxtools.vjp(model, x)(x, torch.ones(()))
+    torch.testing.assert_close(out, want_loss, **TOL)
+    compiled = fxtools.compile(model, x)
+    assert model.feats == [] and model.seen == {}
+    copy.deepcopy(model)  # failed on the FakeTensors
+    for batch in (x, torch.randn(5, 4, generator=_gen(12))):
+        want_loss, want = _eager_grads(model, batch)
+        model.zero_grad()
+        loss = compiled(batch)
+        loss.backward()
+        torch.testing.assert_close(loss.detach(), want_loss, **TOL)
+        for p, w in zip(model.parameters(), want):
+            torch.testing.assert_close(p.grad, w, **TOL)

@@ -54,6 +54,29 @@ def root_prefix(root, name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", type(root).__name__).lower()
 
 
+def reached_modules(f) -> list:
+    """The modules ``f`` is, is a method of, or closes over (through a global or a cell), with
+    their submodules: those whose attributes the program may change while fxtools traces it."""
+    roots = []
+    module = f if isinstance(f, torch.nn.Module) else getattr(f, "__fxtools_module__", None)
+    if module is None and isinstance(getattr(f, "__self__", None), torch.nn.Module):
+        module = f.__self__
+    if module is not None:
+        roots.append(module)
+    code = getattr(f, "__code__", None)
+    if code is not None:
+        seen = [f.__globals__[n] for n in code.co_names if n in getattr(f, "__globals__", {})]
+        for cell in f.__closure__ or ():
+            with contextlib.suppress(ValueError):
+                seen.append(cell.cell_contents)
+        roots.extend(v for v in seen if isinstance(v, torch.nn.Module))
+    found: dict[int, torch.nn.Module] = {}
+    for root in roots:
+        for m in root.modules():
+            found.setdefault(id(m), m)
+    return list(found.values())
+
+
 def module_paths(f) -> dict[int, str]:
     """id(module) -> its dotted path, for the modules ``f`` is or closes over (``model.h.0.attn``)."""
     paths: dict[int, str] = {}

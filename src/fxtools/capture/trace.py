@@ -52,7 +52,7 @@ from .closures import locate, outside_reads, tensor_names, unchanged_by_tracing,
 from .conversions import module_conversions
 from .layout_reads import LayoutReads, constants_layout_read, constants_read_as_values
 from .layout_reads import facts as layout_facts
-from .names import module_paths, name_values, outer_frames, recording_modules
+from .names import module_paths, name_values, outer_frames, reached_modules, recording_modules
 from .replacements import Replacing
 from .subclasses import DTensorInside, dtensor_functions, is_mesh, refuse_subclass_arguments
 
@@ -602,6 +602,63 @@ def _tensor_attributes_written():
         torch.nn.Module.__setattr__ = original
 
 
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+
+
+def _holds_traced_value(value, depth=0) -> bool:
+    """Whether ``value`` (a tensor, or a list, tuple, dict or set a few levels deep) holds a value
+    made while fxtools traced (a FakeTensor)."""
+    if isinstance(value, torch.Tensor):
+        return torch._subclasses.fake_tensor.is_fake(value)
+    if depth > 3:
+        return False
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_traced_value(v, depth + 1) for v in value)
+    return False
+
+
+@contextlib.contextmanager
+def _module_state_restored(f):
+    """Module attributes that hold a traced value when the trace ends (a list a forward hook appends
+    its module's output to, ``self.feats.append(out)``, read by the program later in the same call)
+    are given back the value they had before the trace: the trace's values are FakeTensors, which
+    would break the model afterwards (``copy.deepcopy(model)``, reading the list), and the generated
+    code does not replay Python side effects (``docs/closures.md``). A list or dict is restored in
+    place (its identity kept), another value rebound; an attribute the trace added is removed."""
+    modules = reached_modules(f)
+    before = []
+    for m in modules:
+        d = m.__dict__
+        for name, value in d.items():
+            if name in _MODULE_INTERNALS:
+                continue
+            content = list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else None
+            before.append((m, name, value, content))
+    try:
+        yield
+    finally:
+        known = {(id(m), name): (value, content) for m, name, value, content in before}
+        for m in modules:
+            d = m.__dict__
+            for name in [n for n in d if n not in _MODULE_INTERNALS]:
+                value = d[name]
+                if not _holds_traced_value(value):
+                    continue
+                if (id(m), name) not in known:
+                    del d[name]
+                    continue
+                old, content = known[id(m), name]
+                if old is value and isinstance(value, list) and content is not None:
+                    value[:] = content
+                elif old is value and isinstance(value, dict) and content is not None:
+                    value.clear()
+                    value.update(content)
+                else:
+                    d[name] = old
+
+
 @contextlib.contextmanager
 def _compiling():
     """Make ``torch.compiler.is_compiling()`` and ``is_exporting()`` true while the user's code is
@@ -861,6 +918,7 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             _static_control_flow(),
             _python_random_refused(),
             _tensor_attributes_written(),
+            _module_state_restored(f),
             _backward_hooks_refused(),
             _tensor_hooks_refused(),
             module_conversions(),
