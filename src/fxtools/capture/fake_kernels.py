@@ -184,7 +184,7 @@ def _linalg_lstsq(fake_mode, func, A, B, rcond=None, *, driver=None):
     m, n = A.shape[-2:]
     if driver != "gelsy" and not (isinstance(m, int) and isinstance(n, int) and m <= n):
         return NotImplemented  # residuals exist only if A has full rank
-    vector = B.dim() == 1 and A.dim() == 2 or (B.dim() == A.dim() - 1 and tuple(B.shape) == tuple(A.shape[:-1]))
+    vector = (B.dim() == 1 and A.dim() == 2) or (B.dim() == A.dim() - 1 and tuple(B.shape) == tuple(A.shape[:-1]))
     if not vector and B.dim() != A.dim():
         return NotImplemented
     _state["used"] = True
