@@ -17,6 +17,10 @@ Each test is a program that crashed or was refused before its fix; the oracle is
   FakeTensors in that list: ``copy.deepcopy(model)`` and any read of the list failed afterwards.
   Module attributes holding traced values get their values from before the trace back
   (``capture/trace.py``, ``_module_state_restored``).
+- ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` of several layers with ``dropout`` in training computed no
+  dropout at all: PyTorch's decomposition of these ops, which fxtools traces, sets the dropout to
+  0 for every layer. They are traced one layer at a time with eager's dropout between
+  (``capture/replacements.py``), drawing eager's masks.
 - ``torch.linalg.lstsq(A, B)`` with its default CPU driver (``gelsy``), whose output shapes are
   static, was refused as data-dependent (PyTorch's fake kernel calls every driver so); a fake kernel
   gives its shapes (``capture/fake_kernels.py``).
@@ -222,3 +226,50 @@ def test_forward_hooks_stashing_activations_leave_no_traced_values():
         torch.testing.assert_close(loss.detach(), want_loss, **TOL)
         for p, w in zip(model.parameters(), want):
             torch.testing.assert_close(p.grad, w, **TOL)
+
+
+# --- recurrent layers with dropout between layers ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        lambda: nn.LSTM(4, 5, num_layers=2, dropout=0.4, batch_first=True, proj_size=3),
+        lambda: nn.GRU(4, 5, num_layers=2, dropout=0.4, bidirectional=True),
+    ],
+    ids=["lstm_batch_first_proj", "gru_bidirectional"],
+)
+def test_recurrent_dropout_between_layers_draws_eagers_masks(layer):
+    torch.manual_seed(0)
+    rnn = layer()
+
+    def loss(x):
+        out, h = rnn(x)
+        h = h[0] + h[1].sum() if isinstance(h, tuple) else h
+        return (out**2).sum() + h.sin().sum()
+
+    x = torch.randn(2, 3, 4, generator=_gen(13))
+    torch.manual_seed(5)
+    xr = x.clone().requires_grad_()
+    want = loss(xr)
+    (want_gx,) = torch.autograd.grad(want, xr)
+    gm = fxtools.vjp(loss, x)
+    torch.manual_seed(5)
+    out, (gx,) = gm(x, torch.ones(()))
+    torch.testing.assert_close(out, want.detach(), **TOL)
+    torch.testing.assert_close(gx, want_gx, **TOL)
+    # a training step through fxtools.compile, seeded as eager's
+    step = fxtools.compile(loss, x)
+    for seed, batch in ((7, x), (8, torch.randn(2, 3, 4, generator=_gen(14)))):
+        rnn.zero_grad()
+        torch.manual_seed(seed)
+        got = step(batch)
+        got.backward()
+        grads = [p.grad.clone() for p in rnn.parameters()]
+        rnn.zero_grad()
+        torch.manual_seed(seed)
+        want = loss(batch)
+        want.backward()
+        torch.testing.assert_close(got.detach(), want.detach(), **TOL)
+        for g, p in zip(grads, rnn.parameters()):
+            torch.testing.assert_close(g, p.grad, **TOL)

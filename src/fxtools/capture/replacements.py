@@ -432,7 +432,45 @@ def _size(*args, **kwargs):
     return NotImplemented
 
 
+def _rnn_between_layers_dropout(op, lstm: bool):
+    """``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` (what ``nn.LSTM`` and the others call)
+    of several layers with ``dropout`` in training: one call per layer, with ``torch.dropout`` of
+    each layer's (time-major) output but the last, as PyTorch's C++ implementation runs them, so
+    the masks are eager's draws. The decomposition PyTorch traces these ops through drops the
+    dropout (``_rnn_helper`` sets it to 0 for every layer), which trained the model without it."""
+
+    def replacement(*args, **kwargs):
+        packed = not isinstance(args[1] if lstm else args[2], (list, tuple))
+        if kwargs or packed or len(args) != 9:
+            return NotImplemented
+        input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
+        if not (train and dropout and num_layers > 1):
+            return NotImplemented
+        dirs = 2 if bidirectional else 1
+        per = len(params) // (num_layers * dirs)
+        x = input.transpose(0, 1) if batch_first else input
+        states = list(hx) if lstm else [hx]
+        finals: list[list] = [[] for _ in states]
+        for layer in range(num_layers):
+            here = [s[layer * dirs : (layer + 1) * dirs] for s in states]
+            weights = params[layer * dirs * per : (layer + 1) * dirs * per]
+            out = op(x, tuple(here) if lstm else here[0], weights, has_biases, 1, 0.0, train, bidirectional, False)
+            x = out[0]
+            for kept, final in zip(finals, out[1:]):
+                kept.append(final)
+            if layer < num_layers - 1:
+                x = torch.dropout(x, dropout, True)
+        x = x.transpose(0, 1) if batch_first else x
+        return (x, *(torch.cat(kept, 0) for kept in finals))
+
+    return replacement
+
+
 REPLACEMENTS: dict[Any, Callable[..., Any]] = {
+    torch.lstm: _rnn_between_layers_dropout(torch.lstm, lstm=True),
+    torch.gru: _rnn_between_layers_dropout(torch.gru, lstm=False),
+    torch.rnn_tanh: _rnn_between_layers_dropout(torch.rnn_tanh, lstm=False),
+    torch.rnn_relu: _rnn_between_layers_dropout(torch.rnn_relu, lstm=False),
     torch.autograd.grad: _autograd_call("torch.autograd.grad"),
     torch.autograd.backward: _autograd_call("torch.autograd.backward"),
     torch.Tensor.backward: _autograd_call(".backward()"),
