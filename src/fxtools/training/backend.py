@@ -63,6 +63,7 @@ from .closed_over import ClosedOver, Lifted, register_dict
 from .distributed import SubclassLeaves, Wrappers, local_view, with_subclass_leaves
 from .fastpath import Memo, Parameters
 from .finite import Checker, locate
+from . import policies
 from .partition import Split, split
 from .saved import Replay, SavedValues, graph_kept, release, rng_state
 
@@ -447,6 +448,15 @@ class Options:
         """What a ``_Runner`` takes of them: ``(fw_compiler, bw_compiler, decompositions, check_finite)``."""
         return self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite
 
+    def split_policy(self):
+        """The policy the splits take: a memory budget compiled by Inductor plans for its fusion
+        (``policies.budget(..., fused=True)``: no value recomputed twice where Inductor would
+        compute the second in the first's kernel)."""
+        p = self.policy
+        if isinstance(p, policies.Budget) and not p.fused and _is_inductor(_resolve_compiler(self.bw_compiler)):
+            return policies.Budget(p.limit, p.peak, fused=True)
+        return p
+
 
 _MEMOS = 4  # calls whose choice of runner a ``_Runners`` keeps (training/fastpath.py)
 
@@ -563,7 +573,7 @@ class _Runners:
             sp = split(
                 fn,
                 *args,
-                policy=self.options.policy,
+                policy=self.options.split_policy(),
                 grad_leaves=mask,
                 rules=self.options.rules,
                 dynamic_shapes=self._marks(args),
