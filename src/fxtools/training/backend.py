@@ -58,12 +58,12 @@ from ..signature import closures
 from ..signature.guards import InputMismatch, without_autocast
 from ..signature.naming import identifier
 from ..signature.runtime import autocast_state
+from . import policies
 from .aten import to_aten
 from .closed_over import ClosedOver, Lifted, register_dict
 from .distributed import SubclassLeaves, Wrappers, local_view, with_subclass_leaves
 from .fastpath import Memo, Parameters
 from .finite import Checker, locate
-from . import policies
 from .partition import Split, split
 from .saved import Replay, SavedValues, graph_kept, release, rng_state
 

@@ -499,13 +499,13 @@ class Problem:
         nk = np.array([pk for _, pk in pool], dtype=np.float64)
         scale = max(levels[-1], 1) * max(float(nc.max()), 1.0)
         # the states of the level above: candidate, least peak, total, and the state above it
-        cand = least = total = None
+        cand, least, total = np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0)
         steps: list[tuple[np.ndarray, np.ndarray]] = []  # per level from the top: (candidates, parents)
         for i in range(len(levels) - 1, -1, -1):
             weight = (levels[i + 1] - levels[i] if i + 1 < len(levels) else 0) + 1
             out_c, out_l, out_t, out_p = [], [], [], []
             for k in np.flatnonzero(nb <= levels[i]):
-                if cand is None:
+                if not steps:  # the largest level: every candidate within it starts a chain
                     out_c.append(np.array([k]))
                     out_l.append(nk[k : k + 1])
                     out_t.append(np.array([weight * nc[k] / scale]))
@@ -1220,21 +1220,15 @@ def effective_forget(forget: dict, fusible: set) -> dict:
     and costs its writes for nothing). A forgotten value whose recomputation goes through a
     matrix product forgotten too is computed late, after that product, and is kept."""
     forgotten = {v for vs in forget.values() for v in vs}
+    if not forgotten:
+        return {}
+    position = {n: i for i, n in enumerate(next(iter(forgotten)).graph.nodes)}  # inputs first
     early: set = set()
-    for v in sorted(forgotten, key=_position(forgotten)):
+    for v in sorted(forgotten, key=position.__getitem__):
         if v in fusible and not any(a in forgotten and a not in early for a in v.all_input_nodes):
             early.add(v)
     out = {u: vs - early for u, vs in forget.items()}
     return {u: vs for u, vs in out.items() if vs}
-
-
-def _position(nodes) -> dict:
-    """Position in the graph of each of ``nodes`` (one graph: the joint's), a key for ``sorted``."""
-    nodes = list(nodes)
-    if not nodes:
-        return {}.__getitem__
-    pos = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
-    return pos.__getitem__
 
 
 def _merged(a: dict, b: dict) -> dict:
