@@ -35,6 +35,12 @@ joint graph's min-cut structure (the one ``recompute_cheap`` uses):
   takes its level's choice in ``Problem.byte_table``: a smaller budget never saves more bytes,
   never recomputes less and never peaks higher (predicted), and among such chains of choices
   the levels take the one with the least recompute summed over the budgets.
+- **planned for Inductor** (``policies.budget(b, fused=True)``, which ``fxtools.compile`` asks
+  for when Inductor compiles the backward): a value is recomputed a second time only where
+  Inductor does not compute the second copy in the first's kernel (``effective_forget``), and
+  a smaller budget's predicted peak is at most ``FUSED_PEAK_SLACK`` above every larger one's
+  (``Problem._least_total_within``): Inductor orders the backward itself, and holding fxtools'
+  predicted peak exactly would recompute matrix products twice for a peak its code does not have.
 - **one solve per program.** ``problem_of`` keeps the last few solved problems, keyed by
   ``program_key`` (ops, arguments, dtypes, sizes, strides, checkpoint regions, inputs and
   outputs): splitting the same program again at another budget moves the solved frontier and
