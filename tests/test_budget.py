@@ -487,6 +487,27 @@ def test_compile_plans_a_budget_for_inductors_fusion():
     assert repr(policies.budget(peak=5, fused=True)) == "budget(peak=5, fused=True)"
 
 
+@pytest.mark.usefixtures("float64")
+def test_a_budget_compiled_by_inductor_is_planned_for_it_and_exact():
+    """With Inductor compiling the backward, the budget is planned for it (``fused``): nothing
+    recomputed twice that Inductor would compute in one kernel, and the step's gradients are
+    eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 1))
+    x = torch.randn(5, 6)
+    compiled = fxtools.compile(model, x, policy=policies.budget(0.3), compiler="inductor")
+    part = compiled.split._partition
+    assert part.fused and compiled.split.budget_choice.limit <= 0.3 * fxtools.split(model, x, policy="save_all").saved_bytes
+    assert budget.effective_forget(part.forget, budget.problem_of(part, fused=True).fusible) == part.forget
+    assert compiled.split.saved_bytes <= compiled.split.budget_choice.limit
+    compiled(x).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for g, p in zip(got, model.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, **TOL)
+
+
 class _NormMLP(nn.Module):
     """A residual product, then a pre-norm MLP: the layer norm's output is read by ``fc1`` and
     again by ``fc1``'s weight gradient, after the GELU's backward (the backward's peak); its
