@@ -17,7 +17,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig
+from torch._dispatch.python import no_python_dispatcher
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, in_kernel_invocation_manager
 
 
 class Wrapper:
@@ -31,7 +32,7 @@ class Wrapper:
 
     def wrap(self, meta: torch.Tensor) -> FakeTensor:
         state = self.state
-        if not state or FakeTensorConfig.debug or meta.device.type != "meta":
+        if not state or FakeTensorConfig.debug or meta.device.type != "meta" or _tracks_leaks():
             fake = FakeTensor(self.mode, meta, self.device)
             if state is None and not FakeTensorConfig.debug:
                 self.state = _plain_state(fake, self.mode)
@@ -74,3 +75,17 @@ def _plain_state(fake: FakeTensor, mode) -> dict:
     if any(v is not None for k, v in state.items() if k not in ("_fake_device", "fake_mode")):
         return _NO_STATE
     return state
+
+
+def _tracks_leaks() -> bool:
+    """Whether ``FakeTensor.__init__`` records each new tensor (non-strict ``torch.export``'s leak check)."""
+    return torch.compiler.is_exporting() and torch._export.config.detect_non_strict_fake_tensor_leaks
+
+
+def detached(t: FakeTensor) -> FakeTensor:
+    """``fast_detach(t.fake_mode, t)``: make_fx's snapshot of a traced value (``node.meta["val"]``),
+    its ``aten.detach`` run in the mode's kernel invocation and wrapped by ``wrapper``."""
+    mode, device = t.fake_mode, t.device
+    with no_python_dispatcher(), in_kernel_invocation_manager(mode):
+        out = torch.ops.aten.detach.default(t)
+    return wrapper(mode, device).wrap(out)

@@ -31,7 +31,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.immutable_collections import immutable_list
 from torch.utils import _pytree as pytree
 
-from ..graph.fakes import wrapper
+from ..graph.fakes import detached, wrapper
 from ..graph.nodes import copy_args
 
 aten = torch.ops.aten
@@ -190,14 +190,6 @@ class _Like:
         return (wrap(meta), wrap(meta)) if n == 2 else tuple(wrap(meta) for _ in range(n))
 
 
-def _detached(t: FakeTensor) -> FakeTensor:
-    """``fast_detach(t.fake_mode, t)`` (make_fx's snapshot of a traced value), wrapped by ``graph/fakes.py``."""
-    mode, device = t.fake_mode, t.device
-    with no_python_dispatcher(), in_kernel_invocation_manager(mode):
-        out = aten.detach.default(t)
-    return wrapper(mode, device).wrap(out)
-
-
 def _same_meta(t, val) -> bool:
     return (
         isinstance(val, torch.Tensor)
@@ -342,7 +334,7 @@ class _Recording:
                 else:
                     if old.target is operator.getitem:
                         t = vals[old.args[0]][old.args[1]]
-                        snapshot = _detached(t)
+                        snapshot = detached(t)
                     else:
                         t, snapshot = like.fresh(metas[old])
                     vals[old] = t
