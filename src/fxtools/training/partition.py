@@ -148,6 +148,7 @@ class _Partition:
         self.offload: set = set()
         self.forget: dict = {}  # recomputed values the backward recomputes again (``budget.refresh``)
         self.choice = None  # what a budget chose (``budget.Choice``)
+        self.fused = isinstance(policy, policies.Budget) and policy.fused  # planned for a fusing compiler
         fn, min_cut = policies.resolve(policy)
         if isinstance(policy, policies.Budget):
             self.saved, self.recomputed = self._by_budget(policy)
@@ -235,7 +236,7 @@ class _Partition:
         """The least estimated recompute within a byte or peak budget (``fxtools.training.budget``)."""
         from . import budget
 
-        problem = budget.problem_of(self)
+        problem = budget.problem_of(self, fused=spec.fused)
         points = problem.frontier()
         save_all_saved, _ = self._by_rule(policies.save_all)
         save_all_bytes = problem.saved_bytes(save_all_saved)
@@ -711,7 +712,7 @@ class Split:
         from . import budget
 
         part = self._joint()
-        problem = budget.problem_of(part)
+        problem = budget.problem_of(part, fused=part.fused)
         points = problem.frontier()
         save_all_bytes = problem.saved_bytes(part._by_rule(policies.save_all)[0])
         budgets = [k / 20 for k in range(1, 21)] if budgets is None else budgets
