@@ -17,6 +17,7 @@ fails while tracing, with the user's line.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 
 import torch
@@ -173,7 +174,8 @@ def _pack_padded_sequence(fake_mode, func, inputs, lengths, batch_first):
 # --------------------------------------------------------------------------------------------
 # normalisations: the CPU kernels' dtypes and layouts
 
-_inside_norm = threading.local()  # set while a norm kernel asks the meta kernel (no fake kernel of PyTorch's)
+# set while a norm kernel asks the meta kernel (an op with no fake kernel of PyTorch's)
+_INSIDE_NORM: contextvars.ContextVar[bool] = contextvars.ContextVar("fxtools_inside_norm", default=False)
 
 
 def _mixed(x, *params) -> bool:
@@ -195,12 +197,12 @@ def _pytorch_fake(fake_mode, func, args, kwargs):
 
         with fake_mode:
             return decomposition_table[func](*args, **kwargs)
-    _inside_norm.on = True
+    token = _INSIDE_NORM.set(True)
     try:
         with fake_mode:
             return func(*args, **kwargs)
     finally:
-        _inside_norm.on = False
+        _INSIDE_NORM.reset(token)
 
 
 def _norm_kernel(param_indices, stat_outputs, dense_output, running_outputs=()):
@@ -213,7 +215,7 @@ def _norm_kernel(param_indices, stat_outputs, dense_output, running_outputs=()):
     the running statistics given (arguments 3 and 4), not always float32."""
 
     def kernel(fake_mode, func, *args, **kwargs):
-        if getattr(_inside_norm, "on", False):
+        if _INSIDE_NORM.get():
             return NotImplemented
         schema = func._schema.arguments
         values = [args[i] if i < len(args) else kwargs.get(schema[i].name, schema[i].default_value) for i in range(len(schema))]
