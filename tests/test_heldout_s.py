@@ -195,7 +195,12 @@ def test_norms_fake_statistics_and_layouts_are_the_cpu_kernels():
     ]
     for dtype, params in ((torch.float64, torch.float64), (torch.bfloat16, torch.float32)):
         x = torch.randn(4, 8, 6, dtype=dtype).transpose(1, 2)  # [4, 6, 8], permuted
-        w, b, rm, rv = torch.randn(6, dtype=params), torch.randn(6, dtype=params), torch.randn(6, dtype=params), torch.rand(6, dtype=params)
+        w, b, rm, rv = (
+            torch.randn(6, dtype=params),
+            torch.randn(6, dtype=params),
+            torch.randn(6, dtype=params),
+            torch.rand(6, dtype=params),
+        )
         for f in cases:
             args = (x, w, b, rm, rv)
             real = f(*args)
@@ -306,7 +311,8 @@ def _tp_worker(out_dir: str) -> None:
     )
     train(fxtools.compile(sharded, x, y), list(sharded.parameters()))
     results["uneven MLP"] = {
-        n: (p.detach().full_tensor() - q.detach()).abs().max().item() for (n, p), q in zip(sharded.named_parameters(), ref.parameters())
+        n: (p.detach().full_tensor() - q.detach()).abs().max().item()
+        for (n, p), q in zip(sharded.named_parameters(), ref.parameters())
     }
 
     # a JVP inside the loss through a Colwise layer: was a silent wrong answer (the tangent of the

@@ -263,7 +263,9 @@ KERNELS = {
     aten.native_layer_norm.default: _norm_kernel((2, 3), (1, 2), dense_output=False),
     aten.native_group_norm.default: _norm_kernel((1, 2), (1, 2), dense_output=False),
     **{op: _norm_kernel(params, stats, dense_output=True) for op, (params, stats) in _BATCH_NORMS.items()},
-    aten._native_batch_norm_legit_functional.default: _norm_kernel((1, 2, 3, 4), (1, 2), dense_output=True, running_outputs=(3, 4)),
+    aten._native_batch_norm_legit_functional.default: _norm_kernel(
+        (1, 2, 3, 4), (1, 2), dense_output=True, running_outputs=(3, 4)
+    ),
 }
 
 _lock = threading.Lock()
