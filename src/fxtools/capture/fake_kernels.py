@@ -6,6 +6,15 @@ kernel accepts cannot be captured at all. ``aten._grouped_mm`` (``F.grouped_mm``
 layers of every Mixture-of-Experts model in ``transformers``) is one: its meta kernel mirrors the
 CUDA kernel and demands bfloat16, while the CPU kernel also takes float32 and float16.
 
+The normalisations' fake kernels disagree with their CPU kernels instead: for a half-precision
+input with float32 parameters (a bfloat16 residual under CPU autocast, a LayerNorm kept in
+float32) the CPU kernels return float32 statistics (mean, rstd), PyTorch's fake kernels the
+input's dtype; and CPU batch norm lays its output out densely (``suggest_memory_format``) where
+the fake kernel keeps a permuted input's strides. A trace then held the wrong dtype for the
+statistics (a JVP's tangent reads them: its backward added float32 cotangents into bfloat16
+ones, and crashed in a matmul) or refused a ``.view`` of the output that eager runs. fxtools'
+kernels run PyTorch's own and correct the dtypes and the layout (``_norm_kernel``).
+
 ``tracing_kernels()`` installs a kernel per such op into FakeTensorMode's table of op
 implementations (consulted before the meta kernel) for the duration of an fxtools trace, and
 removes it afterwards, together with the fake-dispatch cache entries it produced, so code
