@@ -207,7 +207,7 @@ def test_linearize_of_scan_and_cond():
         torch.testing.assert_close(lin(tx[0]), tf.jvp(ref, (p,), (tx[0],))[1], **TOL)
 
 
-@pytest.mark.parametrize("transform", ["jacfwd", "jacrev"])
+@pytest.mark.parametrize("transform", ["jacfwd", "jacrev", "hessian"])
 def test_a_jacobian_of_a_scan_is_refused_naming_the_line(transform):
     x, w = _r(5, 3, seed=20), _r(3, 3, seed=21)
     with pytest.raises(fxtools.FxtoolsError, match=r"test_heldout_j\.py:\d+: +c, ys = scan\(step"):

@@ -312,6 +312,49 @@ def test_registered_dataclass_is_an_argument():
         torch.utils._pytree._deregister_pytree_node(Registered)
 
 
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    y: torch.Tensor | None
+
+
+def _batch_loss(w, b):
+    r = b.x @ w - (0 if b.y is None else b.y)
+    return _Batch(x=r.pow(2).mean(), y=r.abs().sum())
+
+
+@pytest.mark.parametrize("how", ["split", "compile"])
+def test_registered_dataclass_in_and_out_of_split_and_compile(float64, how):
+    """A registered dataclass as an argument and as the result of split/compile (their graphs were
+    refused: the gradients' dataclass was no code), with a None field dropped by its flattening."""
+    torch.utils._pytree.register_dataclass(_Batch)
+    try:
+        w = torch.randn(3, 2, requires_grad=True)
+        example = _Batch(torch.randn(4, 3), torch.randn(4, 2))
+        if how == "split":
+            sp = fxtools.split(_batch_loss, w, example)
+            assert "_Batch(x=" in sp.backward.code and "_Batch(x=" in sp.forward.code
+        step = fxtools.compile(_batch_loss, w, example)
+        for n, y in ((4, "grad"), (7, "grad"), (6, "constant"), (5, None)):
+            b = _Batch(torch.randn(n, 3, requires_grad=True), None if y is None else torch.randn(n, 2))
+            if y == "grad":
+                b.y.requires_grad_()
+            leaves = [w, b.x] + ([b.y] if y == "grad" else [])
+            if how == "split":
+                out, grads = fxtools.split(_batch_loss, w, b).vjp(w, b, grad_out=_Batch(torch.tensor(1.0), torch.tensor(2.0)))
+                got = [grads[0], grads[1].x] + ([grads[1].y] if y == "grad" else [])
+            else:
+                out = step(w, b)
+                got = torch.autograd.grad(out.x + 2 * out.y, leaves)
+            ref = _batch_loss(w, b)
+            want = torch.autograd.grad(ref.x + 2 * ref.y, leaves)
+            assert type(out) is _Batch
+            torch.testing.assert_close((out.x, out.y), (ref.x, ref.y))
+            torch.testing.assert_close(got, list(want))
+    finally:
+        torch.utils._pytree._deregister_pytree_node(_Batch)
+
+
 def test_non_tensor_objects_are_still_specialised():
     class Config:
         def __init__(self):

@@ -204,6 +204,30 @@ def test_clean_programs_with_intended_infinities_report_nothing():
     assert fxtools.find_nonfinite(model, idx, targets) is None
 
 
+def masked_nanmean(x, keep):
+    y = x.masked_fill(~keep, float("nan"))  # padding written as NaN on purpose
+    return y.nanmean(dim=-1).sum()
+
+
+def masked_nanmean_then_sqrt(x, keep):
+    y = x.masked_fill(~keep, float("nan"))
+    m = y.nanmean(dim=-1)
+    r = torch.sqrt(m * m)
+    return r.sum()
+
+
+def test_a_nan_written_on_purpose_and_dropped_is_no_cause():
+    """A NaN that reaches no result and no gradient was reported as the first non-finite value,
+    ahead of the real cause of a NaN gradient later in the same step."""
+    x, keep = torch.tensor([[1.0, -1.0, 2.0], [3.0, 0.5, -2.0]]), torch.tensor([[True, True, False], [True, False, True]])
+    xg = x.clone().requires_grad_()
+    assert torch.isfinite(torch.autograd.grad(masked_nanmean(xg, keep), xg)[0]).all()
+    assert fxtools.find_nonfinite(masked_nanmean, x, keep) is None
+    report = fxtools.find_nonfinite(masked_nanmean_then_sqrt, x, keep)  # m = 0 in the first row
+    assert not torch.isfinite(torch.autograd.grad(masked_nanmean_then_sqrt(xg, keep), xg)[0]).all()
+    assert report.phase == "backward" and report.line == "r = torch.sqrt(m * m)"
+
+
 def test_find_nonfinite_leaves_the_module_and_the_generators_alone():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Dropout(0.5))
     x = torch.randn(5, 4)

@@ -74,6 +74,29 @@ def user_frame(tb) -> str | None:
     return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
 
 
+def generated_frame(tb) -> str | None:
+    """Where the innermost frame of a traceback that runs a generated module's code is: the user's
+    line of the node it executes (the module's ``_lineno_map``), else 'line N of a generated
+    module's code: code'."""
+    found = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename.startswith("<eval_with_key"):
+            found = (tb.tb_frame, tb.tb_lineno)
+        tb = tb.tb_next
+    if found is None:
+        return None
+    frame, lineno = found
+    gm = frame.f_locals.get("self")
+    index = (getattr(gm, "_lineno_map", None) or {}).get(lineno - getattr(gm, "_prologue_start", 0))
+    nodes = list(gm.graph.nodes) if index is not None and hasattr(gm, "graph") else []
+    where = user_line_of(nodes[index]) if index is not None and index < len(nodes) else None
+    if where is not None:
+        return where
+    text = linecache.getline(frame.f_code.co_filename, lineno).strip()
+    return f"line {lineno} of a generated module's code: {text}"
+
+
 def current_user_line() -> str:
     """'file:line: code' of the innermost user frame of the running code (library frames skipped)."""
     import sysconfig

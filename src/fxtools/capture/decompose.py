@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .. import registry
 from ..errors import FxtoolsError
 from ..graph import meta
+from ..graph.data_dependent import known_true
 from ..graph.nodes import is_float
 from ..signature.naming import short_op
 from .derived import derived_rule
@@ -140,21 +141,14 @@ def _trace_decomposition(node: fx.Node, decomp):
     return sub, tensor_pos
 
 
-def _known(condition) -> bool:
-    """Whether ``condition`` (of ints or symbolic sizes) is known true without a new guard."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return condition if isinstance(condition, bool) else statically_known_true(condition)
-
-
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool | None:
     """Whether ``a`` and ``b`` (of one shape) have the same strides (those of size-1 dimensions
     aside); None where symbolic strides leave it unknown."""
     same = True
     for size, x, y in zip(a.shape, a.stride(), b.stride()):
-        if _known(size <= 1) or _known(x == y):
+        if known_true(size <= 1) or known_true(x == y):
             continue
-        if _known(x != y):
+        if known_true(x != y):
             same = False
         else:
             return None

@@ -54,7 +54,7 @@ def _leaf_getters(graph: fx.Graph, arg_nodes: list[fx.Node], paths):
     return out
 
 
-def _returnable(graph: fx.Graph, value, where="the return value"):
+def returnable(graph: fx.Graph, value, where="the return value"):
     """``value`` (nested results holding nodes) as an fx output that rebuilds its containers.
 
     fx returns tuples, lists, plain dicts and namedtuples as they are, but turns dict subclasses
@@ -66,7 +66,7 @@ def _returnable(graph: fx.Graph, value, where="the return value"):
     """
 
     def rebuild(v, path):
-        return _returnable(graph, v, where + path)
+        return returnable(graph, v, where + path)
 
     if isinstance(value, fx.Node):
         return value
@@ -143,7 +143,7 @@ def assemble(
     for ph, node in env.items():
         node.meta.setdefault("val", ph.meta.get("val"))
     flat_outs = graph.graph_copy(flat.graph, env)
-    graph.output(_returnable(graph, build_output(list(flat_outs))))
+    graph.output(returnable(graph, build_output(list(flat_outs))))
     for node in graph.nodes:
         if node.op in ("get_attr", "call_module"):
             _copy_attr(flat, gm, node.target)  # what fx.GraphModule(flat, graph) copies

@@ -134,11 +134,18 @@ def capture_decompositions() -> dict:
     return {op: op.decompose for op in (aten.combinations.default,)}
 
 
-def known_equal(a, b) -> bool:
-    """``a == b`` for two sizes, true only if it holds whatever the data (see ``same_shape``)."""
+def known_true(condition) -> bool:
+    """Whether ``condition`` (of ints or symbolic sizes) holds whatever the data, without a new guard."""
+    if isinstance(condition, bool):
+        return condition
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return a == b if isinstance(a, int) and isinstance(b, int) else statically_known_true(a == b)
+    return statically_known_true(condition)
+
+
+def known_equal(a, b) -> bool:
+    """``a == b`` for two sizes, true only if it holds whatever the data (see ``same_shape``)."""
+    return known_true(a == b)
 
 
 def broadcasts_into(a, b) -> bool:

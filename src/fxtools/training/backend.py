@@ -58,6 +58,7 @@ from ..signature import closures
 from ..signature.guards import InputMismatch, without_autocast
 from ..signature.naming import identifier
 from ..signature.runtime import autocast_state
+from . import policies
 from .aten import to_aten
 from .closed_over import ClosedOver, Lifted, register_dict
 from .distributed import SubclassLeaves, Wrappers, local_view, with_subclass_leaves
@@ -447,6 +448,15 @@ class Options:
         """What a ``_Runner`` takes of them: ``(fw_compiler, bw_compiler, decompositions, check_finite)``."""
         return self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite
 
+    def split_policy(self):
+        """The policy the splits take: a memory budget compiled by Inductor plans for its fusion
+        (``policies.budget(..., fused=True)``: no value recomputed twice where Inductor would
+        compute the second in the first's kernel)."""
+        p = self.policy
+        if isinstance(p, policies.Budget) and not p.fused and _is_inductor(_resolve_compiler(self.bw_compiler)):
+            return policies.Budget(p.limit, p.peak, fused=True)
+        return p
+
 
 _MEMOS = 4  # calls whose choice of runner a ``_Runners`` keeps (training/fastpath.py)
 
@@ -563,7 +573,7 @@ class _Runners:
             sp = split(
                 fn,
                 *args,
-                policy=self.options.policy,
+                policy=self.options.split_policy(),
                 grad_leaves=mask,
                 rules=self.options.rules,
                 dynamic_shapes=self._marks(args),

@@ -35,6 +35,12 @@ joint graph's min-cut structure (the one ``recompute_cheap`` uses):
   takes its level's choice in ``Problem.byte_table``: a smaller budget never saves more bytes,
   never recomputes less and never peaks higher (predicted), and among such chains of choices
   the levels take the one with the least recompute summed over the budgets.
+- **planned for Inductor** (``policies.budget(b, fused=True)``, which ``fxtools.compile`` asks
+  for when Inductor compiles the backward): a value is recomputed a second time only where
+  Inductor does not compute the second copy in the first's kernel (``effective_forget``), and
+  a smaller budget's predicted peak is at most ``FUSED_PEAK_SLACK`` above every larger one's
+  (``Problem._least_total_within``): Inductor orders the backward itself, and holding fxtools'
+  predicted peak exactly would recompute matrix products twice for a peak its code does not have.
 - **one solve per program.** ``problem_of`` keeps the last few solved problems, keyed by
   ``program_key`` (ops, arguments, dtypes, sizes, strides, checkpoint regions, inputs and
   outputs): splitting the same program again at another budget moves the solved frontier and
@@ -173,14 +179,23 @@ def recompute_cost(node: fx.Node) -> int:
 
 EXACT_LIMIT = 12  # enumerate every saved set when at most this many values are free to save or not
 REFRESH_MODES = ("union", "singles", "cheapest")  # the ways ``Problem.refresh_steps`` recomputes values twice
+# Planned for a fusing compiler (``policies.budget(..., fused=True)``, Inductor), a smaller byte
+# budget's predicted peak is at most this fraction above a larger budget's, not at most equal: the
+# compiler orders and fuses the backward itself, and the peaks it reaches differ from the
+# predicted ones by about this much (on the benchmark's small GPT, measured / predicted 0.92 to
+# 1.03). Holding the predicted peak exactly would recompute matrix products twice for a peak the
+# compiled code does not have.
+FUSED_PEAK_SLACK = 0.08
 
 
 class Problem:
     """The save/recompute choice of a ``_Partition`` as a family of minimum cuts."""
 
-    def __init__(self, part, exact_limit: int = EXACT_LIMIT):
+    def __init__(self, part, exact_limit: int = EXACT_LIMIT, fused: bool = False):
 
         self.part, self.exact_limit, self.method = part, exact_limit, ""
+        self.fused = fused  # planned for a compiler fusing pointwise ops by shared reads (``effective_forget``)
+        self.slack = FUSED_PEAK_SLACK if fused else 0.0  # how far a smaller level's peak may exceed a larger's
         self.memo = _Memo()
         self._table: list[tuple[int, Point, int]] | None = None
         self._refreshed: dict = {}
@@ -203,6 +218,16 @@ class Problem:
             self.can_save[n] = n.op == "placeholder" or (tensor and not view and forced != policies.RECOMPUTE)
             self.size[n] = 0 if n.op == "placeholder" else max(nbytes(n.meta.get("val")), 1)
             self.cost[n] = 0 if n.op == "placeholder" else recompute_cost(n)
+        # Ops a fusing compiler computes in a kernel of its own making (no FLOPs: pointwise math,
+        # reductions, norms, gathers; views are no kernel at all), as opposed to the matrix
+        # products, convolutions, attention and higher-order ops it calls as they are.
+        self.fusible = {
+            n
+            for n in self.cand
+            if n.op == "call_function"
+            and not isinstance(n.target, torch._ops.HigherOrderOperator)
+            and self.cost[n] in (0, _elements(n.meta.get("val")))
+        }
         self.total_bytes = sum(self.size.values())
         self.total_cost = sum(self.cost.values())
 
@@ -423,11 +448,11 @@ class Problem:
         table, self.unreached = [], set()
         top_bytes, top_peak, floor = top
         for level in reversed(levels):
-            room = min(level, top_bytes)
-            best = _cheapest(pool, room, top_peak, floor)
+            room, allowed = min(level, top_bytes), top_peak * (1 + self.slack)
+            best = _cheapest(pool, room, allowed, floor)
             if best is None and fill:
-                pool += self._lower_within(self.frontier(), room, top_peak)
-                best = _cheapest(pool, room, top_peak, floor)
+                pool += self._lower_within(self.frontier(), room, allowed)
+                best = _cheapest(pool, room, allowed, floor)
             if best is None:
                 fitting = [c for c in pool if c[0].bytes <= room]
                 best = min([c for c in fitting if c[0].cost >= floor] or fitting, key=lambda c: (c[1], c[0].cost))
@@ -443,6 +468,8 @@ class Problem:
         reaches, the levels are chosen by ``_descend``."""
         import numpy as np
 
+        if self.slack:
+            return self._least_total_within(levels, pool)
         nb = np.array([p.bytes for p, _ in pool], dtype=np.float64)
         nc = np.array([p.cost for p, _ in pool], dtype=np.float64)
         nk = np.array([pk for _, pk in pool], dtype=np.float64)
@@ -465,6 +492,67 @@ class Problem:
             backs.append(back)
         return self._chain(levels, pool, backs, total, -1)
 
+    def _least_total_within(self, levels: list[int], pool: list) -> list[tuple[int, Point, int]]:
+        """``_least_total`` where a smaller level's peak may exceed each larger level's by the
+        fraction ``slack``: the bound is the least peak of the chain above, not the peak just
+        above, so the slack does not compound. A chain is then more than its last candidate: the
+        states are ``(candidate, least peak above and at it)``, each candidate's kept while no
+        other of its states has both a larger least peak and a smaller total."""
+        import numpy as np
+
+        nb = np.array([p.bytes for p, _ in pool], dtype=np.float64)
+        nc = np.array([p.cost for p, _ in pool], dtype=np.float64)
+        nk = np.array([pk for _, pk in pool], dtype=np.float64)
+        scale = max(levels[-1], 1) * max(float(nc.max()), 1.0)
+        # the states of the level above: candidate, least peak, total, and the state above it
+        cand, least, total = np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0)
+        steps: list[tuple[np.ndarray, np.ndarray]] = []  # per level from the top: (candidates, parents)
+        for i in range(len(levels) - 1, -1, -1):
+            weight = (levels[i + 1] - levels[i] if i + 1 < len(levels) else 0) + 1
+            out_c, out_l, out_t, out_p = [], [], [], []
+            for k in np.flatnonzero(nb <= levels[i]):
+                if not steps:  # the largest level: every candidate within it starts a chain
+                    out_c.append(np.array([k]))
+                    out_l.append(nk[k : k + 1])
+                    out_t.append(np.array([weight * nc[k] / scale]))
+                    out_p.append(np.array([-1]))
+                    continue
+                idx = np.flatnonzero((nb[cand] >= nb[k]) & (nc[cand] <= nc[k]) & (least * (1 + self.slack) >= nk[k]))
+                if not idx.size:
+                    continue
+                r, t = np.minimum(least[idx], nk[k]), total[idx]
+                order = np.lexsort((t, -r))  # least peak descending, then total ascending
+                r, t, idx = r[order], t[order], idx[order]
+                before = np.minimum.accumulate(np.concatenate(([np.inf], t[:-1])))
+                keep = t < before  # no state with a larger (or equal) least peak totals less
+                out_c.append(np.full(int(keep.sum()), k))
+                out_l.append(r[keep])
+                out_t.append(t[keep] + weight * nc[k] / scale)
+                out_p.append(idx[keep])
+            if not out_c:
+                return self._chain_within(levels, pool, steps, total, i)
+            cand, least, total = np.concatenate(out_c), np.concatenate(out_l), np.concatenate(out_t)
+            steps.append((cand, np.concatenate(out_p)))
+        return self._chain_within(levels, pool, steps, total, -1)
+
+    def _chain_within(self, levels, pool, steps, total, stop: int) -> list[tuple[int, Point, int]]:
+        """``_chain`` for ``_least_total_within``'s states."""
+        import numpy as np
+
+        s = int(np.argmin(total))
+        chosen: dict[int, tuple[Point, int]] = {}
+        for t in range(len(steps) - 1, -1, -1):
+            cands, parents = steps[t]
+            chosen[len(levels) - 1 - t] = pool[int(cands[s])]
+            s = int(parents[s])
+        self.unreached = set()
+        top = (math.inf, math.inf, 0)
+        if stop + 1 in chosen:
+            p, _ = chosen[stop + 1]
+            top = (p.bytes, min(c[1] for c in chosen.values()), p.cost)  # the least peak above
+        below = self._descend(levels[: stop + 1], pool, fill=False, top=top) if stop >= 0 else []
+        return below + [(levels[i], *chosen[i]) for i in range(stop + 1, len(levels))]
+
     def _chain(self, levels, pool, backs, total, stop: int) -> list[tuple[int, Point, int]]:
         """The best chain (``_least_total``) for the levels above ``stop``, and ``_descend``'s
         choices below them; ``backs[t]`` links the ``t``-th level from the top to the one above."""
@@ -478,8 +566,8 @@ class Problem:
         self.unreached = set()
         top = (math.inf, math.inf, 0)
         if stop + 1 in chosen:
-            p, pk = chosen[stop + 1]
-            top = (p.bytes, pk, p.cost)
+            p, _ = chosen[stop + 1]
+            top = (p.bytes, min(c[1] for c in chosen.values()), p.cost)  # the least peak above
         below = self._descend(levels[: stop + 1], pool, fill=False, top=top) if stop >= 0 else []
         return below + [(levels[i], *chosen[i]) for i in range(stop + 1, len(levels))]
 
@@ -551,7 +639,14 @@ class Problem:
             fw_peak = forward_peak(self.part, point.saved, self.memo)
             costs = self.cost if mode == "cheapest" else None
             steps = refresh(
-                self.part, point.saved, point.recomputed, self.memo, singles_first=mode == "singles", trail=True, cost=costs
+                self.part,
+                point.saved,
+                point.recomputed,
+                self.memo,
+                singles_first=mode == "singles",
+                trail=True,
+                cost=costs,
+                fusible=self.fusible if self.fused else None,
             )
             least = max(fw_peak, steps[0][2])
             for forget, order, bw_peak in steps[1:]:
@@ -671,16 +766,16 @@ SOLVED_KEPT = 4  # programs whose solved ``Problem`` is kept (least recently use
 _SOLVED: collections.OrderedDict = collections.OrderedDict()
 
 
-def problem_of(part, exact_limit: int = EXACT_LIMIT) -> Problem:
+def problem_of(part, exact_limit: int = EXACT_LIMIT, fused: bool = False) -> Problem:
     """The budget ``Problem`` of ``part``, with what was already solved for the same program:
     splitting one function at sizes it was split at before (another budget, ``Split.frontier``,
     ``fxtools.compile`` again) traces the same joint graph again, and its frontier, byte table
     and peak candidates are the same. Reused only when ``program_key`` is equal (same ops,
     arguments, dtypes, sizes, strides, checkpoint regions, inputs, outputs and backward), moved
     onto the new graph's nodes by position; anything else is solved anew."""
-    key = (program_key(part), exact_limit)
+    key = (program_key(part), exact_limit, fused)
     old = _SOLVED.pop(key, None)
-    problem = Problem(part, exact_limit) if old is None else old.moved_to(part)
+    problem = Problem(part, exact_limit, fused) if old is None else old.moved_to(part)
     _SOLVED[key] = problem
     while len(_SOLVED) > SOLVED_KEPT:
         _SOLVED.popitem(last=False)
@@ -995,6 +1090,7 @@ def refresh(
     singles_first: bool = False,
     trail: bool = False,
     cost: dict | None = None,
+    fusible: set | None = None,
 ) -> list[tuple[dict, list, int]]:
     """Recompute values again rather than keep them: ``(forget, backward order, its peak)`` after
     each round that lowered the peak, the first recomputing least (empty: none did); with
@@ -1013,7 +1109,9 @@ def refresh(
     least per byte of peak it removes: a pointwise chain (a GELU's output, recomputed from the
     matrix product it reads) before the matrix product itself, and tries each storage also with
     the recomputed values it is made of forgotten after each use (``_with_inputs``: else they
-    stay to recompute it, and take its place in memory)."""
+    stay to recompute it, and take its place in memory). With ``fusible`` (the ops a fusing
+    compiler makes kernels of), each forget is ``effective_forget``'s: what such a compiler would
+    compute in the first computation's kernel is not forgotten."""
     memo = memo or _Memo()
     start, held = _backward_ends(part, saved)
     forget: dict = {}
@@ -1028,6 +1126,8 @@ def refresh(
         trials = ([*groups, union] if singles_first else [union, *groups]) if len(groups) > 1 else groups
         if cost is not None:
             trials = trials + [c for g in groups if (c := _with_inputs(g, recomputed, part.bw)) != g]
+        if fusible is not None:
+            trials = [t for t in (effective_forget(_merged(forget, more), fusible) for more in trials) if t != forget]
         step = _cheapest_trial(part, saved, recomputed, memo, forget, trials, trace, cost) if cost else None
         for more in trials if cost is None else []:
             trial = _merged(forget, more)
@@ -1115,6 +1215,26 @@ def _with_inputs(group: dict, recomputed, bw) -> dict:
             stack.extend(a for a in inputs if a not in seen)
             seen |= inputs
     return out
+
+
+def effective_forget(forget: dict, fusible: set) -> dict:
+    """``forget`` (``refresh``'s) without the values a compiler fusing by shared reads computes in
+    the kernel of their first computation anyway: a forgotten value whose second computation is
+    ops of ``fusible`` only, reading what is still in memory (or values themselves computed there
+    again), reads the same buffers as its first computation and nothing orders it later, so
+    Inductor fuses the two (one kernel writing both: the second is in memory from the first on,
+    and costs its writes for nothing). A forgotten value whose recomputation goes through a
+    matrix product forgotten too is computed late, after that product, and is kept."""
+    forgotten = {v for vs in forget.values() for v in vs}
+    if not forgotten:
+        return {}
+    position = {n: i for i, n in enumerate(next(iter(forgotten)).graph.nodes)}  # inputs first
+    early: set = set()
+    for v in sorted(forgotten, key=position.__getitem__):
+        if v in fusible and not any(a in forgotten and a not in early for a in v.all_input_nodes):
+            early.add(v)
+    out = {u: vs - early for u, vs in forget.items()}
+    return {u: vs for u, vs in out.items() if vs}
 
 
 def _merged(a: dict, b: dict) -> dict:

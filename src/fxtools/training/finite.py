@@ -279,12 +279,14 @@ class _Statements:
 
 
 class _Walk(fx.Interpreter):
-    """One generated graph run node by node, raising ``_Found`` at the first reportable value.
+    """One generated graph run node by node, collecting its non-finite values as candidates.
 
-    A forward value is reported at once. A backward value is a candidate: the rules' own steps may
-    hold an infinity they then mask (the norm's ``(ct / norm).masked_fill(norm == 0, 0)``, as
-    PyTorch's kernels do), so a backward value is reported only if its non-finite entries reach a
-    gradient through non-finite values (``finish``)."""
+    A candidate is reported only if its non-finite entries reach what the step gives back through
+    non-finite values (``first_reaching``): the forward's results, or, through a saved value, a
+    gradient. The rules' own steps may hold an infinity they then mask (the norm's ``(ct /
+    norm).masked_fill(norm == 0, 0)``, as PyTorch's kernels do), and a program may write a NaN on
+    purpose and drop it (``masked_fill(mask, nan)`` then ``nanmean``): neither is a cause.
+    A tensor the program holds that holds a NaN raises ``_Found`` at once."""
 
     def __init__(self, gm: fx.GraphModule, part: str, statements: _Statements):
         super().__init__(gm)
@@ -299,8 +301,11 @@ class _Walk(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         val = super().run_node(n)
-        if n.op == "placeholder":
-            if _bad(val)[1]:
+        if n.op == "placeholder" and isinstance(val, torch.Tensor):
+            nan, inf = _bad(val)
+            if nan or inf:
+                self.bad.add(n)  # a saved value: a forward candidate may reach a gradient through it
+            if inf and not nan:
                 self.infs.add(n)  # a saved value or input already checked
         elif n.op != "output" and isinstance(val, torch.Tensor):
             self.check(n, val)
@@ -318,24 +323,22 @@ class _Walk(fx.Interpreter):
         if not nan and (n.op == "get_attr" or _literal_inf(n) or any(x in self.infs for x in n.all_input_nodes)):
             self.infs.add(n)  # an intended infinity: a constant's, a literal's, or carried from one
             return
-        report = self.report(n, val)
-        if report.phase != "backward":
-            raise _Found(report)
-        self.candidates.append((n, report))
+        self.candidates.append((n, self.report(n, val)))
 
-    def finish(self) -> None:
-        """After the run: raise ``_Found`` for the first candidate whose non-finite values reach an output."""
-        graph: fx.Graph = self.graph
-        outs = [x for x in pytree.tree_leaves(graph.output_node().args) if isinstance(x, fx.Node)]
-        reach, stack = set(), [x for x in outs if x in self.bad]
+    def reaching(self, targets) -> set[fx.Node]:
+        """The non-finite values from which non-finite values lead to one of ``targets`` (nodes)."""
+        reach, stack = set(), [x for x in targets if x in self.bad]
         while stack:
             x = stack.pop()
             if x not in reach:
                 reach.add(x)
                 stack += [y for y in x.all_input_nodes if y in self.bad]
-        for n, report in self.candidates:
-            if n in reach:
-                raise _Found(report)
+        return reach
+
+    def first_reaching(self, targets) -> tuple[fx.Node, NonFiniteReport] | None:
+        """The first candidate (in execution order) that reaches ``targets``, with its report."""
+        reach = self.reaching(targets)
+        return next(((n, report) for n, report in self.candidates if n in reach), None)
 
     def report(self, n: fx.Node, val: torch.Tensor) -> NonFiniteReport:
         stack = user_stack_of(n)
@@ -419,9 +422,7 @@ def locate(sp, leaves, cotangents=None, rng=None, backward=True) -> NonFiniteRep
             for info, x in zip(sp.signature, leaves):
                 if any(_bad(x)):
                     raise _Found(_input_report(info.path or info.name, x))
-            out, saved = _Walk(sp.forward, "forward", statements).run(*leaves)
-            if backward:
-                _locate_backward(sp, list(saved), cotangents, out, statements)
+            _walk_step(sp, leaves, cotangents, statements, backward)
             return None
         except _Found as found:
             return found.report
@@ -430,24 +431,55 @@ def locate(sp, leaves, cotangents=None, rng=None, backward=True) -> NonFiniteRep
 def locate_backward(sp, saved: list, cotangents: list) -> NonFiniteReport | None:
     """The first non-finite value of ``sp``'s backward on ``saved`` and ``cotangents``, or None."""
     try:
-        _locate_backward(sp, saved, cotangents, None, _Statements([sp.forward, sp.backward]))
-        return None
+        walk = _walk_backward(sp, saved, cotangents, _Statements([sp.forward, sp.backward]))
+        found = walk.first_reaching(_output_nodes(sp.backward))
+        return None if found is None else found[1]
     except _Found as found:
         return found.report
 
 
-def _locate_backward(sp, saved, cotangents, out, statements) -> None:
-    """Check the cotangents, then run the backward (raising ``_Found``); ones for ``out`` if no cotangents."""
-    if cotangents is None:
-        outs = pytree.tree_leaves(out)
-        cotangents = [torch.ones_like(outs[i]) for i in sp.ct_index]
+def _output_nodes(gm: fx.GraphModule, value=None) -> list[fx.Node]:
+    return [x for x in pytree.tree_leaves(gm.graph.output_node().args if value is None else value) if isinstance(x, fx.Node)]
+
+
+def _walk_step(sp, leaves, cotangents, statements, backward: bool) -> None:
+    """Run the forward, then (``backward``) the backward, raising ``_Found`` for the first value, in
+    execution order, whose non-finite entries reach the step's results or its gradients.
+
+    A backward value that reaches a gradient gives way to a non-finite forward value of the same
+    line that reaches nothing: ``torch.where(x > 0, torch.log(x), 0)`` at 0 is reported as the log's
+    infinity in the forward (the cause the hints explain), not as the NaN of its derivative."""
+    forward = _Walk(sp.forward, "forward", statements)
+    out, saved = forward.run(*leaves)
+    results, saved_nodes = sp.forward.graph.output_node().args[0]
+    found = forward.first_reaching(_output_nodes(sp.forward, results))
+    if found is None and backward:
+        if cotangents is None:
+            outs = pytree.tree_leaves(out)
+            cotangents = [torch.ones_like(outs[i]) for i in sp.ct_index]
+        walk = _walk_backward(sp, list(saved), cotangents, statements)
+        reach = walk.reaching(_output_nodes(sp.backward))
+        inputs = [n for n in sp.backward.graph.nodes if n.op == "placeholder"]
+        through = (
+            [s for s, p in zip(saved_nodes, inputs) if p in reach] if len(inputs) == len(saved) + len(cotangents) else saved_nodes
+        )
+        found = forward.first_reaching([s for s in through if isinstance(s, fx.Node)])
+        if found is None:
+            found = walk.first_reaching(_output_nodes(sp.backward))
+            line = found and found[0].meta.get("stack_trace")
+            found = next(((n, r) for n, r in forward.candidates if line and n.meta.get("stack_trace") == line), found)
+    if found is not None:
+        raise _Found(found[1])
+
+
+def _walk_backward(sp, saved, cotangents, statements) -> _Walk:
+    """Check the cotangents (raising ``_Found``), then run the backward."""
     for info, c in zip(sp.cotangents, cotangents):
         if any(_bad(c)):
             raise _Found(_input_report(f"{info.name} (the cotangent of {info.path})", c, "backward"))
     walk = _Walk(sp.backward, "backward", statements)
     walk.run(*saved, *cotangents)
-    walk.finish()
-    return None
+    return walk
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ def find_nonfinite(f, *args, argnums=None) -> NonFiniteReport | None:
     parameters and every input), or to the arguments ``argnums`` picks (an int or a tuple, as on
     ``fxtools.grad``); an output that is not one number gets a cotangent of ones. Values are
     checked in execution order: the arguments (phase ``"input"``), the forward, the backward.
-    Returns None when every value is finite, else a ``NonFiniteReport``: ``phase``, ``name`` (the
+    Returns None when the results and the gradients are finite (a NaN written on purpose and
+    dropped, ``masked_fill(mask, nan)`` then ``nanmean``, is no cause), else a ``NonFiniteReport``
+    of the first value whose non-finite entries reach them: ``phase``, ``name`` (the
     value's name in the generated code, an argument's path for an input), ``line``, ``filename``,
     ``lineno`` (the user's statement; for a backward value the forward statement whose derivative
     made it), ``op``; ``print(report)`` adds the generated statement, each operand's summary and

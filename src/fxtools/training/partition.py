@@ -50,6 +50,7 @@ from torch.utils import _pytree as pytree
 from .. import registry
 from ..capture.checkpoint import checkpoint_regions
 from ..capture.trace import Captured
+from ..codegen.assemble import returnable
 from ..codegen.inplace import in_place_body
 from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
@@ -147,6 +148,7 @@ class _Partition:
         self.offload: set = set()
         self.forget: dict = {}  # recomputed values the backward recomputes again (``budget.refresh``)
         self.choice = None  # what a budget chose (``budget.Choice``)
+        self.fused = isinstance(policy, policies.Budget) and policy.fused  # planned for a fusing compiler
         fn, min_cut = policies.resolve(policy)
         if isinstance(policy, policies.Budget):
             self.saved, self.recomputed = self._by_budget(policy)
@@ -234,7 +236,7 @@ class _Partition:
         """The least estimated recompute within a byte or peak budget (``fxtools.training.budget``)."""
         from . import budget
 
-        problem = budget.problem_of(self)
+        problem = budget.problem_of(self, fused=spec.fused)
         points = problem.frontier()
         save_all_saved, _ = self._by_rule(policies.save_all)
         save_all_bytes = problem.saved_bytes(save_all_saved)
@@ -614,7 +616,9 @@ class Split:
     def flat_grads(self, grads) -> list:
         """The backward's gradients as one entry per tensor leaf of the arguments (forward order)."""
         leaves = pytree.tree_leaves(grads)  # None is a leaf
-        return [g for g, t in zip(leaves, self.captured.tensor_leaf) if t]
+        if len(leaves) == len(self.captured.tensor_leaf):
+            return [g for g, t in zip(leaves, self.captured.tensor_leaf) if t]
+        return [pytree.key_get(grads, path) for path in self.leaf_paths]  # a registered dataclass leaves out None fields
 
     def vjp(self, *args, grad_out=None):
         """Run forward then backward: ``(out, grads)``; ``grad_out`` defaults to ones."""
@@ -708,7 +712,7 @@ class Split:
         from . import budget
 
         part = self._joint()
-        problem = budget.problem_of(part)
+        problem = budget.problem_of(part, fused=part.fused)
         points = problem.frontier()
         save_all_bytes = problem.saved_bytes(part._by_rule(policies.save_all)[0])
         budgets = [k / 20 for k in range(1, 21)] if budgets is None else budgets
@@ -839,7 +843,7 @@ def _forward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured) -> fx
         env[n] = node_copy(fg, n, env)
         meta.PART.set(env[n], "forward")
     out_struct = pytree.tree_unflatten([env[o] if isinstance(o, fx.Node) else o for o in part.fw_outs], cap.out_spec)
-    fg.output((out_struct, tuple(env[s] for s in part.saved)))
+    fg.output((returnable(fg, out_struct), tuple(env[s] for s in part.saved)))
     return emit(GuardedGraphModule(joint, fg, class_name="SplitForward", generate_code=False), cap, SPLIT)
 
 
@@ -862,7 +866,7 @@ def _backward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured, grad
     for v in backward_nodes(part, part.saved, part.recomputed, part.forget):
         benv[v] = node_copy(bg, v, benv)
         meta.PART.set(benv[v], "recompute" if v in keep else "backward")  # computed in both graphs
-    bg.output(pytree.tree_map(lambda g: benv[g] if isinstance(g, fx.Node) else g, grads))
+    bg.output(returnable(bg, pytree.tree_map(lambda g: benv[g] if isinstance(g, fx.Node) else g, grads), "the gradients"))
     return emit(GuardedGraphModule(joint, bg, class_name="SplitBackward", generate_code=False), cap, SPLIT)
 
 

@@ -216,7 +216,7 @@ def save_only(*ops):
 class Budget:
     """A memory budget (see ``budget``): ``limit`` in bytes or as a fraction of ``save_all``'s, or ``peak`` bytes."""
 
-    def __init__(self, limit: float | int | None = None, peak: int | None = None):
+    def __init__(self, limit: float | int | None = None, peak: int | None = None, fused: bool = False):
         if (limit is None) == (peak is None):
             raise ValueError("fxtools.policies.budget takes a budget b or peak=bytes (one of them)")
         if limit is not None:
@@ -228,26 +228,34 @@ class Budget:
                 raise ValueError(f"budget(b): bytes must be >= 0, got {limit}")
         if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int) or peak < 0):
             raise ValueError(f"budget(peak=...): peak must be an int of bytes >= 0, not {peak!r}")
-        self.limit, self.peak = limit, peak
+        self.limit, self.peak, self.fused = limit, peak, bool(fused)
         self.__name__ = f"budget({limit!r})" if peak is None else f"budget(peak={peak!r})"
+        if self.fused:
+            self.__name__ = self.__name__[:-1] + ", fused=True)"
 
     def __repr__(self):
         return self.__name__
 
     def __eq__(self, other):
-        return isinstance(other, Budget) and (self.limit, self.peak) == (other.limit, other.peak)
+        return isinstance(other, Budget) and (self.limit, self.peak, self.fused) == (other.limit, other.peak, other.fused)
 
     def __hash__(self):
-        return hash((Budget, self.limit, self.peak))
+        return hash((Budget, self.limit, self.peak, self.fused))
 
 
-def budget(b: float | int | None = None, *, peak: int | None = None) -> Budget:
+def budget(b: float | int | None = None, *, peak: int | None = None, fused: bool = False) -> Budget:
     """A policy: the least estimated recompute whose saved bytes fit ``b`` (a float in (0, 1]: a
     fraction of ``save_all``'s saved bytes; an int: bytes), or, with ``peak=``, whose predicted
     peak memory of forward plus backward fits ``peak`` bytes. Monotone: a smaller budget never
     saves more bytes nor recomputes less. A budget below what any split can reach raises
-    ``FxtoolsError`` naming the least possible (see ``fxtools.training.budget``)."""
-    return Budget(b, peak)
+    ``FxtoolsError`` naming the least possible (see ``fxtools.training.budget``).
+
+    ``fused=True`` plans for a backward compiler that fuses pointwise ops by shared reads
+    (Inductor): a value recomputed a second time by pointwise ops only, from what is still in
+    memory, is computed in the first computation's kernel there, so it is never recomputed twice
+    (``fxtools.training.budget.effective_forget``). ``fxtools.compile`` sets it when its backward
+    compiler is Inductor."""
+    return Budget(b, peak, fused)
 
 
 def describe(policy) -> str:

@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 from ..capture import custom
 from ..capture.trace import capture, is_data_dependent
 from ..codegen.inplace import printed_in_place
-from ..errors import DataDependentError, FxtoolsError, current_user_line, user_frame, user_line_of
+from ..errors import DataDependentError, FxtoolsError, current_user_line, generated_frame, user_frame, user_line_of
 from ..graph import meta
 from ..graph.data_dependent import dynamic_nodes
 from ..graph.nodes import is_reshaped_view, is_view_refusal, view_strides, written_args
@@ -396,6 +396,23 @@ def refuse_data_dependent_batch(made_by: Transform, build, what: str, works: str
     )
 
 
+def refuse_unbatchable_loop(made_by: Transform, build, exc: Exception, works: str) -> None:
+    """Refuse batching the module ``build()`` makes if it holds a ``scan`` or ``while_loop``
+    (PyTorch cannot batch them, a known gap) whose batching raised ``exc``: name the loop's user
+    line (``build`` runs again keeping the nodes' stack traces). Returns if there is none."""
+    loops = (torch.ops.higher_order.scan, torch.ops.higher_order.while_loop)
+    with fx_traceback.preserve_node_meta():
+        gm = build()
+    node = next((n for n in gm.graph.nodes if n.target in loops), None)
+    if node is None:
+        return
+    where = user_line_of(node) or _generated_line_of(node) or "an unknown line"
+    raise FxtoolsError(
+        f"{made_by} cannot batch the {node.target.__name__} at {where}: PyTorch's {node.target.__name__} cannot "
+        f"be batched ({works})"
+    ) from exc
+
+
 def _generated_line_of(node) -> str | None:
     """'line N of generated code: code' of the innermost generated module's frame (an fxtools
     module called by the program) in ``node``'s stack trace."""
@@ -450,7 +467,7 @@ def trace_batched(
     except Exception as exc:  # noqa: BLE001 - re-raised naming the user's line
         if is_data_dependent(exc):
             raise
-        where = user_frame(exc.__traceback__)
+        where = user_frame(exc.__traceback__) or generated_frame(exc.__traceback__)
         if where is None and namer is not None and namer.current is not None:
             where = user_line_of(namer.current) or f"where it computes {namer.current.name}"
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

@@ -25,11 +25,11 @@ import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
 from ..capture.trace import capture
-from ..errors import DataDependentError
+from ..errors import DataDependentError, FxtoolsError
 from ..graph.data_dependent import dynamic_nodes
 from ..graph.nodes import is_float
 from ..registry import rule_set
-from .batching import refuse_data_dependent_batch, trace_batched, vmappable
+from .batching import refuse_data_dependent_batch, refuse_unbatchable_loop, trace_batched, vmappable
 from .pipeline import Inputs, Transform, back, uses_pipeline
 from .retrace import NodeNamer
 from .reverse import ReverseSpec, reverse
@@ -181,13 +181,13 @@ def hessian(f, *args, argnums=0) -> fx.GraphModule:
     except (TypeError, ValueError):
         pass
     hessian_of.__name__ = getattr(f, "__name__", "hessian")
+    again = functools.partial(hvp, f, *args, argnums=argnums)
     try:
         return trace_batched(hessian_of, args, names_of=f, made_by=HESSIAN)
-    except DataDependentError:
-        if not dynamic_nodes(hv_gm):
-            raise
-        again = functools.partial(hvp, f, *args, argnums=argnums)
-        refuse_data_dependent_batch(
-            HESSIAN, again, "its Hessian-vector product, in which a size", "fxtools.hvp of the same function works"
-        )
+    except FxtoolsError as exc:
+        if isinstance(exc, DataDependentError) and dynamic_nodes(hv_gm):
+            refuse_data_dependent_batch(
+                HESSIAN, again, "its Hessian-vector product, in which a size", "fxtools.hvp of the same function works"
+            )
+        refuse_unbatchable_loop(HESSIAN, again, exc, "fxtools.hvp, fxtools.grad and fxtools.jvp of the same function work")
         raise
