@@ -277,6 +277,21 @@ class _JvpLoss(nn.Module):
         return (dudt**2).sum() + (u**2).sum()
 
 
+class _JvpBesideTP(nn.Module):
+    """A JVP of a time embedding that is not tensor-parallel, feeding a Colwise/Rowwise MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(1, 4)
+        self.up = nn.Linear(4, 6)
+        self.down = nn.Linear(6, 4)
+
+    def forward(self, x, t, y):
+        e, de = torch.func.jvp(lambda s: torch.sin(self.emb(s[:, None])), (t,), (torch.ones_like(t),))
+        h = self.down(torch.tanh(self.up(x + e + de.detach())))
+        return ((h - y) ** 2).mean() + (de**2).mean()
+
+
 def _tp_worker(out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -325,6 +340,20 @@ def _tp_worker(out_dir: str) -> None:
         results["refused"] = "not refused"
     except fxtools.FxtoolsError as e:
         results["refused"] = str(e)
+
+    # a JVP beside the tensor-parallel layers (not through them) is no DTensor step: exact
+    torch.manual_seed(0)
+    y = torch.randn(3, 4)
+    torch.manual_seed(1)
+    ref = _JvpBesideTP()
+    ref(z, t, y).backward()
+    torch.manual_seed(1)
+    beside = parallelize_module(_JvpBesideTP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fxtools.compile(beside, z, t, y)(z, t, y).backward()
+    results["JVP beside TP"] = {
+        n: ((p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) - q.grad).abs().max().item()
+        for (n, p), q in zip(beside.named_parameters(), ref.parameters())
+    }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
@@ -340,8 +369,9 @@ def test_tensor_parallel_uneven_mlp_with_clipping_and_a_jvp_loss_refused():
     with tempfile.TemporaryDirectory() as out_dir:
         ranks = launch(out_dir, 2, script=__file__)
     for rank, results in enumerate(ranks):
-        errors = {n: e for n, e in results["uneven MLP"].items() if not e < 1e-10}
-        assert not errors, f"rank {rank}: {errors}"
+        for case in ("uneven MLP", "JVP beside TP"):
+            errors = {n: e for n, e in results[case].items() if not e < 1e-10}
+            assert not errors, f"rank {rank}, {case}: {errors}"
         message = results["refused"]
         assert "torch.func.jvp(self.net, (z, t)" in message and "self.up(z * t[:, None])" in message, message
         assert "tensor-parallel" in message, message
