@@ -37,6 +37,7 @@ XDIST_GROUPS = {
     # read), so a file's tests must share a worker; one worker also keeps the launches from overlapping
     "tests/test_distributed.py::": "processes",
     "tests/test_tensor_parallel.py::": "processes",
+    "tests/test_heldout_s.py::test_tensor_parallel": "processes",
     # the fuzzers' static vjp modules, built once (test_fuzz.static_vjp)
     "tests/test_fuzz.py::test_fuzz[vjp-": "fuzz_vjp",
     "tests/test_fuzz_sizes.py::": "fuzz_vjp",
@@ -55,6 +56,7 @@ XDIST_GROUPS = {
 SECONDS = {
     "tests/test_distributed.py::": 45,
     "tests/test_tensor_parallel.py::": 30,
+    "tests/test_heldout_s.py::test_tensor_parallel": 15,
     "tests/test_budget.py::test_byte_budget_peak_falls_with_the_budget[gpt]": 55,
     "tests/test_budget.py::test_sweep_is_monotone": 25,
     "tests/test_fuzz_sizes.py::": 15,  # a part: about 32 programs (test_fuzz_sizes.TIMES)

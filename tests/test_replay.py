@@ -313,3 +313,106 @@ def test_transposed_and_contiguous_arguments_match_autograd(float64):
     want = torch.autograd.grad(f(*leaves), leaves)
     for got, expected in zip(gm(x, y, w), want):
         torch.testing.assert_close(got, expected, **TOL)
+
+
+# -- FakeTensors wrapped with the constructor's state (fxtools.graph.fakes)
+
+
+def _meta(shape, stride, dtype=torch.float32):
+    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+
+def _data_ptr_refused(t) -> bool:
+    try:
+        t.data_ptr()
+    except RuntimeError:
+        return True
+    return False
+
+
+def test_wrapped_fake_tensors_are_the_constructors():
+    """A FakeTensor made by ``Wrapper`` is, attribute for attribute, the one ``FakeTensor(mode, meta,
+    device)`` makes: the same state, metadata, mode, device and dispatch, aliasing the meta tensor's
+    storage, its data pointer refused; the first tensor of a mode and device is the constructor's."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from fxtools.graph import fakes
+
+    mode = FakeTensorMode()
+    w = fakes.wrapper(mode, torch.device("cpu"))
+    assert fakes.wrapper(mode, torch.device("cpu")) is w
+    first = w.wrap(_meta((2, 3), (3, 1)))
+    assert w.state  # learned from the first
+    for shape, stride, dtype in (((4, 5), (1, 4), torch.float64), ((3,), (2,), torch.int64), ((), (), torch.bool)):
+        meta = _meta(shape, stride, dtype)
+        made, wrapped = FakeTensor(mode, meta, torch.device("cpu")), w.wrap(meta)
+        assert type(wrapped) is FakeTensor and wrapped.__dict__ == made.__dict__ == first.__dict__ | {}
+        assert (wrapped.shape, wrapped.stride(), wrapped.dtype, wrapped.device) == (shape, stride, dtype, torch.device("cpu"))
+        assert wrapped.untyped_storage()._cdata == meta.untyped_storage()._cdata
+        assert wrapped.fake_mode is mode and not wrapped.requires_grad and wrapped._version == 0
+        with mode:
+            assert (wrapped * 2).shape == shape and isinstance(wrapped.sum(), FakeTensor)
+    assert fakes.wrapper(mode, torch.device("meta")) is not w  # one per device
+    strict = FakeTensorMode()
+    strict._allow_unsafe_data_ptr_access = False
+    ws = fakes.wrapper(strict, torch.device("cpu"))
+    assert ws is not w  # and per mode
+    assert _data_ptr_refused(ws.wrap(_meta((1,), (1,)))) and _data_ptr_refused(ws.wrap(_meta((1,), (1,))))
+
+
+def test_unknown_constructor_state_is_left_to_the_constructor(monkeypatch):
+    """A constructor that leaves more than the mode, the device and empty slots (a later PyTorch, the
+    debug traceback) is called for every tensor; so is a FakeTensor of a non-meta tensor (an error)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from fxtools.graph import fakes
+
+    mode = FakeTensorMode()
+    made = []
+    original = FakeTensor.__new__
+
+    def counting(cls, *args, **kwargs):
+        fake = original(cls, *args, **kwargs)
+        fake.extra = len(made)
+        made.append(fake)
+        return fake
+
+    monkeypatch.setattr(FakeTensor, "__new__", staticmethod(counting))
+    w = fakes.Wrapper(mode, torch.device("cpu"))
+    a, b = w.wrap(_meta((2,), (1,))), w.wrap(_meta((2,), (1,)))
+    assert made == [a, b] and (a.extra, b.extra) == (0, 1) and w.state == {}
+    monkeypatch.undo()
+    w = fakes.Wrapper(mode, torch.device("cpu"))
+    w.wrap(_meta((2,), (1,)))
+    with pytest.raises(AssertionError):
+        w.wrap(torch.empty(2))
+
+
+def test_snapshots_and_replays_keep_make_fxs_records():
+    """make_fx's snapshots of traced values (``snapshot_fake``, wrapped while fxtools traces) and a replayed
+    rule call's values have the records make_fx gives them without fxtools' wrapping."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from fxtools.capture.trace import trace_flat
+
+    def f(x, w):
+        h = torch.tanh(x @ w)
+        return (h.t() * 2).sum(0), h[1:]
+
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    ours = trace_flat(f, [x, w])
+    plain = proxy_tensor.make_fx(f, pre_dispatch=True, tracing_mode="fake", _allow_non_fake_inputs=True)(x, w)
+    assert [n.target for n in ours.graph.nodes] == [n.target for n in plain.graph.nodes]
+    for a, b in zip(ours.graph.nodes, plain.graph.nodes):
+        va, vb = a.meta.get("val"), b.meta.get("val")
+        if isinstance(vb, torch.Tensor):
+            assert type(va) is FakeTensor and set(va.__dict__) == set(vb.__dict__)
+            assert (va.shape, va.stride(), va.storage_offset(), va.dtype, va._is_view()) == (
+                vb.shape,
+                vb.stride(),
+                vb.storage_offset(),
+                vb.dtype,
+                vb._is_view(),
+            )
+            assert va.untyped_storage().nbytes() == vb.untyped_storage().nbytes()
+            assert a.meta["tensor_meta"] == b.meta["tensor_meta"]

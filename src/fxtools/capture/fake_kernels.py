@@ -6,6 +6,15 @@ kernel accepts cannot be captured at all. ``aten._grouped_mm`` (``F.grouped_mm``
 layers of every Mixture-of-Experts model in ``transformers``) is one: its meta kernel mirrors the
 CUDA kernel and demands bfloat16, while the CPU kernel also takes float32 and float16.
 
+The normalisations' fake kernels disagree with their CPU kernels instead: for a half-precision
+input with float32 parameters (a bfloat16 residual under CPU autocast, a LayerNorm kept in
+float32) the CPU kernels return float32 statistics (mean, rstd), PyTorch's fake kernels the
+input's dtype; and CPU batch norm lays its output out densely (``suggest_memory_format``) where
+the fake kernel keeps a permuted input's strides. A trace then held the wrong dtype for the
+statistics (a JVP's tangent reads them: its backward added float32 cotangents into bfloat16
+ones, and crashed in a matmul) or refused a ``.view`` of the output that eager runs. fxtools'
+kernels run PyTorch's own and correct the dtypes and the layout (``_norm_kernel``).
+
 ``tracing_kernels()`` installs a kernel per such op into FakeTensorMode's table of op
 implementations (consulted before the meta kernel) for the duration of an fxtools trace, and
 removes it afterwards, together with the fake-dispatch cache entries it produced, so code
@@ -17,6 +26,7 @@ fails while tracing, with the user's line.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 
 import torch
@@ -217,6 +227,89 @@ def _contiguous_strides(shape):
     return list(reversed(strides))
 
 
+# --------------------------------------------------------------------------------------------
+# normalisations: the CPU kernels' dtypes and layouts
+
+# set while a norm kernel asks the meta kernel (an op with no fake kernel of PyTorch's)
+_INSIDE_NORM: contextvars.ContextVar[bool] = contextvars.ContextVar("fxtools_inside_norm", default=False)
+
+
+def _mixed(x, *params) -> bool:
+    """The CPU kernels' ``is_mixed_type``: the first parameter given has another dtype than ``x``
+    (a half-precision input with float32 affine parameters or running statistics). Their
+    statistics are then float32 (``param_scalar_type``); PyTorch's fake kernels give ``x``'s dtype."""
+    first = next((p for p in params if p is not None), None)
+    return first is not None and first.dtype != x.dtype and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _pytorch_fake(fake_mode, func, args, kwargs):
+    """What FakeTensorMode computes for ``func`` without fxtools' kernel: PyTorch's own fake kernel
+    (``native_layer_norm``'s), its decomposition (the batch norms': see ``_install``), or the meta kernel."""
+    previous = _saved.get(func)
+    if previous is not None:
+        return previous(fake_mode, func, *args, **kwargs)
+    if func in _DECOMPOSED:
+        from torch._decomp import decomposition_table
+
+        with fake_mode:
+            return decomposition_table[func](*args, **kwargs)
+    token = _INSIDE_NORM.set(True)
+    try:
+        with fake_mode:
+            return func(*args, **kwargs)
+    finally:
+        _INSIDE_NORM.reset(token)
+
+
+def _norm_kernel(param_indices, stat_outputs, dense_output, running_outputs=()):
+    """A fake kernel for a normalisation op: PyTorch's own, and on CPU, the CPU kernel's dtype for
+    the statistics (outputs ``stat_outputs``) when the dtypes are mixed (``_mixed`` of the
+    arguments ``param_indices``) and, with ``dense_output``, the output laid out as the CPU
+    kernel lays it out (``empty_like(x, x.suggest_memory_format())``: a permuted input gives a
+    contiguous output, where PyTorch's fake kernel keeps the permutation); ``running_outputs``
+    (the new running statistics of ``_native_batch_norm_legit_functional``) have the dtype of
+    the running statistics given (arguments 3 and 4), not always float32."""
+
+    def kernel(fake_mode, func, *args, **kwargs):
+        if _INSIDE_NORM.get():
+            return NotImplemented
+        schema = func._schema.arguments
+        values = [args[i] if i < len(args) else kwargs.get(schema[i].name, schema[i].default_value) for i in range(len(schema))]
+        x = values[0]
+        outs = _pytorch_fake(fake_mode, func, args, kwargs)
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+            return outs
+        mixed = _mixed(x, *(values[i] for i in param_indices))
+        fmt = torch._prims_common.suggest_memory_format(x)
+        relayout = dense_output and not outs[0].is_contiguous(memory_format=fmt)
+        retype = [i for i, j in zip(running_outputs, (3, 4)) if values[j] is not None and outs[i].dtype != values[j].dtype]
+        if not (mixed or relayout or retype):
+            return outs
+        _state["used"] = True
+        outs = list(outs)
+        with fake_mode:
+            for i, j in zip(running_outputs, (3, 4)):
+                if i in retype:
+                    outs[i] = torch.empty_like(outs[i], dtype=values[j].dtype)
+            if relayout:
+                outs[0] = torch.empty_like(outs[0], memory_format=fmt)
+            if mixed:
+                for i in stat_outputs:
+                    outs[i] = torch.empty_like(outs[i], dtype=torch.float32)
+        return tuple(outs)
+
+    return kernel
+
+
+_BATCH_NORMS = {
+    # op: (parameter arguments, statistics outputs)
+    aten.native_batch_norm.default: ((1, 2, 3, 4), (1, 2)),
+    aten._native_batch_norm_legit.default: ((1, 2, 3, 4), (1, 2)),
+    aten._native_batch_norm_legit.no_stats: ((1, 2), (1, 2)),
+    aten._native_batch_norm_legit_no_training.default: ((1, 2, 3, 4), (1, 2)),
+}
+
+
 KERNELS = {
     aten.linalg_lstsq.default: _linalg_lstsq,
     aten._pack_padded_sequence.default: _pack_padded_sequence,
@@ -224,22 +317,38 @@ KERNELS = {
     aten._ctc_loss.default: _ctc_loss,
     aten._ctc_loss.Tensor: _ctc_loss_tensor,
     aten._ctc_loss_backward.Tensor: _ctc_loss_backward,
+    aten.native_layer_norm.default: _norm_kernel((2, 3), (1, 2), dense_output=False),
+    aten.native_group_norm.default: _norm_kernel((1, 2), (1, 2), dense_output=False),
+    **{op: _norm_kernel(params, stats, dense_output=True) for op, (params, stats) in _BATCH_NORMS.items()},
+    aten._native_batch_norm_legit_functional.default: _norm_kernel(
+        (1, 2, 3, 4), (1, 2), dense_output=True, running_outputs=(3, 4)
+    ),
 }
 
 _lock = threading.Lock()
 _state = {"depth": 0, "used": False}  # nested uses share one install; "used": a kernel ran (may be cached)
 _saved: dict = {}
+_saved_meta: dict = {}
+# FakeTensorMode runs these ops' decompositions (``torch._decomp``) before it looks for a kernel of
+# ``op_implementations_dict``, unless they have a Python meta kernel (``meta_table``): while the
+# kernels are installed they are entered there, and ``_pytorch_fake`` runs the decomposition
+_DECOMPOSED = (*_BATCH_NORMS, aten._native_batch_norm_legit_functional.default)
 
 
 def _install():
+    from torch._decomp import decomposition_table, meta_table
     from torch._subclasses.fake_impls import op_implementations_dict
 
     for op, kernel in KERNELS.items():
         _saved[op] = op_implementations_dict.get(op)
         op_implementations_dict[op] = kernel
+    for op in _DECOMPOSED:
+        _saved_meta[op] = meta_table.get(op)
+        meta_table[op] = decomposition_table[op]
 
 
 def _uninstall():
+    from torch._decomp import meta_table
     from torch._subclasses.fake_impls import op_implementations_dict
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -249,6 +358,12 @@ def _uninstall():
             op_implementations_dict.pop(op, None)
         else:
             op_implementations_dict[op] = previous
+    for op in _DECOMPOSED:
+        previous = _saved_meta.pop(op)
+        if previous is None:
+            meta_table.pop(op, None)
+        else:
+            meta_table[op] = previous
     if _state["used"]:
         cache = FakeTensorMode.cache  # keyed by (op, argument metadata): forget what our kernels computed
         for key in [k for k in cache if k.key and k.key[0] in KERNELS]:

@@ -59,6 +59,7 @@ __all__ = [
     "Layout",
     "LocalView",
     "dtensor_functions",
+    "is_dtensor_step",
     "is_mesh",
     "is_subclass",
     "refuse_subclass_arguments",
@@ -81,6 +82,18 @@ def is_mesh(x) -> bool:
     program reads as one), taken as a constant of the program."""
     mesh = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
     return mesh is not None and isinstance(x, mesh)
+
+
+def is_dtensor_step(node) -> bool:
+    """Whether a captured node is a step of a DTensor program's local graph whose rule is the
+    *global* program's (eager DTensor's): a functional collective, an edge of the DTensor region
+    (``from_local``, ``to_local``, a replicated value's shares) or an op with eager's backward
+    handler. Their rules are adjoints across the ranks, not of each rank's local function."""
+    target = getattr(node, "target", None)
+    if getattr(target, "namespace", None) == "_c10d_functional":
+        return True
+    kind = getattr(target, "kind", None)
+    return isinstance(target, custom.CustomCall) and getattr(getattr(kind, "fn", None), "_fxtools_dtensor", False)
 
 
 def is_subclass(x) -> bool:
@@ -338,6 +351,7 @@ def _partition_bwd(res, ct):
 
 # DTensor's Replicate -> Partial("sum") (a replicated bias added to partial sums): each rank's
 # share of the value; its cotangent, a Partial value's, is the same on every rank
+_partition._fxtools_dtensor = True  # type: ignore[attr-defined]
 _PARTITION = custom.custom_vjp(_partition)
 _PARTITION.defvjp(_partition_fwd, _partition_bwd)
 
@@ -432,6 +446,7 @@ def _with_eager_backward(handlers: dict, handler):
             return (_local_cotangent(grad, specs[0], placements), *(None for _ in tensors[1:]))
 
         call.__name__ = _snake_op(op)
+        call._fxtools_dtensor = True  # type: ignore[attr-defined]
         fn = custom.custom_vjp(call)
         fn.defvjp(fwd, bwd)
         outs = fn(*(local(leaves[i]) for i in tensor_pos))
@@ -504,6 +519,7 @@ def _edge(kind: str):
         return ct, None, None, None
 
     fun.__name__ = f"dtensor_{kind}"
+    fun._fxtools_dtensor = True  # type: ignore[attr-defined]
     edge = custom.custom_vjp(fun)
     edge.defvjp(fwd, bwd)
     return edge

@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..graph import meta
 from ..graph.data_dependent import broadcasts_into, materialize, same_shape, shape_arg, sizes_from_inputs
+from ..graph.fakes import wrapper
 from ..graph.nodes import (
     STATEFUL_NORMS,
     ancestors,
@@ -172,7 +173,7 @@ class _ViewsInKernel(TorchDispatchMode):
             return args[0].fake_device
         with no_python_dispatcher(), in_kernel_invocation_manager(self.fake_mode):
             out = func(*args, **(kwargs or {}))
-        return FakeTensor(self.fake_mode, out, args[0].fake_device) if isinstance(out, torch.Tensor) else out
+        return wrapper(self.fake_mode, args[0].fake_device).wrap(out) if isinstance(out, torch.Tensor) else out
 
 
 def _view_value(fake_mode, target, vals, kvals):

@@ -26,12 +26,12 @@ import types
 import torch
 import torch.fx as fx
 from torch._dispatch.python import no_python_dispatcher
-from torch._subclasses.fake_impls import fast_detach
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.fx.experimental import proxy_tensor
 from torch.fx.immutable_collections import immutable_list
 from torch.utils import _pytree as pytree
 
+from ..graph.fakes import detached, wrapper
 from ..graph.nodes import copy_args
 
 aten = torch.ops.aten
@@ -161,10 +161,11 @@ class _Like:
     """How to make FakeTensors with a recorded value's metadata (storage offset and size included),
     read once when the call is recorded rather than at each replay."""
 
-    __slots__ = ("device", "dtype", "mode", "offset", "plain", "shape", "size", "stride")
+    __slots__ = ("device", "dtype", "mode", "offset", "plain", "shape", "size", "stride", "wrap")
 
     def __init__(self, val):
         self.mode, self.device, self.dtype = val.fake_mode, val.device, val.dtype
+        self.wrap = wrapper(self.mode, self.device).wrap
         self.shape, self.stride = val.shape, val.stride()
         self.offset, nbytes = val.storage_offset(), val.untyped_storage().nbytes()
         self.size = nbytes // val.element_size()
@@ -184,8 +185,9 @@ class _Like:
         ``node.meta["val"]`` keeps (as make_fx does); only the snapshot (``n=1``) for a value the
         call does not return, which nothing traces. Made as FakeTensorMode makes its own
         (``fast_detach``): a meta tensor wrapped in FakeTensors of the recorded value's mode (each
-        wrapper has its own metadata), without a trip through the modes."""
-        return tuple(FakeTensor(self.mode, meta, self.device) for _ in range(n))
+        wrapper has its own metadata), without a trip through the modes (``graph/fakes.py``)."""
+        wrap = self.wrap
+        return (wrap(meta), wrap(meta)) if n == 2 else tuple(wrap(meta) for _ in range(n))
 
 
 def _same_meta(t, val) -> bool:
@@ -332,7 +334,7 @@ class _Recording:
                 else:
                     if old.target is operator.getitem:
                         t = vals[old.args[0]][old.args[1]]
-                        snapshot = fast_detach(t.fake_mode, t)
+                        snapshot = detached(t)
                     else:
                         t, snapshot = like.fresh(metas[old])
                     vals[old] = t

@@ -24,12 +24,13 @@ import torch
 import torch.fx as fx
 from torch._dispatch.python import no_python_dispatcher
 from torch._prims_common import make_contiguous_strides_for
-from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+from torch._subclasses.fake_tensor import in_kernel_invocation_manager
 from torch.fx.experimental import proxy_tensor
 
 from ..capture.names import name_rule_steps, recording_rule_lines
 from ..capture.trace import data_dependent_error, is_data_dependent, trace_flat
 from ..graph.data_dependent import cotangent_example, is_dynamic, symbolic_mode
+from ..graph.fakes import wrapper
 from ..signature.naming import short_op
 
 __all__ = ["Retracer", "Namer", "NodeNamer", "example_mode", "fake_example", "retrace", "copy_constants"]
@@ -138,7 +139,7 @@ def _static_example(mode, shape, stride, dtype, device):
     metadata into a new FakeTensor (a tenth of ``fxtools.split``'s time on a GPT's 150 parameters)."""
     with no_python_dispatcher(), in_kernel_invocation_manager(mode):
         meta = torch.ops.aten.empty_strided.default(shape, stride, dtype=dtype, device="meta")
-    fake = FakeTensor(mode, meta, device)
+    fake = wrapper(mode, device).wrap(meta)
     mode.fake_tensor_converter.set_tensor_memo(fake, fake)
     return fake
 

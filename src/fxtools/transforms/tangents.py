@@ -27,6 +27,7 @@ from .. import registry
 from ..capture import dual
 from ..capture.decompose import expand, inline_decomposition
 from ..capture.functionalize import functionalize
+from ..capture.subclasses import is_dtensor_step
 from ..errors import FxtoolsError, user_line_of
 from ..graph import meta
 from ..graph.data_dependent import is_dynamic, tie
@@ -522,7 +523,20 @@ def _lower_draws(gm: fx.GraphModule, region: list[fx.Node]) -> bool:
 
 
 def _refuse_random(region: list[fx.Node], level: int) -> None:
-    """A random op between duals and a tangent would draw again for the tangent's copy."""
+    """A random op between duals and a tangent would draw again for the tangent's copy; a step
+    of a DTensor program (tensor parallel) has the global program's rule, whose transpose is not
+    the local program's JVP (the all-reduce summing a replicated value's gradient would sum its
+    tangent over the ranks): both refused, naming the op's line and the JVP's."""
+    for n in region:
+        if is_dtensor_step(n):
+            op = getattr(n.target, "__name__", str(n.target))
+            raise FxtoolsError(
+                f"fxtools cannot take the JVP at {dual.level_line(level)} through {op} (at "
+                f"{user_line_of(n) or 'an unknown line'}), a step of a tensor-parallel (DTensor) program: "
+                "forward mode through DTensor's collectives and the edges of its region is not supported yet "
+                "(eager's torch.func.jvp fails on DTensors too). Take the JVP of a module that is not "
+                "tensor-parallel, or train it with FSDP2 or DDP, which work (docs/jvp_losses.md)."
+            )
     for n in region:
         if _draws(n) and not _updates_statistics(n):
             op = getattr(n.target, "__name__", str(n.target))

@@ -1,0 +1,91 @@
+"""FakeTensors made from meta tensors as ``FakeTensor(mode, meta, device)`` makes them, at a sixth of the cost.
+
+fxtools makes FakeTensors of known metadata itself where tracing would make the same ones (a replayed
+rule call's values, a re-trace's examples): a meta tensor wrapped as FakeTensorMode's own fast paths
+(``fast_detach``) wrap one. ``FakeTensor.__new__`` spends most of its 30-35 us checking its
+arguments, normalizing the device and setting fifteen empty memo slots through their descriptors;
+what it leaves in the new tensor's ``__dict__`` depends only on the mode and the device. ``Wrapper``
+makes one FakeTensor through the constructor itself, keeps the state it left, and gives later
+tensors of the same mode and device that state (``Tensor._make_subclass`` as the constructor calls
+it, the mutable-data-pointer flag as it sets it, then the same ``__dict__``): 5-6 us each. Where that
+state holds anything but the mode, the device and ``None`` (a PyTorch whose constructor records more,
+``FakeTensorConfig.debug``'s traceback), the constructor is called every time.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch._dispatch.python import no_python_dispatcher
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, in_kernel_invocation_manager
+
+
+class Wrapper:
+    """``wrap(meta)`` is ``FakeTensor(mode, meta, device)`` (``meta`` a tensor on the meta device)."""
+
+    __slots__ = ("device", "mode", "state")
+
+    def __init__(self, mode, device):
+        self.mode, self.device = mode, device
+        self.state: dict | None = None  # the constructor's state, once one tensor has been made
+
+    def wrap(self, meta: torch.Tensor) -> FakeTensor:
+        state = self.state
+        if not state or FakeTensorConfig.debug or meta.device.type != "meta" or _tracks_leaks():
+            fake = FakeTensor(self.mode, meta, self.device)
+            if state is None and not FakeTensorConfig.debug:
+                self.state = _plain_state(fake, self.mode)
+            return fake
+        fake = torch.Tensor._make_subclass(
+            FakeTensor, meta, meta.requires_grad, dispatch_device=True, device_for_backend_keys=state["_fake_device"]
+        )
+        if not self.mode._allow_unsafe_data_ptr_access:
+            torch._C._set_throw_on_mutable_data_ptr(fake)
+        else:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(fake)
+        fake.__dict__.update(state)
+        return fake
+
+
+_NO_STATE: dict = {}
+_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mode -> {device: Wrapper}
+
+
+def wrapper(mode, device) -> Wrapper:
+    """The ``Wrapper`` of FakeTensors of ``mode`` on ``device`` (one per mode and device, so that
+    the constructor runs once for each)."""
+    by_device = _WRAPPERS.get(mode)
+    if by_device is None:
+        by_device = _WRAPPERS[mode] = {}
+    w = by_device.get(device)
+    if w is None:
+        w = by_device[device] = Wrapper(mode, device)
+    return w
+
+
+def _plain_state(fake: FakeTensor, mode) -> dict:
+    """``fake.__dict__`` if it holds only the mode, the device and ``None``: a state every FakeTensor
+    of this mode and device made by the constructor has. Otherwise an empty dict: ``Wrapper`` then
+    calls the constructor every time."""
+    state = dict(fake.__dict__)
+    device = state.get("_fake_device")
+    if not isinstance(device, torch.device) or state.get("fake_mode") is not mode:
+        return _NO_STATE
+    if any(v is not None for k, v in state.items() if k not in ("_fake_device", "fake_mode")):
+        return _NO_STATE
+    return state
+
+
+def _tracks_leaks() -> bool:
+    """Whether ``FakeTensor.__init__`` records each new tensor (non-strict ``torch.export``'s leak check)."""
+    return torch.compiler.is_exporting() and torch._export.config.detect_non_strict_fake_tensor_leaks
+
+
+def detached(t: FakeTensor) -> FakeTensor:
+    """``fast_detach(t.fake_mode, t)``: make_fx's snapshot of a traced value (``node.meta["val"]``),
+    its ``aten.detach`` run in the mode's kernel invocation and wrapped by ``wrapper``."""
+    mode, device = t.fake_mode, t.device
+    with no_python_dispatcher(), in_kernel_invocation_manager(mode):
+        out = torch.ops.aten.detach.default(t)
+    return wrapper(mode, device).wrap(out)
