@@ -1046,6 +1046,111 @@ def _hint(x):
     return x
 
 
+class _MutatedInputs:
+    """Inputs of a Dynamo graph that it writes in place with a differentiable value, handled as
+    AOTAutograd handles mutated inputs: the graph (``function``) computes their new values out of
+    place, on a copy of each, and returns them after its outputs; ``call`` copies them into the
+    inputs after the autograd.Function, with autograd recording (``x.copy_(new)``), so autograd
+    sees the mutation as it sees eager's: the input's version counter and ``grad_fn`` change, a leaf
+    requiring grad is refused as eager refuses it.
+
+    Dynamo breaks a graph at a data-dependent read (``y[y < 0] = 0.1 * y[y < 0] * w``), so a
+    tensor the program made and then modifies can arrive as an input of the graph that modifies it.
+    """
+
+    def __init__(self, fn, positions: list[int]):
+        self.fn, self.positions = fn, sorted(positions)
+        self.returned: dict[int, int] = {}  # output position -> input position, for an output that is the input
+
+    def function(self):
+        """``fn`` computing the new values of the mutated inputs out of place and returning them."""
+        fn, positions, returned = self.fn, self.positions, self.returned
+
+        def call(*args):
+            args = list(args)
+            copies = {i: args[i].clone() for i in positions}
+            for i, c in copies.items():
+                args[i] = c
+            out = fn(*args)
+            returned.clear()
+            if isinstance(out, (tuple, list)):
+                returned.update({k: i for k, o in enumerate(out) for i, c in copies.items() if o is c})
+            for i, c in copies.items():
+                if tuple(c.shape) != tuple(args[i].shape) or c.dtype != args[i].dtype:  # pragma: no cover
+                    raise FxtoolsError("internal error: a copy of a mutated input changed its metadata")
+            return out, tuple(copies[i] for i in positions)
+
+        call.__signature__ = fn.__signature__
+        call.__name__ = call.__qualname__ = fn.__name__
+        call.__fxtools_input_kinds__ = fn.__fxtools_input_kinds__
+        return call
+
+    def call(self, compiled, args: tuple):
+        for i in self.positions:
+            _refuse_aliased_input(args, i)
+        # the autograd.Function gets a copy of each: it may save it for its backward (or a replay
+        # with create_graph=True may read it), and the write below must not reach what it saved
+        inputs = tuple(x.clone() if i in self.positions else x for i, x in enumerate(args))
+        out, new = compiled(*inputs)
+        for i, value in zip(self.positions, new):
+            args[i].copy_(value)  # with autograd recording, as eager's in-place write
+        if self.returned and isinstance(out, (tuple, list)):
+            out = type(out)(args[self.returned[k]] if k in self.returned else o for k, o in enumerate(out))
+        return out
+
+
+def _refuse_aliased_input(args, i: int) -> None:
+    """Refuse a mutated input sharing memory with another tensor input: the write would have to
+    reach the other one too (AOTAutograd's synthetic bases), which fxtools does not do."""
+    x = args[i]
+    if not isinstance(x, torch.Tensor) or x.numel() == 0:
+        return
+    ptr = x.untyped_storage().data_ptr()
+    for j, y in enumerate(args):
+        if j != i and isinstance(y, torch.Tensor) and y.numel() and y.untyped_storage().data_ptr() == ptr:
+            raise FxtoolsError(
+                f"fxtools.backend: the graph Dynamo captured writes in place (with a differentiable value) "
+                f"input {i}, which shares memory with its input {j}; fxtools cannot make the write reach "
+                "the other input. Clone one of them before the graph break, or compute the new value out of place."
+            )
+
+
+def _compiled_function(fn, example_inputs: list, options: Options):
+    """``CompiledFunction(fn)`` made for ``example_inputs``, and the inputs it writes in place with
+    a differentiable value (``_MutatedInputs``), or None: each refused such write (``InplaceError``
+    naming its input) is made out of place, and the function made again."""
+    from ..capture.functionalize import InplaceError, kept_input_writes
+
+    tensors = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
+    differentiable = [x.requires_grad and is_float(x) for x in example_inputs if isinstance(x, torch.Tensor)]
+    mutated: _MutatedInputs | None = None
+    while True:
+        compiled = CompiledFunction(fn if mutated is None else mutated.function(), options)
+        try:
+            with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
+                compiled.runner(*example_inputs)
+            # a differentiable write whose value no output reads: not differentiated, yet the caller reads it
+            gm = compiled.split.captured.gm
+            carriers = _carriers(gm, differentiable) if torch.is_grad_enabled() else set()
+            leaves = [leaf for node, leaf in kept_input_writes(gm) if node in carriers]
+            if not leaves:
+                return compiled, mutated
+            err: InplaceError | None = None
+        except InplaceError as e:
+            if e.written_input is None:
+                raise
+            leaves, err = [e.written_input], e
+        positions = {tensors[leaf] for leaf in leaves if leaf < len(tensors)}
+        known = set(mutated.positions) if mutated is not None else set()
+        if not positions - known:
+            if err is not None:
+                raise err
+            raise FxtoolsError("internal error: a differentiable write into an input is kept in place")
+        for i in positions:
+            _refuse_aliased_input(example_inputs, i)
+        mutated = _MutatedInputs(fn, sorted(positions | known))
+
+
 def backend(
     fw_compiler=None,
     bw_compiler=None,
@@ -1075,16 +1180,19 @@ def backend(
         gm = functorch_regions(_inline_higher_order(gm))
         floats = _wrapped_floats(gm)
         example_inputs = [_hint(x.item() if i in floats else x) for i, x in enumerate(example_inputs)]
+        mutated: _MutatedInputs | None = None
         if any(True for _ in gm.parameters()):
             compiled: CompiledModule | CompiledFunction = CompiledModule(gm, options)
+            with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
+                compiled.runner(*example_inputs)
         else:  # parameters arrive as inputs: differentiate the graph as a function of them
-            compiled = CompiledFunction(_as_function(gm, example_inputs), options)
-        with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
-            compiled.runner(*example_inputs)
+            compiled, mutated = _compiled_function(_as_function(gm, example_inputs), example_inputs, options)
 
         def run(*args):
             if floats:
                 args = tuple(x.item() if i in floats else x for i, x in enumerate(args))
+            if mutated is not None:
+                return mutated.call(compiled, args)
             return compiled(*args)
 
         run.fxtools_compiled = compiled
