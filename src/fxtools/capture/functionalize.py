@@ -58,6 +58,7 @@ class InplaceError(FxtoolsError):
     place and copy it into the input itself, as AOTAutograd does (``training/backend.py``)."""
 
     written_input: int | None = None
+    where: str | None = None  # the user's line of the in-place op, when known
 
 
 # ---------------------------------------------------------------------------------------------
@@ -614,7 +615,7 @@ def _kept_mutation_rule(node: fx.Node) -> Rule:
             "Compute the new value out of place and return it, or do the update under "
             "torch.no_grad() / on .detach()ed values."
         )
-        err.written_input = written
+        err.written_input, err.where = written, where
         raise err
 
     def bwd(aux, ct):  # pragma: no cover - fwd always raises

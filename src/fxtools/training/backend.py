@@ -50,8 +50,9 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
+from ..capture.functionalize import InplaceError, kept_input_writes
 from ..capture.nested import functorch_regions
-from ..errors import FxtoolsError
+from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
 from ..graph.nodes import ancestors, fake_mode_of, is_float
 from ..signature import closures
@@ -1058,8 +1059,9 @@ class _MutatedInputs:
     tensor the program made and then modifies can arrive as an input of the graph that modifies it.
     """
 
-    def __init__(self, fn, positions: list[int]):
-        self.fn, self.positions = fn, sorted(positions)
+    def __init__(self, fn, lines: dict[int, str]):
+        self.fn, self.positions, self.lines = fn, sorted(lines), lines  # lines: position -> the user's line writing it
+        self.names = list(inspect.signature(fn).parameters)
         self.returned: dict[int, int] = {}  # output position -> input position, for an output that is the input
 
     def function(self):
@@ -1087,7 +1089,7 @@ class _MutatedInputs:
 
     def call(self, compiled, args: tuple):
         for i in self.positions:
-            _refuse_aliased_input(args, i)
+            _refuse_aliased_input(args, i, self.names, self.lines.get(i))
         # the autograd.Function gets a copy of each: it may save it for its backward (or a replay
         # with create_graph=True may read it), and the write below must not reach what it saved
         inputs = tuple(x.clone() if i in self.positions else x for i, x in enumerate(args))
@@ -1099,7 +1101,7 @@ class _MutatedInputs:
         return out
 
 
-def _refuse_aliased_input(args, i: int) -> None:
+def _refuse_aliased_input(args, i: int, names: list[str], where: str | None) -> None:
     """Refuse a mutated input sharing memory with another tensor input: the write would have to
     reach the other one too (AOTAutograd's synthetic bases), which fxtools does not do."""
     x = args[i]
@@ -1108,10 +1110,12 @@ def _refuse_aliased_input(args, i: int) -> None:
     ptr = x.untyped_storage().data_ptr()
     for j, y in enumerate(args):
         if j != i and isinstance(y, torch.Tensor) and y.numel() and y.untyped_storage().data_ptr() == ptr:
-            raise FxtoolsError(
-                f"fxtools.backend: the graph Dynamo captured writes in place (with a differentiable value) "
-                f"input {i}, which shares memory with its input {j}; fxtools cannot make the write reach "
-                "the other input. Clone one of them before the graph break, or compute the new value out of place."
+            raise InplaceError(
+                f"fxtools.backend: {where or 'an in-place op'} writes `{names[i]}` (an input of the graph "
+                f"Dynamo captured) with a differentiable value, and `{names[j]}`, another input of that graph, "
+                "shares its memory; fxtools computes the new value out of place and copies it into "
+                f"`{names[i]}` afterwards, and cannot make the write reach `{names[j]}` as eager does. "
+                "Clone one of them, or compute the new value out of place."
             )
 
 
@@ -1119,8 +1123,6 @@ def _compiled_function(fn, example_inputs: list, options: Options):
     """``CompiledFunction(fn)`` made for ``example_inputs``, and the inputs it writes in place with
     a differentiable value (``_MutatedInputs``), or None: each refused such write (``InplaceError``
     naming its input) is made out of place, and the function made again."""
-    from ..capture.functionalize import InplaceError, kept_input_writes
-
     tensors = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
     differentiable = [x.requires_grad and is_float(x) for x in example_inputs if isinstance(x, torch.Tensor)]
     mutated: _MutatedInputs | None = None
@@ -1132,23 +1134,24 @@ def _compiled_function(fn, example_inputs: list, options: Options):
             # a differentiable write whose value no output reads: not differentiated, yet the caller reads it
             gm = compiled.split.captured.gm
             carriers = _carriers(gm, differentiable) if torch.is_grad_enabled() else set()
-            leaves = [leaf for node, leaf in kept_input_writes(gm) if node in carriers]
-            if not leaves:
+            writes = {leaf: user_line_of(node) for node, leaf in kept_input_writes(gm) if node in carriers}
+            if not writes:
                 return compiled, mutated
             err: InplaceError | None = None
         except InplaceError as e:
             if e.written_input is None:
                 raise
-            leaves, err = [e.written_input], e
-        positions = {tensors[leaf] for leaf in leaves if leaf < len(tensors)}
-        known = set(mutated.positions) if mutated is not None else set()
-        if not positions - known:
+            writes, err = {e.written_input: e.where}, e
+        lines = {tensors[leaf]: where for leaf, where in writes.items() if leaf < len(tensors)}
+        known = dict(mutated.lines) if mutated is not None else {}
+        if not lines.keys() - known.keys():
             if err is not None:
                 raise err
             raise FxtoolsError("internal error: a differentiable write into an input is kept in place")
-        for i in positions:
-            _refuse_aliased_input(example_inputs, i)
-        mutated = _MutatedInputs(fn, sorted(positions | known))
+        names = list(inspect.signature(fn).parameters)
+        for i, where in lines.items():
+            _refuse_aliased_input(example_inputs, i, names, where)
+        mutated = _MutatedInputs(fn, {**lines, **known})
 
 
 def backend(
