@@ -38,7 +38,9 @@ def _grads(fn, x, w):
     return out.detach(), torch.autograd.grad(out, wrt)
 
 
-@pytest.mark.parametrize("program,shape", [(_leaky, (7,)), (_leaky, (5, 3)), (_view_then_leaky, (6, 4)), (_view_then_leaky, (3, 4))])
+@pytest.mark.parametrize(
+    "program,shape", [(_leaky, (7,)), (_leaky, (5, 3)), (_view_then_leaky, (6, 4)), (_view_then_leaky, (3, 4))]
+)
 @pytest.mark.parametrize("x_grad", [True, False])
 def test_graph_writing_its_input_matches_eager(float64, program, shape, x_grad):
     """was: InplaceError (the graph writes ``y``, its input); with a mutated input requiring grad

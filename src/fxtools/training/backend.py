@@ -1059,27 +1059,29 @@ class _MutatedInputs:
     tensor the program made and then modifies can arrive as an input of the graph that modifies it.
     """
 
-    def __init__(self, fn, lines: dict[int, str]):
+    def __init__(self, fn, lines: dict[int, str | None]):
         self.fn, self.positions, self.lines = fn, sorted(lines), lines  # lines: position -> the user's line writing it
         self.names = list(inspect.signature(fn).parameters)
         self.returned: dict[int, int] = {}  # output position -> input position, for an output that is the input
 
     def function(self):
         """``fn`` computing the new values of the mutated inputs out of place and returning them."""
-        fn, positions, returned = self.fn, self.positions, self.returned
+        fn, positions, returned, lines, names = self.fn, self.positions, self.returned, self.lines, self.names
 
-        def call(*args):
-            args = list(args)
-            copies = {i: args[i].clone() for i in positions}
-            for i, c in copies.items():
-                args[i] = c
-            out = fn(*args)
+        def call(*inputs):
+            copies = {i: inputs[i].clone() for i in positions}
+            out = fn(*(copies.get(i, x) for i, x in enumerate(inputs)))
             returned.clear()
             if isinstance(out, (tuple, list)):
                 returned.update({k: i for k, o in enumerate(out) for i, c in copies.items() if o is c})
             for i, c in copies.items():
-                if tuple(c.shape) != tuple(args[i].shape) or c.dtype != args[i].dtype:  # pragma: no cover
-                    raise FxtoolsError("internal error: a copy of a mutated input changed its metadata")
+                if c.shape != inputs[i].shape or c.stride() != inputs[i].stride():
+                    raise InplaceError(
+                        f"fxtools.backend: {lines.get(i) or 'an in-place op'} changes the shape or strides of "
+                        f"`{names[i]}`, an input of the graph Dynamo captured, in place and takes part in "
+                        "differentiation; fxtools does not carry such a change out of the graph. "
+                        "Compute the new value out of place."
+                    )
             return out, tuple(copies[i] for i in positions)
 
         call.__signature__ = fn.__signature__
@@ -1097,7 +1099,7 @@ class _MutatedInputs:
         for i, value in zip(self.positions, new):
             args[i].copy_(value)  # with autograd recording, as eager's in-place write
         if self.returned and isinstance(out, (tuple, list)):
-            out = type(out)(args[self.returned[k]] if k in self.returned else o for k, o in enumerate(out))
+            out = type(out)([args[self.returned[k]] if k in self.returned else o for k, o in enumerate(out)])
         return out
 
 
