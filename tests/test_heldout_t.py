@@ -123,3 +123,21 @@ def test_written_input_sharing_memory_with_another_is_refused(float64):
     base = x * 1
     with pytest.raises(Exception, match=r"a.mul_\(w\) writes `a`.*`b`.*shares its memory"):
         torch.compile(_write_one_read_other, backend=fxtools.backend())(base, base[1:], w)
+
+
+def _spectral_energy(x):
+    s = torch.stft(x, n_fft=8, hop_length=2, window=torch.hann_window(8), return_complex=True)
+    return s.abs().sum()
+
+
+def test_stft_in_another_layout_names_as_strided(float64):
+    """``torch.stft`` frames its input with ``as_strided`` on the input's strides: a module made
+    for a contiguous example refuses a transposed input saying so (it said ``.view``), and runs
+    the contiguous one exactly."""
+    torch.manual_seed(2)
+    x = torch.randn(3, 40)
+    g = fxtools.grad(_spectral_energy, x)
+    torch.testing.assert_close(g(x), torch.func.grad(_spectral_energy)(x), **TOL)
+    with pytest.raises(fxtools.FxtoolsError, match=r"uses as_strided on x's strides") as e:
+        g(torch.randn(40, 3).t())
+    assert ".view" not in str(e.value)
