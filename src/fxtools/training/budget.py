@@ -480,12 +480,20 @@ class Problem:
         for i in range(len(levels) - 1, -1, -1):
             weight = (levels[i + 1] - levels[i] if i + 1 < len(levels) else 0) + 1
             new_total, back = np.full(len(pool), np.inf), np.full(len(pool), -1)
-            for k in np.flatnonzero(nb <= levels[i]):
-                ok = alive & (nb >= nb[k]) & (nc <= nc[k]) & (nk >= nk[k]) if backs else np.ones(len(pool), dtype=bool)
-                if ok.any():
-                    j = int(np.flatnonzero(ok)[np.argmin(total[ok])]) if backs else k
-                    new_total[k] = (total[j] if backs else 0.0) + weight * nc[k] / scale
-                    back[k] = j
+            within = np.flatnonzero(nb <= levels[i])
+            if not backs:  # the largest level: every candidate within it starts a chain
+                new_total[within], back[within] = weight * nc[within] / scale, within
+            # each candidate within the level follows the chain above it totalling least (the
+            # first such), among those saving no less, recomputing no more, peaking no lower;
+            # in blocks of candidates, a block's comparisons at most ~4M booleans
+            step = max(1, (1 << 22) // max(len(pool), 1))
+            for lo in range(0, len(within) if backs else 0, step):
+                ks = within[lo : lo + step]
+                ok = alive & (nb >= nb[ks, None]) & (nc <= nc[ks, None]) & (nk >= nk[ks, None])
+                reached = ok.any(axis=1)
+                j = np.where(ok, total, np.inf).argmin(axis=1)[reached]
+                ks = ks[reached]
+                new_total[ks], back[ks] = total[j] + weight * nc[ks] / scale, j
             if not np.isfinite(new_total).any():
                 return self._chain(levels, pool, backs, total, i)
             total, alive = new_total, np.isfinite(new_total)
@@ -994,9 +1002,11 @@ class Trace:
     taken: dict = field(default_factory=dict)  # an item of a multi-output op's result -> that result
 
 
-def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
+def live_trace(order, start, held, memo: _Memo | None = None, full: bool = True) -> Trace:
     """Liveness of running ``order`` (nodes): ``start`` values exist before, ``held`` values (and
-    their storages) are never freed; every other storage is freed after its last use."""
+    their storages) are never freed; every other storage is freed after its last use. Without
+    ``full``, the peak only (``reads`` left empty, ``live`` what is live at the start: the
+    budget's searches simulate thousands of orders for their peaks)."""
     memo = memo or _Memo()
     inputs, values = memo.inputs, memo.values
     current: dict = {}
@@ -1030,7 +1040,8 @@ def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
     for i, n in enumerate(order):
         for a in inputs[n]:
             k = current_get(a) or make(a, -1)
-            reads[k].append(i)
+            if full:
+                reads[k].append(i)
             last[storage[k]] = i
         r, whole, nbytes_ = values[n]
         if r is n and whole is None:  # ``make(n, i)``: a value of its own storage
@@ -1057,7 +1068,9 @@ def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
             live.add(s)
             total += size[s]
         if total > trace.peak:
-            trace.peak, trace.at, trace.live = total, i, set(live)
+            trace.peak, trace.at = total, i
+            if full:
+                trace.live = set(live)
         for s in frees.get(i, ()):
             if s in live:
                 live.discard(s)
@@ -1067,7 +1080,7 @@ def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
 
 def liveness_peak(order, start, held, memo: _Memo | None = None) -> int:
     """Peak bytes while running ``order`` (``live_trace``)."""
-    return live_trace(order, start, held, memo).peak
+    return live_trace(order, start, held, memo, full=False).peak
 
 
 def _backward_ends(part, saved):
@@ -1099,13 +1112,15 @@ def predicted_peak(part, saved, recomputed, memo: _Memo | None = None, forget=No
         return max(fw_peak, liveness_peak(bw, start, held, memo))
     key = (frozenset(saved), frozenset(recomputed))
     if key not in memo.peaks:  # the budget's searches meet the same points many times
-        memo.peaks[key] = max(forward_peak(part, saved, memo), _base_trace(part, saved, recomputed, memo)[1].peak)
+        start, held = _backward_ends(part, saved)
+        bw = backward_nodes(part, saved, recomputed, inputs=memo.inputs)
+        memo.peaks[key] = max(forward_peak(part, saved, memo), liveness_peak(bw, start, held, memo))
     return memo.peaks[key]
 
 
 def _base_trace(part, saved, recomputed, memo: _Memo) -> tuple[list, Trace]:
     """The backward's order and ``live_trace`` forgetting nothing; the last one is kept
-    (``predicted_peak`` of a point, then ``refresh`` of it in each mode, start from the same).
+    (``refresh`` of a point in each mode starts from the same).
     Kept for the same set objects only: the trace's dicts follow ``saved``'s iteration order."""
     if memo.base is None or memo.base[0] is not saved or memo.base[1] is not recomputed:
         start, held = _backward_ends(part, saved)
