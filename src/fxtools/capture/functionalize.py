@@ -46,11 +46,19 @@ from ..registry import Rule, differentiable_nodes, is_nondifferentiable
 
 aten = torch.ops.aten
 
-__all__ = ["functionalize", "InplaceError"]
+__all__ = ["functionalize", "InplaceError", "kept_input_writes"]
 
 
 class InplaceError(FxtoolsError):
-    """An in-place op fxtools cannot turn into functional code without changing its gradient."""
+    """An in-place op fxtools cannot turn into functional code without changing its gradient.
+
+    ``written_input``: for a differentiable write into a graph input (kept in place, see the
+    module docstring), the position of that input among the graph's placeholders, else None. A
+    caller owning the inputs (``torch.compile``'s backend) can then compute the new value out of
+    place and copy it into the input itself, as AOTAutograd does (``training/backend.py``)."""
+
+    written_input: int | None = None
+    where: str | None = None  # the user's line of the in-place op, when known
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,9 +604,10 @@ class _Opaque(Exception):
 def _kept_mutation_rule(node: fx.Node) -> Rule:
     """Rule for an in-place op kept on an input or buffer: it must carry no gradient."""
     op, where = node.target, _where(node)
+    written = _written_placeholder(_arg_at(node, _written_args(op)[0]))
 
     def fwd(*args, **kwargs):
-        raise InplaceError(
+        err = InplaceError(
             f"in-place {op} (from {where}) writes to a function input or a closed-over tensor "
             "and takes part in differentiation (it writes, or writes into, a value that depends "
             "on a differentiated input). fxtools keeps such mutations in place so the caller sees "
@@ -606,11 +615,42 @@ def _kept_mutation_rule(node: fx.Node) -> Rule:
             "Compute the new value out of place and return it, or do the update under "
             "torch.no_grad() / on .detach()ed values."
         )
+        err.written_input, err.where = written, where
+        raise err
 
     def bwd(aux, ct):  # pragma: no cover - fwd always raises
         raise AssertionError("unreachable")
 
     return Rule(fwd, bwd, "fxtools-inplace")
+
+
+def kept_input_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
+    """The in-place ops ``functionalize`` kept on graph inputs of ``gm`` that must carry no
+    gradient, each with the position of the input it writes among the placeholders (writes into
+    closed-over tensors, and ops only updating statistics on the side, are not listed)."""
+    found = []
+    for node in gm.graph.nodes:
+        rule = meta.RULE.get(node) if node.op == "call_function" else None
+        if getattr(rule, "source", None) == "fxtools-inplace" and is_mutating(node):
+            i = _written_placeholder(_arg_at(node, _written_args(node.target)[0]))
+            if i is not None:
+                found.append((node, i))
+    return found
+
+
+def _written_placeholder(target) -> int | None:
+    """The position among its graph's placeholders of the input ``target`` is (or is a view of,
+    through view ops and in-place ops returning it only), else None."""
+    while isinstance(target, fx.Node) and target.op == "call_function" and target.args:
+        if is_mutating(target) and _returns_written(target.target):
+            target = _arg_at(target, _written_args(target.target)[0])
+        elif _is_view_op(target.target) or target.target is operator.getitem:
+            target = target.args[0]
+        else:
+            return None
+    if not (isinstance(target, fx.Node) and target.op == "placeholder"):
+        return None
+    return [n for n in target.graph.nodes if n.op == "placeholder"].index(target)
 
 
 def _maybe_differentiable(gm: fx.GraphModule, differentiated: Sequence[bool] | None = None) -> set:

@@ -72,6 +72,7 @@ def render(guards: Guards, indent: str = "") -> str:
                 ("value", value_text if value is not None else None),
                 ("role", repr(s.role) if s.role else None),
                 ("reads", _literal(tuple(s.reads)) if s.reads else None),
+                ("layout_by", repr(s.layout_by) if s.layout_by else None),
             ]
             fields += [f"{k}={v}" for k, v in extra if v is not None]
             return f"{ind}Leaf({', '.join(fields)})"

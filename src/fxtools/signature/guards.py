@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..errors import user_line_of
 from ..registry import TRANSFORMS
 from . import runtime
 from .decisions import Decision, checking
@@ -65,11 +66,14 @@ def stride_sensitive_paths(gm: fx.GraphModule, names, ops=_LAYOUT_OPS) -> set:
     ``as_strided``; any of ``ops``) in ``gm`` reads, directly or through other ops (a pointwise op
     keeps its input's strides). Placeholders are ``names``; leaves are read by ``[key]`` /
     ``.attr`` chains."""
+    return _sensitive_paths(gm, names, [n for n in gm.graph.nodes if _layout_op(n, ops)])
+
+
+def _sensitive_paths(gm: fx.GraphModule, names, layout_nodes) -> set:
+    """``stride_sensitive_paths`` of the layout ops ``layout_nodes``."""
     ph = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), names))
-    seen, stack = set(), []
-    for node in gm.graph.nodes:
-        if _layout_op(node, ops) and node.args and isinstance(node.args[0], fx.Node):
-            stack.append(node.args[0])
+    seen: set = set()
+    stack = [node.args[0] for node in layout_nodes if node.args and isinstance(node.args[0], fx.Node)]
     while stack:
         node = stack.pop()
         if node not in seen:
@@ -81,7 +85,7 @@ def stride_sensitive_paths(gm: fx.GraphModule, names, ops=_LAYOUT_OPS) -> set:
         keys, cur = [], node
         while cur.op == "call_function" and cur.target in (operator.getitem, getattr) and isinstance(cur.args[0], fx.Node):
             key = cur.args[1]
-            keys.append(pytree.GetAttrKey(str(key)) if cur.target is getattr else pytree.MappingKey(key))  # type: ignore[type-var]
+            keys.append(pytree.GetAttrKey(str(key)) if cur.target is getattr else pytree.MappingKey(key))
             cur = cur.args[0]
         if cur in ph:
             paths.add(ph[cur] + pytree.keystr(tuple(reversed(keys))))
@@ -120,9 +124,25 @@ def _layout_op(node, ops=_LAYOUT_OPS) -> bool:
 def layout_needs(gm: fx.GraphModule, names) -> dict:
     """For each argument leaf whose strides the code relies on, what it needs: ``"views"`` where
     only ``.view`` reads them (a view gives the values eager's would, or raises: any layout on
-    which it succeeds will do), ``True`` (the example's layout) where ``as_strided`` does."""
-    strict = stride_sensitive_paths(gm, names, _LAYOUT_OPS - _VIEW_OPS)
-    return {**dict.fromkeys(stride_sensitive_paths(gm, names, _VIEW_OPS), "views"), **dict.fromkeys(strict, True)}
+    which it succeeds will do), the example's layout where ``as_strided`` does (``torch.stft``
+    frames its input so): there, the op and the user's line (``"as_strided (from file:line: code)"``),
+    for the message of a call in another layout."""
+    return {**dict.fromkeys(stride_sensitive_paths(gm, names, _VIEW_OPS), "views"), **_strided_reads(gm, names)}
+
+
+def _strided_reads(gm: fx.GraphModule, names) -> dict:
+    """For each argument leaf an ``as_strided`` of ``gm`` reads the strides of, that op and its
+    user's line where ``gm`` still records it (``"as_strided (from file:line: code)"``; the
+    emitted code's graph, which guards are built from, does not: there, the op alone)."""
+    strict: dict = {}
+    for node in gm.graph.nodes:
+        if _layout_op(node, _LAYOUT_OPS - _VIEW_OPS):
+            op = getattr(getattr(node.target, "overloadpacket", node.target), "__name__", str(node.target))
+            where = user_line_of(node)
+            for path in _sensitive_paths(gm, names, [node]):
+                if where or path not in strict:
+                    strict[path] = f"{op} (from {where})" if where else op
+    return strict
 
 
 def is_scalar(x) -> bool:
@@ -164,7 +184,17 @@ def _leaf_spec(value, path, layout, role):
         lay = None if not strided else "contiguous" if role or value.is_contiguous() else tuple(value.stride())
         if strided and wanted == "views" and not role:
             lay = "views"
-        return Leaf(path, "tensor", tuple(_size_spec(n) for n in value.shape), value.dtype, value.device.type, lay, role=role)
+        by = wanted if strided and isinstance(wanted, str) and wanted != "views" else None
+        return Leaf(
+            path,
+            "tensor",
+            tuple(_size_spec(n) for n in value.shape),
+            value.dtype,
+            value.device.type,
+            lay,
+            role=role,
+            layout_by=by,
+        )
     if value is None:
         return Leaf(path, "none", role=role)
     if is_scalar(value):

@@ -130,6 +130,7 @@ class Leaf:
     role: str | None = None
     reads: tuple = ()  # layout facts the program read (Read), checked like ``layout``
     pinned: tuple = ()  # (dim, the user's line) for a size marked dynamic that the program made static
+    layout_by: str | None = None  # what relies on the layout, when not ``.view``: "as_strided (from file:line: code)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -614,17 +615,22 @@ class Guards:
     def _layout(self, spec, value):
         if spec.layout == "views":  # only .view reads it: any layout on which the views succeed
             return
+        uses = (
+            f"its code uses {spec.layout_by} on {spec.path}'s strides (reading memory by offset)"
+            if spec.layout_by
+            else "its code uses .view, which relies on the layout"
+        )
         if spec.layout == "contiguous":
             if not value.is_contiguous() and not torch._C._functorch.is_batchedtensor(value):
                 self.fail(
                     f"{spec.path} is not contiguous (strides {tuple(value.stride())}), but the module was "
-                    "made for a contiguous tensor and its code uses .view, which relies on the layout",
+                    f"made for a contiguous tensor and {uses}",
                     f"Pass {spec.path}.contiguous(), or generate the module again with an example of this layout.",
                 )
         elif not torch._C._functorch.is_batchedtensor(value) and tuple(value.stride()) != tuple(spec.layout):
             self.fail(
                 f"{spec.path} has strides {tuple(value.stride())}, but the module was made for strides "
-                f"{tuple(spec.layout)} and its code uses .view, which relies on the layout",
+                f"{tuple(spec.layout)} and {uses}",
                 "Generate the module again with an example of this layout.",
             )
 

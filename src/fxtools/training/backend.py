@@ -50,8 +50,9 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
+from ..capture.functionalize import InplaceError, kept_input_writes
 from ..capture.nested import functorch_regions
-from ..errors import FxtoolsError
+from ..errors import FxtoolsError, user_line_of
 from ..functional import functional
 from ..graph.nodes import ancestors, fake_mode_of, is_float
 from ..signature import closures
@@ -1046,6 +1047,115 @@ def _hint(x):
     return x
 
 
+class _MutatedInputs:
+    """Inputs of a Dynamo graph that it writes in place with a differentiable value, handled as
+    AOTAutograd handles mutated inputs: the graph (``function``) computes their new values out of
+    place, on a copy of each, and returns them after its outputs; ``call`` copies them into the
+    inputs after the autograd.Function, with autograd recording (``x.copy_(new)``), so autograd
+    sees the mutation as it sees eager's: the input's version counter and ``grad_fn`` change, a leaf
+    requiring grad is refused as eager refuses it.
+
+    Dynamo breaks a graph at a data-dependent read (``y[y < 0] = 0.1 * y[y < 0] * w``), so a
+    tensor the program made and then modifies can arrive as an input of the graph that modifies it.
+    """
+
+    def __init__(self, fn, lines: dict[int, str | None]):
+        self.fn, self.positions, self.lines = fn, sorted(lines), lines  # lines: position -> the user's line writing it
+        self.names = list(inspect.signature(fn).parameters)
+        self.returned: dict[int, int] = {}  # output position -> input position, for an output that is the input
+
+    def function(self):
+        """``fn`` computing the new values of the mutated inputs out of place and returning them."""
+        fn, positions, returned, lines, names = self.fn, self.positions, self.returned, self.lines, self.names
+
+        def call(*inputs):
+            copies = {i: inputs[i].clone() for i in positions}
+            out = fn(*(copies.get(i, x) for i, x in enumerate(inputs)))
+            returned.clear()
+            if isinstance(out, (tuple, list)):
+                returned.update({k: i for k, o in enumerate(out) for i, c in copies.items() if o is c})
+            for i, c in copies.items():
+                if c.shape != inputs[i].shape or c.stride() != inputs[i].stride():
+                    raise InplaceError(
+                        f"fxtools.backend: {lines.get(i) or 'an in-place op'} changes the shape or strides of "
+                        f"`{names[i]}`, an input of the graph Dynamo captured, in place and takes part in "
+                        "differentiation; fxtools does not carry such a change out of the graph. "
+                        "Compute the new value out of place."
+                    )
+            return out, tuple(copies[i] for i in positions)
+
+        call.__signature__ = fn.__signature__
+        call.__name__ = call.__qualname__ = fn.__name__
+        call.__fxtools_input_kinds__ = fn.__fxtools_input_kinds__
+        return call
+
+    def call(self, compiled, args: tuple):
+        for i in self.positions:
+            _refuse_aliased_input(args, i, self.names, self.lines.get(i))
+        # the autograd.Function gets a copy of each: it may save it for its backward (or a replay
+        # with create_graph=True may read it), and the write below must not reach what it saved
+        inputs = tuple(x.clone() if i in self.positions else x for i, x in enumerate(args))
+        out, new = compiled(*inputs)
+        for i, value in zip(self.positions, new):
+            args[i].copy_(value)  # with autograd recording, as eager's in-place write
+        if self.returned and isinstance(out, (tuple, list)):
+            out = type(out)([args[self.returned[k]] if k in self.returned else o for k, o in enumerate(out)])
+        return out
+
+
+def _refuse_aliased_input(args, i: int, names: list[str], where: str | None) -> None:
+    """Refuse a mutated input sharing memory with another tensor input: the write would have to
+    reach the other one too (AOTAutograd's synthetic bases), which fxtools does not do."""
+    x = args[i]
+    if not isinstance(x, torch.Tensor) or x.numel() == 0:
+        return
+    ptr = x.untyped_storage().data_ptr()
+    for j, y in enumerate(args):
+        if j != i and isinstance(y, torch.Tensor) and y.numel() and y.untyped_storage().data_ptr() == ptr:
+            raise InplaceError(
+                f"fxtools.backend: {where or 'an in-place op'} writes `{names[i]}` (an input of the graph "
+                f"Dynamo captured) with a differentiable value, and `{names[j]}`, another input of that graph, "
+                "shares its memory; fxtools computes the new value out of place and copies it into "
+                f"`{names[i]}` afterwards, and cannot make the write reach `{names[j]}` as eager does. "
+                "Clone one of them, or compute the new value out of place."
+            )
+
+
+def _compiled_function(fn, example_inputs: list, options: Options):
+    """``CompiledFunction(fn)`` made for ``example_inputs``, and the inputs it writes in place with
+    a differentiable value (``_MutatedInputs``), or None: each refused such write (``InplaceError``
+    naming its input) is made out of place, and the function made again."""
+    tensors = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
+    differentiable = [x.requires_grad and is_float(x) for x in example_inputs if isinstance(x, torch.Tensor)]
+    mutated: _MutatedInputs | None = None
+    while True:
+        compiled = CompiledFunction(fn if mutated is None else mutated.function(), options)
+        try:
+            with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
+                compiled.runner(*example_inputs)
+            # a differentiable write whose value no output reads: not differentiated, yet the caller reads it
+            gm = compiled.split.captured.gm
+            carriers = _carriers(gm, differentiable) if torch.is_grad_enabled() else set()
+            writes = {leaf: user_line_of(node) for node, leaf in kept_input_writes(gm) if node in carriers}
+            if not writes:
+                return compiled, mutated
+            err: InplaceError | None = None
+        except InplaceError as e:
+            if e.written_input is None:
+                raise
+            writes, err = {e.written_input: e.where}, e
+        lines = {tensors[leaf]: where for leaf, where in writes.items() if leaf < len(tensors)}
+        known = dict(mutated.lines) if mutated is not None else {}
+        if not lines.keys() - known.keys():
+            if err is not None:
+                raise err
+            raise FxtoolsError("internal error: a differentiable write into an input is kept in place")
+        names = list(inspect.signature(fn).parameters)
+        for i, where in lines.items():
+            _refuse_aliased_input(example_inputs, i, names, where)
+        mutated = _MutatedInputs(fn, {**lines, **known})
+
+
 def backend(
     fw_compiler=None,
     bw_compiler=None,
@@ -1075,16 +1185,19 @@ def backend(
         gm = functorch_regions(_inline_higher_order(gm))
         floats = _wrapped_floats(gm)
         example_inputs = [_hint(x.item() if i in floats else x) for i, x in enumerate(example_inputs)]
+        mutated: _MutatedInputs | None = None
         if any(True for _ in gm.parameters()):
             compiled: CompiledModule | CompiledFunction = CompiledModule(gm, options)
+            with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
+                compiled.runner(*example_inputs)
         else:  # parameters arrive as inputs: differentiate the graph as a function of them
-            compiled = CompiledFunction(_as_function(gm, example_inputs), options)
-        with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
-            compiled.runner(*example_inputs)
+            compiled, mutated = _compiled_function(_as_function(gm, example_inputs), example_inputs, options)
 
         def run(*args):
             if floats:
                 args = tuple(x.item() if i in floats else x for i, x in enumerate(args))
+            if mutated is not None:
+                return mutated.call(compiled, args)
             return compiled(*args)
 
         run.fxtools_compiled = compiled
