@@ -518,6 +518,7 @@ class Problem:
         for i in range(len(levels) - 1, -1, -1):
             weight = (levels[i + 1] - levels[i] if i + 1 < len(levels) else 0) + 1
             out_c, out_l, out_t, out_p = [], [], [], []
+            cand_b, cand_c, cand_k = nb[cand], nc[cand], least * (1 + self.slack)  # the states above, once a level
             for k in np.flatnonzero(nb <= levels[i]):
                 if not steps:  # the largest level: every candidate within it starts a chain
                     out_c.append(np.array([k]))
@@ -525,7 +526,7 @@ class Problem:
                     out_t.append(np.array([weight * nc[k] / scale]))
                     out_p.append(np.array([-1]))
                     continue
-                idx = np.flatnonzero((nb[cand] >= nb[k]) & (nc[cand] <= nc[k]) & (least * (1 + self.slack) >= nk[k]))
+                idx = np.flatnonzero((cand_b >= nb[k]) & (cand_c <= nc[k]) & (cand_k >= nk[k]))
                 if not idx.size:
                     continue
                 r, t = np.minimum(least[idx], nk[k]), total[idx]
