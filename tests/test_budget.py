@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
@@ -23,7 +24,7 @@ from fxtools.cli import examples
 from fxtools.errors import FxtoolsError
 from fxtools.graph import meta
 from fxtools.training import budget, policies
-from fxtools.training.cuts import backward_nodes
+from fxtools.training.cuts import backward_nodes, forward_nodes
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 FRACTIONS = (0.02, 0.3, 1.0)
@@ -408,6 +409,37 @@ def test_cheapest_refresh_removes_peak_for_the_least_recompute():
     assert rates[True, False] <= min(rates.values()), rates
     cheapest = problem.refresh_steps(point, "cheapest")
     assert cheapest and all(pk < budget.predicted_peak(part, point.saved, point.recomputed) for _, pk in cheapest)
+
+
+def test_the_searches_shortcuts_agree_with_the_plain_computations():
+    """The budget's searches simulate thousands of orders, with shortcuts: peak-only liveness,
+    the forward's order from lists computed once, predicted peaks kept per point. On every
+    refresh step of every frontier point of the chain (orders holding nodes more than once),
+    each gives what the plain computation gives."""
+    model, x = _chain(torch.float32, 64)
+    problem = budget.Problem(fxtools.split(model, x, policy="save_all")._partition)
+    part, memo = problem.part, budget._Memo()
+    start_end = budget._backward_ends
+    checked = 0
+    for point in problem.frontier():
+        fw = forward_nodes(part, point.saved)
+        assert fw == forward_nodes(part, point.saved, memo.inputs)
+        outs = [o for o in part.fw_outs if isinstance(o, fx.Node)]
+        start, held = start_end(part, point.saved)
+        plain = max(
+            budget.live_trace(fw, part.primals, [*part.primals, *outs, *point.saved]).peak,
+            budget.live_trace(backward_nodes(part, point.saved, point.recomputed), start, held).peak,
+        )
+        assert budget.predicted_peak(part, point.saved, point.recomputed, memo) == plain
+        assert budget.predicted_peak(part, set(point.saved), set(point.recomputed), memo) == plain
+        for mode in budget.REFRESH_MODES:
+            for p, _ in problem.refresh_steps(point, mode):
+                order = backward_nodes(part, p.saved, p.recomputed, p.forget)
+                start, held = start_end(part, p.saved)
+                full = budget.live_trace(order, start, held)
+                assert budget.liveness_peak(order, start, held, memo) == full.peak
+                checked += len(order) > len(set(order))
+    assert checked
 
 
 def test_a_forgotten_value_forgets_what_it_is_made_of():

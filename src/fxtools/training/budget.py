@@ -480,12 +480,20 @@ class Problem:
         for i in range(len(levels) - 1, -1, -1):
             weight = (levels[i + 1] - levels[i] if i + 1 < len(levels) else 0) + 1
             new_total, back = np.full(len(pool), np.inf), np.full(len(pool), -1)
-            for k in np.flatnonzero(nb <= levels[i]):
-                ok = alive & (nb >= nb[k]) & (nc <= nc[k]) & (nk >= nk[k]) if backs else np.ones(len(pool), dtype=bool)
-                if ok.any():
-                    j = int(np.flatnonzero(ok)[np.argmin(total[ok])]) if backs else k
-                    new_total[k] = (total[j] if backs else 0.0) + weight * nc[k] / scale
-                    back[k] = j
+            within = np.flatnonzero(nb <= levels[i])
+            if not backs:  # the largest level: every candidate within it starts a chain
+                new_total[within], back[within] = weight * nc[within] / scale, within
+            # each candidate within the level follows the chain above it totalling least (the
+            # first such), among those saving no less, recomputing no more, peaking no lower;
+            # in blocks of candidates, a block's comparisons at most ~4M booleans
+            step = max(1, (1 << 22) // max(len(pool), 1))
+            for lo in range(0, len(within) if backs else 0, step):
+                ks = within[lo : lo + step]
+                ok = alive & (nb >= nb[ks, None]) & (nc <= nc[ks, None]) & (nk >= nk[ks, None])
+                reached = ok.any(axis=1)
+                j = np.where(ok, total, np.inf).argmin(axis=1)[reached]
+                ks = ks[reached]
+                new_total[ks], back[ks] = total[j] + weight * nc[ks] / scale, j
             if not np.isfinite(new_total).any():
                 return self._chain(levels, pool, backs, total, i)
             total, alive = new_total, np.isfinite(new_total)
@@ -510,6 +518,7 @@ class Problem:
         for i in range(len(levels) - 1, -1, -1):
             weight = (levels[i + 1] - levels[i] if i + 1 < len(levels) else 0) + 1
             out_c, out_l, out_t, out_p = [], [], [], []
+            cand_b, cand_c, cand_k = nb[cand], nc[cand], least * (1 + self.slack)  # the states above, once a level
             for k in np.flatnonzero(nb <= levels[i]):
                 if not steps:  # the largest level: every candidate within it starts a chain
                     out_c.append(np.array([k]))
@@ -517,7 +526,7 @@ class Problem:
                     out_t.append(np.array([weight * nc[k] / scale]))
                     out_p.append(np.array([-1]))
                     continue
-                idx = np.flatnonzero((nb[cand] >= nb[k]) & (nc[cand] <= nc[k]) & (least * (1 + self.slack) >= nk[k]))
+                idx = np.flatnonzero((cand_b >= nb[k]) & (cand_c <= nc[k]) & (cand_k >= nk[k]))
                 if not idx.size:
                     continue
                 r, t = np.minimum(least[idx], nk[k]), total[idx]
@@ -958,9 +967,12 @@ class _Memo:
     def __init__(self):
         self.roots = _Lazy(storage_root)
         self.sizes = _Lazy(lambda n: nbytes(n.meta.get("val")))
+        self.values = _Lazy(self._value)  # node -> (storage root, result it is an item of, bytes): ``live_trace``
         self.inputs = InputsOf()
         self.forward: dict = {}  # saved set -> the forward's peak
         self.trials: dict = {}  # (saved, recomputed, forget) -> the backward's peak and recompute (``_trial``)
+        self.peaks: dict = {}  # (saved, recomputed) -> ``predicted_peak`` forgetting nothing
+        self.base: tuple | None = None  # the last saved, recomputed, backward order, its trace (``_base_trace``)
         self.tried = 0  # backward orders tried (``_trial``, at most ``MAX_TRIALS``)
         self.order_limit: int | None = None  # most nodes a forgetting backward may compute (``_order_limit``)
 
@@ -969,6 +981,11 @@ class _Memo:
 
     def size(self, n: fx.Node) -> int:
         return self.sizes[n]
+
+    def _value(self, n: fx.Node) -> tuple:
+        r = self.roots[n]
+        whole = n.args[0] if r is n and n.target is operator.getitem else None
+        return r, whole, max(self.sizes[r], self.sizes[n])
 
 
 @dataclass
@@ -986,11 +1003,13 @@ class Trace:
     taken: dict = field(default_factory=dict)  # an item of a multi-output op's result -> that result
 
 
-def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
+def live_trace(order, start, held, memo: _Memo | None = None, full: bool = True) -> Trace:
     """Liveness of running ``order`` (nodes): ``start`` values exist before, ``held`` values (and
-    their storages) are never freed; every other storage is freed after its last use."""
+    their storages) are never freed; every other storage is freed after its last use. Without
+    ``full``, the peak only (``reads`` left empty, ``live`` what is live at the start: the
+    budget's searches simulate thousands of orders for their peaks)."""
     memo = memo or _Memo()
-    inputs, roots, sizes = memo.inputs, memo.roots, memo.sizes
+    inputs, values = memo.inputs, memo.values
     current: dict = {}
     count: dict = {}
     storage: dict = {}
@@ -1003,27 +1022,37 @@ def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
     def make(n, at):
         occ = count[n] = count.get(n, -1) + 1
         key = current[n] = (n, occ)
-        r = roots[n]
+        r, whole, nbytes_ = values[n]
         if r is n:
             s = key
-            if n.target is operator.getitem and n.args[0] in current and made[current[n.args[0]]] >= 0:
-                taken_from[key] = current[n.args[0]]
+            if whole is not None and whole in current and made[current[whole]] >= 0:
+                taken_from[key] = current[whole]
         else:
             s = storage[current.get(r) or make(r, -1)]
         storage[key], made[key], reads[key] = s, at, []
-        size[s] = max(size.get(s, 0), sizes[r], sizes[n])
+        if size.get(s, -1) < nbytes_:
+            size[s] = nbytes_
         return key
 
     last, made_storage = {}, []
+    current_get = current.get
     for v in start:
-        last.setdefault(storage[current.get(v) or make(v, -1)], -1)
+        last.setdefault(storage[current_get(v) or make(v, -1)], -1)
     for i, n in enumerate(order):
         for a in inputs[n]:
-            k = current.get(a) or make(a, -1)
-            reads[k].append(i)
+            k = current_get(a) or make(a, -1)
+            if full:
+                reads[k].append(i)
             last[storage[k]] = i
-        made_storage.append(storage[make(n, i)])
-        last[made_storage[-1]] = i
+        r, whole, nbytes_ = values[n]
+        if r is n and whole is None:  # ``make(n, i)``: a value of its own storage
+            occ = count[n] = count.get(n, -1) + 1
+            s = current[n] = (n, occ)
+            storage[s], made[s], reads[s], size[s] = s, i, [], nbytes_
+        else:
+            s = storage[make(n, i)]
+        made_storage.append(s)
+        last[s] = i
     for k, whole in taken_from.items():  # the result holds every item until its last is taken
         s = trace.storage[k]
         last[s] = max(last[s], last[trace.storage[whole]])
@@ -1040,7 +1069,9 @@ def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
             live.add(s)
             total += size[s]
         if total > trace.peak:
-            trace.peak, trace.at, trace.live = total, i, set(live)
+            trace.peak, trace.at = total, i
+            if full:
+                trace.live = set(live)
         for s in frees.get(i, ()):
             if s in live:
                 live.discard(s)
@@ -1050,7 +1081,7 @@ def live_trace(order, start, held, memo: _Memo | None = None) -> Trace:
 
 def liveness_peak(order, start, held, memo: _Memo | None = None) -> int:
     """Peak bytes while running ``order`` (``live_trace``)."""
-    return live_trace(order, start, held, memo).peak
+    return live_trace(order, start, held, memo, full=False).peak
 
 
 def _backward_ends(part, saved):
@@ -1067,7 +1098,7 @@ def forward_peak(part, saved, memo: _Memo | None = None) -> int:
     if key not in memo.forward:
         primals = list(part.primals)
         outs = [o for o in part.fw_outs if isinstance(o, fx.Node)]
-        memo.forward[key] = liveness_peak(forward_nodes(part, saved), primals, [*primals, *outs, *saved], memo)
+        memo.forward[key] = liveness_peak(forward_nodes(part, saved, memo.inputs), primals, [*primals, *outs, *saved], memo)
     return memo.forward[key]
 
 
@@ -1075,10 +1106,28 @@ def predicted_peak(part, saved, recomputed, memo: _Memo | None = None, forget=No
     """Peak bytes of running the forward, then the backward (``backward_boxed``), on ``part``."""
 
     memo = memo or _Memo()
-    fw_peak = forward_peak(part, saved, memo)
-    bw = backward_nodes(part, saved, recomputed, forget, inputs=memo.inputs)
-    start, held = _backward_ends(part, saved)
-    return max(fw_peak, liveness_peak(bw, start, held, memo))
+    if forget:
+        fw_peak = forward_peak(part, saved, memo)
+        bw = backward_nodes(part, saved, recomputed, forget, inputs=memo.inputs)
+        start, held = _backward_ends(part, saved)
+        return max(fw_peak, liveness_peak(bw, start, held, memo))
+    key = (frozenset(saved), frozenset(recomputed))
+    if key not in memo.peaks:  # the budget's searches meet the same points many times
+        start, held = _backward_ends(part, saved)
+        bw = backward_nodes(part, saved, recomputed, inputs=memo.inputs)
+        memo.peaks[key] = max(forward_peak(part, saved, memo), liveness_peak(bw, start, held, memo))
+    return memo.peaks[key]
+
+
+def _base_trace(part, saved, recomputed, memo: _Memo) -> tuple[list, Trace]:
+    """The backward's order and ``live_trace`` forgetting nothing; the last one is kept
+    (``refresh`` of a point in each mode starts from the same).
+    Kept for the same set objects only: the trace's dicts follow ``saved``'s iteration order."""
+    if memo.base is None or memo.base[0] is not saved or memo.base[1] is not recomputed:
+        start, held = _backward_ends(part, saved)
+        order = backward_nodes(part, saved, recomputed, inputs=memo.inputs)
+        memo.base = saved, recomputed, order, live_trace(order, start, held, memo)
+    return memo.base[2], memo.base[3]
 
 
 def refresh(
@@ -1115,8 +1164,7 @@ def refresh(
     memo = memo or _Memo()
     start, held = _backward_ends(part, saved)
     forget: dict = {}
-    order = backward_nodes(part, saved, recomputed, inputs=memo.inputs)
-    trace = live_trace(order, start, held, memo)
+    order, trace = _base_trace(part, saved, recomputed, memo)
     steps = [(forget, order, trace.peak)] if trail else []
     for _ in range(rounds):
         groups = _dead_at_peak(trace, order, recomputed, memo)
@@ -1130,10 +1178,12 @@ def refresh(
             trials = [t for t in (effective_forget(_merged(forget, more), fusible) for more in trials) if t != forget]
         step = _cheapest_trial(part, saved, recomputed, memo, forget, trials, trace, cost) if cost else None
         for more in trials if cost is None else []:
-            trial = _merged(forget, more)
-            if _trial(part, saved, recomputed, memo, trial)[0] < trace.peak:
-                trial_order = backward_nodes(part, saved, recomputed, trial, inputs=memo.inputs)
-                step = trial, trial_order, live_trace(trial_order, start, held, memo)
+            trial, kept = _merged(forget, more), []
+            if _trial(part, saved, recomputed, memo, trial, kept=kept)[0] < trace.peak:
+                if not kept:
+                    trial_order = backward_nodes(part, saved, recomputed, trial, inputs=memo.inputs)
+                    kept = [trial_order, live_trace(trial_order, start, held, memo)]
+                step = trial, kept[0], kept[1]
                 break
         if step is None:
             break
@@ -1147,25 +1197,31 @@ def _cheapest_trial(part, saved, recomputed, memo, forget, trials, trace, cost: 
     below ``trace``'s for the least recompute per byte of peak removed: ``(forget, order,
     trace)``, or None if none lowers it."""
     base, best, best_rate = _trial(part, saved, recomputed, memo, forget, cost)[1], None, math.inf
+    best_kept: list = []
     for more in trials:
-        trial = _merged(forget, more)
-        peak, recompute = _trial(part, saved, recomputed, memo, trial, cost)
+        trial, kept = _merged(forget, more), []
+        peak, recompute = _trial(part, saved, recomputed, memo, trial, cost, kept=kept)
         if peak < trace.peak:
             rate = (recompute - base) / (trace.peak - peak)
             if rate < best_rate:
-                best, best_rate = trial, rate
+                best, best_rate, best_kept = trial, rate, kept
     if best is None:
         return None
+    if best_kept:
+        return best, best_kept[0], best_kept[1]
     start, held = _backward_ends(part, saved)
     order = backward_nodes(part, saved, recomputed, best, inputs=memo.inputs)
     return best, order, live_trace(order, start, held, memo)
 
 
-def _trial(part, saved, recomputed, memo: _Memo, forget: dict, cost: dict | None = None) -> tuple[float, float]:
+def _trial(
+    part, saved, recomputed, memo: _Memo, forget: dict, cost: dict | None = None, kept: list | None = None
+) -> tuple[float, float]:
     """The backward's peak and recompute (``cost`` summed over what it recomputes, 0 without)
     when it forgets ``forget``, kept in ``memo``: the refresh modes and rounds try many of the
     same sets. Infinite (never chosen) for an order longer than ``_order_limit`` and once
-    ``MAX_TRIALS`` orders were tried."""
+    ``MAX_TRIALS`` orders were tried. An order computed here is put in ``kept`` with its trace
+    (``refresh`` takes the one it chooses without computing it again)."""
     key = (frozenset(saved), frozenset(recomputed), frozenset((u, frozenset(vs)) for u, vs in forget.items()), cost is None)
     if key not in memo.trials:
         if memo.tried >= MAX_TRIALS:  # enough tried: the candidates found so far are kept
@@ -1178,7 +1234,10 @@ def _trial(part, saved, recomputed, memo: _Memo, forget: dict, cost: dict | None
             memo.trials[key] = math.inf, math.inf
             return memo.trials[key]
         recompute = sum(cost.get(n, 0) for n in order if n not in part.bw) if cost is not None else 0
-        memo.trials[key] = live_trace(order, start, held, memo).peak, recompute
+        trace = live_trace(order, start, held, memo)
+        memo.trials[key] = trace.peak, recompute
+        if kept is not None:
+            kept[:] = [order, trace]
     return memo.trials[key]
 
 

@@ -121,21 +121,53 @@ def max_flow(n: int, edges, source: int, sink: int, inf: int = INF):
     return head, to, cap
 
 
-def forward_nodes(part, saved) -> list[fx.Node]:
+def forward_nodes(part, saved, inputs: InputsOf | None = None) -> list[fx.Node]:
     """The joint graph's nodes the forward computes, in order: those the outputs, the saved
     values and the side effects (buffer updates) depend on."""
-    effects = (n for n in part.nodes if n.op == "call_function" and n not in part.bw and is_impure(n))
-    keep = ancestors([*part.fw_outs, *saved, *effects])
-    return [n for n in part.nodes if n in keep and n.op in ("call_function", "get_attr")]
+    if inputs is None:
+        effects = (n for n in part.nodes if n.op == "call_function" and n not in part.bw and is_impure(n))
+        keep = ancestors([*part.fw_outs, *saved, *effects])
+        return [n for n in part.nodes if n in keep and n.op in ("call_function", "get_attr")]
+    keep = set()  # ``ancestors``, with the inputs and the graph's lists of ``inputs`` (computed once)
+    stack = [n for n in [*part.fw_outs, *saved, *inputs.effects(part)] if isinstance(n, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node not in keep:
+            keep.add(node)
+            stack.extend(inputs[node])
+    return [n for n in inputs.forward_ops(part) if n in keep]
 
 
 class InputsOf(dict):
     """``node -> tuple(node.all_input_nodes)``, each computed once (orders and liveness of one
-    graph are computed many times; ``all_input_nodes`` builds a list on every call)."""
+    graph are computed many times; ``all_input_nodes`` builds a list on every call); also the
+    lists of one partition's nodes ``forward_nodes`` and ``backward_nodes`` go through."""
+
+    def __init__(self):
+        super().__init__()
+        self.lists: dict = {}  # (what, partition) -> nodes; the partition is held: its id is never reused
 
     def __missing__(self, node: fx.Node) -> tuple:
         self[node] = value = tuple(node.all_input_nodes)
         return value
+
+    def _list(self, what: str, part, make) -> list:
+        key = (what, id(part))
+        if key not in self.lists:
+            self.lists[key] = (part, make())
+        return self.lists[key][1]
+
+    def effects(self, part) -> list[fx.Node]:
+        """The forward's side effects (buffer updates): ``forward_nodes`` keeps what they read."""
+        return self._list(
+            "effects", part, lambda: [n for n in part.nodes if n.op == "call_function" and n not in part.bw and is_impure(n)]
+        )
+
+    def forward_ops(self, part) -> list[fx.Node]:
+        return self._list("forward", part, lambda: [n for n in part.nodes if n.op in ("call_function", "get_attr")])
+
+    def backward_ops(self, part) -> list[fx.Node]:
+        return self._list("backward", part, lambda: [n for n in part.nodes if n in part.bw and n.op == "call_function"])
 
 
 def backward_nodes(
@@ -181,9 +213,16 @@ def backward_nodes(
                 if a in recomputed and not any(u in pending for u in a.users):
                     done.discard(a)
 
-    for n in part.nodes:
-        if n in bw and n.op == "call_function":
-            emit(n)
+    for n in inputs.backward_ops(part):
+        if n in done:
+            continue
+        if n not in forget and all(a in done for a in inputs[n]):  # ``emit(n)``, its inputs all there
+            done.add(n)
+            order.append(n)
+            if limit is not None and len(order) > limit:
+                raise OrderTooLong(limit)
+            continue
+        emit(n)
     for g in part.grads:
         if isinstance(g, fx.Node):
             emit(g)
