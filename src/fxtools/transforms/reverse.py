@@ -25,7 +25,7 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
 from .. import registry
-from ..capture.functionalize import is_mutating, kept_input_writes
+from ..capture.functionalize import is_mutating
 from ..errors import MissingRuleError, RuleRefusal, user_line_of
 from ..graph import meta
 from ..graph.data_dependent import dynamic_nodes, tie
@@ -110,9 +110,7 @@ def reverse(captured: fx.GraphModule, spec: ReverseSpec) -> ReverseResult:
 def _carrying_cotangents(captured: fx.GraphModule, placeholders, out_nodes, wrt) -> set[fx.Node]:
     """The nodes a cotangent flows through: those depending on a differentiated input that the
     outputs depend on. The rest (BatchNorm's running-statistics updates, ``copy_`` into
-    buffers) just run, and need no rule; but a write kept in place into an input of a value
-    that depends on a differentiated input goes through its rule, which refuses it, even if no
-    output reads it: the caller reads the input after the call, and the write has no gradient."""
+    buffers) just run, and need no rule."""
     wrt_nodes = {p for p, w in zip(placeholders, wrt) if w and is_float(p.meta.get("val"))}
     need = differentiable_nodes(captured, wrt_nodes)
     reach = ancestors(out_nodes)
@@ -122,8 +120,7 @@ def _carrying_cotangents(captured: fx.GraphModule, placeholders, out_nodes, wrt)
         if not more:
             break
         reach |= ancestors(more)
-    kept = {n for n, _ in kept_input_writes(captured)}
-    return {n for n in need if n in reach or n in wrt_nodes or n in kept}
+    return {n for n in need if n in reach or n in wrt_nodes}
 
 
 def _cut_by_no_grad(captured: fx.GraphModule, need: set[fx.Node]) -> set[fx.Node]:
