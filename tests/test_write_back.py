@@ -222,3 +222,31 @@ def test_module_writing_its_input(float64):
     torch.testing.assert_close(states[1], states[0], **TOL)
     for got, want in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(got.grad, want.grad, **TOL)
+
+
+def _scale(y, w):
+    y.mul_(w)
+    return w.sum()
+
+
+def _scale_and_unsqueeze(y, w):
+    y.mul_(w).unsqueeze_(0)
+    return w.sum()
+
+
+def test_strided_argument_and_a_change_of_shape(float64):
+    """A written argument with gaps between its elements (``b[:, ::2]``) keeps its layout; a write
+    changing the argument's shape is refused naming the line (a gap: eager runs it)."""
+
+    def run(fn):
+        base = torch.randn(4, 6, generator=torch.Generator().manual_seed(9)).requires_grad_()
+        b = base * 1
+        w = torch.randn(3, generator=torch.Generator().manual_seed(10)).requires_grad_()
+        out = fn(b[:, ::2], w)
+        (out + (b**2).sum()).backward()
+        return b.detach(), base.grad, w.grad
+
+    for got, want in zip(run(fxtools.compile(_scale)), run(_scale), strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+    with pytest.raises(fxtools.FxtoolsError, match=r"test_write_back.py:\d+: y.mul_\(w\).unsqueeze_\(0\) changes the shape"):
+        fxtools.compile(_scale_and_unsqueeze)(torch.randn(3), torch.randn(3, requires_grad=True))

@@ -23,6 +23,11 @@ last use. Saved values go through ``ctx.save_for_backward`` (PyTorch's saved-ten
 them), a policy may offload them to CPU memory, and a backward with ``create_graph=True`` runs the
 captured program again with autograd recording, so it can be differentiated (``training/saved.py``).
 
+An argument the program writes in place with a differentiable value (``y[:, 1:].mul_(w[1:])``; in
+a Dynamo graph, a tensor the program made and wrote after a graph break) is computed out of place
+by the split, whose forward returns its new value; the runner writes it into the argument after
+the autograd.Function with autograd recording (``training/written.py``), as AOTAutograd does.
+
 Graphs are specialised to the arguments as every generated module is (``fxtools.signature.guards``: structure,
 shapes, dtypes, device types, strides where the code relies on them, Python values), to
 ``model.training`` and to which inputs require gradients. A call runs the first cached split

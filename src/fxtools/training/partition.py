@@ -17,6 +17,13 @@
 - ``Split.backward_boxed`` is the same graph called as ``backward_boxed([*saved, *cotangents])``:
   it empties the list on entry, so each saved tensor is freed right after its last use.
 
+A program writing a value computed from a differentiated input into one of its tensor
+arguments in place (``y[:, 1:].mul_(w[1:])``) is split as AOTAutograd splits it
+(``training/written.py``): the new value is computed out of place, the forward writes no such
+argument and returns ``((out, written), saved)``, ``written`` the tuple of the new values in
+argument order (``Split.written`` describes them), and the backward takes their cotangents after
+``out``'s. ``fxtools.compile`` writes them into the arguments with autograd recording.
+
 ``Split.signature``, ``Split.saved`` and ``Split.cotangents`` list every input, saved value and
 cotangent with its name, shape, dtype, bytes and the user line that produced it;
 ``Split.report()`` prints what is saved and how many bytes. Outputs that alias inputs or each

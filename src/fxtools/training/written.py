@@ -113,6 +113,7 @@ class WrittenInputs:
             copies = {i: flat[tensors[i]][1].clone() for i in positions if i < len(tensors)}
             if len(copies) != len(positions):
                 raise FxtoolsError("internal error: a written argument is not a tensor leaf of the arguments")
+            layouts = {i: (c.shape, c.stride()) for i, c in copies.items()}
             leaves = [x for _, x in flat]
             for i, c in copies.items():
                 leaves[tensors[i]] = c
@@ -123,9 +124,8 @@ class WrittenInputs:
                     if o is c:
                         returned[k] = i
             for i, c in copies.items():
-                path, x = flat[tensors[i]]
-                if c.shape != x.shape or c.stride() != x.stride():
-                    name = _path_name(arg_names, path)
+                if (c.shape, c.stride()) != layouts[i]:
+                    name = _path_name(arg_names, flat[tensors[i]][0])
                     raise InplaceError(
                         f"{self.lines.get(i) or 'an in-place op'} changes the shape or strides of `{name}`, a "
                         "tensor argument written in place with a differentiable value; fxtools computes such a "
@@ -175,7 +175,7 @@ class WrittenInputs:
                     raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
         # the graphs get a copy of each: they may save it for the backward (or a replay with
         # create_graph=True may read it), and the write below must not reach what they saved
-        inputs = [x.clone() if i in self.lines else x for i, x in enumerate(leaves)]
+        inputs = [_copy(x) if i in self.lines else x for i, x in enumerate(leaves)]
         result, new = run(inputs)
         for i, value in zip(self.positions, new):
             leaves[i].copy_(value)  # with autograd recording, as eager's in-place write
@@ -184,6 +184,18 @@ class WrittenInputs:
             flat = [leaves[self.returned[k]] if k in self.returned else o for k, o in enumerate(flat)]
             result = pytree.tree_unflatten(flat, spec)
         return result
+
+
+def _copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` with its strides (``clone`` makes a strided view with gaps contiguous: the
+    graphs were made for the argument's layout), recorded by autograd as ``clone`` is."""
+    c = x.clone()
+    if c.stride() == x.stride():
+        return c
+    try:
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+    except RuntimeError:  # overlapping memory (an expanded tensor): the clone's layout
+        return c
 
 
 def _path_name(arg_names: list[str], path) -> str:
