@@ -167,16 +167,22 @@ class WrittenInputs:
         value written into its leaf with autograd recording (``x.copy_(new)``). Returns ``result``
         (an output that is a written argument is that argument, as in eager)."""
         self.refuse_aliased(leaves, who)
-        if torch.is_grad_enabled():
+        recording = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+        if recording:
             for i in self.positions:
                 x = leaves[i]
                 if isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad:
                     # eager's own refusal, before anything runs or is written
                     raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
-        # the graphs get a copy of each: they may save it for the backward (or a replay with
-        # create_graph=True may read it), and the write below must not reach what they saved
-        inputs = [_copy(x) if i in self.lines else x for i, x in enumerate(leaves)]
+            # the autograd.Function gets a copy of each: it may save it for the backward (or a
+            # replay with create_graph=True may read it), and the write below must not reach it
+            inputs = [_copy(x) if i in self.lines else x for i, x in enumerate(leaves)]
+        else:  # run without autograd (the graphs do not write their inputs): nothing is kept
+            inputs = list(leaves)
         result, new = run(inputs)
+        if not recording:  # a new value the graphs return as an input itself must not see an earlier write
+            written = {leaves[i].untyped_storage().data_ptr() for i in self.positions}
+            new = [v.clone() if v.untyped_storage().data_ptr() in written else v for v in new]
         for i, value in zip(self.positions, new):
             leaves[i].copy_(value)  # with autograd recording, as eager's in-place write
         if self.returned:
