@@ -134,7 +134,7 @@ def test_split_returns_the_new_value_and_takes_its_cotangent(float64):
     sp = fxtools.split(_scale_columns, y, w)
     (info,) = sp.written
     assert info.path == "y" and "y[:, 1:].mul_(w[1:])" in info.line and "test_write_back.py" in info.line
-    assert [c.path for c in sp.cotangents] == ["out[0]", "out[1][0]"]
+    assert [c.path for c in sp.cotangents] == ["out[0]", "out[1][0]"] and sp.cotangents[1].name == "grad_y_written"
     assert "writes y in place" in sp.report()
     before = y.clone()
     (out, (new_y,)), saved = sp.forward(y, w)

@@ -848,6 +848,8 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
             wrt = differentiated(cap, argnums, grad_leaves)
             found = differentiable_writes(cap.gm, wrt)
             if not found:
+                if writes is not None:
+                    _name_written(cap, writes)
                 with fx_traceback.preserve_node_meta():
                     rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
                 break
@@ -870,6 +872,20 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     if writes is not None:
         _describe_writes(sp, writes)
     return checked_split(sp) if check_finite else sp
+
+
+def _name_written(cap: Captured, writes: WrittenInputs) -> None:
+    """Name each new value of a written argument after it (``y_written``), where the graph computes
+    it (not an input, nor an output of the program's own)."""
+    outs = pytree.tree_leaves(cap.gm.graph.output_node().args[0])
+    n = len(writes.positions)
+    if len(outs) != len(cap.out_leaves) or len(outs) < n:
+        return
+    own = set(outs[: len(outs) - n])
+    names = [name for name, t in zip(cap.names, cap.tensor_leaf) if t]
+    for i, node in zip(writes.positions, outs[len(outs) - n :]):
+        if isinstance(node, fx.Node) and node.op == "call_function" and node not in own and i < len(names):
+            node._rename(f"{names[i]}_written")
 
 
 def _describe_writes(sp: Split, writes: WrittenInputs) -> None:
