@@ -82,6 +82,30 @@ def _returned(y, w):
     return y, w.sum()
 
 
+def _returned_view(y, w):
+    y.mul_(w)
+    return y[1:], w.sum()
+
+
+def test_an_output_viewing_the_written_argument_is_a_view_of_it(float64):
+    """``return y[1:]`` after writing ``y``: the output is a view of the caller's ``y``, as in
+    eager (an in-place update of one shows in the other), with eager's gradients."""
+    compiled = fxtools.compile(_returned_view)
+    results = []
+    for fn in (_returned_view, compiled):
+        base = torch.randn(3, 2, generator=torch.Generator().manual_seed(11)).requires_grad_()
+        w = torch.randn(2, generator=torch.Generator().manual_seed(12)).requires_grad_()
+        y = base * 1
+        o, s = fn(y, w)
+        assert o._base is y._base or o._base is y
+        ((o**2).sum() + s + (y * 3).sum()).backward()
+        with torch.no_grad():
+            o.mul_(2)
+        results.append((y.detach(), base.grad, w.grad))
+    for g, r in zip(*reversed(results), strict=True):
+        torch.testing.assert_close(g, r, **TOL)
+
+
 def test_two_written_arguments_and_a_returned_one(float64):
     torch.manual_seed(3)
     a0, b0, w0 = torch.randn(2, 3), torch.randn(2, 3), torch.randn(3)

@@ -183,13 +183,39 @@ class WrittenInputs:
         if not recording:  # a new value the graphs return as an input itself must not see an earlier write
             written = {leaves[i].untyped_storage().data_ptr() for i in self.positions}
             new = [v.clone() if v.untyped_storage().data_ptr() in written else v for v in new]
+        flat, spec = pytree.tree_flatten(result)
+        views = {k: self._view_of(o, new, leaves) for k, o in enumerate(flat) if k not in self.returned}
         for i, value in zip(self.positions, new):
             leaves[i].copy_(value)  # with autograd recording, as eager's in-place write
-        if self.returned:
-            flat, spec = pytree.tree_flatten(result)
-            flat = [leaves[self.returned[k]] if k in self.returned else o for k, o in enumerate(flat)]
+        if self.returned or any(v is not None for v in views.values()):
+            for k, o in enumerate(flat):
+                if k in self.returned:
+                    flat[k] = leaves[self.returned[k]]
+                elif views[k] is not None:
+                    i, size, stride, offset = views[k]
+                    flat[k] = leaves[i].as_strided(size, stride, offset)
             result = pytree.tree_unflatten(flat, spec)
         return result
+
+    def _view_of(self, out, new: list, leaves: list):
+        """For an output that is a view of a written argument's new value (``return y[1:]``):
+        ``(position, size, stride, offset)`` of the same view of the argument, which eager's
+        output is (an in-place update of one shows in the other). None for other outputs, and
+        where the new value's layout is not the argument's."""
+        if not isinstance(out, torch.Tensor) or out.numel() == 0:
+            return None
+        for i, value in zip(self.positions, new):
+            x = leaves[i]
+            if (
+                isinstance(value, torch.Tensor)
+                and value.numel()
+                and out.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
+                and value.stride() == x.stride()
+                and value.shape == x.shape
+            ):
+                offset = x.storage_offset() + out.storage_offset() - value.storage_offset()
+                return i, out.size(), out.stride(), offset
+        return None
 
 
 def _copy(x: torch.Tensor) -> torch.Tensor:
