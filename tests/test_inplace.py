@@ -272,6 +272,37 @@ def test_generated_code_has_no_inplace_ops():
     assert ".copy_(" not in gm.code and "mul_(" not in gm.code
 
 
+def slice_select_diagonal_writes(x, w):
+    h = x * 2
+    h[:, 1:] = h[:, 1:] + w[1:]
+    h[1:3, ::2] *= 3
+    h[0] += w
+    h.diagonal().mul_(2)
+    h[-1] = w
+    return (h * h.sin()).sum()
+
+
+def test_slice_select_and_diagonal_writes_are_written_as_scatters_at_every_size():
+    """``h[a:b] = v`` / ``h[i] = v`` / ``h.diagonal().mul_(k)`` stay ``slice_scatter`` /
+    ``select_scatter`` / ``diagonal_scatter`` with their own rules: no ``where`` of a masked
+    index from PyTorch's decomposition, whose test of the example's size also refused a dynamic
+    row count (``n != 3``)."""
+    from torch.export import Dim
+
+    w = _x(3, seed=1)
+    g = fxtools.grad(
+        slice_select_diagonal_writes, _x(4, 3), w, argnums=(0, 1), dynamic_shapes={"x": {0: Dim("n", min=3)}, "w": None}
+    )
+    for rule in ("torch.slice_scatter(", "torch.select_scatter(", "torch.diagonal_scatter("):
+        assert rule in g.code
+    assert "_unsafe_masked_index" not in g.code and "9223372036854775807" not in g.code
+    for rows in (3, 4, 7):
+        x = _x(rows, 3, seed=rows)
+        want = torch.func.grad(slice_select_diagonal_writes, argnums=(0, 1))(x, w)
+        for got, ref in zip(g(x, w), want):
+            torch.testing.assert_close(got, ref)
+
+
 # --- mutation of inputs and buffers: stays in place, visible to the caller --------------------
 
 

@@ -31,18 +31,21 @@ outputs, ``set_``, resizing a non-empty tensor...) raises ``FxtoolsError`` namin
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import FxtoolsError, user_line_of
 from ..graph import meta
 from ..graph.nodes import fake_mode_of, is_float
 from ..registry import Rule, differentiable_nodes, is_nondifferentiable
+from ..signature.naming import identifier
 
 aten = torch.ops.aten
 
@@ -243,10 +246,12 @@ class _Builder:
         self.fake_mode = fake_mode_of(graph)
         self.before: fx.Node | None = None  # the node new nodes go before
         self.trace: str | None = None  # the stack trace they get
+        self.made: set[fx.Node] = set()  # the nodes it created
 
     def __call__(self, target, *args, **kwargs):
         with self.graph.inserting_before(self.before):
             node = self.graph.call_function(target, args, kwargs)
+        self.made.add(node)
         vals, kvals = fx.node.map_arg((args, kwargs), _val)
         if self.fake_mode is not None:
             with self.fake_mode:
@@ -388,6 +393,8 @@ def _scatter_select(s: _Step, w: _Write):
 
 def _scatter_slice(s: _Step, w: _Write):
     dim, start, end, step = s.arg(1, "dim", 0), s.arg(2, "start", None), s.arg(3, "end", None), s.arg(4, "step", 1)
+    if isinstance(end, int) and end >= sys.maxsize:  # ``x[1:]``: to the end, at every size
+        end = None
     return w.b(aten.slice_scatter.default, w.parent, w.child, dim, start, end, step)
 
 
@@ -912,6 +919,12 @@ class _Functionalizer:
 
     def rewrite(self, node: fx.Node, target: fx.Node, st) -> None:
         """An in-place op on an intermediate (``target``, in storage ``st``) becomes functional."""
+        if node.target is aten.copy_.default and target in self.aliases and self.same_memory(target, self.original[node][1]):
+            # ``x[i] += v`` copies the sum, already in ``x[i]``, there again (``__setitem__``): no write
+            self.repl[node] = self.current(target)
+            self.aliases[node] = self.aliases[target]
+            self.to_erase.append(node)
+            return
         info = self.rewritable(node, target, st)
         kind, func = _rewrite_kind(node)
         if kind == "view" and func is aten.as_strided.default:  # reads memory: laid out as the trace's tensor was
@@ -935,10 +948,22 @@ class _Functionalizer:
         value = _functional_value(self.b, node, func, tval, self.input_storages, self.storage)
         value = self.b.cast_like(value, tval)
         self.latest[st] = self.write_back(node, value, target)
+        if meta.WRITES.on(node) and self.latest[st] in self.b.made:  # h[0] = v: the new h, h_1
+            self.latest[st]._rename(identifier(meta.WRITES.get(node)))
         self.version[st] += 1
         self.aliases[node] = _Alias(st, info.parent, info.step, self.version[st])
         self.repl[node] = value
         self.to_erase.append(node)
+
+    def same_memory(self, a, b) -> bool:
+        """Whether the tensors ``a`` and ``b`` are the same elements of one storage, laid out alike."""
+        va, vb = _val(a), _val(b) if isinstance(b, fx.Node) else None
+        if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)) or va.dtype != vb.dtype:
+            return False
+        if self.storage(va) is None or self.storage(va) != self.storage(vb):
+            return False
+        pairs = [(va.storage_offset(), vb.storage_offset()), *zip(va.shape, vb.shape), *zip(va.stride(), vb.stride())]
+        return va.dim() == vb.dim() and all(statically_known_true(x == y) for x, y in pairs)
 
     def rewritable(self, node: fx.Node, target: fx.Node, st) -> _Alias:
         """What is known of ``target``, after checking that a functional rewrite keeps gradients."""

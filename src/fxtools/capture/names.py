@@ -233,6 +233,21 @@ def _target_names(target) -> list | None:
     return None
 
 
+def _written_variable(target) -> list | None:
+    """``[h]`` for what an in-place statement writes into: ``h[1:]``, ``h[0].add_``'s ``h[0]``,
+    ``h.diagonal()`` (the variable at the root of subscripts, method calls and attributes)."""
+    while isinstance(target, (ast.Subscript, ast.Call, ast.Attribute)):
+        if isinstance(target, ast.Call):  # h.diagonal(): the method's receiver
+            if not isinstance(target.func, ast.Attribute):
+                return None
+            target = target.func.value
+        elif isinstance(target, ast.Attribute) and not isinstance(target.value, (ast.Subscript, ast.Call, ast.Attribute)):
+            break  # self.buf: the attribute names it
+        else:
+            target = target.value
+    return _target_names(target) if isinstance(target, (ast.Name, ast.Attribute)) else None
+
+
 def _targets(frame, top_codes) -> list | None:
     """Names the statement of ``frame`` assigns (a list, one per tuple element), ``[None]`` if none."""
     filename, line, function = frame
@@ -242,9 +257,13 @@ def _targets(frame, top_codes) -> list | None:
         return None
     stmt = _statement(filename, line)
     if isinstance(stmt, ast.Assign):
-        return _target_names(stmt.targets[-1])
+        return _target_names(stmt.targets[-1]) or _written_variable(stmt.targets[-1])
     if isinstance(stmt, (ast.AugAssign, ast.AnnAssign)) and getattr(stmt, "value", None) is not None:
-        return _target_names(stmt.target)
+        return _target_names(stmt.target) or _written_variable(stmt.target)
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        method = stmt.value.func
+        if isinstance(method, ast.Attribute) and method.attr.endswith("_") and not method.attr.startswith("_"):
+            return _written_variable(method.value)  # h.add_(1), h[0].mul_(2), h.diagonal().zero_()
     if isinstance(stmt, ast.Return):
         return ["<return>"]
     return None
@@ -272,6 +291,11 @@ def _name_elements(key: tuple, run: list, top_codes, names: dict) -> bool:
                 names[m] = f"{target}_{short_op(m)}"
                 meta.INTERMEDIATE.set(m, True)
     return True
+
+
+def _writes(node: fx.Node) -> bool:
+    """Whether ``node`` is an in-place op (``add_``, ``copy_``): it writes, its value is not new."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
 def _return_name(frame, node, top_codes) -> str:
@@ -348,9 +372,13 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
             if isinstance(whole, fx.Node) and whole in run:
                 value = whole  # a multi-output op assigned whole (``out = torch.max(x, 1)``)
             base = _return_name(key[-1], value, top) if targets[0] == "<return>" else targets[0]
+            writes = [m for m in run if _writes(m)] if targets[0] != "<return>" else []
+            for m in writes:  # named where functionalize computes the new value (h_1)
+                meta.WRITES.set(m, base)
             if targets[0] != "<return>" and value in module_nodes:
                 names[value] = base  # the user's variable beats the module's path (``logits``, not ``fc2``)
-            names.setdefault(value, base)
+            if not writes:
+                names.setdefault(value, base)
         else:
             multi = [m for m in run if isinstance(m.meta.get("val"), (tuple, list)) and len(m.meta["val"]) == len(targets)]
             results = call_results.get(key, {})
@@ -367,7 +395,7 @@ def name_values(gm: fx.GraphModule, f, outer: tuple = ()) -> None:
         if base is None:
             continue
         for n in run:
-            if n not in names and n.target is not operator.getitem:
+            if n not in names and n.target is not operator.getitem and not meta.WRITES.on(n):
                 names[n] = f"{base}_{short_op(n)}"
                 meta.INTERMEDIATE.set(n, True)
     for n in nodes:

@@ -146,6 +146,15 @@ def _index_as_subscript(m: re.Match) -> str:
 
 
 _FULL_SLICE = "slice(None, None, None)"
+_BOUND = r"(None|-?\d+)"
+_SLICE = re.compile(rf"slice\({_BOUND}, {_BOUND}, {_BOUND}\)")
+_COLONS = re.compile(r"-?\d*:-?\d*(:-?\d+)?")
+
+
+def _slice_as_colons(m: re.Match) -> str:
+    """``slice(0, None, 2)`` -> ``0::2`` (a step of 1 or None left out)."""
+    start, end, step = ("" if v == "None" else v for v in m.groups())
+    return f"{start}:{end}" + ("" if step in ("", "1") else f":{step}")
 
 
 def _subscript_slices(text: str) -> str:
@@ -155,9 +164,10 @@ def _subscript_slices(text: str) -> str:
     start = body.find("[(")
     if start < 0 or not body.endswith(")]"):
         return text
-    entries = [e.strip() for e in body[start + 2 : -2].replace(_FULL_SLICE, ":").split(",")]
+    inside = _SLICE.sub(_slice_as_colons, body[start + 2 : -2].replace(_FULL_SLICE, ":"))
+    entries = [e.strip() for e in inside.split(",")]
     entries = [e for e in entries if e]
-    if not all(e == ":" or e.isidentifier() for e in entries):
+    if not all(e == ":" or e.isidentifier() or _COLONS.fullmatch(e) for e in entries):
         return text
     return body[:start] + "[" + ", ".join(entries) + "]" + text[len(body) :]
 

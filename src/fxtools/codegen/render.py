@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import sys
 from typing import Any
 
 import torch
@@ -497,15 +498,32 @@ def _as_narrow(node: fx.Node) -> bool:
     parts: list[Any] = [*node.args, *(0, None, None, 1)[len(node.args) - 1 :]]
     x, dim, start, end, step = parts[:5]
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or step != 1 or not all(isinstance(v, int) for v in (dim, start or 0)):
+    if not isinstance(val, torch.Tensor) or not isinstance(dim, int):
+        return False
+    if step != 1:
+        return _as_slice_subscript(node, x, dim % val.dim(), start, end, step)
+    if not isinstance(start or 0, int):
         return False
     size = val.shape[dim]
-    if not isinstance(size, int) or not (end is None or isinstance(end, int)):
+    if not isinstance(size, int):  # x[1:3] at every size: Python's slicing is aten.slice's
+        return _as_slice_subscript(node, x, dim % val.dim(), start, end, step)
+    if not (end is None or isinstance(end, int)):
         return False
     start = start or 0
     start = max(start + size, 0) if start < 0 else min(start, size)
     end = size if end is None else max(end + size, 0) if end < 0 else min(end, size)
     node.op, node.target, node.args = "call_method", "narrow", (x, dim, start, max(end - start, 0))
+    return True
+
+
+def _as_slice_subscript(node: fx.Node, x: fx.Node, dim: int, start, end, step) -> bool:
+    """``aten.slice(x, 1, 0, end, 2)`` -> ``x[:, ::2]``: a slice with a step, or of a symbolic size,
+    as Python writes it (bounds as Python's slicing reads them; an ``end`` past any size is left out)."""
+    if not all(v is None or type(v) is int for v in (start, end, step)):
+        return False
+    end = None if end is not None and end >= sys.maxsize else end
+    node.target = operator.getitem
+    node.args = (x, (*(slice(None),) * dim, slice(start or None, end, step)))
     return True
 
 

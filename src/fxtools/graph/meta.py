@@ -108,6 +108,11 @@ CALL_RESULT: Key[tuple] = Key(
     "(stack trace of a call, k): the node is the call's k-th result leaf, wherever it was computed "
     "(capture/dual.py stamps a jvp's u and dudt; capture/names.py names them u, dudt = jvp(...)).",
 )
+WRITES: Key[str] = Key(
+    "fxtools_writes",
+    "On an in-place op of user code: the user's variable it writes (`h += v`, `h[0] = v`, `h.add_(1)`), "
+    "set by capture/names.py; capture/functionalize.py names the variable's new value after it (h_1).",
+)
 ROLE: Key[str] = Key(
     "fxtools_role",
     "The rule's variable a value is named after (xhat, cdf): codegen/fold.py prints a small one inside its one user.",

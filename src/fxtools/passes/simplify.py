@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+import sys
 
 import torch
 import torch.fx as fx
@@ -429,6 +430,8 @@ def _fresh_clone(node, rw):
     return next to the clone (two outputs would then be one tensor)."""
     x = node.args[0]
     fmt = node.kwargs.get("memory_format", torch.preserve_format)
+    if _input_view(x):
+        return _read_only_clone(node, x, fmt)
     if not (isinstance(x, fx.Node) and x.op == "call_function" and isinstance(x.target, torch._ops.OpOverload)):
         return None
     schema = x.target._schema
@@ -439,6 +442,28 @@ def _fresh_clone(node, rw):
         return None
     ax, an = _aliases(x), _aliases(node)
     if any(_mutates(u) for v in ax | an for u in v.users) or (_returned(ax) and _returned(an)):
+        return None
+    return x
+
+
+def _input_view(x) -> bool:
+    """Whether ``x`` is an input of the graph or a view of one (``x[1]``, ``x.t()``)."""
+    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in _STRIDE_VIEWS and x.args:
+        x = x.args[0]
+    return isinstance(x, fx.Node) and x.op == "placeholder"
+
+
+def _read_only_clone(node, x, fmt):
+    """``clone(x)`` -> ``x`` for an input ``x`` when the copy is only read: nothing writes either
+    in place, neither is returned (a returned copy must not share the caller's memory), and no
+    ``.view`` needs the copy's dense layout (the module may be called with other strides)."""
+    if fmt not in (None, torch.preserve_format) or not _same_type(x, node) or _viewed(node):
+        return None
+    root = x
+    while root.op != "placeholder":
+        root = root.args[0]
+    ax, an = _aliases(root), _aliases(node)
+    if any(_mutates(u) for v in ax | an for u in v.users) or _returned(an):
         return None
     return x
 
@@ -605,6 +630,62 @@ def _permute_of_permute(node, rw):
     return rw.new(node, aten.permute.default, (x.args[0], composed))
 
 
+# A view and the functional write into that place (``x[1:] = v`` -> ``slice_scatter(x, v, 0, 1)``)
+_SCATTERS = {
+    aten.slice.Tensor: aten.slice_scatter.default,
+    aten.select.int: aten.select_scatter.default,
+    aten.diagonal.default: aten.diagonal_scatter.default,
+}
+
+
+def _place(node: fx.Node) -> tuple | None:
+    """Where a view or a scatter of ``_SCATTERS`` reads or writes, comparable between the two:
+    its arguments after the tensor(s), defaults filled in, ``dim`` non-negative and a slice's
+    open bounds as None."""
+    bound = _arguments(node)[0]
+    if not (isinstance(bound, tuple) and bound[0] == "list"):
+        return None
+    args = [b[1] if b[0] in ("int", "NoneType") else b for b in bound[1]]
+    scatter = node.target in _SCATTERS.values()
+    place, x = args[2 if scatter else 1 :], _val(node.args[0])
+    if not isinstance(x, torch.Tensor) or not all(a is None or type(a) is int for a in place):
+        return None
+    if node.target in (aten.slice.Tensor, aten.slice_scatter.default):
+        dim, start, end, step = place
+        end = None if end is not None and end >= sys.maxsize else end
+        return (dim % x.dim(), start or 0, end, step)
+    if node.target in (aten.diagonal.default, aten.diagonal_scatter.default):
+        offset, d1, d2 = place
+        return (offset, d1 % x.dim(), d2 % x.dim())
+    return (place[0] % x.dim(), place[1])
+
+
+def _read_back(node, rw):
+    """``slice(slice_scatter(b, v, *place), *place)`` -> ``v`` (and select, diagonal): reading the
+    place just written reads what was written, unless either is written in place or both are
+    returned."""
+    x = node.args[0]
+    if not (isinstance(x, fx.Node) and x.target is _SCATTERS[node.target] and isinstance(x.args[1], fx.Node)):
+        return None
+    v = x.args[1]
+    if _place(x) is None or _place(x) != _place(node) or not _same_type(v, node):
+        return None
+    av, an = _aliases(v), _aliases(node)
+    if any(_mutates(u) for a in av | an | _aliases(x) for u in a.users) or (_returned(av) and _returned(an)):
+        return None
+    return v
+
+
+def _written_again(node, rw):
+    """``scatter(scatter(b, v, *place), v, *place)`` -> the inner scatter: ``x[i] += v`` writes the
+    sum into ``x[i]``, then copies the same value there again."""
+    base, v = node.args[0], node.args[1] if len(node.args) > 1 else None
+    if not (isinstance(base, fx.Node) and base.target is node.target and len(base.args) > 1 and base.args[1] is v):
+        return None
+    place = _place(node)
+    return base if place is not None and place == _place(base) else None
+
+
 # Each rewrite with the ops it applies to, in order of preference: a node takes the first that
 # returns something.
 _REWRITE_FAMILIES = (
@@ -629,6 +710,8 @@ _REWRITE_FAMILIES = (
     ((aten.t.default, aten.mT.default, aten.transpose.int), _canonical_transpose),
     ((aten.permute.default,), _identity_permute),
     ((aten.permute.default,), _permute_of_permute),
+    (tuple(_SCATTERS), _read_back),
+    (tuple(_SCATTERS.values()), _written_again),
 )
 
 

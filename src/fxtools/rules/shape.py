@@ -261,6 +261,26 @@ def slice_(ct, out, x, dim=0, start=None, end=None, step=1):
     return torch.slice_scatter(_zeros(x), ct, dim, picked.start, picked.stop, step)
 
 
+# The writes functionalisation makes of ``x[a:b] = v``, ``x[i] = v`` and ``x.diagonal().copy_(v)``:
+# the written part of the cotangent goes to the value, the rest to the tensor written into.
+
+
+@vjp_rule(aten.slice_scatter)
+def slice_scatter(ct, out, x, src, dim=0, start=None, end=None, step=1):
+    g_src = aten.slice.Tensor(ct, dim, start, end, step)
+    return torch.slice_scatter(ct, _zeros(src), dim, start, end, step), g_src
+
+
+@vjp_rule(aten.select_scatter)
+def select_scatter(ct, out, x, src, dim, index):
+    return torch.select_scatter(ct, _zeros(src), dim, index), ct.select(dim, index)
+
+
+@vjp_rule(aten.diagonal_scatter)
+def diagonal_scatter(ct, out, x, src, offset=0, dim1=0, dim2=1):
+    return torch.diagonal_scatter(ct, _zeros(src), offset, dim1, dim2), ct.diagonal(offset, dim1, dim2)
+
+
 def _slice_begin(start, size):
     """Where ``x[start:]`` begins along a dimension of ``size`` (Python's clamping to [0, size]),
     decided from the sizes' declared ranges, not the example."""
