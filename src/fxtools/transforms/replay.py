@@ -313,7 +313,9 @@ class _Recording:
         likes, kept = self.likes, self.kept
         if likes is None or kept is None:  # read once, when first replayed: many calls recorded never are
             likes = self.likes = {node: _likes(node) for node in self.nodes}
-            kept = self.kept = {node: [(k, v) for k, v in node.meta.items() if k not in _CREATED or k == "original_aten"] for node in self.nodes}
+            kept = self.kept = {
+                node: [(k, v) for k, v in node.meta.items() if k not in _CREATED or k == "original_aten"] for node in self.nodes
+            }
         metas = self.metas(likes)
         base = _base_create_node(tracer)
         for old in self.nodes:
