@@ -93,6 +93,20 @@ def _attributes(obj) -> dict:
     return vars(obj) if hasattr(obj, "__dict__") else {}
 
 
+def _slot_getters(obj) -> dict:
+    """Getters of the attributes ``obj`` keeps in ``__slots__`` (``@dataclass(slots=True)``),
+    which ``vars`` does not show, for those set now."""
+    if isinstance(obj, type):
+        return {}
+    found: dict = {}
+    for cls in type(obj).__mro__:
+        slots = vars(cls).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and name not in found and hasattr(obj, name):
+                found[name] = functools.partial(getattr, obj, name, MISSING)
+    return found
+
+
 def _own_file(obj) -> bool:
     """A module (or a class) of the user's own files, not torch's, the standard library's or an
     installed package's: its attributes are the program's configuration (``config.lr``)."""
@@ -209,6 +223,7 @@ class _Walk:
         self.codes: set[int] = set()
         self.global_hooks = False  # whether the hooks registered on every module are read
         self.method_owners: list = []  # (object, label, {name: function}): its methods in the user's files
+        self.compared: list = []  # (object, label): plain objects compared by snapshot, whose class attributes are read too
 
     def root(self, f) -> None:
         if id(f) in self.seen:
@@ -322,6 +337,10 @@ class _Walk:
         elif inspect.isfunction(value):
             self.reads.append(Read(what, get, "same", value, where))
             self.function(value, depth + 1)
+        elif isinstance(value, functools.partial):  # its bound arguments, and its function
+            self.reads.append(Read(what, get, "same", value, where))
+            if id(value) not in self.seen:
+                self.partial(value)
         elif isinstance(value, torch.nn.Module) or snapshot(value) is None:
             if id(value) not in self.seen:
                 self.reads.append(Read(what, get, "same", value, where))
@@ -331,6 +350,7 @@ class _Walk:
             if hasattr(value, "__dict__") and id(value) not in self.seen:  # a config object: its methods too
                 self.seen.add(id(value))
                 self._methods(value, name + ".")
+                self.compared.append((value, name + "."))  # the snapshot holds its own attributes, not its class's
 
     def _methods(self, obj, label) -> None:
         """Note ``obj``'s methods in the user's files: ``called_methods`` walks those the walked code
@@ -399,7 +419,8 @@ class _Walk:
                     get = functools.partial(_list_item, obj, i)
                     self.value(value, get, f"{label[:-1]}[{i}]", None, f"{prefix}{i}", _DEPTH)
         else:
-            for name, value in list(_attributes(obj).items()):
+            slots = {name: get() for name, get in _slot_getters(obj).items()}
+            for name, value in [*_attributes(obj).items(), *slots.items()]:
                 holder = type(value) in (list, tuple) and snapshot(value) is None  # of tensors or modules
                 if isinstance(value, (torch.Tensor, torch.nn.Module)) or holder:
                     get = functools.partial(getattr, obj, name, MISSING)
@@ -436,9 +457,13 @@ class _Walk:
 
     def values_of_objects(self) -> None:
         """The Python values among the reached objects' attributes that some walked code names."""
-        for obj, label in self.objects:
-            attributes = _attributes(obj)
-            getters = {name: functools.partial(_get_item, attributes, name) for name in attributes}
+        walked = [(obj, label, True) for obj, label in self.objects]
+        for obj, label, own in walked + [(obj, label, False) for obj, label in self.compared]:
+            getters = {}
+            if own:  # a compared object's own attributes are in its snapshot already
+                attributes = _attributes(obj)
+                getters = {name: functools.partial(_get_item, attributes, name) for name in attributes}
+                getters.update({name: get for name, get in _slot_getters(obj).items() if name not in getters})
             getters.update(_class_attributes(obj))
             for name, get in getters.items():
                 value = get() if name in self.attr_names else None
