@@ -160,6 +160,29 @@ def test_closed_over_slots_partials_and_class_attributes_are_guarded():
         _Plain.shift = 0.5
 
 
+class _ReadsByName(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale, self.k = 2.0, 1.0
+
+    def forward(self, x):
+        return (torch.sin(x * getattr(self, "scale")) * vars(self)["k"]).sum()
+
+
+def test_attributes_read_by_a_string_are_guarded():
+    x = torch.randn(3, dtype=F64)
+    for name in ("scale", "k"):
+        model = _ReadsByName()
+        gm = fxtools.grad(model.forward, x)
+        assert torch.allclose(gm(x), torch.func.grad(model.forward)(x), rtol=1e-12, atol=0)
+        setattr(model, name, 3.0)
+        try:
+            gm(x)
+            raise AssertionError(f"a changed attribute read as getattr(self, {name!r}) was not refused")
+        except fxtools.InputMismatch as err:
+            assert f"_ReadsByName.{name}" in str(err)
+
+
 # --------------------------------------------------------------------------------------------
 # fxtools.compile with Inductor
 # --------------------------------------------------------------------------------------------

@@ -46,7 +46,9 @@ def _line(code, lineno) -> str:
 
 
 def _loads(code):
-    """``(opname kind, name, line)`` for each name ``code`` (and the code nested in it) loads."""
+    """``(opname kind, name, line)`` for each name ``code`` (and the code nested in it) loads, and
+    each identifier-like string constant (kind ``"string"``): ``getattr(self, "scale")`` reads an
+    attribute no ``LOAD_ATTR`` names."""
     for ins in dis.get_instructions(code):
         kind = {"LOAD_GLOBAL": "global", "LOAD_NAME": "global", "LOAD_DEREF": "cell", "LOAD_CLASSDEREF": "cell"}.get(
             ins.opname, "attr" if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") else None
@@ -56,6 +58,8 @@ def _loads(code):
     for const in code.co_consts:
         if inspect.iscode(const):
             yield from _loads(const)
+        elif isinstance(const, str) and const.isidentifier():  # getattr(self, "scale"), vars(self)["k"]
+            yield "string", const, _line(code, code.co_firstlineno)
 
 
 def _module_chains(code):
@@ -276,7 +280,7 @@ class _Walk:
         if user:
             self._flags(code, globals_)
         for kind, name, where in _loads(code):
-            if kind == "attr":
+            if kind == "attr" or (kind == "string" and user):  # a string may name an attribute the code reads
                 self.attr_names.add(name)
             elif not user:
                 continue
