@@ -110,6 +110,11 @@ class _SlotsConfig:
     weight: torch.Tensor
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FrozenSlots:
+    a: float
+
+
 class _Plain:
     shift = 0.5  # a class attribute, read through an instance
 
@@ -134,6 +139,24 @@ def test_closed_over_slots_partials_and_class_attributes_are_guarded():
         raise AssertionError("a changed slot value was not refused")
     except fxtools.InputMismatch as err:
         assert "cfg.scale" in str(err)
+
+    class Holder(nn.Module):  # a frozen slots config as a module's attribute, replaced: compared by value
+        def __init__(self):
+            super().__init__()
+            self.cfg = _FrozenSlots(2.0)
+
+        def forward(self, x):
+            return (x * self.cfg.a).tanh().sum()
+
+    holder = Holder()
+    step = fxtools.compile(holder)
+    step(x.clone().requires_grad_()).backward()
+    holder.cfg = _FrozenSlots(3.0)
+    try:
+        step(x.clone().requires_grad_())
+        raise AssertionError("a replaced slots config was not refused")
+    except fxtools.InputMismatch as err:
+        assert "Holder.cfg" in str(err)
 
     part = functools.partial(_scaled, k=2.0)
     gm = fxtools.grad(lambda x: part(x), x)
