@@ -128,7 +128,8 @@ def user_stack_of(node) -> list[tuple[str, int, str]]:
             if is_user_file(filename):
                 lineno = int(line.split("line ")[1].split(",")[0])
                 code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-                stack.append((filename, lineno, code))
+                if not stack or stack[-1] != (filename, lineno, code):  # a comprehension's frame: its line again
+                    stack.append((filename, lineno, code))
     return stack
 
 

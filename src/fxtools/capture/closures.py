@@ -46,7 +46,9 @@ def _line(code, lineno) -> str:
 
 
 def _loads(code):
-    """``(opname kind, name, line)`` for each name ``code`` (and the code nested in it) loads."""
+    """``(opname kind, name, line)`` for each name ``code`` (and the code nested in it) loads, and
+    each identifier-like string constant (kind ``"string"``): ``getattr(self, "scale")`` reads an
+    attribute no ``LOAD_ATTR`` names."""
     for ins in dis.get_instructions(code):
         kind = {"LOAD_GLOBAL": "global", "LOAD_NAME": "global", "LOAD_DEREF": "cell", "LOAD_CLASSDEREF": "cell"}.get(
             ins.opname, "attr" if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") else None
@@ -56,6 +58,8 @@ def _loads(code):
     for const in code.co_consts:
         if inspect.iscode(const):
             yield from _loads(const)
+        elif isinstance(const, str) and const.isidentifier():  # getattr(self, "scale"), vars(self)["k"]
+            yield "string", const, _line(code, code.co_firstlineno)
 
 
 def _module_chains(code):
@@ -91,6 +95,20 @@ def _attributes(obj) -> dict:
     objects by introspection (their attribute dicts, as ``vars`` gives them): they are foreign
     objects, whose state is what the program read."""
     return vars(obj) if hasattr(obj, "__dict__") else {}
+
+
+def _slot_getters(obj) -> dict:
+    """Getters of the attributes ``obj`` keeps in ``__slots__`` (``@dataclass(slots=True)``),
+    which ``vars`` does not show, for those set now."""
+    if isinstance(obj, type):
+        return {}
+    found: dict = {}
+    for cls in type(obj).__mro__:
+        slots = vars(cls).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and name not in found and hasattr(obj, name):
+                found[name] = functools.partial(getattr, obj, name, MISSING)
+    return found
 
 
 def _own_file(obj) -> bool:
@@ -209,6 +227,7 @@ class _Walk:
         self.codes: set[int] = set()
         self.global_hooks = False  # whether the hooks registered on every module are read
         self.method_owners: list = []  # (object, label, {name: function}): its methods in the user's files
+        self.compared: list = []  # (object, label): plain objects compared by snapshot, whose class attributes are read too
 
     def root(self, f) -> None:
         if id(f) in self.seen:
@@ -261,7 +280,7 @@ class _Walk:
         if user:
             self._flags(code, globals_)
         for kind, name, where in _loads(code):
-            if kind == "attr":
+            if kind == "attr" or (kind == "string" and user):  # a string may name an attribute the code reads
                 self.attr_names.add(name)
             elif not user:
                 continue
@@ -322,6 +341,10 @@ class _Walk:
         elif inspect.isfunction(value):
             self.reads.append(Read(what, get, "same", value, where))
             self.function(value, depth + 1)
+        elif isinstance(value, functools.partial):  # its bound arguments, and its function
+            self.reads.append(Read(what, get, "same", value, where))
+            if id(value) not in self.seen:
+                self.partial(value)
         elif isinstance(value, torch.nn.Module) or snapshot(value) is None:
             if id(value) not in self.seen:
                 self.reads.append(Read(what, get, "same", value, where))
@@ -331,6 +354,7 @@ class _Walk:
             if hasattr(value, "__dict__") and id(value) not in self.seen:  # a config object: its methods too
                 self.seen.add(id(value))
                 self._methods(value, name + ".")
+                self.compared.append((value, name + "."))  # the snapshot holds its own attributes, not its class's
 
     def _methods(self, obj, label) -> None:
         """Note ``obj``'s methods in the user's files: ``called_methods`` walks those the walked code
@@ -399,7 +423,8 @@ class _Walk:
                     get = functools.partial(_list_item, obj, i)
                     self.value(value, get, f"{label[:-1]}[{i}]", None, f"{prefix}{i}", _DEPTH)
         else:
-            for name, value in list(_attributes(obj).items()):
+            slots = {name: get() for name, get in _slot_getters(obj).items()}
+            for name, value in [*_attributes(obj).items(), *slots.items()]:
                 holder = type(value) in (list, tuple) and snapshot(value) is None  # of tensors or modules
                 if isinstance(value, (torch.Tensor, torch.nn.Module)) or holder:
                     get = functools.partial(getattr, obj, name, MISSING)
@@ -436,9 +461,13 @@ class _Walk:
 
     def values_of_objects(self) -> None:
         """The Python values among the reached objects' attributes that some walked code names."""
-        for obj, label in self.objects:
-            attributes = _attributes(obj)
-            getters = {name: functools.partial(_get_item, attributes, name) for name in attributes}
+        walked = [(obj, label, True) for obj, label in self.objects]
+        for obj, label, own in walked + [(obj, label, False) for obj, label in self.compared]:
+            getters = {}
+            if own:  # a compared object's own attributes are in its snapshot already
+                attributes = _attributes(obj)
+                getters = {name: functools.partial(_get_item, attributes, name) for name in attributes}
+                getters.update({name: get for name, get in _slot_getters(obj).items() if name not in getters})
             getters.update(_class_attributes(obj))
             for name, get in getters.items():
                 value = get() if name in self.attr_names else None

@@ -276,7 +276,7 @@ def _snapshot(obj, depth=0, budget=None):
                 return None
             items.append(s)
         return (type(obj).__name__, tuple(items))
-    state = vars(obj) if hasattr(obj, "__dict__") else None  # a user's object: read by introspection
+    state = vars(obj) if hasattr(obj, "__dict__") else _slot_state(obj)  # a user's object: read by introspection
     if type(state) is not dict or callable(obj) or isinstance(obj, type):
         return None
     items = []
@@ -289,6 +289,21 @@ def _snapshot(obj, depth=0, budget=None):
 
 
 _SNAPSHOT_LIMIT = 10_000
+
+
+def _slot_state(obj) -> dict | None:
+    """The attributes an object without a ``__dict__`` keeps in the ``__slots__`` its classes
+    declare (``@dataclass(slots=True)``), those set now; None for an object of no such class."""
+    names = []
+    for cls in type(obj).__mro__:
+        slots = vars(cls).get("__slots__")
+        if slots is not None:
+            names += [slots] if isinstance(slots, str) else list(slots)
+    names = [n for n in dict.fromkeys(names) if n not in ("__dict__", "__weakref__")]
+    if not names:
+        return None
+    missing = object()
+    return {n: v for n in names if (v := getattr(obj, n, missing)) is not missing}
 
 
 def _same(a, b):

@@ -425,9 +425,47 @@ def _out_of_place_views(gm: fx.GraphModule) -> None:
         n.target = view
 
 
+def _out_of_place_writes(gm: fx.GraphModule) -> None:
+    """Replace in-place arithmetic that a composite op's own kernel does on a temporary it made
+    (``rms_norm``: ``rsqrt(x.pow(2).mean(-1, True).add_(eps))``), which functionalization does
+    not see when the op is decomposed below it, by its out-of-place form: where the temporary is
+    no view (no other value shares its memory), nothing reads it after the write, and the
+    out-of-place op gives the same dtype and shape."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in list(gm.graph.nodes):
+        op = n.target
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or not op._schema.is_mutable:
+            continue
+        name = op.overloadpacket.__name__
+        pure = getattr(getattr(torch.ops.aten, name[:-1], None), op._overloadname, None) if name.endswith("_") else None
+        base = n.args[0] if n.args else None
+        if pure is None or pure._schema.is_mutable or not isinstance(base, fx.Node) or base.op != "call_function":
+            continue
+        made = base.target
+        if not isinstance(made, torch._ops.OpOverload) or made._schema.is_mutable or _aliases(made):
+            continue
+        if any(order[u] > order[n] for u in base.users if u is not n):
+            continue
+        want = n.meta.get("val")
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
+        mode = fake_mode_of(pytree.tree_leaves((args, kwargs)))
+        if mode is None or not isinstance(want, torch.Tensor):
+            continue
+        with mode:
+            got = pure(*args, **kwargs)
+        if isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape:
+            n.target = pure
+
+
+def _aliases(op: torch._ops.OpOverload) -> bool:
+    """Whether ``op``'s results may share memory with its arguments (a view)."""
+    return any(r.alias_info is not None for r in op._schema.returns)
+
+
 def _finish(gm: fx.GraphModule, which: str) -> None:
     gm.graph.eliminate_dead_code()
     _out_of_place_views(gm)
+    _out_of_place_writes(gm)
     _check_functional(gm, which)
     gm.graph.lint()
     gm.recompile()

@@ -159,8 +159,11 @@ def _joint_graph_passes(compiler, gm: fx.GraphModule, mode) -> None:
     if not _is_inductor(compiler):
         return
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+    from torch._inductor.virtualized import V
 
-    with mode:  # the replacements are traced on fake values, as under AOTAutograd
+    # the replacements are traced on fake values, as under AOTAutograd; the random-op passes
+    # (``rand_like`` as Inductor's seeded draws, unless ``fallback_random``) read the mode from ``V``
+    with mode, V.set_fake_mode(mode):
         joint_graph_passes(gm)
 
 

@@ -210,6 +210,8 @@ def _forward_hint(op: str, ins: list, out: torch.Tensor, feeds: set[str], source
             )
     if op in _ARC and x is not None and not x.is_complex() and bool((x.abs() > 1).any()):
         hints.append("acos/asin outside [-1, 1] is NaN: clamp to [-1 + eps, 1 - eps]")
+    if op in ("lift_fresh_copy", "lift_fresh"):
+        hints.append("a tensor your line makes from a literal NaN (torch.tensor(float('nan')), x[mask] = float('nan'))")
     if feeds & {"where"}:
         hints.append(_WHERE_HINT)
     return hints
@@ -318,6 +320,10 @@ class _Walk(fx.Interpreter):
         if not (nan or inf):
             return
         self.bad.add(n)
+        if n.op == "get_attr" and _literal(n):  # the program's own literal (torch.tensor(nan), x[m] = nan): its user is checked
+            if not nan:
+                self.infs.add(n)
+            return
         if nan and n.op == "get_attr":  # a buffer or closed-over tensor held it before the step: no line made it
             raise _Found(_held_report(str(n.target), val))
         if not nan and (n.op == "get_attr" or _literal_inf(n) or any(x in self.infs for x in n.all_input_nodes)):
@@ -369,6 +375,13 @@ class _Walk(fx.Interpreter):
             hints=hints,
             stack=stack,
         )
+
+
+def _literal(n: fx.Node) -> bool:
+    """Whether ``get_attr`` node ``n`` is a tensor the program makes from a literal on each call
+    (``torch.tensor(float("nan"))``, the value of ``x[mask] = float("nan")``): tracing keeps it as a
+    constant read only through ``lift_fresh_copy``, where a buffer or closed-over tensor is read as is."""
+    return bool(n.users) and all(_short(_op_of(u)) in ("lift_fresh_copy", "lift_fresh") for u in n.users)
 
 
 _EMPTY = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"}

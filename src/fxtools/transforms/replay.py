@@ -313,7 +313,9 @@ class _Recording:
         likes, kept = self.likes, self.kept
         if likes is None or kept is None:  # read once, when first replayed: many calls recorded never are
             likes = self.likes = {node: _likes(node) for node in self.nodes}
-            kept = self.kept = {node: [(k, v) for k, v in node.meta.items() if k not in _CREATED] for node in self.nodes}
+            kept = self.kept = {
+                node: [(k, v) for k, v in node.meta.items() if k not in _CREATED or k == "original_aten"] for node in self.nodes
+            }
         metas = self.metas(likes)
         base = _base_create_node(tracer)
         for old in self.nodes:
@@ -340,7 +342,7 @@ class _Recording:
                     vals[old] = t
                     proxy_tensor.track_tensor(t, tracer.proxy(new), constant=None, tracer=tracer)
                     new.meta["val"] = snapshot
-            for k, v in kept[old]:  # tensor_meta: the same metadata
+            for k, v in kept[old]:  # tensor_meta, the ATen op it was traced from: the same
                 if k not in new.meta:
                     new.meta[k] = v
         leaves = [tensors[x] if kind == "arg" else vals[x] if kind == "node" else x for kind, x in self.out_leaves]
