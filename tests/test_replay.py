@@ -416,3 +416,78 @@ def test_snapshots_and_replays_keep_make_fxs_records():
             )
             assert va.untyped_storage().nbytes() == vb.untyped_storage().nbytes()
             assert a.meta["tensor_meta"] == b.meta["tensor_meta"]
+
+
+def _fake_record(t):
+    return (
+        type(t),
+        t.__dict__,
+        t.shape,
+        t.stride(),
+        t.storage_offset(),
+        t.dtype,
+        t.device,
+        t.requires_grad,
+        t._is_view(),
+        t.is_conj(),
+        t.is_neg(),
+        t.untyped_storage().nbytes(),
+    )
+
+
+def test_cache_hits_make_the_fake_modes_tensors():
+    """While fxtools traces, FakeTensorMode's outputs for cache hits are made by ``fakes.from_cache_entry``:
+    for plain ops, views (sharing the input's storage, offsets kept), multi-output ops, conjugate and
+    negative views and in-place ops they are, record for record, the tensors FakeTensorMode makes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fxtools.capture.trace import _cache_hits_wrapped
+    from fxtools.graph import fakes
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    with mode:
+        x, z = torch.empty(4, 6), torch.empty(3, 2, dtype=torch.complex64)
+    ops = [
+        lambda: x + 1,
+        lambda: x.view(2, 12),
+        lambda: x.t(),
+        lambda: x[1:, 2:4],
+        lambda: x.expand(3, 4, 6),
+        lambda: x.split(4, dim=1),
+        lambda: x.unbind(0),
+        lambda: torch.ops.aten.as_strided.default(x, (2, 2), (1, 3), 5),
+        lambda: (x > 0).sum(0),
+        lambda: z.conj(),
+        lambda: torch.ops.aten._neg_view.default(x),
+        lambda: torch.ops.aten.native_layer_norm.default(x, [6], None, None, 1e-5),
+    ]
+    made = []
+    original = fakes.from_cache_entry
+
+    def counted(*args):
+        out = original(*args)
+        made.append(out is not None)
+        return out
+
+    for op in ops:
+        with mode:
+            op()  # fills the cache
+            want = op()
+            with _cache_hits_wrapped(), pytest.MonkeyPatch.context() as mp:
+                mp.setattr(fakes, "from_cache_entry", counted)
+                mp.setattr("fxtools.capture.trace.from_cache_entry", counted)
+                got = op()
+        want_l = want if isinstance(want, (tuple, list)) else (want,)
+        got_l = got if isinstance(got, (tuple, list)) else (got,)
+        assert [_fake_record(t) for t in got_l] == [_fake_record(t) for t in want_l]
+        base = z if op is ops[9] else x
+        for t, u in zip(got_l, want_l):
+            shares = u.untyped_storage()._cdata == base.untyped_storage()._cdata
+            assert (t.untyped_storage()._cdata == base.untyped_storage()._cdata) == shares
+    assert sum(made) >= len(ops) - 1  # the hits were made by from_cache_entry
+    with mode:
+        y = torch.empty(4, 6)
+        y.add_(1)
+        with _cache_hits_wrapped():
+            assert y.add_(1) is y  # an in-place op returns its argument: FakeTensorMode's own

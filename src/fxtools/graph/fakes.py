@@ -82,6 +82,54 @@ def _tracks_leaks() -> bool:
     return torch.compiler.is_exporting() and torch._export.config.detect_non_strict_fake_tensor_leaks
 
 
+def from_cache_entry(mode, entry, func, args) -> FakeTensor | None:
+    """The FakeTensor ``mode._get_output_tensor_from_cache_entry(state, entry, key, func, args)`` makes
+    for a cache hit, or None where that method must make it itself.
+
+    FakeTensorMode answers most of a trace's ops from its cache: it makes the output from the cached
+    metadata, an ``empty_strided`` on the meta device (``set_`` onto the input's storage for a view op)
+    under its kernel invocation and the shape environment's guard suppression, wrapped by the
+    constructor. With every size, stride and offset an int (no symbol, so no guard to suppress) and a
+    plain strided layout, this makes the same tensor with ``Wrapper`` and without the Python dispatcher
+    (the meta kernels of ``empty_strided`` and ``set_`` in C++, as ``fast_detach`` runs ``detach``):
+    80-100 us a hit rather than 250-350 in a traced GPT-2 (about 700 hits a ``fxtools.split``).
+    In-place ops, constants, outputs of symbolic sizes and views of storages of symbolic size
+    return None."""
+    metadata = entry.metadata
+    if entry.inplace_idx is not None or metadata is None or metadata.layout is not torch.strided:
+        return None
+    shape, stride, offset = metadata.shape, metadata.stride, metadata.storage_offset
+    if (
+        type(offset) is not int
+        or not all(type(s) is int for s in shape)
+        or not all(type(s) is int for s in stride)
+        or not (metadata.storage_bytes is None or type(metadata.storage_bytes) is int)
+    ):
+        return None
+    storage = None
+    if isinstance(func, torch._ops.OpOverload) and func.is_view:
+        if entry.view_idx is None:
+            return None
+        base = args[entry.view_idx]
+        if type(base) is not FakeTensor:
+            return None
+        storage = base.untyped_storage()
+        if type(storage.nbytes()) is not int:
+            return None
+    shape, stride = tuple(shape), tuple(stride)
+    with no_python_dispatcher(), in_kernel_invocation_manager(mode):
+        empty = torch.empty_strided(
+            shape, stride, dtype=metadata.dtype, layout=metadata.layout, device="meta", requires_grad=metadata.requires_grad
+        )
+        if metadata.is_conj:
+            torch._C._set_conj(empty, True)
+        if metadata.is_neg:
+            torch._C._set_neg(empty, True)
+        if storage is not None:
+            empty.set_(storage, offset, shape, stride)
+    return wrapper(mode, metadata.device).wrap(empty)
+
+
 def detached(t: FakeTensor) -> FakeTensor:
     """``fast_detach(t.fake_mode, t)``: make_fx's snapshot of a traced value (``node.meta["val"]``),
     its ``aten.detach`` run in the mode's kernel invocation and wrapped by ``wrapper``."""
