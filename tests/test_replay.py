@@ -491,3 +491,44 @@ def test_cache_hits_make_the_fake_modes_tensors():
         y.add_(1)
         with _cache_hits_wrapped():
             assert y.add_(1) is y  # an in-place op returns its argument: FakeTensorMode's own
+
+
+def test_cache_keys_are_the_fake_modes():
+    """While fxtools traces, FakeTensorMode's cache keys are made with ``fakes.cache_key_parts``: for
+    contiguous, channels-last, transposed, expanded, offset, conjugate, negative, integer, 0-d and
+    gradient-requiring tensors the metadata and the whole key are FakeTensorMode's own."""
+    from torch._subclasses import fake_tensor
+    from torch._subclasses._fake_tensor_utils import _CacheKeyState
+    from torch._subclasses.fake_tensor import FakeTensorMode, extract_tensor_metadata
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fxtools.capture.trace import _cache_keys_read_once
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    with mode:
+        x = torch.empty(2, 3, 4, 5)
+        z = torch.empty(3, 2, dtype=torch.complex64)
+        tensors = [
+            x,
+            x.contiguous(memory_format=torch.channels_last),
+            x.transpose(1, 3),
+            x[:, 1:, ::2],
+            torch.empty(3, 1).expand(3, 4),
+            z.conj(),
+            torch.ops.aten._neg_view.default(x),
+            torch.empty(5, dtype=torch.int64),
+            torch.empty((), dtype=torch.bool),
+            torch.empty(4, 1, 1, 1),
+            torch.empty(2, 3, requires_grad=True),
+        ]
+
+    def key(t):
+        return mode._cache_key(_CacheKeyState(mode.shape_env), torch.ops.aten.add.Tensor, (t, 2), {"alpha": 1.5}).key
+
+    want = [(extract_tensor_metadata(t), key(t)) for t in tensors]
+    with _cache_keys_read_once():
+        assert fake_tensor.extract_tensor_metadata is not extract_tensor_metadata
+        got = [(fake_tensor.extract_tensor_metadata(t), key(t)) for t in tensors]
+        again = [(fake_tensor.extract_tensor_metadata(t), key(t)) for t in tensors]  # memory formats known
+    assert got == want and again == want
+    assert [[type(x) for x in k] for _, k in got] == [[type(x) for x in k] for _, k in want]
