@@ -298,11 +298,11 @@ def _cache_hits_wrapped():
         made = from_cache_entry(self, entry, func, args)
         return made if made is not None else original(self, state, entry, key, func, args)
 
-    FakeTensorMode._get_output_tensor_from_cache_entry = output  # type: ignore[method-assign]
+    FakeTensorMode._get_output_tensor_from_cache_entry = output
     try:
         yield
     finally:
-        FakeTensorMode._get_output_tensor_from_cache_entry = original  # type: ignore[method-assign]
+        FakeTensorMode._get_output_tensor_from_cache_entry = original
 
 
 @contextlib.contextmanager
@@ -315,12 +315,12 @@ def _cache_keys_read_once():
     extract, flatten = fake_tensor.extract_tensor_metadata, fake_tensor.TensorMetadata._flatten_into
     fast_extract, fast_flatten = cache_key_parts(extract, flatten, fake_tensor.FakeTensorMode._prep_args_for_hash)
     fake_tensor.extract_tensor_metadata = fast_extract
-    fake_tensor.TensorMetadata._flatten_into = fast_flatten  # type: ignore[method-assign]
+    fake_tensor.TensorMetadata._flatten_into = fast_flatten
     try:
         yield
     finally:
         fake_tensor.extract_tensor_metadata = extract
-        fake_tensor.TensorMetadata._flatten_into = flatten  # type: ignore[method-assign]
+        fake_tensor.TensorMetadata._flatten_into = flatten
 
 
 @contextlib.contextmanager
