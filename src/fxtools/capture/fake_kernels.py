@@ -352,18 +352,13 @@ def _uninstall():
     from torch._subclasses.fake_impls import op_implementations_dict
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    for op in KERNELS:
-        previous = _saved.pop(op)
-        if previous is None:
-            op_implementations_dict.pop(op, None)
-        else:
-            op_implementations_dict[op] = previous
-    for op in _DECOMPOSED:
-        previous = _saved_meta.pop(op)
-        if previous is None:
-            meta_table.pop(op, None)
-        else:
-            meta_table[op] = previous
+    for table, saved in ((op_implementations_dict, _saved), (meta_table, _saved_meta)):
+        for op, previous in list(saved.items()):
+            if previous is None:
+                table.pop(op, None)
+            else:
+                table[op] = previous
+        saved.clear()
     if _state["used"]:
         cache = FakeTensorMode.cache  # keyed by (op, argument metadata): forget what our kernels computed
         for key in [k for k in cache if k.key and k.key[0] in KERNELS]:

@@ -145,7 +145,8 @@ def build_args(fn, specs: list[str], generator) -> tuple:
             break
     missing = [p.name for p in params[len(args) :] if p.default is inspect.Parameter.empty]
     if missing:
-        raise CliError(f"missing --arg for {', '.join(missing)}")
+        example = " ".join(f"--arg {m}=f32[4]" for m in missing)
+        raise CliError(f"missing --arg for {', '.join(missing)}: give each an example, e.g. {example} (see --help)")
     return tuple(args)
 
 

@@ -23,6 +23,11 @@ last use. Saved values go through ``ctx.save_for_backward`` (PyTorch's saved-ten
 them), a policy may offload them to CPU memory, and a backward with ``create_graph=True`` runs the
 captured program again with autograd recording, so it can be differentiated (``training/saved.py``).
 
+An argument the program writes in place with a differentiable value (``y[:, 1:].mul_(w[1:])``; in
+a Dynamo graph, a tensor the program made and wrote after a graph break) is computed out of place
+by the split, whose forward returns its new value; the runner writes it into the argument after
+the autograd.Function with autograd recording (``training/written.py``), as AOTAutograd does.
+
 Graphs are specialised to the arguments as every generated module is (``fxtools.signature.guards``: structure,
 shapes, dtypes, device types, strides where the code relies on them, Python values), to
 ``model.training`` and to which inputs require gradients. A call runs the first cached split
@@ -50,9 +55,8 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
-from ..capture.functionalize import InplaceError, kept_input_writes
 from ..capture.nested import functorch_regions
-from ..errors import FxtoolsError, user_line_of
+from ..errors import FxtoolsError
 from ..functional import functional
 from ..graph.nodes import ancestors, fake_mode_of, is_float
 from ..signature import closures
@@ -67,6 +71,7 @@ from .fastpath import Memo, Parameters
 from .finite import Checker, locate
 from .partition import Split, split
 from .saved import Replay, SavedValues, graph_kept, release, rng_state
+from .written import carriers
 
 __all__ = ["compile", "backend", "CompiledModule"]
 
@@ -246,7 +251,9 @@ class _Runner:
     (``_boxed_call``, as Inductor's are).
     """
 
-    def __init__(self, sp: Split, leaves, fw_compiler, bw_compiler, decompositions=None, check_finite=False):
+    def __init__(
+        self, sp: Split, leaves, fw_compiler, bw_compiler, decompositions=None, check_finite=False, name="fxtools.compile"
+    ):
         self.split = sp
         self.checker = Checker(sp) if check_finite else None  # check_finite: training/finite.py
         fw_compiler, bw_compiler = _resolve_compiler(fw_compiler), _resolve_compiler(bw_compiler)
@@ -285,6 +292,8 @@ class _Runner:
         self._fixed_strides = None if self.layouts is None else [_fixed_stride(w) for w in self.layouts]
         self.returned_inputs = returned_inputs(cap.gm, self.out_is_tensor)
         self.reads_offsets: bool | None = None  # whether its guards read a storage offset (training/fastpath.py)
+        self.write_back = sp.write_back  # arguments the program writes with a differentiable value (training/written.py)
+        self.name = name  # in messages (``Options.name``)
 
     def takes_layout(self, leaves) -> bool:
         """Whether the compiled graphs were made for the strides of ``leaves`` (compilers such as
@@ -327,6 +336,8 @@ class _Runner:
         """Run on the tensor leaves of arguments the split's guards accepted (inside an autocast
         region with autocast off: the graphs made for it hold its casts)."""
         with without_autocast(autocast_state()):
+            if self.write_back is not None:  # the new values returned after the outputs, then written
+                return self.write_back.call(self._call, leaves, self.name)
             return self._call(leaves)
 
     def _call(self, leaves):
@@ -444,10 +455,11 @@ class Options:
     decompositions: Any = None
     split: Any = None  # one given split (``Split.edit``) run instead of making splits
     check_finite: bool = False
+    name: str = "fxtools.compile"  # in messages: fxtools.compile, or fxtools.backend
 
     def running(self) -> tuple:
-        """What a ``_Runner`` takes of them: ``(fw_compiler, bw_compiler, decompositions, check_finite)``."""
-        return self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite
+        """What a ``_Runner`` takes of them: ``(fw_compiler, bw_compiler, decompositions, check_finite, name)``."""
+        return self.fw_compiler, self.bw_compiler, self.decompositions, self.check_finite, self.name
 
     def split_policy(self):
         """The policy the splits take: a memory budget compiled by Inductor plans for its fusion
@@ -629,39 +641,13 @@ def _refuse_closed_over_leaves(sp: Split) -> None:
             )
 
 
-_aten = torch.ops.aten
-# ops whose result autograd does not connect to their tensor inputs (``detach``, ``zeros_like(p)``)
-_NO_PATH = {_aten.detach, _aten.zeros_like, _aten.ones_like, _aten.empty_like, _aten.full_like, _aten.rand_like}
-_NO_PATH |= {_aten.randn_like, _aten.randint_like, _aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_full}
-
-
-def _carriers(gm: fx.GraphModule, differentiable: list[bool] | None = None) -> set[fx.Node]:
-    """The nodes of the captured graph ``gm`` a chain of floating-point values computed with grad
-    mode on (``detach`` ends one) leads to from a placeholder (those ``differentiable`` marks, one
-    bool per placeholder; all if None): those autograd connects to the inputs."""
-    carries: set[fx.Node] = set()
-    grad_enabled = True
-    placeholders = iter(differentiable or ())
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            if differentiable is None or next(placeholders, True):
-                carries.add(node)
-        elif node.op == "call_function" and node.target is torch._C._set_grad_enabled:
-            grad_enabled = bool(node.args[0])
-        elif node.op == "call_function" and grad_enabled and getattr(node.target, "overloadpacket", None) not in _NO_PATH:
-            floats = any(is_float(v) for v in pytree.tree_leaves(node.meta.get("val")))
-            if floats and any(a in carries for a in node.all_input_nodes):
-                carries.add(node)
-    return carries
-
-
 def unreached_leaves(gm: fx.GraphModule) -> list[bool]:
     """Per placeholder of the captured graph ``gm``: whether no chain of floating-point values
     computed with grad mode on (``detach`` ends one) leads from it to an output. Eager autograd
     leaves such a leaf's ``.grad`` None (a module's unused head, a bias only the discarded primal
     of a JVP reads), and optimizers skip a parameter whose ``.grad`` is None (no weight decay, no
     momentum): the backward must give None there, not the zeros the split computes."""
-    carries = _carriers(gm)
+    carries = carriers(gm)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     reached = ancestors(output.all_input_nodes, carries.__contains__)
     return [n not in reached for n in gm.graph.nodes if n.op == "placeholder"]
@@ -672,7 +658,7 @@ def constant_outputs(gm: fx.GraphModule, differentiable: list[bool] | None = Non
     ``.detach()``-ed metric, a value computed under ``no_grad``). Eager gives such an output no
     ``grad_fn``; the compiled step must not either, or keeping it (a running sum of metrics, a buffer
     assigned from it) would keep the step's graph alive, and a later backward through it would fail."""
-    carries = _carriers(gm, differentiable)
+    carries = carriers(gm, differentiable)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outs = [o for o in pytree.tree_leaves(output.args) if isinstance(o, fx.Node)]
     return [o not in carries for o in outs if isinstance(o.meta.get("val"), torch.Tensor)]
@@ -1047,115 +1033,6 @@ def _hint(x):
     return x
 
 
-class _MutatedInputs:
-    """Inputs of a Dynamo graph that it writes in place with a differentiable value, handled as
-    AOTAutograd handles mutated inputs: the graph (``function``) computes their new values out of
-    place, on a copy of each, and returns them after its outputs; ``call`` copies them into the
-    inputs after the autograd.Function, with autograd recording (``x.copy_(new)``), so autograd
-    sees the mutation as it sees eager's: the input's version counter and ``grad_fn`` change, a leaf
-    requiring grad is refused as eager refuses it.
-
-    Dynamo breaks a graph at a data-dependent read (``y[y < 0] = 0.1 * y[y < 0] * w``), so a
-    tensor the program made and then modifies can arrive as an input of the graph that modifies it.
-    """
-
-    def __init__(self, fn, lines: dict[int, str | None]):
-        self.fn, self.positions, self.lines = fn, sorted(lines), lines  # lines: position -> the user's line writing it
-        self.names = list(inspect.signature(fn).parameters)
-        self.returned: dict[int, int] = {}  # output position -> input position, for an output that is the input
-
-    def function(self):
-        """``fn`` computing the new values of the mutated inputs out of place and returning them."""
-        fn, positions, returned, lines, names = self.fn, self.positions, self.returned, self.lines, self.names
-
-        def call(*inputs):
-            copies = {i: inputs[i].clone() for i in positions}
-            out = fn(*(copies.get(i, x) for i, x in enumerate(inputs)))
-            returned.clear()
-            if isinstance(out, (tuple, list)):
-                returned.update({k: i for k, o in enumerate(out) for i, c in copies.items() if o is c})
-            for i, c in copies.items():
-                if c.shape != inputs[i].shape or c.stride() != inputs[i].stride():
-                    raise InplaceError(
-                        f"fxtools.backend: {lines.get(i) or 'an in-place op'} changes the shape or strides of "
-                        f"`{names[i]}`, an input of the graph Dynamo captured, in place and takes part in "
-                        "differentiation; fxtools does not carry such a change out of the graph. "
-                        "Compute the new value out of place."
-                    )
-            return out, tuple(copies[i] for i in positions)
-
-        call.__signature__ = fn.__signature__
-        call.__name__ = call.__qualname__ = fn.__name__
-        call.__fxtools_input_kinds__ = fn.__fxtools_input_kinds__
-        return call
-
-    def call(self, compiled, args: tuple):
-        for i in self.positions:
-            _refuse_aliased_input(args, i, self.names, self.lines.get(i))
-        # the autograd.Function gets a copy of each: it may save it for its backward (or a replay
-        # with create_graph=True may read it), and the write below must not reach what it saved
-        inputs = tuple(x.clone() if i in self.positions else x for i, x in enumerate(args))
-        out, new = compiled(*inputs)
-        for i, value in zip(self.positions, new):
-            args[i].copy_(value)  # with autograd recording, as eager's in-place write
-        if self.returned and isinstance(out, (tuple, list)):
-            out = type(out)([args[self.returned[k]] if k in self.returned else o for k, o in enumerate(out)])
-        return out
-
-
-def _refuse_aliased_input(args, i: int, names: list[str], where: str | None) -> None:
-    """Refuse a mutated input sharing memory with another tensor input: the write would have to
-    reach the other one too (AOTAutograd's synthetic bases), which fxtools does not do."""
-    x = args[i]
-    if not isinstance(x, torch.Tensor) or x.numel() == 0:
-        return
-    ptr = x.untyped_storage().data_ptr()
-    for j, y in enumerate(args):
-        if j != i and isinstance(y, torch.Tensor) and y.numel() and y.untyped_storage().data_ptr() == ptr:
-            raise InplaceError(
-                f"fxtools.backend: {where or 'an in-place op'} writes `{names[i]}` (an input of the graph "
-                f"Dynamo captured) with a differentiable value, and `{names[j]}`, another input of that graph, "
-                "shares its memory; fxtools computes the new value out of place and copies it into "
-                f"`{names[i]}` afterwards, and cannot make the write reach `{names[j]}` as eager does. "
-                "Clone one of them, or compute the new value out of place."
-            )
-
-
-def _compiled_function(fn, example_inputs: list, options: Options):
-    """``CompiledFunction(fn)`` made for ``example_inputs``, and the inputs it writes in place with
-    a differentiable value (``_MutatedInputs``), or None: each refused such write (``InplaceError``
-    naming its input) is made out of place, and the function made again."""
-    tensors = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
-    differentiable = [x.requires_grad and is_float(x) for x in example_inputs if isinstance(x, torch.Tensor)]
-    mutated: _MutatedInputs | None = None
-    while True:
-        compiled = CompiledFunction(fn if mutated is None else mutated.function(), options)
-        try:
-            with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
-                compiled.runner(*example_inputs)
-            # a differentiable write whose value no output reads: not differentiated, yet the caller reads it
-            gm = compiled.split.captured.gm
-            carriers = _carriers(gm, differentiable) if torch.is_grad_enabled() else set()
-            writes = {leaf: user_line_of(node) for node, leaf in kept_input_writes(gm) if node in carriers}
-            if not writes:
-                return compiled, mutated
-            err: InplaceError | None = None
-        except InplaceError as e:
-            if e.written_input is None:
-                raise
-            writes, err = {e.written_input: e.where}, e
-        lines = {tensors[leaf]: where for leaf, where in writes.items() if leaf < len(tensors)}
-        known = dict(mutated.lines) if mutated is not None else {}
-        if not lines.keys() - known.keys():
-            if err is not None:
-                raise err
-            raise FxtoolsError("internal error: a differentiable write into an input is kept in place")
-        names = list(inspect.signature(fn).parameters)
-        for i, where in lines.items():
-            _refuse_aliased_input(example_inputs, i, names, where)
-        mutated = _MutatedInputs(fn, {**lines, **known})
-
-
 def backend(
     fw_compiler=None,
     bw_compiler=None,
@@ -1179,25 +1056,24 @@ def backend(
     fw_compiler = compiler if fw_compiler is None else fw_compiler
     bw_compiler = compiler if bw_compiler is None else bw_compiler
 
-    options = Options(fw_compiler, bw_compiler, policy, rules, decompositions=decompositions, check_finite=check_finite)
+    options = Options(
+        fw_compiler, bw_compiler, policy, rules, decompositions=decompositions, check_finite=check_finite, name="fxtools.backend"
+    )
 
     def fxtools_backend(gm: fx.GraphModule, example_inputs):
         gm = functorch_regions(_inline_higher_order(gm))
         floats = _wrapped_floats(gm)
         example_inputs = [_hint(x.item() if i in floats else x) for i, x in enumerate(example_inputs)]
-        mutated: _MutatedInputs | None = None
         if any(True for _ in gm.parameters()):
             compiled: CompiledModule | CompiledFunction = CompiledModule(gm, options)
-            with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
-                compiled.runner(*example_inputs)
         else:  # parameters arrive as inputs: differentiate the graph as a function of them
-            compiled, mutated = _compiled_function(_as_function(gm, example_inputs), example_inputs, options)
+            compiled = CompiledFunction(_as_function(gm, example_inputs), options)
+        with torch._guards.tracing(None):  # trace with fxtools' own fake mode, not Dynamo's
+            compiled.runner(*example_inputs)
 
         def run(*args):
             if floats:
                 args = tuple(x.item() if i in floats else x for i, x in enumerate(args))
-            if mutated is not None:
-                return mutated.call(compiled, args)
             return compiled(*args)
 
         run.fxtools_compiled = compiled

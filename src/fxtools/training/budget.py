@@ -554,13 +554,7 @@ class Problem:
             cands, parents = steps[t]
             chosen[len(levels) - 1 - t] = pool[int(cands[s])]
             s = int(parents[s])
-        self.unreached = set()
-        top = (math.inf, math.inf, 0)
-        if stop + 1 in chosen:
-            p, _ = chosen[stop + 1]
-            top = (p.bytes, min(c[1] for c in chosen.values()), p.cost)  # the least peak above
-        below = self._descend(levels[: stop + 1], pool, fill=False, top=top) if stop >= 0 else []
-        return below + [(levels[i], *chosen[i]) for i in range(stop + 1, len(levels))]
+        return self._finish_chain(levels, pool, chosen, stop)
 
     def _chain(self, levels, pool, backs, total, stop: int) -> list[tuple[int, Point, int]]:
         """The best chain (``_least_total``) for the levels above ``stop``, and ``_descend``'s
@@ -572,6 +566,11 @@ class Problem:
         for t in range(len(backs) - 1, -1, -1):
             chosen[len(levels) - 1 - t] = pool[k]
             k = int(backs[t][k])
+        return self._finish_chain(levels, pool, chosen, stop)
+
+    def _finish_chain(self, levels, pool, chosen: dict[int, tuple[Point, int]], stop: int) -> list[tuple[int, Point, int]]:
+        """The chain's ``chosen`` points for the levels above ``stop``, after ``_descend``'s
+        choices below them (bounded by the least peak above)."""
         self.unreached = set()
         top = (math.inf, math.inf, 0)
         if stop + 1 in chosen:

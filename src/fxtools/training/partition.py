@@ -17,6 +17,13 @@
 - ``Split.backward_boxed`` is the same graph called as ``backward_boxed([*saved, *cotangents])``:
   it empties the list on entry, so each saved tensor is freed right after its last use.
 
+A program writing a value computed from a differentiated input into one of its tensor
+arguments in place (``y[:, 1:].mul_(w[1:])``) is split as AOTAutograd splits it
+(``training/written.py``): the new value is computed out of place, the forward writes no such
+argument and returns ``((out, written), saved)``, ``written`` the tuple of the new values in
+argument order (``Split.written`` describes them), and the backward takes their cotangents after
+``out``'s. ``fxtools.compile`` writes them into the arguments with autograd recording.
+
 ``Split.signature``, ``Split.saved`` and ``Split.cotangents`` list every input, saved value and
 cotangent with its name, shape, dtype, bytes and the user line that produced it;
 ``Split.report()`` prints what is saved and how many bytes. Outputs that alias inputs or each
@@ -49,6 +56,7 @@ from torch.utils import _pytree as pytree
 
 from .. import registry
 from ..capture.checkpoint import checkpoint_regions
+from ..capture.functionalize import InplaceError
 from ..capture.trace import Captured
 from ..codegen.assemble import returnable
 from ..codegen.inplace import in_place_body
@@ -68,6 +76,7 @@ from . import policies
 from .cuts import INF, backward_nodes, forward_nodes, max_flow_min_cut, nbytes, storage_root
 from .distributed import communicated_bytes
 from .finite import checked_split
+from .written import WrittenInputs, differentiable_writes, written_by
 
 # --------------------------------------------------------------------------------------------
 # Descriptions of inputs, saved values and cotangents
@@ -594,6 +603,10 @@ class Split:
     out_tensor_paths: list[str]  # "out[0]", ... for each tensor leaf of the result
     storage_bytes: dict  # bytes of each storage a saved value lives in
     _partition: _Partition | None = None  # the joint graph's partition (None for an edited split)
+    # the tensor arguments the program writes in place with a differentiable value (``training/written.py``):
+    # the forward returns ``((out, (new value, ...)), saved)`` and writes none of them
+    written: list[TensorInfo] = field(default_factory=list)
+    write_back: WrittenInputs | None = None
     aten: dict = field(default_factory=dict)  # to_aten's results, by decomposition table (training/aten.py)
 
     # -- calling helpers ---------------------------------------------------------------------
@@ -621,8 +634,14 @@ class Split:
         return [pytree.key_get(grads, path) for path in self.leaf_paths]  # a registered dataclass leaves out None fields
 
     def vjp(self, *args, grad_out=None):
-        """Run forward then backward: ``(out, grads)``; ``grad_out`` defaults to ones."""
-        out, saved = self.forward(*self.flatten(*args))
+        """Run forward then backward: ``(out, grads)``; ``grad_out`` defaults to ones. The new
+        value of each argument in ``written`` is written into it (outside autograd)."""
+        leaves = self.flatten(*args)
+        out, saved = self.forward(*leaves)
+        if self.write_back is not None:
+            with torch.no_grad():
+                for i, new in zip(self.write_back.positions, out[1]):
+                    leaves[i].copy_(new)
         if grad_out is None:
             cts = [torch.ones_like(o) for o in (pytree.tree_leaves(out)[i] for i in self.ct_index)]
         else:
@@ -761,6 +780,10 @@ class Split:
                 f"  budget: {target} (save_all saves {choice.save_all_bytes:,} B); chose {choice.point.bytes:,} B, "
                 f"recompute {choice.point.cost:,}{bound}; {choice.method} frontier of {len(choice.frontier)} points (Split.frontier draws it)"
             )
+        for w in self.written:
+            lines.append(
+                f"  writes {w.path or w.name} in place (the forward returns its new value)" + (f"  {w.line}" if w.line else "")
+            )
         width = max((len(s.name) for s in self.saved), default=0)
         types = [str(s.dtype).replace("torch.", "") + str(list(s.shape)) for s in self.saved]
         twidth = max(map(len, types), default=0)
@@ -816,11 +839,27 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
             dynamic_shapes = (None, *dynamic_shapes)
         f = functional(f)
     argnums = tuple(range(len(args)))
-    with checkpoint_regions():
-        cap = front(f, args, made_by=SPLIT, argnums=argnums, dynamic_shapes=dynamic_shapes, grad_leaves=grad_leaves)
-    wrt = differentiated(cap, argnums, grad_leaves)
-    with fx_traceback.preserve_node_meta():
-        rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
+    writes: WrittenInputs | None = None
+    while True:  # each differentiable write into an argument found makes the program write a copy instead
+        try:
+            with checkpoint_regions():
+                fn = f if writes is None else writes.function(f)
+                cap = front(fn, args, made_by=SPLIT, argnums=argnums, dynamic_shapes=dynamic_shapes, grad_leaves=grad_leaves)
+            wrt = differentiated(cap, argnums, grad_leaves)
+            found = differentiable_writes(cap.gm, wrt)
+            if not found:
+                if writes is not None:
+                    _name_written(cap, writes)
+                with fx_traceback.preserve_node_meta():
+                    rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
+                break
+        except InplaceError as e:
+            found = written_by(e) or {}
+            if not found.keys() - (writes.lines.keys() if writes is not None else set()):
+                raise
+        if writes is not None and not found.keys() - writes.lines.keys():
+            raise FxtoolsError("internal error: a differentiable write into an argument is kept in place")
+        writes = WrittenInputs({**found, **(writes.lines if writes is not None else {})})
     joint = rev.gm
     accumulate_into_scatters(joint)
     simplify(joint)
@@ -830,7 +869,30 @@ def split(f, *args, policy="recompute_cheap", grad_leaves=None, rules=None, dyna
     forward = _forward_graph(joint, part, cap)
     backward = _backward_graph(joint, part, cap, grads_structure(cap, args, _flat_grads(part, wrt), argnums))
     sp = _described(cap, args, part, forward, backward, rev.ct_index, policy, from_module)
+    if writes is not None:
+        _describe_writes(sp, writes)
     return checked_split(sp) if check_finite else sp
+
+
+def _name_written(cap: Captured, writes: WrittenInputs) -> None:
+    """Name each new value of a written argument after it (``y_written``), where the graph computes
+    it (not an input, nor an output of the program's own)."""
+    outs = pytree.tree_leaves(cap.gm.graph.output_node().args[0])
+    n = len(writes.positions)
+    if len(outs) != len(cap.out_leaves) or len(outs) < n:
+        return
+    own = set(outs[: len(outs) - n])
+    names = [name for name, t in zip(cap.names, cap.tensor_leaf) if t]
+    for i, node in zip(writes.positions, outs[len(outs) - n :]):
+        if isinstance(node, fx.Node) and node.op == "call_function" and node not in own and i < len(names):
+            node._rename(f"{names[i]}_written")
+
+
+def _describe_writes(sp: Split, writes: WrittenInputs) -> None:
+    """``sp.written`` and ``sp.write_back`` for the arguments ``writes`` lists (``training/written.py``)."""
+    writes.names = [i.path or i.name for i in sp.signature]
+    sp.write_back = writes
+    sp.written = [replace(sp.signature[i], kind="written", line=writes.lines.get(i)) for i in writes.positions]
 
 
 def _forward_graph(joint: fx.GraphModule, part: _Partition, cap: Captured) -> fx.GraphModule:
