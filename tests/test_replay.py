@@ -416,3 +416,119 @@ def test_snapshots_and_replays_keep_make_fxs_records():
             )
             assert va.untyped_storage().nbytes() == vb.untyped_storage().nbytes()
             assert a.meta["tensor_meta"] == b.meta["tensor_meta"]
+
+
+def _fake_record(t):
+    return (
+        type(t),
+        t.__dict__,
+        t.shape,
+        t.stride(),
+        t.storage_offset(),
+        t.dtype,
+        t.device,
+        t.requires_grad,
+        t._is_view(),
+        t.is_conj(),
+        t.is_neg(),
+        t.untyped_storage().nbytes(),
+    )
+
+
+def test_cache_hits_make_the_fake_modes_tensors():
+    """While fxtools traces, FakeTensorMode's outputs for cache hits are made by ``fakes.from_cache_entry``:
+    for plain ops, views (sharing the input's storage, offsets kept), multi-output ops, conjugate and
+    negative views and in-place ops they are, record for record, the tensors FakeTensorMode makes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fxtools.capture.trace import _cache_hits_wrapped
+    from fxtools.graph import fakes
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    with mode:
+        x, z = torch.empty(4, 6), torch.empty(3, 2, dtype=torch.complex64)
+    ops = [
+        lambda: x + 1,
+        lambda: x.view(2, 12),
+        lambda: x.t(),
+        lambda: x[1:, 2:4],
+        lambda: x.expand(3, 4, 6),
+        lambda: x.split(4, dim=1),
+        lambda: x.unbind(0),
+        lambda: torch.ops.aten.as_strided.default(x, (2, 2), (1, 3), 5),
+        lambda: (x > 0).sum(0),
+        lambda: z.conj(),
+        lambda: torch.ops.aten._neg_view.default(x),
+        lambda: torch.ops.aten.native_layer_norm.default(x, [6], None, None, 1e-5),
+    ]
+    made = []
+    original = fakes.from_cache_entry
+
+    def counted(*args):
+        out = original(*args)
+        made.append(out is not None)
+        return out
+
+    for op in ops:
+        with mode:
+            op()  # fills the cache
+            want = op()
+            with _cache_hits_wrapped(), pytest.MonkeyPatch.context() as mp:
+                mp.setattr(fakes, "from_cache_entry", counted)
+                mp.setattr("fxtools.capture.trace.from_cache_entry", counted)
+                got = op()
+        want_l = want if isinstance(want, (tuple, list)) else (want,)
+        got_l = got if isinstance(got, (tuple, list)) else (got,)
+        assert [_fake_record(t) for t in got_l] == [_fake_record(t) for t in want_l]
+        base = z if op is ops[9] else x
+        for t, u in zip(got_l, want_l):
+            shares = u.untyped_storage()._cdata == base.untyped_storage()._cdata
+            assert (t.untyped_storage()._cdata == base.untyped_storage()._cdata) == shares
+    assert sum(made) >= len(ops) - 1  # the hits were made by from_cache_entry
+    with mode:
+        y = torch.empty(4, 6)
+        y.add_(1)
+        with _cache_hits_wrapped():
+            assert y.add_(1) is y  # an in-place op returns its argument: FakeTensorMode's own
+
+
+def test_cache_keys_are_the_fake_modes():
+    """While fxtools traces, FakeTensorMode's cache keys are made with ``fakes.cache_key_parts``: for
+    contiguous, channels-last, transposed, expanded, offset, conjugate, negative, integer, 0-d and
+    gradient-requiring tensors the metadata and the whole key are FakeTensorMode's own."""
+    from torch._subclasses import fake_tensor
+    from torch._subclasses._fake_tensor_utils import _CacheKeyState
+    from torch._subclasses.fake_tensor import FakeTensorMode, extract_tensor_metadata
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fxtools.capture.trace import _cache_keys_read_once
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    with mode:
+        x = torch.empty(2, 3, 4, 5)
+        z = torch.empty(3, 2, dtype=torch.complex64)
+        tensors = [
+            x,
+            x.contiguous(memory_format=torch.channels_last),
+            x.transpose(1, 3),
+            x[:, 1:, ::2],
+            torch.empty(3, 1).expand(3, 4),
+            z.conj(),
+            torch.ops.aten._neg_view.default(x),
+            torch.empty(5, dtype=torch.int64),
+            torch.empty((), dtype=torch.bool),
+            torch.empty(4, 1, 1, 1),
+            torch.empty(2, 3, requires_grad=True),
+        ]
+
+    def key(t):
+        return mode._cache_key(_CacheKeyState(mode.shape_env), torch.ops.aten.add.Tensor, (t, 2), {"alpha": 1.5}).key
+
+    want = [(extract_tensor_metadata(t), key(t)) for t in tensors]
+    with _cache_keys_read_once():
+        assert fake_tensor.extract_tensor_metadata is not extract_tensor_metadata
+        got = [(fake_tensor.extract_tensor_metadata(t), key(t)) for t in tensors]
+        again = [(fake_tensor.extract_tensor_metadata(t), key(t)) for t in tensors]  # memory formats known
+    assert got == want and again == want
+    assert [[type(x) for x in k] for _, k in got] == [[type(x) for x in k] for _, k in want]

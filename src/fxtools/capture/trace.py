@@ -43,7 +43,7 @@ from ..errors import (
 )
 from ..graph import meta
 from ..graph.data_dependent import CountsFromExamples
-from ..graph.fakes import detached
+from ..graph.fakes import cache_key_parts, detached, from_cache_entry
 from ..graph.nodes import is_view_refusal, view_strides
 from ..signature.naming import arg_names, leaf_names
 from ..signature.runtime import autocast_state
@@ -286,6 +286,44 @@ def _snapshots_wrapped():
 
 
 @contextlib.contextmanager
+def _cache_hits_wrapped():
+    """FakeTensorMode's outputs for cache hits (most of a trace's ops) made by ``graph/fakes.py``'s
+    ``from_cache_entry``, where it can: the same FakeTensors, at a third of the cost. Anything else is
+    FakeTensorMode's own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    original = FakeTensorMode._get_output_tensor_from_cache_entry
+
+    def output(self, state, entry, key, func, args):
+        made = from_cache_entry(self, entry, func, args)
+        return made if made is not None else original(self, state, entry, key, func, args)
+
+    FakeTensorMode._get_output_tensor_from_cache_entry = output
+    try:
+        yield
+    finally:
+        FakeTensorMode._get_output_tensor_from_cache_entry = original
+
+
+@contextlib.contextmanager
+def _cache_keys_read_once():
+    """The metadata of each tensor argument that FakeTensorMode reads for its cache key (every fake
+    dispatch), read by ``graph/fakes.py``'s ``cache_key_parts``: the same keys, the memory format asked
+    once per sizes and strides in a trace and the fields flattened without ``dataclasses.fields``."""
+    from torch._subclasses import fake_tensor
+
+    extract, flatten = fake_tensor.extract_tensor_metadata, fake_tensor.TensorMetadata._flatten_into
+    fast_extract, fast_flatten = cache_key_parts(extract, flatten, fake_tensor.FakeTensorMode._prep_args_for_hash)
+    fake_tensor.extract_tensor_metadata = fast_extract
+    fake_tensor.TensorMetadata._flatten_into = fast_flatten
+    try:
+        yield
+    finally:
+        fake_tensor.extract_tensor_metadata = extract
+        fake_tensor.TensorMetadata._flatten_into = flatten
+
+
+@contextlib.contextmanager
 def _inputs_tracked_below_function_modes():
     """make_fx records its inputs (``track_tensor_tree`` of the placeholders: each one's proxy slot,
     its ``meta["val"]`` snapshot and ``tensor_meta``) while ``PreDispatchTorchFunctionMode`` is
@@ -345,6 +383,8 @@ def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=Tru
         _tensor_metadata_memo(),
         _inputs_tracked_below_function_modes(),
         _snapshots_wrapped(),
+        _cache_hits_wrapped(),
+        _cache_keys_read_once(),
         tracing_kernels(),
         _use_lazy_graph_module(True),
     ):
