@@ -89,6 +89,29 @@ def test_jvp_models_match_torch_func(name):
     close(tan, want_tan)
 
 
+def test_jvp_under_the_fused_rules_matches_torch_func():
+    """jvp differentiates a VJP again: it uses the readable rules, as hvp does (the fused set's CPU
+    flash-attention backward kernel has no derivative: was a MissingRuleError)."""
+
+    def block(q, k, v, w):
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.gelu(F.layer_norm(h, (4,), w)).sum()
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(2, 3, 5, 4, dtype=torch.float64, generator=g) for _ in range(3)]
+    args.append(torch.randn(4, dtype=torch.float64, generator=g))
+    tangents = [torch.randn_like(a) for a in args]
+    with fxtools.rule_set("fused"):
+        gm = fxtools.jvp(block, *args)
+    out, tan = gm(*args, *tangents)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):  # CPU flash attention has no forward AD in PyTorch
+        want_out, want_tan = torch.func.jvp(block, tuple(args), tuple(tangents))
+    close(out, want_out)
+    close(tan, want_tan)
+
+
 def test_jvp_of_grad_module():
     def f(x):
         return (torch.sin(x) * x).sum()

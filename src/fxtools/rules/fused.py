@@ -12,7 +12,8 @@ Where a kernel does not apply (``padding="same"`` convolutions, attention with d
 mask, soft-label cross entropy, cotangents of normalisation statistics), a rule falls back to the
 readable rule of its op.
 
-Second derivatives: ``fxtools.hvp`` and ``fxtools.hessian`` always use the readable rules. Graphs
+Second derivatives: ``fxtools.hvp``, ``fxtools.hessian`` and forward mode (``fxtools.jvp``,
+which transposes a VJP) always use the readable rules. Graphs
 made with this set can be differentiated again where PyTorch decomposes or differentiates the
 kernel (every kernel here except CPU flash attention's backward).
 """

@@ -132,7 +132,10 @@ def jvp_graph(gm: fx.GraphModule, wrt: list[bool], order: list[int], n_main: int
     replaced by zeros (nothing depends on them). Outputs after the first ``n_main`` get no tangent.
     """
     _true_adjoints(gm)
-    rev = reverse(gm, ReverseSpec(wrt, "cotangent"))
+    # The readable rules, as for hvp: the VJP is differentiated again, and fused backward kernels
+    # are first-order only (CPU flash attention's backward has no derivative).
+    with registry.rule_set("readable"):
+        rev = reverse(gm, ReverseSpec(wrt, "cotangent"))
     vjp_flat, ct_index = rev.gm, rev.ct_index
     simplify(vjp_flat)
     x_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
