@@ -454,16 +454,14 @@ def _input_view(x) -> bool:
 
 
 def _read_only_clone(node, x, fmt):
-    """``clone(x)`` -> ``x`` for an input ``x`` when the copy is only read: nothing writes either
-    in place, neither is returned (a returned copy must not share the caller's memory), and no
-    ``.view`` needs the copy's dense layout (the module may be called with other strides)."""
+    """``clone(x)`` -> ``x`` for an input ``x`` when the copy is only read: the graph writes no
+    tensor in place (inputs may share memory when called: a write into another input may be a
+    write into ``x``; the copy is then a snapshot), the copy is not returned (it must not share
+    the caller's memory), and no ``.view`` needs its dense layout (the module may be called with
+    other strides)."""
     if fmt not in (None, torch.preserve_format) or not _same_type(x, node) or _viewed(node):
         return None
-    root = x
-    while root.op != "placeholder":
-        root = root.args[0]
-    ax, an = _aliases(root), _aliases(node)
-    if any(_mutates(u) for v in ax | an for u in v.users) or _returned(an):
+    if _returned(_aliases(node)) or any(_mutates(n) for n in node.graph.nodes):
         return None
     return x
 

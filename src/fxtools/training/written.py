@@ -51,7 +51,8 @@ def carriers(gm: fx.GraphModule, differentiable: list[bool] | None = None) -> se
     placeholders = iter(differentiable or ())
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            if differentiable is None or next(placeholders, True):
+            marked = differentiable is None or next(placeholders, True)
+            if marked and is_float(node.meta.get("val")):  # not indices (``idx``)
                 carries.add(node)
         elif node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             grad_enabled = bool(node.args[0])
