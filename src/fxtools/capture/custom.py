@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import FxtoolsError, current_user_line
 from ..graph import meta
 from ..registry import Rule, Transform
+from .patching import patched
 
 __all__ = ["custom_vjp", "custom_jvp", "CustomCall", "CustomFunctionError", "capturing", "transform"]
 
@@ -99,12 +100,8 @@ def capturing(record: bool):
     def apply(cls, *args, **kwargs):
         return _function_apply(cls, original, args, kwargs)
 
-    function.apply = classmethod(apply)
-    try:
-        with _building(capturing=True, record=record):
-            yield
-    finally:
-        function.apply = original
+    with patched(function, apply=classmethod(apply)), _building(capturing=True, record=record):
+        yield
 
 
 @contextlib.contextmanager

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import FxtoolsError, current_user_line, is_data_dependent, user_frame
 from ..passes.views import collapse_view_chains
 from . import custom, dual
+from .patching import patched
 
 __all__ = [
     "NestedTransformError",
@@ -373,19 +374,17 @@ def nested_transforms():
         (eager, "grad_increment_nesting", "grad/vjp"),
         (eager, "jvp_increment_nesting", "jvp"),
     ]
-    saved = [(module, name, getattr(module, name)) for module, name, _ in [*wrappers, *levels]]
-    for module, name, wrap in wrappers:
-        setattr(module, name, wrap(getattr(module, name)))
-    for module, name, transform in levels:
-        setattr(module, name, _guarded_level(getattr(module, name), transform))
+    replaced = [(module, name, wrap(getattr(module, name))) for module, name, wrap in wrappers]
+    replaced += [(module, name, _guarded_level(getattr(module, name), transform)) for module, name, transform in levels]
     token = _PROGRAM.set(True)
     try:
-        with dual.forward_ad_levels(_at_top):  # torch.autograd.forward_ad: fxtools' forward mode too
-            yield
+        with contextlib.ExitStack() as stack:
+            for module, name, replacement in replaced:
+                stack.enter_context(patched(module, **{name: replacement}))
+            with dual.forward_ad_levels(_at_top):  # torch.autograd.forward_ad: fxtools' forward mode too
+                yield
     finally:
         _PROGRAM.reset(token)
-        for module, name, original in saved:
-            setattr(module, name, original)
 
 
 def _guarded_level(original, transform: str):

@@ -44,6 +44,7 @@ from ..errors import FXTOOLS_DIR, FxtoolsError, current_user_line, is_user_file
 from ..graph import meta
 from .autograd_grad import grad_in_trace
 from .nested import capturing_program
+from .patching import patched
 
 
 def _check(ok, message):
@@ -732,16 +733,9 @@ def recording_rng_state():
     generator must leave the block as it entered: if it changed, the program reached it some way
     the stand-ins did not see (``torch.default_generator.manual_seed``, a ``manual_seed`` imported
     before), which the generated code would not repeat; that is refused."""
-    saved = [(module, name, getattr(module, name)) for module in (torch, torch.random) for name in RNG_FUNCTIONS]
-    saved.append((torch, "Generator", torch.Generator))
     before = torch.random.default_generator.get_state()
-    for module, name, _ in saved:
-        setattr(module, name, _ProgramGenerator if name == "Generator" else RNG_FUNCTIONS[name])
-    try:
+    with patched(torch, Generator=_ProgramGenerator, **RNG_FUNCTIONS), patched(torch.random, **RNG_FUNCTIONS):
         yield
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
     if not torch.equal(torch.random.default_generator.get_state(), before):
         torch.random.default_generator.set_state(before)
         raise FxtoolsError(

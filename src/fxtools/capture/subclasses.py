@@ -50,6 +50,7 @@ from torch.utils import _pytree as pytree
 from ..errors import FxtoolsError, current_user_line
 from ..signature.naming import record_mesh_dims
 from . import custom
+from .patching import patched
 from .replicated import assert_replicated
 from .replicated import replicated as is_replicated
 
@@ -369,11 +370,8 @@ def _partitions_as_shares():
             return original(self, tensor, mesh, mesh_dim)
         return _PARTITION(tensor, mesh.get_group(mesh_dim).group_name, mesh.size(mesh_dim))
 
-    Partial._partition_value = partition  # type: ignore[method-assign]  # patched while tracing
-    try:
+    with patched(Partial, _partition_value=partition):
         yield
-    finally:
-        Partial._partition_value = original  # type: ignore[method-assign]  # restored
 
 
 # ---------------------------------------------------------------------------------------------

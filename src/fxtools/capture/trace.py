@@ -54,6 +54,7 @@ from .conversions import module_conversions
 from .layout_reads import LayoutReads, constants_layout_read, constants_read_as_values
 from .layout_reads import facts as layout_facts
 from .names import module_paths, name_values, outer_frames, reached_modules, recording_modules
+from .patching import patched
 from .replacements import Replacing
 from .subclasses import DTensorInside, dtensor_functions, is_mesh, refuse_subclass_arguments
 
@@ -131,21 +132,12 @@ def _all_user_frames():
             return summary  # made of the user's frames alone
         return traceback.StackSummary.from_list([f for f in summary if is_user_file(f.filename)])
 
-    previous = torch.fx.proxy.CapturedTraceback
-    outer_cache = _UserStack.cache
-    outer_filter = vars(PythonKeyTracer).get("_filter_traceback_frames")  # a trace inside a trace: kept
-    PythonKeyTracer._filter_traceback_frames = keep_user_frames
-    setattr(torch.fx.proxy, "CapturedTraceback", _UserStack)  # noqa: B010 (mypy: a type)
-    _UserStack.cache = {}
-    try:
+    with (
+        patched(PythonKeyTracer, _filter_traceback_frames=keep_user_frames),
+        patched(torch.fx.proxy, CapturedTraceback=_UserStack),
+        patched(_UserStack, cache={}),
+    ):
         yield
-    finally:
-        _UserStack.cache = outer_cache
-        setattr(torch.fx.proxy, "CapturedTraceback", previous)  # noqa: B010
-        if outer_filter is None:
-            del PythonKeyTracer._filter_traceback_frames
-        else:
-            PythonKeyTracer._filter_traceback_frames = outer_filter
 
 
 class _UserSummary(traceback.StackSummary):
@@ -212,11 +204,8 @@ def _no_real_mutation():
             return False
         return original(func)
 
-    fake_tensor.should_allow_numbers_as_tensors = allow_numbers
-    try:
+    with patched(fake_tensor, should_allow_numbers_as_tensors=allow_numbers):
         yield
-    finally:
-        fake_tensor.should_allow_numbers_as_tensors = original
 
 
 @contextlib.contextmanager
@@ -255,13 +244,8 @@ def _tensor_metadata_memo():
             known = saved[target] = saves(target, args_kwargs)
         return known
 
-    proxy_tensor._extract_tensor_metadata = extract
-    proxy_tensor._should_save_eager_input_vals = should_save
-    try:
+    with patched(proxy_tensor, _extract_tensor_metadata=extract, _should_save_eager_input_vals=should_save):
         yield
-    finally:
-        proxy_tensor._extract_tensor_metadata = original
-        proxy_tensor._should_save_eager_input_vals = saves
 
 
 @contextlib.contextmanager
@@ -278,11 +262,8 @@ def _snapshots_wrapped():
             return detached(val)
         return original(val, include_real)
 
-    proxy_tensor.snapshot_fake = snapshot
-    try:
+    with patched(proxy_tensor, snapshot_fake=snapshot):
         yield
-    finally:
-        proxy_tensor.snapshot_fake = original
 
 
 @contextlib.contextmanager
@@ -298,11 +279,8 @@ def _cache_hits_wrapped():
         made = from_cache_entry(self, entry, func, args)
         return made if made is not None else original(self, state, entry, key, func, args)
 
-    FakeTensorMode._get_output_tensor_from_cache_entry = output
-    try:
+    with patched(FakeTensorMode, _get_output_tensor_from_cache_entry=output):
         yield
-    finally:
-        FakeTensorMode._get_output_tensor_from_cache_entry = original
 
 
 @contextlib.contextmanager
@@ -314,13 +292,11 @@ def _cache_keys_read_once():
 
     extract, flatten = fake_tensor.extract_tensor_metadata, fake_tensor.TensorMetadata._flatten_into
     fast_extract, fast_flatten = cache_key_parts(extract, flatten, fake_tensor.FakeTensorMode._prep_args_for_hash)
-    fake_tensor.extract_tensor_metadata = fast_extract
-    fake_tensor.TensorMetadata._flatten_into = fast_flatten
-    try:
+    with (
+        patched(fake_tensor, extract_tensor_metadata=fast_extract),
+        patched(fake_tensor.TensorMetadata, _flatten_into=fast_flatten),
+    ):
         yield
-    finally:
-        fake_tensor.extract_tensor_metadata = extract
-        fake_tensor.TensorMetadata._flatten_into = flatten
 
 
 @contextlib.contextmanager
@@ -347,11 +323,8 @@ def _inputs_tracked_below_function_modes():
         with set_aside():
             return original(inner_res, proxy_res, constant=constant, tracer=tracer)
 
-    proxy_tensor.track_tensor_tree = track_tensor_tree
-    try:
+    with patched(proxy_tensor, track_tensor_tree=track_tensor_tree):
         yield
-    finally:
-        proxy_tensor.track_tensor_tree = original
 
 
 def trace_flat(fn, example_leaves, *, record_stack_traces=True, pre_dispatch=True) -> fx.GraphModule:
@@ -493,12 +466,8 @@ def _select_cond(pred, true_fn, false_fn, operands=()):
 def _cond_as_select():
     """Trace ``torch.cond`` below functorch (``fxtools.vmap``) as ``_select_cond``: PyTorch's
     ``torch.cond`` compiles its branches with Dynamo, which refuses functorch's batched tensors."""
-    original = torch.cond
-    torch.cond = _select_cond
-    try:
+    with patched(torch, cond=_select_cond):
         yield
-    finally:
-        torch.cond = original
 
 
 @contextlib.contextmanager
@@ -521,12 +490,11 @@ def _static_control_flow():
         with env.suppress_guards() if env is not None else contextlib.nullcontext():
             return reasons(cache_entries, frame, *args, **kwargs)
 
-    convert_frame.get_and_maybe_log_recompilation_reasons = reasons_without_guards
-    try:
-        with dynamo_config.patch(automatic_dynamic_shapes=False):
-            yield
-    finally:
-        convert_frame.get_and_maybe_log_recompilation_reasons = reasons
+    with (
+        patched(convert_frame, get_and_maybe_log_recompilation_reasons=reasons_without_guards),
+        dynamo_config.patch(automatic_dynamic_shapes=False),
+    ):
+        yield
 
 
 _PY_RANDOM = (
@@ -557,14 +525,8 @@ def _python_random_refused():
 
         return draw
 
-    saved = {n: getattr(random, n) for n in _PY_RANDOM if hasattr(random, n)}
-    for name, original in saved.items():
-        setattr(random, name, refusing(name, original))
-    try:
+    with patched(random, **{n: refusing(n, getattr(random, n)) for n in _PY_RANDOM if hasattr(random, n)}):
         yield
-    finally:
-        for name, original in saved.items():
-            setattr(random, name, original)
 
 
 @contextlib.contextmanager
@@ -573,8 +535,6 @@ def _backward_hooks_refused():
     their global forms) would run in eager's backward, on gradients the generated code computes
     without autograd: refused when a hooked module is called, naming it and the line, rather than
     left out of the gradient (``torch.func`` refuses them too)."""
-    module_cls = torch.nn.Module
-    saved = {name: getattr(module_cls, name) for name in ("_get_backward_hooks", "_get_backward_pre_hooks")}
 
     def refusing(module, *args, **kwargs):
         raise FxtoolsError(
@@ -584,13 +544,8 @@ def _backward_hooks_refused():
             "the program (a torch.autograd.Function around the module, which fxtools honours), or remove the hook."
         )
 
-    for name in saved:
-        setattr(module_cls, name, refusing)
-    try:
+    with patched(torch.nn.Module, _get_backward_hooks=refusing, _get_backward_pre_hooks=refusing):
         yield
-    finally:
-        for name, original in saved.items():
-            setattr(module_cls, name, original)
 
 
 @contextlib.contextmanager
@@ -617,13 +572,8 @@ def _tensor_hooks_refused():
 
         return call
 
-    for name in names:
-        setattr(cls, name, refusing(name))
-    try:
+    with patched(cls, **{name: refusing(name) for name in names}):
         yield
-    finally:
-        for name, original in saved.items():
-            setattr(cls, name, original)
 
 
 @contextlib.contextmanager
@@ -658,11 +608,8 @@ def _tensor_attributes_written():
             "assignment of a value of its shape and dtype fxtools writes in place, or return the value."
         )
 
-    torch.nn.Module.__setattr__ = assign
-    try:
+    with patched(torch.nn.Module, __setattr__=assign):
         yield
-    finally:
-        torch.nn.Module.__setattr__ = original
 
 
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
@@ -732,12 +679,8 @@ def _compiling():
     keep a FakeTensor made during tracing and hand it to the next eager call of the model), and
     take their export paths (a sequential scan rather than torch's ``associative_scan``).
     """
-    old = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag
-    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
-    try:
+    with patched(torch.compiler, _is_compiling_flag=True, _is_exporting_flag=True):
         yield
-    finally:
-        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = old
 
 
 def _mark_forward_grad(state: bool) -> None:
@@ -764,7 +707,6 @@ def _inference_mode_as_no_grad():
     AD's state (``meta.FORWARD_GRAD``; ``forward_grad_modes`` applies it).
     """
     cls = torch.autograd.grad_mode.inference_mode
-    old = cls.__enter__, cls.__exit__
     old_fwd = torch._C._set_fwd_grad_enabled
     forward = [True]  # forward AD's state while tracing (the trace itself runs without it)
 
@@ -785,13 +727,8 @@ def _inference_mode_as_no_grad():
         if bool(mode) != forward[-1]:
             switch(torch.is_grad_enabled(), bool(mode))
 
-    cls.__enter__, cls.__exit__ = enter, exit
-    torch._C._set_fwd_grad_enabled = set_fwd
-    try:
+    with patched(cls, __enter__=enter, __exit__=exit), patched(torch._C, _set_fwd_grad_enabled=set_fwd):
         yield
-    finally:
-        cls.__enter__, cls.__exit__ = old
-        torch._C._set_fwd_grad_enabled = old_fwd
 
 
 def forward_grad_modes(gm: fx.GraphModule) -> None:
@@ -1040,13 +977,11 @@ def _grad_mode_noted():
             node.meta[_NO_GRAD_BELOW] = True
         return node
 
-    PythonKeyTracer.create_node = create_node_noting_grad_mode
-    torch._C._set_grad_enabled = set_grad_enabled_noted
-    try:
+    with (
+        patched(PythonKeyTracer, create_node=create_node_noting_grad_mode),
+        patched(torch._C, _set_grad_enabled=set_grad_enabled_noted),
+    ):
         yield
-    finally:
-        PythonKeyTracer.create_node = create_node
-        torch._C._set_grad_enabled = set_grad_enabled
 
 
 def _grad_mode_switches(gm: fx.GraphModule) -> None:
