@@ -132,9 +132,12 @@ class _Builder:
 
     # -- statements --------------------------------------------------------------------------
 
-    def emit(self, expr, operands, check=None, names=1):
-        """Run ``expr`` on every sample; keep it (returning the new Vars) if it passes ``check``."""
+    def emit(self, expr, operands, check=None, names=1, write=None):
+        """Run ``expr`` on every sample; keep it (returning the new Vars) if it passes ``check``.
+        ``write``: a second statement that writes into the new value in place (``{out}[1:] += ...``,
+        ``{out}``: its name), run after it."""
         outs_per_sample = []
+        out_name = f"v{self.counter + 1}"
         for s in range(BATCH + 1):
             env = {"torch": torch, "F": F}
             env.update({v.name: v.vals[s] for v in operands})
@@ -142,6 +145,9 @@ class _Builder:
                 with warnings.catch_warnings():
                     warnings.simplefilter("error")  # mse_loss of mismatched shapes warns: not kept
                     out = eval(expr, env)
+                    if write is not None:
+                        env[out_name] = out
+                        exec(write.format(out=out_name), env)
             except Exception as exc:  # noqa: BLE001 - a statement that does not run is not kept
                 raise _Reject from exc
             if check is not None and not check(*[v.vals[s] for v in operands]):
@@ -161,6 +167,8 @@ class _Builder:
             v.used += 1
         lhs = ", ".join(v.name for v in new)
         self.lines.append(f"    {lhs} = {expr}")
+        if write is not None:
+            self.lines.append("    " + write.format(out=out_name))
         self.pool.extend(new)
         return new
 
@@ -217,13 +225,16 @@ def vmap_oracle(fn, in_dims, *args):
     sample, stacked (outputs at dim 0). A batched value is laid out as suits the batch, not as
     eager lays out one sample (``u.unsqueeze(1) * (A @ x)`` with ``A``, ``u`` unbatched is
     transposed per sample under vmap), so torch.func.vmap refuses some ``.view`` calls that a loop
-    over the samples, vmap's meaning, runs."""
+    over the samples, vmap's meaning, runs. Likewise an in-place write of a batched value into an
+    unbatched one (``v[:, 1:] = p.mean()`` with ``v`` made from an unbatched parameter), which
+    torch.func.vmap refuses ("vmap: fill_(self, ...) is not possible") or fails on."""
     from torch.utils import _pytree as pytree
 
     try:
         return torch.func.vmap(fn, in_dims=in_dims)(*args)
     except RuntimeError as exc:
-        if "view size is not compatible" not in str(exc):
+        refused = ("view size is not compatible", "is not possible because", "doesn't match the broadcast shape")
+        if not any(text in str(exc) for text in refused):
             raise
     dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
     n = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
@@ -617,6 +628,36 @@ def _combine(b: _Builder):
         b.emit(f"{a.name}.unbind({dim})", [a], names=2)
 
 
+def _write(b: _Builder):
+    """A new value, then a write into a view of it in place (``v[..., 1:] += a[..., :-1].sin()``,
+    ``v[0] = ...``, ``v.diagonal(...).mul_(...)``): slices with and without a step, selects and
+    diagonals, assigned or updated, reading the value written into or another one."""
+    a = b.floats(lambda v: v.v.dim() >= 1 and v.shape[-1] >= 2)
+    rng, nd = b.rng, a.v.dim()
+    c = b.floats()
+    writes = [
+        "{out}[..., 1:] += {a}[..., :-1].sin()",
+        "{out}[..., ::2] *= {a}[..., ::2].cos()",
+        "{out}[..., :1].mul_({a}[..., 1:2])",
+        "{out}[..., -1] -= {c}.mean()",
+        "{out}[0] = {a}[-1] * 2",
+        "{out}[..., 1:] = {out}[..., :-1] * 0.5",
+        "{out}[..., 0].zero_()",
+        "{out}[..., 1:].add_({out}[..., 1:].tanh())",
+    ]
+    if nd >= 2:
+        writes += [
+            "{out}.diagonal(dim1=-2, dim2=-1).mul_({a}.diagonal(dim1=-2, dim2=-1).tanh())",
+            "{out}.diagonal(dim1=-2, dim2=-1).add_({c}.sum())",
+            "{out}[:, 1:] = {c}.mean()",
+            "{out}[1:, 0] += {a}[:-1, -1]",
+        ]
+    write = rng.choice(writes)
+    operands = list(dict.fromkeys([a, c] if "{c}" in write else [a]))
+    expr = rng.choice(["{a} * 1.5", "{a}.sin()", "{a} - {a}.mean()", "{a}.clone()"])  # none saves its output
+    b.emit(expr.format(a=a.name), operands, write=write.replace("{a}", a.name).replace("{c}", c.name))
+
+
 _OPS = {
     "unary": (5, _unary),
     "binary": (5, _binary),
@@ -626,6 +667,7 @@ _OPS = {
     "nn": (2.5, _nn),
     "indexing": (1.5, _indexing),
     "combine": (1.5, _combine),
+    "write": (1.5, _write),
 }
 
 
@@ -674,6 +716,9 @@ def features(p: Program) -> set[str]:
                 found.add("return a value twice")
             if any(n.startswith("x") for n in names):
                 found.add("return an input")
+            continue
+        if not re.match(r"\w+(, \w+)* = ", line):  # a write into a view of the value before it
+            found.add("write " + re.sub(r"\b[vx]\d+\b", "_", line))
             continue
         expr = line.split(" = ", 1)[1]
         m = _CALL.search(expr)

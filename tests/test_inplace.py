@@ -303,6 +303,55 @@ def test_slice_select_and_diagonal_writes_are_written_as_scatters_at_every_size(
             torch.testing.assert_close(got, ref)
 
 
+def updates_in_place(x, w, c):
+    h = x * 1.0
+    h.diagonal().mul_(w)
+    h[:, 1:] += w[1:]
+    h[0] *= 3
+    return (h * c).sum()
+
+
+def test_gradient_of_an_update_in_place_is_one_scatter_named_after_the_variable():
+    """The gradient of ``h[i] op= v`` has two parts, outside the place (the incoming gradient) and
+    inside it (through ``op``): written as one ``scatter(grad, inside)``, or nothing at all where
+    the part inside is the incoming gradient itself (``+=``), not a scatter of zeros plus a scatter
+    into zeros. The value written is named after the variable (``h_mul``). Exact in float64 (a
+    gradient of ``-0.0`` may come out ``+0.0`` or stay: eager's own backward adds zeros there)."""
+    from torch.export import Dim
+
+    n = Dim("n", min=3)  # h[:, 1:] of size 1 would broadcast w[1:]: a decision on the size
+    x, w = _x(3, 3), _x(3, seed=1)
+    g = fxtools.grad(
+        updates_in_place, x, w, torch.ones(3, 3, dtype=D), argnums=(0, 1), dynamic_shapes=({0: n, 1: n}, {0: n}, {0: n, 1: n})
+    )
+    code = g.code
+    assert "new_zeros" not in code and "zeros_like" not in code, code
+    assert "mul_tensor" not in code and "add_tensor" not in code, code
+    assert "grad_h_mul" in code or "h_mul" in code, code
+    for size in (3, 4, 6):
+        x, w, c = _x(size, size, seed=size), _x(size, seed=1), _x(size, size, seed=2)
+        want = torch.func.grad(updates_in_place, argnums=(0, 1))(x, w, c)
+        for a, b in zip(g(x, w, c), want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_write_of_a_batched_value_under_vmap_with_a_dynamic_batch():
+    """``v[:, 1:] = u.mean()`` under vmap with a dynamic batch size: the write's broadcast of the
+    per-sample mean has the symbolic batch size, written as a node (was refused: "a constant ...
+    is 5 (a torch.SymInt)")."""
+    from torch.export import Dim
+
+    def f(s):
+        v = torch.square(s).sin()
+        v[:, 1:] = s.mean()
+        return v * s
+
+    x = _x(5, 2, 3)
+    gm = fxtools.vmap(f, x, dynamic_shapes=({0: Dim("batch")},))
+    for n in (1, 3, 5):
+        torch.testing.assert_close(gm(x[:n]), torch.func.vmap(f)(x[:n]))
+
+
 # --- mutation of inputs and buffers: stays in place, visible to the caller --------------------
 
 

@@ -43,9 +43,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import FxtoolsError, user_line_of
 from ..graph import meta
+from ..graph.data_dependent import materialize
 from ..graph.nodes import fake_mode_of, is_float
 from ..registry import Rule, differentiable_nodes, is_nondifferentiable
-from ..signature.naming import identifier
+from ..signature.naming import identifier, short_op
 
 aten = torch.ops.aten
 
@@ -249,6 +250,8 @@ class _Builder:
         self.made: set[fx.Node] = set()  # the nodes it created
 
     def __call__(self, target, *args, **kwargs):
+        if self.before is not None:  # symbolic sizes (``expand`` to a dynamic shape) as nodes
+            args, kwargs = materialize(self.graph, self.before, (args, kwargs))
         with self.graph.inserting_before(self.before):
             node = self.graph.call_function(target, args, kwargs)
         self.made.add(node)
@@ -950,6 +953,8 @@ class _Functionalizer:
         self.latest[st] = self.write_back(node, value, target)
         if meta.WRITES.on(node) and self.latest[st] in self.b.made:  # h[0] = v: the new h, h_1
             self.latest[st]._rename(identifier(meta.WRITES.get(node)))
+        if meta.WRITES.on(node) and value is not self.latest[st] and value in self.b.made:  # h[0] *= 2: h_mul
+            value._rename(identifier(f"{meta.WRITES.get(node)}_{short_op(value)}"))
         self.version[st] += 1
         self.aliases[node] = _Alias(st, info.parent, info.step, self.version[st])
         self.repl[node] = value

@@ -684,6 +684,87 @@ def _written_again(node, rw):
     return base if place is not None and place == _place(base) else None
 
 
+def _scattered_back(node, rw):
+    """``slice_scatter(x, x[place], place)`` -> ``x`` (and select, diagonal): writing a place back
+    what it holds, as a gradient becomes once ``_disjoint_sum`` joins the two parts of ``x[i] += v``'s."""
+    x, v = node.args[0], node.args[1] if len(node.args) > 1 else None
+    view = next((op for op, scatter in _SCATTERS.items() if scatter is node.target), None)
+    if not (isinstance(v, fx.Node) and v.target is view and v.args[0] is x and _same_type(x, node)):
+        return None
+    if _place(node) is None or _place(node) != _place(v):
+        return None
+    if any(_mutates(u) for a in _aliases(x) | _aliases(v) for u in a.users):
+        return None
+    return x
+
+
+def _region(node: fx.Node) -> tuple | None:
+    """The part of its output a scatter writes, comparable with the unpadded part of a pad:
+    ``("slice", dim, start, stop, step)``, ``("select", dim, index)`` with the bounds resolved, or
+    the diagonal's op and place; None unless static."""
+    place, x = _place(node), _val(node.args[0])
+    if place is None or node.target is aten.diagonal_scatter.default:
+        return None if place is None else (node.target, *place)
+    size = x.shape[place[0]]
+    if node.target is aten.select_scatter.default:
+        index = place[1] if place[1] >= 0 or type(size) is not int else place[1] + size
+        return ("select", place[0], index) if index >= 0 else None
+    dim, start, end, step = place
+    if type(size) is not int:  # a symbolic size: only a slice from a fixed start to the end
+        return ("slice", dim, start, "end", step) if start >= 0 and end is None else None
+    start, stop, _ = slice(start, end).indices(size)
+    return ("slice", dim, start, "end" if stop >= size else max(stop, start), step)
+
+
+def _zero_outside(node, rw) -> list[tuple]:
+    """``(region, v)`` pairs, each a way to read ``node`` as ``v`` written into zeros at ``region``:
+    a scatter into a zero fill, or a pad by zeros along one dim (of ``v.unsqueeze(dim)``: also
+    where ``select`` writes)."""
+    if not isinstance(node, fx.Node) or len(node.args) < 2:
+        return []
+    if node.target in _SCATTERS.values() and rw.constant(node.args[0]) == 0:
+        region = _region(node)
+        return [] if region is None else [(region, node.args[1])]
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    if node.target is not aten.constant_pad_nd.default or value != 0 or not isinstance(node.args[1], (list, tuple)):
+        return []
+    inner, pad = node.args[0], list(node.args[1])
+    v = _val(inner)
+    padded = [i for i in range(0, len(pad), 2) if not (type(pad[i]) is int and pad[i] == 0 == pad[i + 1])]
+    if len(padded) != 1 or not isinstance(v, torch.Tensor) or type(pad[padded[0]]) is not int or pad[padded[0]] < 0:
+        return []  # the high pad may be symbolic: the shapes compared by the caller fix it
+    dim, lo, hi = v.dim() - 1 - padded[0] // 2, pad[padded[0]], pad[padded[0] + 1]
+    found = []
+    if type(hi) is int and hi == 0:
+        found.append((("slice", dim, lo, "end", 1), inner))
+    elif type(v.shape[dim]) is int:
+        found.append((("slice", dim, lo, lo + v.shape[dim], 1), inner))
+    if isinstance(inner, fx.Node) and inner.target is aten.unsqueeze.default and v.shape[dim] == 1:
+        if isinstance(inner.args[1], int) and inner.args[1] % v.dim() == dim:
+            found.append((("select", dim, lo), inner.args[0]))
+    return found
+
+
+def _disjoint_sum(node, rw):
+    """``scatter(x, zeros, place) + scatter(zeros, v, place)`` -> ``scatter(x, v, place)``, the
+    second part also a pad by zeros: the gradient of ``x[i] += v`` or ``x.diagonal().mul_(w)``,
+    whose two parts are the gradient outside the written place and inside it. Each number is then
+    one of the two parts rather than one plus a zero: the same, but for the sign of a zero part
+    (``-0.0 + 0.0`` is ``+0.0``; the chain rule's product is kept, which eager's backward of an
+    in-place write also gives only up to that sign)."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    for a, b in (node.args, node.args[::-1]):
+        if not (isinstance(a, fx.Node) and a.target in _SCATTERS.values() and rw.constant(a.args[1]) == 0):
+            continue
+        if not (_same_type(a.args[0], node) and _same_type(b, node)):
+            continue
+        for region, v in _zero_outside(b, rw):
+            if region == _region(a) and _val(v).dtype == _val(node).dtype:
+                return rw.new(node, a.target, (a.args[0], v, *a.args[2:]), a.kwargs)
+    return None
+
+
 # Each rewrite with the ops it applies to, in order of preference: a node takes the first that
 # returns something.
 _REWRITE_FAMILIES = (
@@ -710,6 +791,8 @@ _REWRITE_FAMILIES = (
     ((aten.permute.default,), _permute_of_permute),
     (tuple(_SCATTERS), _read_back),
     (tuple(_SCATTERS.values()), _written_again),
+    (tuple(_SCATTERS.values()), _scattered_back),
+    ((aten.add.Tensor,), _disjoint_sum),
 )
 
 
