@@ -1001,6 +1001,8 @@ class _Functionalizer:
             a = self.aliases[cur]
             parent = a.parent
             child = a.step.scatter(self.b, self.current(parent), child, _val(parent), _val(cur), node)
+            if meta.WRITES.on(node) and child in self.b.made:  # h[1:, ::2] = v: h_slice_scatter, then h_1
+                child._rename(identifier(f"{meta.WRITES.get(node)}_{short_op(child)}"))
             cur = parent
         if self.aliases[cur].step is not None:
             raise _error(node, "it modifies a tensor with an alias (view) fxtools cannot follow")
