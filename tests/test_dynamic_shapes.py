@@ -261,3 +261,23 @@ def test_last_selected_row_per_sequence():
         hr = h.clone().requires_grad_()
         (want,) = torch.autograd.grad(f(hr, ids), hr)
         torch.testing.assert_close(gm(h, ids), want, rtol=0, atol=0)
+
+
+def test_functions_of_tensors_given_one_by_one():
+    """``torch.broadcast_tensors(*tensors)`` (kept with dynamic sizes after an in-place write, from
+    F.mse_loss's broadcast) is written with its tensors one by one: the ATen op takes them as a
+    list, which the Python function read as one tensor ("expected Tensor as element 0 ..., but got
+    list", fuzz seed 59)."""
+    from torch.export import Dim
+
+    def f(x, w, b):
+        v = x * 1.5
+        v.diagonal(dim1=-2, dim2=-1).add_(x.sum())
+        d = F.mse_loss(v, x, reduction="none")
+        return (F.conv2d(d.view(1, 1, 2, 4), w, b) ** 2).sum() + F.log_softmax(d, 0).sum()
+
+    args = [torch.randn(*s, dtype=torch.float64) for s in ((2, 4), (2, 1, 2, 2), (2,))]
+    auto = tuple(dict.fromkeys(range(a.dim()), Dim.AUTO) for a in args)
+    g = fxtools.grad(f, *args, argnums=(0, 1, 2), dynamic_shapes=auto)
+    assert "broadcast_tensors([" not in g.code, g.code
+    torch.testing.assert_close(g(*args), torch.func.grad(f, argnums=(0, 1, 2))(*args))

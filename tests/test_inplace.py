@@ -551,3 +551,36 @@ def test_reads_around_kept_mutation_are_not_merged():
     x, c = _x(3), torch.zeros(3, dtype=torch.int64)
     gx = fxtools.grad(read_int_buffer_around_mutation, x, c.clone(), argnums=0)(x, c.clone())
     torch.testing.assert_close(gx, torch.ones(3, dtype=D))
+
+
+def write_repeated_rows(x, w, idx):
+    h = x * 3
+    h[idx] += w * x[1]  # idx repeats a row: the value written there twice is kept once
+    return h.sin()
+
+
+@pytest.mark.parametrize("idx", [[0, 2, 0], [1, 1, 1, 3], [2, 0]], ids=str)
+def test_forward_mode_and_hessian_of_a_write_to_repeated_indices(idx):
+    """``h[idx] += v`` with ``idx`` repeating an index: PyTorch's gradient gives each repeated value
+    the gradient of the one element it was written to (its convention, which ``grad`` follows), so
+    transposing that VJP counted the element's tangent twice: jvp, jacfwd and hessian were silently
+    wrong. Forward mode and the second pass of ``hessian`` use the adjoint (the "adjoint" rule set):
+    the JVP against torch.func.jvp and central finite differences (the mathematics), the Hessian
+    against torch.func.hessian (jacfwd of jacrev: the derivative of PyTorch's gradient)."""
+    x, w, i = _x(4, 3), _x(3, seed=1), torch.tensor(idx)
+    tx, tw = _x(4, 3, seed=2), _x(3, seed=3)
+    out, tangent = fxtools.jvp(write_repeated_rows, x, w, i, argnums=(0, 1))(x, w, i, tx, tw)
+    _, want = torch.func.jvp(lambda a, b: write_repeated_rows(a, b, i), (x, w), (tx, tw))
+    torch.testing.assert_close(tangent, want)
+    eps = 1e-6
+    fd = (write_repeated_rows(x + eps * tx, w + eps * tw, i) - write_repeated_rows(x - eps * tx, w - eps * tw, i)) / (2 * eps)
+    torch.testing.assert_close(tangent, fd, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, write_repeated_rows(x, w, i))
+
+    def loss(a, b, k):
+        return write_repeated_rows(a, b, k).pow(2).sum()
+
+    g = fxtools.grad(loss, x, w, i, argnums=(0, 1))(x, w, i)
+    torch.testing.assert_close(g, torch.func.grad(loss, argnums=(0, 1))(x, w, i))  # PyTorch's convention
+    h = fxtools.hessian(loss, x, w, i, argnums=(0, 1))(x, w, i)
+    torch.testing.assert_close(h, torch.func.hessian(loss, argnums=(0, 1))(x, w, i))

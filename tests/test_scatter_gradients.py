@@ -155,17 +155,19 @@ def _writes(idx):
 
 @pytest.mark.parametrize("op", ["index_put", "scatter"])
 def test_jvp_of_writes_to_indices_and_its_convention_at_repeats(op):
-    """Distinct indices: fxtools' jvp is torch.func.jvp's. Repeated ones (which write wins is
-    undefined in PyTorch, docs/security.md): the transpose of autograd's backward, <J t, u> =
-    <t, J^T u> with J^T u from torch.autograd, float64."""
+    """fxtools' jvp is torch.func.jvp's, at distinct and at repeated indices (the tangent of the
+    write that won: forward mode transposes the adjoint, the "adjoint" rule set). Its grad is
+    autograd's, which gives each repeated write the gradient (PyTorch's convention): with distinct
+    indices the two are each other's transpose, <J t, u> = <t, J^T u>, float64."""
     g = torch.Generator().manual_seed(7)
     for idx in (torch.tensor([1, 3, 0, 4]), torch.tensor([1, 3, 1, 0])):
         f = _writes(idx)[op]
         x, v, tx, tv, u = (torch.rand(n, dtype=torch.float64, generator=g) for n in (5, 4, 5, 4, 5))
         out, tangent = fxtools.jvp(f, x, v)(x, v, tx, tv)[:2]
         torch.testing.assert_close(out, f(x, v), rtol=1e-12, atol=1e-12)
-        if len(set(idx.tolist())) == len(idx):
-            torch.testing.assert_close(tangent, torch.func.jvp(f, (x, v), (tx, tv))[1], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(tangent, torch.func.jvp(f, (x, v), (tx, tv))[1], rtol=1e-12, atol=1e-12)
         xr, vr = x.clone().requires_grad_(), v.clone().requires_grad_()
         gx, gv = torch.autograd.grad(f(xr, vr), (xr, vr), u)
-        torch.testing.assert_close((tangent * u).sum(), (gx * tx).sum() + (gv * tv).sum(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(fxtools.vjp(f, x, v)(x, v, u)[1], (gx, gv), rtol=1e-12, atol=1e-12)
+        if len(set(idx.tolist())) == len(idx):
+            torch.testing.assert_close((tangent * u).sum(), (gx * tx).sum() + (gv * tv).sum(), rtol=1e-12, atol=1e-12)

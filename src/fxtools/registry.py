@@ -320,7 +320,8 @@ def rule_set(rules="readable"):
     """Use another rule set while transforms are traced: ``with fxtools.rule_set("fused"): ...``.
 
     ``rules`` is a name from ``rule_sets()`` (``"readable"``, the default set; ``"fused"``, rules
-    whose backwards call PyTorch's fused backward kernels), ``None`` (keep the current set), or a
+    whose backwards call PyTorch's fused backward kernels; ``"adjoint"``, the adjoint of the forward
+    where PyTorch's gradient is not it: forward mode's), ``None`` (keep the current set), or a
     dict ``{op: (fwd, bwd)}`` of rules overriding the readable ones. Graphs already made are
     unaffected; the setting is per thread (and per asyncio task).
     """

@@ -306,6 +306,8 @@ def _python_call(target, params, pairs, schema):
                 return None
         kwargs[name] = value
     order = list(params)
+    if params[order[0]].kind is inspect.Parameter.VAR_POSITIONAL:  # torch.broadcast_tensors(*tensors): the list spread
+        return ("call_function", target, tuple(pairs[0][1]), kwargs) if isinstance(pairs[0][1], (list, tuple)) else None
     args = [pairs[0][1]]
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     for name in list(kwargs):

@@ -21,8 +21,8 @@ from .common import is_tensor, known_equal, same_shape, unbroadcast
 aten = torch.ops.aten
 
 
-def vjp_rule(op, complex="convention"):
-    return _vjp_rule(op, complex=complex)
+def vjp_rule(op, complex="convention", rule_set=None):
+    return _vjp_rule(op, complex=complex, rule_set=rule_set)
 
 
 def _diff(t) -> bool:
@@ -324,17 +324,35 @@ def index(ct, out, x, indices):
     return aten.index_put.default(_zeros(x), indices, ct, True), None
 
 
-@vjp_rule(aten.index_put)
-def index_put(ct, out, x, indices, values, accumulate=False):
+def _outside(ct, indices, accumulate):
+    """``ct`` where ``index_put`` keeps its input: all of it when it adds, else but where it writes."""
     one = _one_index(indices)
     if accumulate:
-        g = ct
-    elif one is not None and one[1].dim() == 1:
-        g = ct.index_fill(one[0], one[1], 0)
-    else:
-        g = aten.index_put.default(ct, indices, ct.new_zeros(()))
+        return ct
+    if one is not None and one[1].dim() == 1:
+        return ct.index_fill(one[0], one[1], 0)
+    return aten.index_put.default(ct, indices, ct.new_zeros(()))
+
+
+@vjp_rule(aten.index_put)
+def index_put(ct, out, x, indices, values, accumulate=False):
     picked = aten.index.Tensor(ct, indices)  # ct[indices]: a 0-dim index is not read as a number
-    return g, None, _sum_to(picked, values.shape)
+    return _outside(ct, indices, accumulate), None, _sum_to(picked, values.shape)
+
+
+@vjp_rule(aten.index_put, rule_set="adjoint")
+def index_put_adjoint(ct, out, x, indices, values, accumulate=False):
+    """The adjoint of ``index_put``: where indices repeat, only the value the forward keeps there
+    (the one written last) has a gradient. PyTorch's gradient, ``index_put``'s above, gives one to
+    every value written to the element. Forward mode transposes this rule (``transforms/tangents.py``):
+    the JVP of ``h[i] += v`` with ``i = [0, 2, 0]`` is then the forward's own, as torch.func.jvp's."""
+    if accumulate or all(i is None or i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return index_put(ct, out, x, indices, values, accumulate)  # no index repeats
+    picked = aten.index.Tensor(ct, indices)
+    order = torch.arange(picked.numel(), device=ct.device).view(picked.shape)
+    written = aten.index_put.default(torch.full_like(x, -1, dtype=torch.long), indices, order)
+    kept = aten.index.Tensor(written, indices) == order  # the writes that won
+    return _outside(ct, indices, accumulate), None, _sum_to(torch.where(kept, picked, 0), values.shape)
 
 
 def _sum_to(g, shape):
@@ -379,6 +397,15 @@ def gather(ct, out, x, dim, index, sparse_grad=False):
 @vjp_rule(aten.scatter.src)
 def scatter_src(ct, out, x, dim, index, src):
     return ct.scatter(dim, index, 0), None, None, ct.gather(dim, index)
+
+
+@vjp_rule(aten.scatter.src, rule_set="adjoint")
+def scatter_src_adjoint(ct, out, x, dim, index, src):
+    """The adjoint of ``scatter``: where ``index`` repeats an element, only the write that won has
+    a gradient (see ``index_put_adjoint``)."""
+    order = torch.arange(index.numel(), device=index.device).view(index.shape)
+    kept = torch.full_like(x, -1, dtype=torch.long).scatter(dim, index, order).gather(dim, index) == order
+    return ct.scatter(dim, index, 0), None, None, torch.where(kept, ct.gather(dim, index), 0)
 
 
 @vjp_rule(aten.scatter.value)

@@ -60,7 +60,9 @@ def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
     of the differentiated arguments, wherever PyTorch's gradient is the derivative of ``f``.
     Where it deliberately is not (``embedding`` skips its padding row, a value computed inside
     ``torch.no_grad()`` is a constant, which forward AD ignores), the two orders of
-    differentiation differ, and this equals torch.func's reverse over reverse.
+    differentiation differ, and this equals torch.func's reverse over reverse. The second pass
+    differentiates the gradient's code with the "adjoint" rule set (docs/rules.md): ``index_put``
+    with repeated indices is differentiated as the forward computes it, as torch.func.jvp does.
     """
     from .vjp import grad
 
@@ -75,6 +77,9 @@ def hvp(f, *args, argnums=0, dynamic_shapes=None) -> fx.GraphModule:
         namer = NodeNamer(g, getattr(g, "guards", None))  # the second pass keeps the first's names
         cap, wrt = prepare(namer, args, nums, dynamic_shapes, made_by=HVP)
         namer.apply(cap.gm)
+    # the second pass differentiates the gradient's code: with each op's adjoint where PyTorch's
+    # gradient is not one (the "adjoint" set: index_put's repeated indices), as forward mode does
+    with rule_set("adjoint"):
         rev = reverse(cap.gm, ReverseSpec(wrt, "cotangent"))
         flat, ct_index = rev.gm, rev.ct_index
     n_out = len(cap.out_leaves)

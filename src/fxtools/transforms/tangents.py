@@ -132,9 +132,10 @@ def jvp_graph(gm: fx.GraphModule, wrt: list[bool], order: list[int], n_main: int
     replaced by zeros (nothing depends on them). Outputs after the first ``n_main`` get no tangent.
     """
     _true_adjoints(gm)
-    # The readable rules, as for hvp: the VJP is differentiated again, and fused backward kernels
-    # are first-order only (CPU flash attention's backward has no derivative).
-    with registry.rule_set("readable"):
+    # The readable rules, as for hvp (the VJP is differentiated again, and fused backward kernels
+    # are first-order only: CPU flash attention's backward has no derivative), with the adjoint of
+    # the forward where PyTorch's gradient is not it (the "adjoint" set: index_put's repeated indices).
+    with registry.rule_set("adjoint"):
         rev = reverse(gm, ReverseSpec(wrt, "cotangent"))
     vjp_flat, ct_index = rev.gm, rev.ct_index
     simplify(vjp_flat)
