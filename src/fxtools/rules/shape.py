@@ -258,7 +258,8 @@ def slice_(ct, out, x, dim=0, start=None, end=None, step=1):
     picked = range(x.shape[dim])[slice(start, end, step)]
     if step == 1 and len(picked):
         return _pad_dim(ct, dim, picked.start, x.shape[dim] - picked.stop)
-    return torch.slice_scatter(_zeros(x), ct, dim, picked.start, picked.stop, step)
+    stop = None if picked.stop >= x.shape[dim] else picked.stop  # to the end: no bound written
+    return torch.slice_scatter(_zeros(x), ct, dim, picked.start, stop, step)
 
 
 # The writes functionalisation makes of ``x[a:b] = v``, ``x[i] = v`` and ``x.diagonal().copy_(v)``:
