@@ -953,12 +953,18 @@ class _Functionalizer:
         self.latest[st] = self.write_back(node, value, target)
         if meta.WRITES.on(node) and self.latest[st] in self.b.made:  # h[0] = v: the new h, h_1
             self.latest[st]._rename(identifier(meta.WRITES.get(node)))
-        if meta.WRITES.on(node) and value is not self.latest[st] and value in self.b.made:  # h[0] *= 2: h_mul
-            value._rename(identifier(f"{meta.WRITES.get(node)}_{short_op(value)}"))
+        if value is not self.latest[st]:
+            self.name_step(node, value)  # h[0] *= 2: h_mul
         self.version[st] += 1
         self.aliases[node] = _Alias(st, info.parent, info.step, self.version[st])
         self.repl[node] = value
         self.to_erase.append(node)
+
+    def name_step(self, node: fx.Node, made) -> None:
+        """A value computed here for the in-place statement ``node`` is named after the variable the
+        statement writes and its op (``h_mul``, ``h_slice_scatter``), not after the op alone."""
+        if meta.WRITES.on(node) and made in self.b.made:
+            made._rename(identifier(f"{meta.WRITES.get(node)}_{short_op(made)}"))
 
     def same_memory(self, a, b) -> bool:
         """Whether the tensors ``a`` and ``b`` are the same elements of one storage, laid out alike."""
@@ -1001,8 +1007,7 @@ class _Functionalizer:
             a = self.aliases[cur]
             parent = a.parent
             child = a.step.scatter(self.b, self.current(parent), child, _val(parent), _val(cur), node)
-            if meta.WRITES.on(node) and child in self.b.made:  # h[1:, ::2] = v: h_slice_scatter, then h_1
-                child._rename(identifier(f"{meta.WRITES.get(node)}_{short_op(child)}"))
+            self.name_step(node, child)  # h[1:, ::2] = v: h_slice_scatter, then h_1
             cur = parent
         if self.aliases[cur].step is not None:
             raise _error(node, "it modifies a tensor with an alias (view) fxtools cannot follow")
