@@ -228,7 +228,8 @@ def test_programs_are_reproducible_and_varied():
     """The same index gives the same program and inputs; the vocabulary is actually used."""
     a, b = fuzz_programs.program(3, SEED), fuzz_programs.program(3, SEED)
     assert a.source == b.source and all(torch.equal(x, y) for x, y in zip(a.args, b.args))
-    text = "\n".join(fuzz_programs.program(i, SEED).source for i in range(200))
+    # 400 programs: in 200, a word drawn about once in 80 programs is missing for some seeds (63: relu)
+    text = "\n".join(fuzz_programs.program(i, SEED).source for i in range(400))
     for word in (
         "@",
         "F.softmax",
