@@ -735,12 +735,62 @@ def forward_grad_modes(gm: fx.GraphModule) -> None:
     """Make ``gm``'s grad-mode switches those of forward-mode AD, for transforms that compute
     ``torch.func.jvp``'s tangents (``jvp``, ``jacfwd``, ``linearize``): tangents flow through
     ``no_grad`` blocks and stop in inference mode and where ``fwAD._set_fwd_grad_enabled(False)``
-    turned forward AD off, as in PyTorch."""
+    turned forward AD off, as in PyTorch. The blocks read parameters detached first
+    (``detach_parameters_in_no_grad``): what they write stays as untracked as in eager."""
+    detach_parameters_in_no_grad(gm)
     state = True
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             state = meta.FORWARD_GRAD.get(node, state)
             node.args = (state,)
+
+
+def detach_parameters_in_no_grad(gm: fx.GraphModule, drop_switches: bool = False) -> None:
+    """Make ``gm``'s ``torch.no_grad()`` blocks read detached the values computed from tensors
+    requiring grad the program closes over (a module's parameters) alone, where they enter.
+
+    For transforms whose graph, or whose generated code, runs such a block with grad mode on
+    (forward mode lets tangents through ``no_grad``; ``vmap``'s code has no ``no_grad`` block): what
+    the block computes and writes in place (an average of the weights, a vector
+    ``F.normalize(..., out=)`` updates, a weight clipped) is then as untracked as in eager, when
+    fxtools traces it and when the code runs. No tangent reaches a closed-over tensor, so the
+    tangents are unchanged; values depending on an input are left alone (their tangents flow).
+    ``drop_switches``: then remove the grad-mode switches (``vmap``'s batched graph holds none)."""
+    off = False
+    detached: dict[fx.Node, fx.Node] = {}
+    from_input: set[fx.Node] = set()  # depends on an input
+    from_parameter: set[fx.Node] = set()  # depends on a closed-over tensor requiring grad
+    inside: set[fx.Node] = set()  # computed inside a no_grad block
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            off = not node.args[0]
+            if drop_switches:
+                gm.graph.erase_node(node)
+            continue
+        if node.op == "placeholder":
+            from_input.add(node)
+        elif node.op == "get_attr":
+            value = getattr(gm, str(node.target), None)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                from_parameter.add(node)
+        if node.op != "call_function":
+            continue
+        if off:
+            inside.add(node)
+            for a in node.all_input_nodes:
+                if a in from_parameter and a not in from_input and a not in inside:
+                    if a not in detached:
+                        with gm.graph.inserting_after(a):
+                            detached[a] = gm.graph.call_function(torch.ops.aten.detach.default, (a,))
+                        detached[a].meta.update(a.meta)
+                    node.replace_input_with(a, detached[a])
+        inputs = node.all_input_nodes
+        if any(a in from_input for a in inputs):
+            from_input.add(node)
+        if any(a in from_parameter for a in inputs):
+            from_parameter.add(node)
+    if detached or drop_switches:
+        gm.recompile()
 
 
 def _hidden_tensor(obj, depth=0, seen=None) -> str | None:
@@ -909,7 +959,6 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
     holding an autocast region. Either way its ``no_grad`` blocks are noted (``_grad_mode_noted``)."""
     below = below or not pre_dispatch or getattr(f, "__fxtools_below_autograd__", False)
     below = below or bool(autocast_state())  # built inside a region: its casts become ops of the code
-    program_below = below and pre_dispatch  # the program itself (fxtools.vmap's batched capture is not)
     try:
         with (
             _custom_autograd_functions(pre_dispatch),
@@ -924,10 +973,10 @@ def _trace_program(f, flat_f, tensors: list, record_stack_traces: bool, pre_disp
             module_conversions(),
             _inference_mode_as_no_grad(),
             recording_modules(module_paths(f) if record_stack_traces else None),
-            _grad_mode_noted() if program_below else contextlib.nullcontext(),
+            _grad_mode_noted() if below else contextlib.nullcontext(),
         ):
             gm = trace_flat(flat_f, tensors, record_stack_traces=record_stack_traces, pre_dispatch=not below)
-        if program_below:
+        if below:
             _grad_mode_switches(gm)
         if not below and _autocast_inside(gm):
             return _trace_program(f, flat_f, tensors, record_stack_traces, pre_dispatch, below=True)

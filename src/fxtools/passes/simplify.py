@@ -516,13 +516,21 @@ def _double_negation(node, rw):
 
 
 def _detach(node, rw):
-    """``detach`` of a constant is the constant. Of a value computed from the inputs it stays: the
-    generated code's own derivative (``fxtools.hvp`` and ``hessian`` differentiate a gradient's code,
-    and so does autograd run over it) must see the value as a constant, as PyTorch does at every order."""
+    """``detach`` of a constant is the constant. Of a value computed from the inputs or from a
+    closed-over tensor that requires grad (a parameter) it stays: the generated code's own
+    derivative (``fxtools.hvp`` and ``hessian`` differentiate a gradient's code, and so does
+    autograd run over it) must see the value as a constant, as PyTorch does at every order."""
     x = node.args[0]
-    if isinstance(x, fx.Node) and any(a.op == "placeholder" for a in ancestors([x])):
+    if isinstance(x, fx.Node) and any(a.op == "placeholder" or _requires_grad(a) for a in ancestors([x])):
         return None
     return x
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    if node.op != "get_attr" or node.graph.owning_module is None:
+        return False
+    value = getattr(node.graph.owning_module, str(node.target), None)
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 _CONTIGUOUS_KERNELS = {aten.native_group_norm.default}
@@ -1014,10 +1022,11 @@ def cse(gm: fx.GraphModule, keys: dict | None = None) -> bool:
     for node, mutates in zip(nodes, mutating):
         if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             grad_enabled = bool(node.args[0])
-        if node in written:
+        if node in written and node.op != "get_attr":
             continue  # its value changes in place later: it is not interchangeable with a twin
-        if mutates:
-            seen.clear()  # a read after a mutation is not the same value as the read before it
+        if mutates:  # a read after a mutation is not the same value as the read before it; an
+            # attribute is the same tensor object, written in place or not
+            seen = {k: v for k, v in seen.items() if v.op == "get_attr"}
             continue
         if node.op not in ("call_function", "call_method", "get_attr"):
             continue

@@ -40,7 +40,7 @@ from .. import rules  # noqa: F401  (registers fxtools' own rules)
 from ..capture.decompose import expand
 from ..capture.functionalize import functionalize
 from ..capture.nested import out_of_place_views
-from ..capture.trace import Captured, capture, check_supported, check_views, realize_constants
+from ..capture.trace import Captured, capture, check_supported, check_views, detach_parameters_in_no_grad, realize_constants
 from ..codegen.assemble import assemble
 from ..codegen.render import render
 from ..codegen.show import remember_inputs
@@ -129,6 +129,7 @@ def front(
     if after_capture is not None:
         after_capture(cap.gm)
     if batched:
+        detach_parameters_in_no_grad(cap.gm, drop_switches=True)  # vmap's code has no no_grad block
         realize_constants(cap.gm)
         out_of_place_views(cap.gm)
         functionalize(cap.gm)

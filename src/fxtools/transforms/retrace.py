@@ -60,8 +60,18 @@ class Retracer:
         raise NotImplementedError
 
     def run_nodes(self) -> None:
-        for node in self.captured.graph.nodes:
-            getattr(self, node.op, self.unsupported)(node)
+        """Run the captured nodes in order. Its ``torch._C._set_grad_enabled`` nodes switch grad
+        mode as they did when the program ran, unrecorded (the transform writes what a ``no_grad``
+        region means itself), so that the ops in the region see what they saw in eager (an
+        ``out=`` call, a parameter written in place); the mode is restored after the last node."""
+        enabled = torch.is_grad_enabled()
+        try:
+            for node in self.captured.graph.nodes:
+                if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+                    _set_grad_enabled_unrecorded(bool(node.args[0]))
+                getattr(self, node.op, self.unsupported)(node)
+        finally:
+            _set_grad_enabled_unrecorded(enabled)
 
     def placeholder(self, node: fx.Node) -> None:
         pass  # bound to the template's inputs
@@ -91,6 +101,11 @@ class Retracer:
             if is_data_dependent(exc):
                 raise data_dependent_error(exc, self.current) from exc
             raise
+
+
+def _set_grad_enabled_unrecorded(mode: bool) -> None:
+    with torch._C.DisableTorchFunction():  # make_fx's pre-dispatch mode records the call otherwise
+        torch._C._set_grad_enabled(mode)
 
 
 def example_mode(vals):

@@ -16,6 +16,7 @@ what the resulting graph contains. Cotangent nodes are named ``grad_<value>``.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,19 +124,36 @@ def _carrying_cotangents(captured: fx.GraphModule, placeholders, out_nodes, wrt)
     return {n for n in need if n in reach or n in wrt_nodes}
 
 
-def _cut_by_no_grad(captured: fx.GraphModule, need: set[fx.Node]) -> set[fx.Node]:
-    """The floating values computed from a differentiated input inside a ``torch.no_grad()`` region,
-    and those computed from them alone: they carry no cotangent. Where a differentiated value uses
-    one, the generated code detaches it, so that code's own derivative (``fxtools.hvp``,
-    ``hessian``, autograd run over it) sees a constant too, as PyTorch does at every order."""
+def _no_grad_values(captured: fx.GraphModule) -> tuple[set[fx.Node], set[fx.Node]]:
+    """``(cut, tracked)``: how ``torch.no_grad()`` regions show in code that has none.
+
+    ``tracked``: the floating values autograd may track when the generated code runs: its
+    floating inputs, the tensors it closes over that require grad (a module's parameters), and
+    what differentiable ops outside ``no_grad`` compute from them. ``cut``: the floating values an
+    op inside a ``no_grad`` region computes from tracked or cut values. An op outside the region
+    and an in-place write read a cut value detached, and a write inside the region a tracked one
+    too (an ``out=`` call or a parameter clipped in place), so that the code's own derivative
+    (``fxtools.hvp``, ``hessian``, autograd run over it, to a differentiated input or a closed-over
+    parameter) sees constants there, as PyTorch does at every order."""
+    tracked: set[fx.Node] = set()
+    for node in captured.graph.nodes:
+        if node.op == "placeholder" and is_float(node.meta.get("val")):
+            tracked.add(node)
+        elif node.op == "get_attr":
+            value = getattr(captured, str(node.target), None)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                tracked.add(node)
     cut: set[fx.Node] = set()
     for node, grad_enabled in calls_with_grad_mode(captured.graph):
-        if node in need or not any(is_float(v) for v in pytree.tree_leaves(node.meta.get("val"))):
+        if not any(is_float(v) for v in pytree.tree_leaves(node.meta.get("val"))):
             continue
         inputs = node.all_input_nodes
-        if any(a in cut for a in inputs) or (not grad_enabled and any(a in need for a in inputs)):
+        if grad_enabled:
+            if not registry.is_nondifferentiable(node.target) and any(a in tracked for a in inputs):
+                tracked.add(node)
+        elif not is_mutating(node) and any(a in tracked or a in cut for a in inputs):
             cut.add(node)
-    return cut
+    return cut, tracked
 
 
 class _Transposer(Retracer):
@@ -153,7 +171,8 @@ class _Transposer(Retracer):
         super().__init__(captured)
         self.spec = spec
         self.need = _carrying_cotangents(captured, self.placeholders, self.out_nodes, spec.wrt)
-        self.cut = _cut_by_no_grad(captured, self.need)
+        self.cut, self.tracked = _no_grad_values(captured)
+        self.no_grad = {n for n, grad_enabled in calls_with_grad_mode(captured.graph) if not grad_enabled}
         self.ct_index = [i for i, o in enumerate(self.out_nodes) if isinstance(o, fx.Node) and o in self.need]
         if spec.seed == "ones" and len(self.ct_index) > 1:
             raise ValueError("grad needs a function with one scalar tensor output; use vjp for more")
@@ -195,10 +214,17 @@ class _Transposer(Retracer):
         self.current = node
         if node.target is torch._C._set_grad_enabled:
             return
-        # a kept in-place write (a buffer updated under no_grad) reads cut values detached too: code
-        # that differentiates the generated code again (hvp, autograd over it) sees no gradient there
-        value = self.constant_for_gradients if node in self.need or is_mutating(node) else self.env.__getitem__
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+        value: Callable[[fx.Node], Any] = self.env.__getitem__
+        if node not in self.no_grad or is_mutating(node):
+            value = self.untracked_in_place if node in self.no_grad else self.constant_for_gradients
+        read: dict[int, Any] = {}  # the tensor passed -> the value it stands for
+
+        def reading(a: fx.Node):
+            passed = value(a)
+            read[id(passed)] = self.env[a]
+            return passed
+
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), reading)
         # With ``fx.traceback.preserve_node_meta()`` on (fxtools.split), the traced nodes
         # inherit the op's stack trace and markers; otherwise this is a no-op.
         with fx_traceback.set_current_meta(node), _value_owner(self.namer, node):
@@ -208,17 +234,30 @@ class _Transposer(Retracer):
                 rule = self.rules[node]
                 self.env[node], aux = self.memo.call(rule.fwd, *args, **kwargs)
                 self.tape.append((node, rule, aux))
+        if is_mutating(node):  # it returns the tensor it wrote: later reads see the one not detached
+            self.env[node] = read.get(id(self.env[node]), self.env[node])
         _name_value(self.namer, self.env[node], node)
         if node in self.dynamic:
             tie(self.env[node], node.meta["val"])
 
     def constant_for_gradients(self, node: fx.Node):
-        """``node``'s value, detached if a ``no_grad`` region cut it off the gradient (``_cut_by_no_grad``)."""
+        """``node``'s value, detached if a ``no_grad`` region cut it off the gradient (``_no_grad_values``)."""
+        return self.detached(node) if node in self.cut else self.env[node]
+
+    def untracked_in_place(self, node: fx.Node):
+        """``node``'s value as an in-place write under ``no_grad`` reads it: detached if autograd may
+        track it (``out=`` refuses such arguments, a parameter refuses an in-place write)."""
+        return self.detached(node) if node in self.cut or node in self.tracked else self.env[node]
+
+    def detached(self, node: fx.Node):
         value = self.env[node]
-        if node not in self.cut or not isinstance(value, torch.Tensor) or node.target is aten.detach.default:
+        if not isinstance(value, torch.Tensor) or node.target is aten.detach.default:
             return value
         detached = self.memo.call(aten.detach.default, value)
-        self.namer.hand_over(value, detached)
+        if node.op == "get_attr":  # a parameter keeps its own name: ``w_detach``
+            self.namer(detached, f"{node.name}_detach")
+        else:
+            self.namer.hand_over(value, detached)
         return detached
 
     # -- backward
@@ -283,7 +322,7 @@ class _Transposer(Retracer):
     # -- results
 
     def outputs(self) -> list:
-        return [self.env[o] if isinstance(o, fx.Node) else o for o in self.out_nodes]
+        return [self.constant_for_gradients(o) if isinstance(o, fx.Node) else o for o in self.out_nodes]
 
     def gradients(self) -> list:
         """One gradient per differentiated input: zeros for a floating-point one no cotangent reached."""
