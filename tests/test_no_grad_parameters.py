@@ -199,3 +199,21 @@ def test_jvp_hvp_and_vmap_equal_eager_and_keep_parameters_leaves(name):
         for a, b in zip(_state(model), _state(eager)):
             _close(a, b, f"{kind}: parameters and buffers")
         assert all(p.is_leaf for p in model.parameters()), f"{kind} left a parameter tracked by autograd"
+
+
+def test_autograd_over_vmap_code_sees_a_no_grad_block_of_the_inputs_as_constant():
+    """vmap's code has no ``no_grad`` block: the values entering one are read detached, so autograd
+    run over the batched code equals autograd over ``torch.func.vmap`` of the program."""
+
+    def f(x):
+        with torch.no_grad():
+            s = x.abs().amax(-1, keepdim=True)
+        return torch.sin(x) / s
+
+    x = torch.randn(6, 4, dtype=D)
+    batched = fxtools.vmap(f, x)
+    xr, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (got,) = torch.autograd.grad(batched(xr).pow(2).sum(), xr)
+    (want,) = torch.autograd.grad(torch.func.vmap(f)(xe).pow(2).sum(), xe)
+    _close(got, want, "gradient through the batched code")
+    assert "x_detach = torch.detach(x)" in [line.strip() for line in batched.code.splitlines()], batched.code

@@ -44,7 +44,7 @@ from ..errors import (
 from ..graph import meta
 from ..graph.data_dependent import CountsFromExamples
 from ..graph.fakes import cache_key_parts, detached, from_cache_entry
-from ..graph.nodes import is_view_refusal, view_strides
+from ..graph.nodes import is_float, is_view_refusal, view_strides
 from ..signature.naming import arg_names, leaf_names
 from ..signature.runtime import autocast_state
 from ..signature.sizes import TracedSizes
@@ -755,7 +755,8 @@ def detach_parameters_in_no_grad(gm: fx.GraphModule, drop_switches: bool = False
     ``F.normalize(..., out=)`` updates, a weight clipped) is then as untracked as in eager, when
     fxtools traces it and when the code runs. No tangent reaches a closed-over tensor, so the
     tangents are unchanged; values depending on an input are left alone (their tangents flow).
-    ``drop_switches``: then remove the grad-mode switches (``vmap``'s batched graph holds none)."""
+    ``drop_switches`` (``vmap``, whose batched graph holds no switches, and has no tangents): the
+    values computed from the inputs enter detached too, and the switches are removed."""
     off = False
     detached: dict[fx.Node, fx.Node] = {}
     from_input: set[fx.Node] = set()  # depends on an input
@@ -778,11 +779,17 @@ def detach_parameters_in_no_grad(gm: fx.GraphModule, drop_switches: bool = False
         if off:
             inside.add(node)
             for a in node.all_input_nodes:
-                if a in from_parameter and a not in from_input and a not in inside:
+                if drop_switches:
+                    tracked = a in from_input or a in from_parameter
+                else:
+                    tracked = a in from_parameter and a not in from_input
+                value = getattr(gm, str(a.target), None) if a.op == "get_attr" else a.meta.get("val")
+                if tracked and a not in inside and is_float(value):
                     if a not in detached:
                         with gm.graph.inserting_after(a):
                             detached[a] = gm.graph.call_function(torch.ops.aten.detach.default, (a,))
                         detached[a].meta.update(a.meta)
+                        detached[a]._rename(f"{a.name}_detach")
                     node.replace_input_with(a, detached[a])
         inputs = node.all_input_nodes
         if any(a in from_input for a in inputs):
