@@ -44,7 +44,7 @@ from ..errors import (
 from ..graph import meta
 from ..graph.data_dependent import CountsFromExamples
 from ..graph.fakes import cache_key_parts, detached, from_cache_entry
-from ..graph.nodes import is_float, is_view_refusal, view_strides
+from ..graph.nodes import is_float, is_view_refusal, reads_tracked_tensor, view_strides
 from ..signature.naming import arg_names, leaf_names
 from ..signature.runtime import autocast_state
 from ..signature.sizes import TracedSizes
@@ -770,10 +770,8 @@ def detach_parameters_in_no_grad(gm: fx.GraphModule, drop_switches: bool = False
             continue
         if node.op == "placeholder":
             from_input.add(node)
-        elif node.op == "get_attr":
-            value = getattr(gm, str(node.target), None)
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                from_parameter.add(node)
+        elif reads_tracked_tensor(node, gm):
+            from_parameter.add(node)
         if node.op != "call_function":
             continue
         if off:

@@ -145,6 +145,16 @@ def is_input_leaf(n: fx.Node) -> bool:
     )
 
 
+def reads_tracked_tensor(node: fx.Node, module: torch.nn.Module | None = None) -> bool:
+    """Whether ``node`` reads a tensor the code closes over that autograd tracks (a ``get_attr`` of
+    a parameter, or of any tensor that requires grad) from ``module`` (the graph's own by default)."""
+    module = node.graph.owning_module if module is None else module
+    if node.op != "get_attr" or module is None:
+        return False
+    value = getattr(module, str(node.target), None)
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
 def has_generic_name(node: fx.Node) -> bool:
     """The node is named after its op (``mm_2``, or an intermediate ``scores_mm``): a better name may replace it.
 

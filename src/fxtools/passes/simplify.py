@@ -58,6 +58,7 @@ from ..graph.nodes import (
     has_generic_name,
     is_impure,
     is_input_leaf,
+    reads_tracked_tensor,
 )
 from .subgraphs import drop_unused_subgraphs, subgraphs
 
@@ -521,16 +522,9 @@ def _detach(node, rw):
     derivative (``fxtools.hvp`` and ``hessian`` differentiate a gradient's code, and so does
     autograd run over it) must see the value as a constant, as PyTorch does at every order."""
     x = node.args[0]
-    if isinstance(x, fx.Node) and any(a.op == "placeholder" or _requires_grad(a) for a in ancestors([x])):
+    if isinstance(x, fx.Node) and any(a.op == "placeholder" or reads_tracked_tensor(a) for a in ancestors([x])):
         return None
     return x
-
-
-def _requires_grad(node: fx.Node) -> bool:
-    if node.op != "get_attr" or node.graph.owning_module is None:
-        return False
-    value = getattr(node.graph.owning_module, str(node.target), None)
-    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 _CONTIGUOUS_KERNELS = {aten.native_group_norm.default}

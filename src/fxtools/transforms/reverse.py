@@ -30,7 +30,7 @@ from ..capture.functionalize import is_mutating
 from ..errors import MissingRuleError, RuleRefusal, user_line_of
 from ..graph import meta
 from ..graph.data_dependent import dynamic_nodes, tie
-from ..graph.nodes import ancestors, calls_with_grad_mode, is_float
+from ..graph.nodes import ancestors, calls_with_grad_mode, is_float, reads_tracked_tensor
 from ..registry import differentiable_nodes
 from .replay import Memo
 from .retrace import Namer, Retracer, copy_constants
@@ -139,10 +139,8 @@ def _no_grad_values(captured: fx.GraphModule) -> tuple[set[fx.Node], set[fx.Node
     for node in captured.graph.nodes:
         if node.op == "placeholder" and is_float(node.meta.get("val")):
             tracked.add(node)
-        elif node.op == "get_attr":
-            value = getattr(captured, str(node.target), None)
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                tracked.add(node)
+        elif reads_tracked_tensor(node, captured):
+            tracked.add(node)
     cut: set[fx.Node] = set()
     for node, grad_enabled in calls_with_grad_mode(captured.graph):
         if not any(is_float(v) for v in pytree.tree_leaves(node.meta.get("val"))):
