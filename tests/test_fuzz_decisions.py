@@ -55,16 +55,27 @@ def groups():
     return [list(range(k, min(k + GROUP, N))) for k in range(0, N, GROUP)]
 
 
+def _extra(chunk):
+    """Programs after the chunk's, beyond ``N`` and private to it: checked until a symbolic
+    module serves new sizes exactly (about one program in five does; a chunk of 12 has none at
+    some seeds, 0.8 ** 12 = 7%)."""
+    return range(N + chunk[0] * 4, N + chunk[0] * 4 + 4 * GROUP)
+
+
 @pytest.mark.parametrize("chunk", groups(), ids=lambda c: f"{c[0]}-{c[-1]}")
 def test_decisions_exact_or_refused(chunk):
     failures, tally = [], {}
-    for i in chunk:
+    checked = 0
+    for i in [*chunk, *_extra(chunk)]:
+        if checked >= len(chunk) and tally.get("symbolic resized exact", 0):
+            break
+        checked += 1
         p = decision_program(i, SEED)
         try:
             check_program(p, torch.Generator().manual_seed(i), tally)
         except Exception as exc:  # noqa: BLE001 - every failing program is reported
             failures.append(f"- index {i}: {type(exc).__name__}: {str(exc).strip()[:400]}\n{p}")
-    assert not failures, f"{len(failures)} of {len(chunk)} programs (FXTOOLS_FUZZ_SEED={SEED}):\n" + "\n".join(failures[:3])
+    assert not failures, f"{len(failures)} of {checked} programs (FXTOOLS_FUZZ_SEED={SEED}):\n" + "\n".join(failures[:3])
     # both outcomes are exercised: new sizes served exactly, and decisions refused
     assert tally.get("symbolic resized exact", 0) >= 1, tally
     assert sum(v for k, v in tally.items() if k.endswith("refused")) >= 1, tally
