@@ -15,6 +15,40 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # torch._inductor.config is first imported, which ``import torch`` does not do)
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+
+def _extract_test_fn_without_source():
+    """``torch.testing._internal.common_utils.extract_test_fn``, walking the frames without
+    ``inspect.stack()``: the same frames and the same answer (the test method of a
+    ``unittest.TestCase`` found on the stack, else None: always None under pytest's functions),
+    but no source line read for each frame, which under pytest (deep stacks, thousands of
+    modules for ``inspect.getmodule`` to scan) made every ``OpInfo.sample_inputs`` call cost
+    30-70 ms, twice (measured: 15 s of the first ``test_taylor_points`` test on each worker)."""
+    import unittest
+
+    frame = sys._getframe(1)
+    try:
+        while frame is not None:
+            self_val = frame.f_locals.get("self")
+            if isinstance(self_val, unittest.TestCase):
+                *_, cls_name, test_name = self_val.id().rsplit(".", 2)
+                if cls_name == type(self_val).__name__ and test_name.startswith("test"):
+                    return getattr(self_val, test_name).__func__
+            frame = frame.f_back
+    except Exception:  # noqa: BLE001 - as the original: no test function found
+        pass
+    return None
+
+
+def pytest_configure(config):
+    """In a process that runs tests (not pytest-xdist's controller, which would import the
+    OpInfo machinery, 2 s, for nothing): ``extract_test_fn`` without reading sources."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
+        from torch.testing._internal import common_utils
+        from torch.testing._internal.opinfo import core
+
+        common_utils.extract_test_fn = core.extract_test_fn = _extract_test_fn_without_source
+
+
 # Graphviz is optional for users (the scripts never install it system-wide); CI installs it, so
 # there a missing dot program fails the drawing tests instead of skipping them.
 needs_graphviz = pytest.mark.skipif(
