@@ -53,6 +53,30 @@ def test_every_entry_point_asks_for_example_inputs(name):
         getattr(fxtools, name)(_f)
 
 
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_examples_the_function_cannot_take_are_refused_naming_it(name):
+    """Python's bare TypeError from inside the trace ("<lambda>() takes 1 positional argument but
+    2 were given") becomes a CallError naming the function, its signature and the examples."""
+
+    def two(x, y):
+        return (x * y).sum()
+
+    with pytest.raises(CallError, match=rf"fxtools\.{name}: .*two\(x, y\) cannot take the 1 example argument\(s\) given"):
+        getattr(fxtools, name)(two, torch.randn(3))
+    with pytest.raises(CallError, match=r"cannot take the 3 example argument\(s\) given \(too many positional"):
+        getattr(fxtools, name)(two, torch.randn(3), torch.randn(3), torch.randn(3))
+
+
+def test_torch_func_jvp_habit_is_answered_with_the_fxtools_call():
+    x = torch.randn(3)
+    with pytest.raises(CallError, match=r"gm = fxtools\.jvp\(f, \*primals\), then gm\(\*primals, \*tangents\) \(torch\.func"):
+        fxtools.jvp(lambda x: x.sin(), (x,), (torch.ones_like(x),))
+    with pytest.raises(CallError, match=r"MLP\.forward\(x, y\) cannot take"):
+        fxtools.vjp(MLP(), torch.randn(5, 4))
+    gm = fxtools.jvp(lambda *xs: sum(v.sin() for v in xs), x, x)  # *args takes any number
+    torch.testing.assert_close(gm(x, x, x, x)[1], 2 * x.cos() * x)
+
+
 def test_the_missing_inputs_message_says_how_the_module_is_called():
     with pytest.raises(CallError, match=r"out, grads = gm\(x, grad_out\)"):
         fxtools.vjp(_f)

@@ -137,6 +137,11 @@ NOTE: Key[str] = Key("fxtools_note", "What a value holds, for Split.report (a sc
 OUT_EXAMPLE: Key[Any] = Key(
     "fxtools_out_example", "gm.meta: the program's output with FakeTensors (shapes and dtypes), for composed transforms."
 )
+AUX_SPEC: Key[Any] = Key(
+    "fxtools_aux_spec",
+    "gm.meta: the pytree structure of a has_aux function's auxiliary data (its own containers: an "
+    "Interpreter over the module returns fx's immutable ones), for composed transforms.",
+)
 BUILT_BY: Key[Any] = Key(
     "fxtools_built_by",
     "gm.meta: a transforms.pipeline.Built(front, back) saying which transform's shared front prepared the "

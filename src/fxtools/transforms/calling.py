@@ -223,6 +223,8 @@ def check_call(name: str, fn, args: tuple, kwargs: dict, *, loss: bool = False, 
             f"structure), so call gm = {name}(f, x), then {module_call(name, ['x'])}; "
             "torch.func takes the inputs later, fxtools when it builds the module"
         )
+    if examples:
+        _check_arity(name, fn, f, examples, kwargs)
     for i, a in enumerate(examples):
         if isinstance(a, (types.GeneratorType, map, filter)):
             raise CallError(
@@ -236,6 +238,41 @@ def check_call(name: str, fn, args: tuple, kwargs: dict, *, loss: bool = False, 
             f"parameters (what the fxtools CLI computes), call {name}(fxtools.functional(model), "
             "dict(model.named_parameters()), *inputs); with respect to the inputs, pass model.forward"
         )
+
+
+# where torch.func takes tuples of primals and tangents, fxtools takes the primals as examples
+_TANGENTS_LATER = {"fxtools.jvp", "fxtools.hvp", "fxtools.linearize", "fxtools.jet"}
+
+
+def _check_arity(name: str, fn, f, examples: tuple, kwargs: dict) -> None:
+    """The example arguments (and the keywords that go to ``f``) must be ones ``f`` can be called
+    with, else the trace would fail inside ``f`` with Python's bare TypeError. Not checked for
+    generated modules (their calls are checked by their guards) or what cannot be inspected."""
+    if isinstance(f, torch.fx.GraphModule):
+        return
+    if isinstance(f, torch.nn.Module) and (f._forward_pre_hooks or torch.nn.modules.module._global_forward_pre_hooks):
+        return  # a pre-hook may change the arguments forward receives
+    target = f.forward if isinstance(f, torch.nn.Module) else f
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return
+    options = inspect.signature(fn).parameters
+    own = {k: v for k, v in kwargs.items() if k not in options}
+    own.update(kwargs.get("example_kwargs") or {})
+    try:
+        signature.bind(*examples, **own)
+    except TypeError as exc:
+        what = getattr(target, "__qualname__", None) or type(f).__name__
+        hint = ""
+        if name in _TANGENTS_LATER:
+            hint = f"; the tangents are the module's inputs, not examples: gm = {name}(f, *primals), then gm(*primals, *tangents)"
+            if any(isinstance(a, (tuple, list)) for a in examples):
+                hint += f" (torch.func.{name.split('.')[-1]}(f, primals, tangents) takes them together)"
+        raise CallError(
+            f"{name}: {what}{signature} cannot take the {len(examples)} example argument(s) given ({exc}); "
+            f"the examples are f's own arguments, as f would be called: {name}(f, *args){hint}"
+        ) from None
 
 
 def _check_keywords(name: str, fn, f, kwargs: dict, keywords: bool) -> None:

@@ -99,6 +99,7 @@ def jvp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     roles = {len(args) + i: tangent_role(names[a]) for i, a in enumerate(nums)}
     gm = back(flat_gm, cap, build, JVP, Inputs(args, extra=tangent_examples, roles=roles), collapse_views=True)
     meta.OUT_EXAMPLE.set(gm, split.main(list(cap.out_leaves)))
+    meta.AUX_SPEC.set(gm, split.aux_spec)
     return gm
 
 

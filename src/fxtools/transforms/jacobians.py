@@ -157,8 +157,10 @@ def jacrev(f, *args, argnums=0, has_aux=False, chunk_size=None) -> fx.GraphModul
         basis = _basis(total, out_leaves, like)
         ct = pytree.tree_unflatten(basis, out_spec)
         _, grads, *aux = mapped(*a[:n_args], ct)
-        grad_leaves, grad_spec = pytree.tree_flatten(grads, is_leaf=lambda x: x is None)
-        in_leaves = pytree.tree_leaves(tuple(a[i] for i in nums), is_leaf=lambda x: x is None)
+        grad_leaves = pytree.tree_leaves(grads, is_leaf=lambda x: x is None)
+        # torch.func's structure: the arguments' own containers (the VJP's are fx's immutable ones)
+        differentiated = a[nums[0]] if isinstance(argnums, int) else tuple(a[i] for i in nums)
+        in_leaves, grad_spec = pytree.tree_flatten(differentiated, is_leaf=lambda x: x is None)
         per_out = []
         offset = 0
         for o in out_leaves:
@@ -172,7 +174,11 @@ def jacrev(f, *args, argnums=0, has_aux=False, chunk_size=None) -> fx.GraphModul
             ]
             per_out.append(pytree.tree_unflatten(blocks, grad_spec))
             offset += n
-        return (pytree.tree_unflatten(per_out, out_spec), *_plain(aux)) if has_aux else pytree.tree_unflatten(per_out, out_spec)
+        return (
+            (pytree.tree_unflatten(per_out, out_spec), *_own(aux, vjp_gm))
+            if has_aux
+            else pytree.tree_unflatten(per_out, out_spec)
+        )
 
     _sign(jacobian, namer, n_args)
     chunks = -(-total // chunk_size) if chunk_size is not None else None
@@ -235,23 +241,21 @@ def jacfwd(f, *args, argnums=0, has_aux=False, randomness="error", chunk_size=No
                 offset += x.numel()
             per_arg = pytree.tree_unflatten(blocks, in_spec)
             per_out.append(per_arg[0] if isinstance(argnums, int) else per_arg)
-        return (pytree.tree_unflatten(per_out, out_spec), *_plain(aux)) if has_aux else pytree.tree_unflatten(per_out, out_spec)
+        return (
+            (pytree.tree_unflatten(per_out, out_spec), *_own(aux, jvp_gm))
+            if has_aux
+            else pytree.tree_unflatten(per_out, out_spec)
+        )
 
     _sign(jacobian, namer, n_args)
     chunks = -(-total // chunk_size) if chunk_size is not None and randomness == "same" else None
     return trace_batched(jacobian, args, names_of=f, namer=namer, made_by=JACFWD, same_draws=chunks)
 
 
-def _plain(value):
-    """fx's immutable dicts and lists (what an Interpreter returns) as the dicts and lists the
-    module's own code returns."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple) and not hasattr(type(value), "_fields"):
-        return tuple(_plain(v) for v in value)
-    return value
+def _own(aux: list, gm: fx.GraphModule) -> list:
+    """``[aux]`` as an Interpreter over ``gm`` returned it, in the function's own containers
+    (``OrderedDict``, a dict inside a namedtuple), as torch.func returns aux."""
+    return [pytree.tree_unflatten(pytree.tree_leaves(a), meta.AUX_SPEC.get(gm)) for a in aux]
 
 
 LINEARIZE = Transform(
@@ -319,7 +323,7 @@ def _run_point(full: fx.GraphModule, dependent: set[fx.Node], inputs: tuple):
     cast(Any, full).guards.check(inputs)
     with torch.no_grad():  # the generated code runs without autograd, as every fxtools module
         out, _ = _Record(full).run(*inputs)
-    return _plain(out), values
+    return pytree.tree_unflatten(pytree.tree_leaves(out), pytree.tree_structure(meta.OUT_EXAMPLE.get(full))), values
 
 
 def _linear_part(graph: fx.Graph, tangent_ph: list[fx.Node], dependent: set[fx.Node], values: dict) -> fx.GraphModule:

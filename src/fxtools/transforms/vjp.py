@@ -142,6 +142,7 @@ def vjp(f, *args, argnums=None, has_aux=False, dynamic_shapes=None) -> fx.GraphM
     ct_name = single_cotangent_name(outs[0]) if len(outs) == 1 else "grad_out"
     gm = _finish(cap, flat_gm, args, build, VJP, extra_args=[(ct_name, ct_example)], guard_extra=[accepts])
     meta.OUT_EXAMPLE.set(gm, split.main(cap.out_leaves))
+    meta.AUX_SPEC.set(gm, split.aux_spec)
     return gm
 
 
