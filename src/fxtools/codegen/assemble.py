@@ -60,7 +60,9 @@ def returnable(graph: fx.Graph, value, where="the return value"):
     fx returns tuples, lists, plain dicts and namedtuples as they are, but turns dict subclasses
     (``OrderedDict``, transformers' ``ModelOutput``) into plain dicts and cannot spell dataclass
     instances in code; those are built by a call of their class with keyword arguments. Keys and
-    constants become plain literals (an error if they cannot); a dict whose keys or values fx
+    constants become plain literals (an error if they cannot); fx's immutable lists and dicts
+    (what an Interpreter over a generated module returns, in composed transforms) are written as
+    lists and dicts; a dict whose keys or values fx
     would print with ``repr`` although they are no literals (enum members) is built by ``dict``
     from its pairs, which fx prints element by element.
     """
@@ -70,6 +72,10 @@ def returnable(graph: fx.Graph, value, where="the return value"):
 
     if isinstance(value, fx.Node):
         return value
+    if type(value) is fx.immutable_collections.immutable_list:  # fx's own list, an Interpreter's result
+        value = list(value)
+    elif type(value) is fx.immutable_collections.immutable_dict:
+        value = dict(value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         items = [rebuild(v, f".{f}") for f, v in zip(value._fields, value)]
         return type(value)(*items) if repr_safe(items) else graph.call_function(type(value), tuple(items))
