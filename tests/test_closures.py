@@ -463,3 +463,73 @@ def test_values_of_a_closed_over_tensor_read_into_python_are_guarded():
             gm(x)
         tensor.copy_(old)
     close(gm(x), torch.func.grad(model.forward)(x))
+
+
+def _exact_or_refused(gm, f, x):
+    """``gm(x)`` equals torch.func's gradient of ``f`` as the state is now, or is refused: which one."""
+    try:
+        got = gm(x)
+    except fxtools.InputMismatch:
+        return "refused"
+    close(got, torch.func.grad(f)(x))
+    return "exact"
+
+
+def test_python_values_beside_tensors_in_a_closed_over_dict_or_list_are_guarded():
+    """A dict or list the program reads tensors from also holds the Python values it reads
+    (``state["scale"]``): a value changed was silently ignored (4.3 off), now refused, whether the
+    key is written in the code, held in a variable, read by ``.get`` or by ``f(**state)``; a key
+    the program never names may change freely (a step counter)."""
+    x = torch.randn(3)
+    state = {"w": torch.randn(3), "scale": 2.0, "step": 0}
+    key = "scale"
+    items = [torch.randn(3), 1.5]
+
+    def g(x, w, scale, step):
+        return (x * w * scale).sin().sum()
+
+    programs = {
+        "named": lambda x: (x * state["w"] * state["scale"]).sin().sum(),
+        "variable key": lambda x: (x * state["w"] * state[key]).sin().sum(),
+        "get": lambda x: (x * state["w"] * state.get("scale", 1.0)).sin().sum(),
+        "unpacked": lambda x: g(x, **state),
+        "list": lambda x: (x * items[0] * items[1]).sin().sum(),
+    }
+    for name, f in programs.items():
+        gm = fxtools.grad(f, x)
+        state["step"] += 1  # not named by the program (except when unpacked: every key is read)
+        assert _exact_or_refused(gm, f, x) == ("refused" if name == "unpacked" else "exact"), name
+        state["step"] = 0
+        state["scale"], items[1] = 3.0, 2.5
+        assert _exact_or_refused(gm, f, x) == "refused", name
+        state["w"], state["scale"], items[1] = torch.randn(3), 2.0, 1.5
+        assert _exact_or_refused(gm, f, x) == "exact", name  # a tensor is read again at each call
+
+
+class HoldsState(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.cfg = {"t": torch.randn(3), "s": 2.0}
+        self.cache = [torch.randn(3), 1.5]
+
+    def forward(self, x):
+        return (self.lin(x) * self.cfg["t"] * self.cfg["s"] * self.cache[0] * self.cache[1]).sin().sum()
+
+
+def test_a_modules_dicts_and_lists_of_tensors_are_read_at_each_call():
+    """Tensors a module holds in a dict or list attribute (not parameters or buffers) were read
+    from the object they were at build time: one replaced (``self.cfg["t"] = ...``) was ignored
+    (4.0 off). Now read again at each call, and the Python values beside them guarded;
+    ``fxtools.compile`` builds again instead."""
+    x = torch.randn(3)
+    m = HoldsState()
+    gm = fxtools.grad(m.forward, x)
+    step = fxtools.compile(m)
+    m.cfg["t"], m.cache[0] = torch.randn(3), torch.randn(3)
+    assert _exact_or_refused(gm, m.forward, x) == "exact"
+    m.cfg["s"] = 3.0
+    assert _exact_or_refused(gm, m.forward, x) == "refused"
+    xr = x.clone().requires_grad_()
+    step(xr).backward()
+    close(xr.grad, torch.func.grad(m.forward)(x))

@@ -27,6 +27,7 @@ from ..signature.closures import MISSING, Read, is_constant, reads_of, snapshot,
 from ..signature.naming import identifier
 from ..signature.runtime import same_value
 
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # _parameters, _modules, the hook tables
 _DEPTH = 64  # how deep the walk follows user functions called by name (each code object once)
 
 
@@ -55,6 +56,8 @@ def _loads(code):
         )
         if kind is not None and isinstance(ins.argval, str):
             yield kind, ins.argval, _line(code, getattr(getattr(ins, "positions", None), "lineno", None))
+        elif ins.opname in ("DICT_MERGE", "DICT_UPDATE") or (ins.opname == "CALL_FUNCTION_EX" and (ins.arg or 0) & 1):
+            yield "unpack", "**", _line(code, getattr(getattr(ins, "positions", None), "lineno", None))
     for const in code.co_consts:
         if inspect.iscode(const):
             yield from _loads(const)
@@ -282,6 +285,8 @@ class _Walk:
         for kind, name, where in _loads(code):
             if kind == "attr" or (kind == "string" and user):  # a string may name an attribute the code reads
                 self.attr_names.add(name)
+            elif kind == "unpack" and user:  # f(**state): every key of a dict may be read
+                self.attr_names.add(name)
             elif not user:
                 continue
             elif kind == "global" and name in globals_:
@@ -338,6 +343,8 @@ class _Walk:
             return
         elif is_constant(value):
             self.reads.append(Read(what, get, "value", value, where))
+            if isinstance(value, str) and value.isidentifier():  # k = "scale"; state[k]
+                self.attr_names.add(value)
         elif inspect.isfunction(value):
             self.reads.append(Read(what, get, "same", value, where))
             self.function(value, depth + 1)
@@ -425,10 +432,22 @@ class _Walk:
         else:
             slots = {name: get() for name, get in _slot_getters(obj).items()}
             for name, value in [*_attributes(obj).items(), *slots.items()]:
-                holder = type(value) in (list, tuple) and snapshot(value) is None  # of tensors or modules
+                holder = type(value) in (list, tuple, dict) and snapshot(value) is None  # of tensors or modules
                 if isinstance(value, (torch.Tensor, torch.nn.Module)) or holder:
                     get = functools.partial(getattr, obj, name, MISSING)
                     self.value(value, get, label + name, None, prefix + name, _DEPTH)
+
+    def _plain_items(self, obj, label) -> None:
+        """The Python values held by a dict or list the program reads tensors from."""
+        items = obj.items() if type(obj) is dict else enumerate(obj)
+        whole = self.attr_names & {"**", "items", "values"}  # f(**d), d.items(): every item
+        for key, value in list(items):
+            if type(obj) is dict and isinstance(key, str) and key not in self.attr_names and not whole:
+                continue
+            get = functools.partial(_get_item if type(obj) is dict else _list_item, obj, key)
+            read = _plain_read(f"{label[:-1]}[{key!r}]", get, value)
+            if read is not None:
+                self.reads.append(read)
 
     def _module(self, module, prefix, label) -> None:
         owners = [(module, label[:-1] or "the module")]
@@ -452,6 +471,11 @@ class _Walk:
                 if isinstance(t, torch.Tensor):
                     get = functools.partial(_get_item, table, name)
                     self.reads.append(Read(label + name, get, "tensor", t, None, identifier(prefix + name)))
+        attributes = vars(module)
+        for name, value in list(attributes.items()):  # self.cfg = {"w": tensor, "scale": 2.0}, self.cache = [tensor]
+            if name not in _MODULE_INTERNALS and type(value) in (list, tuple, dict) and snapshot(value) is None:
+                get = functools.partial(_get_item, attributes, name)
+                self.value(value, get, label + name, None, prefix + name, _DEPTH)
         for name, sub in module._modules.items():
             if sub is not None:
                 get = functools.partial(_get_item, module._modules, name)
@@ -460,9 +484,17 @@ class _Walk:
                 self.obj(sub, f"{prefix}{name}.", f"{label}{name}.")
 
     def values_of_objects(self) -> None:
-        """The Python values among the reached objects' attributes that some walked code names."""
+        """The Python values among the reached objects' attributes that some walked code names,
+        and among the items of the dicts and lists of tensors it reached (``state["scale"]``
+        beside ``state["w"]``: a dict's items under the keys walked code names, any key that is
+        not a string, and every item of a list)."""
         walked = [(obj, label, True) for obj, label in self.objects]
+        for obj, label, _ in walked:
+            if type(obj) in (dict, list):
+                self._plain_items(obj, label)
         for obj, label, own in walked + [(obj, label, False) for obj, label in self.compared]:
+            if type(obj) in (dict, list):
+                continue
             getters = {}
             if own:  # a compared object's own attributes are in its snapshot already
                 attributes = _attributes(obj)
@@ -477,6 +509,17 @@ class _Walk:
                     self.reads.append(Read(label + name, get, "value", value))
                 elif not callable(value) and snapshot(value) is not None:
                     self.reads.append(Read(label + name, get, "value", snapshot(value), mutable=True))
+
+
+def _plain_read(what: str, get, value) -> Read | None:
+    """A read of a Python value compared by value (a constant, or a snapshot of a plain
+    container), or None for what is read otherwise (tensors, modules, functions)."""
+    if isinstance(value, (torch.Tensor, torch.nn.Module)) or callable(value):
+        return None
+    if is_constant(value):
+        return Read(what, get, "value", value)
+    shot = snapshot(value)
+    return Read(what, get, "value", shot, mutable=True) if shot is not None else None
 
 
 def outside_reads(f, module_args=None) -> list[Read]:

@@ -253,6 +253,8 @@ def _check_arity(name: str, fn, f, examples: tuple, kwargs: dict) -> None:
     if isinstance(f, torch.nn.Module) and (f._forward_pre_hooks or torch.nn.modules.module._global_forward_pre_hooks):
         return  # a pre-hook may change the arguments forward receives
     target = f.forward if isinstance(f, torch.nn.Module) else f
+    if getattr(target, "__module__", None) and str(target.__module__).startswith("fxtools."):
+        return  # fxtools' own wrappers (keywords carried positionally): their callers check them
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):
