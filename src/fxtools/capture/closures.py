@@ -472,10 +472,15 @@ class _Walk:
                     get = functools.partial(_get_item, table, name)
                     self.reads.append(Read(label + name, get, "tensor", t, None, identifier(prefix + name)))
         attributes = vars(module)
+        own = {id(t) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None}
         for name, value in list(attributes.items()):  # self.cfg = {"w": tensor, "scale": 2.0}, self.cache = [tensor]
-            if name not in _MODULE_INTERNALS and type(value) in (list, tuple, dict) and snapshot(value) is None:
-                get = functools.partial(_get_item, attributes, name)
-                self.value(value, get, label + name, None, prefix + name, _DEPTH)
+            if name in _MODULE_INTERNALS or type(value) not in (list, tuple, dict) or snapshot(value) is not None:
+                continue
+            held = [t for t in (value.values() if type(value) is dict else value) if isinstance(t, torch.Tensor)]
+            if held and all(id(t) in own or isinstance(t, torch.nn.Parameter) for t in held):
+                continue  # parameters again (an RNN's _flat_weights, another module's): read as parameters
+            get = functools.partial(_get_item, attributes, name)
+            self.value(value, get, label + name, None, prefix + name, _DEPTH)
         for name, sub in module._modules.items():
             if sub is not None:
                 get = functools.partial(_get_item, module._modules, name)
