@@ -230,3 +230,22 @@ def test_a_build_leaves_the_garbage_collector_as_it_found_it():
     finally:
         (gc.enable if was else gc.disable)()
     torch.testing.assert_close(gm(x, v), torch.func.jvp(torch.func.grad(_f), (x,), (v,))[1])
+
+
+def test_a_decorator_that_supplies_an_argument_is_not_refused():
+    """``functools.wraps`` names the inner signature (x, scale); the wrapper takes x alone."""
+    import functools
+
+    def with_scale(f):
+        @functools.wraps(f)
+        def wrapper(x):
+            return f(x, 2.0)
+
+        return wrapper
+
+    @with_scale
+    def f(x, scale):
+        return (x * scale).sin().sum()
+
+    x = torch.randn(3)
+    torch.testing.assert_close(fxtools.grad(f, x)(x), 2.0 * (2.0 * x).cos())

@@ -247,7 +247,9 @@ _TANGENTS_LATER = {"fxtools.jvp", "fxtools.hvp", "fxtools.linearize", "fxtools.j
 def _check_arity(name: str, fn, f, examples: tuple, kwargs: dict) -> None:
     """The example arguments (and the keywords that go to ``f``) must be ones ``f`` can be called
     with, else the trace would fail inside ``f`` with Python's bare TypeError. Not checked for
-    generated modules (their calls are checked by their guards) or what cannot be inspected."""
+    generated modules (their calls are checked by their guards), what cannot be inspected, or
+    through a decorator's ``functools.wraps``: a wrapper may take other arguments than the
+    function it names (one that supplies an argument itself)."""
     if isinstance(f, torch.fx.GraphModule):
         return
     if isinstance(f, torch.nn.Module) and (f._forward_pre_hooks or torch.nn.modules.module._global_forward_pre_hooks):
@@ -255,8 +257,8 @@ def _check_arity(name: str, fn, f, examples: tuple, kwargs: dict) -> None:
     target = f.forward if isinstance(f, torch.nn.Module) else f
     if getattr(target, "__module__", None) and str(target.__module__).startswith("fxtools."):
         return  # fxtools' own wrappers (keywords carried positionally): their callers check them
-    try:
-        signature = inspect.signature(target)
+    try:  # a decorator's wrapper as it is (functools.wraps may name a signature it does not have)
+        signature = inspect.signature(target, follow_wrapped=False)
     except (TypeError, ValueError):
         return
     options = inspect.signature(fn).parameters
