@@ -533,3 +533,18 @@ def test_a_modules_dicts_and_lists_of_tensors_are_read_at_each_call():
     xr = x.clone().requires_grad_()
     step(xr).backward()
     close(xr.grad, torch.func.grad(m.forward)(x))
+
+
+def test_a_modules_list_of_tensors_its_code_never_names_may_change():
+    """A list attribute of tensors that ``forward`` never reads (a training loop's record kept on
+    the module) is not followed: replacing its tensors refuses no call, under compile either."""
+    m = HoldsState()
+    m.history = [torch.randn(3)]
+    x = torch.randn(3)
+    gm, step = fxtools.grad(m.forward, x), fxtools.compile(m)
+    for _ in range(2):
+        m.history[0] = torch.randn(3)
+        assert _exact_or_refused(gm, m.forward, x) == "exact"
+        xr = x.clone().requires_grad_()
+        step(xr).backward()
+        close(xr.grad, torch.func.grad(m.forward)(x))

@@ -231,6 +231,7 @@ class _Walk:
         self.global_hooks = False  # whether the hooks registered on every module are read
         self.method_owners: list = []  # (object, label, {name: function}): its methods in the user's files
         self.compared: list = []  # (object, label): plain objects compared by snapshot, whose class attributes are read too
+        self.held: list = []  # a module's dicts and lists of tensors: (name, value, getter, label, identifier)
 
     def root(self, f) -> None:
         if id(f) in self.seen:
@@ -480,7 +481,7 @@ class _Walk:
             if held and all(id(t) in own or isinstance(t, torch.nn.Parameter) for t in held):
                 continue  # parameters again (an RNN's _flat_weights, another module's): read as parameters
             get = functools.partial(_get_item, attributes, name)
-            self.value(value, get, label + name, None, prefix + name, _DEPTH)
+            self.held.append((name, value, get, label + name, prefix + name))  # followed if the code names it
         for name, sub in module._modules.items():
             if sub is not None:
                 get = functools.partial(_get_item, module._modules, name)
@@ -493,6 +494,9 @@ class _Walk:
         and among the items of the dicts and lists of tensors it reached (``state["scale"]``
         beside ``state["w"]``: a dict's items under the keys walked code names, any key that is
         not a string, and every item of a list)."""
+        for name, value, get, label, prefix in self.held:
+            if name in self.attr_names:
+                self.value(value, get, label, None, prefix, _DEPTH)
         walked = [(obj, label, True) for obj, label in self.objects]
         for obj, label, _ in walked:
             if type(obj) in (dict, list):
